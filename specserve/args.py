@@ -1,0 +1,93 @@
+"""ServerArgs: the single source of CLI flags, Engine keywords and their defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every engine setting. CLI flag `--foo-bar` is field `foo_bar`; Engine keywords use the same names."""
+
+    model_path: Optional[str] = field(default=None, metadata={"help": "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct"})
+    tokenizer_path: Optional[str] = field(default=None, metadata={"help": "tokenizer.json directory or GGUF file (default: from the model)"})
+    dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | auto (bfloat16 on CPU)", "choices": DTYPES})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    context_length: Optional[int] = field(default=None, metadata={"help": "override the model's context window"})
+    mem_fraction_static: float = field(default=0.1, metadata={"help": "fraction of memory for the KV pool (CPU: of total RAM)"})
+    max_total_tokens: Optional[int] = field(default=None, metadata={"help": "KV pool size in tokens (overrides --mem-fraction-static)"})
+    max_running_requests: int = field(default=64, metadata={"help": "most requests decoding at once"})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "most prompt tokens in one prefill step; <=0 disables chunking"})
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "most new tokens admitted into one prefill batch"})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": SCHEDULE_POLICIES})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
+    random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+    num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
+    log_level: str = field(default="warning", metadata={"help": "logging level"})
+
+    def __post_init__(self) -> None:
+        validate_server_args(self)
+
+    def replace(self, **changes: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(cls.field_names())}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=meta.get("help"))
+                continue
+            kind = _cli_type(f.type)
+            parser.add_argument(flag, type=kind, default=f.default, help=meta.get("help"), choices=meta.get("choices"))
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{name: getattr(ns, name) for name in cls.field_names()})
+
+
+def _cli_type(annotation: Any) -> type:
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def validate_server_args(args: ServerArgs) -> None:
+    """Raise ValueError naming the field and its allowed range."""
+    if args.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {args.dtype!r}")
+    if args.schedule_policy not in SCHEDULE_POLICIES:
+        raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
+    if not 0.0 < args.mem_fraction_static <= 0.95:
+        raise ValueError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
+    if args.max_total_tokens is not None and args.max_total_tokens < 16:
+        raise ValueError(f"max_total_tokens must be >= 16, got {args.max_total_tokens}")
+    if args.max_running_requests < 1:
+        raise ValueError(f"max_running_requests must be >= 1, got {args.max_running_requests}")
+    if args.max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be >= 1, got {args.max_prefill_tokens}")
+    if args.context_length is not None and args.context_length < 2:
+        raise ValueError(f"context_length must be >= 2, got {args.context_length}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {args.device!r}")

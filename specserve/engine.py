@@ -1,0 +1,184 @@
+"""Engine: offline generation on one process (scheduler, model runner and KV cache together)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import uuid
+from typing import Any, Optional, Union
+
+import torch
+
+from specserve.args import ServerArgs
+from specserve.io.detokenizer import IncrementalDetokenizer
+from specserve.io.tokenizer import Tokenizer, load_tokenizer
+from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
+from specserve.kv.radix_cache import RadixCache
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.loader import load_model, resolve_model_path
+from specserve.models.model_runner import ModelRunner
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.req import Req
+from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[str], None]
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def kv_pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
+    if args.max_total_tokens is not None:
+        return args.max_total_tokens
+    if args.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        budget = free * args.mem_fraction_static
+    else:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * args.mem_fraction_static
+    return max(16, int(budget // bytes_per_token))
+
+
+class Engine:
+    """Offline engine: `Engine(model_path=None, **server_args).generate(prompt, sampling_params=...)`."""
+
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        logging.basicConfig(level=self.args.log_level.upper())
+        if self.args.num_threads:
+            torch.set_num_threads(self.args.num_threads)
+        path = resolve_model_path(self.args.model_path)
+        loaded = load_model(path)
+        self.model_config = cfg = loaded.config
+        self.tokenizer: Tokenizer = load_tokenizer(self.args.tokenizer_path or path)
+        self.context_length = min(self.args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.dtype = resolve_dtype(self.args.dtype, self.args.device)
+        device = self.args.device
+        model = LlamaForCausalLM(cfg, self.dtype, max_positions=self.context_length).to(device)
+        model.load_weights(loaded.weights)
+        model.eval()
+        del loaded
+        size = kv_pool_tokens(self.args, KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype))
+        self.kv = KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, device)
+        self.allocator = TokenSlotAllocator(size)
+        self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, self.context_length, device)
+        self.tree = RadixCache(self.allocator.free, disabled=self.args.disable_radix_cache)
+        self.runner = ModelRunner(model, self.kv, self.req_to_token, device)
+        sched_cfg = SchedulerConfig(
+            context_length=self.context_length,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            max_running_requests=self.args.max_running_requests,
+            max_prefill_tokens=self.args.max_prefill_tokens,
+            chunked_prefill_size=self.args.chunked_prefill_size,
+            schedule_policy=self.args.schedule_policy,
+        )
+        self.scheduler = Scheduler(sched_cfg, self.runner, self.allocator, self.req_to_token, self.tree,
+                                   decode_text=self.tokenizer.decode)
+        self._seed_rng = random.Random(self.args.random_seed)
+        logger.info("engine ready: %s, %s, KV pool %d tokens", path, self.dtype, size)
+
+    # ------------------------------------------------------------ API
+
+    def generate(self, prompt: Prompt = None, input_ids: Optional[list] = None,
+                 sampling_params: Union[dict, list[dict], None] = None) -> Union[dict, list[dict]]:
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
+        single, token_lists = self._normalize_inputs(prompt, input_ids)
+        params = self._normalize_params(sampling_params, len(token_lists))
+        reqs = [self._make_req(ids, sp) for ids, sp in zip(token_lists, params)]
+        for req in reqs:  # validate everything before queueing anything
+            self.scheduler._validate(req)
+        done: dict[str, Req] = {}
+        for req in reqs:
+            early = self.scheduler.add_request(req)
+            if early is not None:
+                done[req.rid] = early
+        while len(done) < len(reqs):
+            result = self.scheduler.step()
+            for req in result.finished:
+                done[req.rid] = req
+            if not self.scheduler.has_work() and len(done) < len(reqs):
+                raise RuntimeError("engine: scheduler idle with unfinished requests")
+        outputs = [self._output(r) for r in reqs]
+        return outputs[0] if single else outputs
+
+    def shutdown(self) -> None:
+        self.scheduler = None
+        self.runner = None
+        self.kv = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------ helpers
+
+    def _normalize_inputs(self, prompt: Prompt, input_ids: Optional[list]) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("prompt/input_ids: give exactly one of them")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else prompt
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt: must be a string or a non-empty list of strings")
+            if any(t == "" for t in texts):
+                raise ValueError("prompt: must not be empty")
+            return single, [self.tokenizer.encode(t) for t in texts]
+        single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+        lists = [input_ids] if single else input_ids
+        if not isinstance(lists, list) or not lists:
+            raise ValueError("input_ids: must be a list of token ids or a non-empty list of such lists")
+        vocab = self.model_config.vocab_size
+        for ids in lists:
+            if not isinstance(ids, list) or not ids:
+                raise ValueError("input_ids: every prompt must be a non-empty list of token ids")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"input_ids: token ids must be integers in [0, {vocab})")
+        return single, [list(ids) for ids in lists]
+
+    def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != n:
+                raise ValueError(f"sampling_params: list of {len(sampling_params)} for {n} prompts")
+            params = [SamplingParams.from_dict(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.from_dict(sampling_params) for _ in range(n)]
+        for p in params:
+            p.validate(self.model_config.vocab_size)
+        return params
+
+    def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=seed)
+
+    def _output(self, req: Req) -> dict[str, Any]:
+        detok = IncrementalDetokenizer(self.tokenizer)
+        detok.add(req.output_ids)
+        text = detok.text + detok.flush()
+        if isinstance(req.matched_stop, str):
+            cut = text.find(req.matched_stop)
+            text = text[:cut] if cut >= 0 else text
+        return {
+            "text": text,
+            "output_ids": list(req.output_ids),
+            "meta_info": {
+                "id": req.rid,
+                "prompt_tokens": len(req.input_ids),
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
+                "finish_reason": _finish_reason(req),
+            },
+        }
+
+
+def _finish_reason(req: Req) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": req.finish_reason.value if req.finish_reason else None}
+    if req.matched_stop is not None:
+        out["matched"] = req.matched_stop
+    return out

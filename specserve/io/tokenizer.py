@@ -1,0 +1,153 @@
+"""Tokenizer: byte-level BPE from GGUF metadata or a tokenizer.json, plus the chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from specserve.io.chat_template import ChatTemplate
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# GPT-2's pre-tokenizer split, as used by byte-level BPE models.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts; one object for GGUF and Hugging Face models."""
+
+    def __init__(self, backend: HFTokenizer, eos_token_ids: Sequence[int], bos_token_id: Optional[int],
+                 chat_template: Optional[str], add_bos: bool = False):
+        self.backend = backend
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template = ChatTemplate(chat_template) if chat_template else None
+        self._special_ids = {t_id for t_id, tok in backend.get_added_tokens_decoder().items() if tok.special}
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.eos_token_ids[0]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int] | str:
+        """Render messages with the model's template; token ids by default, as transformers does."""
+        if self.chat_template is None:
+            raise ValueError("messages: this model has no chat template")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Tokenizer from a GGUF file or a directory holding tokenizer.json."""
+    if os.path.isdir(path):
+        return _from_hf_dir(path)
+    if path.endswith(".gguf"):
+        return _from_gguf(path)
+    raise ValueError(f"tokenizer_path: {path!r} is neither a .gguf file nor a directory with tokenizer.json")
+
+
+def _from_gguf(path: str) -> Tokenizer:
+    import gguf
+
+    from specserve.models.loader import gguf_field
+
+    reader = gguf.GGUFReader(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"tokenizer_path: GGUF tokenizer model {kind!r} is not supported (need byte-level BPE 'gpt2')")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    added = [AddedToken(tokens[i], special=types[i] == _TOKEN_CONTROL, normalized=False)
+             for i in range(len(tokens)) if types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
+    backend.add_tokens(added)
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    return Tokenizer(backend, eos_ids, None if bos is None else int(bos),
+                     gguf_field(reader, "tokenizer.chat_template"),
+                     add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)))
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        # SmolLM splits every digit off first, then applies the GPT-2 regex.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("default", "gpt2", "gpt-2"):
+        return byte_level
+    if pre == "llama-bpe":
+        llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    raise ValueError(f"tokenizer_path: GGUF pre-tokenizer {pre!r} is not supported")
+
+
+def _from_hf_dir(path: str) -> Tokenizer:
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        raise ValueError(f"tokenizer_path: {path!r} has no tokenizer.json")
+    backend = HFTokenizer.from_file(file)
+    tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+    gen_cfg = _read_json(os.path.join(path, "generation_config.json"))
+    model_cfg = _read_json(os.path.join(path, "config.json"))
+
+    def token_id(value) -> Optional[int]:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return backend.token_to_id(value) if isinstance(value, str) else None
+
+    eos_ids: list[int] = []
+    for source in (gen_cfg.get("eos_token_id"), model_cfg.get("eos_token_id")):
+        if isinstance(source, int):
+            eos_ids.append(source)
+        elif isinstance(source, list):
+            eos_ids.extend(int(x) for x in source)
+    tok_eos = token_id(tok_cfg.get("eos_token"))
+    if tok_eos is not None:
+        eos_ids.append(tok_eos)
+    if not eos_ids:
+        raise ValueError(f"tokenizer_path: {path!r} names no eos token")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    return Tokenizer(backend, eos_ids, token_id(tok_cfg.get("bos_token")), template,
+                     add_bos=bool(tok_cfg.get("add_bos_token", False)))
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,84 @@
+"""KV memory: request slots, token slots and the per-layer K/V tensors.
+
+Token slot 0 is reserved as a scratch slot: padded rows of a batch write their K/V there and
+padded attention columns read it, so no real slot is ever touched by padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenSlotAllocator:
+    """Free list over token slots 1..size (slot 0 is the scratch slot)."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"max_total_tokens: KV pool must hold at least 1 token, got {size}")
+        self.size = size
+        self._free: list[int] = list(range(1, size + 1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n fresh slots, or None when fewer are free (the caller evicts or retracts)."""
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return taken
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+
+    def check_no_duplicates(self) -> None:
+        if len(set(self._free)) != len(self._free):
+            raise AssertionError("allocator: a token slot is on the free list twice (double free)")
+
+
+class ReqToTokenPool:
+    """Table request slot -> token slots of its KV, read by attention to gather K/V."""
+
+    def __init__(self, max_reqs: int, max_context: int, device: str = "cpu"):
+        self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
+        self.max_context = max_context
+        self._free = list(range(max_reqs - 1, -1, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, idx: int) -> None:
+        self._free.append(idx)
+
+    def write(self, idx: int, start: int, slots: list[int]) -> None:
+        if slots:
+            self.table[idx, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int64)
+
+    def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """One slot per (row, col): the decode step's single new token per request."""
+        self.table[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(slots, dtype=torch.int64)
+
+
+class KVPool:
+    """Per-layer K and V tensors [size + 1, kv_heads, head_dim]; row 0 is the scratch slot."""
+
+    def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str = "cpu"):
+        shape = (size + 1, kv_heads, head_dim)
+        # Zeroed, not empty: masked attention multiplies padded columns by 0 and 0 * NaN is NaN.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.size = size
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v

@@ -1,0 +1,72 @@
+"""Paged attention in PyTorch: gather each request's K/V through its token-slot table.
+
+One batch may mix requests with different numbers of new tokens (prefill after a cached
+prefix, decode, or a speculative verify window). Queries are padded to [bs, max_q] and keys to
+[bs, max_kv]; a boolean mask gives each request causal access to its own prefix and new rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Index tensors shared by every layer of one forward pass."""
+
+    q_gather: torch.Tensor | None  # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when max_q == 1
+    out_scatter: torch.Tensor | None  # [T] row of the padded [bs*max_q] output for each flat token
+    kv_slots: torch.Tensor  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
+    mask: torch.Tensor  # [bs, 1, max_q, max_kv] True where attention is allowed
+    bs: int
+    max_q: int
+
+    @classmethod
+    def build(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
+              extend_lens: list[int], device: str = "cpu") -> "AttentionMetadata":
+        bs = len(seq_lens)
+        max_q, max_kv = max(extend_lens), max(seq_lens)
+        rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
+        seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        ext = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+        cols = torch.arange(max_kv, device=device)
+        kv_valid = cols.unsqueeze(0) < seq.unsqueeze(1)
+        kv_slots = req_to_token[rows, :max_kv].masked_fill(~kv_valid, 0)
+        # Query row i of request b sits at absolute position prefix_b + i and sees columns <= it.
+        q_pos = (seq - ext).unsqueeze(1) + torch.arange(max_q, device=device).unsqueeze(0)
+        mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
+        q_valid = torch.arange(max_q, device=device).unsqueeze(0) < ext.unsqueeze(1)
+        # Padded query rows attend to column 0 only, so their softmax stays finite.
+        mask = mask & q_valid.unsqueeze(-1) | (~q_valid.unsqueeze(-1) & (cols.view(1, 1, -1) == 0))
+        q_gather = out_scatter = None
+        if max_q > 1:
+            total = int(ext.sum())
+            starts = torch.cumsum(ext, 0) - ext
+            flat = starts.unsqueeze(1) + torch.arange(max_q, device=device).unsqueeze(0)
+            q_gather = torch.where(q_valid, flat, torch.full_like(flat, total))
+            out_scatter = (torch.arange(bs, device=device).unsqueeze(1) * max_q
+                           + torch.arange(max_q, device=device).unsqueeze(0))[q_valid]
+        return cls(q_gather, out_scatter, kv_slots, mask.unsqueeze(1), bs, max_q)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
+    heads, dim = q.shape[1], q.shape[2]
+    if meta.q_gather is None:
+        qp = q.view(meta.bs, 1, heads, dim)
+    else:
+        qp = torch.cat([q, q.new_zeros(1, heads, dim)])[meta.q_gather]
+    k = k_pool[meta.kv_slots]  # [bs, max_kv, KVH, D]
+    v = v_pool[meta.kv_slots]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=meta.mask, scale=scale, enable_gqa=True,
+    )  # [bs, H, max_q, D]
+    out = out.transpose(1, 2)
+    if meta.out_scatter is None:
+        return out.reshape(-1, heads, dim)
+    return out.reshape(-1, heads, dim)[meta.out_scatter]

@@ -1,0 +1,20 @@
+"""ForwardBatch: the tensors one model forward pass reads (no scheduler state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.models.attention import AttentionMetadata
+
+
+@dataclass
+class ForwardBatch:
+    """Flat new tokens of every request in the batch, and where their K/V go."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] token slots receiving this step's K/V
+    attn: AttentionMetadata
+    logit_rows: torch.Tensor  # rows of the flat batch whose logits are wanted

@@ -1,0 +1,163 @@
+"""Building blocks of the decoder: RMSNorm, RoPE and linear layers ready for tensor parallelism.
+
+Column-parallel layers shard output features, row-parallel layers shard input features and
+all-reduce their partial sums; with tp_size == 1 they are plain linears. Each layer takes the
+full unsharded weight in `load()` and keeps only its own shard, so the loader stays TP-agnostic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """This process's place in a tensor-parallel group (size 1 means no parallelism)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def shard(self, full: int) -> tuple[int, int]:
+        if full % self.size:
+            raise ValueError(f"tp_size: {full} is not divisible by tp_size={self.size}")
+        part = full // self.size
+        return self.rank * part, part
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the reference models do."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D] -> rotated, same dtype."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T with W's output rows split across ranks; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext, dtype: torch.dtype):
+        self.out_sizes = [tp.shard(n)[1] for n in out_sizes]
+        super().__init__(in_features, sum(self.out_sizes), bias, tp, dtype)
+
+    def load(self, weights: list[torch.Tensor], biases: Optional[list[torch.Tensor]] = None) -> None:
+        """Take full weights of each fused part (e.g. q, k, v) and keep this rank's rows of each."""
+        self.weight.data.copy_(torch.cat([self._rows(w) for w in weights]))
+        if self.bias is not None and biases is not None:
+            self.bias.data.copy_(torch.cat([self._rows(b) for b in biases]))
+
+    def _rows(self, w: torch.Tensor) -> torch.Tensor:
+        start, part = self.tp.shard(w.shape[0])
+        return w[start:start + part]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype):
+        super().__init__(tp.shard(in_features)[1], out_features, bias, tp, dtype)
+
+    def load(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        start, part = self.tp.shard(weight.shape[1])
+        self.weight.data.copy_(weight[:, start:start + part])
+        if self.bias is not None and bias is not None:
+            self.bias.data.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Bias is added once, after the reduction, so it is not counted tp_size times.
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across ranks; lookups are all-reduced."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.start, part = tp.shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(part, dim, dtype=dtype), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(weight[self.start:self.start + self.weight.shape[0]])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Module):
+    """LM head with vocabulary rows split across ranks; logits are gathered to full width in float32."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        _, part = tp.shard(vocab_size)
+        self.start = tp.rank * part
+        self.weight = nn.Parameter(torch.empty(part, dim, dtype=dtype), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(weight[self.start:self.start + self.weight.shape[0]])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight).float()
+        if self.tp.size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
+        torch.distributed.all_gather(parts, logits, group=self.tp.group)
+        return torch.cat(parts, dim=-1)

@@ -1,0 +1,105 @@
+"""A llama-family decoder (llama, qwen2, SmolLM) over the paged KV pool."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.kv.pool import KVPool
+from specserve.models.attention import paged_attention
+from specserve.models.config import ModelConfig
+from specserve.models.forward_batch import ForwardBatch
+from specserve.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                                     RowParallelLinear, TPContext, VocabParallelEmbedding)
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention: fused column-parallel QKV, RoPE, paged attention, row-parallel output."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = tp.shard(cfg.num_heads)[1]
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads)[1]
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype)
+
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, rope: RotaryEmbedding, kv: KVPool) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(fb.positions, q, k)
+        kv.write(self.layer_id, fb.out_cache_loc, k, v)
+        out = paged_attention(q, kv.k[self.layer_id], kv.v[self.layer_id], fb.attn, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: fused column-parallel gate/up, row-parallel down."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype)
+
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, rope: RotaryEmbedding, kv: KVPool) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), fb, rope, kv)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The target model. forward() writes K/V for the batch's new tokens and returns float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext = TPContext(), max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        hidden = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, fb, self.rope, kv)
+        hidden = self.norm(hidden[fb.logit_rows])
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard."""
+        w = weights
+        self.embed_tokens.load(w["model.embed_tokens.weight"])
+        self.lm_head.load(w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+        self.norm.weight.data.copy_(w["model.norm.weight"])
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            names = ("q_proj", "k_proj", "v_proj")
+            biases = [w[f"{p}self_attn.{n}.bias"] for n in names] if attn.qkv_proj.bias is not None else None
+            attn.qkv_proj.load([w[f"{p}self_attn.{n}.weight"] for n in names], biases)
+            attn.o_proj.load(w[f"{p}self_attn.o_proj.weight"])
+            layer.mlp.gate_up_proj.load([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
+            layer.mlp.down_proj.load(w[f"{p}mlp.down_proj.weight"])
+            layer.input_layernorm.weight.data.copy_(w[f"{p}input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.data.copy_(w[f"{p}post_attention_layernorm.weight"])

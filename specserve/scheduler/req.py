@@ -1,0 +1,55 @@
+"""Req: one generation request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from specserve.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context window
+    ABORT = "abort"
+
+
+@dataclass
+class Req:
+    """A request's tokens, its KV slots and where it stands.
+
+    KV bookkeeping: `kv_slots[i]` holds the KV of `fill_ids[i]` for i < kv_len. The first
+    `cache_protected_len` slots belong to the radix tree (locked through `last_node`); the rest
+    are owned by this request until it finishes or is retracted.
+    """
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: Optional[int] = None
+    kv_slots: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    cache_protected_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    finish_reason: Optional[FinishReason] = None
+    matched_stop: Optional[str | int] = None
+    num_retractions: int = 0
+    admitted_once: bool = False
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV the request needs before its next decode step."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))

@@ -1,0 +1,344 @@
+"""Scheduler: continuous batching over a paged KV cache, in pure Python.
+
+Each step is either one prefill batch (new requests, after their cached prefixes, chunked to
+`chunked_prefill_size`) or one decode batch (every running request advances one token). It
+never touches the model: a runner turns a ScheduleBatch into next tokens, which keeps the whole
+policy testable with a fake runner.
+
+Memory pressure: admission reserves an estimate of each request's future decode tokens
+(`new_token_ratio` of its remaining budget); if decode still runs out of slots, unlocked cache
+is evicted first, then the most recently admitted requests are retracted: their computed KV goes
+into the prefix cache and they are requeued, resuming where they stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
+from specserve.kv.radix_cache import RadixCache
+from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.policy import order_waiting
+from specserve.scheduler.req import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+# Admission never plans for more than this many future tokens of one request.
+CLIP_MAX_NEW_TOKENS = 4096
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class BatchRunner(Protocol):
+    """What the scheduler needs of a model: next token per request (None where none is sampled)."""
+
+    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int]]: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduling knobs (a subset of ServerArgs plus model facts)."""
+
+    context_length: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "fcfs"
+
+
+@dataclass
+class StepResult:
+    """What one step produced: (request, new token) pairs and the requests that finished."""
+
+    tokens: list[tuple[Req, int]] = field(default_factory=list)
+    finished: list[Req] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and all KV bookkeeping."""
+
+    def __init__(self, cfg: SchedulerConfig, runner: BatchRunner, allocator: TokenSlotAllocator,
+                 req_to_token: ReqToTokenPool, tree: RadixCache,
+                 decode_text: Optional[Callable[[list[int]], str]] = None):
+        self.cfg = cfg
+        self.runner = runner
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.tree = tree
+        self.decode_text = decode_text
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._arrivals = 0
+        self.num_retractions = 0
+
+    # ------------------------------------------------------------ requests in and out
+
+    def add_request(self, req: Req) -> Optional[Req]:
+        """Queue a request; returns it at once if it needs no step (max_new_tokens == 0)."""
+        self._validate(req)
+        room = self.cfg.context_length - len(req.input_ids)
+        req.params.max_new_tokens = min(req.params.max_new_tokens, room)
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        if req.params.max_new_tokens == 0:
+            req.finish_reason = FinishReason.LENGTH
+            return req
+        self.waiting.append(req)
+        return None
+
+    def _validate(self, req: Req) -> None:
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if n >= self.cfg.context_length:
+            raise ValueError(f"prompt: {n} tokens do not fit the context window of {self.cfg.context_length} "
+                             "(need prompt_tokens < context_length)")
+        need = n + min(req.params.max_new_tokens, self.cfg.context_length - n)
+        if need > self.allocator.size:
+            raise ValueError(f"prompt: {n} tokens + max_new_tokens need {need} KV slots but the pool holds "
+                             f"{self.allocator.size} (raise max_total_tokens or lower max_new_tokens)")
+
+    def abort(self, rid: str) -> Optional[Req]:
+        """Stop a request wherever it is; its KV is released exactly once."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return self._finish(req, FinishReason.ABORT)
+        for req in list(self.running) + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                else:
+                    self.running.remove(req)
+                self._release(req)
+                return self._finish(req, FinishReason.ABORT)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> StepResult:
+        batch = self.schedule()
+        if batch is None:
+            return StepResult()
+        tokens = self.runner.run_batch(batch)
+        return self.process_result(batch, tokens)
+
+    def schedule(self) -> Optional[ScheduleBatch]:
+        """Next batch: a prefill when anything can be admitted, else a decode of all running requests."""
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        if self.running:
+            return self._schedule_decode()
+        return None
+
+    def process_result(self, batch: ScheduleBatch, tokens: Sequence[Optional[int]]) -> StepResult:
+        result = StepResult()
+        for req, n, sampled, token in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
+            req.kv_len += n
+            if req.finished:  # aborted while its step was in flight
+                continue
+            if not sampled:
+                self.chunked_req = req
+                continue
+            req.output_ids.append(int(token))
+            result.tokens.append((req, int(token)))
+            reason = self._check_finish(req)
+            if batch.mode == "extend":
+                self.running.append(req)
+            if reason is not None:
+                self.running.remove(req)
+                self._release(req)
+                result.finished.append(self._finish(req, reason))
+        if batch.mode == "decode":
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return result
+
+    # ------------------------------------------------------------ prefill
+
+    def _schedule_prefill(self) -> Optional[ScheduleBatch]:
+        budget = self.cfg.max_prefill_tokens
+        chunk_cap = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else 1 << 62
+        planned = self._reserved_for_running()  # slots promised to running requests and to this plan
+        plan: list[tuple[Req, int]] = []
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            n = min(len(req.fill_ids) - req.kv_len, chunk_cap, budget)
+            plan.append((req, n))
+            budget -= n
+            planned += n
+        for req in order_waiting(self.waiting, self.cfg.schedule_policy, self.tree):
+            if budget <= 0 or any(n < len(r.fill_ids) - r.kv_len for r, n in plan):
+                break  # one chunked request at a time, and it ends the batch
+            if len(self.running) + len(plan) >= self.cfg.max_running_requests or self.req_to_token.available == 0:
+                break
+            n = self._try_admit(req, min(chunk_cap, budget), planned)
+            if n is None:
+                break  # no skipping ahead: a large request is not starved by smaller ones behind it
+            self.waiting.remove(req)
+            plan.append((req, n))
+            budget -= n
+            planned += len(req.fill_ids) - req.kv_len + self._reserve(req)
+        if not plan:
+            return None
+        return self._build_extend(plan)
+
+    def _try_admit(self, req: Req, max_tokens: int, planned: int) -> Optional[int]:
+        """Lock req's cached prefix and give it a request slot if it fits; returns tokens to compute now."""
+        fill = req.fill_ids
+        prefix_slots, node = self.tree.match_prefix(fill[:-1])  # always recompute at least one token
+        self.tree.inc_lock_ref(node)  # now unevictable, so _available() no longer counts it
+        need = len(fill) - len(prefix_slots) + self._reserve(req)
+        if need > self._available() - planned:
+            self.tree.dec_lock_ref(node)
+            return None
+        req.req_pool_idx = self.req_to_token.alloc()
+        req.kv_slots = list(prefix_slots)
+        req.kv_len = req.cache_protected_len = len(prefix_slots)
+        req.last_node = node
+        if not req.admitted_once:
+            req.cached_tokens = len(prefix_slots)
+            req.admitted_once = True
+        self.req_to_token.write(req.req_pool_idx, 0, prefix_slots)
+        return min(len(fill) - len(prefix_slots), max_tokens)
+
+    def _build_extend(self, plan: list[tuple[Req, int]]) -> ScheduleBatch:
+        slots = self._alloc_or_retract(sum(n for _, n in plan))
+        batch = ScheduleBatch("extend", [], [], [], [], [], [])
+        offset = 0
+        for req, n in plan:
+            own = slots[offset:offset + n]
+            offset += n
+            self.req_to_token.write(req.req_pool_idx, req.kv_len, own)
+            req.kv_slots.extend(own)
+            batch.reqs.append(req)
+            batch.prefix_lens.append(req.kv_len)
+            batch.extend_lens.append(n)
+            batch.input_ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
+            batch.out_cache_loc.extend(own)
+            batch.sample.append(req.kv_len + n == len(req.fill_ids))
+        return batch
+
+    # ------------------------------------------------------------ decode
+
+    def _schedule_decode(self) -> ScheduleBatch:
+        slots = self._alloc_or_retract(None)
+        reqs = list(self.running)
+        batch = ScheduleBatch("decode", reqs, [r.kv_len for r in reqs], [1] * len(reqs),
+                              [r.output_ids[-1] for r in reqs], slots, [True] * len(reqs))
+        self.req_to_token.write_many([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
+        for req, slot in zip(reqs, slots):
+            req.kv_slots.append(slot)
+        return batch
+
+    def _alloc_or_retract(self, n: Optional[int]) -> list[int]:
+        """Allocate n slots (None: one per running request), evicting cache, then retracting requests."""
+        while True:
+            want = len(self.running) if n is None else n
+            slots = self._alloc_slots(want)
+            if slots is not None:
+                return slots
+            # A decode needs at least one request left to run; a prefill can retract every running one.
+            if len(self.running) <= (1 if n is None else 0):
+                raise RuntimeError(f"scheduler: {want} KV slots needed, {self._available()} available, nothing "
+                                   "left to retract (admission should have prevented this)")
+            self._retract_one()
+
+    def _retract_one(self) -> None:
+        victim = max(self.running, key=lambda r: r.arrival)
+        self.running.remove(victim)
+        self._release(victim)
+        victim.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.append(victim)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.info("retracted request %s under memory pressure", victim.rid)
+
+    # ------------------------------------------------------------ memory
+
+    def _available(self) -> int:
+        return self.allocator.available + self.tree.evictable_size
+
+    def _reserve(self, req: Req) -> int:
+        return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    def _reserved_for_running(self) -> int:
+        return sum(self._reserve(r) for r in self.running)
+
+    def _alloc_slots(self, n: int) -> Optional[list[int]]:
+        short = n - self.allocator.available
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.alloc(n)
+
+    def _release(self, req: Req) -> None:
+        """Hand a request's KV to the prefix cache (or free it) and drop its locks, exactly once."""
+        if req.req_pool_idx is None:
+            return
+        computed = req.kv_len
+        self.allocator.free(req.kv_slots[computed:])  # allocated but never computed
+        if self.tree.disabled:
+            self.allocator.free(req.kv_slots[req.cache_protected_len:computed])
+        else:
+            cached = self.tree.insert(req.fill_ids[:computed], req.kv_slots[:computed])
+            self.allocator.free(req.kv_slots[req.cache_protected_len:cached])
+        self.tree.dec_lock_ref(req.last_node)
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_slots, req.last_node, req.cache_protected_len, req.kv_len = None, [], None, 0, 0
+
+    # ------------------------------------------------------------ finishing
+
+    def _check_finish(self, req: Req) -> Optional[FinishReason]:
+        token, params = req.output_ids[-1], req.params
+        if not params.ignore_eos and token in self.cfg.eos_token_ids:
+            req.matched_stop = token
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            req.matched_stop = token
+            return FinishReason.STOP
+        if params.stop and self.decode_text is not None:
+            longest = max(len(s) for s in params.stop)
+            tail = self.decode_text(req.output_ids[-(4 * longest + 4):])
+            for s in params.stop:
+                if s in tail:
+                    req.matched_stop = s
+                    return FinishReason.STOP
+        if len(req.output_ids) >= params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _finish(req: Req, reason: FinishReason) -> Req:
+        req.finish_reason = reason
+        return req
+
+    # ------------------------------------------------------------ integrity
+
+    def live_requests(self) -> list[Req]:
+        return list(self.running) + ([self.chunked_req] if self.chunked_req else [])
+
+    def check_integrity(self) -> None:
+        """free + cached + in use == total, no slot counted twice, and locks balanced when idle."""
+        self.allocator.check_no_duplicates()
+        owned = [s for r in self.live_requests() for s in r.kv_slots[r.cache_protected_len:]]
+        cached = self.tree.all_slots()
+        total = self.allocator.available + len(cached) + len(owned)
+        if total != self.allocator.size:
+            raise AssertionError(f"KV integrity: free {self.allocator.available} + cached {len(cached)} + "
+                                 f"in use {len(owned)} = {total} != pool size {self.allocator.size}")
+        everything = set(self.allocator._free) | set(cached) | set(owned)
+        if len(everything) != self.allocator.size or 0 in everything:
+            raise AssertionError("KV integrity: a token slot is both free and in use, or the scratch slot leaked")
+        if len(cached) != self.tree.total_size:
+            raise AssertionError(f"KV integrity: tree size {self.tree.total_size} != slots in tree {len(cached)}")
+        if not self.live_requests() and self.tree.evictable_size != self.tree.total_size:
+            raise AssertionError("KV integrity: idle but some cache is still locked")
