@@ -55,12 +55,16 @@ class Engine:
         path = resolve_model_path(self.args.model_path)
         loaded = load_model(path)
         self.model_config = cfg = loaded.config
-        self.tokenizer: Tokenizer = load_tokenizer(self.args.tokenizer_path or path)
+        if self.args.tokenizer_path:
+            self.tokenizer: Tokenizer = load_tokenizer(self.args.tokenizer_path)
+        else:
+            self.tokenizer = load_tokenizer(path, loaded.gguf_reader)
         self.context_length = min(self.args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.dtype = resolve_dtype(self.args.dtype, self.args.device)
         device = self.args.device
         model = LlamaForCausalLM(cfg, self.dtype, max_positions=self.context_length).to(device)
         model.load_weights(loaded.weights)
+        model.pack_for_cpu()
         model.eval()
         del loaded
         size = kv_pool_tokens(self.args, KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype))

@@ -60,21 +60,21 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """Tokenizer from a GGUF file or a directory holding tokenizer.json."""
+def load_tokenizer(path: str, gguf_reader: Any = None) -> Tokenizer:
+    """Tokenizer from a GGUF file (optionally an already open GGUFReader of it) or a tokenizer.json directory."""
     if os.path.isdir(path):
         return _from_hf_dir(path)
     if path.endswith(".gguf"):
-        return _from_gguf(path)
+        return _from_gguf(path, gguf_reader)
     raise ValueError(f"tokenizer_path: {path!r} is neither a .gguf file nor a directory with tokenizer.json")
 
 
-def _from_gguf(path: str) -> Tokenizer:
+def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
     import gguf
 
     from specserve.models.loader import gguf_field
 
-    reader = gguf.GGUFReader(path)
+    reader = reader or gguf.GGUFReader(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"tokenizer_path: GGUF tokenizer model {kind!r} is not supported (need byte-level BPE 'gpt2')")

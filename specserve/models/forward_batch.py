@@ -18,3 +18,5 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] token slots receiving this step's K/V
     attn: AttentionMetadata
     logit_rows: torch.Tensor  # rows of the flat batch whose logits are wanted
+    rope_cos: torch.Tensor | None = None  # [T, 1, D/2], filled by the model once per pass
+    rope_sin: torch.Tensor | None = None

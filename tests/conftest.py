@@ -1,0 +1,57 @@
+"""Shared fixtures: real engines on the embedded model and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests import fake_runner and helpers by name
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a long story about a dragon who learns to bake bread.",
+    "Explain in detail how photosynthesis works.",
+    "List ten fun facts about octopuses.",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from specserve.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def fp32_engine():
+    from specserve import Engine
+
+    engine = Engine(dtype="float32", max_total_tokens=16384, random_seed=1)
+    yield engine
+    engine.scheduler.check_integrity()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    transformers = pytest.importorskip("transformers")
+    folder, file = os.path.dirname(model_path), os.path.basename(model_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    transformers = pytest.importorskip("transformers")
+    folder, file = os.path.dirname(model_path), os.path.basename(model_path)
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
+
+
+@pytest.fixture
+def checked(fp32_engine):
+    """The shared fp32 engine, with KV integrity asserted after the test."""
+    yield fp32_engine
+    fp32_engine.scheduler.check_integrity()
