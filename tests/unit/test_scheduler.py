@@ -7,6 +7,8 @@ import random
 import pytest
 from fake_runner import FakeRunner, assert_no_leak, check_step_invariants, make_req, make_scheduler, run_to_completion
 
+from specserve.kv.radix_cache import RadixCache
+from specserve.scheduler.policy import LPM_MAX_QUEUE, order_waiting
 from specserve.scheduler.req import FinishReason
 
 EOS = 1
@@ -228,6 +230,21 @@ def test_lpm_without_cache_is_fcfs():
     assert reqs[1].cached_tokens == 0
 
 
+def test_lpm_falls_back_to_fcfs_for_long_queues():
+    rng = random.Random(18)
+    tree = RadixCache(lambda slots: None)
+    base = rand_prompt(rng, 10)
+    tree.insert(base, list(range(1, 11)))
+    reqs = [make_req(f"r{i}", rand_prompt(rng, 5), max_new_tokens=1) for i in range(LPM_MAX_QUEUE + 1)]
+    reqs.append(make_req("hit", base + [3], max_new_tokens=1))
+    for i, r in enumerate(reqs):
+        r.arrival = i
+    assert order_waiting(reqs[-LPM_MAX_QUEUE:], "lpm", tree)[0].rid == "hit"
+    assert order_waiting(reqs, "lpm", tree) == reqs  # too long to match everything: arrival order
+    shuffled = reqs[::-1]
+    assert order_waiting(shuffled, "fcfs", tree) == reqs
+
+
 def test_unknown_policy_is_rejected():
     sched = make_scheduler(schedule_policy="random")
     sched.add_request(make_req("a", [5, 6], max_new_tokens=1))
@@ -310,6 +327,25 @@ def test_shared_prefix_between_many_requests_and_cache_off_gives_same_outputs():
     assert all(c == 0 for _, c in off.values())
     # Requests admitted after the first batch finished reuse the whole system prompt.
     assert sum(1 for _, c in on.values() if c >= 20) >= 6
+
+
+def test_pool_pressure_evicts_least_recently_used_prefix():
+    rng = random.Random(19)
+    x, y, z = rand_prompt(rng, 15), rand_prompt(rng, 15), rand_prompt(rng, 40)
+    sched = make_scheduler(pool_size=60)
+    run_to_completion(sched, [make_req("x", x, max_new_tokens=1)])
+    run_to_completion(sched, [make_req("y", y, max_new_tokens=1)])
+    again = run_to_completion(sched, [make_req("x2", x, max_new_tokens=1)])["x2"]  # touches x's path
+    assert again.cached_tokens == 14
+    assert sched.tree.total_size == 30 and sched.allocator.available == 30
+    done = run_to_completion(sched, [make_req("z", z, max_new_tokens=1)])  # needs 40 slots: evict 10+
+    assert done["z"].output_ids == sched.runner.reference(z, 1)
+    assert len(sched.tree.match_prefix(x)[0]) == 15
+    assert sched.tree.match_prefix(y)[0] == []
+    # A prompt whose prefix was evicted is simply recomputed.
+    again_y = run_to_completion(sched, [make_req("y2", y, max_new_tokens=2)])["y2"]
+    assert again_y.cached_tokens == 0 and again_y.output_ids == sched.runner.reference(y, 2)
+    assert_no_leak(sched)
 
 
 def test_cache_disabled_never_reports_cached_tokens():
@@ -584,6 +620,9 @@ def test_retraction_under_decode_pressure_resumes_correctly(disabled):
     for r in reqs:
         assert done[r.rid].output_ids == sched.runner.reference(r.input_ids, 100)
         assert done[r.rid].finish_reason == FinishReason.LENGTH
+        # cached_tokens reports the first admission, not the resumption after a retraction.
+        first = sched.runner.batches[first_extend_step(sched.runner, r.rid)]
+        assert r.cached_tokens == first.prefix_lens[first.rids.index(r.rid)]
     if not disabled:
         # A resumed request reuses the KV it computed before retraction (unless it was evicted meanwhile).
         resumed = [b for b in sched.runner.batches if b.mode == "extend" and any(p > 0 for p in b.prefix_lens)]
