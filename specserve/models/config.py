@@ -31,9 +31,11 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs):
             raise ValueError(f"model_path: architecture {archs} is not llama-family; supported: {SUPPORTED_HF_ARCHITECTURES}")
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"model_path: rope_scaling {scaling} is not supported")
+        # transformers >= 5 writes RoPE settings under rope_parameters; older configs use top-level keys.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            raise ValueError(f"model_path: RoPE scaling {rope} is not supported")
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         is_qwen2 = "Qwen2ForCausalLM" in archs
         return cls(
@@ -44,7 +46,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

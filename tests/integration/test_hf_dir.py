@@ -1,0 +1,48 @@
+"""Loading a Hugging Face directory (config.json, *.safetensors, tokenizer.json): llama and qwen2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import prefill_logits
+
+from specserve import Engine
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_dir(tmp_path, hf_tokenizer, arch: str):
+    common = dict(vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=2, bos_token_id=1)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6)
+        model_cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    hf_tokenizer.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_directory_logits_match_transformers(tmp_path, hf_tokenizer, arch):
+    model = _tiny_dir(tmp_path, hf_tokenizer, arch)
+    engine = Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024)
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    assert ids == hf_tokenizer.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    ours = prefill_logits(engine.runner.model, ids)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+    out = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    with torch.no_grad():
+        ref_ids = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, len(ids):]
+    assert out["output_ids"] == ref_ids.tolist()
+    engine.scheduler.check_integrity()
