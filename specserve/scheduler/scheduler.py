@@ -73,6 +73,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
+        self.in_flight: Optional[ScheduleBatch] = None  # scheduled, result not yet processed
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._arrivals = 0
         self.num_retractions = 0
@@ -110,12 +111,13 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 return self._finish(req, FinishReason.ABORT)
-        for req in list(self.running) + ([self.chunked_req] if self.chunked_req else []):
-            if req.rid == rid:
+        for req in self.live_requests():
+            if req.rid == rid and not req.finished:
                 if req is self.chunked_req:
                     self.chunked_req = None
-                else:
+                elif req in self.running:
                     self.running.remove(req)
+                # A request in the in-flight batch only; process_result skips it once finished.
                 self._release(req)
                 return self._finish(req, FinishReason.ABORT)
         return None
@@ -135,18 +137,18 @@ class Scheduler:
     def schedule(self) -> Optional[ScheduleBatch]:
         """Next batch: a prefill when anything can be admitted, else a decode of all running requests."""
         batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        if self.running:
-            return self._schedule_decode()
-        return None
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        self.in_flight = batch
+        return batch
 
     def process_result(self, batch: ScheduleBatch, tokens: Sequence[Optional[int]]) -> StepResult:
         result = StepResult()
+        self.in_flight = None
         for req, n, sampled, token in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
-            req.kv_len += n
-            if req.finished:  # aborted while its step was in flight
+            if req.finished:  # aborted while its step was in flight; its KV is already released
                 continue
+            req.kv_len += n
             if not sampled:
                 self.chunked_req = req
                 continue
@@ -324,7 +326,11 @@ class Scheduler:
     # ------------------------------------------------------------ integrity
 
     def live_requests(self) -> list[Req]:
-        return list(self.running) + ([self.chunked_req] if self.chunked_req else [])
+        """Requests holding KV: running, the chunked one, and those of the in-flight batch."""
+        live = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
+        if self.in_flight is not None:
+            live += [r for r in self.in_flight.reqs if not r.finished and r not in live]
+        return live
 
     def check_integrity(self) -> None:
         """free + cached + in use == total, no slot counted twice, and locks balanced when idle."""
