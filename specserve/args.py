@@ -18,6 +18,7 @@ class ServerArgs:
     model_path: Optional[str] = field(default=None, metadata={"help": "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct"})
     tokenizer_path: Optional[str] = field(default=None, metadata={"help": "tokenizer.json directory or GGUF file (default: from the model)"})
     dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | auto (bfloat16 on CPU)", "choices": DTYPES})
+    quantization: str = field(default="auto", metadata={"help": "auto: serve GGUF Q4_0/Q4_1 weights as 4-bit on CPU in bfloat16; none: dequantize to --dtype", "choices": ("auto", "none")})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     context_length: Optional[int] = field(default=None, metadata={"help": "override the model's context window"})
     mem_fraction_static: float = field(default=0.1, metadata={"help": "fraction of memory for the KV pool (CPU: of total RAM)"})
@@ -77,6 +78,8 @@ def validate_server_args(args: ServerArgs) -> None:
     """Raise ValueError naming the field and its allowed range."""
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {args.dtype!r}")
+    if args.quantization not in ("auto", "none"):
+        raise ValueError(f"quantization must be 'auto' or 'none', got {args.quantization!r}")
     if args.schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     if not 0.0 < args.mem_fraction_static <= 0.95:

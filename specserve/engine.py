@@ -63,7 +63,7 @@ class Engine:
         self.dtype = resolve_dtype(self.args.dtype, self.args.device)
         device = self.args.device
         model = LlamaForCausalLM(cfg, self.dtype, max_positions=self.context_length).to(device)
-        model.load_weights(loaded.weights)
+        model.load_weights(loaded.weights, loaded.q4 if self.args.quantization == "auto" else None)
         model.pack_for_cpu()
         model.eval()
         del loaded

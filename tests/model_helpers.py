@@ -17,6 +17,6 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     table = ReqToTokenPool(1, n)
     slots = list(range(1, n + 1))
     table.write(0, 0, slots)
-    meta = AttentionMetadata.build(table.table, [0], [n], [n])
+    meta = AttentionMetadata.build(table.table, [0], [n], [n], dtype=model.dtype)
     fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.tensor(slots), meta, torch.arange(n))
     return model(fb, kv)

@@ -20,13 +20,13 @@ class AttentionMetadata:
     q_gather: torch.Tensor | None  # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when max_q == 1
     out_scatter: torch.Tensor | None  # [T] row of the padded [bs*max_q] output for each flat token
     kv_slots: torch.Tensor  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
-    mask: torch.Tensor  # [bs, 1, max_q, max_kv] True where attention is allowed
+    mask: torch.Tensor | None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
     bs: int
     max_q: int
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
-              extend_lens: list[int], device: str = "cpu") -> "AttentionMetadata":
+              extend_lens: list[int], device: str = "cpu", dtype: torch.dtype = torch.float32) -> "AttentionMetadata":
         bs = len(seq_lens)
         max_q, max_kv = max(extend_lens), max(seq_lens)
         rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
@@ -49,7 +49,11 @@ class AttentionMetadata:
             q_gather = torch.where(q_valid, flat, torch.full_like(flat, total))
             out_scatter = (torch.arange(bs, device=device).unsqueeze(1) * max_q
                            + torch.arange(max_q, device=device).unsqueeze(0))[q_valid]
-        return cls(q_gather, out_scatter, kv_slots, mask.unsqueeze(1), bs, max_q)
+        # Additive, in the model dtype, made once per pass: SDPA would convert a boolean mask in every layer.
+        additive = None
+        if max_q > 1 or min(seq_lens) != max_kv:
+            additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+        return cls(q_gather, out_scatter, kv_slots, additive, bs, max_q)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,

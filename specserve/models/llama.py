@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,9 +12,9 @@ from specserve.kv.pool import KVPool
 from specserve.models.attention import paged_attention
 from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import ForwardBatch
-from specserve.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                                     apply_rope,
-                                     RowParallelLinear, TPContext, VocabParallelEmbedding)
+from specserve.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                     TPContext, VocabParallelEmbedding, apply_rope)
+from specserve.models.q4 import Q4Weight
 
 
 class LlamaAttention(nn.Module):
@@ -80,12 +82,25 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        fb.rope_cos, fb.rope_sin = self.rope.cos_sin(fb.positions)
+        fb.rope_cos, fb.rope_sin = self.rope.cos_sin(fb.positions, self.dtype)
         hidden = self.embed_tokens(fb.input_ids)
         for layer in self.layers:
             hidden = layer(hidden, fb, kv)
         hidden = self.norm(hidden[fb.logit_rows])
         return self.lm_head(hidden)
+
+    @staticmethod
+    def _load_q4(layer: "LlamaDecoderLayer", p: str, q4: dict[str, Q4Weight]) -> None:
+        fused = {
+            layer.self_attn.qkv_proj: [f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")],
+            layer.mlp.gate_up_proj: [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
+        }
+        for linear, names in fused.items():
+            if all(n in q4 for n in names):
+                linear.load_q4([q4[n] for n in names])
+        for linear, name in ((layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"), (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
+            if name in q4:
+                linear.load_q4(q4[name])
 
     def pack_for_cpu(self) -> None:
         """Pre-pack every linear weight for oneDNN (a no-op off CPU or outside bf16)."""
@@ -93,8 +108,12 @@ class LlamaForCausalLM(nn.Module):
             if module is not self and hasattr(module, "pack_for_cpu"):
                 module.pack_for_cpu()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard."""
+    def load_weights(self, weights: dict[str, torch.Tensor], q4: Optional[dict[str, Q4Weight]] = None) -> None:
+        """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard.
+
+        `q4` optionally gives GGUF 4-bit versions of some weights; a fused linear takes them only
+        when every part has one, and uses them only once packed for CPU in bf16.
+        """
         w = weights
         self.embed_tokens.load(w["model.embed_tokens.weight"])
         self.lm_head.load(w.get("lm_head.weight", w["model.embed_tokens.weight"]))
@@ -108,5 +127,6 @@ class LlamaForCausalLM(nn.Module):
             attn.o_proj.load(w[f"{p}self_attn.o_proj.weight"])
             layer.mlp.gate_up_proj.load([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
             layer.mlp.down_proj.load(w[f"{p}mlp.down_proj.weight"])
+            self._load_q4(layer, p, q4 or {})
             layer.input_layernorm.weight.data.copy_(w[f"{p}input_layernorm.weight"])
             layer.post_attention_layernorm.weight.data.copy_(w[f"{p}post_attention_layernorm.weight"])

