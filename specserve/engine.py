@@ -95,7 +95,7 @@ class Engine:
         params = self._normalize_params(sampling_params, len(token_lists))
         reqs = [self._make_req(ids, sp) for ids, sp in zip(token_lists, params)]
         for req in reqs:  # validate everything before queueing anything
-            self.scheduler._validate(req)
+            self.scheduler.validate_request(req)
         done: dict[str, Req] = {}
         for req in reqs:
             early = self.scheduler.add_request(req)

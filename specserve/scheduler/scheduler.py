@@ -82,7 +82,7 @@ class Scheduler:
 
     def add_request(self, req: Req) -> Optional[Req]:
         """Queue a request; returns it at once if it needs no step (max_new_tokens == 0)."""
-        self._validate(req)
+        self.validate_request(req)
         room = self.cfg.context_length - len(req.input_ids)
         req.params.max_new_tokens = min(req.params.max_new_tokens, room)
         req.arrival = self._arrivals
@@ -93,7 +93,7 @@ class Scheduler:
         self.waiting.append(req)
         return None
 
-    def _validate(self, req: Req) -> None:
+    def validate_request(self, req: Req) -> None:
         n = len(req.input_ids)
         if n == 0:
             raise ValueError("prompt: must contain at least one token")

@@ -42,3 +42,18 @@ def test_greedy_generation_token_identical_to_transformers(checked, hf_model):
         ref_new = ref[0, len(ids):].tolist()
         assert out["output_ids"] == ref_new
         assert len(ref_new) == 64, "the prompts are chosen to produce at least 64 tokens"
+
+
+def test_multi_token_window_after_cached_prefix_matches_full_prefill(fp32_engine):
+    """A batched step of several new tokens per request over cached KV (the verify shape)."""
+    from model_helpers import windowed_logits
+
+    model = fp32_engine.runner.model
+    prompts = [fp32_engine.tokenizer.encode(t) for t in
+               ["The capital of France is Paris, and the capital of Italy is Rome.",
+                "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+                "Once upon a time, in a small village by the sea, there lived an old fisherman."]]
+    windows = windowed_logits(model, prompts, window=6)
+    for ids, got in zip(prompts, windows):
+        full = prefill_logits(model, ids)[-6:]
+        assert (got - full).abs().max().item() < 1e-3

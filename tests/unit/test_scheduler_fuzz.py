@@ -56,7 +56,7 @@ def run_fuzz(seed):
             extra["stop"] = ["".join(rng.choice("abcde") for _ in range(rng.randint(2, 3)))]
         req = make_req(f"r{i}", prompt, max_new_tokens=rng.randint(0, ctx), ignore_eos=rng.random() < 0.2, **extra)
         try:
-            sched._validate(req)
+            sched.validate_request(req)
         except ValueError:
             assert len(prompt) + min(req.params.max_new_tokens, ctx - len(prompt)) > sched.allocator.size
             continue
