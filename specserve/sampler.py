@@ -34,7 +34,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     probs = filtered_probs(logits[rows], [params[i] for i in rows])
     u = torch.tensor([counter_uniform(seeds[i], counters[i]) for i in rows], dtype=torch.float64)
-    picked = _inverse_cdf(probs, u)
+    picked = inverse_cdf(probs, u)
     out = greedy.tolist()
     for i, tok in zip(rows, picked.tolist()):
         out[i] = tok
@@ -61,7 +61,8 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row of (unnormalised) probs, by inverse CDF at the row's uniform u."""
     cdf = probs.double().cumsum(-1)
     cdf = cdf / cdf[:, -1:]
     idx = torch.searchsorted(cdf, u.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,164 @@
+"""Folded accept for DSpark verify: AcceptOuts, the persistent epilogue buffers and the accept kernels.
+
+Ownership (DESIGN.md invariant 1): the six `*_buf` tensors belong to the DsparkVerifyEpilogue.
+A captured or replayed verify step rewrites them every time it runs, so
+- writers reach them only through `accept_buffers(bs)` (views, used as write targets), and
+- readers get `read_accept(bs)`: clones made on the forward stream right after the step.
+No view of a `*_buf` may outlive the step: not in a result, a batch's `seq_lens`, a FutureMap
+slot, an async device-to-host copy or a log line. That view escaping is the bug in the seed.
+
+Shapes: bs requests, a window of W = gamma + 1 verify rows per request: ids `[anchor, d_1..d_g]`
+at positions S..S+g. Target row j predicts position S+j+1, so draft d_{j+1} is checked against
+row j, and row `correct_len` provides the bonus token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+import torch
+
+from specserve.sampler import inverse_cdf
+
+BUFFER_FIELDS = ("correct_len", "bonus", "cap_trim_lens", "commit_lens", "new_seq_lens", "out_tokens")
+
+
+@dataclass
+class AcceptOuts:
+    """Results of one verify step (all int64, `[bs]` except `out_tokens` `[bs, W]`).
+
+    correct_len: accepted drafts (bonus excluded) after the verify-length cap
+    bonus: the target's token at row correct_len (the next anchor)
+    cap_trim_lens: matches lost to the cap, uncapped - min(uncapped, verify_len - 1)
+    commit_lens: correct_len + 1 (tokens committed this step)
+    new_seq_lens: prefix_lens + commit_lens
+    out_tokens: drafts in columns 0..g-1 with the bonus written at column correct_len;
+                only the first commit_lens entries of a row are valid
+    """
+
+    correct_len: torch.Tensor
+    bonus: torch.Tensor
+    cap_trim_lens: torch.Tensor
+    commit_lens: torch.Tensor
+    new_seq_lens: torch.Tensor
+    out_tokens: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "AcceptOuts":
+        return AcceptOuts(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+class DsparkVerifyEpilogue:
+    """Owns the six persistent accept buffers and runs the accept kernels into them."""
+
+    def __init__(self, max_bs: int, num_verify_tokens: int, device: str | torch.device = "cpu"):
+        if max_bs < 1 or num_verify_tokens < 2:
+            raise ValueError(f"DsparkVerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, "
+                             f"got {max_bs}, {num_verify_tokens}")
+        self.max_bs = max_bs
+        self.num_verify_tokens = num_verify_tokens
+        i64 = dict(dtype=torch.int64, device=device)
+        self.correct_len_buf = torch.zeros(max_bs, **i64)
+        self.bonus_buf = torch.zeros(max_bs, **i64)
+        self.cap_trim_lens_buf = torch.zeros(max_bs, **i64)
+        self.commit_lens_buf = torch.zeros(max_bs, **i64)
+        self.new_seq_lens_buf = torch.zeros(max_bs, **i64)
+        self.out_tokens_buf = torch.zeros(max_bs, num_verify_tokens, **i64)
+
+    # ------------------------------------------------------------ ownership
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [getattr(self, f"{name}_buf") for name in BUFFER_FIELDS]
+
+    def accept_buffers(self, bs: int) -> AcceptOuts:
+        """Views of the first bs rows: write targets for the accept kernels, never to be kept."""
+        self._check_bs(bs)
+        return AcceptOuts(*(buf[:bs] for buf in self.buffers()))
+
+    def read_accept(self, bs: int) -> AcceptOuts:
+        """Owned copies of this step's results. Call on the forward stream right after the step,
+        before anything can replay it; the clones are then safe to hand to another stream."""
+        self._check_bs(bs)
+        return AcceptOuts(*(buf[:bs].clone() for buf in self.buffers()))
+
+    def _check_bs(self, bs: int) -> None:
+        if not 1 <= bs <= self.max_bs:
+            raise ValueError(f"batch size {bs} outside 1..{self.max_bs} of this verify epilogue")
+
+    # ------------------------------------------------------------ accept kernels
+
+    def accept_greedy(self, bs: int, verify_ids: torch.Tensor, target_logits: torch.Tensor,
+                      prefix_lens: torch.Tensor, verify_lens: Optional[torch.Tensor] = None) -> None:
+        """Greedy accept: a draft survives while it equals the target's argmax at the row before it."""
+        width = self.num_verify_tokens
+        ids = verify_ids.view(bs, width).long()
+        target = target_logits.view(bs, width, -1).argmax(-1)  # [bs, W]
+        matches = ids[:, 1:] == target[:, :-1]
+        self._commit(bs, ids, matches, prefix_lens, verify_lens, lambda correct: target.gather(1, correct))
+
+    def accept_sampling(self, bs: int, verify_ids: torch.Tensor, target_probs: torch.Tensor,
+                        draft_probs: torch.Tensor, uniforms: torch.Tensor, prefix_lens: torch.Tensor,
+                        verify_lens: Optional[torch.Tensor] = None) -> None:
+        """Exact chain rejection sampling.
+
+        target_probs `[bs, W, V]`: the target's distribution p at each row, after each request's
+        temperature / top-k / top-p (a greedy request passes the one-hot of its argmax).
+        draft_probs `[bs, g, V]`: the Markov-corrected draft distribution q that proposed d_1..d_g
+        (one-hot for a greedy drafter). uniforms `[bs, W]`: column k < g decides d_{k+1}, column g
+        samples the bonus; the caller derives them from (request seed, position) so every rank
+        and every batch composition draws the same numbers.
+
+        d_{k+1} is accepted if u_k < min(1, p_k(d) / q_k(d)); at the first rejection the bonus is
+        drawn from normalize(max(p_k - q_k, 0)); after a full (or capped) run, from p at that row.
+        """
+        width = self.num_verify_tokens
+        gamma = width - 1
+        ids = verify_ids.view(bs, width).long()
+        drafts = ids[:, 1:].unsqueeze(-1)  # [bs, g, 1]
+        p_d = target_probs[:, :gamma].gather(2, drafts).squeeze(-1)
+        q_d = draft_probs.gather(2, drafts).squeeze(-1)
+        ratio = torch.where(q_d > 0, p_d / q_d.clamp_min(1e-30), torch.zeros_like(p_d))
+        accepted = uniforms[:, :gamma] < ratio.clamp(max=1.0)
+
+        def bonus(correct: torch.Tensor) -> torch.Tensor:
+            row = correct.squeeze(1)
+            rows = torch.arange(bs, device=row.device)
+            p_row = target_probs[rows, row]  # [bs, V]
+            # Stopping before the cap means d_{row+1} was rejected: resample from the residual.
+            # Stopping at the cap means every checked draft passed: sample from p itself.
+            rejected = row < self._cap(bs, verify_lens, gamma, row.device)
+            q_row = draft_probs[rows, row.clamp(max=gamma - 1)]
+            residual = torch.where(rejected.unsqueeze(1), (p_row - q_row).clamp_min(0), p_row)
+            # p == q makes the residual empty, but then rejection has probability 0; guard rounding.
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
+            return inverse_cdf(residual, uniforms[:, gamma].double()).unsqueeze(1)
+
+        self._commit(bs, ids, accepted, prefix_lens, verify_lens, bonus)
+
+    # ------------------------------------------------------------ shared epilogue
+
+    @staticmethod
+    def _cap(bs: int, verify_lens: Optional[torch.Tensor], gamma: int, device) -> torch.Tensor:
+        if verify_lens is None:
+            return torch.full((bs,), gamma, dtype=torch.int64, device=device)
+        return (verify_lens.long() - 1).clamp(0, gamma)
+
+    def _commit(self, bs: int, ids: torch.Tensor, accepted: torch.Tensor, prefix_lens: torch.Tensor,
+                verify_lens: Optional[torch.Tensor], bonus_fn) -> None:
+        """Write all six buffers, through accept_buffers only."""
+        out = self.accept_buffers(bs)
+        gamma = self.num_verify_tokens - 1
+        uncapped = accepted.long().cumprod(1).sum(1)
+        cap = self._cap(bs, verify_lens, gamma, ids.device)
+        torch.minimum(uncapped, cap, out=out.correct_len)
+        torch.sub(uncapped, out.correct_len, out=out.cap_trim_lens)
+        torch.add(out.correct_len, 1, out=out.commit_lens)
+        torch.add(prefix_lens.long(), out.commit_lens, out=out.new_seq_lens)
+        out.bonus.copy_(bonus_fn(out.correct_len.unsqueeze(1)).squeeze(1))
+        out.out_tokens[:, :gamma].copy_(ids[:, 1:])
+        out.out_tokens[:, gamma].zero_()
+        out.out_tokens.scatter_(1, out.correct_len.unsqueeze(1), out.bonus.unsqueeze(1))
+

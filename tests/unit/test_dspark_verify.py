@@ -1,0 +1,201 @@
+"""Accept kernels and buffer ownership of DsparkVerifyEpilogue (the seed's unit tests and more)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.spec.dspark_verify import DsparkVerifyEpilogue
+
+V = 10
+
+
+def logits_with_argmax(rows: list[list[int]]) -> torch.Tensor:
+    """[bs*W, V] logits whose argmax at row (r, j) is rows[r][j]."""
+    t = torch.tensor(rows)
+    logits = torch.zeros(t.numel(), V)
+    logits[torch.arange(t.numel()), t.flatten()] = 5.0
+    return logits
+
+
+def run_greedy(ids, targets, prefix, verify_lens=None, dtype=torch.int64):
+    bs, width = len(ids), len(ids[0])
+    epi = DsparkVerifyEpilogue(max_bs=8, num_verify_tokens=width)
+    vl = None if verify_lens is None else torch.tensor(verify_lens, dtype=dtype)
+    epi.accept_greedy(bs, torch.tensor(ids, dtype=dtype), logits_with_argmax(targets),
+                      torch.tensor(prefix, dtype=dtype), vl)
+    return epi.read_accept(bs)
+
+
+# ------------------------------------------------------------------ hand-built greedy cases
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_greedy_none_some_all(dtype):
+    ids = [[7, 1, 2, 3],   # target says 9 after the anchor: nothing accepted
+           [7, 1, 2, 3],   # 1, 2 accepted, 3 rejected (target wants 8)
+           [7, 1, 2, 3]]   # all accepted; bonus from the last row
+    targets = [[9, 2, 3, 4],
+               [1, 2, 8, 4],
+               [1, 2, 3, 6]]
+    out = run_greedy(ids, targets, prefix=[10, 20, 30], dtype=dtype)
+    assert out.correct_len.tolist() == [0, 2, 3]
+    assert out.bonus.tolist() == [9, 8, 6]
+    assert out.commit_lens.tolist() == [1, 3, 4]
+    assert out.new_seq_lens.tolist() == [11, 23, 34]
+    assert out.cap_trim_lens.tolist() == [0, 0, 0]
+    # drafts in columns 0..g-1, bonus at column correct_len; only commit_lens entries valid
+    assert out.out_tokens[0, :1].tolist() == [9]
+    assert out.out_tokens[1, :3].tolist() == [1, 2, 8]
+    assert out.out_tokens[2].tolist() == [1, 2, 3, 6]
+    assert all(t.dtype == torch.int64 for t in out.tensors())
+
+
+def test_greedy_cap_trims_matches():
+    ids = [[7, 1, 2, 3], [7, 1, 2, 3]]
+    targets = [[1, 2, 3, 6], [1, 5, 3, 6]]
+    out = run_greedy(ids, targets, prefix=[0, 0], verify_lens=[2, 3])
+    # row 0: 3 matches, only verify_len - 1 = 1 counted; row 1: 1 match, cap 2 not reached
+    assert out.correct_len.tolist() == [1, 1]
+    assert out.cap_trim_lens.tolist() == [2, 0]
+    assert out.bonus.tolist() == [2, 5]  # the target's token at row correct_len
+    assert out.commit_lens.tolist() == [2, 2]
+
+
+def test_a_match_after_a_mismatch_does_not_count():
+    out = run_greedy([[7, 1, 2, 3]], [[5, 2, 3, 6]], prefix=[4])
+    assert out.correct_len.tolist() == [0]
+    assert out.bonus.tolist() == [5]
+
+
+# ------------------------------------------------------------------ ownership
+
+def _fill(epi: DsparkVerifyEpilogue, bs: int, value: int) -> None:
+    for t in epi.accept_buffers(bs).tensors():
+        t.fill_(value)
+
+
+def reads_survive_overwrite(epi: DsparkVerifyEpilogue, bs: int = 3) -> bool:
+    """The seed's check: values read after step N are still step N's after step N+1 runs."""
+    _fill(epi, bs, 11)
+    first = epi.read_accept(bs)
+    _fill(epi, bs, 22)
+    return all(bool((t == 11).all()) for t in first.tensors())
+
+
+def writes_reach_readers(epi: DsparkVerifyEpilogue, bs: int = 3) -> bool:
+    """The review's check: what writers put through accept_buffers is what read_accept returns."""
+    target = epi.accept_buffers(bs)
+    for i, t in enumerate(target.tensors()):
+        t.copy_(torch.arange(t.numel()).view_as(t) + 100 * i)
+    got = epi.read_accept(bs)
+    return all(bool((t == torch.arange(t.numel()).view_as(t) + 100 * i).all()) for i, t in enumerate(got.tensors()))
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_read_accept_returns_owned_tensors():
+    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=6)
+    for t in epi.read_accept(3).tensors():
+        assert not any(shares_storage(t, buf) for buf in epi.buffers())
+    for t in epi.accept_buffers(3).tensors():
+        assert any(shares_storage(t, buf) for buf in epi.buffers())
+    assert reads_survive_overwrite(epi)
+    assert writes_reach_readers(epi)
+
+
+def test_accept_greedy_writes_what_read_accept_returns():
+    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4)
+    epi.accept_greedy(2, torch.tensor([[7, 1, 2, 3], [7, 1, 2, 3]]), logits_with_argmax([[1, 2, 8, 4], [1, 2, 3, 6]]),
+                      torch.tensor([5, 6]))
+    got = epi.read_accept(2)
+    assert got.correct_len.tolist() == [2, 3]
+    assert epi.correct_len_buf[:2].tolist() == [2, 3]
+    assert got.new_seq_lens.tolist() == [8, 10]
+
+
+def test_mutation_read_accept_returning_views_is_caught(monkeypatch):
+    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=6)
+    monkeypatch.setattr(epi, "read_accept", epi.accept_buffers)  # the seed's bug
+    assert not reads_survive_overwrite(epi)
+
+
+def test_mutation_writers_writing_into_clones_is_caught(monkeypatch):
+    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4)
+    real_read = epi.read_accept
+    monkeypatch.setattr(epi, "accept_buffers", real_read)  # the refactor: out=self.read_accept(bs)
+    assert not writes_reach_readers(epi)
+    epi.accept_greedy(1, torch.tensor([[7, 1, 2, 3]]), logits_with_argmax([[1, 2, 3, 6]]), torch.tensor([0]))
+    assert epi.read_accept(1).correct_len.tolist() != [3], "accept results went into throwaway clones"
+
+
+def test_batch_size_is_checked():
+    epi = DsparkVerifyEpilogue(max_bs=2, num_verify_tokens=3)
+    with pytest.raises(ValueError, match="batch size"):
+        epi.read_accept(3)
+
+
+# ------------------------------------------------------------------ sampling accept
+
+def one_hot(idx: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(idx, vocab).float()
+
+
+def test_sampling_with_one_hot_distributions_equals_greedy():
+    ids = torch.tensor([[7, 1, 2, 3], [7, 1, 2, 3], [7, 1, 2, 3]])
+    targets = torch.tensor([[9, 2, 3, 4], [1, 2, 8, 4], [1, 2, 3, 6]])
+    greedy = run_greedy(ids.tolist(), targets.tolist(), prefix=[1, 2, 3])
+    epi = DsparkVerifyEpilogue(max_bs=3, num_verify_tokens=4)
+    p = one_hot(targets, V)
+    q = one_hot(ids[:, 1:], V)
+    epi.accept_sampling(3, ids, p, q, torch.rand(3, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([1, 2, 3]))
+    got = epi.read_accept(3)
+    for name in ("correct_len", "bonus", "cap_trim_lens", "commit_lens", "new_seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(greedy, name)), name
+    for r, n in enumerate(got.commit_lens.tolist()):  # only the first commit_lens entries are valid
+        assert got.out_tokens[r, :n].tolist() == greedy.out_tokens[r, :n].tolist()
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_sampling_accept_is_exact(gamma):
+    """First emitted token ~ p regardless of q (rejection sampling with residual resampling).
+
+    20,000 seeded trials over a 6-token vocabulary; chi-square with 5 degrees of freedom against
+    the 0.001 critical value 20.52. A broken residual (sampling from p instead) fails this.
+    """
+    n, vocab = 20_000, 6
+    gen = torch.Generator().manual_seed(1234)
+    p = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
+    q = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
+    drafts = torch.multinomial(q.expand(n, vocab), gamma, replacement=True, generator=gen)
+    ids = torch.cat([torch.zeros(n, 1, dtype=torch.int64), drafts], dim=1)
+    target_probs = p.expand(n, gamma + 1, vocab)
+    draft_probs = q.expand(n, gamma, vocab)
+    epi = DsparkVerifyEpilogue(max_bs=n, num_verify_tokens=gamma + 1)
+    epi.accept_sampling(n, ids, target_probs, draft_probs, torch.rand(n, gamma + 1, generator=gen), torch.zeros(n))
+    out = epi.read_accept(n)
+    first = out.out_tokens[:, 0]
+    counts = torch.bincount(first, minlength=vocab).float()
+    assert chi_square(counts, p) < 20.52, counts / n
+    # q != p, so some drafts are rejected and some accepted
+    assert 0 < (out.correct_len == 0).float().mean() < 1
+
+
+def test_residual_is_needed_for_exactness():
+    """Mutation: resampling from p after a rejection (no residual) skews the first token."""
+    n, vocab = 20_000, 6
+    gen = torch.Generator().manual_seed(99)
+    p = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
+    q = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
+    d = torch.multinomial(q.expand(n, vocab), 1, generator=gen)
+    u = torch.rand(n, 2, generator=gen)
+    accepted = u[:, 0] < (p[d[:, 0]] / q[d[:, 0]]).clamp(max=1)
+    wrong_bonus = torch.multinomial(p.expand(n, vocab), 1, generator=gen)[:, 0]
+    first = torch.where(accepted, d[:, 0], wrong_bonus)
+    assert chi_square(torch.bincount(first, minlength=vocab).float(), p) > 20.52
