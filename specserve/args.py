@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
 DTYPES = ("auto", "float32", "bfloat16")
+MAX_DRAFT_TOKENS = 15
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "most new tokens admitted into one prefill batch"})
     schedule_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": SCHEDULE_POLICIES})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
+    speculative_algorithm: Optional[str] = field(default=None, metadata={"help": "NGRAM (prompt lookup) or NONE; DSPARK comes with its drafter", "choices": (None, "NONE", "NGRAM")})
+    speculative_num_draft_tokens: int = field(default=5, metadata={"help": "drafts verified per step (gamma); the window is gamma + 1"})
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level"})
@@ -86,6 +89,10 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
     if args.max_total_tokens is not None and args.max_total_tokens < 16:
         raise ValueError(f"max_total_tokens must be >= 16, got {args.max_total_tokens}")
+    if args.speculative_algorithm not in (None, "NONE", "NGRAM"):
+        raise ValueError(f"speculative_algorithm must be NONE or NGRAM (DSPARK is not built yet), got {args.speculative_algorithm!r}")
+    if not 1 <= args.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {args.speculative_num_draft_tokens}")
     if args.max_running_requests < 1:
         raise ValueError(f"max_running_requests must be >= 1, got {args.max_running_requests}")
     if args.max_prefill_tokens < 1:

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from specserve.args import ServerArgs
+from specserve.args import MAX_DRAFT_TOKENS, ServerArgs
 from specserve.io.detokenizer import IncrementalDetokenizer
 from specserve.io.tokenizer import Tokenizer, load_tokenizer
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
@@ -21,6 +21,7 @@ from specserve.models.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from specserve.spec.ngram import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,11 @@ class Engine:
         self.context_length = min(self.args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.dtype = resolve_dtype(self.args.dtype, self.args.device)
         device = self.args.device
-        model = LlamaForCausalLM(cfg, self.dtype, max_positions=self.context_length).to(device)
+        spec = self.args.speculative_algorithm not in (None, "NONE")
+        gamma = self.args.speculative_num_draft_tokens if spec else 0
+        # A verify window may reach gamma positions past the last token that can be emitted.
+        max_positions = self.context_length + MAX_DRAFT_TOKENS + 1
+        model = LlamaForCausalLM(cfg, self.dtype, max_positions=max_positions).to(device)
         model.load_weights(loaded.weights, loaded.q4 if self.args.quantization == "auto" else None)
         model.pack_for_cpu()
         model.eval()
@@ -70,9 +75,9 @@ class Engine:
         size = kv_pool_tokens(self.args, KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype))
         self.kv = KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, device)
         self.allocator = TokenSlotAllocator(size)
-        self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, self.context_length, device)
+        self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, max_positions, device)
         self.tree = RadixCache(self.allocator.free, disabled=self.args.disable_radix_cache)
-        self.runner = ModelRunner(model, self.kv, self.req_to_token, device)
+        self.runner = ModelRunner(model, self.kv, self.req_to_token, device, max_bs=self.args.max_running_requests)
         sched_cfg = SchedulerConfig(
             context_length=self.context_length,
             eos_token_ids=self.tokenizer.eos_token_ids,
@@ -80,9 +85,11 @@ class Engine:
             max_prefill_tokens=self.args.max_prefill_tokens,
             chunked_prefill_size=self.args.chunked_prefill_size,
             schedule_policy=self.args.schedule_policy,
+            num_draft_tokens=gamma,
         )
+        drafter = NgramDrafter(gamma) if spec else None
         self.scheduler = Scheduler(sched_cfg, self.runner, self.allocator, self.req_to_token, self.tree,
-                                   decode_text=self.tokenizer.decode)
+                                   decode_text=self.tokenizer.decode, drafter=drafter)
         self._seed_rng = random.Random(self.args.random_seed)
         logger.info("engine ready: %s, %s, KV pool %d tokens", path, self.dtype, size)
 
@@ -177,6 +184,7 @@ class Engine:
                 "completion_tokens": len(req.output_ids),
                 "cached_tokens": req.cached_tokens,
                 "finish_reason": _finish_reason(req),
+                **_spec_info(req),
             },
         }
 
@@ -186,3 +194,14 @@ def _finish_reason(req: Req) -> dict[str, Any]:
     if req.matched_stop is not None:
         out["matched"] = req.matched_stop
     return out
+
+
+def _spec_info(req: Req) -> dict[str, Any]:
+    if req.spec_verify_ct == 0:
+        return {}
+    return {
+        "spec_verify_ct": req.spec_verify_ct,
+        "spec_num_correct_drafts": req.spec_num_correct_drafts,
+        "spec_accept_length": len(req.output_ids) / req.spec_verify_ct,
+        "spec_correct_drafts_histogram": dict(sorted(req.spec_correct_hist.items())),
+    }

@@ -33,9 +33,14 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 
 
 class BatchRunner(Protocol):
-    """What the scheduler needs of a model: next token per request (None where none is sampled)."""
+    """What the scheduler needs of a model, per request: the next token (None where none is
+    sampled), or for a verify batch the list of committed tokens (accepted drafts, then the bonus)."""
 
-    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int]]: ...
+    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int] | list[int]]: ...
+
+
+class Drafter(Protocol):
+    def propose(self, tokens: list[int]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int = 2048
     schedule_policy: str = "fcfs"
+    num_draft_tokens: int = 0  # gamma: drafts verified per step (0: plain decode)
 
 
 @dataclass
@@ -63,13 +69,16 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig, runner: BatchRunner, allocator: TokenSlotAllocator,
                  req_to_token: ReqToTokenPool, tree: RadixCache,
-                 decode_text: Optional[Callable[[list[int]], str]] = None):
+                 decode_text: Optional[Callable[[list[int]], str]] = None, drafter: Optional[Drafter] = None):
         self.cfg = cfg
         self.runner = runner
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.tree = tree
         self.decode_text = decode_text
+        self.drafter = drafter
+        # Each running request takes this many slots per decode step: the anchor plus its drafts.
+        self.window = 1 + (cfg.num_draft_tokens if drafter is not None else 0)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
@@ -100,7 +109,7 @@ class Scheduler:
         if n >= self.cfg.context_length:
             raise ValueError(f"prompt: {n} tokens do not fit the context window of {self.cfg.context_length} "
                              "(need prompt_tokens < context_length)")
-        need = n + min(req.params.max_new_tokens, self.cfg.context_length - n)
+        need = n + min(req.params.max_new_tokens, self.cfg.context_length - n) + self.window - 1
         if need > self.allocator.size:
             raise ValueError(f"prompt: {n} tokens + max_new_tokens need {need} KV slots but the pool holds "
                              f"{self.allocator.size} (raise max_total_tokens or lower max_new_tokens)")
@@ -142,28 +151,50 @@ class Scheduler:
         self.in_flight = batch
         return batch
 
-    def process_result(self, batch: ScheduleBatch, tokens: Sequence[Optional[int]]) -> StepResult:
+    def process_result(self, batch: ScheduleBatch, tokens: Sequence[Optional[int] | list[int]]) -> StepResult:
         result = StepResult()
         self.in_flight = None
         for req, n, sampled, token in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
             if req.finished:  # aborted while its step was in flight; its KV is already released
                 continue
-            req.kv_len += n
             if not sampled:
+                req.kv_len += n
                 self.chunked_req = req
                 continue
-            req.output_ids.append(int(token))
-            result.tokens.append((req, int(token)))
-            reason = self._check_finish(req)
+            emitted = [int(t) for t in token] if isinstance(token, (list, tuple)) else [int(token)]
+            start = req.kv_len
+            reason, appended = None, 0
+            for tok in emitted:  # stop conditions apply inside an accepted run: nothing past a stop
+                req.output_ids.append(tok)
+                result.tokens.append((req, tok))
+                appended += 1
+                reason = self._check_finish(req)
+                if reason is not None:
+                    break
             if batch.mode == "extend":
+                req.kv_len += n
                 self.running.append(req)
+            else:
+                # Window rows 0..appended-1 (the anchor and the emitted drafts) hold committed KV.
+                req.kv_len = start + appended
+                self._record_spec(req, batch.mode, appended, len(emitted))
+                self.allocator.free(req.kv_slots[req.kv_len:])
+                del req.kv_slots[req.kv_len:]
             if reason is not None:
                 self.running.remove(req)
                 self._release(req)
                 result.finished.append(self._finish(req, reason))
-        if batch.mode == "decode":
+        if batch.mode != "extend":
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return result
+
+    @staticmethod
+    def _record_spec(req: Req, mode: str, appended: int, committed: int) -> None:
+        """Count emitted drafts only: a stop inside the run cuts both the drafts and the bonus."""
+        if mode == "verify":
+            req.spec_verify_ct += 1
+            req.spec_num_correct_drafts += min(appended, committed - 1)
+            req.spec_correct_hist[committed - 1] = req.spec_correct_hist.get(committed - 1, 0) + 1
 
     # ------------------------------------------------------------ prefill
 
@@ -233,19 +264,29 @@ class Scheduler:
     # ------------------------------------------------------------ decode
 
     def _schedule_decode(self) -> ScheduleBatch:
+        """Every running request advances: one token, or with a drafter a verify window
+        [anchor, d_1..d_g] at positions kv_len..kv_len+g over freshly allocated slots."""
         slots = self._alloc_or_retract(None)
         reqs = list(self.running)
-        batch = ScheduleBatch("decode", reqs, [r.kv_len for r in reqs], [1] * len(reqs),
-                              [r.output_ids[-1] for r in reqs], slots, [True] * len(reqs))
-        self.req_to_token.write_many([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
-        for req, slot in zip(reqs, slots):
-            req.kv_slots.append(slot)
+        w = self.window
+        input_ids: list[int] = []
+        for req in reqs:
+            input_ids.append(req.output_ids[-1])
+            if w > 1:
+                input_ids.extend(self.drafter.propose(req.fill_ids)[:w - 1])
+        mode = "verify" if w > 1 else "decode"
+        batch = ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, slots,
+                              [True] * len(reqs))
+        for i, req in enumerate(reqs):
+            own = slots[i * w:(i + 1) * w]
+            self.req_to_token.write(req.req_pool_idx, req.kv_len, own)
+            req.kv_slots.extend(own)
         return batch
 
     def _alloc_or_retract(self, n: Optional[int]) -> list[int]:
         """Allocate n slots (None: one per running request), evicting cache, then retracting requests."""
         while True:
-            want = len(self.running) if n is None else n
+            want = len(self.running) * self.window if n is None else n
             slots = self._alloc_slots(want)
             if slots is not None:
                 return slots
@@ -271,7 +312,8 @@ class Scheduler:
         return self.allocator.available + self.tree.evictable_size
 
     def _reserve(self, req: Req) -> int:
-        return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+        # A verify window needs window - 1 slots beyond the tokens it will keep.
+        return int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio) + self.window - 1
 
     def _reserved_for_running(self) -> int:
         return sum(self._reserve(r) for r in self.running)

@@ -1,0 +1,75 @@
+"""NGRAM speculative decoding through the verify/accept path: lossless in fp32 greedy."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import Engine
+
+CONTENTS = ["Repeat this list exactly three times: apple, banana, cherry, date.",
+            "Write a python function that adds two numbers, then call it twice.",
+            "What is the capital of France?", "Count from 1 to 20, separated by commas.",
+            "Spell the word 'banana' letter by letter, twice.", "Tell me a short story about a robot.",
+            "List the days of the week.", "Write the alphabet in capital letters."]
+GREEDY = {"temperature": 0, "max_new_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def prompts(fp32_engine):
+    return [fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
+
+
+@pytest.fixture(scope="module")
+def reference(fp32_engine, prompts):
+    fp32_engine.tree.reset()
+    return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5, 7])
+def test_ngram_greedy_is_lossless(fp32_engine, prompts, reference, gamma):
+    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM",
+                  speculative_num_draft_tokens=gamma)
+    batch = spec.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batch] == reference
+    alone = spec.generate(input_ids=prompts[0], sampling_params=GREEDY)
+    assert alone["output_ids"] == reference[0]
+    accepted = sum(o["meta_info"]["spec_num_correct_drafts"] for o in batch)
+    assert accepted > 0, "repetitive prompts must accept some drafts"
+    for out in batch:
+        info = out["meta_info"]
+        # The first token comes from prefill; every verify step emits its accepted drafts and a
+        # bonus, except that a stop (or max_new_tokens) inside the last run may cut its bonus.
+        bonuses = info["completion_tokens"] - 1 - info["spec_num_correct_drafts"]
+        assert bonuses in (info["spec_verify_ct"], info["spec_verify_ct"] - 1)
+    spec.scheduler.check_integrity()
+    spec.tree.reset()
+    assert spec.allocator.available == spec.allocator.size
+
+
+def test_stop_inside_an_accepted_run_emits_nothing_past_it(fp32_engine):
+    prompt = fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[3]}])
+    full = fp32_engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 60})
+    assert "9. 9" in full["text"], full["text"]
+    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", speculative_num_draft_tokens=7)
+    params = {"temperature": 0, "max_new_tokens": 60, "stop": ["9. 9"]}
+    ours = spec.generate(input_ids=prompt, sampling_params=params)
+    plain = fp32_engine.generate(input_ids=prompt, sampling_params=params)
+    assert ours["text"] == plain["text"] == full["text"][:full["text"].index("9. 9")]
+    assert ours["output_ids"] == plain["output_ids"]
+    stop_id = full["output_ids"][10]
+    ours = spec.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 60, "stop_token_ids": [stop_id]})
+    assert ours["output_ids"] == full["output_ids"][:full["output_ids"].index(stop_id) + 1]
+    limited = spec.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 9})
+    assert limited["output_ids"] == full["output_ids"][:9]
+    spec.scheduler.check_integrity()
+
+
+def test_ngram_sampling_is_seeded_and_reproducible():
+    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[0]}])
+    params = {"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_new_tokens": 32}
+    a = spec.generate(input_ids=[prompt, prompt[:-3]], sampling_params=[params, {**params, "temperature": 0}])
+    b = spec.generate(input_ids=prompt, sampling_params=params)
+    assert a[0]["output_ids"] == b["output_ids"]
+    assert a[0]["meta_info"]["spec_verify_ct"] > 0
+    spec.scheduler.check_integrity()
