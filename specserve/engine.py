@@ -11,7 +11,6 @@ from typing import Any, Optional, Union
 import torch
 
 from specserve.args import MAX_DRAFT_TOKENS, ServerArgs
-from specserve.io.detokenizer import IncrementalDetokenizer
 from specserve.io.tokenizer import Tokenizer, load_tokenizer
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
@@ -28,7 +27,7 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, list[str], None]
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
+def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
@@ -61,7 +60,7 @@ class Engine:
         else:
             self.tokenizer = load_tokenizer(path, loaded.gguf_reader)
         self.context_length = min(self.args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.dtype = resolve_dtype(self.args.dtype, self.args.device)
+        self.dtype = resolve_dtype(self.args.dtype)
         device = self.args.device
         spec = self.args.speculative_algorithm not in (None, "NONE")
         gamma = self.args.speculative_num_draft_tokens if spec else 0
@@ -169,9 +168,7 @@ class Engine:
         return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=seed)
 
     def _output(self, req: Req) -> dict[str, Any]:
-        detok = IncrementalDetokenizer(self.tokenizer)
-        detok.add(req.output_ids)
-        text = detok.text + detok.flush()
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
         if isinstance(req.matched_stop, str):
             cut = text.find(req.matched_stop)
             text = text[:cut] if cut >= 0 else text

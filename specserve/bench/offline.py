@@ -105,7 +105,7 @@ def run_offline_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.models.loader import resolve_model_path
 
     path = resolve_model_path(args.model_path)
-    dtype = resolve_dtype(args.dtype, args.device)
+    dtype = resolve_dtype(args.dtype)
     report: dict[str, Any] = {"model": path, "dtype": str(dtype), "new_tokens": ns.new_tokens,
                               "batch_size": ns.batch_size, "threads": torch.get_num_threads()}
     report["specserve"] = bench_specserve(args, ns)

@@ -60,10 +60,6 @@ class ReqToTokenPool:
         if slots:
             self.table[idx, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int64)
 
-    def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
-        """One slot per (row, col): the decode step's single new token per request."""
-        self.table[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(slots, dtype=torch.int64)
-
 
 class KVPool:
     """Per-layer K and V tensors [size + 1, kv_heads, head_dim]; row 0 is the scratch slot."""

@@ -177,7 +177,8 @@ class Scheduler:
             else:
                 # Window rows 0..appended-1 (the anchor and the emitted drafts) hold committed KV.
                 req.kv_len = start + appended
-                self._record_spec(req, batch.mode, appended, len(emitted))
+                if batch.mode == "verify":
+                    self._record_spec(req, appended, len(emitted))
                 self.allocator.free(req.kv_slots[req.kv_len:])
                 del req.kv_slots[req.kv_len:]
             if reason is not None:
@@ -189,12 +190,11 @@ class Scheduler:
         return result
 
     @staticmethod
-    def _record_spec(req: Req, mode: str, appended: int, committed: int) -> None:
+    def _record_spec(req: Req, appended: int, committed: int) -> None:
         """Count emitted drafts only: a stop inside the run cuts both the drafts and the bonus."""
-        if mode == "verify":
-            req.spec_verify_ct += 1
-            req.spec_num_correct_drafts += min(appended, committed - 1)
-            req.spec_correct_hist[committed - 1] = req.spec_correct_hist.get(committed - 1, 0) + 1
+        req.spec_verify_ct += 1
+        req.spec_num_correct_drafts += min(appended, committed - 1)
+        req.spec_correct_hist[committed - 1] = req.spec_correct_hist.get(committed - 1, 0) + 1
 
     # ------------------------------------------------------------ prefill
 

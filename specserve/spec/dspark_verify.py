@@ -97,7 +97,7 @@ class DsparkVerifyEpilogue:
         ids = verify_ids.view(bs, width).long()
         target = target_logits.view(bs, width, -1).argmax(-1)  # [bs, W]
         matches = ids[:, 1:] == target[:, :-1]
-        self._commit(bs, ids, matches, prefix_lens, verify_lens, lambda correct: target.gather(1, correct))
+        self._commit(bs, ids, matches, prefix_lens, verify_lens, lambda correct, cap: target.gather(1, correct))
 
     def accept_sampling(self, bs: int, verify_ids: torch.Tensor, target_probs: torch.Tensor,
                         draft_probs: torch.Tensor, uniforms: torch.Tensor, prefix_lens: torch.Tensor,
@@ -123,13 +123,13 @@ class DsparkVerifyEpilogue:
         ratio = torch.where(q_d > 0, p_d / q_d.clamp_min(1e-30), torch.zeros_like(p_d))
         accepted = uniforms[:, :gamma] < ratio.clamp(max=1.0)
 
-        def bonus(correct: torch.Tensor) -> torch.Tensor:
+        def bonus(correct: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
             row = correct.squeeze(1)
             rows = torch.arange(bs, device=row.device)
             p_row = target_probs[rows, row]  # [bs, V]
             # Stopping before the cap means d_{row+1} was rejected: resample from the residual.
             # Stopping at the cap means every checked draft passed: sample from p itself.
-            rejected = row < self._cap(bs, verify_lens, gamma, row.device)
+            rejected = row < cap
             q_row = draft_probs[rows, row.clamp(max=gamma - 1)]
             residual = torch.where(rejected.unsqueeze(1), (p_row - q_row).clamp_min(0), p_row)
             # p == q makes the residual empty, but then rejection has probability 0; guard rounding.
@@ -157,7 +157,7 @@ class DsparkVerifyEpilogue:
         torch.sub(uncapped, out.correct_len, out=out.cap_trim_lens)
         torch.add(out.correct_len, 1, out=out.commit_lens)
         torch.add(prefix_lens.long(), out.commit_lens, out=out.new_seq_lens)
-        out.bonus.copy_(bonus_fn(out.correct_len.unsqueeze(1)).squeeze(1))
+        out.bonus.copy_(bonus_fn(out.correct_len.unsqueeze(1), cap).squeeze(1))
         out.out_tokens[:, :gamma].copy_(ids[:, 1:])
         out.out_tokens[:, gamma].zero_()
         out.out_tokens.scatter_(1, out.correct_len.unsqueeze(1), out.bonus.unsqueeze(1))
