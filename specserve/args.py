@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
 DTYPES = ("auto", "float32", "bfloat16")
 MAX_DRAFT_TOKENS = 15
+DEFAULT_BLOCK_SIZE = 5
+SPEC_ALGORITHMS = (None, "NONE", "NGRAM", "DSPARK")
+VERIFY_MODES = ("static", "compact")
+VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
 
 
 @dataclass(frozen=True)
@@ -29,14 +34,28 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "most new tokens admitted into one prefill batch"})
     schedule_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": SCHEDULE_POLICIES})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
-    speculative_algorithm: Optional[str] = field(default=None, metadata={"help": "NGRAM (prompt lookup) or NONE; DSPARK comes with its drafter", "choices": (None, "NONE", "NGRAM")})
-    speculative_num_draft_tokens: int = field(default=5, metadata={"help": "drafts verified per step (gamma); the window is gamma + 1"})
+    speculative_algorithm: Optional[str] = field(default=None, metadata={"help": "DSPARK (block drafter, needs --speculative-draft-model-path), NGRAM (prompt lookup) or NONE", "choices": SPEC_ALGORITHMS})
+    speculative_dspark_block_size: Optional[int] = field(default=None, metadata={"help": "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)"})
+    speculative_draft_model_path: Optional[str] = field(default=None, metadata={"help": "DSpark drafter directory (config.json + model.safetensors, see `specserve init-drafter`)"})
+    speculative_dspark_verify_mode: Optional[str] = field(default=None, metadata={"help": "static: verify every window row; compact: per-request verify lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)", "choices": (None,) + VERIFY_MODES})
+    speculative_dspark_sps_table_path: Optional[str] = field(default=None, metadata={"help": "JSON table of verify steps/s against batch verify tokens for the compact planner (`specserve profile-sps`)"})
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
         validate_server_args(self)
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculative_algorithm not in (None, "NONE")
+
+    def verify_mode(self) -> str:
+        """The flag, else $SPECSERVE_RAGGED_VERIFY_MODE, else static."""
+        mode = self.speculative_dspark_verify_mode or os.environ.get(VERIFY_MODE_ENV) or "static"
+        if mode not in VERIFY_MODES:
+            raise ValueError(f"{VERIFY_MODE_ENV} must be one of {VERIFY_MODES}, got {mode!r}")
+        return mode
 
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
@@ -89,10 +108,17 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
     if args.max_total_tokens is not None and args.max_total_tokens < 16:
         raise ValueError(f"max_total_tokens must be >= 16, got {args.max_total_tokens}")
-    if args.speculative_algorithm not in (None, "NONE", "NGRAM"):
-        raise ValueError(f"speculative_algorithm must be NONE or NGRAM (DSPARK is not built yet), got {args.speculative_algorithm!r}")
-    if not 1 <= args.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {args.speculative_num_draft_tokens}")
+    if args.speculative_algorithm not in SPEC_ALGORITHMS:
+        raise ValueError(f"speculative_algorithm must be one of DSPARK, NGRAM, NONE, got {args.speculative_algorithm!r}")
+    gamma = args.speculative_dspark_block_size
+    if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
+    if args.speculative_algorithm == "DSPARK" and not args.speculative_draft_model_path:
+        raise ValueError("speculative_draft_model_path: DSPARK needs a drafter directory "
+                         "(make a random one with `specserve init-drafter --out DIR`)")
+    if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
+        raise ValueError(f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got "
+                         f"{args.speculative_dspark_verify_mode!r}")
     if args.max_running_requests < 1:
         raise ValueError(f"max_running_requests must be >= 1, got {args.max_running_requests}")
     if args.max_prefill_tokens < 1:

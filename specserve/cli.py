@@ -1,4 +1,4 @@
-"""The `specserve` command: generate, bench."""
+"""The `specserve` command: generate, init-drafter, profile-sps, bench."""
 
 from __future__ import annotations
 
@@ -31,6 +31,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     ServerArgs.add_cli_args(gen)
 
+    init = sub.add_parser("init-drafter", help="write a randomly initialised DSpark drafter for a target model")
+    init.add_argument("--out", required=True, help="directory to write config.json and model.safetensors to")
+    init.add_argument("--model-path", default=None, help="target model (default: the embedded one)")
+    init.add_argument("--num-layers", type=int, default=1)
+    init.add_argument("--block-size", type=int, default=5, help="gamma: drafts per step")
+    init.add_argument("--markov-rank", type=int, default=64)
+    init.add_argument("--num-context-layers", type=int, default=3, help="target layers feeding the drafter")
+    init.add_argument("--mask-token-id", type=int, default=0)
+    init.add_argument("--seed", type=int, default=0)
+
+    prof = sub.add_parser("profile-sps", help="record verify steps/s against batch verify tokens (compact mode)")
+    from specserve.spec.profile_sps import add_profile_args
+
+    add_profile_args(prof)
+    ServerArgs.add_cli_args(prof)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="decode speed vs Hugging Face transformers on the same GGUF")
@@ -60,12 +76,37 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _init_drafter(ns: argparse.Namespace) -> int:
+    from specserve.args import MAX_DRAFT_TOKENS
+    from specserve.models.dspark import DsparkConfig, init_drafter, save_drafter
+    from specserve.models.loader import load_model_config
+
+    if not 1 <= ns.block_size <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--block-size must be in [1, {MAX_DRAFT_TOKENS}], got {ns.block_size}")
+    if ns.num_layers < 1 or ns.markov_rank < 1 or ns.num_context_layers < 1:
+        raise ValueError("--num-layers, --markov-rank and --num-context-layers must be >= 1")
+    target = load_model_config(ns.model_path)
+    cfg = DsparkConfig.for_target(target, ns.num_layers, ns.block_size, ns.markov_rank, ns.num_context_layers,
+                                  ns.mask_token_id)
+    cfg.extra = {"init": "random", "seed": ns.seed, "target": ns.model_path or "default"}
+    cfg.validate_for(target)
+    save_drafter(ns.out, cfg, init_drafter(cfg, ns.seed))
+    print(f"wrote a random DSpark drafter ({cfg.num_layers} layer(s), block {cfg.block_size}) to {ns.out}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
         if ns.command == "generate":
             return _generate(ns)
+        if ns.command == "init-drafter":
+            return _init_drafter(ns)
+        if ns.command == "profile-sps":
+            from specserve.spec.profile_sps import run_profile_sps
+
+            return run_profile_sps(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "bench" and ns.bench_command == "offline":
             from specserve.bench.offline import run_offline_bench
 

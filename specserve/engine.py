@@ -10,17 +10,19 @@ from typing import Any, Optional, Union
 
 import torch
 
-from specserve.args import MAX_DRAFT_TOKENS, ServerArgs
+from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
 from specserve.io.tokenizer import Tokenizer, load_tokenizer
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
-from specserve.models.model_runner import ModelRunner
+from specserve.models.dspark import DsparkDrafter, load_drafter
+from specserve.models.model_runner import DsparkParts, ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from specserve.spec.ngram import NgramDrafter
+from specserve.spec.planner import SpsTable, VerifyPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,6 @@ class Engine:
         self.context_length = min(self.args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.dtype = resolve_dtype(self.args.dtype)
         device = self.args.device
-        spec = self.args.speculative_algorithm not in (None, "NONE")
-        gamma = self.args.speculative_num_draft_tokens if spec else 0
         # A verify window may reach gamma positions past the last token that can be emitted.
         max_positions = self.context_length + MAX_DRAFT_TOKENS + 1
         model = LlamaForCausalLM(cfg, self.dtype, max_positions=max_positions).to(device)
@@ -71,12 +71,21 @@ class Engine:
         model.pack_for_cpu()
         model.eval()
         del loaded
-        size = kv_pool_tokens(self.args, KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype))
+        drafter = self._load_drafter(model, max_positions)
+        gamma = self._block_size(drafter)
+        draft_layers = drafter.config.num_layers if drafter is not None else 0
+        per_token = KVPool.bytes_per_token(cfg.num_layers + draft_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        size = kv_pool_tokens(self.args, per_token)
         self.kv = KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, device)
         self.allocator = TokenSlotAllocator(size)
         self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, max_positions, device)
         self.tree = RadixCache(self.allocator.free, disabled=self.args.disable_radix_cache)
-        self.runner = ModelRunner(model, self.kv, self.req_to_token, device, max_bs=self.args.max_running_requests)
+        dspark = None
+        if drafter is not None:  # the draft K/V share the target's token slots, so one allocator serves both
+            draft_kv = KVPool(size, draft_layers, drafter.config.num_kv_heads, drafter.config.head_dim, self.dtype, device)
+            dspark = DsparkParts(drafter, draft_kv, self._planner())
+        self.runner = ModelRunner(model, self.kv, self.req_to_token, device, max_bs=self.args.max_running_requests,
+                                  dspark=dspark)
         sched_cfg = SchedulerConfig(
             context_length=self.context_length,
             eos_token_ids=self.tokenizer.eos_token_ids,
@@ -86,11 +95,33 @@ class Engine:
             schedule_policy=self.args.schedule_policy,
             num_draft_tokens=gamma,
         )
-        drafter = NgramDrafter(gamma) if spec else None
+        host_drafter = NgramDrafter(gamma) if self.args.speculative_algorithm == "NGRAM" else None
         self.scheduler = Scheduler(sched_cfg, self.runner, self.allocator, self.req_to_token, self.tree,
-                                   decode_text=self.tokenizer.decode, drafter=drafter)
+                                   decode_text=self.tokenizer.decode, drafter=host_drafter)
         self._seed_rng = random.Random(self.args.random_seed)
         logger.info("engine ready: %s, %s, KV pool %d tokens", path, self.dtype, size)
+
+    def _load_drafter(self, model: LlamaForCausalLM, max_positions: int) -> Optional[DsparkDrafter]:
+        if self.args.speculative_algorithm != "DSPARK":
+            return None
+        drafter = load_drafter(self.args.speculative_draft_model_path, self.model_config, self.dtype,
+                               self.args.device, max_positions, self.args.speculative_dspark_block_size)
+        drafter.attach_target(model.embed_tokens, model.lm_head)
+        return drafter
+
+    def _block_size(self, drafter: Optional[DsparkDrafter]) -> int:
+        """gamma: 0 without speculation; the flag, else the drafter checkpoint's, else 5."""
+        if not self.args.speculating:
+            return 0
+        if drafter is not None:
+            return drafter.block_size
+        return self.args.speculative_dspark_block_size or DEFAULT_BLOCK_SIZE
+
+    def _planner(self) -> Optional[VerifyPlanner]:
+        if self.args.verify_mode() == "static":
+            return None
+        path = self.args.speculative_dspark_sps_table_path
+        return VerifyPlanner(SpsTable.load(path) if path else None)
 
     # ------------------------------------------------------------ API
 

@@ -65,7 +65,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One index per row of (unnormalised) probs, by inverse CDF at the row's uniform u."""
     cdf = probs.double().cumsum(-1)
     cdf = cdf / cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u.unsqueeze(1)).squeeze(1)
+    idx = torch.searchsorted(cdf, u.reshape(-1, 1).contiguous()).squeeze(1)
     idx = idx.clamp(max=probs.shape[1] - 1)
     # Never land on a zero-probability token when u falls on a flat stretch of the CDF.
     zero = probs.gather(1, idx.unsqueeze(1)).squeeze(1) == 0

@@ -18,5 +18,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] token slots receiving this step's K/V
     attn: AttentionMetadata
     logit_rows: torch.Tensor  # rows of the flat batch whose logits are wanted
+    capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads
+    captured_hidden: torch.Tensor | None = None  # [T, len(capture_layer_ids) * H], filled by the model
     rope_cos: torch.Tensor | None = None  # [T, 1, D/2], filled by the model once per pass
     rope_sin: torch.Tensor | None = None

@@ -68,7 +68,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The target model. forward() writes K/V for the batch's new tokens and returns float32 logits."""
+    """The target model. forward() writes K/V for the batch's new tokens and returns float32 logits
+    of `fb.logit_rows`; with `fb.capture_layer_ids` it also leaves those layers' outputs (every row)
+    in `fb.captured_hidden` for the DSpark drafter."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext = TPContext(), max_positions: int | None = None):
         super().__init__()
@@ -84,8 +86,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
         fb.rope_cos, fb.rope_sin = self.rope.cos_sin(fb.positions, self.dtype)
         hidden = self.embed_tokens(fb.input_ids)
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
             hidden = layer(hidden, fb, kv)
+            if i in fb.capture_layer_ids:
+                captured.append(hidden)
+        if captured:  # the drafter's context: these layers' outputs for every row, concatenated
+            fb.captured_hidden = torch.cat(captured, dim=-1)
         hidden = self.norm(hidden[fb.logit_rows])
         return self.lm_head(hidden)
 

@@ -78,6 +78,17 @@ def load_model(model_path: Optional[str]) -> LoadedModel:
     return _load_gguf(path)
 
 
+def load_model_config(model_path: Optional[str]) -> ModelConfig:
+    """The model's shape only (no weights): the GGUF header or config.json."""
+    path = resolve_model_path(model_path)
+    if os.path.isdir(path):
+        with open(os.path.join(path, "config.json")) as f:
+            return ModelConfig.from_hf_config(json.load(f))
+    import gguf
+
+    return gguf_config(gguf.GGUFReader(path))
+
+
 # ---------------------------------------------------------------- GGUF
 
 def gguf_field(reader, key: str, default=None):

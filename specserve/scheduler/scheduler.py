@@ -77,8 +77,9 @@ class Scheduler:
         self.tree = tree
         self.decode_text = decode_text
         self.drafter = drafter
-        # Each running request takes this many slots per decode step: the anchor plus its drafts.
-        self.window = 1 + (cfg.num_draft_tokens if drafter is not None else 0)
+        # Each decode step covers this many positions per request: the anchor plus its drafts.
+        # Drafts come from a host drafter (NGRAM) here, or from the runner (DSPARK, on the device).
+        self.window = 1 + cfg.num_draft_tokens
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
@@ -176,11 +177,10 @@ class Scheduler:
                 self.running.append(req)
             else:
                 # Window rows 0..appended-1 (the anchor and the emitted drafts) hold committed KV.
+                # The slots past them stay with the request: the next window overwrites them.
                 req.kv_len = start + appended
                 if batch.mode == "verify":
                     self._record_spec(req, appended, len(emitted))
-                self.allocator.free(req.kv_slots[req.kv_len:])
-                del req.kv_slots[req.kv_len:]
             if reason is not None:
                 self.running.remove(req)
                 self._release(req)
@@ -264,35 +264,52 @@ class Scheduler:
     # ------------------------------------------------------------ decode
 
     def _schedule_decode(self) -> ScheduleBatch:
-        """Every running request advances: one token, or with a drafter a verify window
-        [anchor, d_1..d_g] at positions kv_len..kv_len+g over freshly allocated slots."""
-        slots = self._alloc_or_retract(None)
+        """Every running request advances: one token, or a verify window [anchor, d_1..d_g] at
+        positions kv_len..kv_len+g. Window slots a request still holds from its previous window
+        (rejected drafts) are reused; only the shortfall is allocated."""
+        w = self._grow_windows()
         reqs = list(self.running)
-        w = self.window
         input_ids: list[int] = []
+        out_cache_loc: list[int] = []
         for req in reqs:
             input_ids.append(req.output_ids[-1])
-            if w > 1:
-                input_ids.extend(self.drafter.propose(req.fill_ids)[:w - 1])
+            if w > 1:  # placeholders (the anchor) unless a host drafter proposes; the runner drafts then
+                drafts = self.drafter.propose(req.fill_ids) if self.drafter is not None else []
+                input_ids.extend((drafts + [req.output_ids[-1]] * w)[:w - 1])
+            out_cache_loc.extend(req.kv_slots[req.kv_len:req.kv_len + w])
         mode = "verify" if w > 1 else "decode"
-        batch = ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, slots,
-                              [True] * len(reqs))
-        for i, req in enumerate(reqs):
-            own = slots[i * w:(i + 1) * w]
-            self.req_to_token.write(req.req_pool_idx, req.kv_len, own)
-            req.kv_slots.extend(own)
-        return batch
+        return ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, out_cache_loc,
+                             [True] * len(reqs))
 
-    def _alloc_or_retract(self, n: Optional[int]) -> list[int]:
-        """Allocate n slots (None: one per running request), evicting cache, then retracting requests."""
+    def _grow_windows(self) -> int:
+        """Give every running request slots for positions up to kv_len + window - 1."""
+        w = self.window
         while True:
-            want = len(self.running) * self.window if n is None else n
-            slots = self._alloc_slots(want)
+            short = {id(r): r.kv_len + w - len(r.kv_slots) for r in self.running}
+            slots = self._alloc_slots(sum(max(0, n) for n in short.values()))
+            if slots is not None:
+                break
+            if len(self.running) <= 1:
+                raise RuntimeError(f"scheduler: decode needs {sum(short.values())} KV slots, {self._available()} "
+                                   "available, nothing left to retract (admission should have prevented this)")
+            self._retract_one()
+        offset = 0
+        for req in self.running:
+            n = max(0, short[id(req)])
+            own = slots[offset:offset + n]
+            offset += n
+            self.req_to_token.write(req.req_pool_idx, len(req.kv_slots), own)
+            req.kv_slots.extend(own)
+        return w
+
+    def _alloc_or_retract(self, n: int) -> list[int]:
+        """Allocate n slots for a prefill, evicting cache, then retracting running requests."""
+        while True:
+            slots = self._alloc_slots(n)
             if slots is not None:
                 return slots
-            # A decode needs at least one request left to run; a prefill can retract every running one.
-            if len(self.running) <= (1 if n is None else 0):
-                raise RuntimeError(f"scheduler: {want} KV slots needed, {self._available()} available, nothing "
+            if not self.running:
+                raise RuntimeError(f"scheduler: {n} KV slots needed, {self._available()} available, nothing "
                                    "left to retract (admission should have prevented this)")
             self._retract_one()
 

@@ -28,7 +28,7 @@ def reference(fp32_engine, prompts):
 @pytest.mark.parametrize("gamma", [1, 3, 5, 7])
 def test_ngram_greedy_is_lossless(fp32_engine, prompts, reference, gamma):
     spec = Engine(dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM",
-                  speculative_num_draft_tokens=gamma)
+                  speculative_dspark_block_size=gamma)
     batch = spec.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in batch] == reference
     alone = spec.generate(input_ids=prompts[0], sampling_params=GREEDY)
@@ -50,7 +50,7 @@ def test_stop_inside_an_accepted_run_emits_nothing_past_it(fp32_engine):
     prompt = fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[3]}])
     full = fp32_engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 60})
     assert "9. 9" in full["text"], full["text"]
-    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", speculative_num_draft_tokens=7)
+    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", speculative_dspark_block_size=7)
     params = {"temperature": 0, "max_new_tokens": 60, "stop": ["9. 9"]}
     ours = spec.generate(input_ids=prompt, sampling_params=params)
     plain = fp32_engine.generate(input_ids=prompt, sampling_params=params)
@@ -65,7 +65,7 @@ def test_stop_inside_an_accepted_run_emits_nothing_past_it(fp32_engine):
 
 
 def test_ngram_sampling_is_seeded_and_reproducible():
-    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", speculative_dspark_block_size=4)
     prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[0]}])
     params = {"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_new_tokens": 32}
     a = spec.generate(input_ids=[prompt, prompt[:-3]], sampling_params=[params, {**params, "temperature": 0}])

@@ -1,0 +1,319 @@
+"""The DSpark block drafter: g drafts in one bidirectional pass, then a Markov head left to right.
+
+Notation (DSPARK.md): S tokens have KV in the cache, `a` is the anchor (the last target-approved
+token, not yet cached). The block `[a, M, .., M]` (M = mask id) sits at positions S..S+g-1; slot
+k predicts the token after position S+k, so g slots give g drafts and the verify window is g + 1.
+
+Context comes from the target: `ctx = norm(fc(cat(h_l for l in target_layer_ids)))` per committed
+token, projected by each draft layer into its own K/V at that token's absolute position and kept in
+a paged draft-KV pool indexed by the target's token slots. Only committed tokens are injected: the
+whole prompt at prefill, the anchor and accepted drafts after each verify.
+
+The drafter is replicated on every tensor-parallel rank (it is small; sharding it would add two
+all-reduces per draft layer for a few MFLOPs of work) and shares the target's input embedding and
+LM head, frozen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.kv.pool import KVPool
+from specserve.models.config import ModelConfig
+from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from specserve.sampler import counter_uniform, filtered_probs, inverse_cdf
+from specserve.sampling_params import SamplingParams
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Draft sampling draws its uniforms from counters disjoint from the verify's (those use j < 32).
+DRAFT_COUNTER_OFFSET = 32
+
+
+@dataclass
+class DsparkConfig:
+    """Shape of a drafter, saved as config.json next to model.safetensors."""
+
+    hidden_size: int  # equals the target's: the embedding and LM head are shared
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_hidden_size: int
+    target_layer_ids: list[int]
+    block_size: int = 5
+    markov_rank: int = 64
+    mask_token_id: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    architecture: str = "dspark"
+    extra: dict = field(default_factory=dict)  # free-form provenance (target, training run, ...)
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, num_layers: int = 1, block_size: int = 5, markov_rank: int = 64,
+                   num_context_layers: int = 3, mask_token_id: int = 0) -> "DsparkConfig":
+        """A drafter as wide as the target, reading `num_context_layers` layers spread over its depth."""
+        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_layers=num_layers,
+                   num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                   vocab_size=target.vocab_size, target_hidden_size=target.hidden_size,
+                   target_layer_ids=spread_layers(target.num_layers, num_context_layers), block_size=block_size,
+                   markov_rank=markov_rank, mask_token_id=mask_token_id, rms_norm_eps=target.rms_norm_eps,
+                   rope_theta=target.rope_theta)
+
+    def validate_for(self, target: ModelConfig) -> None:
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target {target.hidden_size} (the LM head is shared)")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target {target.vocab_size}")
+        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            problems.append(f"target_layer_ids {self.target_layer_ids} must be increasing (fc reads them in layer order)")
+        if any(not 0 <= i < target.num_layers for i in self.target_layer_ids):
+            problems.append(f"target_layer_ids {self.target_layer_ids} outside 0..{target.num_layers - 1}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary")
+        if problems:
+            raise ValueError("speculative_draft_model_path: drafter does not fit the target: " + "; ".join(problems))
+
+
+def spread_layers(num_layers: int, n: int) -> list[int]:
+    """n target layer ids spread from the second layer to the third-from-last."""
+    lo, hi = min(1, num_layers - 1), max(0, num_layers - 3)
+    if n == 1:
+        return [hi]
+    return sorted({round(lo + (hi - lo) * i / (n - 1)) for i in range(n)})
+
+
+@dataclass
+class DraftOut:
+    """One drafting pass for bs requests (all on the drafter's device).
+
+    tokens [bs, g] int64; probs [bs, g, V] float32, the Markov-corrected distribution q each draft
+    was taken from (one-hot rows for greedy requests), or None when every request is greedy;
+    confidence [bs, g]: c_k, the drafter's estimate that slot k survives given slots < k did.
+    """
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor]
+    confidence: torch.Tensor
+
+
+class DraftLayer(nn.Module):
+    """A decoder layer whose queries come from the block and whose K/V cover context and block."""
+
+    def __init__(self, cfg: DsparkConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of context rows [N, H] at their absolute positions -> [N, KVH, D] each."""
+        k = apply_rope(self.k_proj(ctx).view(ctx.shape[0], -1, self.head_dim), cos, sin)
+        return k, self.v_proj(ctx).view(ctx.shape[0], -1, self.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: Optional[torch.Tensor],
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [bs, g, H]; ctx_k/ctx_v [bs, C, KVH, D]; mask additive [bs, 1, 1, C + g] or None."""
+        bs, g, _ = x.shape
+        h = self.input_layernorm(x).view(bs * g, -1)
+        q = apply_rope(self.q_proj(h).view(bs * g, -1, self.head_dim), cos, sin).view(bs, g, -1, self.head_dim)
+        k = apply_rope(self.k_proj(h).view(bs * g, -1, self.head_dim), cos, sin).view(bs, g, -1, self.head_dim)
+        v = self.v_proj(h).view(bs, g, -1, self.head_dim)
+        keys, values = torch.cat([ctx_k, k], 1), torch.cat([ctx_v, v], 1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask, enable_gqa=True)  # bidirectional inside the block
+        x = x + self.o_proj(out.transpose(1, 2).reshape(bs, g, -1))
+        m = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+
+class DsparkDrafter(nn.Module):
+    """The drafter's own weights; `embed` and `lm_head` are the target's (callables, frozen)."""
+
+    def __init__(self, cfg: DsparkConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        n_ctx = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_ctx * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+        self.markov_w2 = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
+        self.confidence = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def attach_target(self, embed: Callable[[torch.Tensor], torch.Tensor],
+                      lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.embed, self.lm_head = embed, lm_head
+
+    # ------------------------------------------------------------ context injection
+
+    @torch.inference_mode()
+    def inject(self, target_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: KVPool) -> None:
+        """Write every draft layer's K/V for committed tokens.
+
+        target_hidden [N, len(target_layer_ids) * H_target]: the target's hidden states of exactly
+        the committed tokens; positions [N] their absolute positions; slots [N] their token slots.
+        """
+        if target_hidden.shape[0] == 0:
+            return
+        ctx = self.context(target_hidden)
+        cos, sin = self.rope.cos_sin(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, cos, sin)
+            kv.write(i, slots, k, v)
+
+    def context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+
+    # ------------------------------------------------------------ drafting
+
+    @torch.inference_mode()
+    def propose(self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool,
+                params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int]) -> DraftOut:
+        """Draft g tokens per request.
+
+        anchors [bs]; prefix_lens [bs] (S); ctx_slots [bs, C] token slots of context positions
+        0..C-1 (columns >= S are ignored); counters: each request's output length, from which the
+        draft uniforms derive, so sampled drafts are reproducible across batches and ranks.
+        """
+        hidden = self.block_hidden(anchors, prefix_lens, ctx_slots, kv)
+        base = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(hidden.shape[0], hidden.shape[1], -1)
+        return self.markov_decode(anchors, hidden, base, params, seeds, counters)
+
+    def block_hidden(self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor,
+                     kv: KVPool) -> torch.Tensor:
+        """Final-normed hidden states of the block slots, [bs, g, H]."""
+        bs, g = anchors.shape[0], self.block_size
+        ids = torch.full((bs, g), self.config.mask_token_id, dtype=torch.int64, device=anchors.device)
+        ids[:, 0] = anchors
+        positions = (prefix_lens.unsqueeze(1) + torch.arange(g, device=anchors.device)).reshape(-1)
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        x = self.embed(ids.reshape(-1)).to(self.dtype).view(bs, g, -1)
+        width = ctx_slots.shape[1]
+        ctx_valid = torch.arange(width, device=anchors.device).unsqueeze(0) < prefix_lens.unsqueeze(1)
+        slots = ctx_slots.masked_fill(~ctx_valid, 0)
+        mask = None
+        if not bool(ctx_valid.all()):
+            keep = torch.cat([ctx_valid, ctx_valid.new_ones(bs, g)], 1)
+            mask = torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+            mask = mask.view(bs, 1, 1, -1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv.k[i][slots], kv.v[i][slots], mask, cos, sin)
+        return self.norm(x)
+
+    def markov_decode(self, anchors: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor,
+                      params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int]) -> DraftOut:
+        """Left to right: logits_k = U_k + W2 W1[prev_k]; pick x_k; prev_{k+1} = x_k."""
+        bs, g, _ = base_logits.shape
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        tokens = torch.empty(bs, g, dtype=torch.int64, device=anchors.device)
+        probs = torch.zeros_like(base_logits) if sampled else None
+        conf = torch.empty(bs, g, dtype=torch.float32, device=anchors.device)
+        prev = anchors.long()
+        for k in range(g):
+            e = self.markov_w1(prev)
+            logits = base_logits[:, k] + self.markov_w2(e).float()
+            conf[:, k] = torch.sigmoid(self.confidence(torch.cat([hidden[:, k], e], -1)).float().squeeze(-1))
+            pick = logits.argmax(-1)
+            if sampled:
+                probs[:, k] = F.one_hot(pick, logits.shape[-1]).float()
+                q = filtered_probs(logits[sampled].cpu(), [params[i] for i in sampled])
+                u = torch.tensor([counter_uniform(seeds[i], (counters[i] << 6) + DRAFT_COUNTER_OFFSET + k)
+                                  for i in sampled], dtype=torch.float64)
+                rows = torch.tensor(sampled, device=anchors.device)
+                pick[rows] = inverse_cdf(q, u).to(pick.device)
+                probs[rows, k] = q.to(probs.device)
+            tokens[:, k] = pick
+            prev = pick
+        return DraftOut(tokens, probs, conf)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def init_drafter(cfg: DsparkConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Randomly initialised weights (normal(0, std), norms at 1), as a state dict."""
+    gen = torch.Generator().manual_seed(seed)
+    model = DsparkDrafter(cfg, max_positions=1)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            state[name] = torch.ones_like(tensor)
+        elif name.endswith(".bias"):
+            state[name] = torch.zeros_like(tensor)
+        else:
+            state[name] = torch.randn(tensor.shape, generator=gen) * std
+    return state
+
+
+def save_drafter(out_dir: str, cfg: DsparkConfig, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+        json.dump(asdict(cfg), f, indent=2)
+    save_file({k: v.contiguous().float() for k, v in state.items()}, os.path.join(out_dir, WEIGHTS_FILE))
+
+
+def read_drafter_config(path: str) -> DsparkConfig:
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(f"speculative_draft_model_path: no {CONFIG_FILE} in {path!r}")
+    with open(file) as f:
+        raw = json.load(f)
+    if raw.get("architecture") != "dspark":
+        raise ValueError(f"speculative_draft_model_path: {file} is not a DSpark drafter config")
+    known = DsparkConfig.__dataclass_fields__
+    return DsparkConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def load_drafter(path: str, target: ModelConfig, dtype: torch.dtype, device: str, max_positions: int,
+                 block_size: Optional[int] = None) -> DsparkDrafter:
+    """Read config.json + model.safetensors; `block_size` overrides the checkpoint's gamma."""
+    from safetensors.torch import load_file
+
+    cfg = read_drafter_config(path)
+    cfg.validate_for(target)
+    if block_size is not None:
+        cfg.block_size = block_size
+    model = DsparkDrafter(cfg, max_positions)
+    state = load_file(os.path.join(path, WEIGHTS_FILE))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"speculative_draft_model_path: weights do not match the config: missing {missing}, "
+                         f"unexpected {unexpected}")
+    model.to(device)
+    for p in model.parameters():  # parameters only: the RoPE tables stay float32, as the target's do
+        p.requires_grad_(False)
+        p.data = p.data.to(dtype)
+    return model.eval()

@@ -1,0 +1,253 @@
+"""DSPARK end to end on the real model: lossless greedy output, draft-KV injection, compact verify.
+
+A randomly initialised drafter accepts almost nothing, so some tests plant an oracle: the runner's
+drafts are replaced by the true greedy continuation, which makes long accepted runs (and stops
+inside them) happen through the real verify, accept, commit and injection path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.cli import main as cli_main
+from specserve.models.dspark import read_drafter_config
+
+CONTENTS = ["What is the capital of France?", "Count from 1 to 20, separated by commas.",
+            "Write a haiku about rain.", "List the days of the week.", "Explain what a CPU does.",
+            "Spell the word 'banana' letter by letter.", "Name three primary colors.", "What is 12 times 12?"]
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter")
+    assert cli_main(["init-drafter", "--out", str(out), "--block-size", "4", "--seed", "3"]) == 0
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def prompts(fp32_engine):
+    return [fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
+
+
+@pytest.fixture(scope="module")
+def reference(fp32_engine, prompts):
+    fp32_engine.tree.reset()
+    return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+def dspark_engine(drafter_dir: str, **kwargs) -> Engine:
+    return Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="DSPARK",
+                  speculative_draft_model_path=drafter_dir, **kwargs)
+
+
+def plant_oracle(engine: Engine, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Replace the drafter's tokens by the true greedy continuation (0 past its end)."""
+    runner = engine.runner
+    truth = {tuple(p): o for p, o in zip(prompts, outputs)}
+    original = runner._draft
+
+    def oracle_draft(batch, ids, prefix):
+        draft = original(batch, ids, prefix)
+        gamma = ids.shape[1] - 1
+        for r, req in enumerate(batch.reqs):
+            out = truth[tuple(req.input_ids)]
+            n = len(req.output_ids)
+            nxt = (out[n:n + gamma] + [0] * gamma)[:gamma]
+            ids[r, 1:] = torch.tensor(nxt)
+        return draft
+
+    runner._draft = oracle_draft
+
+
+def test_block_size_defaults_to_the_checkpoint_and_the_flag_overrides_it(drafter_dir):
+    assert read_drafter_config(drafter_dir).block_size == 4
+    engine = dspark_engine(drafter_dir)
+    assert engine.scheduler.window == 5
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=2)
+    assert engine.scheduler.window == 3
+
+
+@pytest.mark.parametrize("mode", ["static", "compact"])
+@pytest.mark.parametrize("gamma", [1, 3, 5, 7])
+def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, gamma, mode, tmp_path):
+    table = tmp_path / "sps.json"  # flat up to 20 rows, then slower: compact picks partial windows
+    table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, speculative_dspark_verify_mode=mode,
+                           speculative_dspark_sps_table_path=str(table))
+    batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batch] == reference
+    alone = engine.generate(input_ids=prompts[1], sampling_params=GREEDY)
+    assert alone["output_ids"] == reference[1]
+    for out in batch:
+        info = out["meta_info"]
+        assert info["spec_verify_ct"] >= 1 and 1.0 <= info["spec_accept_length"] <= gamma + 1
+    engine.scheduler.check_integrity()
+    engine.tree.reset()
+    assert engine.allocator.available == engine.allocator.size
+
+
+def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, reference, tmp_path):
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5, speculative_dspark_verify_mode="compact",
+                           speculative_dspark_sps_table_path=str(table))
+    plant_oracle(engine, prompts, reference)
+    seen = []
+    planner = engine.runner.dspark.planner
+    original = planner.verify_lens
+    planner.verify_lens = lambda conf: seen.append(original(conf)) or seen[-1]
+    batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batch] == reference
+    lens = [n for step in seen for n in step]
+    assert min(lens) < 6 and max(lens) > 1, f"planner never produced ragged windows: {seen}"
+    # Perfect drafts, so every verified row is accepted: the cap is the only limit.
+    trimmed = sum(o["meta_info"]["spec_num_correct_drafts"] for o in batch)
+    assert trimmed > 0
+
+
+def test_oracle_drafts_give_long_runs_and_the_metrics_identity(drafter_dir, prompts, reference):
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5)
+    plant_oracle(engine, prompts, reference)
+    batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batch] == reference
+    for out in batch:
+        info = out["meta_info"]
+        assert info["spec_accept_length"] > 3.0, info
+        # Identity kept: completion = first token from prefill + one bonus per verify step + the
+        # accepted drafts, less at most the bonus a stop inside the last run cut off.
+        bonuses = info["completion_tokens"] - 1 - info["spec_num_correct_drafts"]
+        assert bonuses in (info["spec_verify_ct"], info["spec_verify_ct"] - 1)
+        assert sum(info["spec_correct_drafts_histogram"].values()) == info["spec_verify_ct"]
+
+
+def test_stops_inside_an_accepted_dspark_run(drafter_dir, fp32_engine, prompts):
+    prompt = prompts[1]
+    full = fp32_engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 60})
+    assert "9. 9" in full["text"], full["text"]
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=7)
+    plant_oracle(engine, [prompt], [full["output_ids"]])
+    params = {"temperature": 0, "max_new_tokens": 60, "stop": ["9. 9"]}
+    ours = engine.generate(input_ids=prompt, sampling_params=params)
+    assert ours["text"] == full["text"][:full["text"].index("9. 9")]
+    assert ours["meta_info"]["spec_accept_length"] > 3.0
+    stop_id = full["output_ids"][11]
+    ours = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 60,
+                                                              "stop_token_ids": [stop_id]})
+    assert ours["output_ids"] == full["output_ids"][:full["output_ids"].index(stop_id) + 1]
+    limited = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 9})
+    assert limited["output_ids"] == full["output_ids"][:9]
+    engine.scheduler.check_integrity()
+    engine.tree.reset()
+    assert engine.allocator.available == engine.allocator.size
+
+
+def inject_every_row(runner):
+    """Mutation: inject the whole window, rejected rows included."""
+    def inject(batch, fb, out, prefix, verify_lens):
+        everything = out.map(torch.clone)
+        everything.commit_lens.fill_(out.out_tokens.shape[1])
+        type(runner)._inject_committed(runner, batch, fb, everything, prefix, verify_lens)
+    runner._inject_committed = inject
+
+
+def inject_one_position_late(runner):
+    """Mutation: the right rows at RoPE positions shifted by one (the seed's acceptance symptom)."""
+    def inject(batch, fb, out, prefix, verify_lens):
+        type(runner)._inject_committed(runner, batch, fb, out, prefix + 1, verify_lens)
+    runner._inject_committed = inject
+
+
+@pytest.mark.parametrize("mutation", [None, inject_every_row, inject_one_position_late])
+def test_injection_writes_exactly_the_committed_rows(drafter_dir, prompts, reference, mutation):
+    """After one verify step, the draft K/V at the window's committed slots are those computed from
+    the target's hidden states at positions S..S+commit_len-1, and the other slots are untouched.
+    The planted mutations must make this check fail."""
+    if mutation is None:
+        check_injection(drafter_dir, prompts, reference, None)
+    else:
+        with pytest.raises(AssertionError, match="draft (K|V)"):
+            check_injection(drafter_dir, prompts, reference, mutation)
+
+
+def check_injection(drafter_dir, prompts, reference, mutation):
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5, disable_radix_cache=True)
+    if mutation is not None:
+        mutation(engine.runner)
+    plant_oracle(engine, prompts[:1], [reference[0][:3] + [7, 7, 7, 7, 7] + reference[0][3:]])  # 2 right drafts
+    draft_kv, drafter = engine.runner.dspark.kv, engine.runner.dspark.drafter
+    sched = engine.scheduler
+    sched.add_request(engine._make_req(list(prompts[0]), engine._normalize_params(GREEDY, 1)[0]))
+    sched.step()  # prefill: injects the whole prompt
+    req = sched.running[0]
+    prompt_len = len(prompts[0])
+    assert req.kv_len == prompt_len
+    before_k = [k.clone() for k in draft_kv.k]
+    batch = sched.schedule()
+    window = list(batch.out_cache_loc)
+    tokens = engine.runner.run_batch(batch)
+    sched.process_result(batch, tokens)
+    commit = len(tokens[0])
+    assert commit == 3 and tokens[0] == reference[0][1:4]  # anchor + 2 accepted drafts, then the bonus
+    # Recompute the target's hidden states for the whole committed sequence from scratch.
+    seq = list(prompts[0]) + reference[0][:commit]
+    fresh = Engine(dtype="float32", max_total_tokens=1024)
+    fb = _prefill(fresh, seq, drafter.config.target_layer_ids)
+    hidden = fb.captured_hidden[prompt_len:prompt_len + commit]
+    positions = torch.arange(prompt_len, prompt_len + commit)
+    ctx = drafter.context(hidden)
+    cos, sin = drafter.rope.cos_sin(positions, ctx.dtype)
+    for i, layer in enumerate(drafter.layers):
+        want_k, want_v = layer.context_kv(ctx, cos, sin)
+        got_k = draft_kv.k[i][torch.tensor(window[:commit])]
+        got_v = draft_kv.v[i][torch.tensor(window[:commit])]
+        assert torch.allclose(got_k, want_k, atol=1e-4), f"draft K of committed rows: off by {(got_k - want_k).abs().max()}"
+        assert torch.allclose(got_v, want_v, atol=1e-4), "draft V of committed rows"
+        rejected = torch.tensor(window[commit:])
+        assert torch.equal(draft_kv.k[i][rejected], before_k[i][rejected]), "draft K written past commit_len"
+        # Nothing else moved either.
+        others = torch.ones(draft_kv.k[i].shape[0], dtype=torch.bool)
+        others[torch.tensor(window[:commit])] = False
+        assert torch.equal(draft_kv.k[i][others], before_k[i][others]), "draft K written outside the window"
+
+
+def _prefill(engine: Engine, ids: list[int], layers):
+    from specserve.models.attention import AttentionMetadata
+    from specserve.models.forward_batch import ForwardBatch
+
+    n = len(ids)
+    engine.req_to_token.table[0, :n] = torch.arange(1, n + 1)
+    meta = AttentionMetadata.build(engine.req_to_token.table, [0], [n], [n], "cpu", torch.float32)
+    fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1), meta, torch.tensor([n - 1]),
+                      capture_layer_ids=tuple(layers))
+    engine.runner.model(fb, engine.kv)
+    return fb
+
+
+def test_dspark_sampling_is_seeded_and_batch_invariant(drafter_dir, prompts):
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=3)
+    params = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_new_tokens": 20}
+    mixed = engine.generate(input_ids=[prompts[0], prompts[2]], sampling_params=[params, {**params, "temperature": 0}])
+    alone = engine.generate(input_ids=prompts[0], sampling_params=params)
+    assert mixed[0]["output_ids"] == alone["output_ids"]
+    assert alone["meta_info"]["spec_verify_ct"] > 0
+    engine.scheduler.check_integrity()
+
+
+def test_dspark_flag_errors(drafter_dir, tmp_path):
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        Engine(speculative_algorithm="DSPARK")
+    with pytest.raises(ValueError, match="no config.json"):
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=str(tmp_path))
+    with pytest.raises(ValueError, match="speculative_dspark_verify_mode"):
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
+               speculative_dspark_verify_mode="ragged")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="SPS table"):
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
+               speculative_dspark_verify_mode="compact", speculative_dspark_sps_table_path=str(bad))
