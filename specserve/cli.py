@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(off)
     ServerArgs.add_cli_args(off)
+    spec = bench_sub.add_parser("spec", help="NONE vs NGRAM vs DSPARK on MT-Bench first turns, with HF peers")
+    from specserve.bench.spec import add_spec_bench_args
+
+    add_spec_bench_args(spec)
+    ServerArgs.add_cli_args(spec)
     return parser
 
 
@@ -111,6 +116,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.offline import run_offline_bench
 
             return run_offline_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "spec":
+            from specserve.bench.spec import run_spec_bench
+
+            return run_spec_bench(ns, ServerArgs.from_cli_args(ns))
     except ValueError as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)
         return 2

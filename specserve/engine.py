@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 import uuid
 from typing import Any, Optional, Union
 
@@ -27,6 +28,7 @@ from specserve.spec.planner import SpsTable, VerifyPlanner
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[str], None]
+STATS_LOG_INTERVAL_S = 5.0  # the periodic engine log line (at INFO)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -99,6 +101,7 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, self.runner, self.allocator, self.req_to_token, self.tree,
                                    decode_text=self.tokenizer.decode, drafter=host_drafter)
         self._seed_rng = random.Random(self.args.random_seed)
+        self._last_log = time.monotonic()
         logger.info("engine ready: %s, %s, KV pool %d tokens", path, self.dtype, size)
 
     def _load_drafter(self, model: LlamaForCausalLM, max_positions: int) -> Optional[DsparkDrafter]:
@@ -140,12 +143,20 @@ class Engine:
                 done[req.rid] = early
         while len(done) < len(reqs):
             result = self.scheduler.step()
+            self._maybe_log_stats()
             for req in result.finished:
                 done[req.rid] = req
             if not self.scheduler.has_work() and len(done) < len(reqs):
                 raise RuntimeError("engine: scheduler idle with unfinished requests")
         outputs = [self._output(r) for r in reqs]
         return outputs[0] if single else outputs
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= STATS_LOG_INTERVAL_S and logger.isEnabledFor(logging.INFO):
+            self._last_log = now
+            sched = self.scheduler
+            logger.info("%s", sched.stats.log_line(len(sched.running), len(sched.waiting)))
 
     def shutdown(self) -> None:
         self.scheduler = None
@@ -232,4 +243,5 @@ def _spec_info(req: Req) -> dict[str, Any]:
         "spec_num_correct_drafts": req.spec_num_correct_drafts,
         "spec_accept_length": len(req.output_ids) / req.spec_verify_ct,
         "spec_correct_drafts_histogram": dict(sorted(req.spec_correct_hist.items())),
+        "spec_cap_trim_histogram": dict(sorted(req.spec_cap_trim_hist.items())),
     }

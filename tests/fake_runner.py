@@ -70,14 +70,18 @@ class FakeRunner:
     """Deterministic next-token oracle with KV bookkeeping checks."""
 
     def __init__(self, vocab: int = 1000, eos_id: Optional[int] = None,
-                 eos_at: Optional[dict[tuple[int, ...], int]] = None, check_kv: bool = True):
-        """eos_at maps a prompt (tuple of ids) to the output index at which `eos_id` is emitted."""
+                 eos_at: Optional[dict[tuple[int, ...], int]] = None, check_kv: bool = True,
+                 accept: Optional[Callable[[Req, int], int]] = None):
+        """eos_at maps a prompt (tuple of ids) to the output index at which `eos_id` is emitted.
+        accept(req, window) gives how many drafts a verify step accepts (0..window-1); the default
+        is a hash of the request and its length, so runs of every length occur."""
         if vocab <= FIRST_NORMAL_TOKEN:
             raise ValueError("vocab too small")
         self.vocab = vocab
         self.eos_id = eos_id
         self.eos_at = dict(eos_at or {})
         self.check_kv = check_kv
+        self.accept = accept or (lambda req, w: prefix_hashes([len(req.output_ids), len(req.input_ids)])[-1] % w)
         self.batches: list[BatchRecord] = []
         self.shadow: dict[int, tuple[int, int, int]] = {}  # slot -> (position, token, prefix hash)
         self.sched: Optional[Scheduler] = None
@@ -109,7 +113,7 @@ class FakeRunner:
     # ------------------------------------------------------------ the runner protocol
 
     def run_batch(self, batch: ScheduleBatch) -> list[Optional[int]]:
-        assert batch.mode in ("extend", "decode"), batch.mode
+        assert batch.mode in ("extend", "decode", "verify"), batch.mode
         n = batch.size
         assert n > 0, "empty batch"
         assert len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.sample) == n
@@ -121,10 +125,30 @@ class FakeRunner:
                                         list(batch.extend_lens), list(batch.sample)))
         if self.check_kv:
             self._check_batch(batch)
+        if batch.mode == "verify":
+            return [self._verify(req, prefix, w, batch.out_cache_loc[i * w:(i + 1) * w])
+                    for i, (req, prefix, w) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens))]
         out: list[Optional[int]] = []
         for req, wanted in zip(batch.reqs, batch.sample):
             out.append(self.next_token(req.input_ids, req.output_ids) if wanted else None)
         return out
+
+    def _verify(self, req: Req, prefix: int, width: int, slots: list[int]) -> list[int]:
+        """What a speculative runner commits: the true next tokens, as many as the drafts it
+        accepted plus the bonus. Shadow KV: committed rows hold their tokens, the rest is stale."""
+        chain: list[int] = []
+        for _ in range(width):
+            chain.append(self.next_token(req.input_ids, req.output_ids + chain))
+        accepted = self.accept(req, width)
+        assert 0 <= accepted < width
+        committed = chain[:accepted + 1]
+        if self.check_kv:
+            tokens = req.fill_ids + committed[:-1]  # row j holds the token at position prefix + j
+            hashes = prefix_hashes(tokens)
+            for j, slot in enumerate(slots):
+                pos = prefix + j
+                self.shadow[slot] = (pos, tokens[pos], hashes[pos]) if j <= accepted else ("stale", pos)
+        return committed
 
     # ------------------------------------------------------------ checks
 
@@ -151,12 +175,18 @@ class FakeRunner:
             assert ext >= 1, f"{req.rid}: extend of {ext} tokens"
             assert req.req_pool_idx is not None, f"{req.rid}: no request slot"
             assert len(req.kv_slots) == seq, f"{req.rid}: {len(req.kv_slots)} kv slots for seq_len {seq}"
-            assert seq <= len(fill), f"{req.rid}: seq_len {seq} beyond its {len(fill)} tokens"
-            assert wanted == (seq == len(fill)), f"{req.rid}: sample={wanted} but seq {seq} / fill {len(fill)}"
             assert req.kv_len == prefix, f"{req.rid}: kv_len {req.kv_len} != prefix_len {prefix}"
             own_tokens = batch.input_ids[offset:offset + ext]
             own_slots = batch.out_cache_loc[offset:offset + ext]
             offset += ext
+            if batch.mode == "verify":  # the anchor is the last token; the rest are drafts
+                assert wanted and len(fill) == prefix + 1, f"{req.rid}: verify window not at its last token"
+                assert own_tokens[0] == fill[prefix], f"{req.rid}: window does not start at its anchor"
+                assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: out_cache_loc differs from kv_slots"
+                self._check_prefix(req, prefix, table)
+                continue
+            assert seq <= len(fill), f"{req.rid}: seq_len {seq} beyond its {len(fill)} tokens"
+            assert wanted == (seq == len(fill)), f"{req.rid}: sample={wanted} but seq {seq} / fill {len(fill)}"
             assert own_tokens == fill[prefix:seq], f"{req.rid}: batch input ids differ from its tokens"
             assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: out_cache_loc differs from kv_slots"
             if table is not None:
@@ -164,15 +194,23 @@ class FakeRunner:
                 assert row == req.kv_slots[:seq], f"{req.rid}: req_to_token row differs from kv_slots"
             for s in own_slots:
                 assert owner.get(s) == req.rid, f"slot {s} written by {req.rid} is also used by {owner.get(s)}"
+            self._check_prefix(req, prefix, None)
             hashes = prefix_hashes(fill[:seq])
-            for pos in range(prefix):  # the prefix must hold exactly this request's KV
-                slot = req.kv_slots[pos]
-                got = self.shadow.get(slot)
-                want = (pos, fill[pos], hashes[pos])
-                assert got == want, (f"{req.rid}: prefix slot {slot} at position {pos} holds {got}, "
-                                     f"expected {want}")
             for pos in range(prefix, seq):
                 self.shadow[req.kv_slots[pos]] = (pos, fill[pos], hashes[pos])
+
+    def _check_prefix(self, req: Req, prefix: int, table) -> None:
+        """The prefix must hold exactly this request's KV."""
+        fill = req.fill_ids
+        if table is not None:
+            row = table[req.req_pool_idx, :len(req.kv_slots)].tolist()
+            assert row == req.kv_slots, f"{req.rid}: req_to_token row differs from kv_slots"
+        hashes = prefix_hashes(fill[:prefix])
+        for pos in range(prefix):
+            slot = req.kv_slots[pos]
+            got = self.shadow.get(slot)
+            want = (pos, fill[pos], hashes[pos])
+            assert got == want, f"{req.rid}: prefix slot {slot} at position {pos} holds {got}, expected {want}"
 
 
 # ---------------------------------------------------------------- building and driving a scheduler
@@ -183,7 +221,7 @@ def make_scheduler(pool_size: int = 4096, context_length: int = 512, max_running
                    decode_text: Optional[Callable[[list[int]], str]] = None, **cfg_kwargs) -> Scheduler:
     """A Scheduler over a fresh pool, wired like Engine does. The runner is `sched.runner`."""
     allocator = TokenSlotAllocator(pool_size)
-    req_to_token = ReqToTokenPool(max_running_requests + 1, context_length)
+    req_to_token = ReqToTokenPool(max_running_requests + 1, context_length + 16)  # room for a verify window
     tree = RadixCache(allocator.free, disabled=disable_radix_cache)
     cfg = SchedulerConfig(context_length=context_length, max_running_requests=max_running_requests, **cfg_kwargs)
     runner = runner if runner is not None else FakeRunner()
@@ -208,7 +246,9 @@ def check_step_invariants(sched: Scheduler) -> None:
         assert r.req_pool_idx is None and not r.kv_slots and r.last_node is None, f"{r.rid} waits holding KV"
     for r in sched.live_requests():
         assert not r.finished
-        assert len(r.kv_slots) == r.kv_len, f"{r.rid}: {len(r.kv_slots)} slots for kv_len {r.kv_len}"
+        # A verify window leaves its rejected rows' slots with the request, for the next window.
+        spare = len(r.kv_slots) - r.kv_len
+        assert 0 <= spare <= sched.window - 1, f"{r.rid}: {len(r.kv_slots)} slots for kv_len {r.kv_len}"
     used = cfg.max_running_requests + 1 - sched.req_to_token.available
     assert used == len(sched.live_requests()), "request slots leaked or double-booked"
 

@@ -14,7 +14,7 @@ from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.sampler import counter_uniform, filtered_probs, sample
 from specserve.sampling_params import SamplingParams
-from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.batch import ScheduleBatch, VerifyOutcome
 from specserve.spec.dspark_verify import AcceptOuts, DsparkVerifyEpilogue
 from specserve.spec.planner import VerifyPlanner
 
@@ -87,7 +87,7 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int] | list[int]]:
+    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int] | VerifyOutcome]:
         if batch.mode == "verify":
             return self.verify(batch)
         wanted = [r for r, s in zip(batch.reqs, batch.sample) if s]
@@ -101,7 +101,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ speculative verify
 
-    def verify(self, batch: ScheduleBatch) -> list[list[int]]:
+    def verify(self, batch: ScheduleBatch) -> list[VerifyOutcome]:
         """Draft (DSPARK), verify the windows, accept into the epilogue's buffers, inject the
         committed rows into the draft KV, and return each request's committed tokens (accepted
         drafts, then the bonus), all read from owned copies of the accept results."""
@@ -117,8 +117,8 @@ class ModelRunner:
         out = self.epilogue.read_accept(bs)  # owned: nothing below reads the *_buf tensors
         if self.dspark is not None:
             self._inject_committed(batch, fb, out, prefix, verify_lens)
-        commit, tokens = out.commit_lens.tolist(), out.out_tokens.tolist()
-        return [row[:n] for row, n in zip(tokens, commit)]
+        commit, tokens, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
+        return [VerifyOutcome(row[:n], cap) for row, n, cap in zip(tokens, commit, trimmed)]
 
     def _draft(self, batch: ScheduleBatch, ids: torch.Tensor, prefix: torch.Tensor) -> Optional[DraftOut]:
         """DSPARK: fill ids[:, 1:] with the drafter's block (NGRAM drafts came with the batch)."""

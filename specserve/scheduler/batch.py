@@ -8,6 +8,15 @@ from specserve.scheduler.req import Req
 
 
 @dataclass
+class VerifyOutcome:
+    """One request's result of a verify step: the committed tokens (accepted drafts, then the
+    bonus) and the matches the compact verify length cut off (cap_trim_lens)."""
+
+    tokens: list[int]
+    cap_trimmed: int = 0
+
+
+@dataclass
 class ScheduleBatch:
     """The requests of one forward step and, per request, the new tokens and their KV slots."""
 

@@ -43,6 +43,7 @@ class Req:
     spec_verify_ct: int = 0  # verify steps this request took part in
     spec_num_correct_drafts: int = 0  # drafts accepted and emitted
     spec_correct_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts per step -> steps
+    spec_cap_trim_hist: dict[int, int] = field(default_factory=dict)  # matches cut by verify_len -> steps
 
     @property
     def fill_ids(self) -> list[int]:

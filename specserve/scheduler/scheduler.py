@@ -19,7 +19,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.batch import ScheduleBatch, VerifyOutcome
+from specserve.scheduler.stats import SchedulerStats
 from specserve.scheduler.policy import order_waiting
 from specserve.scheduler.req import FinishReason, Req
 
@@ -34,9 +35,10 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 
 class BatchRunner(Protocol):
     """What the scheduler needs of a model, per request: the next token (None where none is
-    sampled), or for a verify batch the list of committed tokens (accepted drafts, then the bonus)."""
+    sampled), or for a verify batch the committed tokens (accepted drafts, then the bonus), as a
+    list or a VerifyOutcome."""
 
-    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int] | list[int]]: ...
+    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int] | list[int] | VerifyOutcome]: ...
 
 
 class Drafter(Protocol):
@@ -87,6 +89,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._arrivals = 0
         self.num_retractions = 0
+        self.stats = SchedulerStats(self.window - 1)
 
     # ------------------------------------------------------------ requests in and out
 
@@ -152,7 +155,8 @@ class Scheduler:
         self.in_flight = batch
         return batch
 
-    def process_result(self, batch: ScheduleBatch, tokens: Sequence[Optional[int] | list[int]]) -> StepResult:
+    def process_result(self, batch: ScheduleBatch,
+                       tokens: Sequence[Optional[int] | list[int] | VerifyOutcome]) -> StepResult:
         result = StepResult()
         self.in_flight = None
         for req, n, sampled, token in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
@@ -162,6 +166,8 @@ class Scheduler:
                 req.kv_len += n
                 self.chunked_req = req
                 continue
+            cap_trimmed = token.cap_trimmed if isinstance(token, VerifyOutcome) else 0
+            token = token.tokens if isinstance(token, VerifyOutcome) else token
             emitted = [int(t) for t in token] if isinstance(token, (list, tuple)) else [int(token)]
             start = req.kv_len
             reason, appended = None, 0
@@ -169,6 +175,7 @@ class Scheduler:
                 req.output_ids.append(tok)
                 result.tokens.append((req, tok))
                 appended += 1
+                self.stats.generated_tokens += 1
                 reason = self._check_finish(req)
                 if reason is not None:
                     break
@@ -180,7 +187,7 @@ class Scheduler:
                 # The slots past them stay with the request: the next window overwrites them.
                 req.kv_len = start + appended
                 if batch.mode == "verify":
-                    self._record_spec(req, appended, len(emitted))
+                    self._record_spec(req, appended, len(emitted), cap_trimmed)
             if reason is not None:
                 self.running.remove(req)
                 self._release(req)
@@ -189,12 +196,14 @@ class Scheduler:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return result
 
-    @staticmethod
-    def _record_spec(req: Req, appended: int, committed: int) -> None:
+    def _record_spec(self, req: Req, appended: int, committed: int, cap_trimmed: int) -> None:
         """Count emitted drafts only: a stop inside the run cuts both the drafts and the bonus."""
+        correct = committed - 1
         req.spec_verify_ct += 1
-        req.spec_num_correct_drafts += min(appended, committed - 1)
-        req.spec_correct_hist[committed - 1] = req.spec_correct_hist.get(committed - 1, 0) + 1
+        req.spec_num_correct_drafts += min(appended, correct)
+        req.spec_correct_hist[correct] = req.spec_correct_hist.get(correct, 0) + 1
+        req.spec_cap_trim_hist[cap_trimmed] = req.spec_cap_trim_hist.get(cap_trimmed, 0) + 1
+        self.stats.record_verify(correct, cap_trimmed)
 
     # ------------------------------------------------------------ prefill
 

@@ -1,6 +1,7 @@
 """Randomised scheduler workloads: random pool / context / chunk / budget / policy / cache settings,
-staggered arrivals, shared prefixes, EOS, stop ids, stop strings, ignore_eos and aborts (between steps
-and while a decode step is in flight). Every request that was not aborted must output exactly what it
+staggered arrivals, shared prefixes, EOS, stop ids, stop strings, ignore_eos, speculative verify
+windows of 2-8 tokens with runs of every accepted length, and aborts (between steps and while a
+decode or verify step is in flight). Every request that was not aborted must output exactly what it
 would output alone; aborted ones a prefix of that. The FakeRunner checks KV bookkeeping every step,
 and every step ends with check_integrity; at the end nothing leaks."""
 
@@ -42,7 +43,8 @@ def run_fuzz(seed):
         max_running_requests=rng.choice([1, 2, 4, 8, 64]), disable_radix_cache=rng.random() < 0.3, runner=runner,
         eos_token_ids=(EOS,), chunked_prefill_size=rng.choice([0, 3, 8, 16, 2048]),
         max_prefill_tokens=rng.choice([4, 16, 64, 8192]),
-        schedule_policy=rng.choice(["fcfs", "lpm", "shortest-prefill-first"]), decode_text=letters)
+        schedule_policy=rng.choice(["fcfs", "lpm", "shortest-prefill-first"]), decode_text=letters,
+        num_draft_tokens=rng.choice([0, 0, 1, 3, 7]))
     systems = [[rng.randrange(3, 20) for _ in range(rng.randint(1, ctx // 2))] for _ in range(3)]
     arrivals, reqs = {}, []
     for i in range(rng.randint(1, 30)):
@@ -58,7 +60,8 @@ def run_fuzz(seed):
         try:
             sched.validate_request(req)
         except ValueError:
-            assert len(prompt) + min(req.params.max_new_tokens, ctx - len(prompt)) > sched.allocator.size
+            need = len(prompt) + min(req.params.max_new_tokens, ctx - len(prompt)) + sched.window - 1
+            assert need > sched.allocator.size
             continue
         reqs.append(req)
         arrivals.setdefault(rng.randint(0, 30), []).append(req)
@@ -87,7 +90,7 @@ def run_fuzz(seed):
         else:
             tokens = runner.run_batch(batch)
             # An abort that arrives while a decode step is in flight (the prefill case is a known bug).
-            if rid is not None and (batch.mode == "decode" or by_rid[rid] not in batch.reqs):
+            if rid is not None and (batch.mode != "extend" or by_rid[rid] not in batch.reqs):
                 got = sched.abort(rid)
                 if got is not None:
                     aborted.add(rid)
@@ -109,7 +112,7 @@ def run_fuzz(seed):
     return sched, reqs, aborted
 
 
-SEEDS = range(24)
+SEEDS = range(48)
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,6 +126,8 @@ def fuzz_stats(seed):
         "aborts": len(aborted),
         "partial_chunks": sum(1 for b in batches if b.mode == "extend" and not all(b.sample)),
         "stops": sum(1 for r in reqs if r.finish_reason == FinishReason.STOP and r.rid not in aborted),
+        "verify_steps": sum(1 for b in batches if b.mode == "verify"),
+        "retractions_while_speculating": sched.num_retractions if sched.window > 1 else 0,
     }
 
 
