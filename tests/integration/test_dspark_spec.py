@@ -189,10 +189,10 @@ def check_injection(drafter_dir, prompts, reference, mutation):
     before_k = [k.clone() for k in draft_kv.k]
     batch = sched.schedule()
     window = list(batch.out_cache_loc)
-    tokens = engine.runner.run_batch(batch)
-    sched.process_result(batch, tokens)
-    commit = len(tokens[0])
-    assert commit == 3 and tokens[0] == reference[0][1:4]  # anchor + 2 accepted drafts, then the bonus
+    outcomes = engine.runner.run_batch(batch)
+    sched.process_result(batch, outcomes)
+    commit = len(outcomes[0].tokens)
+    assert commit == 3 and outcomes[0].tokens == reference[0][1:4]  # anchor + 2 accepted drafts, then the bonus
     # Recompute the target's hidden states for the whole committed sequence from scratch.
     seq = list(prompts[0]) + reference[0][:commit]
     fresh = Engine(dtype="float32", max_total_tokens=1024)
