@@ -1,0 +1,41 @@
+"""Typed SPECSERVE_* environment switches, read when a component is built (never at import)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def env_flag(name: str) -> bool:
+    """A boolean switch: 1/true/yes/on (any case) is on; unset, empty or 0/false/no/off is off."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
+
+
+def env_int(name: str, default: int = 0, minimum: int = 0) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def env_optional_int(name: str) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    return env_int(name) if raw else None
+
+
+STREAM_SANITIZER = "SPECSERVE_STREAM_SANITIZER"
+FAULT_COPY_DELAY_MS = "SPECSERVE_FAULT_COPY_DELAY_MS"
+FAULT_FORWARD_DELAY_MS = "SPECSERVE_FAULT_FORWARD_DELAY_MS"
+FAULT_SEED = "SPECSERVE_FAULT_SEED"
+FAULT_ALIAS_ACCEPT_BUFFERS = "SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS"

@@ -1,0 +1,56 @@
+"""Fault injection: make latent races fire on purpose (all off by default).
+
+- SPECSERVE_FAULT_COPY_DELAY_MS=N: before each copy-stream operation, sleep a random 0..N ms.
+- SPECSERVE_FAULT_FORWARD_DELAY_MS=N: the same for the forward stream.
+- SPECSERVE_FAULT_SEED=S: seed of those delays; unset, each rank gets its own (1000 + rank), so
+  tensor-parallel ranks see different timings, as real ones do.
+- SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1: `read_accept` returns views of the persistent accept
+  buffers instead of clones. This re-creates the seed's bug, so that every detector (the stream
+  sanitizer, the loop-equivalence tests, the rank consensus checker) can be shown to catch it.
+
+Delays need a real worker thread per stream: with any delay set, CPU streams run threaded.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from specserve import envs
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    copy_delay_ms: int = 0
+    forward_delay_ms: int = 0
+    seed: int = 1000
+    alias_accept_buffers: bool = False
+
+    @classmethod
+    def from_env(cls, rank: int = 0) -> "FaultConfig":
+        seed = envs.env_optional_int(envs.FAULT_SEED)
+        return cls(copy_delay_ms=envs.env_int(envs.FAULT_COPY_DELAY_MS),
+                   forward_delay_ms=envs.env_int(envs.FAULT_FORWARD_DELAY_MS),
+                   seed=seed if seed is not None else 1000 + rank,
+                   alias_accept_buffers=envs.env_flag(envs.FAULT_ALIAS_ACCEPT_BUFFERS))
+
+    @property
+    def needs_threads(self) -> bool:
+        return self.copy_delay_ms > 0 or self.forward_delay_ms > 0
+
+    def delay_for(self, stream_name: str) -> Optional["Delay"]:
+        ms = {"copy": self.copy_delay_ms, "forward": self.forward_delay_ms}.get(stream_name, 0)
+        return Delay(ms, f"{self.seed}:{stream_name}") if ms > 0 else None
+
+
+class Delay:
+    """Sleeps a seeded random 0..max_ms before each operation of one stream."""
+
+    def __init__(self, max_ms: int, seed: str):
+        self.max_ms = max_ms
+        self._rng = random.Random(seed)
+
+    def __call__(self) -> None:
+        time.sleep(self._rng.uniform(0, self.max_ms) / 1000.0)
