@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -11,6 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
 from specserve.io.tokenizer import Tokenizer, load_tokenizer
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
@@ -20,6 +22,10 @@ from specserve.models.loader import load_model, resolve_model_path
 from specserve.models.dspark import DsparkDrafter, load_drafter
 from specserve.models.model_runner import DsparkParts, ModelRunner
 from specserve.sampling_params import SamplingParams
+from specserve.runtime.faults import FaultConfig
+from specserve.runtime.sanitizer import StreamSanitizer
+from specserve.runtime.stream import Stream
+from specserve.scheduler.loops import NormalLoop, OverlapLoop
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from specserve.spec.ngram import NgramDrafter
@@ -80,14 +86,18 @@ class Engine:
         size = kv_pool_tokens(self.args, per_token)
         self.kv = KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, device)
         self.allocator = TokenSlotAllocator(size)
-        self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, max_positions, device)
+        self._make_streams()
+        self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, max_positions, device,
+                                           stream=self.forward_stream)
         self.tree = RadixCache(self.allocator.free, disabled=self.args.disable_radix_cache)
         dspark = None
         if drafter is not None:  # the draft K/V share the target's token slots, so one allocator serves both
             draft_kv = KVPool(size, draft_layers, drafter.config.num_kv_heads, drafter.config.head_dim, self.dtype, device)
             dspark = DsparkParts(drafter, draft_kv, self._planner())
+        ngram = NgramDrafter(gamma) if self.args.speculative_algorithm == "NGRAM" else None
         self.runner = ModelRunner(model, self.kv, self.req_to_token, device, max_bs=self.args.max_running_requests,
-                                  dspark=dspark)
+                                  dspark=dspark, ngram=ngram, forward_stream=self.forward_stream,
+                                  copy_stream=self.copy_stream, alias_accept_buffers=self.faults.alias_accept_buffers)
         sched_cfg = SchedulerConfig(
             context_length=self.context_length,
             eos_token_ids=self.tokenizer.eos_token_ids,
@@ -97,9 +107,10 @@ class Engine:
             schedule_policy=self.args.schedule_policy,
             num_draft_tokens=gamma,
         )
-        host_drafter = NgramDrafter(gamma) if self.args.speculative_algorithm == "NGRAM" else None
         self.scheduler = Scheduler(sched_cfg, self.runner, self.allocator, self.req_to_token, self.tree,
-                                   decode_text=self.tokenizer.decode, drafter=host_drafter)
+                                   decode_text=self.tokenizer.decode)
+        loop = NormalLoop if self.args.disable_overlap_schedule else OverlapLoop
+        self.loop = loop(self.scheduler, self.runner)
         self._seed_rng = random.Random(self.args.random_seed)
         self._last_log = time.monotonic()
         logger.info("engine ready: %s, %s, KV pool %d tokens", path, self.dtype, size)
@@ -141,15 +152,30 @@ class Engine:
             early = self.scheduler.add_request(req)
             if early is not None:
                 done[req.rid] = early
-        while len(done) < len(reqs):
-            result = self.scheduler.step()
-            self._maybe_log_stats()
-            for req in result.finished:
-                done[req.rid] = req
-            if not self.scheduler.has_work() and len(done) < len(reqs):
-                raise RuntimeError("engine: scheduler idle with unfinished requests")
+        with self._sanitized():
+            while len(done) < len(reqs):
+                result = self.loop.step()
+                self._maybe_log_stats()
+                for req in result.finished:
+                    done[req.rid] = req
+                if not self.loop.has_work() and len(done) < len(reqs):
+                    raise RuntimeError("engine: scheduler idle with unfinished requests")
+            self.loop.drain()  # the overlap loop's last step (for already finished requests)
         outputs = [self._output(r) for r in reqs]
         return outputs[0] if single else outputs
+
+    def _make_streams(self) -> None:
+        """Forward and copy streams. On CPU they run inline (no worker threads, no cost) unless a
+        fault delay needs real concurrency; see specserve/runtime/stream.py."""
+        self.faults = FaultConfig.from_env(rank=0)
+        self.sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
+        threaded = self.faults.needs_threads
+        self.forward_stream = Stream("forward", self.args.device, threaded, self.faults.delay_for("forward"),
+                                     self.sanitizer)
+        self.copy_stream = Stream("copy", self.args.device, threaded, self.faults.delay_for("copy"), self.sanitizer)
+
+    def _sanitized(self):
+        return self.sanitizer.active() if self.sanitizer is not None else contextlib.nullcontext()
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
@@ -159,6 +185,8 @@ class Engine:
             logger.info("%s", sched.stats.log_line(len(sched.running), len(sched.waiting)))
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
         self.scheduler = None
         self.runner = None
         self.kv = None

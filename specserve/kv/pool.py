@@ -41,10 +41,13 @@ class TokenSlotAllocator:
 class ReqToTokenPool:
     """Table request slot -> token slots of its KV, read by attention to gather K/V."""
 
-    def __init__(self, max_reqs: int, max_context: int, device: str = "cpu"):
+    def __init__(self, max_reqs: int, max_context: int, device: str = "cpu", stream=None):
         self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
         self.max_context = max_context
         self._free = list(range(max_reqs - 1, -1, -1))
+        # The table is device state read by steps on the forward stream; with the overlap loop the
+        # host schedules step N+1 while step N runs, so its writes go through that stream, in order.
+        self.stream = stream
 
     @property
     def available(self) -> int:
@@ -57,8 +60,16 @@ class ReqToTokenPool:
         self._free.append(idx)
 
     def write(self, idx: int, start: int, slots: list[int]) -> None:
-        if slots:
-            self.table[idx, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int64)
+        if not slots:
+            return
+        values = torch.tensor(slots, dtype=torch.int64, device=self.table.device)
+        if self.stream is None:
+            self.table[idx, start:start + len(slots)] = values
+        else:
+            self.stream.submit(self._write, idx, start, values)
+
+    def _write(self, idx: int, start: int, values: torch.Tensor) -> None:
+        self.table[idx, start:start + values.shape[0]] = values
 
 
 class KVPool:

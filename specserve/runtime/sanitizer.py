@@ -30,6 +30,9 @@ _SKIP_FRAMES = ("torch/", "specserve/runtime/sanitizer.py", "specserve/runtime/s
                 "threading.py")
 
 
+_LIFT_OPS = ("lift_fresh", "lift_fresh_copy", "lift")
+
+
 class StreamHazardError(RuntimeError):
     """Two accesses to one storage from different streams, at least one a write, with no ordering."""
 
@@ -131,8 +134,13 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = str(func.overloadpacket.__name__)
+        if name in _LIFT_OPS:  # torch.tensor(data) & co: new storage made outside the dispatcher
+            out = func(*args, **kwargs)
+            self.sanitizer.fresh(name, [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)])
+            return out
         reads, writes = _classify(func, args, kwargs)
-        self.sanitizer.record(str(func.overloadpacket.__name__), reads, writes)
+        self.sanitizer.record(name, reads, writes)
         out = func(*args, **kwargs)
         # Fresh outputs (not aliases of an input) are new storage: whatever ran at that address
         # before belonged to a freed tensor, so their history starts with this write.

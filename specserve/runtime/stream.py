@@ -77,7 +77,7 @@ class Stream:
         self._queue: Optional[queue.SimpleQueue] = None
         if threaded and self._cuda is None:
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._worker, name=f"stream-{name}", daemon=True).start()
+            threading.Thread(target=self._worker, args=(self._queue,), name=f"stream-{name}", daemon=True).start()
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r}#{self.id})"
@@ -108,10 +108,10 @@ class Stream:
         else:
             self._run(task)
 
-    def _worker(self) -> None:
+    def _worker(self, tasks: queue.SimpleQueue) -> None:
         _tls.stream = self
         while True:
-            task = self._queue.get()
+            task = tasks.get()
             if task is None:
                 return
             self._run(task)

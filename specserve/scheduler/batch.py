@@ -16,7 +16,7 @@ class VerifyOutcome:
     cap_trimmed: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduleBatch:
     """The requests of one forward step and, per request, the new tokens and their KV slots."""
 

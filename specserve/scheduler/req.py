@@ -15,7 +15,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal"
 class Req:
     """A request's tokens, its KV slots and where it stands.
 

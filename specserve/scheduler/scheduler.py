@@ -85,7 +85,9 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
-        self.in_flight: Optional[ScheduleBatch] = None  # scheduled, result not yet processed
+        # Scheduled, results not yet processed: one batch in the normal loop, up to two in the
+        # overlap loop (step N+1 is scheduled before step N's results are processed).
+        self.in_flight: list[ScheduleBatch] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._arrivals = 0
         self.num_retractions = 0
@@ -152,13 +154,14 @@ class Scheduler:
         batch = self._schedule_prefill()
         if batch is None and self.running:
             batch = self._schedule_decode()
-        self.in_flight = batch
+        if batch is not None:
+            self.in_flight.append(batch)
         return batch
 
     def process_result(self, batch: ScheduleBatch,
                        tokens: Sequence[Optional[int] | list[int] | VerifyOutcome]) -> StepResult:
         result = StepResult()
-        self.in_flight = None
+        self.in_flight.remove(batch)
         for req, n, sampled, token in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
             if req.finished:  # aborted while its step was in flight; its KV is already released
                 continue
@@ -290,11 +293,26 @@ class Scheduler:
         return ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, out_cache_loc,
                              [True] * len(reqs))
 
+    def _window_need(self, req: Req) -> int:
+        """Slots req must hold for its next window. A request in an unprocessed decode step may
+        commit up to a whole window there first, so the overlap loop plans for that too."""
+        pending = sum(1 for b in self.in_flight if b.mode != "extend" and req in b.reqs)
+        return req.kv_len + self.window * (1 + pending) - len(req.kv_slots)
+
+    def overlap_ready(self) -> bool:
+        """Can the next decode step be scheduled before the in-flight one is processed? Only a
+        decode after a decode, with nobody waiting and no retraction needed (a retraction would
+        take KV from a request whose step is still running)."""
+        if len(self.in_flight) != 1 or self.in_flight[0].mode == "extend" or self.waiting or self.chunked_req:
+            return False
+        need = sum(max(0, self._window_need(r)) for r in self.running)
+        return need <= self._available()
+
     def _grow_windows(self) -> int:
-        """Give every running request slots for positions up to kv_len + window - 1."""
+        """Give every running request slots for the positions of its next window."""
         w = self.window
         while True:
-            short = {id(r): r.kv_len + w - len(r.kv_slots) for r in self.running}
+            short = {id(r): self._window_need(r) for r in self.running}
             slots = self._alloc_slots(sum(max(0, n) for n in short.values()))
             if slots is not None:
                 break
@@ -396,8 +414,8 @@ class Scheduler:
     def live_requests(self) -> list[Req]:
         """Requests holding KV: running, the chunked one, and those of the in-flight batch."""
         live = list(self.running) + ([self.chunked_req] if self.chunked_req else [])
-        if self.in_flight is not None:
-            live += [r for r in self.in_flight.reqs if not r.finished and r not in live]
+        for batch in self.in_flight:
+            live += [r for r in batch.reqs if not r.finished and r not in live]
         return live
 
     def check_integrity(self) -> None:

@@ -51,14 +51,15 @@ def plant_oracle(engine: Engine, prompts: list[list[int]], outputs: list[list[in
     truth = {tuple(p): o for p, o in zip(prompts, outputs)}
     original = runner._draft
 
-    def oracle_draft(batch, ids, prefix):
-        draft = original(batch, ids, prefix)
+    def oracle_draft(spec, rows, ids, prefix, out_lens):
+        draft = original(spec, rows, ids, prefix, out_lens)
         gamma = ids.shape[1] - 1
-        for r, req in enumerate(batch.reqs):
-            out = truth[tuple(req.input_ids)]
-            n = len(req.output_ids)
-            nxt = (out[n:n + gamma] + [0] * gamma)[:gamma]
-            ids[r, 1:] = torch.tensor(nxt)
+        by_row = {r.req_pool_idx: r for r in engine.scheduler.live_requests()}
+        for i, (row, n) in enumerate(zip(spec.rows, out_lens.tolist())):
+            if row not in by_row:  # finished while this (overlap) step was in flight: dropped anyway
+                continue
+            out = truth[tuple(by_row[row].input_ids)]
+            ids[i, 1:] = torch.tensor((out[n:n + gamma] + [0] * gamma)[:gamma])
         return draft
 
     runner._draft = oracle_draft
@@ -148,17 +149,17 @@ def test_stops_inside_an_accepted_dspark_run(drafter_dir, fp32_engine, prompts):
 
 def inject_every_row(runner):
     """Mutation: inject the whole window, rejected rows included."""
-    def inject(batch, fb, out, prefix, verify_lens):
+    def inject(fb, out, prefix, window_slots, verify_lens):
         everything = out.map(torch.clone)
         everything.commit_lens.fill_(out.out_tokens.shape[1])
-        type(runner)._inject_committed(runner, batch, fb, everything, prefix, verify_lens)
+        type(runner)._inject_committed(runner, fb, everything, prefix, window_slots, verify_lens)
     runner._inject_committed = inject
 
 
 def inject_one_position_late(runner):
     """Mutation: the right rows at RoPE positions shifted by one (the seed's acceptance symptom)."""
-    def inject(batch, fb, out, prefix, verify_lens):
-        type(runner)._inject_committed(runner, batch, fb, out, prefix + 1, verify_lens)
+    def inject(fb, out, prefix, window_slots, verify_lens):
+        type(runner)._inject_committed(runner, fb, out, prefix + 1, window_slots, verify_lens)
     runner._inject_committed = inject
 
 
