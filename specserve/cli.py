@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_spec_bench_args(spec)
     ServerArgs.add_cli_args(spec)
+    ovl = bench_sub.add_parser("overlap", help="overlap loop vs normal loop decode throughput")
+    from specserve.bench.overlap import add_overlap_bench_args
+
+    add_overlap_bench_args(ovl)
+    ServerArgs.add_cli_args(ovl)
     return parser
 
 
@@ -120,6 +125,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.spec import run_spec_bench
 
             return run_spec_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "overlap":
+            from specserve.bench.overlap import run_overlap_bench
+
+            return run_overlap_bench(ns, ServerArgs.from_cli_args(ns))
     except ValueError as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)
         return 2

@@ -222,6 +222,8 @@ class ModelRunner:
         bs, width = len(spec.rows), spec.width
         if self.epilogue is None or self.epilogue.num_verify_tokens != width:
             self.epilogue = DsparkVerifyEpilogue(self.max_bs, width, self.device)
+            if self.forward.sanitizer is not None:
+                self.forward.sanitizer.register_persistent(self.epilogue.buffers(), self.forward)
         rows = torch.tensor(spec.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
         ids = torch.empty(bs, width, dtype=torch.int64, device=self.device)

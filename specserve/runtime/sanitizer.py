@@ -7,9 +7,11 @@ earlier one happened before it (through stream order, a submitted task's launch 
 event record/wait). Reads never conflict with reads. Because the clocks follow program order,
 a hazard is reported even when the timing of this run happened to be benign, inline or threaded.
 
-It raises StreamHazardError at the second access of the pair: for the seed's bug (a device-to-host
-copy on the copy stream reading a view of an accept buffer that the next verify step rewrites on
-the forward stream, with nothing ordering the two), at that next step's first accept write.
+It raises StreamHazardError at the second access of the pair. Persistent buffers (those a replayed
+step rewrites every time, such as the accept buffers) are registered with their owner stream, and
+any access from another stream is a hazard at once: for the seed's bug (a device-to-host copy on
+the copy stream reading a view of an accept buffer) that is the first verify step's copy, even
+before the next step could rewrite the buffer.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class StreamSanitizer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._storages: dict[int, _StorageState] = {}
+        self._persistent: dict[int, object] = {}  # storage -> owner stream
         self._tls = threading.local()
         self.accesses = 0
 
@@ -102,6 +105,13 @@ class StreamSanitizer:
                     self._access(_key(t), _Access(stream.id, stream.name, tick, site, op), is_write, stream.clock)
             self.accesses += len(reads) + len(writes)
 
+    def register_persistent(self, tensors: list[torch.Tensor], owner) -> None:
+        """Buffers a replayed step rewrites every time (the accept buffers): only their owner
+        stream may touch them; anyone else must read the owned copies made on that stream."""
+        with self._lock:
+            for t in tensors:
+                self._persistent[_key(t)] = owner
+
     def fresh(self, op: str, tensors: list[torch.Tensor]) -> None:
         stream = current_stream()
         access = _Access(stream.id, stream.name, stream.clock.ticks.get(stream.id, 0), "<allocation>", op)
@@ -112,6 +122,14 @@ class StreamSanitizer:
 
     def _access(self, key: int, access: _Access, is_write: bool, clock) -> None:
         state = self._storages.setdefault(key, _StorageState())
+        owner = self._persistent.get(key)
+        if owner is not None and owner.id != access.stream_id:
+            last = state.write
+            raise StreamHazardError(
+                f"stream hazard on storage 0x{key:x}: {'write' if is_write else 'read'} ({access.op}) on stream "
+                f"{access.stream_name!r} at {access.site} touches a persistent buffer that stream {owner.name!r} "
+                f"rewrites at every replay (last written there at {last.site if last else '?'}); read the owned "
+                "copies made on that stream right after the step instead")
         earlier = ([state.write] if state.write else []) + (state.reads if is_write else [])
         for prev in earlier:
             if prev.stream_id != access.stream_id and not clock.covers(prev.stream_id, prev.tick):
@@ -140,6 +158,8 @@ class _Mode(TorchDispatchMode):
             self.sanitizer.fresh(name, [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)])
             return out
         reads, writes = _classify(func, args, kwargs)
+        if not writes and any(r.alias_info is not None for r in func._schema.returns):
+            return func(*args, **kwargs)  # a view (slice, view, t, ...): no data is touched
         self.sanitizer.record(name, reads, writes)
         out = func(*args, **kwargs)
         # Fresh outputs (not aliases of an input) are new storage: whatever ran at that address

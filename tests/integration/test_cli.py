@@ -34,3 +34,26 @@ def test_generate_prints_a_chat_completion():
                "--dtype", "float32", "--max-total-tokens", "2048")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
+
+
+def test_profile_sps_writes_a_table_the_planner_reads(tmp_path):
+    from specserve.spec.planner import SpsTable
+
+    out = tmp_path / "sps.json"
+    res = _run("profile-sps", "--out", str(out), "--tokens", "1,6,12", "--repeats", "1", "--prefix-len", "16",
+               "--dtype", "float32", "--max-total-tokens", "256")
+    assert res.returncode == 0, res.stderr
+    table = SpsTable.load(str(out))
+    assert table.tokens == (1, 6, 12) and all(s > 0 for s in table.steps_per_second)
+    assert table.meta["window"] == 6
+
+
+def test_dspark_generate_from_the_command_line(tmp_path):
+    assert _run("init-drafter", "--out", str(tmp_path), "--block-size", "3").returncode == 0
+    res = _run("generate", "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
+               "--dtype", "float32", "--max-total-tokens", "2048", "--speculative-algorithm", "DSPARK",
+               "--speculative-draft-model-path", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stderr
+    assert '"spec_verify_ct"' in res.stdout and "Paris" in res.stdout
+    bad = _run("init-drafter", "--out", str(tmp_path / "x"), "--block-size", "99")
+    assert bad.returncode == 2 and "block-size" in bad.stderr

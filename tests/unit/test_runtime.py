@@ -170,3 +170,23 @@ def test_sanitizer_reports_a_host_read_before_the_copy_event():
         done.synchronize()
         host.sum()
     assert current_stream().name == "host"
+
+
+def test_sanitizer_flags_any_foreign_access_to_a_persistent_buffer_at_once():
+    """Mutation of the seed's fix: copying a view of a persistent buffer instead of a clone."""
+    san = StreamSanitizer()
+    forward = Stream("forward", sanitizer=san)
+    copy = Stream("copy", sanitizer=san)
+    buf = torch.zeros(4)
+    san.register_persistent([buf], forward)
+    with san.active():
+        forward.submit(buf.fill_, 1.0)
+        owned = []
+        forward.submit(lambda: owned.append(buf.clone()))
+        Event().record(forward).wait(copy)
+        host, done = async_d2h(owned[0], copy)  # the fix: an owned clone
+        done.synchronize()
+        assert torch.equal(host, torch.ones(4))
+        with pytest.raises(StreamError, match="persistent buffer"):
+            host, done = async_d2h(buf[:2], copy)  # the bug: a view, on the very first step
+            done.synchronize()

@@ -1,0 +1,102 @@
+"""`specserve bench overlap`: overlap loop against the normal loop, side by side in one run.
+
+For each algorithm (NONE, NGRAM, DSPARK) one engine is built; for each batch size the same greedy
+generation (fixed length, EOS ignored) runs under the normal and the overlap loop, alternating,
+`--repeats` times, and the best time of each is kept. Reported: decode tokens/s, the ratio
+overlap / normal, and where the host's time goes (scheduling and result processing against
+waiting for steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from specserve.args import ServerArgs
+from specserve.bench.offline import PROMPTS
+
+
+def add_overlap_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--algorithms", default="NONE,NGRAM,DSPARK")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default=None)
+
+
+class HostTimer:
+    """Wall time the host spends processing results (the work the overlap loop hides)."""
+
+    def __init__(self, sched):
+        self.process_s = 0.0
+        original = sched.process_result
+
+        def timed(batch, tokens):
+            start = time.perf_counter()
+            try:
+                return original(batch, tokens)
+            finally:
+                self.process_s += time.perf_counter() - start
+
+        sched.process_result = timed
+
+
+def timed_generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    engine.tree.reset()
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    return time.perf_counter() - start, sum(o["meta_info"]["completion_tokens"] for o in outs)
+
+
+def bench_algorithm(args: ServerArgs, algorithm: str, sizes: list[int], ns) -> list[dict[str, Any]]:
+    from specserve.engine import Engine
+    from specserve.scheduler.loops import NormalLoop, OverlapLoop
+
+    kw = {"speculative_algorithm": None if algorithm == "NONE" else algorithm}
+    if algorithm != "DSPARK":
+        kw["speculative_draft_model_path"] = None
+    engine = Engine(**{**vars(args), **kw})
+    timer = HostTimer(engine.scheduler)
+    loops = {"normal": NormalLoop(engine.scheduler, engine.runner), "overlap": OverlapLoop(engine.scheduler, engine.runner)}
+    rows = []
+    for bs in sizes:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+                   for i in range(bs)]
+        engine.loop = loops["normal"]
+        timed_generate(engine, prompts, 8)  # warm-up
+        best = {}
+        for _ in range(ns.repeats):
+            for name, loop in loops.items():
+                engine.loop = loop
+                timer.process_s = 0.0
+                wall, tokens = timed_generate(engine, prompts, ns.new_tokens)
+                if name not in best or wall < best[name][0]:
+                    best[name] = (wall, tokens, timer.process_s)
+        row = {"algorithm": algorithm, "batch_size": bs}
+        for name, (wall, tokens, process_s) in best.items():
+            row[f"{name}_tokens_per_s"] = round(tokens / wall, 2)
+            row[f"{name}_host_processing_share"] = round(process_s / wall, 4)
+        row["overlap_over_normal"] = round(row["overlap_tokens_per_s"] / row["normal_tokens_per_s"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    engine.shutdown()
+    return rows
+
+
+def run_overlap_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
+    algorithms = [a.strip().upper() for a in ns.algorithms.split(",") if a.strip()]
+    if "DSPARK" in algorithms and not args.speculative_draft_model_path:
+        raise ValueError("speculative_draft_model_path: DSPARK needs a drafter (`specserve init-drafter --out DIR`)")
+    sizes = [int(b) for b in ns.batch_sizes.split(",")]
+    rows = []
+    for algorithm in algorithms:
+        rows += bench_algorithm(args, algorithm, sizes, ns)
+    worst = min(r["overlap_over_normal"] for r in rows)
+    print(f"overlap / normal: worst {worst:.3f}, best {max(r['overlap_over_normal'] for r in rows):.3f}")
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump({"rows": rows, "worst_ratio": worst}, f, indent=2)
+    return 0
