@@ -50,6 +50,20 @@ def hf_tokenizer(model_path):
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
 
 
+@pytest.fixture(scope="session")
+def drafter_dir(tmp_path_factory) -> str:
+    """A randomly initialised DSpark drafter for the embedded model (block size 4)."""
+    from specserve.cli import main as cli_main
+
+    out = tmp_path_factory.mktemp("drafter")
+    assert cli_main(["init-drafter", "--out", str(out), "--block-size", "4", "--seed", "3"]) == 0
+    return str(out)
+
+
+def chat_prompts(engine, contents: list[str]) -> list[list[int]]:
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in contents]
+
+
 @pytest.fixture
 def checked(fp32_engine):
     """The shared fp32 engine, with KV integrity asserted after the test."""

@@ -48,32 +48,23 @@ class VerifyTimer:
     """Times whole verify steps and the read_accept clones inside them (wall clock, this process)."""
 
     def __init__(self, runner):
-        self.runner, self.verify_s, self.clone_s, self.steps = runner, 0.0, 0.0, 0
-        self._verify = runner.verify
-        runner.verify = self._timed_verify
+        self.verify_s, self.clone_s, self.steps = 0.0, 0.0, 0
+        verify, read = runner._verify, runner.read_accept
 
-    def _timed_verify(self, batch):
-        epilogue = self.runner.epilogue
-        if epilogue is not None and not hasattr(epilogue, "_timed"):
-            self._wrap(epilogue)
-        start = time.perf_counter()
-        out = self._verify(batch)
-        self.verify_s += time.perf_counter() - start
-        self.steps += 1
-        if not hasattr(self.runner.epilogue, "_timed"):  # made during the first step: time from the next one
-            self._wrap(self.runner.epilogue)
-        return out
+        def timed_verify(spec):
+            start = time.perf_counter()
+            out = verify(spec)
+            self.verify_s += time.perf_counter() - start
+            self.steps += 1
+            return out
 
-    def _wrap(self, epilogue) -> None:
-        read = epilogue.read_accept
-
-        def timed(bs):
+        def timed_read(bs):
             start = time.perf_counter()
             out = read(bs)
             self.clone_s += time.perf_counter() - start
             return out
 
-        epilogue.read_accept, epilogue._timed = timed, True
+        runner._verify, runner.read_accept = timed_verify, timed_read
 
 
 def run_specserve(args: ServerArgs, algorithm: str, prompts: list[list[int]], bs: int, new_tokens: int) -> dict[str, Any]:

@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
+from conftest import chat_prompts
+
 from specserve import Engine
-from specserve.cli import main as cli_main
 from specserve.models.dspark import read_drafter_config
 
 CONTENTS = ["What is the capital of France?", "Count from 1 to 20, separated by commas.",
@@ -23,15 +24,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("drafter")
-    assert cli_main(["init-drafter", "--out", str(out), "--block-size", "4", "--seed", "3"]) == 0
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def prompts(fp32_engine):
-    return [fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
+    return chat_prompts(fp32_engine, CONTENTS)
 
 
 @pytest.fixture(scope="module")

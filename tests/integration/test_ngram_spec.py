@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import chat_prompts
+
 from specserve import Engine
 
 CONTENTS = ["Repeat this list exactly three times: apple, banana, cherry, date.",
@@ -16,7 +18,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 40}
 
 @pytest.fixture(scope="module")
 def prompts(fp32_engine):
-    return [fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
+    return chat_prompts(fp32_engine, CONTENTS)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from conftest import chat_prompts
+
 from specserve import Engine
-from specserve.cli import main as cli_main
 from specserve.runtime.sanitizer import StreamHazardError
 from specserve.runtime.stream import StreamError
 
@@ -27,15 +28,8 @@ def clean_env(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("drafter")
-    assert cli_main(["init-drafter", "--out", str(out), "--block-size", "4", "--seed", "5"]) == 0
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def prompts(fp32_engine):
-    return [fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
+    return chat_prompts(fp32_engine, CONTENTS)
 
 
 def params_mix():
