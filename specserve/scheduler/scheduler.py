@@ -41,10 +41,6 @@ class BatchRunner(Protocol):
     def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int] | list[int] | VerifyOutcome]: ...
 
 
-class Drafter(Protocol):
-    def propose(self, tokens: list[int]) -> list[int]: ...
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduling knobs (a subset of ServerArgs plus model facts)."""
@@ -71,16 +67,15 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig, runner: BatchRunner, allocator: TokenSlotAllocator,
                  req_to_token: ReqToTokenPool, tree: RadixCache,
-                 decode_text: Optional[Callable[[list[int]], str]] = None, drafter: Optional[Drafter] = None):
+                 decode_text: Optional[Callable[[list[int]], str]] = None):
         self.cfg = cfg
         self.runner = runner
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.tree = tree
         self.decode_text = decode_text
-        self.drafter = drafter
-        # Each decode step covers this many positions per request: the anchor plus its drafts.
-        # Drafts come from a host drafter (NGRAM) here, or from the runner (DSPARK, on the device).
+        # Each decode step covers this many positions per request: the anchor plus its drafts,
+        # which the runner proposes on the forward stream (DSPARK or NGRAM).
         self.window = 1 + cfg.num_draft_tokens
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -285,9 +280,7 @@ class Scheduler:
         out_cache_loc: list[int] = []
         for req in reqs:
             input_ids.append(req.output_ids[-1])
-            if w > 1:  # placeholders (the anchor) unless a host drafter proposes; the runner drafts then
-                drafts = self.drafter.propose(req.fill_ids) if self.drafter is not None else []
-                input_ids.extend((drafts + [req.output_ids[-1]] * w)[:w - 1])
+            input_ids.extend([req.output_ids[-1]] * (w - 1))  # draft placeholders: the runner drafts
             out_cache_loc.extend(req.kv_slots[req.kv_len:req.kv_len + w])
         mode = "verify" if w > 1 else "decode"
         return ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, out_cache_loc,
