@@ -40,6 +40,9 @@ class ServerArgs:
     speculative_dspark_verify_mode: Optional[str] = field(default=None, metadata={"help": "static: verify every window row; compact: per-request verify lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)", "choices": (None,) + VERIFY_MODES})
     speculative_dspark_sps_table_path: Optional[str] = field(default=None, metadata={"help": "JSON table of verify steps/s against batch verify tokens for the compact planner (`specserve profile-sps`)"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps on CPU)"})
+    cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest batch run as a captured step; larger batches run eagerly"})
+    enable_torch_compile: bool = field(default=False, metadata={"help": "torch.compile the captured steps on CPU (slow first steps while it compiles)"})
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level"})
@@ -122,6 +125,8 @@ def validate_server_args(args: ServerArgs) -> None:
                          f"{args.speculative_dspark_verify_mode!r}")
     if args.max_running_requests < 1:
         raise ValueError(f"max_running_requests must be >= 1, got {args.max_running_requests}")
+    if args.cuda_graph_max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {args.cuda_graph_max_bs}")
     if args.max_prefill_tokens < 1:
         raise ValueError(f"max_prefill_tokens must be >= 1, got {args.max_prefill_tokens}")
     if args.context_length is not None and args.context_length < 2:

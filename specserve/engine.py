@@ -20,7 +20,7 @@ from specserve.kv.radix_cache import RadixCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
 from specserve.models.dspark import DsparkDrafter, load_drafter
-from specserve.models.model_runner import DsparkParts, ModelRunner
+from specserve.models.model_runner import CaptureConfig, DsparkParts, ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.runtime.faults import FaultConfig
 from specserve.runtime.sanitizer import StreamSanitizer
@@ -97,7 +97,9 @@ class Engine:
         ngram = NgramDrafter(gamma) if self.args.speculative_algorithm == "NGRAM" else None
         self.runner = ModelRunner(model, self.kv, self.req_to_token, device, max_bs=self.args.max_running_requests,
                                   dspark=dspark, ngram=ngram, forward_stream=self.forward_stream,
-                                  copy_stream=self.copy_stream, alias_accept_buffers=self.faults.alias_accept_buffers)
+                                  copy_stream=self.copy_stream, alias_accept_buffers=self.faults.alias_accept_buffers,
+                                  capture=CaptureConfig(not self.args.disable_cuda_graph, self.args.cuda_graph_max_bs,
+                                                        self.args.enable_torch_compile))
         sched_cfg = SchedulerConfig(
             context_length=self.context_length,
             eos_token_ids=self.tokenizer.eos_token_ids,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 class AttentionMetadata:
     """Index tensors shared by every layer of one forward pass."""
 
-    q_gather: torch.Tensor | None  # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when max_q == 1
+    q_gather: torch.Tensor | None  # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when every request has max_q rows
     out_scatter: torch.Tensor | None  # [T] row of the padded [bs*max_q] output for each flat token
     kv_slots: torch.Tensor  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
     mask: torch.Tensor | None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
@@ -55,13 +55,30 @@ class AttentionMetadata:
             additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
         return cls(q_gather, out_scatter, kv_slots, additive, bs, max_q)
 
+    @classmethod
+    def for_windows(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                    valid: torch.Tensor, width: int, kv_len: int, dtype: torch.dtype) -> "AttentionMetadata":
+        """Every request computes a full window of `width` rows after its prefix (decode: 1).
+
+        Built from device tensors with shapes fixed by (bs, width, kv_len) and no host reads, so
+        a CUDA graph can capture it. Rows with `valid` False are padding: they see column 0 only."""
+        bs, device = rows.shape[0], rows.device
+        cols = torch.arange(kv_len, device=device)
+        kv_valid = (cols.unsqueeze(0) < (prefix_lens + width).unsqueeze(1)) & valid.unsqueeze(1)
+        kv_slots = req_to_token[rows, :kv_len].masked_fill(~kv_valid, 0)
+        q_pos = prefix_lens.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
+        mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
+        mask = mask | ((~valid).view(bs, 1, 1) & (cols.view(1, 1, -1) == 0))
+        additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+        return cls(None, None, kv_slots, additive, bs, width)
+
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
     heads, dim = q.shape[1], q.shape[2]
     if meta.q_gather is None:
-        qp = q.view(meta.bs, 1, heads, dim)
+        qp = q.view(meta.bs, meta.max_q, heads, dim)
     else:
         qp = torch.cat([q, q.new_zeros(1, heads, dim)])[meta.q_gather]
     k = k_pool[meta.kv_slots]  # [bs, max_kv, KVH, D]

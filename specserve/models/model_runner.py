@@ -21,6 +21,7 @@ import torch
 
 from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.models.attention import AttentionMetadata
+from specserve.models.captured_step import CapturedStep
 from specserve.models.dspark import DraftOut, DsparkDrafter
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
@@ -45,6 +46,19 @@ class DsparkParts:
 
 
 @dataclass
+class CaptureConfig:
+    """Which decode and static-verify steps run as captured steps (CUDA graphs on CUDA)."""
+
+    enabled: bool = True  # --disable-cuda-graph turns it off: every step runs eagerly
+    max_bs: int = 32  # --cuda-graph-max-bs: larger batches run eagerly
+    compile: bool = False  # --enable-torch-compile: torch.compile the step on CPU
+    pad_batches: Optional[bool] = None  # pad to batch buckets (default: only for CUDA graphs; tests set it on CPU)
+
+    def covers(self, bs: int) -> bool:
+        return self.enabled and bs <= self.max_bs
+
+
+@dataclass
 class StepSpec:
     """A host snapshot of one batch: the forward stream never reads scheduler objects, which the
     host keeps changing while the step runs."""
@@ -61,6 +75,7 @@ class StepSpec:
     out_cache_loc: list[int] = field(default_factory=list)
     out_lens: list[int] = field(default_factory=list)
     fills: list[Optional[list[int]]] = field(default_factory=list)  # extend: tokens, for NGRAM histories
+    kv_bound: int = 0  # decode/verify: K/V slots the longest request holds, >= its prefix + window
 
     @classmethod
     def from_batch(cls, batch: ScheduleBatch) -> "StepSpec":
@@ -72,6 +87,8 @@ class StepSpec:
             spec.input_ids, spec.out_cache_loc = list(batch.input_ids), list(batch.out_cache_loc)
             spec.out_lens = [len(r.output_ids) for r in reqs]
             spec.fills = [list(r.fill_ids) if s else None for r, s in zip(reqs, batch.sample)]
+        else:
+            spec.kv_bound = max(len(r.kv_slots) for r in reqs)
         return spec
 
 
@@ -91,7 +108,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, req_to_token: ReqToTokenPool, device: str = "cpu",
                  max_bs: int = 64, dspark: Optional[DsparkParts] = None, ngram: Optional[NgramDrafter] = None,
                  forward_stream: Optional[Stream] = None, copy_stream: Optional[Stream] = None,
-                 alias_accept_buffers: bool = False):
+                 alias_accept_buffers: bool = False, capture: Optional[CaptureConfig] = None):
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token
@@ -105,6 +122,9 @@ class ModelRunner:
         self.alias_accept_buffers = alias_accept_buffers  # fault injection: the seed's bug
         self.epilogue: Optional[DsparkVerifyEpilogue] = None  # made at the first verify step
         self.last_draft: Optional[DraftOut] = None  # for tests; owned tensors
+        self.capture = capture or CaptureConfig(max_bs=max_bs)
+        self.capture.max_bs = min(self.capture.max_bs, max_bs)
+        self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -178,15 +198,38 @@ class ModelRunner:
     def _decode(self, spec: StepSpec) -> torch.Tensor:
         rows = torch.tensor(spec.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
-        prefix_list = prefix.tolist()
-        slots = self.req_to_token.table[rows, prefix].tolist()
-        fb = self._forward_batch(spec.rows, prefix_list, [1] * len(spec.rows), anchors, slots, every_row=False,
-                                 sample=spec.sample)
-        logits = self._forward(fb, inject=True)
+        if self.capture.covers(len(spec.rows)):
+            out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), spec.kv_bound)
+            if self.dspark is not None:
+                self.dspark.drafter.inject(out.hidden, out.positions, out.slots, self.dspark.kv)
+            logits = out.logits  # a persistent buffer: sampled right here, before the next replay
+        else:
+            logits = self._decode_eager(spec, rows, anchors, prefix)
         picked = sample(logits.cpu(), spec.params, spec.seeds, out_lens.tolist())
         tokens = torch.tensor(picked, dtype=torch.int64)
         self.future.write(rows, tokens.to(self.device), prefix + 1, out_lens + 1)
         return tokens
+
+    def _decode_eager(self, spec: StepSpec, rows: torch.Tensor, anchors: torch.Tensor,
+                      prefix: torch.Tensor) -> torch.Tensor:
+        prefix_list = prefix.tolist()
+        slots = self.req_to_token.table[rows, prefix].tolist()
+        fb = self._forward_batch(spec.rows, prefix_list, [1] * len(spec.rows), anchors, slots, every_row=False,
+                                 sample=spec.sample)
+        return self._forward(fb, inject=True)
+
+    def _captured_step(self, width: int) -> CapturedStep:
+        """The captured step for this window width, made (and registered as persistent) on first use."""
+        epilogue = self.epilogue if width > 1 else None
+        step = self._captured.get(width)
+        if step is None or step.epilogue is not epilogue:
+            step = CapturedStep(self.model, self.kv, self.req_to_token.table, width, self.capture.max_bs,
+                                self.capture_layer_ids, epilogue, use_cuda_graph=self.forward.device.type == "cuda",
+                                compile=self.capture.compile, pad_batches=self.capture.pad_batches)
+            if self.forward.sanitizer is not None:
+                self.forward.sanitizer.register_persistent(step.buffers(), self.forward)
+            self._captured[width] = step
+        return step
 
     def _forward(self, fb: ForwardBatch, inject: bool) -> torch.Tensor:
         logits = self.model(fb, self.kv)
@@ -231,11 +274,19 @@ class ModelRunner:
         draft = self._draft(spec, rows, ids, prefix, out_lens)
         verify_lens = self._plan(draft)
         window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(width)]
-        logits, fb = self._verify_forward(spec, ids, prefix, window_slots, verify_lens)
-        self._accept(spec, ids, logits, prefix, out_lens, draft, verify_lens)
+        greedy = all(p.is_greedy for p in spec.params)
+        if verify_lens is None and self.capture.covers(bs):  # the captured verify, greedy accept folded in
+            captured = self._captured_step(width).run(rows, prefix, ids, spec.kv_bound, accept=greedy)
+            logits, hidden = captured.logits, captured.hidden
+            if not greedy:
+                self._accept(spec, ids, logits, prefix, out_lens, draft, None)
+        else:
+            logits, fb = self._verify_forward(spec, ids, prefix, window_slots, verify_lens)
+            hidden = fb.captured_hidden
+            self._accept(spec, ids, logits, prefix, out_lens, draft, verify_lens)
         out = self.read_accept(bs)  # owned: nothing below reads the *_buf tensors
         if self.dspark is not None:
-            self._inject_committed(fb, out, prefix, window_slots, verify_lens)
+            self._inject_committed(hidden, out, prefix, window_slots, verify_lens)
         self.future.write(rows, out.bonus, out.new_seq_lens, out_lens + out.commit_lens)
         if self.ngram is not None:
             for r, toks, n in zip(spec.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
@@ -301,8 +352,8 @@ class ModelRunner:
                                  for seed, n in zip(spec.seeds, out_lens.tolist())], dtype=torch.float64)
         self.epilogue.accept_sampling(bs, ids, target, q, uniforms, prefix, lens)
 
-    def _inject_committed(self, fb: ForwardBatch, out: AcceptOuts, prefix: torch.Tensor, window_slots: torch.Tensor,
-                          verify_lens: Optional[list[int]]) -> None:
+    def _inject_committed(self, hidden: torch.Tensor, out: AcceptOuts, prefix: torch.Tensor,
+                          window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> None:
         """Draft K/V for exactly the committed rows: positions S..S+commit_len-1 of each window.
 
         Reads the owned `out.commit_lens` and this step's own `prefix`, never an accept buffer:
@@ -312,7 +363,7 @@ class ModelRunner:
         committed = col < out.commit_lens.unsqueeze(1)  # [bs, W]
         lens = verify_lens or [width] * bs
         packed_row = torch.tensor(_starts(lens), device=self.device).unsqueeze(1) + col
-        self.dspark.drafter.inject(fb.captured_hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
+        self.dspark.drafter.inject(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
                                    window_slots[committed], self.dspark.kv)
 
     def close(self) -> None:

@@ -143,17 +143,17 @@ def test_stops_inside_an_accepted_dspark_run(drafter_dir, fp32_engine, prompts):
 
 def inject_every_row(runner):
     """Mutation: inject the whole window, rejected rows included."""
-    def inject(fb, out, prefix, window_slots, verify_lens):
+    def inject(hidden, out, prefix, window_slots, verify_lens):
         everything = out.map(torch.clone)
         everything.commit_lens.fill_(out.out_tokens.shape[1])
-        type(runner)._inject_committed(runner, fb, everything, prefix, window_slots, verify_lens)
+        type(runner)._inject_committed(runner, hidden, everything, prefix, window_slots, verify_lens)
     runner._inject_committed = inject
 
 
 def inject_one_position_late(runner):
     """Mutation: the right rows at RoPE positions shifted by one (the seed's acceptance symptom)."""
-    def inject(fb, out, prefix, window_slots, verify_lens):
-        type(runner)._inject_committed(runner, fb, out, prefix + 1, window_slots, verify_lens)
+    def inject(hidden, out, prefix, window_slots, verify_lens):
+        type(runner)._inject_committed(runner, hidden, out, prefix + 1, window_slots, verify_lens)
     runner._inject_committed = inject
 
 

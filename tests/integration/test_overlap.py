@@ -166,9 +166,9 @@ def adopt_seq_lens_by_view(runner, positions: list) -> None:
     loop's 'seq_lens' adopted from read_accept), read after this step's accept."""
     adopted = {}
 
-    def inject(fb, out, prefix, window_slots, verify_lens):
+    def inject(hidden, out, prefix, window_slots, verify_lens):
         s = adopted["seq_lens"] if "seq_lens" in adopted else prefix
-        type(runner)._inject_committed(runner, fb, out, s, window_slots, verify_lens)
+        type(runner)._inject_committed(runner, hidden, out, s, window_slots, verify_lens)
         adopted["seq_lens"] = out.new_seq_lens  # kept by reference, as the seed's loop kept it
 
     runner._inject_committed = inject
