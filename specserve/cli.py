@@ -1,4 +1,4 @@
-"""The `specserve` command: generate, init-drafter, profile-sps, bench."""
+"""The `specserve` command: generate, train-drafter, init-drafter, eval-acceptance, profile-sps, bench."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     ServerArgs.add_cli_args(gen)
 
+    trn = sub.add_parser("train-drafter", help="train a DSpark drafter by self-distillation on ShareGPT prompts")
+    from specserve.train.run import add_train_args
+
+    add_train_args(trn)
     init = sub.add_parser("init-drafter", help="write a randomly initialised DSpark drafter for a target model")
     init.add_argument("--out", required=True, help="directory to write config.json and model.safetensors to")
     init.add_argument("--model-path", default=None, help="target model (default: the embedded one)")
@@ -46,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_args(prof)
     ServerArgs.add_cli_args(prof)
+
+    ev = sub.add_parser("eval-acceptance", help="accept length, per-position acceptance and tokens/s on a prompt set")
+    from specserve.spec.eval_acceptance import add_eval_args
+
+    add_eval_args(ev)
+    ServerArgs.add_cli_args(ev)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -111,6 +121,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if ns.command == "generate":
             return _generate(ns)
+        if ns.command == "train-drafter":
+            from specserve.train.run import run_train_drafter
+
+            return run_train_drafter(ns)
+        if ns.command == "eval-acceptance":
+            from specserve.spec.eval_acceptance import run_eval_acceptance
+
+            return run_eval_acceptance(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "init-drafter":
             return _init_drafter(ns)
         if ns.command == "profile-sps":

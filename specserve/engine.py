@@ -76,7 +76,8 @@ class Engine:
         max_positions = self.context_length + MAX_DRAFT_TOKENS + 1
         model = LlamaForCausalLM(cfg, self.dtype, max_positions=max_positions).to(device)
         model.load_weights(loaded.weights, loaded.q4 if self.args.quantization == "auto" else None)
-        model.pack_for_cpu()
+        if not self.args.enable_torch_compile:  # inductor packs weights itself and cannot trace ours
+            model.pack_for_cpu()
         model.eval()
         del loaded
         drafter = self._load_drafter(model, max_positions)

