@@ -34,9 +34,9 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "most new tokens admitted into one prefill batch"})
     schedule_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": SCHEDULE_POLICIES})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
-    speculative_algorithm: Optional[str] = field(default=None, metadata={"help": "DSPARK (block drafter, needs --speculative-draft-model-path), NGRAM (prompt lookup) or NONE", "choices": SPEC_ALGORITHMS})
+    speculative_algorithm: Optional[str] = field(default=None, metadata={"help": "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt lookup) or NONE (no speculation)", "choices": SPEC_ALGORITHMS})
     speculative_dspark_block_size: Optional[int] = field(default=None, metadata={"help": "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)"})
-    speculative_draft_model_path: Optional[str] = field(default=None, metadata={"help": "DSpark drafter directory (config.json + model.safetensors, see `specserve init-drafter`)"})
+    speculative_draft_model_path: Optional[str] = field(default=None, metadata={"help": "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default for the embedded model: the shipped one"})
     speculative_dspark_verify_mode: Optional[str] = field(default=None, metadata={"help": "static: verify every window row; compact: per-request verify lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)", "choices": (None,) + VERIFY_MODES})
     speculative_dspark_sps_table_path: Optional[str] = field(default=None, metadata={"help": "JSON table of verify steps/s against batch verify tokens for the compact planner (`specserve profile-sps`)"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"})
@@ -48,7 +48,20 @@ class ServerArgs:
     log_level: str = field(default="warning", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        self._default_to_shipped_drafter()
         validate_server_args(self)
+
+    def _default_to_shipped_drafter(self) -> None:
+        """The embedded model speculates with its shipped DSpark drafter unless told otherwise
+        (`--speculative-algorithm NONE` or NGRAM, or another drafter path)."""
+        if self.model_path is not None or self.speculative_algorithm not in (None, "DSPARK"):
+            return
+        from specserve.drafters import default_drafter_path
+
+        path = self.speculative_draft_model_path or default_drafter_path()
+        if path is not None:  # frozen: set once, while constructing
+            object.__setattr__(self, "speculative_algorithm", "DSPARK")
+            object.__setattr__(self, "speculative_draft_model_path", path)
 
     @property
     def speculating(self) -> bool:

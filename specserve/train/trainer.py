@@ -199,7 +199,11 @@ def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus: Corpus, cfg: TrainC
     while step < cfg.steps:
         if cfg.max_minutes is not None and time.perf_counter() - start > cfg.max_minutes * 60:
             break
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        # Cosine over the budget: steps, or the wall-time budget when that runs out first.
+        progress = step / cfg.steps
+        if cfg.max_minutes is not None:
+            progress = max(progress, (time.perf_counter() - start) / (cfg.max_minutes * 60))
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         for group in opt.param_groups:
             group["lr"] = lr
         blk = make_blocks(rng.sample(corpus.sequences, min(cfg.seqs_per_step, len(corpus.sequences))), g,

@@ -39,6 +39,7 @@ def test_buckets():
 
 
 def make_engine(kind: str, drafter_dir: str, **kw) -> Engine:
+    kw.update(speculative_algorithm="NONE")
     if kind == "dspark":
         kw.update(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir)
     return Engine(dtype="float32", max_total_tokens=4096, **kw)

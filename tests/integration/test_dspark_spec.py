@@ -190,7 +190,7 @@ def check_injection(drafter_dir, prompts, reference, mutation):
     assert commit == 3 and outcomes[0].tokens == reference[0][1:4]  # anchor + 2 accepted drafts, then the bonus
     # Recompute the target's hidden states for the whole committed sequence from scratch.
     seq = list(prompts[0]) + reference[0][:commit]
-    fresh = Engine(dtype="float32", max_total_tokens=1024)
+    fresh = Engine(dtype="float32", max_total_tokens=1024, speculative_algorithm="NONE")
     fb = _prefill(fresh, seq, drafter.config.target_layer_ids)
     hidden = fb.captured_hidden[prompt_len:prompt_len + commit]
     positions = torch.arange(prompt_len, prompt_len + commit)

@@ -33,7 +33,7 @@ def test_batch_invariance_fp32(checked):
 @pytest.fixture(scope="module")
 def chunked_engine():
     engine = Engine(dtype="float32", max_total_tokens=8192, chunked_prefill_size=16, max_prefill_tokens=48,
-                    disable_radix_cache=True)
+                    disable_radix_cache=True, speculative_algorithm="NONE")
     yield engine
     engine.scheduler.check_integrity()
 
@@ -75,7 +75,8 @@ def test_memory_pressure_64_requests_through_small_pool(checked):
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     per_request = max(len(p) for p in prompts) + 24
     reference = [o["output_ids"] for o in checked.generate(input_ids=prompts, sampling_params=params)]
-    small = Engine(dtype="float32", max_total_tokens=8 * per_request, disable_radix_cache=False)
+    small = Engine(dtype="float32", max_total_tokens=8 * per_request, disable_radix_cache=False,
+                   speculative_algorithm="NONE")
     outs = small.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == reference
     small.scheduler.check_integrity()
@@ -161,6 +162,6 @@ def test_not_llama_family_is_rejected(tmp_path):
 def test_policies_give_the_same_greedy_outputs(checked, policy):
     prompts = _batch_prompts(checked)[:4]
     reference = [o["output_ids"] for o in checked.generate(input_ids=prompts, sampling_params=GREEDY)]
-    other = Engine(dtype="float32", max_total_tokens=4096, schedule_policy=policy)
+    other = Engine(dtype="float32", max_total_tokens=4096, schedule_policy=policy, speculative_algorithm="NONE")
     assert [o["output_ids"] for o in other.generate(input_ids=prompts, sampling_params=GREEDY)] == reference
     other.scheduler.check_integrity()

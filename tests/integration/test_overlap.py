@@ -41,7 +41,7 @@ def params_mix():
 
 
 def engine_for(kind: str, overlap: bool, drafter_dir: str, tmp_path) -> Engine:
-    kw = {}
+    kw = {"speculative_algorithm": "NONE"}
     if kind == "ngram":
         kw = {"speculative_algorithm": "NGRAM", "speculative_dspark_block_size": 3}
     elif kind.startswith("dspark"):
