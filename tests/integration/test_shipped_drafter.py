@@ -1,0 +1,98 @@
+"""The shipped drafter for the embedded model: the default, lossless in fp32, accepted well above a
+random drafter, identical acceptance in both loops, and the seed's second symptom (draft K/V
+injected at positions shifted by commit_len) visible as an accept-length drop."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import chat_prompts
+
+from specserve import Engine
+from specserve.drafters import default_drafter_path
+from specserve.models.dspark import read_drafter_config
+
+CONTENTS = ["Explain what a CPU does.", "Write a short story about a cat who learns to swim.",
+            "List five tips for staying healthy.", "Describe how a bicycle works."]
+GREEDY = {"temperature": 0, "max_new_tokens": 48}
+
+
+@pytest.fixture(scope="module")
+def shipped() -> str:
+    path = default_drafter_path()
+    assert path is not None, "specserve/drafters/smollm2-135m-instruct is missing"
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(fp32_engine):
+    return chat_prompts(fp32_engine, CONTENTS)
+
+
+@pytest.fixture(scope="module")
+def reference(fp32_engine, prompts):
+    fp32_engine.tree.reset()
+    return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+def accept_length(outs: list[dict]) -> float:
+    steps = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    return sum(o["meta_info"]["completion_tokens"] - 1 for o in outs) / steps
+
+
+def test_shipped_drafter_fits_the_size_budget_and_has_a_card(shipped):
+    size = sum(os.path.getsize(os.path.join(shipped, f)) for f in os.listdir(shipped))
+    assert size <= 30 * 2**20, size
+    cfg = read_drafter_config(shipped)
+    assert cfg.extra["training"]["steps"] > 0
+    assert os.path.isfile(os.path.join(shipped, "README.md"))
+
+
+@pytest.fixture(scope="module")
+def loop_runs(shipped, prompts) -> dict[bool, list[dict]]:
+    """The default engine (no speculative flags) under the overlap and the normal loop."""
+    runs = {}
+    for overlap in (True, False):
+        engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap)
+        assert engine.args.speculative_algorithm == "DSPARK"
+        assert engine.args.speculative_draft_model_path == shipped
+        runs[overlap] = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        engine.scheduler.check_integrity()
+        engine.shutdown()
+    return runs
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lossless_and_accepted(loop_runs, reference, overlap):
+    outs = loop_runs[overlap]
+    assert [o["output_ids"] for o in outs] == reference
+    length = accept_length(outs)
+    assert length > 1.5, length  # a random drafter gives about 1.0
+
+
+def test_both_loops_accept_identically(loop_runs):
+    def acceptance(outs):
+        return [(o["meta_info"]["spec_verify_ct"], o["meta_info"]["spec_correct_drafts_histogram"]) for o in outs]
+
+    assert acceptance(loop_runs[True]) == acceptance(loop_runs[False])
+
+
+def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, reference):
+    """Mutation: inject each step's committed rows at S + commit_len (the positions a view of
+    `new_seq_lens`, rewritten by the step, would give): still lossless, but acceptance drops."""
+    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True)
+    good = accept_length(engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    runner = engine.runner
+
+    def shifted(hidden, out, prefix, window_slots, verify_lens):
+        type(runner)._inject_committed(runner, hidden, out, prefix + out.commit_lens, window_slots, verify_lens)
+
+    runner._inject_committed = shifted
+    engine.tree.reset()
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference  # the target still decides every token
+    bad = accept_length(outs)
+    assert bad < good - 0.2, (good, bad)
+    engine.shutdown()
