@@ -234,8 +234,8 @@ def test_dspark_sampling_is_seeded_and_batch_invariant(drafter_dir, prompts):
 
 
 def test_dspark_flag_errors(drafter_dir, tmp_path):
-    with pytest.raises(ValueError, match="speculative_draft_model_path"):
-        Engine(speculative_algorithm="DSPARK")
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):  # another target: no default drafter
+        Engine(model_path=str(tmp_path / "other.gguf"), speculative_algorithm="DSPARK")
     with pytest.raises(ValueError, match="no config.json"):
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=str(tmp_path))
     with pytest.raises(ValueError, match="speculative_dspark_verify_mode"):
