@@ -1,4 +1,4 @@
-"""The `specserve` command: generate, train-drafter, init-drafter, eval-acceptance, profile-sps, bench."""
+"""The `specserve` command: serve, generate, train-drafter, init-drafter, eval-acceptance, profile-sps, bench."""
 
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the whole output dict as JSON")
     _add_sampling_args(gen)
     ServerArgs.add_cli_args(gen)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, /generate, /metrics)")
+    from specserve.server.launch import add_serve_args
+
+    add_serve_args(srv)
+    ServerArgs.add_cli_args(srv)
 
     trn = sub.add_parser("train-drafter", help="train a DSpark drafter by self-distillation on ShareGPT prompts")
     from specserve.train.run import add_train_args
@@ -121,6 +127,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if ns.command == "generate":
             return _generate(ns)
+        if ns.command == "serve":
+            from specserve.server.launch import run_server
+
+            return run_server(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "train-drafter":
             from specserve.train.run import run_train_drafter
 

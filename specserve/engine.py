@@ -167,6 +167,48 @@ class Engine:
         outputs = [self._output(r) for r in reqs]
         return outputs[0] if single else outputs
 
+    # ------------------------------------------------------------ serving: one step at a time
+
+    def submit(self, input_ids: list[int], sampling_params: Optional[dict], rid: Optional[str] = None) -> Req:
+        """Validate and queue one request (ValueError names the bad field). The returned request
+        is already finished when it needs no step (max_new_tokens 0)."""
+        _, [ids] = self._normalize_inputs(None, input_ids)
+        req = self._make_req(ids, self._normalize_params(sampling_params, 1)[0])
+        if rid is not None:
+            req.rid = rid
+        self.scheduler.validate_request(req)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, rid: str) -> Optional[Req]:
+        return self.scheduler.abort(rid)
+
+    def step(self):
+        """One loop step (a StepResult); the caller runs it inside `sanitized()`."""
+        result = self.loop.step()
+        self._maybe_log_stats()
+        return result
+
+    def has_work(self) -> bool:
+        return self.loop.has_work()
+
+    def sanitized(self):
+        """The stream sanitizer's scope when STREAM_SANITIZER is set, else a no-op context."""
+        return self._sanitized()
+
+    def load(self) -> dict[str, int]:
+        """Queue, batch and KV occupancy: slots held by requests vs by the prefix cache."""
+        sched = self.scheduler
+        cached = self.tree.total_size
+        free = self.allocator.available
+        return {"waiting": len(sched.waiting), "running": len(sched.running) + (sched.chunked_req is not None),
+                "kv_total_tokens": self.allocator.size, "kv_free_tokens": free, "kv_cached_tokens": cached,
+                "kv_request_tokens": self.allocator.size - free - cached}
+
+    def output(self, req: Req) -> dict[str, Any]:
+        """The output dict of a (finished) request, as `generate` returns it."""
+        return self._output(req)
+
     def _make_streams(self) -> None:
         """Forward and copy streams. On CPU they run inline (no worker threads, no cost) unless a
         fault delay needs real concurrency; see specserve/runtime/stream.py."""

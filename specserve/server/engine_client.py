@@ -1,0 +1,180 @@
+"""The HTTP process's handle on the engine process: submit, abort, and per-request event queues.
+
+A reader thread takes the engine's event lists off the multiprocessing queue and hands them to the
+asyncio loop, which routes each event to its request's asyncio.Queue and records latencies. Nothing
+here waits on model work from the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from specserve.server.engine_process import engine_main
+from specserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+READER_POLL_S = 0.5
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process failed or is gone; requests fail with this message."""
+
+
+@dataclass
+class Tracked:
+    """One engine request as the HTTP side follows it. `index` is its choice index (n > 1)."""
+
+    sink: asyncio.Queue
+    index: int
+    submitted: float = field(default_factory=time.perf_counter)
+    first_at: Optional[float] = None
+    last_at: Optional[float] = None
+
+
+class EngineClient:
+    """Starts the engine process and multiplexes requests over it."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], metrics: ServerMetrics):
+        self.engine_kwargs = engine_kwargs
+        self.metrics = metrics
+        self.info: dict[str, Any] = {}
+        self.load: dict[str, int] = {}
+        self.fatal: Optional[str] = None
+        self.tracked: dict[str, Tracked] = {}
+        self.queued = 0  # submitted, no event yet: the bound behind 503
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._closing = False
+        ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and locks
+        self._commands, self._events = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=engine_main, args=(engine_kwargs, self._commands, self._events),
+                                name="specserve-engine", daemon=True)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 900.0) -> dict[str, Any]:
+        """Spawn the engine and wait (blocking, before serving) until it is ready."""
+        self.proc.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                events = self._events.get(timeout=READER_POLL_S)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise EngineUnavailable(f"engine process exited with code {self.proc.exitcode} during start")
+                continue
+            for ev in events:
+                if ev[0] == "fatal":
+                    self.proc.join(5)
+                    raise EngineUnavailable(ev[1])
+                if ev[0] == "ready":
+                    self.info = ev[1]
+                    return self.info
+        self.proc.kill()
+        raise EngineUnavailable(f"engine not ready after {timeout_s:.0f} s")
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start routing events into `loop` (call from inside it)."""
+        self._loop = loop
+        threading.Thread(target=self._read_events, name="engine-events", daemon=True).start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine to abort what is left and exit; kill it if it does not within the bound."""
+        self._closing = True
+        if self.proc.is_alive():
+            self._commands.put(("shutdown",))
+            self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            logger.error("engine process did not exit within %.0f s; killing it", timeout_s)
+            self.proc.kill()
+            self.proc.join(5)
+
+    @property
+    def healthy(self) -> bool:
+        return self.fatal is None and self.proc.is_alive()
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, rid: str, input_ids: list[int], params: dict[str, Any], sink: asyncio.Queue,
+               index: int = 0) -> None:
+        if not self.healthy:
+            raise EngineUnavailable(self.fatal or "engine process is not running")
+        self.tracked[rid] = Tracked(sink, index)
+        self.queued += 1
+        self.metrics.queued.set(self.queued)
+        self._commands.put(("add", rid, input_ids, params))
+
+    def abort(self, rid: str) -> None:
+        """Stop a request (client gone); its KV is freed by the engine. No-op once finished."""
+        if rid in self.tracked:
+            self._commands.put(("abort", rid))
+
+    # ------------------------------------------------------------ events
+
+    def _read_events(self) -> None:
+        while True:
+            try:
+                events = self._events.get(timeout=READER_POLL_S)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    if not self._closing:
+                        self._call(self._fail_all, f"engine process exited with code {self.proc.exitcode}")
+                    return
+                continue
+            except (EOFError, OSError):
+                return
+            self._call(self._dispatch, events)
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def _dispatch(self, events: list[tuple]) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            kind = ev[0]
+            if kind == "load":
+                self.load = ev[1]
+                self.metrics.observe_load(ev[1])
+            elif kind == "fatal":
+                self._fail_all(ev[1])
+            else:
+                self._route(kind, ev[1], ev[2], now)
+
+    def _route(self, kind: str, rid: str, payload: Any, now: float) -> None:
+        t = self.tracked.get(rid)
+        if t is None:
+            return
+        if t.first_at is None:
+            t.first_at = now
+            self.queued -= 1
+            self.metrics.queued.set(self.queued)
+            if kind == "tokens":
+                self.metrics.ttft.observe(now - t.submitted)
+        elif kind == "tokens":
+            self.metrics.itl.observe(now - t.last_at)
+        t.last_at = now
+        if kind in ("done", "error"):
+            del self.tracked[rid]
+            if kind == "done":
+                self.metrics.observe_done(payload, now - t.submitted)
+        t.sink.put_nowait((kind, t.index, payload))
+
+    def _fail_all(self, message: str) -> None:
+        if self.fatal is None:
+            logger.error("engine failed: %s", message)
+        self.fatal = message
+        for rid in list(self.tracked):
+            t = self.tracked.pop(rid)
+            t.sink.put_nowait(("fatal", t.index, message))
+        self.queued = 0
+        self.metrics.queued.set(0)

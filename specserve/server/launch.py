@@ -1,0 +1,67 @@
+"""`specserve serve`: start the engine process, then the HTTP server; stop both cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import signal
+
+from specserve.args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the file)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting for their first token beyond this answer 503 with Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies answer 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+
+
+def served_model_name(model_path: str) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'; a directory -> its name."""
+    name = os.path.basename(os.path.normpath(model_path))
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    return re.sub(r"\.(Q\d\w*|IQ\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+
+
+def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
+    import uvicorn
+
+    from specserve.io.tokenizer import load_tokenizer
+    from specserve.models.loader import resolve_model_path
+    from specserve.server.engine_client import EngineClient
+    from specserve.server.metrics import ServerMetrics
+    from specserve.server.openai_api import ServerState, create_app
+
+    if ns.max_queued_requests < 1:
+        raise ValueError("--max-queued-requests must be >= 1")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = resolve_model_path(args.model_path)
+    name = ns.served_model_name or served_model_name(path)
+    metrics = ServerMetrics(name)
+    client = EngineClient(dataclasses.asdict(args), metrics)
+    tokenizer = load_tokenizer(args.tokenizer_path or path)
+    info = client.start()
+    logger.info("engine ready (pid %s): %s, %s speculation, context %d", info["pid"], name,
+                info["speculative_algorithm"] or "no", info["context_length"])
+    state = ServerState(client, tokenizer, metrics, name, ns.api_key, ns.max_queued_requests, ns.max_request_bytes)
+    config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False)
+    # uvicorn re-raises the signal it shut down on once it is done; with these no-op handlers
+    # that re-raise is harmless and a SIGTERM'd server exits 0 after its graceful shutdown.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        client.shutdown()
+    return 0 if client.fatal is None else 1

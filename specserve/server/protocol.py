@@ -1,0 +1,186 @@
+"""OpenAI-compatible request models (pydantic) and their translation to specserve sampling params.
+
+Unknown fields are rejected (extra="forbid"); fields of the OpenAI API that specserve does not
+implement are accepted only at their neutral value (e.g. `presence_penalty: 0`, `logprobs: false`)
+and otherwise rejected with a message naming them, so a client never gets silently different
+behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+Number = Union[StrictInt, StrictFloat]
+MAX_N = 16  # choices per request
+MAX_STOP = 16  # stop strings per request
+
+
+class RequestError(Exception):
+    """A client error with the HTTP status, OpenAI error type/code and the offending field."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 code: Optional[str] = None, err_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.err_type = message, status, param, code, err_type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: Optional[StrictStr] = None
+
+    def as_template_message(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Strict):
+    """What chat and completion requests share."""
+
+    model: StrictStr
+    temperature: Optional[Number] = Field(None, ge=0, le=2)
+    top_p: Optional[Number] = Field(None, gt=0, le=1)
+    top_k: Optional[StrictInt] = Field(None, ge=-1)
+    min_p: Optional[Number] = Field(None, ge=0, le=1)
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: Optional[StrictInt] = Field(None, ge=0, lt=2**63)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: StrictBool = False  # extension: generate exactly max_tokens (benchmarks)
+    user: Optional[StrictStr] = None  # accepted for compatibility; not used
+    # OpenAI fields specserve does not implement: only their neutral values are accepted.
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Number]] = None
+    logprobs: Union[StrictBool, StrictInt, None] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise ValueError(f"{name}: not supported by specserve (omit it or send 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported by specserve (omit it or send {})")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs: not supported by specserve (omit it or send false)")
+        if self.top_k == 0:
+            raise ValueError("top_k: must be -1 (off) or >= 1")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP or any(s == "" for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        """specserve sampling params; OpenAI's default temperature is 1."""
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "stop": self.stop_list(),
+                                  "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=0)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=0)
+    top_logprobs: Optional[StrictInt] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: not supported by specserve")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format: only {\"type\": \"text\"} is supported")
+        if self.tools:
+            raise ValueError("tools: not supported by specserve")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: not supported by specserve (omit it or send \"none\")")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_tokens, max_completion_tokens: give at most one")
+        return self
+
+    def token_limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = Field(16, ge=0)  # OpenAI's default for completions
+    echo: StrictBool = False
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.echo:
+            raise ValueError("echo: not supported by specserve")
+        if self.suffix:
+            raise ValueError("suffix: not supported by specserve")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of: only best_of == n is supported")
+        if isinstance(self.prompt, list) and (not self.prompt or any(p in ("", []) for p in self.prompt)):
+            raise ValueError("prompt: must not be empty")
+        if self.prompt == "":
+            raise ValueError("prompt: must not be empty")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """One entry per prompt: text, or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+    def token_limit(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class GenerateRequest(_Strict):
+    """The native endpoint: text or input_ids, specserve sampling params, the Engine's output dict."""
+
+    text: Optional[StrictStr] = None
+    input_ids: Optional[list[StrictInt]] = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: StrictBool = False
+
+    @model_validator(mode="after")
+    def _check_generate(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("text, input_ids: give exactly one")
+        if self.text == "" or self.input_ids == []:
+            raise ValueError("text/input_ids: must not be empty")
+        return self

@@ -1,0 +1,36 @@
+"""Live servers for the HTTP tests: one for the API, one (tiny context, tiny queue) for limits."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from server_process import ServerProcess  # noqa: E402
+
+API_KEY = "sk-specserve-test"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The default engine (DSPARK with the shipped drafter) in fp32, so greedy output is batch-invariant."""
+    srv = ServerProcess("--dtype", "float32", "--api-key", API_KEY, "--max-total-tokens", "40000",
+                        log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exited with {code} on SIGTERM:\n{srv.log()}"
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}

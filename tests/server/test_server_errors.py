@@ -1,0 +1,105 @@
+"""Bad requests get precise 4xx answers and leave the server serving; disconnects free KV; metrics parse."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import MODEL
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+
+
+def ok_body(**kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, **kw}
+
+
+@pytest.fixture(scope="module")
+def http(server, auth):
+    with httpx.Client(base_url=server.url, headers=auth, timeout=120) as c:
+        yield c
+
+
+def metrics(http) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http.get("/metrics").text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (json.dumps(ok_body(max_tokens="four")).encode(), 400, "max_tokens"),
+    (json.dumps(ok_body(max_tokens=-1)).encode(), 400, "max_tokens"),
+    (json.dumps(ok_body(temperature=-0.5)).encode(), 400, "temperature"),
+    (json.dumps(ok_body(n=0)).encode(), 400, "n"),
+    (json.dumps(ok_body(messages="hi")).encode(), 400, "messages"),
+    (json.dumps(ok_body(frobnicate=True)).encode(), 400, "frobnicate"),
+    (json.dumps(ok_body(presence_penalty=0.5)).encode(), 400, None),
+    (json.dumps(ok_body(model="gpt-4")).encode(), 404, "model"),
+    (json.dumps({**ok_body(), "messages": [{"role": "user", "content": "word " * 9000}]}).encode(), 400, "messages"),
+])
+def test_bad_request_answers_4xx_and_server_keeps_serving(http, body, status, param):
+    r = http.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param and param in err["message"]
+    assert http.get("/health").status_code == 200
+    assert http.post(CHAT, json=ok_body()).status_code == 200
+
+
+def test_huge_prompt_names_the_context_window(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_engine_side_validation_reaches_the_client(http):
+    r = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "top_p": 7}})
+    assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
+    r = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+
+
+def test_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server.url + CHAT, json=ok_body(), headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # health stays open
+
+
+def test_disconnect_mid_stream_frees_kv(http):
+    body = ok_body(max_tokens=3000, stream=True, ignore_eos=True,
+                   messages=[{"role": "user", "content": "Write a very long essay about rivers."}])
+    with http.stream("POST", CHAT, json=body) as r:
+        assert r.status_code == 200
+        received = 0
+        for line in r.iter_lines():
+            received += line.startswith("data: ")
+            if received >= 5:
+                break  # the client goes away with ~3000 tokens still to generate
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(http)
+        if m["specserve_kv_request_tokens"] == 0 and m["specserve_num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    m = metrics(http)
+    assert m["specserve_kv_request_tokens"] == 0, m
+    assert m["specserve_num_requests_running"] == 0 and m["specserve_num_requests_waiting"] == 0
+
+
+def test_metrics_parse_and_carry_speculative_statistics(http):
+    assert http.post(CHAT, json=ok_body(max_tokens=16)).status_code == 200
+    m = metrics(http)
+    assert m["specserve_spec_accept_length_count"] >= 1
+    assert m["specserve_spec_correct_drafts_count"] >= m["specserve_spec_accept_length_count"]
+    assert m["specserve_generation_tokens_total"] >= 16
+    assert m["specserve_time_to_first_token_seconds_count"] >= 1
+    assert 0 < m["specserve_kv_total_tokens"]
