@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_spec_bench_args(spec)
     ServerArgs.add_cli_args(spec)
+    srvb = bench_sub.add_parser("serving", help="drive OpenAI-compatible servers at a concurrency sweep and compare")
+    from specserve.bench.serving import add_serving_bench_args
+
+    add_serving_bench_args(srvb)
     ovl = bench_sub.add_parser("overlap", help="overlap loop vs normal loop decode throughput")
     from specserve.bench.overlap import add_overlap_bench_args
 
@@ -153,6 +157,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.spec import run_spec_bench
 
             return run_spec_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "serving":
+            from specserve.bench.serving import run_serving_bench
+
+            return run_serving_bench(ns)
         if ns.command == "bench" and ns.bench_command == "overlap":
             from specserve.bench.overlap import run_overlap_bench
 
