@@ -46,6 +46,11 @@ class ServerArgs:
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level"})
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one scheduler process per rank, SPMD)"})
+    dist_init_addr: Optional[str] = field(default=None, metadata={"help": "host:port of the rank-0 rendezvous (default: 127.0.0.1 and a free port; required with --nnodes > 1)"})
+    nnodes: int = field(default=1, metadata={"help": "nodes sharing the tensor-parallel ranks (tp_size / nnodes ranks per node)"})
+    node_rank: int = field(default=0, metadata={"help": "this node's index; node 0 hosts rank 0 and the front end"})
+    collective_timeout: float = field(default=60.0, metadata={"help": "seconds any cross-rank collective may wait before the rank fails loudly"})
 
     def __post_init__(self) -> None:
         self._default_to_shipped_drafter()
@@ -144,5 +149,17 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"max_prefill_tokens must be >= 1, got {args.max_prefill_tokens}")
     if args.context_length is not None and args.context_length < 2:
         raise ValueError(f"context_length must be >= 2, got {args.context_length}")
+    if args.tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {args.tp_size}")
+    if args.nnodes < 1 or args.tp_size % args.nnodes:
+        raise ValueError(f"nnodes must be >= 1 and divide tp_size={args.tp_size}, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"node_rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and not args.dist_init_addr:
+        raise ValueError("dist_init_addr: required with nnodes > 1 (host:port of node 0)")
+    if args.dist_init_addr is not None and not args.dist_init_addr.rpartition(":")[2].isdigit():
+        raise ValueError(f"dist_init_addr must be host:port, got {args.dist_init_addr!r}")
+    if args.collective_timeout <= 0:
+        raise ValueError(f"collective_timeout must be > 0 seconds, got {args.collective_timeout}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {args.device!r}")

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from typing import Any, Optional, Union
@@ -14,9 +15,11 @@ import torch
 
 from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
+from specserve.dist.group import DistConfig, TPGroup
 from specserve.io.tokenizer import Tokenizer, load_tokenizer
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
+from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
 from specserve.models.dspark import DsparkDrafter, load_drafter
@@ -27,7 +30,7 @@ from specserve.runtime.sanitizer import StreamSanitizer
 from specserve.runtime.stream import Stream
 from specserve.scheduler.loops import NormalLoop, OverlapLoop
 from specserve.scheduler.req import Req
-from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from specserve.scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.planner import SpsTable, VerifyPlanner
 
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[str], None]
 STATS_LOG_INTERVAL_S = 5.0  # the periodic engine log line (at INFO)
+HEARTBEAT_S = 0.5  # an idle rank 0 steps this often under TP (well inside any collective timeout)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -55,13 +59,45 @@ def kv_pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
 
 
 class Engine:
-    """Offline engine: `Engine(model_path=None, **server_args).generate(prompt, sampling_params=...)`."""
+    """Offline engine: `Engine(model_path=None, **server_args).generate(prompt, sampling_params=...)`.
+
+    With `tp_size > 1` this object is rank 0 of an SPMD group: it spawns the other ranks, and every
+    step starts with rank 0 broadcasting the commands (new requests, aborts) that all ranks apply
+    before scheduling identically.
+    """
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
-        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        self._workers: list = []
+        dist_cfg = None
+        if args.tp_size > 1:
+            from specserve.dist.launch import rendezvous_addr, spawn_local_workers
+
+            addr = rendezvous_addr(args)
+            self._workers = spawn_local_workers(args, addr, skip_rank0=True)
+            dist_cfg = DistConfig(0, args.tp_size, addr, args.collective_timeout, args.device)
+        try:
+            self._build(args, dist_cfg)
+        except BaseException:
+            self._stop_workers(timeout_s=5)
+            raise
+
+    @classmethod
+    def for_rank(cls, args: ServerArgs, dist_cfg: "DistConfig") -> "Engine":
+        """The engine of one non-zero tensor-parallel rank (see specserve/dist/launch.py)."""
+        engine = cls.__new__(cls)
+        engine._workers = []
+        engine._build(args, dist_cfg)
+        return engine
+
+    def _build(self, args: ServerArgs, dist_cfg: Optional["DistConfig"]) -> None:
+        self.args = args
         logging.basicConfig(level=self.args.log_level.upper())
         if self.args.num_threads:
             torch.set_num_threads(self.args.num_threads)
+        self.dist = TPGroup(dist_cfg) if dist_cfg is not None else None
+        self.tp_rank = dist_cfg.rank if dist_cfg is not None else 0
+        tp = TPContext(self.tp_rank, args.tp_size, self.dist)
         path = resolve_model_path(self.args.model_path)
         loaded = load_model(path)
         self.model_config = cfg = loaded.config
@@ -74,18 +110,26 @@ class Engine:
         device = self.args.device
         # A verify window may reach gamma positions past the last token that can be emitted.
         max_positions = self.context_length + MAX_DRAFT_TOKENS + 1
-        model = LlamaForCausalLM(cfg, self.dtype, max_positions=max_positions).to(device)
+        model = LlamaForCausalLM(cfg, self.dtype, tp=tp, max_positions=max_positions).to(device)
         model.load_weights(loaded.weights, loaded.q4 if self.args.quantization == "auto" else None)
         if not self.args.enable_torch_compile:  # inductor packs weights itself and cannot trace ours
             model.pack_for_cpu()
         model.eval()
         del loaded
+        # The drafter is replicated on every rank: it is small, its context (the target's captured
+        # hidden states) is full-width on every rank after the row-parallel all-reduces, and its
+        # embedding and LM head are the target's parallel ones, so ranks draft identically.
         drafter = self._load_drafter(model, max_positions)
         gamma = self._block_size(drafter)
         draft_layers = drafter.config.num_layers if drafter is not None else 0
-        per_token = KVPool.bytes_per_token(cfg.num_layers + draft_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        local_kv_heads = model.layers[0].self_attn.num_kv_heads
+        per_token = (KVPool.bytes_per_token(cfg.num_layers, local_kv_heads, cfg.head_dim, self.dtype)
+                     + (KVPool.bytes_per_token(draft_layers, drafter.config.num_kv_heads, drafter.config.head_dim,
+                                               self.dtype) if drafter is not None else 0))
         size = kv_pool_tokens(self.args, per_token)
-        self.kv = KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, device)
+        if self.dist is not None:  # every rank must schedule against the same pool size
+            size = int(self.dist.all_reduce_(torch.tensor([size]), "engine.kv_pool_size", op="min")[0])
+        self.kv = KVPool(size, cfg.num_layers, local_kv_heads, cfg.head_dim, self.dtype, device)
         self.allocator = TokenSlotAllocator(size)
         self._make_streams()
         self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, max_positions, device,
@@ -100,7 +144,8 @@ class Engine:
                                   dspark=dspark, ngram=ngram, forward_stream=self.forward_stream,
                                   copy_stream=self.copy_stream, alias_accept_buffers=self.faults.alias_accept_buffers,
                                   capture=CaptureConfig(not self.args.disable_cuda_graph, self.args.cuda_graph_max_bs,
-                                                        self.args.enable_torch_compile))
+                                                        self.args.enable_torch_compile),
+                                  tp_group=self.dist)
         sched_cfg = SchedulerConfig(
             context_length=self.context_length,
             eos_token_ids=self.tokenizer.eos_token_ids,
@@ -116,7 +161,14 @@ class Engine:
         self.loop = loop(self.scheduler, self.runner)
         self._seed_rng = random.Random(self.args.random_seed)
         self._last_log = time.monotonic()
-        logger.info("engine ready: %s, %s, KV pool %d tokens", path, self.dtype, size)
+        self._pending: list[tuple] = []  # commands for the next step (broadcast first under TP)
+        self._step_lock = threading.Lock()
+        self._last_step = time.monotonic()
+        self._closed = False
+        if self.dist is not None and self.tp_rank == 0:
+            threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
+        logger.info("engine ready (rank %d/%d): %s, %s, KV pool %d tokens", self.tp_rank, args.tp_size, path,
+                    self.dtype, size)
 
     def _load_drafter(self, model: LlamaForCausalLM, max_positions: int) -> Optional[DsparkDrafter]:
         if self.args.speculative_algorithm != "DSPARK":
@@ -150,47 +202,86 @@ class Engine:
         reqs = [self._make_req(ids, sp) for ids, sp in zip(token_lists, params)]
         for req in reqs:  # validate everything before queueing anything
             self.scheduler.validate_request(req)
-        done: dict[str, Req] = {}
-        for req in reqs:
-            early = self.scheduler.add_request(req)
-            if early is not None:
-                done[req.rid] = early
+        self._pending += [("add", req) for req in reqs]
+        done: set[str] = set()
         with self._sanitized():
             while len(done) < len(reqs):
-                result = self.loop.step()
-                self._maybe_log_stats()
-                for req in result.finished:
-                    done[req.rid] = req
-                if not self.loop.has_work() and len(done) < len(reqs):
+                result = self.step()
+                done.update(req.rid for req in result.finished)
+                if not self.has_work() and len(done) < len(reqs):
                     raise RuntimeError("engine: scheduler idle with unfinished requests")
-            self.loop.drain()  # the overlap loop's last step (for already finished requests)
+            with self._step_lock:
+                self.loop.drain()  # the overlap loop's last step (for already finished requests)
         outputs = [self._output(r) for r in reqs]
         return outputs[0] if single else outputs
 
     # ------------------------------------------------------------ serving: one step at a time
 
     def submit(self, input_ids: list[int], sampling_params: Optional[dict], rid: Optional[str] = None) -> Req:
-        """Validate and queue one request (ValueError names the bad field). The returned request
-        is already finished when it needs no step (max_new_tokens 0)."""
+        """Validate and queue one request for the next step (ValueError names the bad field)."""
         _, [ids] = self._normalize_inputs(None, input_ids)
         req = self._make_req(ids, self._normalize_params(sampling_params, 1)[0])
         if rid is not None:
             req.rid = rid
         self.scheduler.validate_request(req)
-        self.scheduler.add_request(req)
+        self._pending.append(("add", req))
         return req
 
-    def abort(self, rid: str) -> Optional[Req]:
-        return self.scheduler.abort(rid)
+    def abort(self, rid: str) -> None:
+        """Stop a request at the next step; it then comes back in that step's `finished`."""
+        self._pending.append(("abort", rid))
 
-    def step(self):
-        """One loop step (a StepResult); the caller runs it inside `sanitized()`."""
-        result = self.loop.step()
+    def step(self) -> StepResult:
+        """Apply the pending commands (on every rank), then run one loop step if there is work."""
+        with self._step_lock:
+            result = StepResult()
+            commands, self._pending = self._pending, []
+            if self.dist is not None:
+                commands = self.dist.broadcast_object(commands, "engine.commands")
+            for command in commands:
+                self._apply(command, result)
+            if self.loop.has_work():
+                more = self.loop.step()
+                result.tokens += more.tokens
+                result.finished += more.finished
+            self._last_step = time.monotonic()
         self._maybe_log_stats()
         return result
 
+    def _apply(self, command: tuple, result: StepResult) -> None:
+        kind, arg = command
+        if kind == "add":
+            early = self.scheduler.add_request(arg)
+            if early is not None:
+                result.finished.append(early)
+        elif kind == "abort":
+            req = self.scheduler.abort(arg)
+            if req is not None:
+                result.finished.append(req)
+        elif kind == "shutdown":
+            self._closed = True
+
+    def follow(self) -> bool:
+        """A non-zero rank's loop body: one step as rank 0 commands; False once it shuts down."""
+        self.step()
+        return not self._closed
+
+    def _heartbeat(self) -> None:
+        """Rank 0, idle: an empty step now and then, so that waiting ranks see a live rank 0
+        instead of timing out in their command broadcast."""
+        while not self._closed:
+            time.sleep(HEARTBEAT_S)
+            if time.monotonic() - self._last_step >= HEARTBEAT_S and not self._closed:
+                with self._step_lock:
+                    idle = not self.loop.has_work() and not self._pending and not self._closed
+                if idle:
+                    try:
+                        self.step()
+                    except Exception:  # the engine is failing; its own thread reports it
+                        return
+
     def has_work(self) -> bool:
-        return self.loop.has_work()
+        return bool(self._pending) or self.loop.has_work()
 
     def sanitized(self):
         """The stream sanitizer's scope when STREAM_SANITIZER is set, else a no-op context."""
@@ -212,7 +303,7 @@ class Engine:
     def _make_streams(self) -> None:
         """Forward and copy streams. On CPU they run inline (no worker threads, no cost) unless a
         fault delay needs real concurrency; see specserve/runtime/stream.py."""
-        self.faults = FaultConfig.from_env(rank=0)
+        self.faults = FaultConfig.from_env(rank=self.tp_rank)
         self.sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
         threaded = self.faults.needs_threads
         self.forward_stream = Stream("forward", self.args.device, threaded, self.faults.delay_for("forward"),
@@ -230,11 +321,33 @@ class Engine:
             logger.info("%s", sched.stats.log_line(len(sched.running), len(sched.waiting)))
 
     def shutdown(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
+        """Stop this engine; rank 0 also tells the other ranks to stop and waits for them."""
+        if getattr(self, "runner", None) is None:
+            self._stop_workers(timeout_s=5)
+            return
+        if self.dist is not None and self.tp_rank == 0 and not self._closed:
+            try:
+                self._pending.append(("shutdown", None))
+                self.step()
+            except Exception as exc:  # a rank is already gone: nothing to tell it
+                logger.warning("tensor-parallel shutdown: %s", exc)
+        self._closed = True
+        self.runner.close()
+        self._stop_workers(timeout_s=30)
+        if self.dist is not None:
+            self.dist.close()
         self.scheduler = None
         self.runner = None
         self.kv = None
+
+    def _stop_workers(self, timeout_s: float) -> None:
+        for proc in self._workers:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                logger.error("tensor-parallel rank process %s did not exit; killing it", proc.pid)
+                proc.kill()
+                proc.join(5)
+        self._workers = []
 
     def __enter__(self) -> "Engine":
         return self

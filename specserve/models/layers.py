@@ -19,7 +19,8 @@ from specserve.models.q4 import Q4Weight, int4_matmul
 
 @dataclass(frozen=True)
 class TPContext:
-    """This process's place in a tensor-parallel group (size 1 means no parallelism)."""
+    """This process's place in a tensor-parallel group (size 1 means no parallelism).
+    `group` is a specserve.dist.group.TPGroup when size > 1."""
 
     rank: int = 0
     size: int = 1
@@ -27,14 +28,25 @@ class TPContext:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+            self.group.model_all_reduce_(x)
         return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.group.model_all_gather(x) if self.size > 1 else [x]
 
     def shard(self, full: int) -> tuple[int, int]:
         if full % self.size:
             raise ValueError(f"tp_size: {full} is not divisible by tp_size={self.size}")
         part = full // self.size
         return self.rank * part, part
+
+    def split(self, units: int) -> tuple[int, int]:
+        """(first unit, units) of this rank when `units` (e.g. KV heads) are dealt out as evenly
+        as possible: SmolLM2's 3 KV heads over 2 ranks give 2 and 1."""
+        if units < self.size:
+            raise ValueError(f"tp_size: {units} heads cannot be split over tp_size={self.size} ranks")
+        base, extra = divmod(units, self.size)
+        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
 
 
 class RMSNorm(nn.Module):
@@ -118,24 +130,28 @@ class _ParallelLinear(nn.Module):
 
 
 class ColumnParallelLinear(_ParallelLinear):
-    """y = x W^T with W's output rows split across ranks; the output stays sharded."""
+    """y = x W^T with W's output rows split across ranks; the output stays sharded. `ranges`
+    gives each fused part's (start, rows) on this rank (default: an even split)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext, dtype: torch.dtype):
-        self.out_sizes = [tp.shard(n)[1] for n in out_sizes]
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext, dtype: torch.dtype,
+                 ranges: Optional[list[tuple[int, int]]] = None):
+        self.ranges = ranges or [tp.shard(n) for n in out_sizes]
+        self.out_sizes = [part for _, part in self.ranges]
         super().__init__(in_features, sum(self.out_sizes), bias, tp, dtype)
 
     def load(self, weights: list[torch.Tensor], biases: Optional[list[torch.Tensor]] = None) -> None:
         """Take full weights of each fused part (e.g. q, k, v) and keep this rank's rows of each."""
-        self.weight.data.copy_(torch.cat([self._rows(w) for w in weights]))
+        self.weight.data.copy_(torch.cat([self._rows(w, r) for w, r in zip(weights, self.ranges)]))
         if self.bias is not None and biases is not None:
-            self.bias.data.copy_(torch.cat([self._rows(b) for b in biases]))
+            self.bias.data.copy_(torch.cat([self._rows(b, r) for b, r in zip(biases, self.ranges)]))
 
     def load_q4(self, parts: list[Q4Weight]) -> None:
         """Keep this rank's rows of each fused part's 4-bit weight (used if the layer is packed for CPU)."""
-        self._q4 = Q4Weight.cat([self._rows(p) for p in parts])
+        self._q4 = Q4Weight.cat([self._rows(p, r) for p, r in zip(parts, self.ranges)])
 
-    def _rows(self, w):
-        start, part = self.tp.shard(w.shape[0] if isinstance(w, torch.Tensor) else w.codes.shape[0])
+    @staticmethod
+    def _rows(w, rows: tuple[int, int]):
+        start, part = rows
         return w[start:start + part] if isinstance(w, torch.Tensor) else w.rows(slice(start, start + part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,18 +161,19 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype):
-        super().__init__(tp.shard(in_features)[1], out_features, bias, tp, dtype)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype,
+                 cols: Optional[tuple[int, int]] = None):
+        self.cols = cols or tp.shard(in_features)  # (start, count) of this rank's input columns
+        super().__init__(self.cols[1], out_features, bias, tp, dtype)
 
     def load(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
-        start, part = self.tp.shard(weight.shape[1])
+        start, part = self.cols
         self.weight.data.copy_(weight[:, start:start + part])
         if self.bias is not None and bias is not None:
             self.bias.data.copy_(bias)
 
     def load_q4(self, weight: Q4Weight) -> None:
-        start, part = self.tp.shard(weight.codes.shape[1])
-        self._q4 = weight.cols(start, part)
+        self._q4 = weight.cols(*self.cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, after the reduction, so it is not counted tp_size times.
@@ -200,6 +217,4 @@ class ParallelLMHead(_ParallelLinear):
         logits = matmul(hidden, self.weight, self.packed).float()
         if self.tp.size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
-        torch.distributed.all_gather(parts, logits, group=self.tp.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.tp.all_gather(logits), dim=-1)

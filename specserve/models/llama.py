@@ -23,13 +23,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = tp.shard(cfg.num_heads)[1]
-        self.num_kv_heads = tp.shard(cfg.num_kv_heads)[1]
-        self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype)
+        # Ranks own whole KV heads with their query groups (uneven when tp_size does not divide them).
+        kv_start, self.num_kv_heads = tp.split(cfg.num_kv_heads)
+        group, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = self.num_kv_heads * group
+        self.head_dim = d
+        self.scale = d ** -0.5
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        q_rows, kv_rows = (kv_start * group * d, self.num_heads * d), (kv_start * d, self.num_kv_heads * d)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype,
+                                             ranges=[q_rows, kv_rows, kv_rows])
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype, cols=q_rows)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)

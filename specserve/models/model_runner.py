@@ -108,7 +108,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, req_to_token: ReqToTokenPool, device: str = "cpu",
                  max_bs: int = 64, dspark: Optional[DsparkParts] = None, ngram: Optional[NgramDrafter] = None,
                  forward_stream: Optional[Stream] = None, copy_stream: Optional[Stream] = None,
-                 alias_accept_buffers: bool = False, capture: Optional[CaptureConfig] = None):
+                 alias_accept_buffers: bool = False, capture: Optional[CaptureConfig] = None, tp_group=None):
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token
@@ -125,6 +125,11 @@ class ModelRunner:
         self.capture = capture or CaptureConfig(max_bs=max_bs)
         self.capture.max_bs = min(self.capture.max_bs, max_bs)
         self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
+        # Tensor parallelism: decisions that floating-point noise or timing could make differ by
+        # rank (sampled tokens, drafts, verify lengths, accept results) are broadcast from rank 0,
+        # on the forward stream, out of one persistent contiguous buffer.
+        self.tp = tp_group
+        self._decisions: Optional[torch.Tensor] = None
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -185,6 +190,7 @@ class ModelRunner:
         if wanted:
             picked = sample(logits.cpu(), [spec.params[i] for i in wanted], [spec.seeds[i] for i in wanted],
                             [spec.out_lens[i] for i in wanted])
+            picked = self._agree([torch.tensor(picked, dtype=torch.int64)], "runner.extend_tokens")[0].tolist()
             tokens[wanted] = torch.tensor(picked)
             rows = torch.tensor([spec.rows[i] for i in wanted], device=self.device)
             seq = torch.tensor([spec.prefix_lens[i] + spec.extend_lens[i] for i in wanted], device=self.device)
@@ -206,7 +212,7 @@ class ModelRunner:
         else:
             logits = self._decode_eager(spec, rows, anchors, prefix)
         picked = sample(logits.cpu(), spec.params, spec.seeds, out_lens.tolist())
-        tokens = torch.tensor(picked, dtype=torch.int64)
+        tokens = self._agree([torch.tensor(picked, dtype=torch.int64)], "runner.decode_tokens")[0]
         self.future.write(rows, tokens.to(self.device), prefix + 1, out_lens + 1)
         return tokens
 
@@ -273,6 +279,11 @@ class ModelRunner:
         ids[:, 0] = anchors
         draft = self._draft(spec, rows, ids, prefix, out_lens)
         verify_lens = self._plan(draft)
+        if self.tp is not None:
+            lens = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
+            ids_agreed, lens = self._agree([ids.cpu(), lens], "runner.drafts")
+            ids.copy_(ids_agreed)
+            verify_lens = lens.tolist() if verify_lens is not None else None
         window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(width)]
         greedy = all(p.is_greedy for p in spec.params)
         if verify_lens is None and self.capture.covers(bs):  # the captured verify, greedy accept folded in
@@ -284,6 +295,10 @@ class ModelRunner:
             logits, fb = self._verify_forward(spec, ids, prefix, window_slots, verify_lens)
             hidden = fb.captured_hidden
             self._accept(spec, ids, logits, prefix, out_lens, draft, verify_lens)
+        if self.tp is not None:  # rank 0's accept results, into every rank's accept buffers
+            bufs = self.epilogue.accept_buffers(bs).tensors()
+            for buf, agreed in zip(bufs, self._agree([b.cpu() for b in bufs], "runner.accept")):
+                buf.copy_(agreed)
         out = self.read_accept(bs)  # owned: nothing below reads the *_buf tensors
         if self.dspark is not None:
             self._inject_committed(hidden, out, prefix, window_slots, verify_lens)
@@ -291,6 +306,22 @@ class ModelRunner:
         if self.ngram is not None:
             for r, toks, n in zip(spec.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
                 self.future.histories[r].extend(toks[:n])
+        return out
+
+    def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
+        """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""
+        if self.tp is None:
+            return tensors
+        n = sum(t.numel() for t in tensors)
+        if self._decisions is None or self._decisions.numel() < n:
+            self._decisions = torch.zeros(max(n, self.max_bs * 32), dtype=torch.int64)
+        buf = self._decisions[:n]
+        torch.cat([t.reshape(-1) for t in tensors], out=buf)
+        self.tp.broadcast_(buf, site, on_model_group=True)
+        out, offset = [], 0
+        for t in tensors:
+            out.append(buf[offset:offset + t.numel()].view(t.shape).clone())
+            offset += t.numel()
         return out
 
     def read_accept(self, bs: int) -> AcceptOuts:

@@ -60,8 +60,10 @@ class EngineServer:
             out: list[tuple] = []
             stop = self._apply(self._drain(block=not self.engine.has_work()), out)
             if stop:
-                self._abort_all(out)
-            elif self.engine.has_work():
+                for rid in self.live:
+                    self.engine.abort(rid)
+            self._step(out)
+            while stop and self.engine.has_work():  # the aborts, and the overlap loop's step in flight
                 self._step(out)
             load = self.engine.load()
             if load != self._last_load:
@@ -88,23 +90,17 @@ class EngineServer:
                 return True
             if cmd[0] == "add":
                 self._add(*cmd[1:], out=out)
-            elif cmd[0] == "abort":
-                req = self.engine.abort(cmd[1])
-                if req is not None:
-                    self.live.discard(req.rid)
-                    out.append(("done", req.rid, self.engine.output(req)))
+            elif cmd[0] == "abort" and cmd[1] in self.live:
+                self.engine.abort(cmd[1])  # its "done" comes with the next step's finished requests
         return False
 
     def _add(self, rid: str, input_ids: list[int], params: dict, out: list[tuple]) -> None:
         try:
-            req = self.engine.submit(input_ids, params, rid=rid)
+            self.engine.submit(input_ids, params, rid=rid)
         except ValueError as exc:
             out.append(("error", rid, str(exc)))
             return
-        if req.finished:  # nothing to generate (max_new_tokens 0)
-            out.append(("done", rid, self.engine.output(req)))
-        else:
-            self.live.add(rid)
+        self.live.add(rid)
 
     def _step(self, out: list[tuple]) -> None:
         result = self.engine.step()
@@ -115,12 +111,3 @@ class EngineServer:
         for req in result.finished:
             self.live.discard(req.rid)
             out.append(("done", req.rid, self.engine.output(req)))
-
-    def _abort_all(self, out: list[tuple]) -> None:
-        for rid in list(self.live):
-            req = self.engine.abort(rid)
-            if req is not None:
-                out.append(("done", rid, self.engine.output(req)))
-        self.live.clear()
-        while self.engine.has_work():  # the overlap loop's step in flight
-            self.engine.step()

@@ -42,6 +42,10 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.server.metrics import ServerMetrics
     from specserve.server.openai_api import ServerState, create_app
 
+    if args.node_rank > 0:  # a node without rank 0 runs its ranks only; node 0 serves HTTP
+        from specserve.dist.launch import run_node_workers
+
+        return run_node_workers(args)
     if ns.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

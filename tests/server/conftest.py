@@ -9,10 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from server_process import ServerProcess  # noqa: E402
-
-API_KEY = "sk-specserve-test"
-MODEL = "SmolLM2-135M-Instruct"
+from server_process import API_KEY, ServerProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ import time
 import urllib.request
 
 STARTUP_TIMEOUT_S = 300
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "sk-specserve-test"
 
 
 def free_port() -> int:

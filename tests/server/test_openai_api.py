@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import MODEL
+from server_process import MODEL
 
 pytestmark = pytest.mark.slow
 

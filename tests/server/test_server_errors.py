@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MODEL
+from server_process import MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 
-from conftest import MODEL
+from server_process import MODEL
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
