@@ -39,6 +39,7 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = field(default=None, metadata={"help": "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default for the embedded model: the shipped one"})
     speculative_dspark_verify_mode: Optional[str] = field(default=None, metadata={"help": "static: verify every window row; compact: per-request verify lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)", "choices": (None,) + VERIFY_MODES})
     speculative_dspark_sps_table_path: Optional[str] = field(default=None, metadata={"help": "JSON table of verify steps/s against batch verify tokens for the compact planner (`specserve profile-sps`)"})
+    speculative_disable_batch_size: Optional[int] = field(default=8, metadata={"help": "decode steps with more running requests than this run without drafts (speculation costs compute that a large batch already uses); 0: never speculate in decode, empty: always"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps on CPU)"})
     cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest batch run as a captured step; larger batches run eagerly"})
@@ -46,6 +47,12 @@ class ServerArgs:
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level"})
+    enable_hierarchical_cache: bool = field(default=False, metadata={"help": "HiCache: keep evicted prefix-cache KV in a host-memory pool and load it back on a hit"})
+    hicache_ratio: float = field(default=2.0, metadata={"help": "host pool size as a multiple of the device KV pool"})
+    hicache_size: Optional[int] = field(default=None, metadata={"help": "host pool size in tokens (overrides --hicache-ratio)"})
+    hicache_write_policy: str = field(default="write_through", metadata={"help": "when nodes are copied to the host", "choices": ("write_through", "write_through_selective", "write_back")})
+    hicache_storage_backend: Optional[str] = field(default=None, metadata={"help": "file: also keep full 64-token pages in --hicache-storage-dir (survives restarts; a corrupt file is a miss)", "choices": (None, "file")})
+    hicache_storage_dir: Optional[str] = field(default=None, metadata={"help": "directory of the file tier"})
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one scheduler process per rank, SPMD)"})
     dist_init_addr: Optional[str] = field(default=None, metadata={"help": "host:port of the rank-0 rendezvous (default: 127.0.0.1 and a free port; required with --nnodes > 1)"})
     nnodes: int = field(default=1, metadata={"help": "nodes sharing the tensor-parallel ranks (tp_size / nnodes ranks per node)"})
@@ -149,6 +156,19 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"max_prefill_tokens must be >= 1, got {args.max_prefill_tokens}")
     if args.context_length is not None and args.context_length < 2:
         raise ValueError(f"context_length must be >= 2, got {args.context_length}")
+    if args.enable_hierarchical_cache:
+        if args.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache: needs the radix cache (drop --disable-radix-cache)")
+        if args.hicache_ratio <= 0 or (args.hicache_size is not None and args.hicache_size < 1):
+            raise ValueError("hicache_ratio must be > 0 and hicache_size >= 1")
+        if args.hicache_write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise ValueError(f"hicache_write_policy: unknown policy {args.hicache_write_policy!r}")
+        if args.hicache_storage_backend not in (None, "file"):
+            raise ValueError(f"hicache_storage_backend must be 'file', got {args.hicache_storage_backend!r}")
+        if args.hicache_storage_backend == "file" and not args.hicache_storage_dir:
+            raise ValueError("hicache_storage_dir: required with --hicache-storage-backend file")
+    if args.speculative_disable_batch_size is not None and args.speculative_disable_batch_size < 0:
+        raise ValueError(f"speculative_disable_batch_size must be >= 0, got {args.speculative_disable_batch_size}")
     if args.tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {args.tp_size}")
     if args.nnodes < 1 or args.tp_size % args.nnodes:

@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(srv)
     ServerArgs.add_cli_args(srv)
 
+    soak = sub.add_parser("soak", help="the seed's configuration (TP 2, DSPARK, overlap, checker) for a budget")
+    from specserve.bench.soak import SOAK_DEFAULTS, add_soak_args
+
+    add_soak_args(soak)
+    ServerArgs.add_cli_args(soak)
+    soak.set_defaults(**SOAK_DEFAULTS)
+
     trn = sub.add_parser("train-drafter", help="train a DSpark drafter by self-distillation on ShareGPT prompts")
     from specserve.train.run import add_train_args
 
@@ -135,6 +142,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.server.launch import run_server
 
             return run_server(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "soak":
+            from specserve.bench.soak import run_soak
+
+            return run_soak(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "train-drafter":
             from specserve.train.run import run_train_drafter
 

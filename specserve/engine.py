@@ -15,6 +15,7 @@ import torch
 
 from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
+from specserve.dist.consensus import RankConsensusChecker
 from specserve.dist.group import DistConfig, TPGroup
 from specserve.io.tokenizer import Tokenizer, load_tokenizer
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
@@ -134,11 +135,11 @@ class Engine:
         self._make_streams()
         self.req_to_token = ReqToTokenPool(self.args.max_running_requests + 1, max_positions, device,
                                            stream=self.forward_stream)
-        self.tree = RadixCache(self.allocator.free, disabled=self.args.disable_radix_cache)
         dspark = None
         if drafter is not None:  # the draft K/V share the target's token slots, so one allocator serves both
             draft_kv = KVPool(size, draft_layers, drafter.config.num_kv_heads, drafter.config.head_dim, self.dtype, device)
             dspark = DsparkParts(drafter, draft_kv, self._planner())
+        self.tree = self._make_tree(size, [self.kv] + ([dspark.kv] if dspark else []))
         ngram = NgramDrafter(gamma) if self.args.speculative_algorithm == "NGRAM" else None
         self.runner = ModelRunner(model, self.kv, self.req_to_token, device, max_bs=self.args.max_running_requests,
                                   dspark=dspark, ngram=ngram, forward_stream=self.forward_stream,
@@ -154,21 +155,44 @@ class Engine:
             chunked_prefill_size=self.args.chunked_prefill_size,
             schedule_policy=self.args.schedule_policy,
             num_draft_tokens=gamma,
+            speculative_disable_batch_size=self.args.speculative_disable_batch_size,
         )
         self.scheduler = Scheduler(sched_cfg, self.runner, self.allocator, self.req_to_token, self.tree,
                                    decode_text=self.tokenizer.decode)
+        self.consensus = RankConsensusChecker.from_env(self.dist)
+        self.scheduler.consensus = self.tree.consensus = self.consensus
         loop = NormalLoop if self.args.disable_overlap_schedule else OverlapLoop
         self.loop = loop(self.scheduler, self.runner)
         self._seed_rng = random.Random(self.args.random_seed)
         self._last_log = time.monotonic()
         self._pending: list[tuple] = []  # commands for the next step (broadcast first under TP)
-        self._step_lock = threading.Lock()
+        self._step_lock = threading.RLock()
         self._last_step = time.monotonic()
         self._closed = False
         if self.dist is not None and self.tp_rank == 0:
             threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
         logger.info("engine ready (rank %d/%d): %s, %s, KV pool %d tokens", self.tp_rank, args.tp_size, path,
                     self.dtype, size)
+
+    def _make_tree(self, size: int, device_pools: list[KVPool]) -> RadixCache:
+        """The radix cache, or with --enable-hierarchical-cache its host (and file) tiers too."""
+        args = self.args
+        if not args.enable_hierarchical_cache:
+            return RadixCache(self.allocator.free, disabled=args.disable_radix_cache)
+        from specserve.kv.hicache import FileKVStorage, HiRadixCache, HostKVPool
+
+        host = HostKVPool(device_pools, args.hicache_size or max(16, int(size * args.hicache_ratio)),
+                          self.forward_stream, self.copy_stream)
+        storage = FileKVStorage(args.hicache_storage_dir, self.tp_rank) if args.hicache_storage_backend else None
+
+        def agree_min(value: int, site: str) -> int:
+            if self.dist is None:
+                return value
+            return int(self.dist.all_reduce_(torch.tensor([value]), site, op="min")[0])
+
+        # Loading back needs device slots, which the scheduler finds (evicting) once it exists.
+        return HiRadixCache(self.allocator.free, lambda n: self.scheduler.alloc_slots(n), host,
+                            args.hicache_write_policy, storage, agree_min)
 
     def _load_drafter(self, model: LlamaForCausalLM, max_positions: int) -> Optional[DsparkDrafter]:
         if self.args.speculative_algorithm != "DSPARK":
@@ -210,8 +234,8 @@ class Engine:
                 done.update(req.rid for req in result.finished)
                 if not self.has_work() and len(done) < len(reqs):
                     raise RuntimeError("engine: scheduler idle with unfinished requests")
-            with self._step_lock:
-                self.loop.drain()  # the overlap loop's last step (for already finished requests)
+            self._pending.append(("drain", None))  # the overlap loop's last step, on every rank
+            self.step()
         outputs = [self._output(r) for r in reqs]
         return outputs[0] if single else outputs
 
@@ -241,7 +265,12 @@ class Engine:
             for command in commands:
                 self._apply(command, result)
             if self.loop.has_work():
-                more = self.loop.step()
+                try:
+                    more = self.loop.step()
+                except Exception:
+                    if self.consensus is not None:  # name the first divergent site, not the broken collective
+                        self.consensus.flush()
+                    raise
                 result.tokens += more.tokens
                 result.finished += more.finished
             self._last_step = time.monotonic()
@@ -258,8 +287,13 @@ class Engine:
             req = self.scheduler.abort(arg)
             if req is not None:
                 result.finished.append(req)
+        elif kind == "drain":
+            self.loop.drain()
         elif kind == "shutdown":
             self._closed = True
+            if self.consensus is not None:  # a last comparison of everything recorded, then stop
+                self.consensus.flush()
+                self.consensus.stop()
 
     def follow(self) -> bool:
         """A non-zero rank's loop body: one step as rank 0 commands; False once it shuts down."""
@@ -271,14 +305,15 @@ class Engine:
         instead of timing out in their command broadcast."""
         while not self._closed:
             time.sleep(HEARTBEAT_S)
-            if time.monotonic() - self._last_step >= HEARTBEAT_S and not self._closed:
-                with self._step_lock:
-                    idle = not self.loop.has_work() and not self._pending and not self._closed
-                if idle:
-                    try:
-                        self.step()
-                    except Exception:  # the engine is failing; its own thread reports it
-                        return
+            if time.monotonic() - self._last_step < HEARTBEAT_S or self._closed:
+                continue
+            with self._step_lock:
+                if self.loop.has_work() or self._pending or self._closed:
+                    continue
+                try:
+                    self.step()
+                except Exception:  # the engine is failing; the caller's own step reports it
+                    return
 
     def has_work(self) -> bool:
         return bool(self._pending) or self.loop.has_work()

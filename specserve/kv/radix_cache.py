@@ -11,6 +11,8 @@ import heapq
 import itertools
 from typing import Callable, Optional
 
+from specserve.dist.consensus import consensus_site
+
 
 class TreeNode:
     """One edge of the radix tree: key tokens and their KV slots."""
@@ -25,6 +27,11 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.id = next(TreeNode._ids)
+        # HiCache (kv/hicache.py): host slots of a copy, whether every rank finished writing it,
+        # and matches so far. A node with host_value and an empty value lives on the host only.
+        self.host_value: Optional[list[int]] = None
+        self.backup_confirmed = False
+        self.hits = 0
 
     def __lt__(self, other: "TreeNode") -> bool:
         return (self.last_access, self.id) < (other.last_access, other.id)
@@ -41,6 +48,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.total_size = 0  # tokens held by the tree
         self.evictable_size = 0  # tokens in nodes with lock_ref == 0
+        self.consensus = None  # a RankConsensusChecker under tensor parallelism (inserts and evictions)
 
     # ------------------------------------------------------------ lookup and insert
 
@@ -53,6 +61,8 @@ class RadixCache:
         node.last_access = now
         while pos < len(key) and key[pos] in node.children:
             child = node.children[key[pos]]
+            if not child.value:  # on the host only (HiCache): the device match ends here
+                break
             n = _common_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
@@ -62,6 +72,7 @@ class RadixCache:
             node = child
         return slots, node
 
+    @consensus_site("radix_insert", lambda self, key, value, result: (len(key), result))
     def insert(self, key: list[int], value: list[int]) -> int:
         """Insert key -> value. Returns how many leading tokens were already cached (their value slots are the caller's to free)."""
         if self.disabled:
@@ -113,6 +124,7 @@ class RadixCache:
                 self.evictable_size += len(node.key)
             node = node.parent
 
+    @consensus_site("radix_evict", lambda self, num_tokens, result: (num_tokens, result))
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens slots from unlocked leaves, LRU first. Returns slots freed."""
         if self.disabled or num_tokens <= 0:

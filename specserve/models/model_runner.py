@@ -214,6 +214,9 @@ class ModelRunner:
         picked = sample(logits.cpu(), spec.params, spec.seeds, out_lens.tolist())
         tokens = self._agree([torch.tensor(picked, dtype=torch.int64)], "runner.decode_tokens")[0]
         self.future.write(rows, tokens.to(self.device), prefix + 1, out_lens + 1)
+        if self.ngram is not None:  # a plain decode step of a speculating engine (a large batch)
+            for r, tok in zip(spec.rows, tokens.tolist()):
+                self.future.histories[r].append(tok)
         return tokens
 
     def _decode_eager(self, spec: StepSpec, rows: torch.Tensor, anchors: torch.Tensor,

@@ -52,6 +52,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 2048
     schedule_policy: str = "fcfs"
     num_draft_tokens: int = 0  # gamma: drafts verified per step (0: plain decode)
+    speculative_disable_batch_size: Optional[int] = None  # more running requests: plain decode steps
 
 
 @dataclass
@@ -87,6 +88,12 @@ class Scheduler:
         self._arrivals = 0
         self.num_retractions = 0
         self.stats = SchedulerStats(self.window - 1)
+        self.consensus = None  # a RankConsensusChecker under tensor parallelism
+
+    def _agree(self, site: str, value) -> None:
+        """An event the other tensor-parallel ranks must reproduce exactly (see dist/consensus.py)."""
+        if self.consensus is not None:
+            self.consensus.record(site, value)
 
     # ------------------------------------------------------------ requests in and out
 
@@ -151,6 +158,7 @@ class Scheduler:
             batch = self._schedule_decode()
         if batch is not None:
             self.in_flight.append(batch)
+            self._agree("batch", (batch.mode, [(r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens)]))
         return batch
 
     def process_result(self, batch: ScheduleBatch,
@@ -192,6 +200,7 @@ class Scheduler:
                 result.finished.append(self._finish(req, reason))
         if batch.mode != "extend":
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self._agree("committed", [(r.rid, r.kv_len, len(r.output_ids)) for r in batch.reqs])
         return result
 
     def _record_spec(self, req: Req, appended: int, committed: int, cap_trimmed: int) -> None:
@@ -283,6 +292,13 @@ class Scheduler:
             input_ids.extend([req.output_ids[-1]] * (w - 1))  # draft placeholders: the runner drafts
             out_cache_loc.extend(req.kv_slots[req.kv_len:req.kv_len + w])
         mode = "verify" if w > 1 else "decode"
+        cap = self.cfg.speculative_disable_batch_size
+        if mode == "verify" and cap is not None and len(reqs) > cap:
+            # A large batch already fills the compute that verify windows would need: decode plainly.
+            # The slots of the unused window positions stay with the requests for later windows.
+            mode, w = "decode", 1
+            input_ids = [r.output_ids[-1] for r in reqs]
+            out_cache_loc = [r.kv_slots[r.kv_len] for r in reqs]
         return ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, out_cache_loc,
                              [True] * len(reqs))
 
@@ -355,6 +371,10 @@ class Scheduler:
     def _reserved_for_running(self) -> int:
         return sum(self._reserve(r) for r in self.running)
 
+    def alloc_slots(self, n: int) -> Optional[list[int]]:
+        """n device slots, evicting prefix cache as needed (HiCache loads back through this)."""
+        return self._alloc_slots(n)
+
     def _alloc_slots(self, n: int) -> Optional[list[int]]:
         short = n - self.allocator.available
         if short > 0:
@@ -366,6 +386,7 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         computed = req.kv_len
+        self._agree("cache_finished_req", (req.rid, computed, req.cache_protected_len, len(req.output_ids)))
         self.allocator.free(req.kv_slots[computed:])  # allocated but never computed
         if self.tree.disabled:
             self.allocator.free(req.kv_slots[req.cache_protected_len:computed])

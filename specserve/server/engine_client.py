@@ -55,7 +55,7 @@ class EngineClient:
         ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and locks
         self._commands, self._events = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=engine_main, args=(engine_kwargs, self._commands, self._events),
-                                name="specserve-engine", daemon=True)
+                                name="specserve-engine", daemon=False)  # it may spawn TP ranks
 
     # ------------------------------------------------------------ lifecycle
 

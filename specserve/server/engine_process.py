@@ -32,8 +32,8 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events) -> None:
     try:
         with engine.sanitized():
             EngineServer(engine, commands, events).run()
-    except Exception:
-        events.put([("fatal", "engine step failed:\n" + traceback.format_exc())])
+    except Exception as exc:
+        events.put([("fatal", f"engine step failed: {type(exc).__name__}: {exc}\n" + traceback.format_exc())])
         raise
     finally:
         engine.shutdown()

@@ -1,0 +1,109 @@
+"""Tensor parallelism on CPU (gloo, TP 2): identical tokens, the consensus checker, no silent hang."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
+           "Explain recursion to a child in two sentences."]
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs():
+    from specserve import Engine
+
+    out = {}
+    for algorithm in ("NONE", "DSPARK"):
+        with Engine(dtype="float32", speculative_algorithm=algorithm, max_total_tokens=4096) as engine:
+            out[algorithm] = [o["output_ids"] for o in engine.generate(PROMPTS, sampling_params=GREEDY)]
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["NONE", "DSPARK"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_tp2_tokens_equal_tp1(tp1_outputs, algorithm, overlap):
+    from specserve import Engine
+
+    with Engine(dtype="float32", speculative_algorithm=algorithm, max_total_tokens=4096, tp_size=2,
+                disable_overlap_schedule=not overlap, collective_timeout=120) as engine:
+        outs = engine.generate(PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == tp1_outputs[algorithm]
+    if algorithm == "DSPARK":
+        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
+def soak(*flags: str, env: dict[str, str], timeout: float = 300) -> tuple[int, str, float]:
+    """Run `specserve soak` in a subprocess; (exit code, output, seconds)."""
+    cmd = [sys.executable, "-m", "specserve.cli", "soak", "--dtype", "float32", "--max-total-tokens", "8192",
+           "--wave", "4", "--small-new-tokens", "4", "--large-new-tokens", "24", *flags]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def test_clean_run_with_every_feature_and_delays_agrees():
+    code, out, _ = soak("--max-tokens", "3000", "--copy-delay-ms", "3", "--forward-delay-ms", "2", "--json",
+                        env={"SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
+    assert code == 0, out[-3000:]
+    assert '"rank_divergences": 0' in out and '"hangs": 0' in out
+    assert "Found rank divergence" not in out
+
+
+def test_alias_fault_with_copy_delays_is_caught_and_exits():
+    """The seed's failure on CPU: views of the accept buffers read late by the copy stream, with
+    different delays per rank; the checker must report it and the process must exit non-zero."""
+    code, out, seconds = soak("--max-minutes", "3", "--copy-delay-ms", "8",
+                              env={"SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS": "1",
+                                   "SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
+    assert code != 0, out[-3000:]
+    assert "Found rank divergence for" in out, out[-3000:]
+    assert seconds < 240
+
+
+def test_planted_divergence_is_reported_at_its_site():
+    code, out, _ = soak("--max-tokens", "2000", env={"SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER": "1",
+                                                      "SPECSERVE_FAULT_DIVERGE_SITE": "cache_finished_req:1"})
+    assert code == 3, out[-3000:]
+    assert re.search(r"Found rank divergence for \d+ event\(s\)!", out), out[-3000:]
+    assert "first at site 'cache_finished_req'" in out, out[-3000:]
+    assert "planted-divergence" in out
+
+
+def test_rank_that_skips_a_collective_makes_the_others_fail_with_the_site():
+    code, out, seconds = soak("--max-tokens", "2000", "--collective-timeout", "5",
+                              env={"SPECSERVE_FAULT_SKIP_COLLECTIVE": "model.all_reduce:1"}, timeout=120)
+    assert code != 0
+    assert "collective timeout at site 'model.all_reduce' on rank 0/2" in out, out[-3000:]
+    assert seconds < 90
+
+
+def test_server_fails_loudly_when_a_rank_stalls(tmp_path):
+    """The front end answers the in-flight request with an error and turns unhealthy; no client waits forever."""
+    import httpx
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
+    from server_process import MODEL, ServerProcess
+
+    os.environ["SPECSERVE_FAULT_SKIP_COLLECTIVE"] = "model.all_reduce:1"
+    try:
+        srv = ServerProcess("--tp-size", "2", "--collective-timeout", "5", log_path=str(tmp_path / "server.log"))
+    finally:
+        del os.environ["SPECSERVE_FAULT_SKIP_COLLECTIVE"]
+    try:
+        start = time.monotonic()
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
+        assert r.status_code == 500 and "collective timeout at site 'model.all_reduce'" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 60
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 503
+    finally:
+        srv.stop()
