@@ -23,7 +23,7 @@ from specserve.kv.radix_cache import RadixCache
 from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
-from specserve.models.dspark import DsparkDrafter, load_drafter
+from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter
 from specserve.models.model_runner import CaptureConfig, DsparkParts, ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.runtime.faults import FaultConfig
@@ -116,11 +116,14 @@ class Engine:
         if not self.args.enable_torch_compile:  # inductor packs weights itself and cannot trace ours
             model.pack_for_cpu()
         model.eval()
-        del loaded
         # The drafter is replicated on every rank: it is small, its context (the target's captured
         # hidden states) is full-width on every rank after the row-parallel all-reduces, and its
-        # embedding and LM head are the target's parallel ones, so ranks draft identically.
-        drafter = self._load_drafter(model, max_positions)
+        # embedding and LM head are the target's parallel ones, so ranks draft identically. A
+        # reduced draft vocabulary takes its rows from the full (unsharded) head weight.
+        full_head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"])
+        del loaded
+        drafter = self._load_drafter(model, max_positions, full_head)
+        del full_head
         gamma = self._block_size(drafter)
         draft_layers = drafter.config.num_layers if drafter is not None else 0
         local_kv_heads = model.layers[0].self_attn.num_kv_heads
@@ -194,12 +197,16 @@ class Engine:
         return HiRadixCache(self.allocator.free, lambda n: self.scheduler.alloc_slots(n), host,
                             args.hicache_write_policy, storage, agree_min)
 
-    def _load_drafter(self, model: LlamaForCausalLM, max_positions: int) -> Optional[DsparkDrafter]:
+    def _load_drafter(self, model: LlamaForCausalLM, max_positions: int,
+                      full_head: torch.Tensor) -> Optional[DsparkDrafter]:
         if self.args.speculative_algorithm != "DSPARK":
             return None
         drafter = load_drafter(self.args.speculative_draft_model_path, self.model_config, self.dtype,
                                self.args.device, max_positions, self.args.speculative_dspark_block_size)
-        drafter.attach_target(model.embed_tokens, model.lm_head)
+        head = model.lm_head
+        if drafter.reduced_vocab and self.args.tp_size > 1:  # this rank's head holds only its vocab shard
+            head = DraftVocabHead(full_head.to(device=self.args.device, dtype=self.dtype))
+        drafter.attach_target(model.embed_tokens, head)
         return drafter
 
     def _block_size(self, drafter: Optional[DsparkDrafter]) -> int:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
            "Explain recursion to a child in two sentences."]
-GREEDY = {"temperature": 0, "max_new_tokens": 24}
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_tp2_tokens_equal_tp1(tp1_outputs, algorithm, overlap):
         outs = engine.generate(PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == tp1_outputs[algorithm]
     if algorithm == "DSPARK":
-        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+        assert all(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in outs)
 
 
 def soak(*flags: str, env: dict[str, str], timeout: float = 300) -> tuple[int, str, float]:
@@ -61,7 +61,7 @@ def test_clean_run_with_every_feature_and_delays_agrees():
 def test_alias_fault_with_copy_delays_is_caught_and_exits():
     """The seed's failure on CPU: views of the accept buffers read late by the copy stream, with
     different delays per rank; the checker must report it and the process must exit non-zero."""
-    code, out, seconds = soak("--max-minutes", "3", "--copy-delay-ms", "8",
+    code, out, seconds = soak("--max-minutes", "3", "--copy-delay-ms", "300",
                               env={"SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS": "1",
                                    "SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
     assert code != 0, out[-3000:]
