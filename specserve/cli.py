@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.bench.serving import add_serving_bench_args
 
     add_serving_bench_args(srvb)
+    hic = bench_sub.add_parser("hicache", help="MT-Bench second turns with a small device pool: radix-only vs HiCache")
+    from specserve.bench.hicache import add_hicache_bench_args
+
+    add_hicache_bench_args(hic)
+    ServerArgs.add_cli_args(hic)
     ovl = bench_sub.add_parser("overlap", help="overlap loop vs normal loop decode throughput")
     from specserve.bench.overlap import add_overlap_bench_args
 
@@ -172,6 +177,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.serving import run_serving_bench
 
             return run_serving_bench(ns)
+        if ns.command == "bench" and ns.bench_command == "hicache":
+            from specserve.bench.hicache import run_hicache_bench
+
+            return run_hicache_bench(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "bench" and ns.bench_command == "overlap":
             from specserve.bench.overlap import run_overlap_bench
 

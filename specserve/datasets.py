@@ -25,11 +25,15 @@ def package_file(package: str, path: str, pip_name: str) -> str:
     return os.path.join(spec.submodule_search_locations[0], path)
 
 
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-Bench questions: category and both turns."""
+    with open(package_file(*MTBENCH)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def mtbench_first_turns() -> list[dict[str, str]]:
     """The 80 MT-Bench questions' first turns with their categories."""
-    with open(package_file(*MTBENCH)) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [{"category": r["category"], "prompt": r["turns"][0]} for r in rows]
+    return [{"category": r["category"], "prompt": r["turns"][0]} for r in mtbench_questions()]
 
 
 def humaneval_prompts() -> list[dict[str, str]]:

@@ -1,0 +1,172 @@
+"""Tensor-parallel process groups with named, time-bounded collectives.
+
+Each rank builds its groups from one TCPStore rendezvous (no torch.distributed default group, so
+one process can build, tear down and rebuild engines): the model group (gloo on CPU, NCCL on
+CUDA) for the forward pass, a gloo control group for scheduler broadcasts and agreements, and a
+dedicated gloo group for the rank consensus checker's background thread.
+
+Every control collective names its site. A collective that does not complete within
+`--collective-timeout` raises CollectiveTimeout naming the site, the rank and what it waited for:
+the process fails loudly instead of hanging (DESIGN.md invariant 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from specserve import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 300.0
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time: some rank diverged, died or skipped it."""
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Where this rank sits: `addr` is host:port of the rendezvous store (hosted by rank 0)."""
+
+    rank: int
+    world_size: int
+    addr: str
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    device: str = "cpu"
+
+
+class TPGroup:
+    """This rank's groups and the collectives the engine uses, each with a site name and a timeout."""
+
+    def __init__(self, cfg: DistConfig):
+        self.cfg = cfg
+        self.rank, self.size = cfg.rank, cfg.world_size
+        self.timeout = timedelta(seconds=cfg.timeout_s)  # per collective, enforced by each wait
+        # Connecting waits for every rank to start (model loading included): a separate, longer bound.
+        self.connect_timeout = timedelta(seconds=max(cfg.timeout_s, CONNECT_TIMEOUT_S))
+        host, port = cfg.addr.rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), cfg.world_size, is_master=cfg.rank == 0,
+                                   timeout=self.connect_timeout, wait_for_workers=False)
+        self.control = self._gloo("control")
+        self.monitor = self._gloo("consensus")
+        # One group per thread that issues collectives, so their orders can never interleave:
+        # control (the scheduler thread), model (the forward stream), consensus (the checker).
+        self.model = self._gloo("model") if not cfg.device.startswith("cuda") else self._nccl()
+        self._bcast_len = torch.zeros(1, dtype=torch.int64)
+        self._skip = os.environ.get(envs.FAULT_SKIP_COLLECTIVE) or None  # test hook "SITE:RANK"
+        self.failed: Optional[CollectiveTimeout] = None  # the first collective that failed
+
+    def _gloo(self, name: str):
+        return dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), self.rank, self.size, self.connect_timeout)
+
+    def _nccl(self):  # imported lazily: no GPU-only code at module load
+        opts = dist.ProcessGroupNCCL.Options()
+        return dist.ProcessGroupNCCL(dist.PrefixStore("model", self.store), self.rank, self.size, opts)
+
+    # ------------------------------------------------------------ collectives with sites
+
+    def _arrive(self, site: str, pg=None) -> None:
+        """Before a collective: the engine's groups, once one failed, fail again at once with the
+        first error (the one worth reporting; the consensus group keeps working for a last check);
+        test hook: the named rank never arrives at the named site."""
+        if self.failed is not None and pg is not self.monitor:
+            raise CollectiveTimeout(str(self.failed)) from self.failed
+        if self._skip is not None and self._skip == f"{site}:{self.rank}":
+            logger.critical("fault injection: rank %d skips the collective at site '%s'", self.rank, site)
+            time.sleep(3 * self.cfg.timeout_s)
+            os._exit(4)
+
+    def _wait(self, work, site: str, what: str, group_name: str = "control") -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:  # gloo reports a timeout (or a dead peer) as a RuntimeError
+            msg = (f"collective timeout at site '{site}' on rank {self.rank}/{self.size}: waited up to "
+                   f"{self.cfg.timeout_s:.0f} s for {what} on the {group_name} group ({type(exc).__name__}: "
+                   f"{str(exc).splitlines()[0] if str(exc) else ''})")
+            logger.critical(msg)
+            error = CollectiveTimeout(msg)
+            if group_name != "consensus":
+                self.failed = self.failed or error
+            raise error from exc
+
+    def broadcast_(self, tensor: torch.Tensor, site: str, src: int = 0, on_model_group: bool = False) -> torch.Tensor:
+        """In place: every rank gets rank `src`'s contents of a tensor (control group: CPU tensors;
+        model group: the forward stream's tensors, from that stream's thread)."""
+        self._arrive(site)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        pg, name = (self.model, "model") if on_model_group else (self.control, "control")
+        self._wait(pg.broadcast([tensor], opts), site, f"broadcast of {tuple(tensor.shape)} from rank {src}", name)
+        return tensor
+
+    def all_reduce_(self, tensor: torch.Tensor, site: str, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
+        self._arrive(site, group)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        pg = group or self.control
+        name = "consensus" if pg is self.monitor else "control"
+        self._wait(pg.allreduce([tensor], opts), site, f"all-reduce {op.upper()} of {tuple(tensor.shape)}", name)
+        return tensor
+
+    def all_gather_objects(self, obj: Any, site: str, group: Optional[Any] = None) -> list[Any]:
+        """Every rank's `obj` (pickled), in rank order."""
+        self._arrive(site, group)
+        pg = group or self.control
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._wait(pg.allgather([lengths], [length]), site, "all-gather of lengths")
+        longest = int(max(int(n) for n in lengths))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self._wait(pg.allgather([outs], [padded]), site, "all-gather of payloads")
+        return [pickle.loads(o[:int(n)].numpy().tobytes()) for o, n in zip(outs, lengths)]
+
+    def broadcast_object(self, obj: Any, site: str) -> Any:
+        """Rank 0's `obj` on every rank (others pass None)."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            self._bcast_len[0] = data.numel()
+        self.broadcast_(self._bcast_len, site)
+        if self.rank != 0:
+            data = torch.empty(int(self._bcast_len[0]), dtype=torch.uint8)
+        self.broadcast_(data, site)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    # ------------------------------------------------------------ the model's collectives (forward stream)
+
+    def model_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._arrive("model.all_reduce")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self.model.allreduce([tensor], opts), "model.all_reduce", f"all-reduce of {tuple(tensor.shape)}",
+                   "model")
+        return tensor
+
+    def model_all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._arrive("model.all_gather")
+        outs = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._wait(self.model.allgather([outs], [tensor.contiguous()]), "model.all_gather",
+                   f"all-gather of {tuple(tensor.shape)}", "model")
+        return outs
+
+    def close(self) -> None:
+        for pg in {id(g): g for g in (self.control, self.monitor, self.model)}.values():
+            shutdown = getattr(pg, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:  # best effort at teardown
+                    pass
