@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[str], None]
 STATS_LOG_INTERVAL_S = 5.0  # the periodic engine log line (at INFO)
+class RankDivergence(RuntimeError):
+    """Tensor-parallel ranks scheduled different batches."""
+
+
 HEARTBEAT_S = 0.5  # an idle rank 0 steps this often under TP (well inside any collective timeout)
 
 
@@ -164,6 +168,8 @@ class Engine:
                                    decode_text=self.tokenizer.decode)
         self.consensus = RankConsensusChecker.from_env(self.dist)
         self.scheduler.consensus = self.tree.consensus = self.consensus
+        if self.dist is not None:
+            self.runner.before_launch = self._agree_on_batch_shape
         loop = NormalLoop if self.args.disable_overlap_schedule else OverlapLoop
         self.loop = loop(self.scheduler, self.runner)
         self._seed_rng = random.Random(self.args.random_seed)
@@ -283,6 +289,20 @@ class Engine:
             self._last_step = time.monotonic()
         self._maybe_log_stats()
         return result
+
+    def _agree_on_batch_shape(self, batch) -> None:
+        """TP: one small all-reduce before each step's forward. Divergent ranks would otherwise
+        reach the model's collectives with different shapes, which gloo answers by aborting the
+        process; here they stop with the checker's report (or a named error without it)."""
+        rows, tokens = len(batch.reqs), sum(batch.extend_lens)
+        shape = torch.tensor([rows, tokens, -rows, -tokens])
+        self.dist.all_reduce_(shape, "engine.batch_shape", op="min")
+        if int(shape[0]) != -int(shape[2]) or int(shape[1]) != -int(shape[3]):
+            if self.consensus is not None:
+                self.consensus.flush()  # reports the divergent events and exits
+            raise RankDivergence(f"rank divergence at site 'engine.batch_shape' on rank {self.tp_rank}: this rank "
+                                 f"scheduled {rows} requests / {tokens} tokens, the ranks range over requests "
+                                 f"{int(shape[0])}..{-int(shape[2])} and tokens {int(shape[1])}..{-int(shape[3])}")
 
     def _apply(self, command: tuple, result: StepResult) -> None:
         kind, arg = command

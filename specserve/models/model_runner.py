@@ -15,7 +15,7 @@ A step is split the way the overlap loop needs it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -130,6 +130,7 @@ class ModelRunner:
         # on the forward stream, out of one persistent contiguous buffer.
         self.tp = tp_group
         self._decisions: Optional[torch.Tensor] = None
+        self.before_launch: Optional[Callable[[ScheduleBatch], None]] = None  # TP: ranks agree on the batch
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -142,6 +143,8 @@ class ModelRunner:
         return self.resolve(self.launch(batch))
 
     def launch(self, batch: ScheduleBatch) -> StepHandle:
+        if self.before_launch is not None:
+            self.before_launch(batch)
         handle = StepHandle(StepSpec.from_batch(batch))
         self.forward.submit(self._step, handle)
         Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
