@@ -68,7 +68,7 @@ class ServerArgs:
         (`--speculative-algorithm NONE` or NGRAM, or another drafter path)."""
         if self.model_path is not None or self.speculative_algorithm not in (None, "DSPARK"):
             return
-        from specserve.drafters import default_drafter_path
+        from specserve.assets import default_drafter_path
 
         path = self.speculative_draft_model_path or default_drafter_path()
         if path is not None:  # frozen: set once, while constructing

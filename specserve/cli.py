@@ -59,13 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
 
     prof = sub.add_parser("profile-sps", help="record verify steps/s against batch verify tokens (compact mode)")
-    from specserve.spec.profile_sps import add_profile_args
+    from specserve.bench.profile_sps import add_profile_args
 
     add_profile_args(prof)
     ServerArgs.add_cli_args(prof)
 
     ev = sub.add_parser("eval-acceptance", help="accept length, per-position acceptance and tokens/s on a prompt set")
-    from specserve.spec.eval_acceptance import add_eval_args
+    from specserve.bench.eval_acceptance import add_eval_args
 
     add_eval_args(ev)
     ServerArgs.add_cli_args(ev)
@@ -156,13 +156,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             return run_train_drafter(ns)
         if ns.command == "eval-acceptance":
-            from specserve.spec.eval_acceptance import run_eval_acceptance
+            from specserve.bench.eval_acceptance import run_eval_acceptance
 
             return run_eval_acceptance(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "init-drafter":
             return _init_drafter(ns)
         if ns.command == "profile-sps":
-            from specserve.spec.profile_sps import run_profile_sps
+            from specserve.bench.profile_sps import run_profile_sps
 
             return run_profile_sps(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "bench" and ns.bench_command == "offline":

@@ -220,7 +220,7 @@ def ratios(runs: list[RunResult]) -> list[dict[str, Any]]:
 def run_serving_bench(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specserve.io.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
     from specserve.models.loader import resolve_model_path
 
     concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]

@@ -108,7 +108,7 @@ def run_hf(prompts: list[list[int]], new_tokens: int, prompt_lookup: Optional[in
 
 
 def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
-    from specserve.io.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
     from specserve.models.loader import resolve_model_path
 
     algorithms = [a.strip().upper() for a in ns.algorithms.split(",") if a.strip()]

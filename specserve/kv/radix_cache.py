@@ -11,7 +11,7 @@ import heapq
 import itertools
 from typing import Callable, Optional
 
-from specserve.dist.consensus import consensus_site
+from specserve.distributed.consensus import consensus_site
 
 
 class TreeNode:

@@ -31,7 +31,7 @@ from specserve.kv.pool import KVPool
 from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
-from specserve.spec.dspark_verify import DsparkVerifyEpilogue
+from specserve.speculative.accept import DsparkVerifyEpilogue
 
 MIN_KV_BUCKET = 128
 

@@ -20,7 +20,7 @@ from specserve.models.q4 import Q4Weight, int4_matmul
 @dataclass(frozen=True)
 class TPContext:
     """This process's place in a tensor-parallel group (size 1 means no parallelism).
-    `group` is a specserve.dist.group.TPGroup when size > 1."""
+    `group` is a specserve.distributed.group.TPGroup when size > 1."""
 
     rank: int = 0
     size: int = 1

@@ -30,9 +30,9 @@ from specserve.sampler import counter_uniform, filtered_probs, sample
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.batch import ScheduleBatch, VerifyOutcome
 from specserve.scheduler.future_map import FutureMap
-from specserve.spec.dspark_verify import AcceptOuts, DsparkVerifyEpilogue
-from specserve.spec.ngram import NgramDrafter
-from specserve.spec.planner import VerifyPlanner
+from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue
+from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.planner import VerifyPlanner
 
 
 @dataclass

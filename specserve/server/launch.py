@@ -36,14 +36,14 @@ def served_model_name(model_path: str) -> str:
 def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     import uvicorn
 
-    from specserve.io.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
     from specserve.models.loader import resolve_model_path
     from specserve.server.engine_client import EngineClient
     from specserve.server.metrics import ServerMetrics
     from specserve.server.openai_api import ServerState, create_app
 
     if args.node_rank > 0:  # a node without rank 0 runs its ranks only; node 0 serves HTTP
-        from specserve.dist.launch import run_node_workers
+        from specserve.distributed.launch import run_node_workers
 
         return run_node_workers(args)
     if ns.max_queued_requests < 1:

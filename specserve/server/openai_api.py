@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.io.tokenizer import Tokenizer
+from specserve.tokenizer.tokenizer import Tokenizer
 from specserve.server.engine_client import EngineClient, EngineUnavailable
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,

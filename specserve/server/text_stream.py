@@ -7,8 +7,8 @@ final text is cut at the stop, so what was streamed is always a prefix of the fi
 
 from __future__ import annotations
 
-from specserve.io.detokenizer import IncrementalDetokenizer
-from specserve.io.tokenizer import Tokenizer
+from specserve.tokenizer.detokenizer import IncrementalDetokenizer
+from specserve.tokenizer.tokenizer import Tokenizer
 
 
 class TextStream:

@@ -37,7 +37,7 @@ def test_generate_prints_a_chat_completion():
 
 
 def test_profile_sps_writes_a_table_the_planner_reads(tmp_path):
-    from specserve.spec.planner import SpsTable
+    from specserve.speculative.planner import SpsTable
 
     out = tmp_path / "sps.json"
     res = _run("profile-sps", "--out", str(out), "--tokens", "1,6,12", "--repeats", "1", "--prefix-len", "16",

@@ -40,7 +40,7 @@ def test_int4_model_agrees_with_dequantized_bf16(loaded):
     int4, bf16 = build(loaded.q4), build(None)
     assert int4.layers[0].mlp.gate_up_proj.int4 is not None
     assert bf16.layers[0].mlp.gate_up_proj.int4 is None
-    from specserve.io.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(loaded.path, loaded.gguf_reader)
     ids = tok.encode("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg")

@@ -11,7 +11,7 @@ import pytest
 from conftest import chat_prompts
 
 from specserve import Engine
-from specserve.drafters import default_drafter_path
+from specserve.assets import default_drafter_path
 from specserve.models.dspark import read_drafter_config
 
 CONTENTS = ["Explain what a CPU does.", "Write a short story about a cat who learns to swim.",
@@ -22,7 +22,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 48}
 @pytest.fixture(scope="module")
 def shipped() -> str:
     path = default_drafter_path()
-    assert path is not None, "specserve/drafters/smollm2-135m-instruct is missing"
+    assert path is not None, "specserve/assets/drafters/smollm2-135m-instruct is missing"
     return path
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.io.detokenizer import IncrementalDetokenizer
-from specserve.io.tokenizer import load_tokenizer
+from specserve.tokenizer.detokenizer import IncrementalDetokenizer
+from specserve.tokenizer.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello, world! 12345 apples cost $3.50.",

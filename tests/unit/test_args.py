@@ -29,7 +29,7 @@ def test_bad_speculative_settings_name_their_field(kwargs, field):
 
 
 def test_embedded_model_speculates_with_its_shipped_drafter():
-    from specserve.drafters import default_drafter_path
+    from specserve.assets import default_drafter_path
 
     shipped = default_drafter_path()
     assert shipped is not None, "the embedded model's drafter must ship with the package"

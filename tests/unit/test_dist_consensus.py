@@ -16,8 +16,8 @@ def _addr() -> str:
 
 
 def _checker_rank(rank: int, addr: str, diverge_at: int, out) -> None:
-    from specserve.dist.consensus import RankConsensusChecker
-    from specserve.dist.group import DistConfig, TPGroup
+    from specserve.distributed.consensus import RankConsensusChecker
+    from specserve.distributed.group import DistConfig, TPGroup
 
     group = TPGroup(DistConfig(rank, 2, addr, timeout_s=20))
     reports: list[str] = []
@@ -64,7 +64,7 @@ def test_planted_event_difference_is_reported_with_its_site():
 def _timeout_rank(rank: int, addr: str, out) -> None:
     import torch
 
-    from specserve.dist.group import CollectiveTimeout, DistConfig, TPGroup
+    from specserve.distributed.group import CollectiveTimeout, DistConfig, TPGroup
 
     group = TPGroup(DistConfig(rank, 2, addr, timeout_s=3))
     group.all_reduce_(torch.ones(1), "warmup")

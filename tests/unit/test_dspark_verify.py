@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.spec.dspark_verify import DsparkVerifyEpilogue
+from specserve.speculative.accept import DsparkVerifyEpilogue
 
 V = 10
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from specserve.spec.planner import SpsTable, VerifyPlanner, plan_verify_lens
+from specserve.speculative.planner import SpsTable, VerifyPlanner, plan_verify_lens
 
 FLAT = SpsTable((1, 1000), (50.0, 50.0))
 

@@ -9,7 +9,7 @@ from specserve.server.text_stream import TextStream
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from specserve.io.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
     from specserve.models.loader import default_model_path
 
     return load_tokenizer(default_model_path())

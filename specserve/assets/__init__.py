@@ -1,6 +1,6 @@
-"""Drafters shipped with specserve, found next to this file (package data).
+"""Files shipped inside the package (package data): the drafters under `drafters/`.
 
-`smollm2-135m-instruct/`: the DSpark drafter trained by `specserve train-drafter` for the embedded
+`drafters/smollm2-135m-instruct/`: the DSpark drafter trained by `specserve train-drafter` for the embedded
 default model (see its README.md model card). It makes DSPARK the default for that model.
 """
 
@@ -14,5 +14,5 @@ EMBEDDED_MODEL_DRAFTER = "smollm2-135m-instruct"
 
 def default_drafter_path() -> Optional[str]:
     """The shipped drafter for the embedded model, or None if this install has none."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), EMBEDDED_MODEL_DRAFTER)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters", EMBEDDED_MODEL_DRAFTER)
     return path if os.path.isfile(os.path.join(path, "config.json")) else None

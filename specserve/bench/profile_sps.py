@@ -18,7 +18,7 @@ import torch
 
 from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
-from specserve.spec.planner import SpsTable
+from specserve.speculative.planner import SpsTable
 
 DEFAULT_TOKENS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 

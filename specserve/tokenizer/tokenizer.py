@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from specserve.io.chat_template import ChatTemplate
+from specserve.tokenizer.chat_template import ChatTemplate
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.io.tokenizer import Tokenizer
+from specserve.tokenizer.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -50,7 +50,7 @@ def spawn_local_workers(args: ServerArgs, addr: str, skip_rank0: bool) -> list:
 
 def rank_main(args_dict: dict, rank: int, addr: str) -> None:
     """A non-zero rank: build the engine shard, follow rank 0's steps, exit non-zero on failure."""
-    from specserve.dist.group import DistConfig
+    from specserve.distributed.group import DistConfig
     from specserve.engine import Engine
 
     args = ServerArgs.from_kwargs(**args_dict)

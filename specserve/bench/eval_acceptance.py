@@ -36,7 +36,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 def run_eval_acceptance(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.datasets import load_prompts
-    from specserve.io.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
     from specserve.models.loader import resolve_model_path
 
     questions = load_prompts(ns.dataset)

@@ -15,9 +15,9 @@ import torch
 
 from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
-from specserve.dist.consensus import RankConsensusChecker
-from specserve.dist.group import DistConfig, TPGroup
-from specserve.io.tokenizer import Tokenizer, load_tokenizer
+from specserve.distributed.consensus import RankConsensusChecker
+from specserve.distributed.group import DistConfig, TPGroup
+from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.models.layers import TPContext
@@ -32,8 +32,8 @@ from specserve.runtime.stream import Stream
 from specserve.scheduler.loops import NormalLoop, OverlapLoop
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
-from specserve.spec.ngram import NgramDrafter
-from specserve.spec.planner import SpsTable, VerifyPlanner
+from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.planner import SpsTable, VerifyPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Engine:
         self._workers: list = []
         dist_cfg = None
         if args.tp_size > 1:
-            from specserve.dist.launch import rendezvous_addr, spawn_local_workers
+            from specserve.distributed.launch import rendezvous_addr, spawn_local_workers
 
             addr = rendezvous_addr(args)
             self._workers = spawn_local_workers(args, addr, skip_rank0=True)
@@ -89,7 +89,7 @@ class Engine:
 
     @classmethod
     def for_rank(cls, args: ServerArgs, dist_cfg: "DistConfig") -> "Engine":
-        """The engine of one non-zero tensor-parallel rank (see specserve/dist/launch.py)."""
+        """The engine of one non-zero tensor-parallel rank (see specserve/distributed/launch.py)."""
         engine = cls.__new__(cls)
         engine._workers = []
         engine._build(args, dist_cfg)
