@@ -1,4 +1,4 @@
-"""A deterministic stand-in for ModelRunner, plus helpers to build and drive a Scheduler.
+"""A deterministic stand-in for the executor (ModelRunner), plus helpers to build and drive a Scheduler.
 
 `FakeRunner.run_batch` returns, for every request that samples, a token that is a pure function of
 the request's full token history (prompt + outputs so far). Scheduling decisions (batching, chunking,
@@ -16,7 +16,8 @@ Every step it also checks the KV bookkeeping the real model depends on:
   exactly its own tokens at the same positions after the same prefix. That is what makes prefix
   sharing correct: attention over those slots sees the KV this request would have computed.
 
-Any violation raises AssertionError from inside `Scheduler.step()`.
+Any violation raises AssertionError from inside the loop's step. `make_scheduler` returns a
+`DrivenScheduler`: the scheduler with this runner and a NormalLoop, whose `step()` runs one loop step.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from specserve.executor.step_io import StepInput, StepOutcome
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.loops import NormalLoop
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -110,7 +113,19 @@ class FakeRunner:
                 break
         return out
 
-    # ------------------------------------------------------------ the runner protocol
+    # ------------------------------------------------------------ the executor protocol
+
+    def launch(self, step: StepInput) -> list[StepOutcome]:
+        """Runs at once (a loop's handle is the result): the batch is the scheduler's in-flight one."""
+        assert self.sched is not None, "FakeRunner.launch needs attach(scheduler)"
+        batch = next((b for b in reversed(self.sched.in_flight)
+                      if b.mode == step.mode and [r.rid for r in b.reqs] == step.rids), None)
+        assert batch is not None, f"launched a step that is not in flight: {step.mode} {step.rids}"
+        assert step.rows == [r.req_pool_idx for r in batch.reqs], "step input rows differ from the batch"
+        return self.run_batch(batch)
+
+    def resolve(self, handle: list[StepOutcome]) -> list[StepOutcome]:
+        return handle
 
     def run_batch(self, batch: ScheduleBatch) -> list[Optional[int]]:
         assert batch.mode in ("extend", "decode", "verify"), batch.mode
@@ -216,18 +231,37 @@ class FakeRunner:
 # ---------------------------------------------------------------- building and driving a scheduler
 
 
+class DrivenScheduler:
+    """A Scheduler driven by a NormalLoop over a FakeRunner: `step()` is one loop step, `runner`
+    the fake executor; every other attribute is the scheduler's own."""
+
+    def __init__(self, sched: Scheduler, runner: FakeRunner):
+        object.__setattr__(self, "scheduler", sched)
+        object.__setattr__(self, "runner", runner)
+        object.__setattr__(self, "loop", NormalLoop(sched, runner))
+
+    def step(self):
+        return self.loop.step()
+
+    def __getattr__(self, name: str):
+        return getattr(self.scheduler, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.scheduler, name, value)
+
+
 def make_scheduler(pool_size: int = 4096, context_length: int = 512, max_running_requests: int = 64,
                    disable_radix_cache: bool = False, runner: Optional[FakeRunner] = None,
-                   decode_text: Optional[Callable[[list[int]], str]] = None, **cfg_kwargs) -> Scheduler:
-    """A Scheduler over a fresh pool, wired like Engine does. The runner is `sched.runner`."""
+                   decode_text: Optional[Callable[[list[int]], str]] = None, **cfg_kwargs) -> DrivenScheduler:
+    """A Scheduler over a fresh pool, wired like Engine does, with a fake runner (`sched.runner`)."""
     allocator = TokenSlotAllocator(pool_size)
     req_to_token = ReqToTokenPool(max_running_requests + 1, context_length + 16)  # room for a verify window
     tree = RadixCache(allocator.free, disabled=disable_radix_cache)
     cfg = SchedulerConfig(context_length=context_length, max_running_requests=max_running_requests, **cfg_kwargs)
     runner = runner if runner is not None else FakeRunner()
-    sched = Scheduler(cfg, runner, allocator, req_to_token, tree, decode_text=decode_text)
+    sched = Scheduler(cfg, allocator, req_to_token, tree, decode_text=decode_text)
     runner.attach(sched)
-    return sched
+    return DrivenScheduler(sched, runner)
 
 
 def make_req(rid: str, prompt: Sequence[int], max_new_tokens: int = 16, seed: int = 0, **params) -> Req:

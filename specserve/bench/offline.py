@@ -101,7 +101,7 @@ class _SpecTok:
 
 
 def run_offline_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
-    from specserve.engine import resolve_dtype
+    from specserve.engine.builder import resolve_dtype
     from specserve.models.loader import resolve_model_path
 
     path = resolve_model_path(args.model_path)

@@ -27,7 +27,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.id = next(TreeNode._ids)
-        # HiCache (kv/hicache.py): host slots of a copy, whether every rank finished writing it,
+        # HiCache (kv/hiradix_cache.py): host slots of a copy, whether every rank finished writing it,
         # and matches so far. A node with host_value and an empty value lives on the host only.
         self.host_value: Optional[list[int]] = None
         self.backup_confirmed = False

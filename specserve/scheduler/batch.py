@@ -1,32 +1,26 @@
-"""ScheduleBatch: what one step runs, in plain Python lists (the runner makes tensors)."""
+"""ScheduleBatch: what one step runs, in plain Python lists, and the StepInput made from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from specserve.executor.step_io import EXTEND, VERIFY, StepInput
 from specserve.scheduler.req import Req
-
-
-@dataclass
-class VerifyOutcome:
-    """One request's result of a verify step: the committed tokens (accepted drafts, then the
-    bonus) and the matches the compact verify length cut off (cap_trim_lens)."""
-
-    tokens: list[int]
-    cap_trimmed: int = 0
 
 
 @dataclass(eq=False)
 class ScheduleBatch:
     """The requests of one forward step and, per request, the new tokens and their KV slots."""
 
-    mode: str  # "extend" (prefill, possibly after a cached prefix or as one chunk) or "decode"
+    mode: str  # "extend" (prefill, possibly after a cached prefix or as one chunk), "decode" or "verify"
     reqs: list[Req]
     prefix_lens: list[int]  # tokens already in the KV cache, per request
     extend_lens: list[int]  # new tokens this step, per request
     input_ids: list[int]  # flat new tokens
     out_cache_loc: list[int]  # flat token slots for the new tokens' K/V
     sample: list[bool]  # whether a next token is sampled for the request (False for a non-final chunk)
+    handle: Any = None  # the executor's handle while the launched step runs (see scheduler/loops.py)
 
     @property
     def size(self) -> int:
@@ -38,3 +32,19 @@ class ScheduleBatch:
 
     def positions(self) -> list[int]:
         return [p + i for p, e in zip(self.prefix_lens, self.extend_lens) for i in range(e)]
+
+    def step_input(self) -> StepInput:
+        """A snapshot of this batch for the executor: values only, no scheduler objects."""
+        reqs = self.reqs
+        step = StepInput(self.mode, [r.rid for r in reqs], [r.req_pool_idx for r in reqs], [r.params for r in reqs],
+                         [r.seed for r in reqs], list(self.sample),
+                         width=self.extend_lens[0] if self.mode != EXTEND else 0,
+                         drafters=[r.drafter for r in reqs] if self.mode == VERIFY else [])
+        if self.mode == EXTEND:
+            step.prefix_lens, step.extend_lens = list(self.prefix_lens), list(self.extend_lens)
+            step.input_ids, step.out_cache_loc = list(self.input_ids), list(self.out_cache_loc)
+            step.out_lens = [len(r.output_ids) for r in reqs]
+            step.fills = [list(r.fill_ids) if s else None for r, s in zip(reqs, self.sample)]
+        else:
+            step.kv_bound = max(len(r.kv_slots) for r in reqs)
+        return step

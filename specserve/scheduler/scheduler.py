@@ -2,8 +2,8 @@
 
 Each step is either one prefill batch (new requests, after their cached prefixes, chunked to
 `chunked_prefill_size`) or one decode batch (every running request advances one token). It
-never touches the model: a runner turns a ScheduleBatch into next tokens, which keeps the whole
-policy testable with a fake runner.
+never touches the model: a loop (scheduler/loops.py) hands each batch's StepInput to an executor
+and the outcomes back to `process_result`, which keeps the whole policy testable with a fake one.
 
 Memory pressure: admission reserves an estimate of each request's future decode tokens
 (`new_token_ratio` of its remaining budget); if decode still runs out of slots, unlocked cache
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.scheduler.batch import ScheduleBatch, VerifyOutcome
+from specserve.executor.step_io import StepOutcome, VerifyOutcome
+from specserve.scheduler.batch import ScheduleBatch
 from specserve.scheduler.stats import SchedulerStats
 from specserve.scheduler.policy import order_waiting
 from specserve.scheduler.req import FinishReason, Req
@@ -31,14 +32,6 @@ CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-
-
-class BatchRunner(Protocol):
-    """What the scheduler needs of a model, per request: the next token (None where none is
-    sampled), or for a verify batch the committed tokens (accepted drafts, then the bonus), as a
-    list or a VerifyOutcome."""
-
-    def run_batch(self, batch: ScheduleBatch) -> Sequence[Optional[int] | list[int] | VerifyOutcome]: ...
 
 
 @dataclass(frozen=True)
@@ -66,32 +59,32 @@ class StepResult:
 class Scheduler:
     """Owns the waiting queue, the running batch and all KV bookkeeping."""
 
-    def __init__(self, cfg: SchedulerConfig, runner: BatchRunner, allocator: TokenSlotAllocator,
-                 req_to_token: ReqToTokenPool, tree: RadixCache,
-                 decode_text: Optional[Callable[[list[int]], str]] = None):
+    def __init__(self, cfg: SchedulerConfig, allocator: TokenSlotAllocator, req_to_token: ReqToTokenPool,
+                 tree: RadixCache, decode_text: Optional[Callable[[list[int]], str]] = None,
+                 consensus=None):
         self.cfg = cfg
-        self.runner = runner
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.tree = tree
         self.decode_text = decode_text
         # Each decode step covers this many positions per request: the anchor plus its drafts,
-        # which the runner proposes on the forward stream (DSPARK or NGRAM).
+        # which the executor's drafters propose on the forward stream (DSPARK or NGRAM).
         self.window = 1 + cfg.num_draft_tokens
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
         # Scheduled, results not yet processed: one batch in the normal loop, up to two in the
-        # overlap loop (step N+1 is scheduled before step N's results are processed).
+        # overlap loop (step N+1 is scheduled before step N's results are processed). The loops
+        # keep the executor's handle on the batch itself, so this is the only record of them.
         self.in_flight: list[ScheduleBatch] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._arrivals = 0
         self.num_retractions = 0
         self.stats = SchedulerStats(self.window - 1)
-        self.consensus = None  # a RankConsensusChecker under tensor parallelism
+        self.consensus = consensus  # a RankConsensusChecker under tensor parallelism
 
     def _agree(self, site: str, value) -> None:
-        """An event the other tensor-parallel ranks must reproduce exactly (see dist/consensus.py)."""
+        """An event the other tensor-parallel ranks must reproduce exactly (see distributed/consensus.py)."""
         if self.consensus is not None:
             self.consensus.record(site, value)
 
@@ -144,13 +137,6 @@ class Scheduler:
 
     # ------------------------------------------------------------ one step
 
-    def step(self) -> StepResult:
-        batch = self.schedule()
-        if batch is None:
-            return StepResult()
-        tokens = self.runner.run_batch(batch)
-        return self.process_result(batch, tokens)
-
     def schedule(self) -> Optional[ScheduleBatch]:
         """Next batch: a prefill when anything can be admitted, else a decode of all running requests."""
         batch = self._schedule_prefill()
@@ -162,7 +148,7 @@ class Scheduler:
         return batch
 
     def process_result(self, batch: ScheduleBatch,
-                       tokens: Sequence[Optional[int] | list[int] | VerifyOutcome]) -> StepResult:
+                       tokens: Sequence[StepOutcome | list[int]]) -> StepResult:
         result = StepResult()
         self.in_flight.remove(batch)
         for req, n, sampled, token in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
@@ -289,7 +275,7 @@ class Scheduler:
         out_cache_loc: list[int] = []
         for req in reqs:
             input_ids.append(req.output_ids[-1])
-            input_ids.extend([req.output_ids[-1]] * (w - 1))  # draft placeholders: the runner drafts
+            input_ids.extend([req.output_ids[-1]] * (w - 1))  # draft placeholders: the executor drafts
             out_cache_loc.extend(req.kv_slots[req.kv_len:req.kv_len + w])
         mode = "verify" if w > 1 else "decode"
         cap = self.cfg.speculative_disable_batch_size
@@ -370,10 +356,6 @@ class Scheduler:
 
     def _reserved_for_running(self) -> int:
         return sum(self._reserve(r) for r in self.running)
-
-    def alloc_slots(self, n: int) -> Optional[list[int]]:
-        """n device slots, evicting prefix cache as needed (HiCache loads back through this)."""
-        return self._alloc_slots(n)
 
     def _alloc_slots(self, n: int) -> Optional[list[int]]:
         short = n - self.allocator.available

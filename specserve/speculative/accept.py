@@ -1,11 +1,11 @@
-"""Folded accept for DSpark verify: AcceptOuts, the persistent epilogue buffers and the accept kernels.
+"""Accept for verify windows: AcceptOuts, the persistent epilogue buffers and the accept kernels.
 
-Ownership (DESIGN.md invariant 1): the six `*_buf` tensors belong to the DsparkVerifyEpilogue.
+Ownership: the six `*_buf` tensors belong to the DsparkVerifyEpilogue.
 A captured or replayed verify step rewrites them every time it runs, so
 - writers reach them only through `accept_buffers(bs)` (views, used as write targets), and
 - readers get `read_accept(bs)`: clones made on the forward stream right after the step.
 No view of a `*_buf` may outlive the step: not in a result, a batch's `seq_lens`, a FutureMap
-slot, an async device-to-host copy or a log line. That view escaping is the bug in the seed.
+slot, an async device-to-host copy or a log line: a late reader would see the next step's values.
 
 Shapes: bs requests, a window of W = gamma + 1 verify rows per request: ids `[anchor, d_1..d_g]`
 at positions S..S+g. Target row j predicts position S+j+1, so draft d_{j+1} is checked against
@@ -15,11 +15,12 @@ row j, and row `correct_len` provides the bonus token.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from specserve.sampler import inverse_cdf
+from specserve.sampler import counter_uniform, filtered_probs, inverse_cdf
+from specserve.sampling_params import SamplingParams
 
 BUFFER_FIELDS = ("correct_len", "bonus", "cap_trim_lens", "commit_lens", "new_seq_lens", "out_tokens")
 
@@ -162,3 +163,35 @@ class DsparkVerifyEpilogue:
         out.out_tokens[:, gamma].zero_()
         out.out_tokens.scatter_(1, out.correct_len.unsqueeze(1), out.bonus.unsqueeze(1))
 
+
+
+def accept_windows(epilogue: DsparkVerifyEpilogue, ids: torch.Tensor, logits: torch.Tensor, prefix: torch.Tensor,
+                   out_lens: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+                   draft_probs: Callable[[int], torch.Tensor], verify_lens: Optional[list[int]]) -> None:
+    """Accept every window of a step into the epilogue's buffers: greedy when every request is,
+    else exact rejection sampling (a greedy request's target distribution is one-hot).
+
+    ids [bs, W]; logits [bs * W, V] (rows a compact verify did not compute are never read);
+    draft_probs(V) gives q [bs, gamma, V]. The uniforms derive from (request seed, output length,
+    row), so every rank and every batch composition draws the same numbers."""
+    bs, width = ids.shape
+    lens = None if verify_lens is None else torch.tensor(verify_lens, dtype=torch.int64, device=ids.device)
+    if all(p.is_greedy for p in params):
+        epilogue.accept_greedy(bs, ids, logits, prefix, lens)
+        return
+    target = verify_target_probs(logits.view(bs, width, -1), params)
+    uniforms = torch.tensor([[counter_uniform(seed, (n << 6) + j) for j in range(width)]
+                             for seed, n in zip(seeds, out_lens.tolist())], dtype=torch.float64)
+    epilogue.accept_sampling(bs, ids, target, draft_probs(target.shape[-1]), uniforms, prefix, lens)
+
+
+def verify_target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[bs, W, V] target distribution per window row: one-hot argmax for greedy requests."""
+    bs, width, vocab = logits.shape
+    probs = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if sampled:
+        rows = logits[sampled].reshape(-1, vocab)
+        repeated = [params[i] for i in sampled for _ in range(width)]
+        probs[sampled] = filtered_probs(rows, repeated).view(len(sampled), width, vocab)
+    return probs

@@ -10,7 +10,7 @@ import torch
 from conftest import chat_prompts
 
 from specserve import Engine
-from specserve.models.captured_step import CapturedStep, batch_buckets, kv_bucket
+from specserve.executor.captured_step import CapturedStep, batch_buckets, kv_bucket
 from specserve.runtime.sanitizer import StreamHazardError
 from specserve.runtime.stream import StreamError
 

@@ -16,6 +16,7 @@ from conftest import chat_prompts
 
 from specserve import Engine
 from specserve.models.dspark import read_drafter_config
+from specserve.scheduler.loops import NormalLoop
 
 CONTENTS = ["What is the capital of France?", "Count from 1 to 20, separated by commas.",
             "Write a haiku about rain.", "List the days of the week.", "Explain what a CPU does.",
@@ -93,7 +94,7 @@ def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, r
                            speculative_dspark_sps_table_path=str(table))
     plant_oracle(engine, prompts, reference)
     seen = []
-    planner = engine.runner.dspark.planner
+    planner = engine.runner.speculation.planner
     original = planner.verify_lens
     planner.verify_lens = lambda conf: seen.append(original(conf)) or seen[-1]
     batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -146,15 +147,15 @@ def inject_every_row(runner):
     def inject(hidden, out, prefix, window_slots, verify_lens):
         everything = out.map(torch.clone)
         everything.commit_lens.fill_(out.out_tokens.shape[1])
-        type(runner)._inject_committed(runner, hidden, everything, prefix, window_slots, verify_lens)
-    runner._inject_committed = inject
+        type(runner)._commit_rows(runner, hidden, everything, prefix, window_slots, verify_lens)
+    runner._commit_rows = inject
 
 
 def inject_one_position_late(runner):
     """Mutation: the right rows at RoPE positions shifted by one (the seed's acceptance symptom)."""
     def inject(hidden, out, prefix, window_slots, verify_lens):
-        type(runner)._inject_committed(runner, hidden, out, prefix + 1, window_slots, verify_lens)
-    runner._inject_committed = inject
+        type(runner)._commit_rows(runner, hidden, out, prefix + 1, window_slots, verify_lens)
+    runner._commit_rows = inject
 
 
 @pytest.mark.parametrize("mutation", [None, inject_every_row, inject_one_position_late])
@@ -174,17 +175,17 @@ def check_injection(drafter_dir, prompts, reference, mutation):
     if mutation is not None:
         mutation(engine.runner)
     plant_oracle(engine, prompts[:1], [reference[0][:3] + [7, 7, 7, 7, 7] + reference[0][3:]])  # 2 right drafts
-    draft_kv, drafter = engine.runner.dspark.kv, engine.runner.dspark.drafter
+    draft_kv, drafter = engine.runner.speculation.worker("DSPARK").kv, engine.runner.speculation.worker("DSPARK").drafter
     sched = engine.scheduler
     sched.add_request(engine._make_req(list(prompts[0]), engine._normalize_params(GREEDY, 1)[0]))
-    sched.step()  # prefill: injects the whole prompt
+    NormalLoop(sched, engine.runner).step()  # prefill: injects the whole prompt
     req = sched.running[0]
     prompt_len = len(prompts[0])
     assert req.kv_len == prompt_len
     before_k = [k.clone() for k in draft_kv.k]
     batch = sched.schedule()
     window = list(batch.out_cache_loc)
-    outcomes = engine.runner.run_batch(batch)
+    outcomes = engine.runner.run(batch.step_input())
     sched.process_result(batch, outcomes)
     commit = len(outcomes[0].tokens)
     assert commit == 3 and outcomes[0].tokens == reference[0][1:4]  # anchor + 2 accepted drafts, then the bonus

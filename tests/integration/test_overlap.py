@@ -168,15 +168,15 @@ def adopt_seq_lens_by_view(runner, positions: list) -> None:
 
     def inject(hidden, out, prefix, window_slots, verify_lens):
         s = adopted["seq_lens"] if "seq_lens" in adopted else prefix
-        type(runner)._inject_committed(runner, hidden, out, s, window_slots, verify_lens)
+        type(runner)._commit_rows(runner, hidden, out, s, window_slots, verify_lens)
         adopted["seq_lens"] = out.new_seq_lens  # kept by reference, as the seed's loop kept it
 
-    runner._inject_committed = inject
+    runner._commit_rows = inject
     spy_positions(runner, positions)
 
 
 def spy_positions(runner, positions: list) -> None:
-    drafter = runner.dspark.drafter
+    drafter = runner.speculation.worker("DSPARK").drafter
     original = drafter.inject
 
     def inject(hidden, pos, slots, kv):

@@ -87,9 +87,9 @@ def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, refe
     runner = engine.runner
 
     def shifted(hidden, out, prefix, window_slots, verify_lens):
-        type(runner)._inject_committed(runner, hidden, out, prefix + out.commit_lens, window_slots, verify_lens)
+        type(runner)._commit_rows(runner, hidden, out, prefix + out.commit_lens, window_slots, verify_lens)
 
-    runner._inject_committed = shifted
+    runner._commit_rows = shifted
     engine.tree.reset()
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference  # the target still decides every token

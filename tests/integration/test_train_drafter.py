@@ -61,7 +61,7 @@ def test_trained_drafter_is_lossless(trained, fp32_engine):
     base = fp32_engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
     spec = Engine(dtype="float32", max_total_tokens=2048, speculative_algorithm="DSPARK",
                   speculative_draft_model_path=out)
-    assert spec.runner.dspark.drafter.reduced_vocab
+    assert spec.runner.speculation.worker("DSPARK").drafter.reduced_vocab
     got = spec.generate(input_ids=prompt, sampling_params=params)
     assert got["output_ids"] == base
     assert got["meta_info"]["spec_verify_ct"] > 0

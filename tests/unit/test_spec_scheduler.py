@@ -75,7 +75,7 @@ def test_windows_under_memory_pressure_retract_and_resume():
 
 
 def test_verify_outcomes_feed_the_histograms_and_the_log_line():
-    from specserve.scheduler.batch import VerifyOutcome
+    from specserve.executor.step_io import VerifyOutcome
 
     runner = FakeRunner()
     plain = runner.run_batch

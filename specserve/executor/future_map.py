@@ -12,18 +12,13 @@ import torch
 
 
 class FutureMap:
-    """Per request slot: the next anchor token, the committed length and the output length.
-
-    `histories` holds each live request's tokens as the forward stream sees them (prompt and
-    every committed token), for drafters that look at the text (NGRAM).
-    """
+    """Per request slot: the next anchor token, the committed length and the output length."""
 
     def __init__(self, max_reqs: int, device: str | torch.device = "cpu"):
         i64 = dict(dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_reqs, **i64)  # the last committed token: the next anchor
         self.seq_lens = torch.zeros(max_reqs, **i64)  # tokens whose KV is in the cache
         self.out_lens = torch.zeros(max_reqs, **i64)  # output tokens so far (sampling counters)
-        self.histories: dict[int, list[int]] = {}
 
     def read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Owned copies (advanced indexing copies) of anchors, prefix lengths and output lengths."""

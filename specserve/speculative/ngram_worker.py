@@ -1,6 +1,11 @@
-"""NGRAM drafter: model-free drafts by suffix match over the request's own tokens (prompt lookup)."""
+"""NGRAM: model-free drafts by suffix match over the request's own tokens (prompt lookup)."""
 
 from __future__ import annotations
+
+import torch
+
+from specserve.kv.pool import KVPool
+from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 
 
 class NgramDrafter:
@@ -28,3 +33,30 @@ class NgramDrafter:
                     follow = window[start + n:start + n + self.gamma]
                     return follow + [follow[-1]] * (self.gamma - len(follow))
         return [window[-1]] * self.gamma
+
+
+class NgramWorker:
+    """The NGRAM drafter behind the worker seam: it keeps each request slot's committed tokens
+    (prompt and outputs, as the forward stream commits them) and drafts from them."""
+
+    name = "NGRAM"
+    reads_tokens = True
+    capture_layer_ids: tuple[int, ...] = ()
+    kv_pools: list[KVPool] = []
+
+    def __init__(self, gamma: int):
+        self.drafter = NgramDrafter(gamma)
+        self.histories: dict[int, list[int]] = {}
+
+    def draft(self, inp: DraftInput) -> Drafts:
+        proposals = [self.drafter.propose(self.histories[row])[:inp.gamma] for row in inp.rows.tolist()]
+        return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
+
+    def commit_rows(self, rows: CommittedRows) -> None:
+        return None  # NGRAM reads tokens, not hidden states
+
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
+        if restart:
+            self.histories[row] = list(tokens)
+        else:
+            self.histories[row].extend(tokens)

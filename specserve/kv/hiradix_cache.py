@@ -1,4 +1,4 @@
-"""HiCache: a host-memory tier (and an optional file tier) under the radix prefix cache.
+"""HiRadixCache: the radix prefix cache with a host tier (and an optional file tier) under it.
 
 A tree node's KV lives on the device (`value`: token slots), on the host (`host_value`: host
 slots), or both. Device eviction of a node that has a confirmed host copy frees its device
@@ -9,155 +9,29 @@ fresh device slots instead of recomputing. Write policies decide when a node is 
 - write_through_selective: a node once it has been matched HIT_THRESHOLD times;
 - write_back: only when it is evicted from the device.
 
-Backups run on the copy stream after the forward stream's work that wrote the KV; a node's
-device slots are released only after its backup completed on every rank (local wait, then an
-all-reduce MIN of completed backups under tensor parallelism). Loads run on the forward stream
-and are waited for, so host slots are never reused under a pending copy.
+A node's device slots are released only after its backup completed on every rank (local wait,
+then an all-reduce MIN of completed backups under tensor parallelism). Loading back allocates
+device slots from the cache's own allocator, evicting unlocked device leaves when it is short;
+the matched path stays locked meanwhile, so that eviction never takes the prefix being extended.
 
-The file tier (`--hicache-storage-backend file`) writes every full page of PAGE_TOKENS inserted
-tokens to a directory, named by a hash chain over the token ids from position 0 and this rank,
-with a SHA-256 of the payload. A prefix match that ends in the tree tries the next pages from
-files; a missing, unreadable or corrupt file is a miss (never wrong KV), and all ranks must hit
-a page (all-reduce MIN) before any uses it.
+With a file tier, every full page of inserted tokens is written to storage, and a prefix match
+that ends in the tree tries the next pages from files; all ranks must hit a page (all-reduce
+MIN) before any uses it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-import torch
-
-from specserve.kv.pool import KVPool, TokenSlotAllocator
+from specserve.kv.file_storage import PAGE_TOKENS, FileKVStorage
+from specserve.kv.host_pool import HostKVPool
+from specserve.kv.pool import TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache, TreeNode, _common_len
-from specserve.runtime.stream import Event, Stream
+from specserve.runtime.stream import Event
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HIT_THRESHOLD = 2
-PAGE_TOKENS = 64
-
-
-class HostKVPool:
-    """Host copies of token slots for every device pool (the target's and the drafter's)."""
-
-    def __init__(self, device_pools: list[KVPool], size: int, forward: Stream, copy: Stream):
-        self.device_pools = device_pools
-        self.size = size
-        self.forward, self.copy = forward, copy
-        pin = any(p.k[0].device.type == "cuda" for p in device_pools)
-
-        def host_like(t: torch.Tensor) -> torch.Tensor:
-            return torch.zeros((size + 1,) + tuple(t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-
-        self.k = [[host_like(t) for t in p.k] for p in device_pools]
-        self.v = [[host_like(t) for t in p.v] for p in device_pools]
-        self.slots = TokenSlotAllocator(size)  # host slots 1..size, the same free list as the device's
-
-    @property
-    def available(self) -> int:
-        return self.slots.available
-
-    def alloc(self, n: int) -> Optional[list[int]]:
-        return self.slots.alloc(n)
-
-    def release(self, slots: list[int]) -> None:
-        self.slots.free(slots)
-
-    def backup(self, device_slots: list[int], host_slots: list[int]) -> Event:
-        """Device -> host on the copy stream, after the forward work that wrote these slots."""
-        src, dst = torch.tensor(device_slots), torch.tensor(host_slots)
-        Event().record(self.forward).wait(self.copy)
-
-        def run() -> None:
-            for pool, hk, hv in zip(self.device_pools, self.k, self.v):
-                for layer in range(len(pool.k)):
-                    hk[layer][dst] = pool.k[layer][src.to(pool.k[layer].device)].to("cpu", non_blocking=True)
-                    hv[layer][dst] = pool.v[layer][src.to(pool.v[layer].device)].to("cpu", non_blocking=True)
-
-        self.copy.submit(run)
-        return Event().record(self.copy)
-
-    def load(self, host_slots: list[int], device_slots: list[int]) -> None:
-        """Host -> device on the forward stream (before the step that reads them); waited for."""
-        src, dst = torch.tensor(host_slots), torch.tensor(device_slots)
-
-        def run() -> None:
-            for pool, hk, hv in zip(self.device_pools, self.k, self.v):
-                for layer in range(len(pool.k)):
-                    dev = pool.k[layer].device
-                    pool.k[layer][dst.to(dev)] = hk[layer][src].to(dev, non_blocking=True)
-                    pool.v[layer][dst.to(dev)] = hv[layer][src].to(dev, non_blocking=True)
-
-        self.forward.submit(run)
-        Event().record(self.forward).synchronize()
-
-    def rows(self, device_slots: list[int]) -> dict[str, list[torch.Tensor]]:
-        """These slots' K and V of every layer of every pool (for the file tier)."""
-        idx = torch.tensor(device_slots)
-        return {"k": [p.k[i][idx.to(p.k[i].device)].cpu() for p in self.device_pools for i in range(len(p.k))],
-                "v": [p.v[i][idx.to(p.v[i].device)].cpu() for p in self.device_pools for i in range(len(p.v))]}
-
-    def write_rows(self, device_slots: list[int], rows: dict[str, list[torch.Tensor]]) -> None:
-        idx = torch.tensor(device_slots)
-
-        def run() -> None:
-            flat = [(p, i) for p in self.device_pools for i in range(len(p.k))]
-            for (pool, i), k, v in zip(flat, rows["k"], rows["v"]):
-                pool.k[i][idx.to(pool.k[i].device)] = k.to(pool.k[i].device)
-                pool.v[i][idx.to(pool.v[i].device)] = v.to(pool.v[i].device)
-
-        self.forward.submit(run)
-        Event().record(self.forward).synchronize()
-
-
-class FileKVStorage:
-    """Pages of KV in files: <dir>/<chain hash>.rank<r>.kv, payload + SHA-256, written atomically."""
-
-    def __init__(self, directory: str, rank: int):
-        self.directory = directory
-        self.rank = rank
-        os.makedirs(directory, exist_ok=True)
-
-    @staticmethod
-    def page_keys(tokens: list[int]) -> list[str]:
-        """One key per full page: a hash chain, so a key names the whole prefix up to its page end."""
-        keys, h = [], hashlib.sha256(b"specserve-kv-v1")
-        for start in range(0, len(tokens) - PAGE_TOKENS + 1, PAGE_TOKENS):
-            h = h.copy()
-            h.update(repr(tokens[start:start + PAGE_TOKENS]).encode())
-            keys.append(h.hexdigest()[:40])
-        return keys
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self.directory, f"{key}.rank{self.rank}.kv")
-
-    def has(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
-
-    def save(self, key: str, rows: dict[str, list[torch.Tensor]]) -> None:
-        buf = io.BytesIO()
-        torch.save(rows, buf)
-        payload = buf.getvalue()
-        tmp = self._path(key) + f".tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(hashlib.sha256(payload).digest() + payload)
-        os.replace(tmp, self._path(key))
-
-    def load(self, key: str) -> Optional[dict[str, list[torch.Tensor]]]:
-        """The page, or None when missing, unreadable or failing its checksum."""
-        try:
-            with open(self._path(key), "rb") as f:
-                raw = f.read()
-            digest, payload = raw[:32], raw[32:]
-            if len(digest) != 32 or hashlib.sha256(payload).digest() != digest:
-                return None
-            rows = torch.load(io.BytesIO(payload), weights_only=True)
-            return rows if isinstance(rows, dict) and rows.get("k") and rows.get("v") else None
-        except (OSError, RuntimeError, EOFError, ValueError):
-            return None
 
 
 @dataclass
@@ -175,19 +49,21 @@ class HiCacheStats:
 class HiRadixCache(RadixCache):
     """RadixCache with a host tier (and optionally a file tier); see the module docstring."""
 
-    def __init__(self, free_slots: Callable[[list[int]], None], alloc_slots: Callable[[int], Optional[list[int]]],
-                 host: HostKVPool, write_policy: str = "write_through", storage: Optional[FileKVStorage] = None,
-                 agree_min: Optional[Callable[[int, str], int]] = None):
+    def __init__(self, allocator: TokenSlotAllocator, host: HostKVPool, write_policy: str,
+                 storage: Optional[FileKVStorage], agree_min: Callable[[int, str], int]):
+        """`allocator` holds the device token slots this tree frees on eviction and allocates for
+        load-back; `agree_min(value, site)` is an all-reduce MIN across ranks (identity on one rank)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
-        super().__init__(free_slots)
-        self.alloc_slots = alloc_slots
+        super().__init__(allocator.free)
+        self.allocator = allocator
         self.host = host
         self.write_policy = write_policy
         self.storage = storage
-        self.agree_min = agree_min or (lambda value, site: value)  # all-reduce MIN across ranks
+        self.agree_min = agree_min
         self.stats = HiCacheStats()
         self._pending: list[tuple[TreeNode, Event]] = []  # backups not yet confirmed
+        self._loading: tuple[TreeNode, ...] = ()  # host-only nodes being loaded back: never dropped
 
     # ------------------------------------------------------------ backups
 
@@ -295,9 +171,7 @@ class HiRadixCache(RadixCache):
         if not chain:
             return slots, node
         need = sum(len(c.key) for c in chain)
-        self.inc_lock_ref(node)  # the matched path must survive the eviction that makes room
-        device = self.alloc_slots(need)
-        self.dec_lock_ref(node)
+        device = self._alloc_device(need, node, chain)
         if device is None:
             return slots, node
         offset = 0
@@ -311,6 +185,22 @@ class HiRadixCache(RadixCache):
         self.stats.host_hit_tokens += need
         self._agree_event("hicache_load", (len(slots), need))
         return slots + device, chain[-1]
+
+    def _alloc_device(self, n: int, matched: TreeNode, loading: Sequence[TreeNode] = ()) -> Optional[list[int]]:
+        """n device slots for loading KV below `matched`, evicting device leaves when the allocator
+        is short, or None. Meanwhile `matched` and its ancestors are locked and the host-only nodes
+        in `loading` are exempt from host eviction (which a write_back backup during the device
+        eviction may trigger), so making room never takes the prefix or the nodes being loaded."""
+        self.inc_lock_ref(matched)
+        self._loading = tuple(loading)
+        try:
+            short = n - self.allocator.available
+            if short > 0:
+                self.evict(short)
+            return self.allocator.alloc(n)
+        finally:
+            self._loading = ()
+            self.dec_lock_ref(matched)
 
     def _count_hits(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -381,10 +271,11 @@ class HiRadixCache(RadixCache):
         return out
 
     def _evict_host(self, n: int, keep: Optional[TreeNode] = None) -> None:
-        """Free host slots: host-only leaves first (dropped), then host copies of device nodes."""
+        """Free host slots: host-only leaves first (dropped), then host copies of device nodes.
+        Never `keep`, nor a node being loaded back (`self._loading`)."""
         while n > 0:
             host_only = [x for x in self._all_nodes() if not x.value and x.host_value is not None and not x.children
-                         and x is not keep]
+                         and x is not keep and x not in self._loading]
             if host_only:
                 victim = min(host_only)
                 n -= len(victim.host_value)
@@ -428,9 +319,7 @@ class HiRadixCache(RadixCache):
             if self.agree_min(int(rows is not None), "hicache.storage_hit") == 0:
                 break  # some rank misses this page: nobody uses it
             skip = matched - index * PAGE_TOKENS  # tokens of this page already in the tree
-            self.inc_lock_ref(node)
-            device = self.alloc_slots(end - matched)
-            self.dec_lock_ref(node)
+            device = self._alloc_device(end - matched, node)
             if device is None:
                 break
             self.host.write_rows(device, {name: [t[skip:] for t in ts] for name, ts in rows.items()})

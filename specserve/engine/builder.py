@@ -1,0 +1,226 @@
+"""Building one rank of the engine: model, drafters, KV pools, prefix cache, executor, scheduler.
+
+Everything a component needs is passed down when it is built; no component calls back into one
+that was built after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specserve import envs
+from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
+from specserve.distributed.consensus import RankConsensusChecker
+from specserve.distributed.group import DistConfig, TPGroup
+from specserve.executor.model_runner import CaptureConfig, ModelRunner
+from specserve.executor.tp_decisions import TPDecisions
+from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
+from specserve.kv.radix_cache import RadixCache
+from specserve.models.config import ModelConfig
+from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter
+from specserve.models.layers import TPContext
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.loader import load_model, resolve_model_path
+from specserve.runtime.faults import FaultConfig
+from specserve.runtime.sanitizer import StreamSanitizer
+from specserve.runtime.stream import Stream
+from specserve.scheduler.loops import NormalLoop, OverlapLoop
+from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from specserve.speculative.dspark_worker import DsparkWorker
+from specserve.speculative.ngram_worker import NgramWorker
+from specserve.speculative.planner import SpsTable, VerifyPlanner
+from specserve.speculative.speculation import Speculation
+from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankParts:
+    """The built components of one engine rank."""
+
+    args: ServerArgs
+    tp_rank: int
+    dist: Optional[TPGroup]
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    context_length: int
+    dtype: torch.dtype
+    kv: KVPool
+    allocator: TokenSlotAllocator
+    req_to_token: ReqToTokenPool
+    tree: RadixCache
+    faults: FaultConfig
+    sanitizer: Optional[StreamSanitizer]
+    forward_stream: Stream
+    copy_stream: Stream
+    runner: ModelRunner
+    scheduler: Scheduler
+    loop: NormalLoop | OverlapLoop
+    consensus: Optional[RankConsensusChecker]
+    drafter_name: Optional[str]  # what new requests draft with (None: no speculation)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def kv_pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
+    if args.max_total_tokens is not None:
+        return args.max_total_tokens
+    if args.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        budget = free * args.mem_fraction_static
+    else:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * args.mem_fraction_static
+    return max(16, int(budget // bytes_per_token))
+
+
+def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
+    """Load the model and build every component of this rank (all ranks call this alike)."""
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    dist = TPGroup(dist_cfg) if dist_cfg is not None else None
+    tp_rank = dist_cfg.rank if dist_cfg is not None else 0
+    path = resolve_model_path(args.model_path)
+    loaded = load_model(path)
+    cfg = loaded.config
+    tokenizer = load_tokenizer(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(path, loaded.gguf_reader)
+    context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    dtype = resolve_dtype(args.dtype)
+    # A verify window may reach gamma positions past the last token that can be emitted.
+    max_positions = context_length + MAX_DRAFT_TOKENS + 1
+    model = LlamaForCausalLM(cfg, dtype, tp=TPContext(tp_rank, args.tp_size, dist), max_positions=max_positions)
+    model = model.to(args.device)
+    model.load_weights(loaded.weights, loaded.q4 if args.quantization == "auto" else None)
+    if not args.enable_torch_compile:  # inductor packs weights itself and cannot trace ours
+        model.pack_for_cpu()
+    model.eval()
+    # The drafter is replicated on every rank (see models/dspark.py); a reduced draft vocabulary
+    # takes its rows from the full (unsharded) head weight.
+    full_head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"])
+    del loaded
+    drafter = _load_drafter(args, cfg, dtype, model, max_positions, full_head)
+    del full_head
+    gamma = _block_size(args, drafter)
+    local_kv_heads = model.layers[0].self_attn.num_kv_heads
+    per_token = KVPool.bytes_per_token(cfg.num_layers, local_kv_heads, cfg.head_dim, dtype)
+    if drafter is not None:
+        dc = drafter.config
+        per_token += KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype)
+    size = kv_pool_tokens(args, per_token)
+    if dist is not None:  # every rank must schedule against the same pool size
+        size = int(dist.all_reduce_(torch.tensor([size]), "engine.kv_pool_size", op="min")[0])
+    kv = KVPool(size, cfg.num_layers, local_kv_heads, cfg.head_dim, dtype, args.device)
+    allocator = TokenSlotAllocator(size)
+    faults = FaultConfig.from_env(rank=tp_rank)
+    sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
+    forward_stream, copy_stream = _make_streams(args, faults, sanitizer)
+    req_to_token = ReqToTokenPool(args.max_running_requests + 1, max_positions, args.device, stream=forward_stream)
+    speculation = _make_speculation(args, drafter, gamma, size, dtype, req_to_token)
+    consensus = RankConsensusChecker.from_env(dist)
+    tree = _make_tree(args, size, allocator, [kv] + speculation.kv_pools, forward_stream, copy_stream, dist,
+                      tp_rank, consensus)
+    runner = ModelRunner(model, kv, req_to_token, args.device, max_bs=args.max_running_requests,
+                         speculation=speculation, forward_stream=forward_stream, copy_stream=copy_stream,
+                         alias_accept_buffers=faults.alias_accept_buffers,
+                         capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs,
+                                               args.enable_torch_compile),
+                         tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None)
+    sched_cfg = SchedulerConfig(
+        context_length=context_length,
+        eos_token_ids=tokenizer.eos_token_ids,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        schedule_policy=args.schedule_policy,
+        num_draft_tokens=gamma,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
+    )
+    scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
+    loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)
+    drafter_name = args.speculative_algorithm if args.speculating else None
+    logger.info("engine ready (rank %d/%d): %s, %s, KV pool %d tokens", tp_rank, args.tp_size, path, dtype, size)
+    return RankParts(args, tp_rank, dist, cfg, tokenizer, context_length, dtype, kv, allocator, req_to_token, tree,
+                     faults, sanitizer, forward_stream, copy_stream, runner, scheduler, loop, consensus, drafter_name)
+
+
+def _make_streams(args: ServerArgs, faults: FaultConfig,
+                  sanitizer: Optional[StreamSanitizer]) -> tuple[Stream, Stream]:
+    """Forward and copy streams. On CPU they run inline (no worker threads, no cost) unless a
+    fault delay needs real concurrency; see runtime/stream.py."""
+    threaded = faults.needs_threads
+    return (Stream("forward", args.device, threaded, faults.delay_for("forward"), sanitizer),
+            Stream("copy", args.device, threaded, faults.delay_for("copy"), sanitizer))
+
+
+def _make_speculation(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma: int, size: int,
+                      dtype: torch.dtype, req_to_token: ReqToTokenPool) -> Speculation:
+    """The drafters: the draft K/V of DSPARK share the target's token slots, so one allocator serves both."""
+    workers = []
+    if drafter is not None:
+        dc = drafter.config
+        draft_kv = KVPool(size, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, args.device)
+        workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table))
+    if args.speculative_algorithm == "NGRAM":
+        workers.append(NgramWorker(gamma))
+    planner = None
+    if drafter is not None and args.verify_mode() != "static":
+        path = args.speculative_dspark_sps_table_path
+        planner = VerifyPlanner(SpsTable.load(path) if path else None)
+    return Speculation(workers, planner)
+
+
+def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, device_pools: list[KVPool],
+               forward_stream: Stream, copy_stream: Stream, dist: Optional[TPGroup], tp_rank: int,
+               consensus: Optional[RankConsensusChecker]) -> RadixCache:
+    """The radix cache, or with --enable-hierarchical-cache its host (and file) tiers too."""
+    if not args.enable_hierarchical_cache:
+        tree = RadixCache(allocator.free, disabled=args.disable_radix_cache)
+        tree.consensus = consensus
+        return tree
+    from specserve.kv.file_storage import FileKVStorage
+    from specserve.kv.hiradix_cache import HiRadixCache
+    from specserve.kv.host_pool import HostKVPool
+
+    host = HostKVPool(device_pools, args.hicache_size or max(16, int(size * args.hicache_ratio)),
+                      forward_stream, copy_stream)
+    storage = FileKVStorage(args.hicache_storage_dir, tp_rank) if args.hicache_storage_backend else None
+
+    def agree_min(value: int, site: str) -> int:
+        if dist is None:
+            return value
+        return int(dist.all_reduce_(torch.tensor([value]), site, op="min")[0])
+
+    tree = HiRadixCache(allocator, host, args.hicache_write_policy, storage, agree_min)
+    tree.consensus = consensus
+    return tree
+
+
+def _load_drafter(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, model: LlamaForCausalLM,
+                  max_positions: int, full_head: torch.Tensor) -> Optional[DsparkDrafter]:
+    if args.speculative_algorithm != "DSPARK":
+        return None
+    drafter = load_drafter(args.speculative_draft_model_path, cfg, dtype, args.device, max_positions,
+                           args.speculative_dspark_block_size)
+    head = model.lm_head
+    if drafter.reduced_vocab and args.tp_size > 1:  # this rank's head holds only its vocab shard
+        head = DraftVocabHead(full_head.to(device=args.device, dtype=dtype))
+    drafter.attach_target(model.embed_tokens, head)
+    return drafter
+
+
+def _block_size(args: ServerArgs, drafter: Optional[DsparkDrafter]) -> int:
+    """gamma: 0 without speculation; the flag, else the drafter checkpoint's, else 5."""
+    if not args.speculating:
+        return 0
+    if drafter is not None:
+        return drafter.block_size
+    return args.speculative_dspark_block_size or DEFAULT_BLOCK_SIZE

@@ -1,0 +1,92 @@
+"""Messages between a serving front end and the engine process.
+
+Commands go to the engine; events come back, one list per engine loop iteration. Every message
+is a frozen dataclass of plain values, so it pickles across multiprocessing queues; receivers
+dispatch on the class, never on a tag.
+
+Per request the events are: zero or more `TokensOut`, then exactly one of `RequestDone` or
+`RequestError`. `EngineFatal` ends every open request; no event follows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+# ------------------------------------------------------------------ commands (front end -> engine)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Validate and queue one request; a rejection comes back as `RequestError`."""
+
+    rid: str
+    input_ids: list[int]
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request; it then finishes with a `RequestDone` whose finish reason is "abort"."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort every open request, report their `RequestDone`, and exit."""
+
+
+Command = Union[AddRequest, AbortRequest, Shutdown]
+
+# ------------------------------------------------------------------ events (engine -> front end)
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """The engine is built and serving: context_length, vocab_size, kv_total_tokens, pid, ..."""
+
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TokensOut:
+    """Tokens a request produced in one loop iteration (several with speculative decoding)."""
+
+    rid: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """A request finished; `output` is the engine's output dict (text, output_ids, meta_info)."""
+
+    rid: str
+    output: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """The engine rejected a request: `param` names the field, `code` is an OpenAI error code."""
+
+    rid: str
+    message: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """Queue and KV occupancy, sent when it changed (the keys of `Engine.load()`)."""
+
+    load: dict[str, int]
+
+
+@dataclass(frozen=True)
+class EngineFatal:
+    """The engine cannot go on (failed to start, or a step raised)."""
+
+    message: str
+
+
+Event = Union[EngineReady, TokensOut, RequestDone, RequestError, LoadReport, EngineFatal]

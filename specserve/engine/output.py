@@ -1,0 +1,46 @@
+"""The output dict of a finished request, as `Engine.generate` returns it and the server sends it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.scheduler.req import Req
+from specserve.tokenizer.tokenizer import Tokenizer
+
+
+def request_output(req: Req, tokenizer: Tokenizer) -> dict[str, Any]:
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+    if isinstance(req.matched_stop, str):
+        cut = text.find(req.matched_stop)
+        text = text[:cut] if cut >= 0 else text
+    return {
+        "text": text,
+        "output_ids": list(req.output_ids),
+        "meta_info": {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": _finish_reason(req),
+            **_spec_info(req),
+        },
+    }
+
+
+def _finish_reason(req: Req) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": req.finish_reason.value if req.finish_reason else None}
+    if req.matched_stop is not None:
+        out["matched"] = req.matched_stop
+    return out
+
+
+def _spec_info(req: Req) -> dict[str, Any]:
+    if req.spec_verify_ct == 0:
+        return {}
+    return {
+        "spec_verify_ct": req.spec_verify_ct,
+        "spec_num_correct_drafts": req.spec_num_correct_drafts,
+        "spec_accept_length": len(req.output_ids) / req.spec_verify_ct,
+        "spec_correct_drafts_histogram": dict(sorted(req.spec_correct_hist.items())),
+        "spec_cap_trim_histogram": dict(sorted(req.spec_cap_trim_hist.items())),
+    }

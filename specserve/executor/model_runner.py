@@ -1,0 +1,319 @@
+"""ModelRunner: runs one StepInput on the forward stream and copies its results back.
+
+A step is split the way the overlap loop needs it:
+- `launch(step)` (host): submits the step to the forward stream, orders the copy stream after it
+  and submits the device-to-host copy of the step's results; returns a StepHandle at once.
+- the step itself (forward stream): decode and verify steps take their anchors and prefix lengths
+  from the FutureMap (written by the previous step); a verify step drafts (per request, through
+  Speculation), runs the target over the windows and the accept, takes owned results with
+  `read_accept`, commits the accepted rows to the drafters and writes the FutureMap.
+- `resolve(handle)` (host): waits for the copy's event and turns the host copies into outcomes.
+The runner never sees the scheduler: what a step needs arrives in its StepInput or was passed
+to the constructor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from specserve.executor.captured_step import CapturedStep
+from specserve.executor.future_map import FutureMap
+from specserve.executor.step_io import DECODE, EXTEND, StepInput, StepOutcome, VerifyOutcome
+from specserve.executor.tp_decisions import TPDecisions
+from specserve.kv.pool import KVPool, ReqToTokenPool
+from specserve.models.attention import AttentionMetadata
+from specserve.models.forward_batch import ForwardBatch
+from specserve.models.llama import LlamaForCausalLM
+from specserve.runtime.stream import Event, Stream
+from specserve.sampler import sample
+from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, accept_windows
+from specserve.speculative.speculation import Proposal, Speculation
+
+
+@dataclass
+class CaptureConfig:
+    """Which decode and static-verify steps run as captured steps (CUDA graphs on CUDA)."""
+
+    enabled: bool = True  # --disable-cuda-graph turns it off: every step runs eagerly
+    max_bs: int = 32  # --cuda-graph-max-bs: larger batches run eagerly
+    compile: bool = False  # --enable-torch-compile: torch.compile the step on CPU
+    pad_batches: Optional[bool] = None  # pad to batch buckets (default: only for CUDA graphs; tests set it on CPU)
+
+    def covers(self, bs: int) -> bool:
+        return self.enabled and bs <= self.max_bs
+
+
+@dataclass
+class StepHandle:
+    """One launched step: its results on the device, their host copies, and the copy's event."""
+
+    step: StepInput
+    device_out: list[torch.Tensor] = field(default_factory=list)  # set on the forward stream
+    host_out: list[torch.Tensor] = field(default_factory=list)  # set on the copy stream
+    done: Optional[Event] = None
+
+
+class ModelRunner:
+    """Owns the model, its K/V tensors and the streams; the scheduler owns which slots mean what."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVPool, req_to_token: ReqToTokenPool, device: str = "cpu",
+                 max_bs: int = 64, speculation: Optional[Speculation] = None,
+                 forward_stream: Optional[Stream] = None, copy_stream: Optional[Stream] = None,
+                 alias_accept_buffers: bool = False, capture: Optional[CaptureConfig] = None,
+                 tp: Optional[TPDecisions] = None):
+        self.model = model
+        self.kv = kv
+        self.req_to_token = req_to_token
+        self.device = device
+        self.max_bs = max_bs
+        self.speculation = speculation or Speculation()
+        self.forward = forward_stream or Stream("forward", device)
+        self.copy = copy_stream or Stream("copy", device)
+        self.future = FutureMap(req_to_token.table.shape[0], device)
+        self.alias_accept_buffers = alias_accept_buffers  # fault injection: read_accept hands out views
+        self.epilogue: Optional[DsparkVerifyEpilogue] = None  # made at the first verify step
+        self.capture = capture or CaptureConfig(max_bs=max_bs)
+        self.capture.max_bs = min(self.capture.max_bs, max_bs)
+        self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
+        self.tp = tp  # rank 0's sampled tokens, drafts, verify lengths and accept results, on every rank
+
+    @property
+    def capture_layer_ids(self) -> tuple[int, ...]:
+        return self.speculation.capture_layer_ids
+
+    # ------------------------------------------------------------ host side
+
+    def run(self, step: StepInput) -> list[StepOutcome]:
+        """The synchronous loop's step: launch, then wait for its results."""
+        return self.resolve(self.launch(step))
+
+    def launch(self, step: StepInput) -> StepHandle:
+        if self.tp is not None:
+            self.tp.agree_on_batch_shape(step.size, step.num_tokens)
+        handle = StepHandle(step)
+        self.forward.submit(self._step, handle)
+        Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
+        self.copy.submit(self._copy_to_host, handle)
+        handle.done = Event().record(self.copy)
+        return handle
+
+    def resolve(self, handle: StepHandle) -> list[StepOutcome]:
+        handle.done.synchronize()
+        self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
+        step = handle.step
+        if step.mode not in (EXTEND, DECODE):
+            out = AcceptOuts(*handle.host_out)
+            commit, tokens, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
+            return [VerifyOutcome(row[:n], cap) for row, n, cap in zip(tokens, commit, trimmed)]
+        tokens = handle.host_out[0].tolist()
+        return [t if s else None for t, s in zip(tokens, step.sample)]
+
+    def _copy_to_host(self, handle: StepHandle) -> None:
+        """Copy stream: the device-to-host copy (pinned and non-blocking on CUDA)."""
+        pinned = self.copy.device.type == "cuda"
+        for src in handle.device_out:
+            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
+            host.copy_(src, non_blocking=pinned)
+            handle.host_out.append(host)
+
+    # ------------------------------------------------------------ forward stream
+
+    @torch.inference_mode()
+    def _step(self, handle: StepHandle) -> None:
+        step = handle.step
+        if step.mode == EXTEND:
+            handle.device_out = [self._extend(step)]
+        elif step.mode == DECODE:
+            handle.device_out = [self._decode(step)]
+        else:
+            handle.device_out = self._verify(step).tensors()
+
+    def _extend(self, step: StepInput) -> torch.Tensor:
+        fb = self._forward_batch(step.rows, step.prefix_lens, step.extend_lens,
+                                 torch.tensor(step.input_ids, dtype=torch.int64, device=self.device),
+                                 step.out_cache_loc, every_row=False, sample=step.sample)
+        logits = self._forward(fb)
+        tokens = torch.zeros(step.size, dtype=torch.int64)
+        wanted = [i for i, s in enumerate(step.sample) if s]
+        if wanted:
+            picked = torch.tensor(sample(logits.cpu(), [step.params[i] for i in wanted],
+                                         [step.seeds[i] for i in wanted], [step.out_lens[i] for i in wanted]))
+            picked = self._agree([picked], "runner.extend_tokens")[0]
+            tokens[wanted] = picked
+            rows = torch.tensor([step.rows[i] for i in wanted], device=self.device)
+            seq = torch.tensor([step.prefix_lens[i] + step.extend_lens[i] for i in wanted], device=self.device)
+            outs = torch.tensor([step.out_lens[i] + 1 for i in wanted], device=self.device)
+            self.future.write(rows, picked.to(self.device), seq, outs)
+            if self.speculation.reads_tokens:
+                for i, tok in zip(wanted, picked.tolist()):
+                    self.speculation.commit_tokens(step.rows[i], step.fills[i] + [tok], restart=True)
+        return tokens
+
+    def _decode(self, step: StepInput) -> torch.Tensor:
+        rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
+        anchors, prefix, out_lens = self.future.read(rows)
+        if self.capture.covers(step.size):
+            out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
+            if self.speculation.reads_rows:
+                self.speculation.commit_rows(out.hidden, out.positions, out.slots)
+            logits = out.logits  # a persistent buffer: sampled right here, before the next replay
+        else:
+            slots = self.req_to_token.table[rows, prefix].tolist()
+            fb = self._forward_batch(step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False,
+                                     sample=step.sample)
+            logits = self._forward(fb)
+        picked = torch.tensor(sample(logits.cpu(), step.params, step.seeds, out_lens.tolist()), dtype=torch.int64)
+        tokens = self._agree([picked], "runner.decode_tokens")[0]
+        self.future.write(rows, tokens.to(self.device), prefix + 1, out_lens + 1)
+        if self.speculation.reads_tokens:  # a plain decode step of a speculating engine
+            for row, tok in zip(step.rows, tokens.tolist()):
+                self.speculation.commit_tokens(row, [tok])
+        return tokens
+
+    def _captured_step(self, width: int) -> CapturedStep:
+        """The captured step for this window width, made (and registered as persistent) on first use."""
+        epilogue = self.epilogue if width > 1 else None
+        step = self._captured.get(width)
+        if step is None or step.epilogue is not epilogue:
+            step = CapturedStep(self.model, self.kv, self.req_to_token.table, width, self.capture.max_bs,
+                                self.capture_layer_ids, epilogue, use_cuda_graph=self.forward.device.type == "cuda",
+                                compile=self.capture.compile, pad_batches=self.capture.pad_batches)
+            if self.forward.sanitizer is not None:
+                self.forward.sanitizer.register_persistent(step.buffers(), self.forward)
+            self._captured[width] = step
+        return step
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """A prefill or plain decode pass: every computed row is committed, so the drafters see it."""
+        logits = self.model(fb, self.kv)
+        if self.speculation.reads_rows:
+            self.speculation.commit_rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
+        return logits
+
+    def _forward_batch(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int],
+                       input_ids: torch.Tensor, slots: list[int], every_row: bool,
+                       sample: Optional[list[bool]] = None) -> ForwardBatch:
+        """Tensors for one pass; logits for every row (verify) or each sampling request's last row."""
+        dev = self.device
+        logit_rows, offset = [], 0
+        for i, n in enumerate(extend_lens):
+            offset += n
+            if every_row:
+                logit_rows.extend(range(offset - n, offset))
+            elif sample is None or sample[i]:
+                logit_rows.append(offset - 1)
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        positions = [p + i for p, n in zip(prefix_lens, extend_lens) for i in range(n)]
+        meta = AttentionMetadata.build(self.req_to_token.table, rows, seq_lens, extend_lens, dev, self.model.dtype)
+        return ForwardBatch(input_ids=input_ids, positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+                            out_cache_loc=torch.tensor(slots, dtype=torch.int64, device=dev), attn=meta,
+                            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+                            capture_layer_ids=self.capture_layer_ids)
+
+    # ------------------------------------------------------------ speculative verify (forward stream)
+
+    def _verify(self, step: StepInput) -> AcceptOuts:
+        """Draft, verify the windows, accept into the epilogue's buffers, then read owned copies,
+        commit the accepted rows to the drafters and leave anchors and lengths for the next step."""
+        bs, width = step.size, step.width
+        epilogue = self._epilogue(width)
+        rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
+        anchors, prefix, out_lens = self.future.read(rows)
+        ids = torch.empty(bs, width, dtype=torch.int64, device=self.device)
+        ids[:, 0] = anchors
+        proposal = self._draft(step, rows, ids, prefix, out_lens)
+        verify_lens = proposal.verify_lens
+        if self.tp is not None:
+            lens = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
+            ids_agreed, lens = self._agree([ids.cpu(), lens], "runner.drafts")
+            ids.copy_(ids_agreed)
+            verify_lens = lens.tolist() if verify_lens is not None else None
+        window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(width)]
+        greedy = all(p.is_greedy for p in step.params)
+        captured = verify_lens is None and self.capture.covers(bs)
+        if captured:  # the captured verify, with the greedy accept folded in
+            out = self._captured_step(width).run(rows, prefix, ids, step.kv_bound, accept=greedy)
+            logits, hidden = out.logits, out.hidden
+        else:
+            logits, hidden = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
+        if not (captured and greedy):
+            accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds,
+                           lambda vocab: proposal.draft_probs(ids, vocab), verify_lens)
+        if self.tp is not None:  # rank 0's accept results, into every rank's accept buffers
+            bufs = epilogue.accept_buffers(bs).tensors()
+            for buf, agreed in zip(bufs, self._agree([b.cpu() for b in bufs], "runner.accept")):
+                buf.copy_(agreed)
+        out = self.read_accept(bs)  # owned: nothing below reads the *_buf tensors
+        if self.speculation.reads_rows:
+            self._commit_rows(hidden, out, prefix, window_slots, verify_lens)
+        self.future.write(rows, out.bonus, out.new_seq_lens, out_lens + out.commit_lens)
+        if self.speculation.reads_tokens:
+            for row, toks, n in zip(step.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
+                self.speculation.commit_tokens(row, toks[:n])
+        return out
+
+    def _epilogue(self, width: int) -> DsparkVerifyEpilogue:
+        if self.epilogue is None or self.epilogue.num_verify_tokens != width:
+            self.epilogue = DsparkVerifyEpilogue(self.max_bs, width, self.device)
+            if self.forward.sanitizer is not None:
+                self.forward.sanitizer.register_persistent(self.epilogue.buffers(), self.forward)
+        return self.epilogue
+
+    def _draft(self, step: StepInput, rows: torch.Tensor, ids: torch.Tensor, prefix: torch.Tensor,
+               out_lens: torch.Tensor) -> Proposal:
+        """Fill ids[:, 1:] with each request's drafts; returns their distributions and verify lengths."""
+        return self.speculation.propose(step.drafters, rows, ids, prefix, out_lens, step.params, step.seeds)
+
+    def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
+        """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""
+        return tensors if self.tp is None else self.tp.agree(tensors, site)
+
+    def read_accept(self, bs: int) -> AcceptOuts:
+        if self.alias_accept_buffers:  # SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS: views, on purpose
+            return self.epilogue.accept_buffers(bs)
+        return self.epilogue.read_accept(bs)
+
+    def _verify_forward(self, step: StepInput, ids: torch.Tensor, prefix: torch.Tensor, window_slots: torch.Tensor,
+                        verify_lens: Optional[list[int]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Target logits in the strided [bs * W, V] layout, and the packed rows' hidden states.
+        Compact mode packs the verified rows for the forward and scatters them back; uncomputed
+        rows are zero (the cap never reads them)."""
+        bs, width = ids.shape
+        lens = verify_lens or [width] * bs
+        keep = torch.arange(width, device=self.device).unsqueeze(0) < torch.tensor(lens, device=self.device).unsqueeze(1)
+        fb = self._forward_batch(step.rows, prefix.tolist(), lens, ids[keep], window_slots[keep].tolist(), every_row=True)
+        packed = self.model(fb, self.kv)
+        if verify_lens is None:
+            return packed, fb.captured_hidden
+        logits = packed.new_zeros(bs * width, packed.shape[-1])
+        logits[keep.reshape(-1)] = packed
+        return logits, fb.captured_hidden
+
+    def _commit_rows(self, hidden: Optional[torch.Tensor], out: AcceptOuts, prefix: torch.Tensor,
+                     window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> None:
+        """Hand the drafters exactly the committed rows: positions S..S+commit_len-1 of each window.
+
+        Reads the owned `out.commit_lens` and this step's own `prefix`, never an accept buffer: a
+        view of one would hold the next step's values by the time a later step reads it."""
+        bs, width = window_slots.shape
+        col = torch.arange(width, device=self.device).unsqueeze(0)
+        committed = col < out.commit_lens.unsqueeze(1)  # [bs, W]
+        lens = verify_lens or [width] * bs
+        packed_row = torch.tensor(_starts(lens), device=self.device).unsqueeze(1) + col
+        self.speculation.commit_rows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
+                                     window_slots[committed])
+
+    def close(self) -> None:
+        self.forward.close()
+        self.copy.close()
+
+
+def _starts(lens: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for n in lens:
+        out.append(acc)
+        acc += n
+    return out

@@ -1,0 +1,60 @@
+"""What the scheduler hands the executor for one step, and what it gets back: plain values only.
+
+`StepInput` is a snapshot: the executor's forward stream never reads scheduler objects, which the
+host keeps changing while an (overlapped) step runs. Decode and verify steps take their anchors
+and prefix lengths from the executor's FutureMap, not from here, so that step N+1 can be launched
+before step N's results reached the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from specserve.sampling_params import SamplingParams
+
+EXTEND, DECODE, VERIFY = "extend", "decode", "verify"
+
+
+@dataclass
+class StepInput:
+    """One batch: per request its slot in the request-to-token table, sampling settings and, for
+    a verify step, which drafter proposes its window (None: no drafts, the window repeats the anchor)."""
+
+    mode: str  # EXTEND (prefill or a prefill chunk, after any cached prefix), DECODE or VERIFY
+    rids: list[str]
+    rows: list[int]  # request slots (req_to_token rows)
+    params: list[SamplingParams]
+    seeds: list[int]
+    sample: list[bool]  # a next token is sampled (False for a non-final prefill chunk)
+    width: int = 1  # window rows per request: 1 for decode, gamma + 1 for verify, 0 for extend
+    drafters: list[Optional[str]] = field(default_factory=list)  # verify: drafter name per request
+    # extend only (decode and verify read prefix lengths from the FutureMap):
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)  # flat new tokens
+    out_cache_loc: list[int] = field(default_factory=list)  # flat token slots for their K/V
+    out_lens: list[int] = field(default_factory=list)  # output tokens so far (sampling counters)
+    fills: list[Optional[list[int]]] = field(default_factory=list)  # every token of a sampling request
+    kv_bound: int = 0  # decode/verify: K/V slots the longest request holds (>= its prefix + window)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens) if self.mode == EXTEND else self.size * self.width
+
+
+@dataclass
+class VerifyOutcome:
+    """One request's result of a verify step: the committed tokens (accepted drafts, then the
+    bonus) and the matches the compact verify length cut off."""
+
+    tokens: list[int]
+    cap_trimmed: int = 0
+
+
+# Per request of a step: the next token (None where none is sampled), or a VerifyOutcome.
+StepOutcome = Union[Optional[int], VerifyOutcome]

@@ -1,0 +1,55 @@
+"""DSPARK behind the worker seam: the block drafter, its draft K/V and what a step does with them.
+
+One request's DSPARK verify step, top to bottom (the executor runs the parts that are not here):
+1. `commit_rows` (the previous step): the target's hidden states at `target_layer_ids` of every
+   committed row, i.e. the whole prompt at prefill, the row of a plain decode, and exactly rows
+   S..S+commit_len-1 of a verify window, are projected into each draft layer's K/V at their
+   absolute positions, in a pool indexed by the target's token slots (so the radix cache and
+   the host tier keep draft context together with the target's);
+2. `draft`: the anchor and g-1 mask slots attend to that context in one bidirectional pass; the
+   Markov head picks d_1..d_g left to right (greedy, or sampled with counter-based uniforms) and
+   the confidence head estimates each slot's survival for the compact-verify planner;
+3. the executor verifies `[anchor, d_1..d_g]` with the target and accepts (speculative/accept.py);
+   the committed rows come back to step 1.
+Rejected rows are never injected: their draft K/V slots are overwritten by the next window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kv.pool import KVPool
+from specserve.models.dspark import DsparkDrafter
+from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+
+
+class DsparkWorker:
+    """The DSpark block drafter for requests that speculate with DSPARK."""
+
+    name = "DSPARK"
+    reads_tokens = False
+
+    def __init__(self, drafter: DsparkDrafter, kv: KVPool, req_to_token: torch.Tensor):
+        self.drafter = drafter
+        self.kv = kv  # draft K/V, same token slots as the target's
+        self.table = req_to_token  # [request slots, positions] -> token slot, for the context's slots
+
+    @property
+    def capture_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.drafter.config.target_layer_ids)
+
+    @property
+    def kv_pools(self) -> list[KVPool]:
+        return [self.kv]
+
+    def draft(self, inp: DraftInput) -> Drafts:
+        ctx_slots = self.table[inp.rows, :int(inp.prefix_lens.max())]
+        out = self.drafter.propose(inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds,
+                                   inp.out_lens.tolist())
+        return Drafts(out.tokens, out.probs, out.confidence)
+
+    def commit_rows(self, rows: CommittedRows) -> None:
+        self.drafter.inject(rows.hidden, rows.positions, rows.slots, self.kv)
+
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
+        return None  # the context is the target's hidden states, received by commit_rows

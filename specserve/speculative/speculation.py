@@ -1,0 +1,116 @@
+"""Speculation: the drafters of one engine behind one object, as the executor sees them.
+
+Drafting is per request (each request of a verify step names its drafter, or none); verify and
+accept run once per step over all windows. See speculative/worker.py for the protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from specserve.kv.pool import KVPool
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.planner import VerifyPlanner
+from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
+
+
+@dataclass
+class Proposal:
+    """The drafts of one verify step (written into the window ids) and how much of each window to
+    verify. `probs` holds (rows, q) of drafters that sampled; rows None means every row."""
+
+    verify_lens: Optional[list[int]] = None  # compact verify: rows per window; None: every row
+    probs: list[tuple[Optional[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+
+    def draft_probs(self, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+        """[bs, gamma, V] q for rejection sampling: one-hot on each draft unless its drafter gave q."""
+        if len(self.probs) == 1 and self.probs[0][0] is None:
+            return self.probs[0][1]
+        q = torch.nn.functional.one_hot(ids[:, 1:], vocab).float()
+        for rows, probs in self.probs:
+            if rows is None:
+                q.copy_(probs)
+            else:
+                q[rows] = probs.to(q.dtype)
+        return q
+
+
+class Speculation:
+    """Named draft workers and the compact-verify planner."""
+
+    def __init__(self, workers: Sequence[DraftWorker] = (), planner: Optional[VerifyPlanner] = None):
+        self.workers = {w.name: w for w in workers}
+        self.planner = planner
+        readers = [w for w in workers if w.capture_layer_ids]
+        if len(readers) > 1:
+            raise ValueError("speculation: at most one drafter may read the target's hidden states, got "
+                             f"{[w.name for w in readers]}")
+        self.capture_layer_ids: tuple[int, ...] = readers[0].capture_layer_ids if readers else ()
+        # Whether any drafter reads committed target rows / tokens: the executor skips gathering them otherwise.
+        self.reads_rows = bool(readers)
+        self.reads_tokens = any(w.reads_tokens for w in workers)
+
+    def worker(self, name: str) -> Optional[DraftWorker]:
+        return self.workers.get(name)
+
+    @property
+    def kv_pools(self) -> list[KVPool]:
+        return [pool for w in self.workers.values() for pool in w.kv_pools]
+
+    # ------------------------------------------------------------ drafting
+
+    def propose(self, drafters: Sequence[Optional[str]], rows: torch.Tensor, ids: torch.Tensor,
+                prefix: torch.Tensor, out_lens: torch.Tensor, params: Sequence[SamplingParams],
+                seeds: Sequence[int]) -> Proposal:
+        """Fill ids[:, 1:] (ids[:, 0] holds the anchors): each request's drafter proposes its window;
+        a request without a drafter repeats its anchor (the verify still yields its bonus token)."""
+        bs, gamma = ids.shape[0], ids.shape[1] - 1
+        proposal, confidence = Proposal(), None
+        for name, index in _groups(drafters, bs).items():
+            sel = None if len(index) == bs else torch.tensor(index, device=ids.device)
+            pick = (lambda t: t) if sel is None else (lambda t: t[sel])
+            target = slice(None) if sel is None else sel
+            if name is None:
+                ids[target, 1:] = pick(ids[:, :1]).expand(-1, gamma)
+                continue
+            worker = self.workers.get(name)
+            if worker is None:
+                raise ValueError(f"speculation: no drafter {name!r} in this engine (have {sorted(self.workers)})")
+            drafts = worker.draft(DraftInput(pick(rows), pick(ids[:, 0]), pick(prefix), pick(out_lens),
+                                             [params[i] for i in index], [seeds[i] for i in index], gamma))
+            ids[target, 1:] = drafts.tokens
+            if drafts.probs is not None:
+                proposal.probs.append((sel, drafts.probs))
+            if drafts.confidence is not None:
+                confidence = torch.ones(bs, gamma) if confidence is None else confidence
+                confidence[target] = drafts.confidence.float().cpu()
+        if self.planner is not None and confidence is not None:
+            proposal.verify_lens = self.planner.verify_lens(confidence)
+        return proposal
+
+    # ------------------------------------------------------------ commit
+
+    def commit_rows(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Every drafter that reads rows sees every committed row, whoever drafted the request:
+        a request may switch drafter between steps."""
+        rows = CommittedRows(hidden, positions, slots)
+        for worker in self.workers.values():
+            if worker.capture_layer_ids:
+                worker.commit_rows(rows)
+
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool = False) -> None:
+        for worker in self.workers.values():
+            if worker.reads_tokens:
+                worker.commit_tokens(row, tokens, restart)
+
+
+def _groups(drafters: Sequence[Optional[str]], bs: int) -> dict[Optional[str], list[int]]:
+    """Request indices by drafter name, in order of first appearance."""
+    names = list(drafters) if drafters else [None] * bs
+    out: dict[Optional[str], list[int]] = {}
+    for i, name in enumerate(names):
+        out.setdefault(name, []).append(i)
+    return out

@@ -1,0 +1,77 @@
+"""The speculation seam: what the executor tells a drafter, and what a drafter gives back.
+
+A verify step runs, on the forward stream:
+1. drafting, per request: each request names its drafter (or none); every drafter proposes the
+   windows of its own requests (`DraftWorker.draft`), and `Speculation` assembles one batch of
+   windows `[anchor, d_1..d_g]`;
+2. the target's verify forward over all windows and the accept (greedy or rejection sampling),
+   once for the whole batch (`speculative/accept.py`);
+3. commit: every drafter sees the rows whose target K/V were committed (`commit_rows`) and the
+   tokens each request committed (`commit_tokens`), whatever drafted them, so a request can
+   switch drafter between steps. Prefill and plain decode steps commit the same way.
+A worker holds only its own state (draft K/V, token histories); it never sees the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from specserve.kv.pool import KVPool
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class DraftInput:
+    """The requests one drafter proposes windows for (a subset of the step's batch)."""
+
+    rows: torch.Tensor  # [n] request slots
+    anchors: torch.Tensor  # [n] last committed tokens, the first row of each window
+    prefix_lens: torch.Tensor  # [n] tokens with K/V in the cache (the anchor's position)
+    out_lens: torch.Tensor  # [n] output tokens so far (the sampling counters)
+    params: Sequence[SamplingParams]
+    seeds: Sequence[int]
+    gamma: int  # drafts per window
+
+
+@dataclass
+class Drafts:
+    """A drafter's proposals for its n requests.
+
+    tokens [n, gamma] int64. probs [n, gamma, V]: the distribution each draft was drawn from, which
+    rejection sampling needs; None means one-hot on the tokens (a deterministic drafter).
+    confidence [n, gamma]: the drafter's estimate that slot k survives given slots < k did; None
+    when the drafter has no estimate (the compact-verify planner then verifies the whole window).
+    """
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor] = None
+    confidence: Optional[torch.Tensor] = None
+
+
+@dataclass
+class CommittedRows:
+    """Target rows whose K/V this step committed: their captured hidden states (at the layers
+    the drafters asked for), absolute positions and token slots."""
+
+    hidden: torch.Tensor  # [N, len(capture_layer_ids) * H]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N]
+
+
+class DraftWorker(Protocol):
+    """One drafting algorithm. Implementations: DsparkWorker, NgramWorker."""
+
+    name: str
+    capture_layer_ids: tuple[int, ...]  # target layers whose outputs commit_rows carries (empty: no rows)
+    reads_tokens: bool  # wants commit_tokens
+    kv_pools: list[KVPool]  # K/V pools indexed by the target's token slots (shared by the prefix cache)
+
+    def draft(self, inp: DraftInput) -> Drafts: ...
+
+    def commit_rows(self, rows: CommittedRows) -> None: ...
+
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
+        """Request slot `row` committed `tokens`; `restart`: they are its whole sequence so far."""
