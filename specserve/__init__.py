@@ -6,7 +6,7 @@ from specserve.sampling_params import SamplingParams
 def __getattr__(name: str):
     # Engine pulls in torch and the model code; import it lazily so `specserve --help` stays fast.
     if name == "Engine":
-        from specserve.engine import Engine
+        from specserve.engine.engine import Engine
 
         return Engine
     raise AttributeError(name)

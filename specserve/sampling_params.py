@@ -1,9 +1,11 @@
-"""SamplingParams: per-request decoding settings, validated with messages that name the field."""
+"""SamplingParams: per-request decoding settings; a bad field raises InvalidRequestError naming it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
+
+from specserve.errors import InvalidRequestError
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -29,7 +31,8 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
-            raise ValueError(f"sampling_params: unknown key(s) {unknown}; allowed: {sorted(known)}")
+            raise InvalidRequestError(f"sampling_params: unknown key(s) {unknown}; allowed: {sorted(known)}",
+                                      param="sampling_params")
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         sp = cls(**params)
@@ -49,18 +52,23 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, ">= 0", lambda v: v >= 0)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("sampling_params.stop: must be a non-empty string or a list of non-empty strings")
+            raise InvalidRequestError("sampling_params.stop: must be a non-empty string or a list of non-empty strings",
+                                      param="sampling_params.stop")
         if not isinstance(self.stop_token_ids, list) or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("sampling_params.stop_token_ids: must be a list of non-negative integers")
+            raise InvalidRequestError("sampling_params.stop_token_ids: must be a list of non-negative integers",
+                                      param="sampling_params.stop_token_ids")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
-            raise ValueError(f"sampling_params.stop_token_ids: ids must be < vocab size {vocab_size}")
+            raise InvalidRequestError(f"sampling_params.stop_token_ids: ids must be < vocab size {vocab_size}",
+                                      param="sampling_params.stop_token_ids")
 
 
 def _check_int(name: str, value: Any, allowed: str, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-        raise ValueError(f"sampling_params.{name}: must be an integer {allowed}, got {value!r}")
+        raise InvalidRequestError(f"sampling_params.{name}: must be an integer {allowed}, got {value!r}",
+                                  param=f"sampling_params.{name}")
 
 
 def _check_num(name: str, value: Any, allowed: str, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"sampling_params.{name}: must be a number {allowed}, got {value!r}")
+        raise InvalidRequestError(f"sampling_params.{name}: must be a number {allowed}, got {value!r}",
+                                  param=f"sampling_params.{name}")

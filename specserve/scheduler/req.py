@@ -58,3 +58,13 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    def record_verify(self, appended: int, committed: int, cap_trimmed: int) -> int:
+        """Count one verify step; returns its correct drafts. Only emitted drafts count as
+        accepted: a stop inside the run cuts both the drafts and the bonus."""
+        correct = committed - 1
+        self.spec_verify_ct += 1
+        self.spec_num_correct_drafts += min(appended, correct)
+        self.spec_correct_hist[correct] = self.spec_correct_hist.get(correct, 0) + 1
+        self.spec_cap_trim_hist[cap_trimmed] = self.spec_cap_trim_hist.get(cap_trimmed, 0) + 1
+        return correct

@@ -21,7 +21,10 @@ from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.executor.step_io import StepOutcome, VerifyOutcome
 from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.finish import check_finish
+from specserve.scheduler.integrity import check_kv_integrity
 from specserve.scheduler.stats import SchedulerStats
+from specserve.scheduler.validation import validate_request
 from specserve.scheduler.policy import order_waiting
 from specserve.scheduler.req import FinishReason, Req
 
@@ -104,16 +107,7 @@ class Scheduler:
         return None
 
     def validate_request(self, req: Req) -> None:
-        n = len(req.input_ids)
-        if n == 0:
-            raise ValueError("prompt: must contain at least one token")
-        if n >= self.cfg.context_length:
-            raise ValueError(f"prompt: {n} tokens do not fit the context window of {self.cfg.context_length} "
-                             "(need prompt_tokens < context_length)")
-        need = n + min(req.params.max_new_tokens, self.cfg.context_length - n) + self.window - 1
-        if need > self.allocator.size:
-            raise ValueError(f"prompt: {n} tokens + max_new_tokens need {need} KV slots but the pool holds "
-                             f"{self.allocator.size} (raise max_total_tokens or lower max_new_tokens)")
+        validate_request(req, self.cfg.context_length, self.window, self.allocator.size)
 
     def abort(self, rid: str) -> Optional[Req]:
         """Stop a request wherever it is; its KV is released exactly once."""
@@ -179,7 +173,8 @@ class Scheduler:
                 # The slots past them stay with the request: the next window overwrites them.
                 req.kv_len = start + appended
                 if batch.mode == "verify":
-                    self._record_spec(req, appended, len(emitted), cap_trimmed)
+                    correct = req.record_verify(appended, len(emitted), cap_trimmed)
+                    self.stats.record_verify(correct, cap_trimmed)
             if reason is not None:
                 self.running.remove(req)
                 self._release(req)
@@ -188,15 +183,6 @@ class Scheduler:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self._agree("committed", [(r.rid, r.kv_len, len(r.output_ids)) for r in batch.reqs])
         return result
-
-    def _record_spec(self, req: Req, appended: int, committed: int, cap_trimmed: int) -> None:
-        """Count emitted drafts only: a stop inside the run cuts both the drafts and the bonus."""
-        correct = committed - 1
-        req.spec_verify_ct += 1
-        req.spec_num_correct_drafts += min(appended, correct)
-        req.spec_correct_hist[correct] = req.spec_correct_hist.get(correct, 0) + 1
-        req.spec_cap_trim_hist[cap_trimmed] = req.spec_cap_trim_hist.get(cap_trimmed, 0) + 1
-        self.stats.record_verify(correct, cap_trimmed)
 
     # ------------------------------------------------------------ prefill
 
@@ -382,23 +368,7 @@ class Scheduler:
     # ------------------------------------------------------------ finishing
 
     def _check_finish(self, req: Req) -> Optional[FinishReason]:
-        token, params = req.output_ids[-1], req.params
-        if not params.ignore_eos and token in self.cfg.eos_token_ids:
-            req.matched_stop = token
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            req.matched_stop = token
-            return FinishReason.STOP
-        if params.stop and self.decode_text is not None:
-            longest = max(len(s) for s in params.stop)
-            tail = self.decode_text(req.output_ids[-(4 * longest + 4):])
-            for s in params.stop:
-                if s in tail:
-                    req.matched_stop = s
-                    return FinishReason.STOP
-        if len(req.output_ids) >= params.max_new_tokens:
-            return FinishReason.LENGTH
-        return None
+        return check_finish(req, self.cfg.eos_token_ids, self.decode_text)
 
     @staticmethod
     def _finish(req: Req, reason: FinishReason) -> Req:
@@ -416,17 +386,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """free + cached + in use == total, no slot counted twice, and locks balanced when idle."""
-        self.allocator.check_no_duplicates()
-        owned = [s for r in self.live_requests() for s in r.kv_slots[r.cache_protected_len:]]
-        cached = self.tree.all_slots()
-        total = self.allocator.available + len(cached) + len(owned)
-        if total != self.allocator.size:
-            raise AssertionError(f"KV integrity: free {self.allocator.available} + cached {len(cached)} + "
-                                 f"in use {len(owned)} = {total} != pool size {self.allocator.size}")
-        everything = set(self.allocator._free) | set(cached) | set(owned)
-        if len(everything) != self.allocator.size or 0 in everything:
-            raise AssertionError("KV integrity: a token slot is both free and in use, or the scratch slot leaked")
-        if len(cached) != self.tree.total_size:
-            raise AssertionError(f"KV integrity: tree size {self.tree.total_size} != slots in tree {len(cached)}")
-        if not self.live_requests() and self.tree.evictable_size != self.tree.total_size:
-            raise AssertionError("KV integrity: idle but some cache is still locked")
+        check_kv_integrity(self.allocator, self.tree, self.live_requests())

@@ -1,8 +1,10 @@
 """The HTTP process's handle on the engine process: submit, abort, and per-request event queues.
 
 A reader thread takes the engine's event lists off the multiprocessing queue and hands them to the
-asyncio loop, which routes each event to its request's asyncio.Queue and records latencies. Nothing
-here waits on model work from the event loop.
+asyncio loop, which routes each request's events to its sink (an asyncio.Queue of `Delivery`) and
+records latencies. Nothing here waits on model work from the event loop. Every submitted request
+gets exactly one final delivery: `RequestDone`, `RequestError`, or `EngineFatal` when the engine
+process fails or exits.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Union
 
+from specserve.engine.messages import (AbortRequest, AddRequest, EngineFatal, EngineReady, Event, LoadReport,
+                                       RequestDone, RequestError, Shutdown, TokensOut)
 from specserve.server.engine_process import engine_main
 from specserve.server.metrics import ServerMetrics
 
@@ -26,6 +30,13 @@ READER_POLL_S = 0.5
 
 class EngineUnavailable(RuntimeError):
     """The engine process failed or is gone; requests fail with this message."""
+
+
+class Delivery(NamedTuple):
+    """One event of a request, with the choice index its sink knows it by."""
+
+    index: int
+    event: Union[TokensOut, RequestDone, RequestError, EngineFatal]
 
 
 @dataclass
@@ -71,11 +82,11 @@ class EngineClient:
                     raise EngineUnavailable(f"engine process exited with code {self.proc.exitcode} during start")
                 continue
             for ev in events:
-                if ev[0] == "fatal":
+                if isinstance(ev, EngineFatal):
                     self.proc.join(5)
-                    raise EngineUnavailable(ev[1])
-                if ev[0] == "ready":
-                    self.info = ev[1]
+                    raise EngineUnavailable(ev.message)
+                if isinstance(ev, EngineReady):
+                    self.info = ev.info
                     return self.info
         self.proc.kill()
         raise EngineUnavailable(f"engine not ready after {timeout_s:.0f} s")
@@ -89,7 +100,7 @@ class EngineClient:
         """Ask the engine to abort what is left and exit; kill it if it does not within the bound."""
         self._closing = True
         if self.proc.is_alive():
-            self._commands.put(("shutdown",))
+            self._commands.put(Shutdown())
             self.proc.join(timeout_s)
         if self.proc.is_alive():
             logger.error("engine process did not exit within %.0f s; killing it", timeout_s)
@@ -109,12 +120,12 @@ class EngineClient:
         self.tracked[rid] = Tracked(sink, index)
         self.queued += 1
         self.metrics.queued.set(self.queued)
-        self._commands.put(("add", rid, input_ids, params))
+        self._commands.put(AddRequest(rid, input_ids, params))
 
     def abort(self, rid: str) -> None:
         """Stop a request (client gone); its KV is freed by the engine. No-op once finished."""
         if rid in self.tracked:
-            self._commands.put(("abort", rid))
+            self._commands.put(AbortRequest(rid))
 
     # ------------------------------------------------------------ events
 
@@ -138,43 +149,47 @@ class EngineClient:
         except RuntimeError:  # the loop is closed: the server is gone
             pass
 
-    def _dispatch(self, events: list[tuple]) -> None:
+    def _dispatch(self, events: list[Event]) -> None:
         now = time.perf_counter()
         for ev in events:
-            kind = ev[0]
-            if kind == "load":
-                self.load = ev[1]
-                self.metrics.observe_load(ev[1])
-            elif kind == "fatal":
-                self._fail_all(ev[1])
-            else:
-                self._route(kind, ev[1], ev[2], now)
+            match ev:
+                case LoadReport(load=load):
+                    self.load = load
+                    self.metrics.observe_load(load)
+                case EngineFatal(message=message):
+                    self._fail_all(message)
+                case TokensOut() | RequestDone() | RequestError():
+                    self._route(ev, now)
+                case _:
+                    logger.warning("unexpected engine event %r", ev)
 
-    def _route(self, kind: str, rid: str, payload: Any, now: float) -> None:
-        t = self.tracked.get(rid)
-        if t is None:
+    def _route(self, ev: Union[TokensOut, RequestDone, RequestError], now: float) -> None:
+        t = self.tracked.get(ev.rid)
+        if t is None:  # aborted and already answered, or not ours
             return
+        tokens = isinstance(ev, TokensOut)
         if t.first_at is None:
             t.first_at = now
             self.queued -= 1
             self.metrics.queued.set(self.queued)
-            if kind == "tokens":
+            if tokens:
                 self.metrics.ttft.observe(now - t.submitted)
-        elif kind == "tokens":
+        elif tokens:
             self.metrics.itl.observe(now - t.last_at)
         t.last_at = now
-        if kind in ("done", "error"):
-            del self.tracked[rid]
-            if kind == "done":
-                self.metrics.observe_done(payload, now - t.submitted)
-        t.sink.put_nowait((kind, t.index, payload))
+        if not tokens:
+            del self.tracked[ev.rid]
+            if isinstance(ev, RequestDone):
+                self.metrics.observe_done(ev.output, now - t.submitted)
+        t.sink.put_nowait(Delivery(t.index, ev))
 
     def _fail_all(self, message: str) -> None:
         if self.fatal is None:
             logger.error("engine failed: %s", message)
         self.fatal = message
+        fatal = EngineFatal(message)
         for rid in list(self.tracked):
             t = self.tracked.pop(rid)
-            t.sink.put_nowait(("fatal", t.index, message))
+            t.sink.put_nowait(Delivery(t.index, fatal))
         self.queued = 0
         self.metrics.queued.set(0)

@@ -1,10 +1,10 @@
 """The engine's own process: it owns the model, the scheduler and the KV cache and steps them.
 
-The HTTP process talks to it over two multiprocessing queues, so model work never blocks the
-event loop. Commands in: ("add", rid, input_ids, sampling_params), ("abort", rid), ("shutdown",).
-Events out, one list per loop iteration: ("ready", info), ("tokens", rid, ids), ("done", rid,
-output dict), ("error", rid, message), ("load", dict) and ("fatal", message) when the engine
-cannot go on (the HTTP side then fails every open request loudly instead of hanging).
+The HTTP process talks to it over two multiprocessing queues (the messages of
+specserve.engine.messages), so model work never blocks the event loop. Commands are applied
+between steps; the events of one loop iteration go out as one list. `EngineFatal` is sent when the
+engine cannot start or a step raises: the HTTP side then fails every open request loudly instead of
+letting it hang.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import queue
 import signal
 import traceback
 from typing import Any
+
+from specserve.engine.messages import (AbortRequest, AddRequest, Command, EngineFatal, EngineReady, Event,
+                                       LoadReport, RequestDone, RequestError, Shutdown, TokensOut)
+from specserve.errors import InvalidRequestError
 
 IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
 
@@ -26,14 +30,14 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events) -> None:
 
         engine = Engine(**engine_kwargs)
     except Exception as exc:  # a bad flag or model: report it, the server exits with the message
-        events.put([("fatal", f"engine failed to start: {type(exc).__name__}: {exc}")])
+        events.put([EngineFatal(f"engine failed to start: {type(exc).__name__}: {exc}")])
         return
-    events.put([("ready", _ready_info(engine))])
+    events.put([EngineReady(_ready_info(engine))])
     try:
         with engine.sanitized():
             EngineServer(engine, commands, events).run()
     except Exception as exc:
-        events.put([("fatal", f"engine step failed: {type(exc).__name__}: {exc}\n" + traceback.format_exc())])
+        events.put([EngineFatal(f"engine step failed: {type(exc).__name__}: {exc}\n" + traceback.format_exc())])
         raise
     finally:
         engine.shutdown()
@@ -44,6 +48,13 @@ def _ready_info(engine) -> dict[str, Any]:
     return {"context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size,
             "speculative_algorithm": args.speculative_algorithm, "num_draft_tokens": engine.scheduler.window - 1,
             "kv_total_tokens": engine.allocator.size, "pid": os.getpid()}
+
+
+def rejection(rid: str, exc: ValueError) -> RequestError:
+    """The `RequestError` event for a request the engine refused: the field and code the exception carries."""
+    if isinstance(exc, InvalidRequestError):
+        return RequestError(rid, str(exc), exc.param, exc.code)
+    return RequestError(rid, str(exc))  # an untyped ValueError names no field: the server says invalid_value
 
 
 class EngineServer:
@@ -57,7 +68,7 @@ class EngineServer:
 
     def run(self) -> None:
         while True:
-            out: list[tuple] = []
+            out: list[Event] = []
             stop = self._apply(self._drain(block=not self.engine.has_work()), out)
             if stop:
                 for rid in self.live:
@@ -67,14 +78,14 @@ class EngineServer:
                 self._step(out)
             load = self.engine.load()
             if load != self._last_load:
-                out.append(("load", load))
+                out.append(LoadReport(load))
                 self._last_load = load
             if out:
                 self.events.put(out)
             if stop or os.getppid() != self.parent:  # shut down, or orphaned
                 return
 
-    def _drain(self, block: bool) -> list[tuple]:
+    def _drain(self, block: bool) -> list[Command]:
         cmds = []
         try:
             cmds.append(self.commands.get(timeout=IDLE_POLL_S) if block else self.commands.get_nowait())
@@ -84,30 +95,32 @@ class EngineServer:
             pass
         return cmds
 
-    def _apply(self, cmds: list[tuple], out: list[tuple]) -> bool:
+    def _apply(self, cmds: list[Command], out: list[Event]) -> bool:
+        """Apply commands in order; True when one of them is Shutdown (the rest are dropped)."""
         for cmd in cmds:
-            if cmd[0] == "shutdown":
-                return True
-            if cmd[0] == "add":
-                self._add(*cmd[1:], out=out)
-            elif cmd[0] == "abort" and cmd[1] in self.live:
-                self.engine.abort(cmd[1])  # its "done" comes with the next step's finished requests
+            match cmd:
+                case Shutdown():
+                    return True
+                case AddRequest():
+                    self._add(cmd, out)
+                case AbortRequest(rid=rid) if rid in self.live:
+                    self.engine.abort(rid)  # its RequestDone comes with the next step's finished requests
         return False
 
-    def _add(self, rid: str, input_ids: list[int], params: dict, out: list[tuple]) -> None:
+    def _add(self, cmd: AddRequest, out: list[Event]) -> None:
         try:
-            self.engine.submit(input_ids, params, rid=rid)
-        except ValueError as exc:
-            out.append(("error", rid, str(exc)))
+            self.engine.submit(cmd.input_ids, cmd.params, rid=cmd.rid)
+        except ValueError as exc:  # InvalidRequestError, or a plain ValueError naming the field in its text
+            out.append(rejection(cmd.rid, exc))
             return
-        self.live.add(rid)
+        self.live.add(cmd.rid)
 
-    def _step(self, out: list[tuple]) -> None:
+    def _step(self, out: list[Event]) -> None:
         result = self.engine.step()
         new: dict[str, list[int]] = {}
         for req, token in result.tokens:
             new.setdefault(req.rid, []).append(token)
-        out += [("tokens", rid, ids) for rid, ids in new.items()]
+        out += [TokensOut(rid, ids) for rid, ids in new.items()]
         for req in result.finished:
             self.live.discard(req.rid)
-            out.append(("done", req.rid, self.engine.output(req)))
+            out.append(RequestDone(req.rid, self.engine.output(req)))

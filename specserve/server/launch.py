@@ -40,10 +40,11 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.models.loader import resolve_model_path
     from specserve.server.engine_client import EngineClient
     from specserve.server.metrics import ServerMetrics
-    from specserve.server.openai_api import ServerState, create_app
+    from specserve.server.app import create_app
+    from specserve.server.state import ServerState
 
     if args.node_rank > 0:  # a node without rank 0 runs its ranks only; node 0 serves HTTP
-        from specserve.distributed.launch import run_node_workers
+        from specserve.engine.ranks import run_node_workers
 
         return run_node_workers(args)
     if ns.max_queued_requests < 1:

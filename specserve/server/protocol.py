@@ -17,18 +17,6 @@ MAX_N = 16  # choices per request
 MAX_STOP = 16  # stop strings per request
 
 
-class RequestError(Exception):
-    """A client error with the HTTP status, OpenAI error type/code and the offending field."""
-
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
-                 code: Optional[str] = None, err_type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.err_type = message, status, param, code, err_type
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -52,7 +40,7 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """What chat and completion requests share."""
 
     model: StrictStr
@@ -91,6 +79,10 @@ class _SamplingFields(_Strict):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
+    def token_limit(self) -> Optional[int]:
+        """The request's cap on generated tokens per choice, None for none."""
+        raise NotImplementedError
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -109,7 +101,7 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = Field(None, ge=0)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=0)
@@ -136,7 +128,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
     max_tokens: Optional[StrictInt] = Field(16, ge=0)  # OpenAI's default for completions
     echo: StrictBool = False

@@ -1,0 +1,33 @@
+"""The HTTP server: OpenAI-compatible chat and completions, the native /generate, health, metrics.
+
+Every request is validated (pydantic models in protocol.py, then the engine's own checks) and a
+client error answers with an OpenAI-style error body naming the field; nothing else is disturbed.
+Requests run in the engine process (engine_client.py); a client that goes away mid-request aborts
+it there, which frees its KV slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+
+from specserve.server.errors import install_error_handlers
+from specserve.server.middleware import GuardMiddleware
+from specserve.server.routes import add_generation_routes, add_info_routes
+from specserve.server.state import ServerState
+
+def create_app(state: ServerState) -> FastAPI:
+    """The app for one engine client; it routes the engine's events once its event loop runs."""
+    app = FastAPI(title="specserve", version="0.1.0")
+    app.state.server = state
+
+    @app.on_event("startup")
+    async def _attach() -> None:
+        state.client.attach(asyncio.get_running_loop())
+
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, state=state)
+    add_info_routes(app, state)
+    add_generation_routes(app, state)
+    return app

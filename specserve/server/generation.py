@@ -1,0 +1,117 @@
+"""Generation: the engine requests behind one API request (one per choice) and their events.
+
+An API request with n choices (times prompts, for completions) becomes that many engine requests
+sharing one sink. A generation never outlives its HTTP request: whoever drives it aborts whatever
+is still open when it stops (done, failed, or the client went away), which frees the KV slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+
+from specserve.engine.messages import EngineFatal, RequestDone, RequestError
+from specserve.server.engine_client import Delivery, EngineUnavailable
+from specserve.server.errors import APIError, from_engine_fatal, from_engine_rejection, server_error
+from specserve.server.state import ServerState
+
+DISCONNECT_POLL_S = 0.25
+
+
+class Generation:
+    """The n engine requests behind one API request, their events on one queue, abort on exit."""
+
+    def __init__(self, state: ServerState, prompt_ids: list[list[int]], params: list[dict[str, Any]]):
+        self.state = state
+        self.sink: asyncio.Queue[Delivery] = asyncio.Queue()
+        base = uuid.uuid4().hex
+        self.rids = [f"{base}-{i}" for i in range(len(prompt_ids))]
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.open = set(range(len(prompt_ids)))  # choice indices without a final event yet
+
+    def start(self) -> None:
+        """Submit every choice, or none: 503 when the queue bound would be passed or the engine is gone."""
+        client = self.state.client
+        if client.queued + len(self.rids) > self.state.max_queued_requests:
+            raise APIError(f"server overloaded: {client.queued} requests queued (limit "
+                           f"{self.state.max_queued_requests}); retry later", 503, code="overloaded",
+                           err_type="server_error", headers={"Retry-After": "1"})
+        try:
+            for i, (rid, ids, params) in enumerate(zip(self.rids, self.prompt_ids, self.params)):
+                client.submit(rid, ids, params, self.sink, index=i)
+        except EngineUnavailable as exc:
+            self.abort()
+            raise server_error(f"engine unavailable: {exc}", 503) from exc
+
+    async def next_event(self) -> Delivery:
+        """The next TokensOut or RequestDone; an engine rejection or failure aborts the rest and raises APIError."""
+        delivery = await self.sink.get()
+        match delivery.event:
+            case RequestDone():
+                self.open.discard(delivery.index)
+            case RequestError() as event:
+                self.open.discard(delivery.index)
+                self.abort()
+                raise from_engine_rejection(event)
+            case EngineFatal() as event:
+                self.open.discard(delivery.index)
+                self.abort()
+                raise from_engine_fatal(event)
+        return delivery
+
+    async def first_event(self) -> Delivery:
+        """Wait before a stream starts, so an engine rejection answers as a plain HTTP error."""
+        try:
+            return await self.next_event()
+        except BaseException:
+            self.abort()
+            raise
+
+    async def events(self, first: Delivery) -> AsyncIterator[Delivery]:
+        """`first`, then every later event; aborts whatever is left if the consumer stops (client gone)."""
+        try:
+            yield first
+            while self.open:
+                yield await self.next_event()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        for i in list(self.open):
+            self.state.client.abort(self.rids[i])
+        self.open.clear()
+
+
+async def collect(gen: Generation, request: Request) -> list[dict[str, Any]]:
+    """Every choice's output dict, in choice order; a client that disconnects first aborts them."""
+    outputs: list[Optional[dict]] = [None] * len(gen.rids)
+
+    async def gather() -> None:
+        while gen.open:
+            delivery = await gen.next_event()
+            if isinstance(delivery.event, RequestDone):
+                outputs[delivery.index] = delivery.event.output
+
+    watcher = asyncio.ensure_future(_watch_disconnect(request))
+    task = asyncio.ensure_future(gather())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise APIError("client disconnected", 499)
+        task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
+        gen.abort()
+    if any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs):
+        raise server_error("request aborted: the server is shutting down", 503)
+    return outputs
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)

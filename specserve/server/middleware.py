@@ -1,0 +1,60 @@
+"""GuardMiddleware: the API key and body-size checks every request passes, and the request counter."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Optional
+
+from starlette.responses import Response
+
+from specserve.server.errors import APIError
+from specserve.server.state import ServerState
+
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")  # no API key needed
+KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/health", "/metrics")
+
+
+class GuardMiddleware:
+    """Pure ASGI, so streamed responses pass through untouched.
+
+    A rejected request never reaches a route. Every HTTP request, rejected or not, is counted by
+    endpoint (unknown paths as "other", to bound the label set) and final status code.
+    """
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = {"code": 500}  # a response that never started counts as a server error
+
+        async def send_recording(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            rejection = self._reject(scope)
+            if rejection is not None:
+                await rejection(scope, receive, send_recording)
+            else:
+                await self.app(scope, receive, send_recording)
+        finally:
+            endpoint = path if path in KNOWN_PATHS else "other"
+            self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+    def _reject(self, scope) -> Optional[Response]:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.state.api_key and not scope["path"].startswith(OPEN_PATHS):
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.state.api_key.encode()):
+                return APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
+                                code="invalid_api_key", err_type="authentication_error").response()
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.state.max_request_bytes:
+            return APIError(f"request body of {length} bytes exceeds the limit of {self.state.max_request_bytes}",
+                            413, code="request_too_large").response()
+        return None

@@ -1,0 +1,47 @@
+"""Response bodies of the OpenAI routes, built from the engine's output dicts (one per choice)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_accept_length", "spec_correct_drafts_histogram",
+             "spec_cap_trim_histogram")
+
+
+def finish_reason(output: dict) -> str:
+    return output["meta_info"]["finish_reason"]["type"]
+
+
+def spec_choice(index: int, output: dict) -> dict[str, Any]:
+    """The `specserve` extension of one choice: cached prompt tokens and speculative statistics."""
+    meta = output["meta_info"]
+    return {"index": index, "cached_tokens": meta["cached_tokens"], **{k: meta[k] for k in SPEC_KEYS if k in meta}}
+
+
+def spec_extension(outputs: list[dict]) -> dict[str, Any]:
+    return {"choices": [spec_choice(i, o) for i, o in enumerate(outputs)]}
+
+
+def usage(prompt_tokens: int, outputs: list[dict]) -> dict[str, Any]:
+    """OpenAI usage; accepted drafts count as accepted_prediction_tokens."""
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    accepted = sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outputs)
+    cached = max(o["meta_info"]["cached_tokens"] for o in outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted, "reasoning_tokens": 0}}
+
+
+def chat_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": None,
+                         "finish_reason": finish_reason(o)} for i, o in enumerate(outputs)],
+            "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}
+
+
+def text_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int) -> dict[str, Any]:
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": o["text"], "logprobs": None, "finish_reason": finish_reason(o)}
+                        for i, o in enumerate(outputs)],
+            "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}

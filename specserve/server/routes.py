@@ -1,0 +1,118 @@
+"""The routes: OpenAI chat and completions, the native /generate, health, metrics and the model list.
+
+A generation route validates what only the server can check (model name, chat template, token ids,
+context window), turns the request into one engine request per choice, and either streams the
+events or waits for every choice. Everything else is checked by the engine, whose rejection
+answers 400 before a stream starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.server.errors import APIError
+from specserve.server.generation import Generation, collect
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
+from specserve.server.responses import chat_completion, text_completion
+from specserve.server.sse import chat_stream, completion_stream, generate_stream
+from specserve.server.state import ServerState
+
+SSE = "text/event-stream"
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.client.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error", "message": state.client.fatal or "engine not running"}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                             "owned_by": "specserve", "max_model_len": state.context_length}]}
+
+
+def add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(state, body.model)
+        messages = [m.as_template_message() for m in body.messages]
+        try:
+            ids = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages)
+        except Exception as exc:  # the template rejects the conversation (e.g. role order)
+            raise APIError(f"messages: {exc}", 400, param="messages") from exc
+        _check_context(state, ids, "messages")
+        params = [_engine_params(state, body, len(ids), i) for i in range(body.n)]
+        gen = Generation(state, [ids] * body.n, params)
+        gen.start()
+        if body.stream:
+            first = await gen.first_event()
+            return StreamingResponse(chat_stream(state, body, gen, first, len(ids)), media_type=SSE)
+        return chat_completion(gen.rids[0], state.model_name, await collect(gen, request), len(ids))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(state, body.model)
+        prompts = [await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else p
+                   for p in body.prompts()]
+        vocab = state.client.info["vocab_size"]
+        for ids in prompts:
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(f"prompt: token ids must be in [0, {vocab})", 400, param="prompt")
+            _check_context(state, ids, "prompt")
+        ids_list = [ids for ids in prompts for _ in range(body.n)]  # n choices per prompt, prompt-major
+        params = [_engine_params(state, body, len(ids), i % body.n) for i, ids in enumerate(ids_list)]
+        gen = Generation(state, ids_list, params)
+        gen.start()
+        prompt_tokens = sum(len(p) for p in prompts)
+        if body.stream:
+            first = await gen.first_event()
+            return StreamingResponse(completion_stream(state, body, gen, first, prompt_tokens), media_type=SSE)
+        return text_completion(gen.rids[0], state.model_name, await collect(gen, request), prompt_tokens)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        if body.text is not None:
+            ids = await asyncio.to_thread(state.tokenizer.encode, body.text)
+        else:
+            ids = list(body.input_ids)
+        _check_context(state, ids, "text" if body.text is not None else "input_ids")
+        params = dict(body.sampling_params)  # validated by the engine
+        params.setdefault("max_new_tokens", min(GENERATE_DEFAULT_MAX_NEW_TOKENS, state.context_length - len(ids)))
+        gen = Generation(state, [ids], [params])
+        gen.start()
+        if body.stream:
+            first = await gen.first_event()
+            return StreamingResponse(generate_stream(state, gen, first), media_type=SSE)
+        return (await collect(gen, request))[0]
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(f"model: '{model}' is not served here (available: '{state.model_name}')", 404,
+                       param="model", code="model_not_found")
+
+
+def _check_context(state: ServerState, ids: list[int], field: str) -> None:
+    if len(ids) >= state.context_length:
+        raise APIError(f"{field}: {len(ids)} tokens do not fit the context window of {state.context_length} "
+                       "tokens", 400, param=field, code="context_length_exceeded")
+
+
+def _engine_params(state: ServerState, body: SamplingFields, n_ids: int, seed_offset: int) -> dict[str, Any]:
+    """Engine sampling params of one choice; without a token limit it may fill the context window."""
+    limit: Optional[int] = body.token_limit()
+    params = body.sampling_params(limit if limit is not None else state.context_length - n_ids)
+    if body.seed is not None and seed_offset:  # n choices with one seed: distinct, reproducible streams
+        params["seed"] = (body.seed + seed_offset) % (2**63)
+    return params

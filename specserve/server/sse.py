@@ -1,0 +1,133 @@
+"""Streamed responses (server-sent events) of the chat, completion and native routes.
+
+A stream always ends with `data: [DONE]`. An engine failure after the stream started cannot change
+the HTTP status any more, so it is sent as one `data:` line carrying the OpenAI error body, then
+[DONE]. Streamed text is always a prefix of the final text (see text_stream.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator, NamedTuple, Optional, Union
+
+from specserve.engine.messages import RequestDone, TokensOut
+from specserve.server.engine_client import Delivery
+from specserve.server.errors import APIError
+from specserve.server.generation import Generation
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.responses import finish_reason, spec_choice, usage
+from specserve.server.state import ServerState
+from specserve.server.text_stream import TextStream
+
+
+class TextDelta(NamedTuple):
+    index: int
+    text: str
+
+
+class ChoiceFinished(NamedTuple):
+    index: int
+    output: dict
+
+
+class StreamUsage(NamedTuple):
+    usage: dict
+
+
+class StreamFailed(NamedTuple):
+    body: dict
+
+
+Piece = Union[TextDelta, ChoiceFinished, StreamUsage, StreamFailed]
+
+
+def sse(obj: Union[dict, str]) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def chat_stream(state: ServerState, body: ChatCompletionRequest, gen: Generation, first: Delivery,
+                      prompt_tokens: int) -> AsyncIterator[str]:
+    """Chat chunks: a role delta per choice, content deltas, a finish chunk per choice, usage if asked."""
+    head = {"id": f"chatcmpl-{gen.rids[0]}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": state.model_name}
+
+    def chunk(index: int, delta: dict, finish: Optional[str] = None, **extra) -> str:
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}], **extra})
+
+    for i in range(len(gen.rids)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
+        match piece:
+            case TextDelta(index, text):
+                yield chunk(index, {"content": text})
+            case ChoiceFinished(index, output):
+                yield chunk(index, {}, finish_reason(output), specserve=spec_choice(index, output))
+            case StreamUsage(u):
+                yield sse({**head, "choices": [], "usage": u})
+            case StreamFailed(err):
+                yield sse(err)
+    yield sse("[DONE]")
+
+
+async def completion_stream(state: ServerState, body: CompletionRequest, gen: Generation, first: Delivery,
+                            prompt_tokens: int) -> AsyncIterator[str]:
+    """Completion chunks: text deltas, a finish chunk per choice, usage if asked."""
+    head = {"id": f"cmpl-{gen.rids[0]}", "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name}
+
+    def chunk(index: int, text: str, finish: Optional[str] = None, **extra) -> str:
+        return sse({**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+                    **extra})
+
+    async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
+        match piece:
+            case TextDelta(index, text):
+                yield chunk(index, text)
+            case ChoiceFinished(index, output):
+                yield chunk(index, "", finish_reason(output), specserve=spec_choice(index, output))
+            case StreamUsage(u):
+                yield sse({**head, "choices": [], "usage": u})
+            case StreamFailed(err):
+                yield sse(err)
+    yield sse("[DONE]")
+
+
+async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, first: Delivery,
+                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[Piece]:
+    """TextDelta and ChoiceFinished per choice, then StreamUsage (if asked) or, on failure, StreamFailed last."""
+    streams = [TextStream(state.tokenizer, stops) for _ in gen.rids]
+    outputs: list[Optional[dict]] = [None] * len(gen.rids)
+    try:
+        async for index, event in gen.events(first):
+            if isinstance(event, TokensOut):
+                delta = streams[index].add(event.token_ids)
+                if delta:
+                    yield TextDelta(index, delta)
+            elif isinstance(event, RequestDone):
+                outputs[index] = event.output
+                rest = streams[index].finish(event.output["text"])
+                if rest:
+                    yield TextDelta(index, rest)
+                yield ChoiceFinished(index, event.output)
+    except APIError as exc:
+        yield StreamFailed(exc.body())
+        return
+    if include_usage:
+        yield StreamUsage(usage(prompt_tokens, outputs))
+
+
+async def generate_stream(state: ServerState, gen: Generation, first: Delivery) -> AsyncIterator[str]:
+    """Native streaming: cumulative text and ids per delivery, then the final output dict."""
+    ids: list[int] = []
+    try:
+        async for _, event in gen.events(first):
+            if isinstance(event, TokensOut):
+                ids += event.token_ids
+                yield sse({"text": state.tokenizer.decode(ids), "output_ids": ids})
+            elif isinstance(event, RequestDone):
+                yield sse(event.output)
+    except APIError as exc:
+        yield sse(exc.body())
+    yield sse("[DONE]")

@@ -1,0 +1,27 @@
+"""ServerState: what the routes, the middleware and the generations of one app share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from specserve.server.engine_client import EngineClient
+from specserve.server.metrics import ServerMetrics
+from specserve.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    """One per app: the engine handle, the tokenizer, the metrics and the serving limits."""
+
+    client: EngineClient
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    model_name: str
+    api_key: Optional[str] = None
+    max_queued_requests: int = 256  # requests waiting for their first token; beyond this a request gets 503
+    max_request_bytes: int = 8 << 20  # larger bodies get 413
+
+    @property
+    def context_length(self) -> int:
+        return self.client.info["context_length"]

@@ -1,0 +1,182 @@
+"""The package layering: which specserve package may import which, no cycles, small files.
+
+Every import counts, including those inside functions: a lazy import is still a dependency.
+A package's own modules may import each other freely; a top-level module (args.py, cli.py, ...)
+is a package of its own. The mutation tests plant a back-edge and a cycle in a copy of the
+source tree and check that the checker reports them.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+from collections import defaultdict
+
+import pytest
+
+import specserve
+
+SOURCE = os.path.dirname(os.path.abspath(specserve.__file__))
+MAX_LINES = 400
+FORBIDDEN_PACKAGE_NAMES = {"spec", "dist", "io"}
+
+# Lower layers first; each package lists every package it may import.
+ALLOWED: dict[str, set[str]] = {
+    "assets": set(),
+    "envs": set(),
+    "errors": set(),
+    "sampling_params": {"errors"},
+    "args": {"assets", "envs", "errors"},
+    "datasets": set(),
+    "sampler": {"sampling_params"},
+    "runtime": {"envs"},
+    "distributed": {"args", "envs"},
+    "kv": {"runtime", "distributed"},
+    "models": {"kv", "sampler", "sampling_params", "errors"},
+    "tokenizer": {"models"},
+    "speculative": {"models", "kv", "sampler", "sampling_params", "runtime"},
+    "executor": {"speculative", "models", "kv", "runtime", "distributed", "sampler", "sampling_params"},
+    "scheduler": {"executor", "kv", "sampling_params", "errors"},
+    "engine": {"scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
+               "sampler", "sampling_params", "args", "envs", "errors"},
+    "server": {"engine", "tokenizer", "models", "sampling_params", "args", "errors"},
+    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args"},
+    "bench": {"engine", "scheduler", "executor", "speculative", "models", "kv", "tokenizer", "datasets", "args",
+              "sampling_params"},
+    "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
+    "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
+}
+# The layer the issue names explicitly: models/ holds nn.Modules and what they read, nothing above.
+MODELS_MUST_NOT_IMPORT = {"scheduler", "executor", "speculative", "server", "engine"}
+
+
+def package_of(source: str, path: str) -> str:
+    rel = os.path.relpath(path, source)
+    parts = rel[:-3].split(os.sep)
+    if len(parts) == 1:
+        return "(root)" if parts[0] == "__init__" else parts[0]
+    return parts[0]
+
+
+def imported_packages(node: ast.AST) -> list[str]:
+    """specserve packages named by one import statement."""
+    if isinstance(node, ast.Import):
+        return [a.name.split(".")[1] for a in node.names if a.name.startswith("specserve.")]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        if node.module == "specserve":  # from specserve import envs
+            return [a.name for a in node.names]
+        if node.module.startswith("specserve."):
+            return [node.module.split(".")[1]]
+    return []
+
+
+def import_graph(source: str) -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the files that import it."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for folder, _, files in os.walk(source):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            src = package_of(source, path)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                for dst in imported_packages(node):
+                    if dst != src:
+                        graph[src][dst].append(os.path.relpath(path, source))
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, list[str]]]) -> list[str]:
+    """One package cycle, or [] (depth-first search over the package graph)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, {})):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def layering_violations(source: str) -> list[str]:
+    graph = import_graph(source)
+    problems = []
+    for src, targets in sorted(graph.items()):
+        for dst, files in sorted(targets.items()):
+            if src == "models" and dst in MODELS_MUST_NOT_IMPORT:
+                problems.append(f"models imports {dst} ({', '.join(files)})")
+            elif src not in ALLOWED:
+                problems.append(f"package {src} has no entry in the layering table")
+            elif dst not in ALLOWED[src]:
+                problems.append(f"{src} -> {dst} is not an allowed arrow ({', '.join(files)})")
+    cycle = find_cycle(graph)
+    if cycle:
+        problems.append("import cycle: " + " -> ".join(cycle))
+    return problems
+
+
+def size_violations(source: str) -> list[str]:
+    problems = []
+    for folder, dirs, files in os.walk(source):
+        for d in dirs:
+            if d in FORBIDDEN_PACKAGE_NAMES:
+                problems.append(f"package named {d!r}: {os.path.relpath(os.path.join(folder, d), source)}")
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    n = sum(1 for _ in f)
+                if n > MAX_LINES:
+                    problems.append(f"{os.path.relpath(os.path.join(folder, name), source)}: {n} lines > {MAX_LINES}")
+    return problems
+
+
+def test_packages_import_only_along_allowed_arrows():
+    assert layering_violations(SOURCE) == []
+
+
+def test_no_large_files_and_no_ambiguous_package_names():
+    assert size_violations(SOURCE) == []
+
+
+@pytest.fixture
+def source_copy(tmp_path):
+    dst = tmp_path / "specserve"
+    shutil.copytree(SOURCE, dst, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors", "*.png"))
+    return dst
+
+
+def test_mutation_back_edge_from_models_to_the_scheduler_is_reported(source_copy):
+    with open(source_copy / "models" / "llama.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from specserve.scheduler.req import Req  # a lazy back-edge\n    return Req\n")
+    problems = layering_violations(str(source_copy))
+    assert any(p.startswith("models imports scheduler (models/llama.py)") for p in problems), problems
+
+
+def test_mutation_cycle_between_allowed_packages_is_reported(source_copy):
+    with open(source_copy / "kv" / "pool.py", "a") as f:
+        f.write("\nfrom specserve.executor import step_io  # executor already imports kv\n")
+    problems = layering_violations(str(source_copy))
+    assert "kv -> executor is not an allowed arrow (kv/pool.py)" in problems
+    assert any(p.startswith("import cycle:") and "kv" in p and "executor" in p for p in problems), problems
+
+
+def test_mutation_oversized_file_and_old_package_name_are_reported(source_copy):
+    (source_copy / "dist").mkdir()
+    (source_copy / "dist" / "__init__.py").write_text("\n" * (MAX_LINES + 1))
+    problems = size_violations(str(source_copy))
+    assert "package named 'dist': dist" in problems
+    assert f"dist/__init__.py: {MAX_LINES + 1} lines > {MAX_LINES}" in problems
