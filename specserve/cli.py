@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(srv)
     ServerArgs.add_cli_args(srv)
 
-    soak = sub.add_parser("soak", help="the seed's configuration (TP 2, DSPARK, overlap, checker) for a budget")
+    soak = sub.add_parser("soak", help="the production-like configuration (TP 2, DSPARK, overlap, checker) for a budget")
     from specserve.bench.soak import SOAK_DEFAULTS, add_soak_args
 
     add_soak_args(soak)

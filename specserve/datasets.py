@@ -1,4 +1,4 @@
-"""Prompt sets from registry packages (DATA.md): MT-Bench, HumanEval, ShareGPT, and JSONL files.
+"""Prompt sets from registry packages: MT-Bench, HumanEval, ShareGPT, and JSONL files.
 
 Packages are located with importlib without importing them (their own dependencies are heavy and
 not installed); a missing one is a ValueError that says how to install it.

@@ -1,21 +1,23 @@
-"""Shared fixtures: real engines on the embedded model and the transformers reference."""
+"""Shared fixtures: real engines on the embedded model and the transformers reference.
+
+Every test outside tests/unit loads the real model or spawns processes and is marked `slow`
+here (`-m "not slow"` runs the unit tests alone); tests/unit/conftest.py keeps unit tests off the
+real model."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import fake_runner and helpers by name
+UNIT_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a long story about a dragon who learns to bake bread.",
-    "Explain in detail how photosynthesis works.",
-    "List ten fun facts about octopuses.",
-]
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if not str(item.path).startswith(UNIT_TESTS):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -58,10 +60,6 @@ def drafter_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("drafter")
     assert cli_main(["init-drafter", "--out", str(out), "--block-size", "4", "--seed", "3"]) == 0
     return str(out)
-
-
-def chat_prompts(engine, contents: list[str]) -> list[list[int]]:
-    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in contents]
 
 
 @pytest.fixture

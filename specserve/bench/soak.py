@@ -1,4 +1,4 @@
-"""`specserve soak`: the seed's configuration, scaled to these machines, for a time or token budget.
+"""`specserve soak`: the configuration that exercises every concurrency feature at once, for a time or token budget.
 
 Defaults: TP 2, DSPARK (block 5), the overlap loop, `shortest-prefill-first`, chunked prefill 512,
 the rank consensus checker on, and greedy prompts with long shared prefixes (MT-Bench first turns

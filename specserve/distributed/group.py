@@ -7,7 +7,7 @@ dedicated gloo group for the rank consensus checker's background thread.
 
 Every control collective names its site. A collective that does not complete within
 `--collective-timeout` raises CollectiveTimeout naming the site, the rank and what it waited for:
-the process fails loudly instead of hanging (DESIGN.md invariant 5).
+the process fails loudly instead of hanging.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A captured step owns static input buffers (request slots, prefix lengths, window
 row-valid mask) and static output buffers (logits, the drafter's captured hidden states, the K/V
 positions and slots). `run()` copies a batch's inputs into the first rows of the inputs and
 replays the step, which overwrites the outputs (and, for a greedy verify, the verify epilogue's
-six accept buffers) in place. Every output is therefore a persistent buffer in the sense of
-DESIGN.md invariant 1: the caller reads it on the forward stream before the next replay and keeps
+six accept buffers) in place. Every output is therefore a persistent buffer, owned by the
+forward stream: the caller reads it on the forward stream before the next replay and keeps
 only owned copies (`read_accept`, `sample` on the logits).
 
 - CUDA: one CUDA graph per (batch-size bucket, K/V-length bucket), captured on first use;
@@ -15,7 +15,7 @@ only owned copies (`read_accept`, `sample` on the logits).
 - CPU: the same object and the same buffers, "replayed" by calling the step function on the
   first bs rows (no padding, the exact K/V bound), optionally `torch.compile`d. The
   persistent-buffer semantics are identical on both devices, which is what lets a CPU unit test
-  catch the seed's aliasing bug.
+  catch a view of an output that escapes to another stream.
 
 Compact (ragged) verify and prefill run eagerly: their shapes change with every batch.
 """

@@ -1,6 +1,6 @@
 """The DSpark block drafter: g drafts in one bidirectional pass, then a Markov head left to right.
 
-Notation (DSPARK.md): S tokens have KV in the cache, `a` is the anchor (the last target-approved
+Notation: S tokens have KV in the cache, `a` is the anchor (the last target-approved
 token, not yet cached). The block `[a, M, .., M]` (M = mask id) sits at positions S..S+g-1; slot
 k predicts the token after position S+k, so g slots give g drafts and the verify window is g + 1.
 

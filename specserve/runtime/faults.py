@@ -5,8 +5,8 @@
 - SPECSERVE_FAULT_SEED=S: seed of those delays; unset, each rank gets its own (1000 + rank), so
   tensor-parallel ranks see different timings, as real ones do.
 - SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1: `read_accept` returns views of the persistent accept
-  buffers instead of clones. This re-creates the seed's bug, so that every detector (the stream
-  sanitizer, the loop-equivalence tests, the rank consensus checker) can be shown to catch it.
+  buffers instead of clones: a late reader then sees the next step's values. Every detector (the
+  stream sanitizer, the loop-equivalence tests, the rank consensus checker) is shown to catch it.
 
 Delays need a real worker thread per stream: with any delay set, CPU streams run threaded.
 """

@@ -9,9 +9,9 @@ a hazard is reported even when the timing of this run happened to be benign, inl
 
 It raises StreamHazardError at the second access of the pair. Persistent buffers (those a replayed
 step rewrites every time, such as the accept buffers) are registered with their owner stream, and
-any access from another stream is a hazard at once: for the seed's bug (a device-to-host copy on
-the copy stream reading a view of an accept buffer) that is the first verify step's copy, even
-before the next step could rewrite the buffer.
+any access from another stream is a hazard at once: a device-to-host copy on the copy stream
+reading a view of an accept buffer is reported at the first verify step's copy, even before the
+next step could rewrite the buffer.
 """
 
 from __future__ import annotations

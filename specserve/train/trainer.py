@@ -1,4 +1,4 @@
-"""Drafter training by self-distillation (the DeepSpec recipe, DSPARK.md).
+"""Drafter training by self-distillation (the DeepSpec recipe).
 
 Each step samples sequences from the corpus and several anchors S per sequence (inside the
 response). A block is `[x_S, M, .., M]` at positions S..S+g-1 attending to the drafter context of

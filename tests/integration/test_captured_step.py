@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import chat_prompts
+from helpers import chat_prompts
 
 from specserve import Engine
 from specserve.executor.captured_step import CapturedStep, batch_buckets, kv_bucket

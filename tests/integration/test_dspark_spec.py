@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import chat_prompts
+from helpers import chat_prompts
 
 from specserve import Engine
 from specserve.models.dspark import read_drafter_config

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CHAT_PROMPTS
+from helpers import CHAT_PROMPTS
 
 from specserve import Engine
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import prefill_logits
+from helpers import prefill_logits
 
 from specserve import Engine
 

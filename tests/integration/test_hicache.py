@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 LONG = ("The history of the printing press begins with movable type in East Asia and continues with "
         "Gutenberg's press in Mainz around 1450, which spread across Europe within decades. ") * 6

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CHAT_PROMPTS
-from model_helpers import prefill_logits
+from helpers import CHAT_PROMPTS
+from helpers import prefill_logits
 
 # Observed here: 6.3e-5 max abs difference on logits of magnitude ~40 (fp32 rounding only).
 LOGITS_ATOL = 1e-3
@@ -46,7 +46,7 @@ def test_greedy_generation_token_identical_to_transformers(checked, hf_model):
 
 def test_multi_token_window_after_cached_prefix_matches_full_prefill(fp32_engine):
     """A batched step of several new tokens per request over cached KV (the verify shape)."""
-    from model_helpers import windowed_logits
+    from helpers import windowed_logits
 
     model = fp32_engine.runner.model
     prompts = [fp32_engine.tokenizer.encode(t) for t in

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import chat_prompts
+from helpers import chat_prompts
 
 from specserve import Engine
 

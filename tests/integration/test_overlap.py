@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from conftest import chat_prompts
+from helpers import chat_prompts
 
 from specserve import Engine
 from specserve.runtime.sanitizer import StreamHazardError

@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_helpers import prefill_logits
+from helpers import prefill_logits
 
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model

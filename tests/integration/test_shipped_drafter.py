@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import chat_prompts
+from helpers import chat_prompts
 
 from specserve import Engine
 from specserve.assets import default_drafter_path

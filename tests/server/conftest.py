@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from server_process import API_KEY, ServerProcess  # noqa: E402
+from helpers import API_KEY, ServerProcess
 
 
 @pytest.fixture(scope="session")

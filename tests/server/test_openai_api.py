@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
+from helpers import MODEL
 
-from server_process import MODEL
-
-pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
            "Explain what a CPU does.", "Give me a tip for learning to cook.", "What is 12 times 12?",

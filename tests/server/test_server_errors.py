@@ -8,9 +8,8 @@ import time
 import httpx
 import pytest
 
-from server_process import MODEL
+from helpers import MODEL
 
-pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
 

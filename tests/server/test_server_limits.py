@@ -11,10 +11,9 @@ import threading
 import httpx
 import pytest
 
-from server_process import MODEL
-from server_process import ServerProcess
+from helpers import MODEL
+from helpers import ServerProcess
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,14 @@ def test_work_on_one_stream_runs_in_submission_order(threaded):
 def test_event_wait_orders_work_across_streams(threaded):
     slow = Stream("slow", threaded=threaded, delay=Delay(20, "a") if threaded else None)
     fast = Stream("fast", threaded=threaded)
-    box = torch.zeros(1)
+    # One element per write: the slow stream may run ahead of the reader (nothing orders it after
+    # the reads), so a shared cell could already hold a later value; each read must see its write.
+    box = torch.zeros(6)
     got = []
     for i in range(1, 6):
-        slow.submit(box.fill_, float(i))
+        slow.submit(box[i].fill_, float(i))
         Event().record(slow).wait(fast)
-        fast.submit(lambda: got.append(float(box)))
+        fast.submit(lambda i=i: got.append(float(box[i])))
     fast.synchronize()
     assert got == [1.0, 2.0, 3.0, 4.0, 5.0]
 

@@ -6,8 +6,6 @@ import multiprocessing as mp
 import socket
 import time
 
-import pytest
-
 
 def _addr() -> str:
     with socket.socket() as s:

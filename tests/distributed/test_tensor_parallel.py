@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
            "Explain recursion to a child in two sentences."]
@@ -90,8 +89,7 @@ def test_server_fails_loudly_when_a_rank_stalls(tmp_path):
     """The front end answers the in-flight request with an error and turns unhealthy; no client waits forever."""
     import httpx
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
-    from server_process import MODEL, ServerProcess
+    from helpers import MODEL, ServerProcess
 
     os.environ["SPECSERVE_FAULT_SKIP_COLLECTIVE"] = "model.all_reduce:1"
     try:

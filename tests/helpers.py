@@ -1,0 +1,127 @@
+"""Helpers shared by the tests (fixtures live in conftest.py): chat prompts, logits of the real
+model over a private KV pool, and live `specserve serve` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import torch
+
+from specserve.kv.pool import KVPool, ReqToTokenPool
+from specserve.models.attention import AttentionMetadata
+from specserve.models.forward_batch import ForwardBatch
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a long story about a dragon who learns to bake bread.",
+    "Explain in detail how photosynthesis works.",
+    "List ten fun facts about octopuses.",
+]
+
+
+def chat_prompts(engine, contents: list[str]) -> list[list[int]]:
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in contents]
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """float32 logits of every position of one prompt, computed in a single extend pass."""
+    cfg = model.config
+    n = len(ids)
+    kv = KVPool(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    table = ReqToTokenPool(1, n)
+    slots = list(range(1, n + 1))
+    table.write(0, 0, slots)
+    meta = AttentionMetadata.build(table.table, [0], [n], [n], dtype=model.dtype)
+    fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.tensor(slots), meta, torch.arange(n))
+    return model(fb, kv)
+
+
+def windowed_logits(model, prompts: list[list[int]], window: int) -> list[torch.Tensor]:
+    """Prefill all but the last `window` tokens of each prompt, then run every request's last
+    `window` tokens as one batched multi-token step (the shape of a speculative verify) and
+    return the logits of all window rows per request."""
+    cfg = model.config
+    total = sum(len(p) for p in prompts)
+    kv = KVPool(total, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    table = ReqToTokenPool(len(prompts), max(len(p) for p in prompts))
+    next_slot, slots = 1, []
+    for r, p in enumerate(prompts):
+        own = list(range(next_slot, next_slot + len(p)))
+        next_slot += len(p)
+        table.write(r, 0, own)
+        slots.append(own)
+    rows = list(range(len(prompts)))
+
+    def run(starts: list[int], ends: list[int], all_rows: bool) -> torch.Tensor:
+        ids = [t for p, s, e in zip(prompts, starts, ends) for t in p[s:e]]
+        pos = [i for s, e in zip(starts, ends) for i in range(s, e)]
+        loc = [x for sl, s, e in zip(slots, starts, ends) for x in sl[s:e]]
+        ext = [e - s for s, e in zip(starts, ends)]
+        meta = AttentionMetadata.build(table.table, rows, ends, ext, dtype=model.dtype)
+        logit_rows = torch.arange(len(ids)) if all_rows else torch.tensor([sum(ext[:i + 1]) - 1 for i in range(len(ext))])
+        fb = ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(loc), meta, logit_rows)
+        return model(fb, kv)
+
+    cut = [len(p) - window for p in prompts]
+    run([0] * len(prompts), cut, all_rows=False)
+    logits = run(cut, [len(p) for p in prompts], all_rows=True)
+    return list(logits.split(window))
+
+STARTUP_TIMEOUT_S = 300
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "sk-specserve-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A live server: `.url`, `.stop()` returns its exit code."""
+
+    def __init__(self, *args: str, log_path: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(self.port), "--log-level", "info", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop(signal.SIGKILL)
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
