@@ -102,8 +102,8 @@ def test_sanitizer_catches_captured_logits_escaping(drafter_dir, prompts, monkey
 
     def leaky_step(handle):
         original(runner, handle)
-        if handle.spec.mode == "decode":
-            handle.device_out = [runner._captured[1].logits_out[:len(handle.spec.rows)].argmax(-1),
+        if handle.step.mode == "decode":
+            handle.device_out = [runner._captured[1].logits_out[:len(handle.step.rows)].argmax(-1),
                                  runner._captured[1].logits_out[:1]]
 
     monkeypatch.setattr(runner, "_step", leaky_step)
