@@ -20,6 +20,25 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def parse_each_gguf_once():
+    """Engines built in this process share one parse of each GGUF file (reading and dequantizing
+    it is most of an engine build); every engine still loads, shards and packs its own weights."""
+    import specserve.models.loader as loader
+
+    original, parsed = loader._load_gguf, {}
+
+    def load_once(path: str):
+        key = (os.path.abspath(path), os.path.getmtime(path))
+        if key not in parsed:
+            parsed[key] = original(path)
+        return parsed[key]
+
+    loader._load_gguf = load_once
+    yield
+    loader._load_gguf = original
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from specserve.models.loader import default_model_path
