@@ -110,7 +110,7 @@ class EngineServer:
     def _add(self, cmd: AddRequest, out: list[Event]) -> None:
         try:
             self.engine.submit(cmd.input_ids, cmd.params, rid=cmd.rid)
-        except ValueError as exc:  # InvalidRequestError, or a plain ValueError naming the field in its text
+        except ValueError as exc:  # InvalidRequestError names its field; any other ValueError is still a 400
             out.append(rejection(cmd.rid, exc))
             return
         self.live.add(cmd.rid)
