@@ -50,7 +50,7 @@ def soak(*flags: str, env: dict[str, str], timeout: float = 300) -> tuple[int, s
 
 
 def test_clean_run_with_every_feature_and_delays_agrees():
-    code, out, _ = soak("--max-tokens", "3000", "--copy-delay-ms", "3", "--forward-delay-ms", "2", "--json",
+    code, out, _ = soak("--max-tokens", "2000", "--copy-delay-ms", "3", "--forward-delay-ms", "2", "--json",
                         env={"SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
     assert code == 0, out[-3000:]
     assert '"rank_divergences": 0' in out and '"hangs": 0' in out

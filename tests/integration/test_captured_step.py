@@ -46,9 +46,9 @@ def make_engine(kind: str, drafter_dir: str, **kw) -> Engine:
 
 
 def generate(engine: Engine, prompts, sampled: bool) -> tuple[list[list[int]], int, list]:
-    params = [{"temperature": 0, "max_new_tokens": 24} for _ in prompts]
+    params = [{"temperature": 0, "max_new_tokens": 12} for _ in prompts]
     if sampled:
-        params[1] = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "max_new_tokens": 24}
+        params[1] = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "max_new_tokens": 12}
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     tokens = [o["output_ids"] for o in outs]
     accept = [o["meta_info"].get("spec_accept_length") for o in outs]

@@ -72,8 +72,8 @@ def test_radix_cache_shares_prefix_and_keeps_outputs(checked, chunked_engine):
 
 def test_memory_pressure_64_requests_through_small_pool(checked):
     prompts = [_chat(checked, f"Question {i}: name a color and a number.") for i in range(64)]
-    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    per_request = max(len(p) for p in prompts) + 24
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    per_request = max(len(p) for p in prompts) + 12
     reference = [o["output_ids"] for o in checked.generate(input_ids=prompts, sampling_params=params)]
     small = Engine(dtype="float32", max_total_tokens=8 * per_request, disable_radix_cache=False,
                    speculative_algorithm="NONE")
