@@ -184,8 +184,17 @@ def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, devic
     """The radix cache, or with --enable-hierarchical-cache its host (and file) tiers too."""
     if not args.enable_hierarchical_cache:
         tree = RadixCache(allocator.free, disabled=args.disable_radix_cache)
-        tree.consensus = consensus
-        return tree
+    else:
+        tree = _make_hierarchical_tree(args, size, allocator, device_pools, forward_stream, copy_stream, dist,
+                                       tp_rank)
+    tree.consensus = consensus
+    return tree
+
+
+def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator,
+                            device_pools: list[KVPool], forward_stream: Stream, copy_stream: Stream,
+                            dist: Optional[TPGroup], tp_rank: int) -> RadixCache:
+    """A HiRadixCache over a host pool (and with --hicache-storage-backend, the file tier)."""
     from specserve.kv.file_storage import FileKVStorage
     from specserve.kv.hiradix_cache import HiRadixCache
     from specserve.kv.host_pool import HostKVPool
@@ -199,9 +208,7 @@ def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, devic
             return value
         return int(dist.all_reduce_(torch.tensor([value]), site, op="min")[0])
 
-    tree = HiRadixCache(allocator, host, args.hicache_write_policy, storage, agree_min)
-    tree.consensus = consensus
-    return tree
+    return HiRadixCache(allocator, host, args.hicache_write_policy, storage, agree_min)
 
 
 def _load_drafter(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, model: LlamaForCausalLM,

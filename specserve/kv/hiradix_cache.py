@@ -194,10 +194,7 @@ class HiRadixCache(RadixCache):
         self.inc_lock_ref(matched)
         self._loading = tuple(loading)
         try:
-            short = n - self.allocator.available
-            if short > 0:
-                self.evict(short)
-            return self.allocator.alloc(n)
+            return self.alloc_evicting(self.allocator, n)
         finally:
             self._loading = ()
             self.dec_lock_ref(matched)

@@ -12,6 +12,7 @@ import itertools
 from typing import Callable, Optional
 
 from specserve.distributed.consensus import consensus_site
+from specserve.kv.pool import TokenSlotAllocator
 
 
 class TreeNode:
@@ -123,6 +124,14 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
             node = node.parent
+
+    def alloc_evicting(self, allocator: TokenSlotAllocator, n: int) -> Optional[list[int]]:
+        """n slots from `allocator`, evicting unlocked cache first when it is short; None if even
+        that cannot free enough."""
+        short = n - allocator.available
+        if short > 0:
+            self.evict(short)
+        return allocator.alloc(n)
 
     @consensus_site("radix_evict", lambda self, num_tokens, result: (num_tokens, result))
     def evict(self, num_tokens: int) -> int:

@@ -344,10 +344,7 @@ class Scheduler:
         return sum(self._reserve(r) for r in self.running)
 
     def _alloc_slots(self, n: int) -> Optional[list[int]]:
-        short = n - self.allocator.available
-        if short > 0:
-            self.tree.evict(short)
-        return self.allocator.alloc(n)
+        return self.tree.alloc_evicting(self.allocator, n)
 
     def _release(self, req: Req) -> None:
         """Hand a request's KV to the prefix cache (or free it) and drop its locks, exactly once."""
