@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -15,6 +17,9 @@ DEFAULT_BLOCK_SIZE = 5
 SPEC_ALGORITHMS = (None, "NONE", "NGRAM", "DSPARK")
 VERIFY_MODES = ("static", "compact")
 VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_STORAGE_MAX_BYTES = 4 << 30
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,8 @@ class ServerArgs:
     hicache_size: Optional[int] = field(default=None, metadata={"help": "host pool size in tokens (overrides --hicache-ratio)"})
     hicache_write_policy: str = field(default="write_through", metadata={"help": "when nodes are copied to the host", "choices": ("write_through", "write_through_selective", "write_back")})
     hicache_storage_backend: Optional[str] = field(default=None, metadata={"help": "file: also keep full 64-token pages in --hicache-storage-dir (survives restarts; a corrupt file is a miss)", "choices": (None, "file")})
-    hicache_storage_dir: Optional[str] = field(default=None, metadata={"help": "directory of the file tier"})
+    hicache_storage_dir: Optional[str] = field(default=None, metadata={"help": "directory of the file tier (created 0700, pages 0600)"})
+    hicache_storage_max_bytes: int = field(default=DEFAULT_STORAGE_MAX_BYTES, metadata={"help": "cap on the file tier's pages in bytes (split between TP ranks); least recently used pages are deleted past it"})
     tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one scheduler process per rank, SPMD)"})
     dist_init_addr: Optional[str] = field(default=None, metadata={"help": "host:port of the rank-0 rendezvous (default: 127.0.0.1 and a free port; required with --nnodes > 1)"})
     nnodes: int = field(default=1, metadata={"help": "nodes sharing the tensor-parallel ranks (tp_size / nnodes ranks per node)"})
@@ -126,17 +132,66 @@ def _cli_type(annotation: Any) -> type:
 
 
 def validate_server_args(args: ServerArgs) -> None:
-    """Raise ValueError naming the field and its allowed range."""
+    """Raise ValueError naming the field and its allowed range (one line: the CLI prints it as is)."""
+    _check_types(args)
+    _check_choices(args)
+    _check_sizes(args)
+    _check_speculative(args)
+    _check_hicache(args)
+    _check_distributed(args)
+
+
+def _check_types(args: ServerArgs) -> None:
+    """Every field holds its annotated type: a wrong type fails here, not deep inside a step."""
+    for f in dataclasses.fields(args):
+        value, text = getattr(args, f.name), str(f.type)
+        if value is None and "Optional" in text:
+            continue
+        if text == "bool":
+            ok, kind = isinstance(value, bool), "true or false"
+        elif "int" in text:
+            ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif "float" in text:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            kind = "a finite number"
+        else:
+            ok, kind = isinstance(value, str), "a string"
+        if not ok:
+            raise ValueError(f"{f.name} must be {kind}, got {value!r}")
+
+
+def _check_choices(args: ServerArgs) -> None:
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {args.dtype!r}")
     if args.quantization not in ("auto", "none"):
         raise ValueError(f"quantization must be 'auto' or 'none', got {args.quantization!r}")
     if args.schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
+    if args.log_level.lower() not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {args.log_level!r}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {args.device!r}")
+
+
+def _at_least(name: str, value: Optional[int | float], low: int | float) -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_sizes(args: ServerArgs) -> None:
     if not 0.0 < args.mem_fraction_static <= 0.95:
         raise ValueError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
-    if args.max_total_tokens is not None and args.max_total_tokens < 16:
-        raise ValueError(f"max_total_tokens must be >= 16, got {args.max_total_tokens}")
+    _at_least("max_total_tokens", args.max_total_tokens, 16)
+    _at_least("max_running_requests", args.max_running_requests, 1)
+    _at_least("cuda_graph_max_bs", args.cuda_graph_max_bs, 1)
+    _at_least("max_prefill_tokens", args.max_prefill_tokens, 1)
+    _at_least("context_length", args.context_length, 2)
+    _at_least("num_threads", args.num_threads, 1)
+    if not 0 <= args.random_seed <= MAX_SEED:
+        raise ValueError(f"random_seed must be in [0, 2^64), got {args.random_seed}")
+
+
+def _check_speculative(args: ServerArgs) -> None:
     if args.speculative_algorithm not in SPEC_ALGORITHMS:
         raise ValueError(f"speculative_algorithm must be one of DSPARK, NGRAM, NONE, got {args.speculative_algorithm!r}")
     gamma = args.speculative_dspark_block_size
@@ -148,38 +203,61 @@ def validate_server_args(args: ServerArgs) -> None:
     if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
         raise ValueError(f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got "
                          f"{args.speculative_dspark_verify_mode!r}")
-    if args.max_running_requests < 1:
-        raise ValueError(f"max_running_requests must be >= 1, got {args.max_running_requests}")
-    if args.cuda_graph_max_bs < 1:
-        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {args.cuda_graph_max_bs}")
-    if args.max_prefill_tokens < 1:
-        raise ValueError(f"max_prefill_tokens must be >= 1, got {args.max_prefill_tokens}")
-    if args.context_length is not None and args.context_length < 2:
-        raise ValueError(f"context_length must be >= 2, got {args.context_length}")
-    if args.enable_hierarchical_cache:
-        if args.disable_radix_cache:
-            raise ValueError("enable_hierarchical_cache: needs the radix cache (drop --disable-radix-cache)")
-        if args.hicache_ratio <= 0 or (args.hicache_size is not None and args.hicache_size < 1):
-            raise ValueError("hicache_ratio must be > 0 and hicache_size >= 1")
-        if args.hicache_write_policy not in ("write_through", "write_through_selective", "write_back"):
-            raise ValueError(f"hicache_write_policy: unknown policy {args.hicache_write_policy!r}")
-        if args.hicache_storage_backend not in (None, "file"):
-            raise ValueError(f"hicache_storage_backend must be 'file', got {args.hicache_storage_backend!r}")
-        if args.hicache_storage_backend == "file" and not args.hicache_storage_dir:
+    _at_least("speculative_disable_batch_size", args.speculative_disable_batch_size, 0)
+
+
+def _check_hicache(args: ServerArgs) -> None:
+    _at_least("hicache_storage_max_bytes", args.hicache_storage_max_bytes, 1)
+    if args.hicache_storage_backend not in (None, "file"):
+        raise ValueError(f"hicache_storage_backend must be 'file', got {args.hicache_storage_backend!r}")
+    if not args.enable_hierarchical_cache:
+        if args.hicache_storage_backend:
+            raise ValueError("hicache_storage_backend: the file tier needs --enable-hierarchical-cache")
+        return
+    if args.disable_radix_cache:
+        raise ValueError("enable_hierarchical_cache: needs the radix cache (drop --disable-radix-cache)")
+    if args.hicache_ratio <= 0 or (args.hicache_size is not None and args.hicache_size < 1):
+        raise ValueError("hicache_ratio must be > 0 and hicache_size >= 1")
+    if args.hicache_write_policy not in ("write_through", "write_through_selective", "write_back"):
+        raise ValueError(f"hicache_write_policy: unknown policy {args.hicache_write_policy!r}")
+    if args.hicache_storage_backend == "file":
+        if not args.hicache_storage_dir:
             raise ValueError("hicache_storage_dir: required with --hicache-storage-backend file")
-    if args.speculative_disable_batch_size is not None and args.speculative_disable_batch_size < 0:
-        raise ValueError(f"speculative_disable_batch_size must be >= 0, got {args.speculative_disable_batch_size}")
-    if args.tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {args.tp_size}")
+        _check_writable_dir("hicache_storage_dir", args.hicache_storage_dir)
+
+
+def _check_writable_dir(name: str, path: str) -> None:
+    """`path` is a writable directory, or can be created as one: its nearest existing ancestor
+    takes a file. Probed with an anonymous temporary file (access() says yes to root even on
+    /proc); the directory itself is created by its user (the file tier)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{name}: {probe!r} is not a directory")
+    st = os.stat(probe)
+    if probe == os.path.abspath(path) and st.st_mode & 0o077 and st.st_uid != os.geteuid():
+        raise ValueError(f"{name}: {path!r} is open to other users and owned by another user; "
+                         "use a private directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        what = "is not writable" if probe == os.path.abspath(path) else f"cannot be created in {probe!r}"
+        raise ValueError(f"{name}: {path!r} {what} ({exc.strerror or exc})") from None
+
+
+def _check_distributed(args: ServerArgs) -> None:
+    _at_least("tp_size", args.tp_size, 1)
     if args.nnodes < 1 or args.tp_size % args.nnodes:
         raise ValueError(f"nnodes must be >= 1 and divide tp_size={args.tp_size}, got {args.nnodes}")
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"node_rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if args.nnodes > 1 and not args.dist_init_addr:
         raise ValueError("dist_init_addr: required with nnodes > 1 (host:port of node 0)")
-    if args.dist_init_addr is not None and not args.dist_init_addr.rpartition(":")[2].isdigit():
-        raise ValueError(f"dist_init_addr must be host:port, got {args.dist_init_addr!r}")
+    if args.dist_init_addr is not None:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"dist_init_addr must be host:port with a port in [1, 65535], got {args.dist_init_addr!r}")
     if args.collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be > 0 seconds, got {args.collective_timeout}")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {args.device!r}")

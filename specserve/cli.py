@@ -5,9 +5,50 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
-from specserve.args import ServerArgs
+from specserve.args import MAX_DRAFT_TOKENS, MAX_SEED, ServerArgs
+
+# The subcommands' own numeric flags: flag -> (allowed, check). ServerArgs checks its fields itself
+# and `serve` its own flags (server/launch.py). A flag a command lacks is skipped, so each bound
+# must hold for every command that has the flag.
+_AT_LEAST_0 = (">= 0", lambda v: v >= 0)
+_AT_LEAST_1 = (">= 1", lambda v: v >= 1)
+_POSITIVE = ("> 0", lambda v: v > 0)
+FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "seed": ("in [0, 2^64)", lambda v: 0 <= v <= MAX_SEED), "temperature": _AT_LEAST_0,
+    "max_new_tokens": _AT_LEAST_0, "new_tokens": _AT_LEAST_1, "max_tokens": _AT_LEAST_1, "batch_size": _AT_LEAST_1,
+    "num_prompts": _AT_LEAST_0, "hf_prompts": _AT_LEAST_0, "num_questions": _AT_LEAST_1, "answer_tokens": _AT_LEAST_1,
+    "device_tokens": (">= 16", lambda v: v >= 16), "repeats": _AT_LEAST_1, "prefix_len": _AT_LEAST_0,
+    "window": (f"in [1, {MAX_DRAFT_TOKENS + 1}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS + 1),
+    "wave": _AT_LEAST_1, "small_new_tokens": _AT_LEAST_1, "large_new_tokens": _AT_LEAST_1,
+    "copy_delay_ms": _AT_LEAST_0, "forward_delay_ms": _AT_LEAST_0, "max_minutes": _POSITIVE,
+    "random_input_words": _AT_LEAST_1, "request_rate": _POSITIVE, "warmup": _AT_LEAST_0, "timeout": _POSITIVE,
+    "topk": _AT_LEAST_1, "num_layers": _AT_LEAST_1, "markov_rank": _AT_LEAST_1, "num_context_layers": _AT_LEAST_1,
+    "block_size": (f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS),
+    "mask_token_id": _AT_LEAST_0, "draft_vocab_size": _AT_LEAST_0, "steps": _AT_LEAST_1, "seqs_per_step": _AT_LEAST_1,
+    "anchors_per_seq": _AT_LEAST_1, "lr": _POSITIVE, "checkpoint_every": _AT_LEAST_1, "held_out": _AT_LEAST_0,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (`specserve <cmd>: error: ...`, exit code 2) and no usage dump;
+    subcommand parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def check_flag_bounds(ns: argparse.Namespace) -> None:
+    """Raise ValueError naming the first subcommand flag outside its range (see FLAG_BOUNDS)."""
+    for dest, (allowed, ok) in FLAG_BOUNDS.items():
+        value = getattr(ns, dest, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not ok(value):
+            raise ValueError(f"--{dest.replace('_', '-')} must be {allowed}, got {value}")
+
+
+def _prog(ns: argparse.Namespace) -> str:
+    return " ".join(["specserve", ns.command] + ([ns.bench_command] if ns.command == "bench" else []))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +62,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    parser = _Parser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion offline and print it")
@@ -86,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.bench.serving import add_serving_bench_args
 
     add_serving_bench_args(srvb)
+    load = bench_sub.add_parser("load", help="many streaming clients with disconnects, aborts and hostile requests "
+                                "against a live server: no 5xx, no leaked KV, bounded memory")
+    from specserve.bench.load import add_load_bench_args
+
+    add_load_bench_args(load)
     hic = bench_sub.add_parser("hicache", help="MT-Bench second turns with a small device pool: radix-only vs HiCache")
     from specserve.bench.hicache import add_hicache_bench_args
 
@@ -139,8 +185,12 @@ def _init_drafter(ns: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand they were given to, like every other error
+        print(f"{_prog(ns)}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+        return 2
     try:
+        check_flag_bounds(ns)
         if ns.command == "generate":
             return _generate(ns)
         if ns.command == "serve":
@@ -177,6 +227,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.serving import run_serving_bench
 
             return run_serving_bench(ns)
+        if ns.command == "bench" and ns.bench_command == "load":
+            from specserve.bench.load import run_load_bench
+
+            return run_load_bench(ns)
         if ns.command == "bench" and ns.bench_command == "hicache":
             from specserve.bench.hicache import run_hicache_bench
 
@@ -185,8 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.overlap import run_overlap_bench
 
             return run_overlap_bench(ns, ServerArgs.from_cli_args(ns))
-    except ValueError as exc:
-        print(f"specserve: error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # a bad flag or setting: argparse's one line, before any model loads
+        print(f"{_prog(ns)}: error: {exc}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {ns.command}")
     return 2

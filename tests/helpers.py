@@ -110,6 +110,15 @@ class ServerProcess:
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
+    def engine_pid(self) -> int:
+        """The engine process's pid, from the server's "engine ready (pid N)" log line."""
+        import re
+
+        with open(self.log_path) as f:
+            found = re.search(r"engine ready \(pid (\d+)\)", f.read())
+        assert found, self.log()
+        return int(found.group(1))
+
     def log(self) -> str:
         self._log.flush()
         with open(self.log_path) as f:

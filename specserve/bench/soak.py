@@ -8,8 +8,12 @@ for every rank).
 
 It prints tokens processed, rank divergences, hangs and throughput. A divergence ends the process
 through the consensus checker (exit code 3, a `Found rank divergence` line); a stuck collective
-ends it through the collective timeout (a `collective timeout at site` line, non-zero exit). A run
-that completes therefore had zero of both, which the last line states.
+ends it through the collective timeout (a `collective timeout at site` line, non-zero exit); a dead
+checker thread fails the engine's next step. The figures of a run that completes are measured on
+every rank at shutdown (Engine.rank_figures): divergences found, collective timeouts (hangs), the
+checker's rounds and events recorded and checked, and whether its thread was alive. The soak
+fails (exit 1, `soak: FAILED`) unless every rank's checker was alive, ran rounds, and checked every
+event it recorded. Figures that were not measured (one rank, or no checker) are null, never 0.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import random
 import time
+from typing import Any, Optional
 
 from specserve.args import ServerArgs
 
@@ -44,7 +49,8 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--large-new-tokens", type=int, default=96)
     p.add_argument("--copy-delay-ms", type=int, default=None, help="sets SPECSERVE_FAULT_COPY_DELAY_MS")
     p.add_argument("--forward-delay-ms", type=int, default=None, help="sets SPECSERVE_FAULT_FORWARD_DELAY_MS")
-    p.add_argument("--no-consensus-checker", action="store_true", help="do not set the checker's variable")
+    p.add_argument("--no-consensus-checker", action="store_true",
+                   help="leave the checker to SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER (unset: divergences not measured)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
 
@@ -68,8 +74,8 @@ def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
                       (ns.forward_delay_ms, "SPECSERVE_FAULT_FORWARD_DELAY_MS")):
         if flag is not None:
             os.environ[var] = str(flag)  # read by every rank's engine when it is built
-    if not ns.no_consensus_checker:
-        os.environ.setdefault("SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER", "1")
+    if not ns.no_consensus_checker:  # on, whatever the environment says: the figures depend on it
+        os.environ["SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER"] = "1"
     from specserve.engine import Engine
 
     prompts = soak_prompts(ns.seed)
@@ -96,18 +102,54 @@ def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
             elapsed = time.monotonic() - ready
             print(f"soak: {elapsed:7.1f} s, {requests} requests, {processed} tokens processed, {generated} generated "
                   f"({generated / elapsed:.1f} tok/s)", flush=True)
-        summary = {"tokens_processed": processed, "tokens_generated": generated, "requests": requests,
-                   "seconds": round(time.monotonic() - ready, 1), "startup_seconds": round(ready - started, 1),
-                   "generated_tokens_per_s": round(generated / max(time.monotonic() - ready, 1e-9), 2),
-                   "accept_length": round(accept_tokens / accept_steps, 3) if accept_steps else None,
-                   "rank_divergences": 0, "hangs": 0}
-        if engine.consensus is not None:
-            summary["consensus_checker"] = engine.consensus.overhead
+        finished = time.monotonic()
     finally:
-        engine.shutdown()
+        engine.shutdown()  # the ranks' figures are gathered in the shutdown step
+    summary = {"tokens_processed": processed, "tokens_generated": generated, "requests": requests,
+               "seconds": round(finished - ready, 1), "startup_seconds": round(ready - started, 1),
+               "generated_tokens_per_s": round(generated / max(finished - ready, 1e-9), 2),
+               "accept_length": round(accept_tokens / accept_steps, 3) if accept_steps else None}
+    checker_on = args.tp_size > 1 and (not ns.no_consensus_checker or engine.consensus is not None)
+    figures, problems = measured_figures(engine.rank_figures, checker_on)
+    summary.update(figures)
     print(json.dumps(summary) if ns.json else
           "soak: done: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    if problems:
+        print("soak: FAILED: " + "; ".join(problems), flush=True)
+        return 1
     return 0
+
+
+def measured_figures(ranks: Optional[list[dict]], checker_on: bool) -> tuple[dict[str, Any], list[str]]:
+    """The summary's divergence and hang figures from every rank's shutdown figures, and what
+    makes them untrustworthy (any problem fails the soak)."""
+    if ranks is None:
+        return ({"rank_divergences": None, "hangs": None},
+                ["no figures from the ranks: the shutdown step failed (see the log above)"])
+    problems = []
+    hangs = sum(r["collective_timeouts"] for r in ranks)
+    if hangs:
+        problems.append(f"{hangs} collective timeout(s)")
+    if not checker_on:  # not measured: null, not 0
+        return {"rank_divergences": None, "hangs": hangs if len(ranks) > 1 else None}, problems
+    checkers = {r["rank"]: r["consensus"] for r in ranks}
+    for rank, c in checkers.items():
+        if c is None:
+            problems.append(f"rank {rank} ran without the consensus checker")
+        elif not c["alive"]:
+            problems.append(f"the consensus checker of rank {rank} was not alive at the end ({c['error']})")
+        elif c["checks"] == 0 or c["events_recorded"] == 0 or c["events_checked"] != c["events_recorded"]:
+            problems.append(f"the consensus checker of rank {rank} checked {c['events_checked']} of "
+                            f"{c['events_recorded']} events in {c['checks']} rounds")
+    present = [c for c in checkers.values() if c is not None]
+    divergences = sum(c["divergences"] for c in present)
+    if divergences:
+        problems.append(f"{divergences} rank divergence(s)")
+    rank0 = checkers.get(0) or {}
+    return {"rank_divergences": divergences, "hangs": hangs, "consensus_checks": rank0.get("checks"),
+            "events_recorded": rank0.get("events_recorded"), "events_checked": rank0.get("events_checked"),
+            "checker_alive": bool(present) and len(present) == len(checkers) and all(c["alive"] for c in present),
+            "consensus_per_rank": ranks}, problems
 
 
 def _budget_spent(ns: argparse.Namespace, ready: float, processed: int) -> bool:

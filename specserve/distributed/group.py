@@ -5,6 +5,12 @@ one process can build, tear down and rebuild engines): the model group (gloo on 
 CUDA) for the forward pass, a gloo control group for scheduler broadcasts and agreements, and a
 dedicated gloo group for the rank consensus checker's background thread.
 
+On one node (`DistConfig.loopback`) the store and every gloo group listen on 127.0.0.1 only.
+Before any group is built every rank joins a barrier on the store; rank 0 polls it while
+watching the rank processes it spawned, so a rank that dies while starting fails rank 0 within
+a second (RankStartupError) instead of after the connect timeout. Objects cross ranks as JSON
+(distributed/wire.py), never pickled.
+
 Every control collective names its site. A collective that does not complete within
 `--collective-timeout` raises CollectiveTimeout naming the site, the rank and what it waited for:
 the process fails loudly instead of hanging.
@@ -14,21 +20,25 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from specserve import envs
+from specserve.distributed import wire
+from specserve.distributed.launch import RankStartupError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 300.0
+JOIN_POLL_S = 0.1  # how often rank 0 looks at the join count and its spawned ranks while starting
+LOOPBACK = "127.0.0.1"
 
 
 class CollectiveTimeout(RuntimeError):
@@ -37,13 +47,18 @@ class CollectiveTimeout(RuntimeError):
 
 @dataclass(frozen=True)
 class DistConfig:
-    """Where this rank sits: `addr` is host:port of the rendezvous store (hosted by rank 0)."""
+    """Where this rank sits: `addr` is host:port of the rendezvous store (hosted by rank 0).
+    `loopback`: every rank on this node, so the store and gloo listen on 127.0.0.1 only. `watch`:
+    polled while joining, a reason to give up or None (rank 0: a spawned rank exited; the others:
+    the process that spawned them exited)."""
 
     rank: int
     world_size: int
     addr: str
     timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     device: str = "cpu"
+    loopback: bool = True
+    watch: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False, repr=False)
 
 
 class TPGroup:
@@ -55,9 +70,10 @@ class TPGroup:
         self.timeout = timedelta(seconds=cfg.timeout_s)  # per collective, enforced by each wait
         # Connecting waits for every rank to start (model loading included): a separate, longer bound.
         self.connect_timeout = timedelta(seconds=max(cfg.timeout_s, CONNECT_TIMEOUT_S))
-        host, port = cfg.addr.rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), cfg.world_size, is_master=cfg.rank == 0,
-                                   timeout=self.connect_timeout, wait_for_workers=False)
+        self.timeouts = 0  # collectives that failed or timed out on this rank (the soak's "hangs")
+        self._starting = True  # see started()
+        self.store = self._open_store()
+        self._join()
         self.control = self._gloo("control")
         self.monitor = self._gloo("consensus")
         # One group per thread that issues collectives, so their orders can never interleave:
@@ -67,10 +83,45 @@ class TPGroup:
         self._skip = os.environ.get(envs.FAULT_SKIP_COLLECTIVE) or None  # test hook "SITE:RANK"
         self.failed: Optional[CollectiveTimeout] = None  # the first collective that failed
 
+    def _open_store(self):
+        host, port = self.cfg.addr.rsplit(":", 1)
+        listen_fd = None
+        if self.rank == 0 and self.cfg.loopback:  # TCPStore given a host still listens on every interface
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((LOOPBACK, int(port)))
+            sock.listen(128)
+            listen_fd, host = sock.detach(), LOOPBACK  # the store owns (and closes) the socket
+        return dist.TCPStore(host, int(port), self.size, is_master=self.rank == 0, timeout=self.connect_timeout,
+                             wait_for_workers=False, master_listen_fd=listen_fd)
+
+    def _join(self) -> None:
+        """Every rank counts itself in; wait (polling, and consulting `watch`: on rank 0, the spawned ranks)
+        until all have, so that building the groups below cannot block on a dead rank."""
+        self.store.add("joined", 1)
+        deadline = time.monotonic() + self.connect_timeout.total_seconds()
+        while int(self.store.add("joined", 0)) < self.size:
+            failure = self.cfg.watch() if self.cfg.watch is not None else None
+            if failure is not None:
+                raise RankStartupError(failure)
+            if time.monotonic() > deadline:
+                raise RankStartupError(f"tensor-parallel rendezvous at {self.cfg.addr}: only "
+                                       f"{int(self.store.add('joined', 0))} of {self.size} ranks joined within "
+                                       f"{self.connect_timeout.total_seconds():.0f} s")
+            time.sleep(JOIN_POLL_S)
+
     def _gloo(self, name: str):
-        return dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), self.rank, self.size, self.connect_timeout)
+        store = dist.PrefixStore(name, self.store)
+        if not self.cfg.loopback:  # several nodes: gloo picks the interface the hostname resolves to
+            return dist.ProcessGroupGloo(store, self.rank, self.size, self.connect_timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self.connect_timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+        return dist.ProcessGroupGloo(store, self.rank, self.size, opts)
 
     def _nccl(self):  # imported lazily: no GPU-only code at module load
+        if self.cfg.loopback:  # NCCL's bootstrap sockets too (a user's own setting wins)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         opts = dist.ProcessGroupNCCL.Options()
         return dist.ProcessGroupNCCL(dist.PrefixStore("model", self.store), self.rank, self.size, opts)
 
@@ -87,14 +138,21 @@ class TPGroup:
             time.sleep(3 * self.cfg.timeout_s)
             os._exit(4)
 
+    def started(self) -> None:
+        """The engine is built: from now on every collective waits at most the collective timeout
+        (while ranks load their models, whose times differ, the connect timeout bounds them)."""
+        self._starting = False
+
     def _wait(self, work, site: str, what: str, group_name: str = "control") -> None:
+        timeout = self.connect_timeout if self._starting else self.timeout
         try:
-            work.wait(self.timeout)
+            work.wait(timeout)
         except Exception as exc:  # gloo reports a timeout (or a dead peer) as a RuntimeError
             msg = (f"collective timeout at site '{site}' on rank {self.rank}/{self.size}: waited up to "
-                   f"{self.cfg.timeout_s:.0f} s for {what} on the {group_name} group ({type(exc).__name__}: "
+                   f"{timeout.total_seconds():.0f} s for {what} on the {group_name} group ({type(exc).__name__}: "
                    f"{str(exc).splitlines()[0] if str(exc) else ''})")
             logger.critical(msg)
+            self.timeouts += 1
             error = CollectiveTimeout(msg)
             if group_name != "consensus":
                 self.failed = self.failed or error
@@ -119,31 +177,32 @@ class TPGroup:
         self._wait(pg.allreduce([tensor], opts), site, f"all-reduce {op.upper()} of {tuple(tensor.shape)}", name)
         return tensor
 
-    def all_gather_objects(self, obj: Any, site: str, group: Optional[Any] = None) -> list[Any]:
-        """Every rank's `obj` (pickled), in rank order."""
+    def all_gather_json(self, obj: Any, site: str, group: Optional[Any] = None) -> list[Any]:
+        """Every rank's `obj` as JSON decodes it (tuples become lists), in rank order."""
         self._arrive(site, group)
         pg = group or self.control
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        name = "consensus" if pg is self.monitor else "control"
+        data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
         length = torch.tensor([data.numel()], dtype=torch.int64)
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self._wait(pg.allgather([lengths], [length]), site, "all-gather of lengths")
+        self._wait(pg.allgather([lengths], [length]), site, "all-gather of lengths", name)
         longest = int(max(int(n) for n in lengths))
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:data.numel()] = data
         outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
-        self._wait(pg.allgather([outs], [padded]), site, "all-gather of payloads")
-        return [pickle.loads(o[:int(n)].numpy().tobytes()) for o, n in zip(outs, lengths)]
+        self._wait(pg.allgather([outs], [padded]), site, "all-gather of payloads", name)
+        return [wire.decode(o[:int(n)].numpy().tobytes(), site, self.rank) for o, n in zip(outs, lengths)]
 
-    def broadcast_object(self, obj: Any, site: str) -> Any:
-        """Rank 0's `obj` on every rank (others pass None)."""
+    def broadcast_json(self, obj: Any, site: str) -> Any:
+        """Rank 0's `obj` on every rank, as JSON decodes it (others pass None; rank 0 keeps its own)."""
         if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
             self._bcast_len[0] = data.numel()
         self.broadcast_(self._bcast_len, site)
         if self.rank != 0:
             data = torch.empty(int(self._bcast_len[0]), dtype=torch.uint8)
         self.broadcast_(data, site)
-        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+        return obj if self.rank == 0 else wire.decode(data.numpy().tobytes(), site, self.rank)
 
     # ------------------------------------------------------------ the model's collectives (forward stream)
 

@@ -195,13 +195,23 @@ def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAll
                             device_pools: list[KVPool], forward_stream: Stream, copy_stream: Stream,
                             dist: Optional[TPGroup], tp_rank: int) -> RadixCache:
     """A HiRadixCache over a host pool (and with --hicache-storage-backend, the file tier)."""
-    from specserve.kv.file_storage import FileKVStorage
+    from specserve.kv.file_storage import (KV_FORMAT_VERSION, FileKVStorage, PageLayout, StorageFingerprint,
+                                           path_identity)
     from specserve.kv.hiradix_cache import HiRadixCache
     from specserve.kv.host_pool import HostKVPool
 
     host = HostKVPool(device_pools, args.hicache_size or max(16, int(size * args.hicache_ratio)),
                       forward_stream, copy_stream)
-    storage = FileKVStorage(args.hicache_storage_dir, tp_rank) if args.hicache_storage_backend else None
+    storage = None
+    if args.hicache_storage_backend:
+        # Everything that decides the bytes of a page: a page made under any other setting is a miss.
+        drafter = args.speculative_draft_model_path if args.speculative_algorithm == "DSPARK" else None
+        fingerprint = StorageFingerprint(
+            model=path_identity(resolve_model_path(args.model_path)), drafter=path_identity(drafter),
+            kv_dtype=str(device_pools[0].k[0].dtype), tp_size=args.tp_size, tp_rank=tp_rank,
+            kernel=f"v{KV_FORMAT_VERSION}:{torch.device(args.device).type}:{args.quantization}")
+        storage = FileKVStorage(args.hicache_storage_dir, fingerprint, PageLayout.of_pools(device_pools),
+                                max(1, args.hicache_storage_max_bytes // args.tp_size))  # each rank its share
 
     def agree_min(value: int, site: str) -> int:
         if dist is None:

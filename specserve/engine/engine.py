@@ -13,9 +13,11 @@ from typing import Any, Optional, Union
 from specserve.args import ServerArgs
 from specserve.distributed.commands import AbortRequest, AddRequest, Command, CommandBroadcast, Drain, Shutdown
 from specserve.distributed.group import DistConfig
+from specserve.distributed.launch import RankStartupError, first_failure
 from specserve.engine.builder import build_rank
 from specserve.engine.inputs import Prompt, normalize_inputs, normalize_params
 from specserve.engine.output import request_output
+from specserve.engine.ranks import REQ_CODEC
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import StepResult
@@ -37,25 +39,30 @@ class Engine:
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
         args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self._workers: list = []
+        self.rank_figures: Optional[list[dict]] = None  # every rank's measured figures, after shutdown
         dist_cfg = None
         if args.tp_size > 1:
             from specserve.distributed.launch import rendezvous_addr
-            from specserve.engine.ranks import spawn_rank_workers
+            from specserve.engine.ranks import dist_config, spawn_rank_workers
 
             addr = rendezvous_addr(args)
             self._workers = spawn_rank_workers(args, addr, skip_rank0=True)
-            dist_cfg = DistConfig(0, args.tp_size, addr, args.collective_timeout, args.device)
+            # While starting, rank 0 watches the ranks it spawned: one that exits fails it at once.
+            dist_cfg = dist_config(args, 0, addr, watch=lambda: first_failure(self._workers))
         try:
             self._build(args, dist_cfg)
-        except BaseException:
+        except BaseException as exc:
+            failure = self._dead_worker(exc)
             self._stop_workers(timeout_s=5)
+            if failure is not None and not isinstance(exc, RankStartupError):
+                raise RankStartupError(failure) from exc  # the cause, not the collective it broke
             raise
 
     @classmethod
     def for_rank(cls, args: ServerArgs, dist_cfg: DistConfig) -> "Engine":
         """The engine of one non-zero tensor-parallel rank (see engine/ranks.py)."""
         engine = cls.__new__(cls)
-        engine._workers = []
+        engine._workers, engine.rank_figures = [], None
         engine._build(args, dist_cfg)
         return engine
 
@@ -70,10 +77,12 @@ class Engine:
         self.forward_stream, self.copy_stream = parts.forward_stream, parts.copy_stream
         self.runner, self.scheduler, self.loop = parts.runner, parts.scheduler, parts.loop
         self.consensus = parts.consensus
+        if self.dist is not None:
+            self.dist.started()  # model loading is over: collectives now use the collective timeout
         self._drafter = parts.drafter_name
         self._seed_rng = random.Random(args.random_seed)
         self._last_log = time.monotonic()
-        self._commands = CommandBroadcast(self.dist)
+        self._commands = CommandBroadcast(self.dist, REQ_CODEC if self.dist is not None else None)
         self._step_lock = threading.RLock()
         self._last_step = time.monotonic()
         self._closed = False
@@ -123,6 +132,8 @@ class Engine:
     def step(self) -> StepResult:
         """Apply the pending commands (on every rank), then run one loop step if there is work."""
         with self._step_lock:
+            if self.consensus is not None:
+                self.consensus.raise_if_dead()  # unchecked ranks would go on silently
             result = StepResult()
             for command in self._commands.take():
                 self._apply(command, result)
@@ -153,8 +164,13 @@ class Engine:
         elif isinstance(command, Shutdown):
             self._closed = True
             if self.consensus is not None:  # a last comparison of everything recorded, then stop
-                self.consensus.flush()
                 self.consensus.stop()
+            self.rank_figures = self.dist.all_gather_json(self._figures(), "engine.shutdown_figures")
+
+    def _figures(self) -> dict[str, Any]:
+        """This rank's measured reliability figures (gathered from every rank at shutdown)."""
+        return {"rank": self.tp_rank, "collective_timeouts": self.dist.timeouts if self.dist is not None else 0,
+                "consensus": self.consensus.figures() if self.consensus is not None else None}
 
     def follow(self) -> bool:
         """A non-zero rank's loop body: one step as rank 0 commands; False once it shuts down."""
@@ -211,29 +227,47 @@ class Engine:
         if getattr(self, "runner", None) is None:
             self._stop_workers(timeout_s=5)
             return
-        if self.dist is not None and self.tp_rank == 0 and not self._closed:
+        clean = True
+        if self.dist is None:
+            self.rank_figures = [self._figures()]
+        elif self.tp_rank == 0 and not self._closed:
             try:
                 self._commands.put(Shutdown())
                 self.step()
             except Exception as exc:  # a rank is already gone: nothing to tell it
                 logger.warning("tensor-parallel shutdown: %s", exc)
+                clean = False
         self._closed = True
+        if self.consensus is not None and self.consensus.alive:
+            self.consensus.abandon()  # it cannot finish with the groups torn down below
         self.runner.close()
-        self._stop_workers(timeout_s=30)
-        if self.dist is not None:
+        if self.dist is not None and not clean:  # ranks still waiting on this one see it close at once
+            self.dist.close()
+        self._stop_workers(timeout_s=30 if clean else 10)
+        if self.dist is not None and clean:  # after the others left their loops
             self.dist.close()
         self.scheduler = None
         self.runner = None
         self.kv = None
 
     def _stop_workers(self, timeout_s: float) -> None:
-        for proc in self._workers:
-            proc.join(timeout_s)
-            if proc.is_alive():
-                logger.error("tensor-parallel rank process %s did not exit; killing it", proc.pid)
-                proc.kill()
-                proc.join(5)
+        for rp in self._workers:
+            rp.proc.join(timeout_s)
+            if rp.proc.is_alive():
+                logger.error("tensor-parallel rank process %s did not exit; killing it", rp.proc.pid)
+                rp.proc.kill()
+                rp.proc.join(5)
         self._workers = []
+
+    def _dead_worker(self, exc: BaseException, grace_s: float = 2.0) -> Optional[str]:
+        """While starting: a spawned rank that has exited (given a moment to be reaped: a peer's
+        broken connection is often seen before its exit status)."""
+        deadline = time.monotonic() + (grace_s if self._workers and not isinstance(exc, RankStartupError) else 0)
+        while True:
+            failure = first_failure(self._workers)
+            if failure is not None or time.monotonic() >= deadline:
+                return failure
+            time.sleep(0.05)
 
     def __enter__(self) -> "Engine":
         return self

@@ -4,8 +4,9 @@ Commands go to the engine; events come back, one list per engine loop iteration.
 is a frozen dataclass of plain values, so it pickles across multiprocessing queues; receivers
 dispatch on the class, never on a tag.
 
-Per request the events are: zero or more `TokensOut`, then exactly one of `RequestDone` or
-`RequestError`. `EngineFatal` ends every open request; no event follows it.
+Per request the events are: zero or more `TokensOut`, then exactly one of `RequestDone`,
+`RequestError` (the engine refused it: a client error) or `RequestFailed` (its own host work
+failed: a server error for that request alone). `EngineFatal` ends every open request; no event follows it.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ class RequestError:
 
 
 @dataclass(frozen=True)
+class RequestFailed:
+    """The engine failed this one request (e.g. detokenizing its output raised); the others go on."""
+
+    rid: str
+    message: str
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """Queue and KV occupancy, sent when it changed (the keys of `Engine.load()`)."""
 
@@ -83,10 +92,15 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """The engine process is alive (sent by a thread of its own, whatever the step is doing)."""
+
+
+@dataclass(frozen=True)
 class EngineFatal:
-    """The engine cannot go on (failed to start, or a step raised)."""
+    """The engine cannot go on (failed to start, or a step raised): a one-line reason; the log has the rest."""
 
     message: str
 
 
-Event = Union[EngineReady, TokensOut, RequestDone, RequestError, LoadReport, EngineFatal]
+Event = Union[EngineReady, TokensOut, RequestDone, RequestError, RequestFailed, LoadReport, Heartbeat, EngineFatal]

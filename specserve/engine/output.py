@@ -31,6 +31,8 @@ def _finish_reason(req: Req) -> dict[str, Any]:
     out: dict[str, Any] = {"type": req.finish_reason.value if req.finish_reason else None}
     if req.matched_stop is not None:
         out["matched"] = req.matched_stop
+    if req.error is not None:
+        out["message"] = req.error
     return out
 
 

@@ -301,8 +301,8 @@ class HiRadixCache(RadixCache):
         for i, page in enumerate(FileKVStorage.page_keys(key)):
             if not self.storage.has(page):
                 start = i * PAGE_TOKENS
-                self.storage.save(page, self.host.rows(value[start:start + PAGE_TOKENS]))
-                self.stats.storage_pages_written += 1
+                if self.storage.save(page, self.host.rows(value[start:start + PAGE_TOKENS])):
+                    self.stats.storage_pages_written += 1
 
     def _load_pages(self, key: list[int], slots: list[int], node: TreeNode) -> tuple[list[int], TreeNode]:
         pages = FileKVStorage.page_keys(key)

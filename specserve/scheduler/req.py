@@ -13,6 +13,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens or the context window
     ABORT = "abort"
+    ERROR = "error"  # its own host work failed (see Req.error); the other requests go on
 
 
 @dataclass(eq=False)  # identity: two requests are never "equal"
@@ -38,6 +39,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: Optional[FinishReason] = None
     matched_stop: Optional[str | int] = None
+    error: Optional[str] = None  # why it finished with FinishReason.ERROR
     num_retractions: int = 0
     admitted_once: bool = False
     drafter: Optional[str] = None  # the drafter of its verify windows (e.g. "DSPARK"); None: no drafts

@@ -365,7 +365,12 @@ class Scheduler:
     # ------------------------------------------------------------ finishing
 
     def _check_finish(self, req: Req) -> Optional[FinishReason]:
-        return check_finish(req, self.cfg.eos_token_ids, self.decode_text)
+        try:
+            return check_finish(req, self.cfg.eos_token_ids, self.decode_text)
+        except Exception as exc:  # one request's host work (detokenizing for its stop strings) fails it alone
+            logger.error("request %s failed in its stop check", req.rid, exc_info=True)
+            req.error = f"stop check failed: {type(exc).__name__}: {exc}"
+            return FinishReason.ERROR
 
     @staticmethod
     def _finish(req: Req, reason: FinishReason) -> Req:

@@ -3,8 +3,12 @@
 A reader thread takes the engine's event lists off the multiprocessing queue and hands them to the
 asyncio loop, which routes each request's events to its sink (an asyncio.Queue of `Delivery`) and
 records latencies. Nothing here waits on model work from the event loop. Every submitted request
-gets exactly one final delivery: `RequestDone`, `RequestError`, or `EngineFatal` when the engine
-process fails or exits.
+gets exactly one final delivery: `RequestDone`, `RequestError`, `RequestFailed`, or `EngineFatal`
+when the engine process fails, exits or misses its heartbeat for `heartbeat_timeout_s`.
+
+Engine death is final: the client fails every open request at once, refuses new ones, reports a
+one-line reason (the details are in the log) and calls `on_fatal`, which stops the server so
+that its supervisor can restart it. Any error of the reader thread itself is engine death too.
 """
 
 from __future__ import annotations
@@ -16,16 +20,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
-from specserve.engine.messages import (AbortRequest, AddRequest, EngineFatal, EngineReady, Event, LoadReport,
-                                       RequestDone, RequestError, Shutdown, TokensOut)
-from specserve.server.engine_process import engine_main
+from specserve.engine.messages import (AbortRequest, AddRequest, EngineFatal, EngineReady, Event, Heartbeat,
+                                       LoadReport, RequestDone, RequestError, RequestFailed, Shutdown, TokensOut)
+from specserve.server.engine_process import HEARTBEAT_S, engine_main, one_line
 from specserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 READER_POLL_S = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0  # the engine beats every HEARTBEAT_S from a thread of its own
 
 
 class EngineUnavailable(RuntimeError):
@@ -36,7 +41,7 @@ class Delivery(NamedTuple):
     """One event of a request, with the choice index its sink knows it by."""
 
     index: int
-    event: Union[TokensOut, RequestDone, RequestError, EngineFatal]
+    event: Union[TokensOut, RequestDone, RequestError, RequestFailed, EngineFatal]
 
 
 @dataclass
@@ -53,9 +58,14 @@ class Tracked:
 class EngineClient:
     """Starts the engine process and multiplexes requests over it."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], metrics: ServerMetrics):
+    def __init__(self, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
+        if heartbeat_timeout_s <= HEARTBEAT_S:
+            raise ValueError(f"heartbeat timeout must exceed the heartbeat interval of {HEARTBEAT_S} s")
         self.engine_kwargs = engine_kwargs
         self.metrics = metrics
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.on_fatal: Optional[Callable[[], None]] = None  # called once, on the event loop, at engine death
         self.info: dict[str, Any] = {}
         self.load: dict[str, int] = {}
         self.fatal: Optional[str] = None
@@ -82,7 +92,7 @@ class EngineClient:
                     raise EngineUnavailable(f"engine process exited with code {self.proc.exitcode} during start")
                 continue
             for ev in events:
-                if isinstance(ev, EngineFatal):
+                if isinstance(ev, EngineFatal):  # a start-up failure: its whole message, for the exit line
                     self.proc.join(5)
                     raise EngineUnavailable(ev.message)
                 if isinstance(ev, EngineReady):
@@ -111,6 +121,11 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.fatal is None and self.proc.is_alive()
 
+    @property
+    def health_reason(self) -> str:
+        """Why the engine is not healthy, in one line."""
+        return self.fatal or f"engine process exited with code {self.proc.exitcode}"
+
     # ------------------------------------------------------------ requests
 
     def submit(self, rid: str, input_ids: list[int], params: dict[str, Any], sink: asyncio.Queue,
@@ -130,18 +145,33 @@ class EngineClient:
     # ------------------------------------------------------------ events
 
     def _read_events(self) -> None:
+        """The reader thread: any error of its own is engine death, never a silent stop."""
+        try:
+            reason = self._read_until_engine_ends()
+        except BaseException as exc:
+            logger.critical("engine event reader failed", exc_info=True)
+            reason = f"engine event reader failed: {type(exc).__name__}: {exc}"
+        if reason is not None and not self._closing:
+            self._call(self._fail_all, reason)
+
+    def _read_until_engine_ends(self) -> Optional[str]:
+        """Route events until the engine exits or misses its heartbeat: the reason, None at shutdown."""
+        last_sign = time.monotonic()  # any event, heartbeats included, shows the engine alive
         while True:
             try:
                 events = self._events.get(timeout=READER_POLL_S)
+                last_sign = time.monotonic()
             except queue.Empty:
-                if not self.proc.is_alive():
-                    if not self._closing:
-                        self._call(self._fail_all, f"engine process exited with code {self.proc.exitcode}")
-                    return
+                events = None
+            if events is not None:
+                self._call(self._dispatch, events)
                 continue
-            except (EOFError, OSError):
-                return
-            self._call(self._dispatch, events)
+            if not self.proc.is_alive():
+                return None if self._closing else f"engine process exited with code {self.proc.exitcode}"
+            silent = time.monotonic() - last_sign
+            if silent > self.heartbeat_timeout_s and not self._closing:
+                self.proc.kill()  # stopped or wedged: it must not come back and act on stale requests
+                return f"engine process stopped answering (no heartbeat for {silent:.0f} s); killed it"
 
     def _call(self, fn, *args) -> None:
         try:
@@ -156,14 +186,16 @@ class EngineClient:
                 case LoadReport(load=load):
                     self.load = load
                     self.metrics.observe_load(load)
+                case Heartbeat():
+                    pass
                 case EngineFatal(message=message):
                     self._fail_all(message)
-                case TokensOut() | RequestDone() | RequestError():
+                case TokensOut() | RequestDone() | RequestError() | RequestFailed():
                     self._route(ev, now)
                 case _:
                     logger.warning("unexpected engine event %r", ev)
 
-    def _route(self, ev: Union[TokensOut, RequestDone, RequestError], now: float) -> None:
+    def _route(self, ev: Union[TokensOut, RequestDone, RequestError, RequestFailed], now: float) -> None:
         t = self.tracked.get(ev.rid)
         if t is None:  # aborted and already answered, or not ours
             return
@@ -184,12 +216,16 @@ class EngineClient:
         t.sink.put_nowait(Delivery(t.index, ev))
 
     def _fail_all(self, message: str) -> None:
-        if self.fatal is None:
-            logger.error("engine failed: %s", message)
-        self.fatal = message
-        fatal = EngineFatal(message)
+        """Engine death: every open request fails now, and the server is told to stop (once)."""
+        first = self.fatal is None
+        if first:
+            logger.critical("engine failed: %s", message)
+            self.fatal = one_line(message)
+        fatal = EngineFatal(self.fatal)
         for rid in list(self.tracked):
             t = self.tracked.pop(rid)
             t.sink.put_nowait(Delivery(t.index, fatal))
         self.queued = 0
         self.metrics.queued.set(0)
+        if first and self.on_fatal is not None:
+            self.on_fatal()

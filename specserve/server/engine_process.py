@@ -9,22 +9,29 @@ letting it hang.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
-import traceback
+import threading
 from typing import Any
 
 from specserve.engine.messages import (AbortRequest, AddRequest, Command, EngineFatal, EngineReady, Event,
-                                       LoadReport, RequestDone, RequestError, Shutdown, TokensOut)
+                                       Heartbeat, LoadReport, RequestDone, RequestError, RequestFailed, Shutdown,
+                                       TokensOut)
 from specserve.errors import InvalidRequestError
 
+logger = logging.getLogger(__name__)
+
 IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
+HEARTBEAT_S = 1.0  # how often the engine process says it is alive
 
 
-def engine_main(engine_kwargs: dict[str, Any], commands, events) -> None:
+def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: float = HEARTBEAT_S) -> None:
     """Process entry point (spawned): build the Engine, then serve commands until shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when to stop
+    logging.basicConfig(level=str(engine_kwargs.get("log_level", "info")).upper(),
+                        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     try:
         from specserve.engine import Engine
 
@@ -33,14 +40,30 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events) -> None:
         events.put([EngineFatal(f"engine failed to start: {type(exc).__name__}: {exc}")])
         return
     events.put([EngineReady(_ready_info(engine))])
+    beating = threading.Event()
+    threading.Thread(target=_beat, args=(events, heartbeat_s, beating), name="engine-heartbeat", daemon=True).start()
     try:
         with engine.sanitized():
             EngineServer(engine, commands, events).run()
-    except Exception as exc:
-        events.put([EngineFatal(f"engine step failed: {type(exc).__name__}: {exc}\n" + traceback.format_exc())])
+    except Exception as exc:  # the traceback goes to the log; the HTTP side gets one line
+        logger.critical("engine step failed; the engine stops", exc_info=True)
+        events.put([EngineFatal(one_line(f"engine step failed: {type(exc).__name__}: {exc}"))])
         raise
     finally:
+        beating.set()
         engine.shutdown()
+
+
+def _beat(events, interval_s: float, stop: threading.Event) -> None:
+    """Off the step thread: a slow step does not stop it, a stopped or wedged process does."""
+    while not stop.wait(interval_s):
+        events.put([Heartbeat()])
+
+
+def one_line(message: str, limit: int = 300) -> str:
+    """The first line of a message, cut to `limit` characters: what /health and error bodies show."""
+    line = message.strip().splitlines()[0] if message.strip() else message
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _ready_info(engine) -> dict[str, Any]:
@@ -113,6 +136,10 @@ class EngineServer:
         except ValueError as exc:  # InvalidRequestError names its field; any other ValueError is still a 400
             out.append(rejection(cmd.rid, exc))
             return
+        except Exception as exc:  # a bug in one request's checks fails that request, not the engine
+            logger.error("request %s failed before it was queued", cmd.rid, exc_info=True)
+            out.append(RequestFailed(cmd.rid, f"request failed: {type(exc).__name__}: {exc}"))
+            return
         self.live.add(cmd.rid)
 
     def _step(self, out: list[Event]) -> None:
@@ -123,4 +150,14 @@ class EngineServer:
         out += [TokensOut(rid, ids) for rid, ids in new.items()]
         for req in result.finished:
             self.live.discard(req.rid)
-            out.append(RequestDone(req.rid, self.engine.output(req)))
+            out.append(self._final_event(req))
+
+    def _final_event(self, req) -> Event:
+        """RequestDone with the output dict; RequestFailed when the request's own host work failed."""
+        if req.error is not None:
+            return RequestFailed(req.rid, req.error)
+        try:
+            return RequestDone(req.rid, self.engine.output(req))
+        except Exception as exc:  # e.g. detokenizing this request's output: it fails alone
+            logger.error("request %s failed building its output", req.rid, exc_info=True)
+            return RequestFailed(req.rid, f"output failed: {type(exc).__name__}: {exc}")

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.engine.messages import EngineFatal, RequestError
+from specserve.engine.messages import EngineFatal, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ def from_engine_rejection(event: RequestError) -> APIError:
     return APIError(event.message, 400, param=event.param, code=event.code or DEFAULT_CODE)
 
 
+def from_request_failure(event: RequestFailed) -> APIError:
+    """The engine failed this request alone (its host work raised): a 500 naming the request."""
+    return server_error(f"request {event.rid} failed: {event.message.splitlines()[0]}")
+
+
 def from_engine_fatal(event: EngineFatal) -> APIError:
     """The engine stopped while the request was open: a 500 with the first line of its report."""
     return server_error(f"engine failed: {event.message.splitlines()[0]}")
@@ -55,8 +60,10 @@ def from_engine_fatal(event: EngineFatal) -> APIError:
 
 def from_validation_errors(errors: list[dict]) -> APIError:
     """The first pydantic error as a 400 naming the field (json_invalid: the body is not JSON)."""
-    err = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # The deepest error is the informative one: for a union field (a string or a list of strings)
+    # it is the member the value got furthest into, and a wrong value beats a wrong member type.
+    err = max(errors, key=_relevance) if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     if err.get("type") == "json_invalid":
         return APIError(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
                         code="invalid_json")
@@ -68,6 +75,16 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     if err.get("type") == "extra_forbidden":
         msg = "unknown field (not part of the API or not supported by specserve)"
     return APIError(f"{param}: {msg}" if param else msg, param=param, code=DEFAULT_CODE)
+
+
+def _relevance(err: dict) -> tuple[int, bool]:
+    return len(err.get("loc", ())), not str(err.get("type", "")).endswith("_type")
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member in an error's location (`int`, `list[constrained-str]`): not a field."""
+    return isinstance(part, str) and (part in ("int", "float", "str", "bool", "list", "dict", "none")
+                                      or any(c in part for c in "[-"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -13,9 +13,9 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 
-from specserve.engine.messages import EngineFatal, RequestDone, RequestError
+from specserve.engine.messages import EngineFatal, RequestDone, RequestError, RequestFailed
 from specserve.server.engine_client import Delivery, EngineUnavailable
-from specserve.server.errors import APIError, from_engine_fatal, from_engine_rejection, server_error
+from specserve.server.errors import APIError, from_engine_fatal, from_engine_rejection, from_request_failure, server_error
 from specserve.server.state import ServerState
 
 DISCONNECT_POLL_S = 0.25
@@ -34,8 +34,13 @@ class Generation:
         self.open = set(range(len(prompt_ids)))  # choice indices without a final event yet
 
     def start(self) -> None:
-        """Submit every choice, or none: 503 when the queue bound would be passed or the engine is gone."""
+        """Submit every choice, or none: 400 when they could never all be queued, 503 when the queue bound
+        would be passed now or the engine is gone."""
         client = self.state.client
+        if len(self.rids) > self.state.max_queued_requests:  # can never be queued: not worth a retry
+            raise APIError(f"n: the request needs {len(self.rids)} engine requests (prompts x n) but at most "
+                           f"{self.state.max_queued_requests} can be queued", 400, param="n",
+                           code="exceeds_queue_limit")
         if client.queued + len(self.rids) > self.state.max_queued_requests:
             raise APIError(f"server overloaded: {client.queued} requests queued (limit "
                            f"{self.state.max_queued_requests}); retry later", 503, code="overloaded",
@@ -57,6 +62,10 @@ class Generation:
                 self.open.discard(delivery.index)
                 self.abort()
                 raise from_engine_rejection(event)
+            case RequestFailed() as event:
+                self.open.discard(delivery.index)
+                self.abort()
+                raise from_request_failure(event)
             case EngineFatal() as event:
                 self.open.discard(delivery.index)
                 self.abort()

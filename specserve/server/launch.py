@@ -1,8 +1,14 @@
-"""`specserve serve`: start the engine process, then the HTTP server; stop both cleanly on SIGTERM."""
+"""`specserve serve`: start the engine process, then the HTTP server; stop both cleanly on SIGTERM.
+
+If the engine dies (exits, or misses its heartbeat), every open request fails at once, /health
+answers 503 with the reason, and the server exits non-zero within FATAL_EXIT_GRACE_S + a few
+seconds, for its supervisor to restart it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -10,8 +16,13 @@ import re
 import signal
 
 from specserve.args import ServerArgs
+from specserve.server.engine_client import DEFAULT_HEARTBEAT_TIMEOUT_S
+from specserve.server.engine_process import HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
+
+FATAL_EXIT_GRACE_S = 1.0  # after engine death: time to send the failed requests their errors
+FORCE_EXIT_AFTER_S = 5.0  # then connections that do not close are dropped
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +35,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies answer 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--engine-heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                   help="an engine process silent this long (stopped or wedged) is killed and the server exits")
+
+
+def validate_serve_args(ns: argparse.Namespace) -> None:
+    """ValueError (exit 2, one line) for a serve flag out of range, before anything starts."""
+    checks = [("--port", ns.port, 1 <= ns.port <= 65535, "in [1, 65535]"),
+              ("--max-queued-requests", ns.max_queued_requests, ns.max_queued_requests >= 1, ">= 1"),
+              ("--max-request-bytes", ns.max_request_bytes, ns.max_request_bytes >= 1, ">= 1"),
+              ("--shutdown-timeout", ns.shutdown_timeout, ns.shutdown_timeout >= 0, ">= 0"),
+              ("--engine-heartbeat-timeout", ns.engine_heartbeat_timeout, ns.engine_heartbeat_timeout > HEARTBEAT_S,
+               f"> {HEARTBEAT_S:g} (the heartbeat interval)")]
+    for flag, value, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{flag} must be {allowed}, got {value}")
 
 
 def served_model_name(model_path: str) -> str:
@@ -47,13 +73,12 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
         from specserve.engine.ranks import run_node_workers
 
         return run_node_workers(args)
-    if ns.max_queued_requests < 1:
-        raise ValueError("--max-queued-requests must be >= 1")
+    validate_serve_args(ns)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model_path(args.model_path)
     name = ns.served_model_name or served_model_name(path)
     metrics = ServerMetrics(name)
-    client = EngineClient(dataclasses.asdict(args), metrics)
+    client = EngineClient(dataclasses.asdict(args), metrics, ns.engine_heartbeat_timeout)
     tokenizer = load_tokenizer(args.tokenizer_path or path)
     info = client.start()
     logger.info("engine ready (pid %s): %s, %s speculation, context %d", info["pid"], name,
@@ -65,8 +90,17 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     # that re-raise is harmless and a SIGTERM'd server exits 0 after its graceful shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    server = uvicorn.Server(config)
+    client.on_fatal = lambda: _exit_soon(server)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         client.shutdown()
     return 0 if client.fatal is None else 1
+
+
+def _exit_soon(server) -> None:
+    """Engine death (on the event loop): let the failed requests get their errors, then stop serving."""
+    loop = asyncio.get_running_loop()
+    loop.call_later(FATAL_EXIT_GRACE_S, setattr, server, "should_exit", True)
+    loop.call_later(FATAL_EXIT_GRACE_S + FORCE_EXIT_AFTER_S, setattr, server, "force_exit", True)

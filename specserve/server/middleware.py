@@ -1,4 +1,9 @@
-"""GuardMiddleware: the API key and body-size checks every request passes, and the request counter."""
+"""GuardMiddleware: the API key and body-size checks every request passes, and the request counter.
+
+The body limit counts the bytes actually received, chunked or not: the middleware reads the body
+itself, answers 413 as soon as it passes the limit (without reading the rest), and replays what it
+read to the app.
+"""
 
 from __future__ import annotations
 
@@ -37,13 +42,30 @@ class GuardMiddleware:
 
         try:
             rejection = self._reject(scope)
+            if rejection is None:
+                body, rejection = await self._read_body(receive)
             if rejection is not None:
                 await rejection(scope, receive, send_recording)
             else:
-                await self.app(scope, receive, send_recording)
+                await self.app(scope, _replay(body, receive), send_recording)
         finally:
             endpoint = path if path in KNOWN_PATHS else "other"
             self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+    async def _read_body(self, receive) -> tuple[bytes, Optional[Response]]:
+        """The whole body, or a 413 once the bytes received pass the limit."""
+        chunks, size, limit = [], 0, self.state.max_request_bytes
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees the disconnect
+                return b"".join(chunks), None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return b"", _too_large(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
 
     def _reject(self, scope) -> Optional[Response]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -55,6 +77,19 @@ class GuardMiddleware:
                                 code="invalid_api_key", err_type="authentication_error").response()
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.state.max_request_bytes:
-            return APIError(f"request body of {length} bytes exceeds the limit of {self.state.max_request_bytes}",
-                            413, code="request_too_large").response()
+            return _too_large(f"request body of {length} bytes exceeds the limit of {self.state.max_request_bytes}")
         return None
+
+
+def _too_large(message: str) -> Response:
+    return APIError(message, 413, code="request_too_large").response()
+
+
+def _replay(body: bytes, receive):
+    """A receive that hands the app the body read already, then the client's later messages."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed

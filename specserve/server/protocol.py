@@ -8,17 +8,22 @@ behaviour.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-Number = Union[StrictInt, StrictFloat]
+from specserve.sampling_params import (MAX_NEW_TOKENS_LIMIT, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                       MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SEED_LIMIT)
+
+Number = StrictFloat  # strict: ints are accepted, bools and strings are not
 MAX_N = 16  # choices per request
-MAX_STOP = 16  # stop strings per request
+MAX_STOP = MAX_STOP_STRINGS  # stop strings per request
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -48,7 +53,7 @@ class SamplingFields(_Strict):
     top_p: Optional[Number] = Field(None, gt=0, le=1)
     top_k: Optional[StrictInt] = Field(None, ge=-1)
     min_p: Optional[Number] = Field(None, ge=0, le=1)
-    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop: Optional[Stop] = None
     seed: Optional[StrictInt] = Field(None, ge=0, lt=2**63)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
@@ -72,9 +77,6 @@ class SamplingFields(_Strict):
             raise ValueError("logprobs: not supported by specserve (omit it or send false)")
         if self.top_k == 0:
             raise ValueError("top_k: must be -1 (off) or >= 1")
-        stops = self.stop_list()
-        if len(stops) > MAX_STOP or any(s == "" for s in stops):
-            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
@@ -103,8 +105,8 @@ class SamplingFields(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[StrictInt] = Field(None, ge=0)
-    max_completion_tokens: Optional[StrictInt] = Field(None, ge=0)
+    max_tokens: Optional[StrictInt] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
     top_logprobs: Optional[StrictInt] = None
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
@@ -130,7 +132,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = Field(16, ge=0)  # OpenAI's default for completions
+    max_tokens: Optional[StrictInt] = Field(16, ge=0, le=MAX_NEW_TOKENS_LIMIT)  # OpenAI's default for completions
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
@@ -161,12 +163,37 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens
 
 
+class GenerateSamplingParams(_Strict):
+    """specserve's SamplingParams as the native API takes them (checked again, with the vocabulary, by the engine)."""
+
+    max_new_tokens: Optional[StrictInt] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
+    temperature: Number = Field(1.0, ge=0, le=MAX_TEMPERATURE)
+    top_p: Number = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(-1, ge=-1)
+    min_p: Number = Field(0.0, ge=0, le=1)
+    stop: Stop = Field(default_factory=list)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: StrictBool = False
+    seed: Optional[Annotated[StrictInt, Field(ge=0, lt=SEED_LIMIT)]] = None
+    skip_special_tokens: StrictBool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.top_k == 0:
+            raise ValueError("top_k: must be -1 (off) or >= 1")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields the client sent (the engine fills in the rest)."""
+        return self.model_dump(exclude_unset=True, exclude_none=True)
+
+
 class GenerateRequest(_Strict):
     """The native endpoint: text or input_ids, specserve sampling params, the Engine's output dict."""
 
     text: Optional[StrictStr] = None
     input_ids: Optional[list[StrictInt]] = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
 
     @model_validator(mode="after")

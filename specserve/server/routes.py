@@ -14,7 +14,9 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.server.errors import APIError
+from specserve.errors import InvalidRequestError
+from specserve.sampling_params import SamplingParams
+from specserve.server.errors import DEFAULT_CODE, APIError
 from specserve.server.generation import Generation, collect
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
 from specserve.server.responses import chat_completion, text_completion
@@ -23,6 +25,9 @@ from specserve.server.state import ServerState
 
 SSE = "text/event-stream"
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+OPENAI_PARAM_NAMES = {f"sampling_params.{name}": name for name in ("temperature", "top_p", "top_k", "min_p", "stop",
+                                                                  "seed", "ignore_eos")}
+OPENAI_PARAM_NAMES["sampling_params.max_new_tokens"] = "max_tokens"
 
 
 def add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -30,7 +35,7 @@ def add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> JSONResponse:
         if state.client.healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "error", "message": state.client.fatal or "engine not running"}, 503)
+        return JSONResponse({"status": "error", "message": state.client.health_reason}, 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -53,6 +58,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(f"messages: {exc}", 400, param="messages") from exc
         _check_context(state, ids, "messages")
         params = [_engine_params(state, body, len(ids), i) for i in range(body.n)]
+        _check_params(state, params[0], OPENAI_PARAM_NAMES)
         gen = Generation(state, [ids] * body.n, params)
         gen.start()
         if body.stream:
@@ -65,13 +71,12 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_model(state, body.model)
         prompts = [await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else p
                    for p in body.prompts()]
-        vocab = state.client.info["vocab_size"]
         for ids in prompts:
-            if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(f"prompt: token ids must be in [0, {vocab})", 400, param="prompt")
+            _check_token_ids(state, ids, "prompt")
             _check_context(state, ids, "prompt")
         ids_list = [ids for ids in prompts for _ in range(body.n)]  # n choices per prompt, prompt-major
         params = [_engine_params(state, body, len(ids), i % body.n) for i, ids in enumerate(ids_list)]
+        _check_params(state, params[0], OPENAI_PARAM_NAMES)
         gen = Generation(state, ids_list, params)
         gen.start()
         prompt_tokens = sum(len(p) for p in prompts)
@@ -86,9 +91,11 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.text)
         else:
             ids = list(body.input_ids)
+            _check_token_ids(state, ids, "input_ids")
         _check_context(state, ids, "text" if body.text is not None else "input_ids")
-        params = dict(body.sampling_params)  # validated by the engine
+        params = body.sampling_params.as_dict()
         params.setdefault("max_new_tokens", min(GENERATE_DEFAULT_MAX_NEW_TOKENS, state.context_length - len(ids)))
+        _check_params(state, params, {})
         gen = Generation(state, [ids], [params])
         gen.start()
         if body.stream:
@@ -101,6 +108,23 @@ def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise APIError(f"model: '{model}' is not served here (available: '{state.model_name}')", 404,
                        param="model", code="model_not_found")
+
+
+def _check_token_ids(state: ServerState, ids: list[int], field: str) -> None:
+    vocab = state.client.info["vocab_size"]
+    if any(t < 0 or t >= vocab for t in ids):
+        raise APIError(f"{field}: token ids must be in [0, {vocab})", 400, param=field)
+
+
+def _check_params(state: ServerState, params: dict[str, Any], names: dict[str, str]) -> None:
+    """The engine's own checks, with the vocabulary, before anything is queued: a 400 naming the
+    request's field (`names` maps the engine's field names to the API's)."""
+    try:
+        SamplingParams.from_dict(params).validate(state.client.info["vocab_size"])
+    except InvalidRequestError as exc:
+        param = names.get(exc.param, exc.param)
+        raise APIError(str(exc).replace(exc.param, param, 1) if exc.param and param else str(exc), 400,
+                       param=param, code=exc.code or DEFAULT_CODE) from exc
 
 
 def _check_context(state: ServerState, ids: list[int], field: str) -> None:

@@ -8,17 +8,20 @@ the HTTP status any more, so it is sent as one `data:` line carrying the OpenAI 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import AsyncIterator, NamedTuple, Optional, Union
 
 from specserve.engine.messages import RequestDone, TokensOut
 from specserve.server.engine_client import Delivery
-from specserve.server.errors import APIError
+from specserve.server.errors import APIError, server_error
 from specserve.server.generation import Generation
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.responses import finish_reason, spec_choice, usage
 from specserve.server.state import ServerState
 from specserve.server.text_stream import TextStream
+
+logger = logging.getLogger(__name__)
 
 
 class TextDelta(NamedTuple):
@@ -114,6 +117,9 @@ async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, fi
     except APIError as exc:
         yield StreamFailed(exc.body())
         return
+    except Exception as exc:  # this stream's own host work (detokenizing) failed: it ends, the server goes on
+        yield StreamFailed(_stream_failure(gen, exc).body())
+        return
     if include_usage:
         yield StreamUsage(usage(prompt_tokens, outputs))
 
@@ -130,4 +136,11 @@ async def generate_stream(state: ServerState, gen: Generation, first: Delivery) 
                 yield sse(event.output)
     except APIError as exc:
         yield sse(exc.body())
+    except Exception as exc:
+        yield sse(_stream_failure(gen, exc).body())
     yield sse("[DONE]")
+
+
+def _stream_failure(gen: Generation, exc: Exception) -> APIError:
+    logger.error("stream of request %s failed", gen.rids[0], exc_info=True)
+    return server_error(f"request {gen.rids[0]} failed: {type(exc).__name__}: {exc}")

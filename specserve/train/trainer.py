@@ -189,7 +189,7 @@ def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus: Corpus, cfg: TrainC
     step, rng = 0, random.Random(cfg.seed)
     ckpt = os.path.join(out_dir, CHECKPOINT_FILE)
     if resume and os.path.isfile(ckpt):
-        state = torch.load(ckpt, weights_only=False)
+        state = load_checkpoint(ckpt)
         drafter.load_state_dict(state["drafter"], strict=False)
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -223,10 +223,26 @@ def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus: Corpus, cfg: TrainC
 
 
 def save_checkpoint(path: str, drafter: DsparkDrafter, opt, step: int, rng: random.Random) -> None:
+    """Tensors and plain values only (the optimizer's state dict, the step, the rng state as a
+    tuple of ints), so that `load_checkpoint` reads it with weights_only=True: no pickled objects."""
     tmp = path + ".tmp"
     torch.save({"drafter": {k: v for k, v in drafter.state_dict().items() if not k.startswith("rope.")},
                 "optimizer": opt.state_dict(), "step": step, "rng": rng.getstate()}, tmp)
     os.replace(tmp, path)  # a crash mid-save leaves the previous checkpoint intact
+
+
+def load_checkpoint(path: str) -> dict:
+    """A checkpoint written by `save_checkpoint`, read with weights_only=True (a checkpoint that
+    needs arbitrary unpickling is refused, not executed)."""
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # unpickling refused or a damaged file: one clear line for --resume
+        raise ValueError(f"--resume: cannot read {path} as a weights-only checkpoint: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    missing = {"drafter", "optimizer", "step", "rng"} - set(state if isinstance(state, dict) else ())
+    if missing:
+        raise ValueError(f"--resume: {path} is not a drafter checkpoint (missing {sorted(missing)})")
+    return state
 
 
 def init_from_target(drafter: DsparkDrafter, target_weights: dict[str, torch.Tensor], layer: int) -> None:

@@ -66,6 +66,7 @@ def _timeout_rank(rank: int, addr: str, out) -> None:
 
     group = TPGroup(DistConfig(rank, 2, addr, timeout_s=3))
     group.all_reduce_(torch.ones(1), "warmup")
+    group.started()  # past start-up: collectives wait at most the collective timeout
     if rank == 1:  # never arrives at the next site
         time.sleep(8)
         out.put((rank, "skipped", 0.0))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True, text=True, timeout=300)
@@ -27,6 +29,21 @@ def test_unknown_flag_is_rejected():
     res = _run("generate", "--no-such-flag")
     assert res.returncode == 2
     assert "unrecognized arguments" in res.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--port", "70000"], "--port must be in ["),
+    (["serve", "--max-request-bytes", "-1"], "--max-request-bytes must be >= 1"),
+    (["generate", "--num-threads", "-1"], "num_threads must be >= 1"),
+    (["serve", "--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-storage-dir",
+      "{file}/cache"], "hicache_storage_dir"),
+])
+def test_bad_flags_fail_before_the_model_loads_with_one_line(argv, words, tmp_path):
+    (tmp_path / "file").write_text("a file, so no directory can be created under it")
+    res = _run(*[a.format(file=tmp_path / "file") for a in argv])
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"specserve {argv[0]}: error: ") and words in lines[0]
 
 
 def test_generate_prints_a_chat_completion():

@@ -1,8 +1,10 @@
 """DSPARK end to end on the real model: lossless greedy output, draft-KV injection, compact verify.
 
-A randomly initialised drafter accepts almost nothing, so some tests plant an oracle: the runner's
-drafts are replaced by the true greedy continuation, which makes long accepted runs (and stops
-inside them) happen through the real verify, accept, commit and injection path.
+A randomly initialised drafter accepts almost nothing (greedy output would then equal the
+reference trivially), so the tests plant an oracle: the runner's drafts are replaced by the true
+greedy continuation, which makes long accepted runs (and stops inside them) happen through the
+real verify, accept, commit and injection path; or by a partly wrong one, so that every verify
+step accepts some drafts and rejects others.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from helpers import chat_prompts
 
 from specserve import Engine
+from specserve.args import MAX_DRAFT_TOKENS
 from specserve.models.dspark import read_drafter_config
 from specserve.scheduler.loops import NormalLoop
 
@@ -60,6 +63,16 @@ def plant_oracle(engine: Engine, prompts: list[list[int]], outputs: list[list[in
     runner._draft = oracle_draft
 
 
+WRONG_EVERY = 4
+
+
+def partly_wrong(outputs: list[list[int]]) -> list[list[int]]:
+    """The true continuations with every WRONG_EVERY-th token (a different phase per request)
+    replaced by another id: as drafts, right runs of up to WRONG_EVERY - 1 tokens, then a miss."""
+    return [[t ^ 1 if (m + i) % WRONG_EVERY == WRONG_EVERY - 1 else t for m, t in enumerate(out)]
+            for i, out in enumerate(outputs)]
+
+
 def test_block_size_defaults_to_the_checkpoint_and_the_flag_overrides_it(drafter_dir):
     assert read_drafter_config(drafter_dir).block_size == 4
     engine = dspark_engine(drafter_dir)
@@ -68,20 +81,30 @@ def test_block_size_defaults_to_the_checkpoint_and_the_flag_overrides_it(drafter
     assert engine.scheduler.window == 3
 
 
-@pytest.mark.parametrize("mode", ["static", "compact"])
-@pytest.mark.parametrize("gamma", [1, 3, 5, 7])
-def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, gamma, mode, tmp_path):
+LOSSLESS_CASES = [(g, "static") for g in range(1, MAX_DRAFT_TOKENS + 1)] + [(g, "compact") for g in (1, 3, 5, 7)]
+
+
+@pytest.mark.parametrize("gamma,mode", LOSSLESS_CASES)
+def test_dspark_greedy_is_lossless_with_partly_right_drafts(drafter_dir, prompts, reference, gamma, mode, tmp_path):
+    """Every block size: drafts partly right by construction (planted into the real verify and
+    accept), so that the equality with the reference is not the trivial one of a drafter whose
+    drafts are all rejected: every request accepts drafts, and (static windows) rejects some."""
     table = tmp_path / "sps.json"  # flat up to 20 rows, then slower: compact picks partial windows
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
     engine = dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, speculative_dspark_verify_mode=mode,
                            speculative_dspark_sps_table_path=str(table))
+    assert engine.scheduler.window == gamma + 1
+    plant_oracle(engine, prompts, partly_wrong(reference))
     batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in batch] == reference
     alone = engine.generate(input_ids=prompts[1], sampling_params=GREEDY)
     assert alone["output_ids"] == reference[1]
-    for out in batch:
+    for out in batch + [alone]:
         info = out["meta_info"]
         assert info["spec_verify_ct"] >= 1 and 1.0 <= info["spec_accept_length"] <= gamma + 1
+        assert info["spec_num_correct_drafts"] > 0, info  # accepted drafts
+        if mode == "static":  # a step that accepted fewer than gamma drafts rejected one
+            assert min(info["spec_correct_drafts_histogram"]) < gamma, info
     engine.scheduler.check_integrity()
     engine.tree.reset()
     assert engine.allocator.available == engine.allocator.size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 
 import pytest
 
@@ -89,6 +90,8 @@ def test_file_tier_survives_restart_and_treats_corruption_as_a_miss(tmp_path, mo
         again = eng.generate(PROMPT_A, sampling_params=GREEDY)
         assert eng.tree.stats.storage_hit_tokens >= 128 and again["output_ids"] == first["output_ids"]
     pages = sorted(glob.glob(os.path.join(str(tmp_path), "*.kv")), key=os.path.getmtime)
+    assert stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o700
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in pages} == {0o600}
     for page in pages:  # flip bytes in the middle of every payload
         with open(page, "r+b") as f:
             f.seek(os.path.getsize(page) // 2)
@@ -99,3 +102,11 @@ def test_file_tier_survives_restart_and_treats_corruption_as_a_miss(tmp_path, mo
         again = eng.generate(PROMPT_A, sampling_params=GREEDY)
         assert eng.tree.stats.storage_hit_tokens == 0  # every corrupted page is a miss
         assert again["output_ids"] == first["output_ids"]
+    # The fingerprint as the builder makes it: a bfloat16 engine never loads the float32 pages, and
+    # under a cap of their size its own pages evict the least recently used of them.
+    cap = sum(os.path.getsize(p) for p in glob.glob(os.path.join(str(tmp_path), "*.kv")))
+    with engine(**store, dtype="bfloat16", hicache_storage_max_bytes=cap) as eng:
+        eng.generate(PROMPT_A, sampling_params=GREEDY)
+        assert eng.tree.stats.storage_hit_tokens == 0 and eng.tree.stats.storage_pages_written >= 2
+    assert sum(os.path.getsize(p) for p in glob.glob(os.path.join(str(tmp_path), "*.kv"))) <= cap
+

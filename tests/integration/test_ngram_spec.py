@@ -75,3 +75,29 @@ def test_ngram_sampling_is_seeded_and_reproducible():
     assert a[0]["output_ids"] == b["output_ids"]
     assert a[0]["meta_info"]["spec_verify_ct"] > 0
     spec.scheduler.check_integrity()
+
+
+def test_speculative_disable_batch_size_on_the_real_engine(prompts, reference):
+    """--speculative-disable-batch-size 2: with 3 requests running the decode steps carry no
+    drafts, and they verify windows again once at most 2 run; the tokens are the plain ones."""
+    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM",
+                  speculative_dspark_block_size=3, speculative_disable_batch_size=2)
+    steps = []
+    launch = spec.runner.launch
+
+    def spy(step):
+        steps.append((step.mode, step.size, step.num_tokens))
+        return launch(step)
+
+    spec.runner.launch = spy
+    lens = [6, 14, 22]
+    outs = spec.generate(input_ids=prompts[:3], sampling_params=[{**GREEDY, "max_new_tokens": n} for n in lens])
+    assert [o["output_ids"] for o in outs] == [ref[:n] for ref, n in zip(reference, lens)]
+    decode = [s for s in steps if s[0] != "extend"]
+    assert {(mode, size) for mode, size, _ in decode if size == 3} == {("decode", 3)}, steps
+    assert {mode for mode, size, _ in decode if size <= 2} == {"verify"}, steps
+    assert all(n == size for mode, size, n in decode if mode == "decode")  # one token per request: no drafts
+    assert "spec_verify_ct" not in outs[0]["meta_info"]  # finished while 3 were running: never verified
+    assert outs[2]["meta_info"]["spec_verify_ct"] > 0
+    assert spec.scheduler.stats.verify_steps == sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    spec.scheduler.check_integrity()

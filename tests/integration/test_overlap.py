@@ -106,28 +106,49 @@ def test_overlap_stops_inside_runs_exactly_like_the_normal_loop(prompts, fp32_en
     assert results[True][1]["output_ids"][-1] == stop_id
 
 
-def test_alias_fault_with_copy_delays_corrupts_the_overlap_loop(drafter_dir, prompts, tmp_path, monkeypatch):
-    """The seed's bug on CPU: read_accept hands out views, the late copy reads the next step's values."""
-    want = summary(run(engine_for("ngram", False, drafter_dir, tmp_path), prompts))
+@pytest.fixture(scope="module")
+def ngram_reference(prompts) -> list[tuple]:
+    """The NGRAM engine's results in the normal loop, without faults."""
+    return summary(run(engine_for("ngram", False, "", None), prompts))
+
+
+def output_ids(results: list[tuple]) -> list[list[int]]:
+    return [r[0] for r in results]
+
+
+def test_alias_fault_with_copy_delays_corrupts_the_overlap_loop(ngram_reference, prompts, monkeypatch):
+    """The seed's bug on CPU: read_accept hands out views, the late copy reads the next step's
+    values, and the engine commits wrong tokens. The run itself completes (nothing here may hide
+    the symptom behind an exception): the output tokens must differ from the reference."""
     monkeypatch.setenv("SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS", "1")
     monkeypatch.setenv("SPECSERVE_FAULT_COPY_DELAY_MS", "150")
     monkeypatch.setenv("SPECSERVE_FAULT_SEED", "3")
-    broken = engine_for("ngram", True, drafter_dir, tmp_path)
-    try:
-        got = summary(run(broken, prompts))
-    except (RuntimeError, AssertionError, IndexError) as exc:  # corrupted bookkeeping may also fail loudly
-        got = f"failed: {exc!r}"
-    assert got != want
+    broken = engine_for("ngram", True, "", None)
+    assert broken.runner.alias_accept_buffers and broken.runner.copy.threaded
+    got = summary(run(broken, prompts))
+    assert broken.loop.overlapped_steps > 10 and broken.scheduler.stats.verify_steps > 10
+    corrupted = [i for i, (g, w) in enumerate(zip(output_ids(got), output_ids(ngram_reference))) if g != w]
+    assert corrupted, "the alias fault with late copies left every request's tokens intact"
+    assert len(got) == len(ngram_reference)
     broken.shutdown()
 
 
-def test_without_the_alias_fault_the_same_delays_are_harmless(drafter_dir, prompts, tmp_path, monkeypatch):
-    want = summary(run(engine_for("ngram", False, drafter_dir, tmp_path), prompts))
+def test_without_the_alias_fault_the_same_delays_are_harmless(ngram_reference, prompts, monkeypatch):
     monkeypatch.setenv("SPECSERVE_FAULT_COPY_DELAY_MS", "150")
     monkeypatch.setenv("SPECSERVE_FAULT_SEED", "3")
-    fine = engine_for("ngram", True, drafter_dir, tmp_path)
-    assert summary(run(fine, prompts)) == want
+    fine = engine_for("ngram", True, "", None)
+    assert not fine.runner.alias_accept_buffers and fine.runner.copy.threaded
+    assert summary(run(fine, prompts)) == ngram_reference  # token-identical, same finish and spec counts
     fine.shutdown()
+
+
+def hazard_raised(info: pytest.ExceptionInfo) -> StreamHazardError:
+    """The sanitizer's error, raised directly (inline streams) or as the cause of the StreamError
+    with which a stream re-raises its task's failure at the next sync point."""
+    exc = info.value
+    hazard = exc if isinstance(exc, StreamHazardError) else exc.__cause__
+    assert isinstance(hazard, StreamHazardError), f"not a stream hazard: {exc!r}"
+    return hazard
 
 
 @pytest.mark.parametrize("threads", [False, True], ids=["inline", "threaded"])
@@ -138,13 +159,60 @@ def test_sanitizer_catches_the_alias_fault_on_the_first_verify_steps(drafter_dir
     if threads:
         monkeypatch.setenv("SPECSERVE_FAULT_COPY_DELAY_MS", "1")
     engine = engine_for("dspark-static", True, drafter_dir, tmp_path)
-    with pytest.raises((StreamHazardError, StreamError)) as info:
+    with pytest.raises((StreamHazardError, StreamError), match="stream hazard") as info:
         engine.generate(input_ids=prompts[:2], sampling_params={"temperature": 0, "max_new_tokens": 30})
-    text = str(info.value)
-    assert "stream hazard" in text and "'forward'" in text and "'copy'" in text
+    text = str(hazard_raised(info))
+    assert "'forward'" in text and "'copy'" in text and "persistent buffer" in text
     # Caught at the first verify step's copy, before any verify result was processed.
     assert engine.scheduler.stats.verify_steps == 0
-    assert "persistent buffer" in text
+    engine.shutdown()
+
+
+def drop_the_copy_wait_of_verify_steps(runner, monkeypatch) -> None:
+    """Mutation: a verify step's launch no longer orders the copy stream after the forward stream
+    (`Event().record(self.forward).wait(self.copy)` in ModelRunner.launch becomes a no-op), so the
+    device-to-host copy of the accept results is unordered with the step that writes them."""
+    import specserve.executor.model_runner as model_runner
+
+    class NoWaitEvent(model_runner.Event):
+        def wait(self, stream=None) -> None:
+            return None
+
+    launch = runner.launch
+
+    def mutated(step):
+        if step.mode != "verify":
+            return launch(step)
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "Event", NoWaitEvent)
+            return launch(step)
+
+    runner.launch = mutated
+
+
+def test_sanitizer_catches_a_launch_without_the_forward_to_copy_event(fp32_engine, drafter_dir, prompts, tmp_path,
+                                                                      monkeypatch):
+    """Inline streams: the sanitizer's happens-before comes from the streams' vector clocks, so the
+    missing event is reported whatever the timing. (Threaded, the unordered copy may even run
+    before the step has produced anything to copy, and the loop then fails on missing results.)"""
+    monkeypatch.setenv("SPECSERVE_STREAM_SANITIZER", "1")
+    params = {"temperature": 0, "max_new_tokens": 8}
+    want = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts[:2], sampling_params=params)]
+    # Unpatched: silent, token-identical, and it did run verify steps.
+    engine = engine_for("dspark-static", True, drafter_dir, tmp_path)
+    assert engine.sanitizer is not None and engine.loop.executor is engine.runner
+    assert [o["output_ids"] for o in engine.generate(input_ids=prompts[:2], sampling_params=params)] == want
+    assert engine.scheduler.stats.verify_steps > 0
+    engine.shutdown()
+    # Mutated: the first verify step's copy reads the accept results unordered with their write.
+    engine = engine_for("dspark-static", True, drafter_dir, tmp_path)
+    drop_the_copy_wait_of_verify_steps(engine.runner, monkeypatch)
+    with pytest.raises(StreamError, match="stream hazard") as info:
+        engine.generate(input_ids=prompts[:2], sampling_params=params)
+    text = str(hazard_raised(info))
+    assert "on stream 'copy'" in text and "_copy_to_host" in text, text
+    assert "is not ordered after the write" in text and "on stream 'forward'" in text, text
+    assert engine.scheduler.stats.verify_steps == 0  # caught at the first verify step's copy
     engine.shutdown()
 
 

@@ -54,6 +54,27 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     assert [h["step"] for h in summary["history"]] == [41, 42, 43, 44, 45]
 
 
+def test_checkpoints_load_weights_only_and_refuse_pickled_objects(tmp_path):
+    import random
+
+    from specserve.train.trainer import load_checkpoint, save_checkpoint
+
+    layer = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(layer.parameters(), betas=(0.9, 0.95))
+    layer(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    rng = random.Random(7)
+    save_checkpoint(str(tmp_path / "c.pt"), layer, opt, 12, rng)
+    state = load_checkpoint(str(tmp_path / "c.pt"))
+    restored = random.Random()
+    restored.setstate(state["rng"])
+    assert state["step"] == 12 and restored.random() == rng.random()
+    torch.optim.AdamW(layer.parameters()).load_state_dict(state["optimizer"])
+    torch.save({"drafter": {}, "optimizer": {}, "step": 1, "rng": random.Random}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="weights-only"):
+        load_checkpoint(str(tmp_path / "evil.pt"))
+
+
 def test_trained_drafter_is_lossless(trained, fp32_engine):
     out, _ = trained
     prompt = fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name three primary colours."}])

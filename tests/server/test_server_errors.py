@@ -59,7 +59,7 @@ def test_huge_prompt_names_the_context_window(http):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_engine_side_validation_reaches_the_client(http):
+def test_sampling_param_validation_reaches_the_client(http):
     r = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "top_p": 7}})
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
     r = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}})

@@ -1,12 +1,16 @@
-"""A small server (64-token context, 1 queued request) for overload, fuzzing and graceful shutdown.
+"""A small server (64-token context, 4 queued requests, 64 KiB bodies) for overload, body limits,
+fuzzing and graceful shutdown.
 
 The tests run in file order: the last one stops the server with SIGTERM.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -14,11 +18,14 @@ import pytest
 from helpers import MODEL
 from helpers import ServerProcess
 
+QUEUE = 4
+BODY_LIMIT = 64 << 10
 
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    srv = ServerProcess("--context-length", "64", "--max-queued-requests", "1", "--shutdown-timeout", "30",
+    srv = ServerProcess("--context-length", "64", "--max-queued-requests", str(QUEUE), "--shutdown-timeout", "30",
+                        "--max-request-bytes", str(BODY_LIMIT),
                         log_path=str(tmp_path_factory.mktemp("small") / "server.log"))
     yield srv
     srv.stop(signal.SIGKILL)
@@ -28,36 +35,104 @@ def chat_body(**kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **kw}
 
 
+def chat(server, **kw) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions", json=chat_body(**kw), timeout=120)
+
+
+def test_a_request_that_can_never_be_queued_answers_400(small_server):
+    r = chat(small_server, n=QUEUE + 1)
+    assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+    assert r.json()["error"]["code"] == "exceeds_queue_limit" and r.json()["error"]["param"] == "n"
+    assert chat(small_server, n=QUEUE).status_code == 200
+
+
 def test_overload_answers_503_with_retry_after(small_server):
-    r = httpx.post(small_server.url + "/v1/chat/completions", json=chat_body(n=2), timeout=60)
-    assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["code"] == "overloaded"
-    assert httpx.post(small_server.url + "/v1/chat/completions", json=chat_body(), timeout=60).status_code == 200
+    engine = small_server.engine_pid()
+    answers: list[int] = []
+    os.kill(engine, signal.SIGSTOP)  # nothing reaches its first token: the queue fills deterministically
+    try:
+        waiting = [threading.Thread(target=lambda: answers.append(chat(small_server).status_code))
+                   for _ in range(QUEUE)]
+        for t in waiting:
+            t.start()
+        _wait_for_metric(small_server, "specserve_num_requests_queued", QUEUE)
+        r = chat(small_server)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    for t in waiting:
+        t.join(120)
+    assert answers == [200] * QUEUE
+    assert chat(small_server).status_code == 200
 
 
-def test_fuzzed_requests_never_get_5xx(small_server):
+def _wait_for_metric(server, name: str, value: float, timeout_s: float = 30) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        if samples.get(name) == value:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} never reached {value}")
+
+
+def _chunks(data: bytes, size: int = 4096):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+def test_body_limit_counts_the_bytes_received_chunked_or_not(small_server):
+    url = small_server.url + "/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+    big = json.dumps(chat_body(user="x" * (2 * BODY_LIMIT))).encode()
+    for content in (big, _chunks(big)):  # with a Content-Length header, then chunked without one
+        r = httpx.post(url, content=content, headers=headers, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    small = json.dumps(chat_body()).encode()
+    r = httpx.post(url, content=_chunks(small, 16), headers=headers, timeout=60)  # a chunked body within the limit
+    assert r.status_code == 200, r.text
+
+
+GENERATING = ("POST /v1/chat/completions", "POST /v1/completions", "POST /generate")
+
+
+def test_fuzzed_requests_never_get_5xx_and_valid_ones_generate(small_server):
+    """Schema-driven fuzzing with `model` pinned to the served name, so generated cases reach the
+    engine: no 5xx ever, and at least 30% of the valid cases of each generating route answer 2xx."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
 
     schema = schemathesis.openapi.from_url(small_server.url + "/openapi.json")
     seen: dict[str, int] = {}
+    positive_ok: dict[str, list[int]] = {}
     for result in schema.get_all_operations():
         op = result.ok()
-        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+        for mode, examples in ((schemathesis.GenerationMode.POSITIVE, 25), (schemathesis.GenerationMode.NEGATIVE, 40)):
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             @given(op.as_strategy(generation_mode=mode))
             def call(case):
+                if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
+                    case.body["model"] = MODEL
                 response = case.call(base_url=small_server.url, timeout=120)
                 seen[op.label] = seen.get(op.label, 0) + 1
                 assert response.status_code < 500, (case.body, response.status_code, response.text[:500])
+                if mode == schemathesis.GenerationMode.POSITIVE:
+                    positive_ok.setdefault(op.label, []).append(response.status_code < 300)
 
             try:
                 call()
             except Unsatisfiable:  # no invalid input exists (e.g. a GET without parameters)
                 assert mode == schemathesis.GenerationMode.NEGATIVE and op.method.upper() == "GET"
-    assert sum(seen.values()) >= 200 and len(seen) >= 6, seen
+    assert sum(seen.values()) >= 150 and len(seen) >= 6, seen
+    shares = {label: sum(oks) / len(oks) for label, oks in positive_ok.items() if label in GENERATING}
+    print("2xx share of valid fuzz cases:", shares)
+    assert set(shares) == set(GENERATING) and min(shares.values()) >= 0.3, shares
     assert httpx.get(small_server.url + "/health", timeout=30).status_code == 200
 
 

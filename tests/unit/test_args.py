@@ -41,3 +41,93 @@ def test_embedded_model_speculates_with_its_shipped_drafter():
     assert ServerArgs(speculative_draft_model_path="/x").speculative_draft_model_path == "/x"
     other = ServerArgs(model_path="other.gguf")  # another target: no drafter is assumed
     assert other.speculative_algorithm is None and not other.speculating
+
+
+# ---------------------------------------------------------------- ranges and types of every field
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_threads": -1}, "num_threads"), ({"num_threads": 0}, "num_threads"),
+    ({"random_seed": -1}, "random_seed"), ({"random_seed": 2**64}, "random_seed"),
+    ({"log_level": "loud"}, "log_level"),
+    ({"hicache_storage_max_bytes": 0}, "hicache_storage_max_bytes"),
+    ({"hicache_storage_max_bytes": -5}, "hicache_storage_max_bytes"),
+    ({"max_running_requests": 0}, "max_running_requests"), ({"max_total_tokens": 8}, "max_total_tokens"),
+    ({"mem_fraction_static": NAN}, "mem_fraction_static"), ({"collective_timeout": NAN}, "collective_timeout"),
+    ({"collective_timeout": INF}, "collective_timeout"), ({"collective_timeout": 0}, "collective_timeout"),
+    ({"enable_hierarchical_cache": True, "hicache_ratio": NAN}, "hicache_ratio"),
+    ({"max_running_requests": "8"}, "max_running_requests"), ({"tp_size": True}, "tp_size"),
+    ({"disable_radix_cache": 1}, "disable_radix_cache"), ({"dtype": None}, "dtype"),
+    ({"dist_init_addr": "127.0.0.1:70000"}, "dist_init_addr"), ({"dist_init_addr": "127.0.0.1:0"}, "dist_init_addr"),
+    ({"dist_init_addr": ":1234"}, "dist_init_addr"),
+    ({"hicache_storage_backend": "file", "hicache_storage_dir": "/tmp/x"}, "hicache_storage_backend"),
+])
+def test_out_of_range_or_mistyped_fields_name_themselves(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        ServerArgs(**kwargs)
+
+
+def test_storage_cap_defaults_to_4_gib_and_accepts_any_positive_size():
+    assert ServerArgs().hicache_storage_max_bytes == 4 << 30
+    assert ServerArgs(hicache_storage_max_bytes=1).hicache_storage_max_bytes == 1
+
+
+def _file_tier(directory) -> dict:
+    return {"enable_hierarchical_cache": True, "hicache_storage_backend": "file", "hicache_storage_dir": str(directory)}
+
+
+def test_an_unusable_storage_dir_is_rejected_up_front(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="^hicache_storage_dir: .* is not a directory"):
+        ServerArgs(**_file_tier(tmp_path / "file" / "cache"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setattr("specserve.args.os.geteuid", lambda: shared.stat().st_uid + 1)
+    with pytest.raises(ValueError, match="^hicache_storage_dir: .*another user"):
+        ServerArgs(**_file_tier(shared))
+
+
+def test_an_unwritable_storage_dir_is_rejected_up_front(tmp_path, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)  # root may write anywhere: simulate the refusal
+    with pytest.raises(ValueError, match="^hicache_storage_dir: .* is not writable"):
+        ServerArgs(**_file_tier(tmp_path))
+    with pytest.raises(ValueError, match="^hicache_storage_dir: .* cannot be created in"):
+        ServerArgs(**_file_tier(tmp_path / "new"))
+
+
+def test_a_storage_dir_to_be_created_passes_without_being_created(tmp_path):
+    ServerArgs(**_file_tier(tmp_path / "a" / "b"))
+    assert not (tmp_path / "a").exists()  # validating flags has no side effects
+
+
+# ---------------------------------------------------------------- the command line (in process, no model)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--port", "70000"], "--port must be in ["),
+    (["serve", "--max-request-bytes", "-1"], "--max-request-bytes must be >= 1"),
+    (["serve", "--num-threads", "-2"], "num_threads must be >= 1"),
+    (["soak", "--wave", "0"], "--wave must be >= 1"),
+    (["bench", "serving", "--timeout", "0"], "--timeout must be > 0"),
+    (["generate", "--hicache-storage-max-bytes", "0"], "hicache_storage_max_bytes must be >= 1"),
+    (["generate", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["generate", "--num-threads", "x"], "invalid int value"),
+])
+def test_bad_flags_exit_2_with_one_argparse_style_line(argv, words, capsys):
+    from specserve.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors (a value that is not a number) exit
+        code = exc.code
+    err = capsys.readouterr().err
+    prog = "specserve " + " ".join(a for a in argv[:2] if not a.startswith("-"))
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and words in err, err

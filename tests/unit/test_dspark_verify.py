@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import pytest
 import torch
 
-from specserve.speculative.accept import DsparkVerifyEpilogue
+import specserve.speculative.accept as accept_module
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.accept import DsparkVerifyEpilogue, accept_windows
 
 V = 10
 
@@ -162,40 +167,69 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+P = [0.35, 0.25, 0.15, 0.12, 0.08, 0.05]  # the target's distribution
+Q = [0.05, 0.10, 0.40, 0.05, 0.30, 0.10]  # the drafter's: q != p, so some drafts are rejected
+CHI2_CRITICAL = 20.52  # 5 degrees of freedom, p = 0.001
+
+
+def first_tokens_through_the_engine_entry(gamma: int, n: int = 20_000, seed: int = 7):
+    """n seeded verify windows through `accept_windows`, the entry the ModelRunner calls (which
+    calls `DsparkVerifyEpilogue.accept_sampling`): windows of gamma drafts drawn from Q, a target
+    sampling at temperature 1 from logits log(P). Returns the first emitted token of each window
+    and the accept results."""
+    vocab = len(P)
+    p, q = torch.tensor(P), torch.tensor(Q)
+    gen = torch.Generator().manual_seed(seed)
+    drafts = torch.multinomial(q.expand(n, vocab), gamma, replacement=True, generator=gen)
+    ids = torch.cat([torch.zeros(n, 1, dtype=torch.int64), drafts], dim=1)
+    logits = p.log().expand(n * (gamma + 1), vocab)
+    epi = DsparkVerifyEpilogue(max_bs=n, num_verify_tokens=gamma + 1)
+    params = [SamplingParams(temperature=1.0)] * n
+    accept_windows(epi, ids, logits, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), params,
+                   [seed + i for i in range(n)], lambda v: q.expand(n, gamma, v), None)
+    out = epi.read_accept(n)
+    return out.out_tokens[:, 0], out
+
+
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_sampling_accept_is_exact(gamma):
     """First emitted token ~ p regardless of q (rejection sampling with residual resampling).
 
-    20,000 seeded trials over a 6-token vocabulary; chi-square with 5 degrees of freedom against
-    the 0.001 critical value 20.52. A broken residual (sampling from p instead) fails this.
+    20,000 seeded windows over a 6-token vocabulary; chi-square with 5 degrees of freedom against
+    the 0.001 critical value. A broken residual (sampling from p instead) fails this: see the
+    mutation test below.
     """
-    n, vocab = 20_000, 6
-    gen = torch.Generator().manual_seed(1234)
-    p = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
-    q = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
-    drafts = torch.multinomial(q.expand(n, vocab), gamma, replacement=True, generator=gen)
-    ids = torch.cat([torch.zeros(n, 1, dtype=torch.int64), drafts], dim=1)
-    target_probs = p.expand(n, gamma + 1, vocab)
-    draft_probs = q.expand(n, gamma, vocab)
-    epi = DsparkVerifyEpilogue(max_bs=n, num_verify_tokens=gamma + 1)
-    epi.accept_sampling(n, ids, target_probs, draft_probs, torch.rand(n, gamma + 1, generator=gen), torch.zeros(n))
-    out = epi.read_accept(n)
-    first = out.out_tokens[:, 0]
-    counts = torch.bincount(first, minlength=vocab).float()
-    assert chi_square(counts, p) < 20.52, counts / n
-    # q != p, so some drafts are rejected and some accepted
-    assert 0 < (out.correct_len == 0).float().mean() < 1
+    first, out = first_tokens_through_the_engine_entry(gamma)
+    counts = torch.bincount(first, minlength=len(P)).float()
+    assert chi_square(counts, torch.tensor(P)) < CHI2_CRITICAL, counts / counts.sum()
+    assert 0 < (out.correct_len == 0).float().mean() < 1  # some drafts rejected, some accepted
 
 
-def test_residual_is_needed_for_exactness():
-    """Mutation: resampling from p after a rejection (no residual) skews the first token."""
-    n, vocab = 20_000, 6
-    gen = torch.Generator().manual_seed(99)
-    p = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
-    q = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
-    d = torch.multinomial(q.expand(n, vocab), 1, generator=gen)
-    u = torch.rand(n, 2, generator=gen)
-    accepted = u[:, 0] < (p[d[:, 0]] / q[d[:, 0]]).clamp(max=1)
-    wrong_bonus = torch.multinomial(p.expand(n, vocab), 1, generator=gen)[:, 0]
-    first = torch.where(accepted, d[:, 0], wrong_bonus)
-    assert chi_square(torch.bincount(first, minlength=vocab).float(), p) > 20.52
+RESIDUAL = "(p_row - q_row).clamp_min(0)"
+
+
+def accept_sampling_without_the_residual():
+    """The real `DsparkVerifyEpilogue.accept_sampling`, recompiled from its own source with one
+    change: after a rejection the bonus is drawn from p instead of normalize(max(p - q, 0))."""
+    source = textwrap.dedent(inspect.getsource(DsparkVerifyEpilogue.accept_sampling))
+    assert source.count(RESIDUAL) == 1, f"the residual {RESIDUAL!r} moved: update this mutation"
+    namespace = dict(vars(accept_module))
+    exec(compile(source.replace(RESIDUAL, "p_row"), inspect.getsourcefile(accept_module), "exec"), namespace)
+    return namespace["accept_sampling"]
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_mutation_sampling_the_bonus_from_p_after_a_rejection_is_caught(gamma, monkeypatch):
+    """Mutation of the function the engine calls: patched on the class, reached through
+    accept_windows exactly as ModelRunner._verify reaches it; the exactness check must fail."""
+    mutant, calls = accept_sampling_without_the_residual(), []
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return mutant(self, *args, **kwargs)
+
+    monkeypatch.setattr(DsparkVerifyEpilogue, "accept_sampling", counted)
+    first, _ = first_tokens_through_the_engine_entry(gamma)
+    assert len(calls) == 1, "accept_windows did not reach the patched accept_sampling"
+    counts = torch.bincount(first, minlength=len(P)).float()
+    assert chi_square(counts, torch.tensor(P)) > CHI2_CRITICAL, counts / counts.sum()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specserve.kv.file_storage import PAGE_TOKENS, FileKVStorage
+from specserve.kv.file_storage import PAGE_TOKENS, FileKVStorage, PageLayout, StorageFingerprint
 from specserve.kv.hiradix_cache import HIT_THRESHOLD, HiRadixCache
 from specserve.kv.host_pool import HostKVPool
 from specserve.kv.pool import KVPool, TokenSlotAllocator
@@ -15,11 +15,17 @@ def one_rank(value, site):
     return value
 
 
-def make(dev_size, host_size, policy, storage=None):
-    """A tiny 2-layer device pool, its allocator, a host pool and a HiRadixCache over them."""
+FINGERPRINT = StorageFingerprint(model="tiny:0", drafter="none", kv_dtype="torch.float32", tp_size=1, tp_rank=0,
+                                 kernel="test")
+
+
+def make(dev_size, host_size, policy, storage_dir=None):
+    """A tiny 2-layer device pool, its allocator, a host pool and a HiRadixCache over them (with a
+    file tier in `storage_dir`)."""
     pool = KVPool(dev_size, 2, 1, 4, torch.float32)
     alloc = TokenSlotAllocator(dev_size)
     host = HostKVPool([pool], host_size, Stream("fwd"), Stream("copy"))
+    storage = FileKVStorage(storage_dir, FINGERPRINT, PageLayout.of_pools([pool])) if storage_dir else None
     tree = HiRadixCache(alloc, host, policy, storage, one_rank)
     return pool, alloc, host, tree
 
@@ -112,11 +118,11 @@ def test_short_allocator_load_back_evicts_other_leaves_but_never_the_matched_pat
 
 def test_file_tier_pages_load_into_a_new_instance(tmp_path):
     key = list(range(5000, 5000 + 2 * PAGE_TOKENS + 5))
-    pool, alloc, host, tree = make(300, 300, "write_through", FileKVStorage(str(tmp_path), 0))
+    pool, alloc, host, tree = make(300, 300, "write_through", str(tmp_path))
     insert_filled(pool, alloc, tree, key, 4)
     assert tree.stats.storage_pages_written == 2  # full pages only: the 5-token tail is not written
 
-    pool2, alloc2, host2, tree2 = make(300, 300, "write_through", FileKVStorage(str(tmp_path), 0))
+    pool2, alloc2, host2, tree2 = make(300, 300, "write_through", str(tmp_path))
     slots, node = tree2.match_prefix(key)
     assert len(slots) == 2 * PAGE_TOKENS
     assert tree2.stats.storage_hit_tokens == 2 * PAGE_TOKENS

@@ -1,0 +1,159 @@
+"""Per-request failure isolation: hostile parameters are refused before the engine step, and a
+request whose own host work fails (stop strings, detokenizing) fails alone while the others finish."""
+
+from __future__ import annotations
+
+import math
+import queue
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fake_runner import assert_no_leak, make_req, make_scheduler, run_to_completion
+
+from specserve.engine.messages import AddRequest, RequestDone, RequestError, RequestFailed, Shutdown
+from specserve.errors import InvalidRequestError
+from specserve.sampler import sample
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.req import FinishReason
+from specserve.server.engine_process import EngineServer, one_line
+
+VOCAB = 1000
+
+HOSTILE = [
+    ("top_k", 2**63),
+    ("top_k", VOCAB + 1),
+    ("seed", 2**64),
+    ("seed", -1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", 1e9),
+    ("top_p", math.nan),
+    ("min_p", math.inf),
+    ("max_new_tokens", 2**63),
+    ("ignore_eos", None),
+    ("ignore_eos", "yes"),
+    ("skip_special_tokens", None),
+    ("skip_special_tokens", 1),
+    ("stop", ["x"] * 17),
+    ("stop", ["y" * 257]),
+    ("stop_token_ids", list(range(257))),
+    ("stop_token_ids", [VOCAB]),
+    ("stop_token_ids", [True]),
+]
+
+
+@pytest.mark.parametrize("field,value", HOSTILE, ids=[f"{f}={str(v)[:12]}" for f, v in HOSTILE])
+def test_hostile_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams.from_dict({field: value}).validate(VOCAB)
+    assert err.value.param == f"sampling_params.{field}"
+    assert len(str(err.value)) < 400  # a huge value is not echoed back whole
+
+
+def test_limits_themselves_are_accepted():
+    sp = SamplingParams.from_dict({"top_k": VOCAB, "seed": 2**64 - 1, "stop": ["s" * 256] * 16,
+                                   "stop_token_ids": list(range(256)), "temperature": 100})
+    sp.validate(VOCAB)
+
+
+def test_sampling_params_must_be_an_object():
+    for bad in ([1], "greedy", 3):
+        with pytest.raises(InvalidRequestError, match="must be an object"):
+            SamplingParams.from_dict(bad)
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=1e-30), SamplingParams(temperature=1e-6), SamplingParams(temperature=0.5)]
+    out = sample(logits, params, seeds=[1, 2, 3], counters=[0, 0, 0])
+    assert out[:2] == logits[:2].argmax(-1).tolist()
+    assert 0 <= out[2] < 50
+
+
+# ---------------------------------------------------------------- the scheduler: a failing stop check
+
+
+def test_a_failing_stop_check_fails_that_request_alone():
+    def decode(ids):
+        if 666 in ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    sched = make_scheduler(decode_text=decode)
+    runner = sched.runner
+    bad_prompt, good_prompt = [5, 6, 7], [8, 9, 10]
+    runner.next_token = _forcing(runner.next_token, bad_prompt, 666)
+    done = run_to_completion(sched, [make_req("bad", bad_prompt, 12, stop=["#never#"]),
+                                     make_req("good", good_prompt, 12, stop=["#never#"])])
+    assert done["bad"].finish_reason == FinishReason.ERROR and "planted" in done["bad"].error
+    assert done["good"].finish_reason == FinishReason.LENGTH and len(done["good"].output_ids) == 12
+    assert_no_leak(sched)
+
+
+def _forcing(next_token, prompt, token):
+    """The fake model emits `token` for `prompt`'s first output, its usual tokens elsewhere."""
+    def patched(input_ids, output_ids):
+        if list(input_ids) == prompt and not output_ids:
+            return token
+        return next_token(input_ids, output_ids)
+    return patched
+
+
+# ---------------------------------------------------------------- the engine process: per-request guards
+
+
+class _Engine:
+    """Just what EngineServer calls: submit, abort, step, output, has_work, load."""
+
+    def __init__(self):
+        self.queued, self.finished = [], []
+
+    def submit(self, input_ids, params, rid):
+        if params.get("explode"):
+            raise TypeError("planted submit bug")
+        if params.get("invalid"):
+            raise InvalidRequestError("sampling_params.top_k: bad", param="sampling_params.top_k")
+        self.queued.append(SimpleNamespace(rid=rid, error=params.get("error"), output_fails=params.get("output_fails")))
+
+    def abort(self, rid):
+        pass
+
+    def has_work(self):
+        return bool(self.queued)
+
+    def step(self):
+        finished, self.queued = self.queued, []
+        return SimpleNamespace(tokens=[], finished=finished)
+
+    def output(self, req):
+        if req.output_fails:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted detokenizer bug")
+        return {"text": "ok", "meta_info": {"id": req.rid}}
+
+    def load(self):
+        return {}
+
+
+def test_engine_server_fails_only_the_request_whose_host_work_raised():
+    commands, events = queue.Queue(), queue.Queue()
+    for rid, params in [("boom", {"explode": True}), ("bad", {"invalid": True}), ("err", {"error": "stop check"}),
+                        ("detok", {"output_fails": True}), ("fine", {})]:
+        commands.put(AddRequest(rid, [1, 2], params))
+    commands.put(Shutdown())
+    EngineServer(_Engine(), commands, events).run()
+    final = {}
+    while not events.empty():
+        for ev in events.get():
+            if isinstance(ev, (RequestDone, RequestError, RequestFailed)):
+                final[ev.rid] = ev
+    assert isinstance(final["boom"], RequestFailed) and "planted submit bug" in final["boom"].message
+    assert isinstance(final["bad"], RequestError) and final["bad"].param == "sampling_params.top_k"
+    assert isinstance(final["err"], RequestFailed) and final["err"].message == "stop check"
+    assert isinstance(final["detok"], RequestFailed) and "planted detokenizer bug" in final["detok"].message
+    assert isinstance(final["fine"], RequestDone) and final["fine"].output["text"] == "ok"
+
+
+def test_one_line_reason():
+    assert one_line("Traceback (most recent call last):\n  File x\nValueError: y") == "Traceback (most recent call last):"
+    assert len(one_line("x" * 1000)) == 300
