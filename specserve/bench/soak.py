@@ -50,7 +50,7 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-delay-ms", type=int, default=None, help="sets SPECSERVE_FAULT_COPY_DELAY_MS")
     p.add_argument("--forward-delay-ms", type=int, default=None, help="sets SPECSERVE_FAULT_FORWARD_DELAY_MS")
     p.add_argument("--no-consensus-checker", action="store_true",
-                   help="leave the checker to SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER (unset: divergences not measured)")
+                   help="leave the checker to SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER (off: divergences null)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
 

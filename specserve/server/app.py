@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from specserve.server.errors import install_error_handlers
 from specserve.server.middleware import GuardMiddleware
+from specserve.server.protocol import bound_by_vocab
 from specserve.server.routes import add_generation_routes, add_info_routes
 from specserve.server.state import ServerState
 
@@ -30,4 +31,17 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(GuardMiddleware, state=state)
     add_info_routes(app, state)
     add_generation_routes(app, state)
+    _document_vocab_bounds(app, state.client.info["vocab_size"])
     return app
+
+
+def _document_vocab_bounds(app: FastAPI, vocab_size: int) -> None:
+    """The OpenAPI schema states the served model's bounds on token ids and top_k."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            bound_by_vocab(build(), vocab_size)
+        return app.openapi_schema
+
+    app.openapi = openapi

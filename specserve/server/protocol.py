@@ -8,14 +8,32 @@ behaviour.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_validator)
 
 from specserve.sampling_params import (MAX_NEW_TOKENS_LIMIT, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                        MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SEED_LIMIT)
 
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**64 else value
+
+
 Number = StrictFloat  # strict: ints are accepted, bools and strings are not
+Integer = StrictInt  # integral floats are accepted too: see _Strict._integral_floats
+# The vocabulary bounds token ids and top_k; the app writes it into its OpenAPI schema (VOCAB_BOUND).
+VOCAB_BOUND = "x-vocab-bound"
+TokenId = Annotated[StrictInt, Field(ge=0, json_schema_extra={VOCAB_BOUND: -1}), BeforeValidator(_integral)]
+Text = Annotated[StrictStr, Field(min_length=1)]
+T = TypeVar("T")
+NonEmpty = Annotated[T, Field(min_length=1)]
+TokenIds = NonEmpty[list[TokenId]]
+
+
+def neutral_only(*values: Any) -> Any:
+    """A field of the OpenAI API that specserve accepts only at its neutral values; the schema says so."""
+    return Field(None, json_schema_extra={"enum": list(values)})
 MAX_N = 16  # choices per request
 MAX_STOP = MAX_STOP_STRINGS  # stop strings per request
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -24,6 +42,12 @@ Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """JSON has one number type: 2.0 is the integer 2 (JSON Schema agrees); 2.5, "2" and true are not."""
+        return {k: _integral(v) for k, v in data.items()} if isinstance(data, dict) else data
 
 
 class TextPart(_Strict):
@@ -51,20 +75,20 @@ class SamplingFields(_Strict):
     model: StrictStr
     temperature: Optional[Number] = Field(None, ge=0, le=2)
     top_p: Optional[Number] = Field(None, gt=0, le=1)
-    top_k: Optional[StrictInt] = Field(None, ge=-1)
+    top_k: Optional[Integer] = Field(None, ge=-1, json_schema_extra={VOCAB_BOUND: 0})
     min_p: Optional[Number] = Field(None, ge=0, le=1)
     stop: Optional[Stop] = None
-    seed: Optional[StrictInt] = Field(None, ge=0, lt=2**63)
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    seed: Optional[Integer] = Field(None, ge=0, lt=2**63)
+    n: Integer = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: StrictBool = False  # extension: generate exactly max_tokens (benchmarks)
     user: Optional[StrictStr] = None  # accepted for compatibility; not used
     # OpenAI fields specserve does not implement: only their neutral values are accepted.
-    presence_penalty: Optional[Number] = None
-    frequency_penalty: Optional[Number] = None
-    logit_bias: Optional[dict[str, Number]] = None
-    logprobs: Union[StrictBool, StrictInt, None] = None
+    presence_penalty: Optional[Number] = neutral_only(None, 0)
+    frequency_penalty: Optional[Number] = neutral_only(None, 0)
+    logit_bias: Optional[dict[str, Number]] = neutral_only(None, {})
+    logprobs: Union[StrictBool, Integer, None] = neutral_only(None, False, 0)
 
     @model_validator(mode="after")
     def _check(self):
@@ -105,12 +129,12 @@ class SamplingFields(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[StrictInt] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
-    max_completion_tokens: Optional[StrictInt] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
-    top_logprobs: Optional[StrictInt] = None
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
+    max_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
+    max_completion_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
+    top_logprobs: Optional[Integer] = neutral_only(None, 0)
+    response_format: Optional[dict[str, Any]] = neutral_only(None, {"type": "text"})
+    tools: Optional[list[dict[str, Any]]] = neutral_only(None, [])
+    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = neutral_only(None, "none")
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -131,11 +155,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = Field(16, ge=0, le=MAX_NEW_TOKENS_LIMIT)  # OpenAI's default for completions
-    echo: StrictBool = False
-    suffix: Optional[StrictStr] = None
-    best_of: Optional[StrictInt] = None
+    prompt: Union[Text, NonEmpty[list[Text]], TokenIds, NonEmpty[list[TokenIds]]]
+    max_tokens: Optional[Integer] = Field(16, ge=0, le=MAX_NEW_TOKENS_LIMIT)  # OpenAI's default for completions
+    echo: StrictBool = Field(False, json_schema_extra={"enum": [False]})
+    suffix: Optional[StrictStr] = neutral_only(None, "")
+    best_of: Optional[Integer] = Field(None, json_schema_extra={"enum": [None], "description": "or equal to n"})
 
     @model_validator(mode="after")
     def _check_completion(self):
@@ -166,15 +190,15 @@ class CompletionRequest(SamplingFields):
 class GenerateSamplingParams(_Strict):
     """specserve's SamplingParams as the native API takes them (checked again, with the vocabulary, by the engine)."""
 
-    max_new_tokens: Optional[StrictInt] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
+    max_new_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
     temperature: Number = Field(1.0, ge=0, le=MAX_TEMPERATURE)
     top_p: Number = Field(1.0, gt=0, le=1)
-    top_k: StrictInt = Field(-1, ge=-1)
+    top_k: Integer = Field(-1, ge=-1, json_schema_extra={VOCAB_BOUND: 0})
     min_p: Number = Field(0.0, ge=0, le=1)
     stop: Stop = Field(default_factory=list)
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
-    seed: Optional[Annotated[StrictInt, Field(ge=0, lt=SEED_LIMIT)]] = None
+    seed: Optional[Annotated[Integer, Field(ge=0, lt=SEED_LIMIT)]] = None
     skip_special_tokens: StrictBool = True
 
     @model_validator(mode="after")
@@ -191,8 +215,12 @@ class GenerateSamplingParams(_Strict):
 class GenerateRequest(_Strict):
     """The native endpoint: text or input_ids, specserve sampling params, the Engine's output dict."""
 
-    text: Optional[StrictStr] = None
-    input_ids: Optional[list[StrictInt]] = None
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of text and input_ids
+        {"required": ["text"], "properties": {"text": {"type": "string"}, "input_ids": {"type": "null"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}, "text": {"type": "null"}}}]})
+
+    text: Optional[Text] = None
+    input_ids: Optional[TokenIds] = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
 
@@ -203,3 +231,15 @@ class GenerateRequest(_Strict):
         if self.text == "" or self.input_ids == []:
             raise ValueError("text/input_ids: must not be empty")
         return self
+
+
+def bound_by_vocab(schema: Any, vocab_size: int) -> None:
+    """In an OpenAPI schema (in place): each VOCAB_BOUND marker becomes `maximum: vocab_size + offset`."""
+    if isinstance(schema, dict):
+        if VOCAB_BOUND in schema:
+            schema["maximum"] = vocab_size + schema.pop(VOCAB_BOUND)
+        for value in schema.values():
+            bound_by_vocab(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            bound_by_vocab(value, vocab_size)

@@ -28,6 +28,7 @@ def usage(prompt_tokens: int, outputs: list[dict]) -> dict[str, Any]:
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     accepted = sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outputs)
     cached = max(o["meta_info"]["cached_tokens"] for o in outputs)
+    # reasoning_tokens is 0 by definition: these models have no separate reasoning channel.
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted, "reasoning_tokens": 0}}

@@ -43,7 +43,7 @@ def add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.started_at,
                                              "owned_by": "specserve", "max_model_len": state.context_length}]}
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 from specserve.server.engine_client import EngineClient
@@ -21,6 +22,7 @@ class ServerState:
     api_key: Optional[str] = None
     max_queued_requests: int = 256  # requests waiting for their first token; beyond this a request gets 503
     max_request_bytes: int = 8 << 20  # larger bodies get 413
+    started_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models "created"
 
     @property
     def context_length(self) -> int:

@@ -33,9 +33,17 @@ def prompts(fp32_engine):
 
 
 @pytest.fixture(scope="module")
-def reference(fp32_engine, prompts):
+def long_reference(fp32_engine, prompts):
+    """Greedy continuations a window past GREEDY's max_new_tokens: drafts beyond the checked
+    output are then the true tokens too, so every rejection comes from a planted wrong one."""
     fp32_engine.tree.reset()
-    return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    params = {**GREEDY, "max_new_tokens": GREEDY["max_new_tokens"] + MAX_DRAFT_TOKENS}
+    return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def reference(long_reference):
+    return [out[:GREEDY["max_new_tokens"]] for out in long_reference]
 
 
 def dspark_engine(drafter_dir: str, **kwargs) -> Engine:
@@ -63,13 +71,15 @@ def plant_oracle(engine: Engine, prompts: list[list[int]], outputs: list[list[in
     runner._draft = oracle_draft
 
 
-WRONG_EVERY = 4
+WRONG_PERIOD = 6
 
 
 def partly_wrong(outputs: list[list[int]]) -> list[list[int]]:
-    """The true continuations with every WRONG_EVERY-th token (a different phase per request)
-    replaced by another id: as drafts, right runs of up to WRONG_EVERY - 1 tokens, then a miss."""
-    return [[t ^ 1 if (m + i) % WRONG_EVERY == WRONG_EVERY - 1 else t for m, t in enumerate(out)]
+    """The true continuations with two consecutive tokens of every WRONG_PERIOD replaced by other
+    ids (a different phase per request). As drafts: right runs of WRONG_PERIOD - 2 tokens, then a
+    miss that some window must test: a wrong token skipped as a step's bonus position is followed
+    by another, at the next window's first draft."""
+    return [[t ^ 1 if (m + i) % WRONG_PERIOD >= WRONG_PERIOD - 2 else t for m, t in enumerate(out)]
             for i, out in enumerate(outputs)]
 
 
@@ -81,33 +91,50 @@ def test_block_size_defaults_to_the_checkpoint_and_the_flag_overrides_it(drafter
     assert engine.scheduler.window == 3
 
 
-LOSSLESS_CASES = [(g, "static") for g in range(1, MAX_DRAFT_TOKENS + 1)] + [(g, "compact") for g in (1, 3, 5, 7)]
+def check_lossless_and_partly_accepted(engine: Engine, prompts, reference, params: dict, gamma: int,
+                                       static: bool) -> list[dict]:
+    """With partly right drafts planted (`partly_wrong`): the output equals the reference, and
+    the equality is not the trivial one of a drafter whose drafts are all rejected: every request
+    accepts drafts, and (static windows, where the cap is gamma) a step accepting fewer than gamma
+    drafts rejected one."""
+    assert engine.scheduler.window == gamma + 1
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == reference
+    for out in outs:
+        info = out["meta_info"]
+        assert info["spec_verify_ct"] >= 1 and 1.0 <= info["spec_accept_length"] <= gamma + 1
+        assert info["spec_num_correct_drafts"] > 0, info
+        if static:
+            assert min(info["spec_correct_drafts_histogram"]) < gamma, info
+    return outs
 
 
-@pytest.mark.parametrize("gamma,mode", LOSSLESS_CASES)
-def test_dspark_greedy_is_lossless_with_partly_right_drafts(drafter_dir, prompts, reference, gamma, mode, tmp_path):
-    """Every block size: drafts partly right by construction (planted into the real verify and
-    accept), so that the equality with the reference is not the trivial one of a drafter whose
-    drafts are all rejected: every request accepts drafts, and (static windows) rejects some."""
+@pytest.mark.parametrize("mode", ["static", "compact"])
+@pytest.mark.parametrize("gamma", [1, 3, 5, 7])
+def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, long_reference, gamma, mode, tmp_path):
+    """Static and compact verify, with drafts partly right by construction."""
     table = tmp_path / "sps.json"  # flat up to 20 rows, then slower: compact picks partial windows
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
     engine = dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, speculative_dspark_verify_mode=mode,
                            speculative_dspark_sps_table_path=str(table))
-    assert engine.scheduler.window == gamma + 1
-    plant_oracle(engine, prompts, partly_wrong(reference))
-    batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert [o["output_ids"] for o in batch] == reference
-    alone = engine.generate(input_ids=prompts[1], sampling_params=GREEDY)
-    assert alone["output_ids"] == reference[1]
-    for out in batch + [alone]:
-        info = out["meta_info"]
-        assert info["spec_verify_ct"] >= 1 and 1.0 <= info["spec_accept_length"] <= gamma + 1
-        assert info["spec_num_correct_drafts"] > 0, info  # accepted drafts
-        if mode == "static":  # a step that accepted fewer than gamma drafts rejected one
-            assert min(info["spec_correct_drafts_histogram"]) < gamma, info
+    plant_oracle(engine, prompts, partly_wrong(long_reference))  # into the real verify and accept
+    check_lossless_and_partly_accepted(engine, prompts, reference, GREEDY, gamma, mode == "static")
+    check_lossless_and_partly_accepted(engine, prompts[1:2], reference[1:2], GREEDY, gamma, mode == "static")
     engine.scheduler.check_integrity()
     engine.tree.reset()
     assert engine.allocator.available == engine.allocator.size
+
+
+@pytest.mark.parametrize("gamma", [g for g in range(1, MAX_DRAFT_TOKENS + 1) if g not in (1, 3, 5, 7)])
+def test_every_other_block_size_is_lossless_with_partly_right_drafts(drafter_dir, prompts, reference, long_reference,
+                                                                      gamma):
+    """The block sizes the test above leaves out (together: every size the flag accepts), on a
+    smaller batch: static windows, three requests, 16 tokens."""
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=gamma)
+    short = [out[:16] for out in reference[:3]]
+    plant_oracle(engine, prompts[:3], partly_wrong(long_reference[:3]))
+    check_lossless_and_partly_accepted(engine, prompts[:3], short, {**GREEDY, "max_new_tokens": 16}, gamma, True)
+    engine.scheduler.check_integrity()
 
 
 def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, reference, tmp_path):

@@ -1,0 +1,27 @@
+"""The load bench's smoke version: 16 streaming clients for 30 s with disconnects, aborts and hostile
+requests against a live server. The bench's own checks must all pass (it exits non-zero otherwise):
+no 5xx or failed stream on a valid request, every hostile request a 4xx, no KV held at the end,
+memory growth bounded. `specserve bench load` with its defaults is the 10-minute, 64-client run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_load_smoke(tmp_path):
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, "-m", "specserve.cli", "bench", "load", "--minutes", "0.5", "--clients", "16",
+           "--max-tokens", "16", "--rss-baseline-s", "15", "--hostile-share", "0.15", "--disconnect-share", "0.15",
+           "--abort-share", "0.1", "--out", str(out), "--", "--context-length", "512"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert proc.returncode == 0, (report, proc.stderr[-3000:])
+    assert report["passed"] and all(report["checks"].values()), report
+    sent = report["sent"]
+    for kind in ("chat_stream", "completion", "generate", "disconnect", "abort", "hostile"):
+        assert sent.get(kind, 0) > 0, sent  # every kind of client behaviour happened
+    assert report["ok"]["hostile"] == sent["hostile"]
+    assert report["kv_request_tokens_at_end"] == 0 and report["completion_tokens"] > 0
