@@ -1,6 +1,7 @@
 """The overlap loop on the real model: same tokens and acceptance as the normal loop (also under
-fault delays), finish-while-in-flight, and the seed's bug re-created with the alias fault and
-caught by the loop comparison and by the stream sanitizer."""
+fault delays), finish-while-in-flight, the seed's bug re-created with the alias fault and caught
+by the loop comparison (wrong tokens) and by the stream sanitizer, and a launch without its
+forward->copy event caught by the sanitizer."""
 
 from __future__ import annotations
 

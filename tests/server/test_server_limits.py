@@ -112,7 +112,7 @@ def test_fuzzed_requests_never_get_5xx_and_valid_ones_generate(small_server):
     positive_ok: dict[str, list[int]] = {}
     for result in schema.get_all_operations():
         op = result.ok()
-        for mode, examples in ((schemathesis.GenerationMode.POSITIVE, 25), (schemathesis.GenerationMode.NEGATIVE, 40)):
+        for mode, examples in ((schemathesis.GenerationMode.POSITIVE, 20), (schemathesis.GenerationMode.NEGATIVE, 30)):
             @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             @given(op.as_strategy(generation_mode=mode))
@@ -129,7 +129,7 @@ def test_fuzzed_requests_never_get_5xx_and_valid_ones_generate(small_server):
                 call()
             except Unsatisfiable:  # no invalid input exists (e.g. a GET without parameters)
                 assert mode == schemathesis.GenerationMode.NEGATIVE and op.method.upper() == "GET"
-    assert sum(seen.values()) >= 150 and len(seen) >= 6, seen
+    assert sum(seen.values()) >= 120 and len(seen) >= 6, seen
     shares = {label: sum(oks) / len(oks) for label, oks in positive_ok.items() if label in GENERATING}
     print("2xx share of valid fuzz cases:", shares)
     assert set(shares) == set(GENERATING) and min(shares.values()) >= 0.3, shares
