@@ -157,10 +157,14 @@ class Client:
 
     async def abort(self) -> None:
         try:
-            await asyncio.wait_for(self.http.post("/v1/chat/completions", json=self._chat(False)),
-                                   timeout=self.rng.uniform(0.01, 0.2))
+            r = await asyncio.wait_for(self.http.post("/v1/chat/completions", json=self._chat(False)),
+                                       timeout=self.rng.uniform(0.01, 0.2))
         except asyncio.TimeoutError:
             self.tally.ok["abort"] += 1
+            return
+        self.tally.statuses[f"abort:{r.status_code}"] += 1  # it finished before the client gave up
+        if r.status_code != 200:
+            self._fail("abort", f"status {r.status_code}: {r.text[:200]}")
 
     async def hostile(self) -> None:
         path, body = self.rng.choice(self.hostile_requests)
@@ -303,8 +307,8 @@ async def run_load(ns: argparse.Namespace, server: LiveServer) -> dict[str, Any]
 
 
 def _report(ns, tally: Tally, elapsed: float, m: dict[str, float], health: int, rss: dict[str, int]) -> dict[str, Any]:
-    base = rss.get("baseline") or rss["end"]
-    growth = rss["end"] / base - 1
+    base = rss.get("baseline")  # None when the run ended before the baseline time: not measured
+    growth = rss["end"] / base - 1 if base else None
     report = {"clients": ns.clients, "seconds": round(elapsed, 1), "sent": dict(tally.sent), "ok": dict(tally.ok),
               "statuses": dict(sorted(tally.statuses.items())), "completion_tokens": tally.tokens,
               "completion_tokens_per_s": round(tally.tokens / elapsed, 2),
@@ -312,14 +316,14 @@ def _report(ns, tally: Tally, elapsed: float, m: dict[str, float], health: int, 
               "hostile_not_4xx": len(tally.hostile_not_4xx), "hostile_examples": tally.hostile_not_4xx[:5],
               "kv_request_tokens_at_end": m.get("specserve_kv_request_tokens"),
               "requests_running_at_end": m.get("specserve_num_requests_running"),
-              "health_at_end": health, "rss_baseline_mib": round(base / 2**20, 1),
+              "health_at_end": health, "rss_baseline_mib": round(base / 2**20, 1) if base else None,
               "rss_end_mib": round(rss["end"] / 2**20, 1), "rss_peak_mib": round(rss.get("peak", 0) / 2**20, 1),
-              "rss_growth": round(growth, 4)}
+              "rss_growth": round(growth, 4) if growth is not None else None}
     report["checks"] = {"no_5xx_on_valid_requests": not tally.valid_failures,
                         "hostile_requests_all_4xx": not tally.hostile_not_4xx,
                         "no_kv_held_at_end": report["kv_request_tokens_at_end"] == 0,
                         "healthy_at_end": health == 200,
-                        f"rss_growth_under_{ns.max_rss_growth:g}": growth < ns.max_rss_growth}
+                        f"rss_growth_under_{ns.max_rss_growth:g}": growth is not None and growth < ns.max_rss_growth}
     report["passed"] = all(report["checks"].values())
     return report
 
@@ -329,6 +333,8 @@ def run_load_bench(ns: argparse.Namespace) -> int:
     for name in ("clients", "minutes", "max_tokens"):
         if getattr(ns, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 <= ns.rss_baseline_s < ns.minutes * 60:
+        raise ValueError("--rss-baseline-s must fall inside the run (0 <= it < --minutes * 60)")
     if ns.hostile_share + ns.disconnect_share + ns.abort_share >= 1:
         raise ValueError("--hostile-share + --disconnect-share + --abort-share must leave room for valid requests")
     log_path = ns.out + ".server.log" if ns.out else tempfile.NamedTemporaryFile(suffix=".server.log", delete=False).name

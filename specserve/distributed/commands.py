@@ -9,6 +9,7 @@ raises MalformedPayload; nothing a peer sends is ever executed.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -94,13 +95,16 @@ class CommandBroadcast:
             raise ValueError("CommandBroadcast: a tensor-parallel group needs a ReqCodec")
         self.group, self.codec = group, codec
         self.pending: list[Command] = []
+        self._lock = threading.Lock()  # submit/abort threads put while the step thread takes
 
     def put(self, command: Command) -> None:
-        self.pending.append(command)
+        with self._lock:
+            self.pending.append(command)
 
     def take(self) -> list[Command]:
         """This step's commands, identical on every rank (a collective under TP: every rank calls it)."""
-        commands, self.pending = self.pending, []
+        with self._lock:  # a put racing the swap must land in this step's list or the next, never after encoding
+            commands, self.pending = self.pending, []
         if self.group is None:
             return commands
         if self.group.rank == 0:  # rank 0 keeps its own objects (callers hold its requests)

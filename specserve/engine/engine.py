@@ -55,7 +55,8 @@ class Engine:
             failure = self._dead_worker(exc)
             self._stop_workers(timeout_s=5)
             if failure is not None and not isinstance(exc, RankStartupError):
-                raise RankStartupError(failure) from exc  # the cause, not the collective it broke
+                # The dead rank first (usually the cause), then what rank 0 itself saw.
+                raise RankStartupError(f"{failure}; rank 0: {type(exc).__name__}: {exc}") from exc
             raise
 
     @classmethod

@@ -24,13 +24,14 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 from specserve.engine.messages import (AbortRequest, AddRequest, EngineFatal, EngineReady, Event, Heartbeat,
                                        LoadReport, RequestDone, RequestError, RequestFailed, Shutdown, TokensOut)
-from specserve.server.engine_process import HEARTBEAT_S, engine_main, one_line
+from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S, engine_main, one_line
 from specserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 READER_POLL_S = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0  # the engine beats every HEARTBEAT_S from a thread of its own
+FAILED_ENGINE_EXIT_S = 1.0  # a failed engine gets this long to exit on its own before it is killed
 
 
 class EngineUnavailable(RuntimeError):
@@ -59,7 +60,8 @@ class EngineClient:
     """Starts the engine process and multiplexes requests over it."""
 
     def __init__(self, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
         if heartbeat_timeout_s <= HEARTBEAT_S:
             raise ValueError(f"heartbeat timeout must exceed the heartbeat interval of {HEARTBEAT_S} s")
         self.engine_kwargs = engine_kwargs
@@ -75,7 +77,8 @@ class EngineClient:
         self._closing = False
         ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and locks
         self._commands, self._events = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=engine_main, args=(engine_kwargs, self._commands, self._events),
+        self.proc = ctx.Process(target=engine_main, args=(engine_kwargs, self._commands, self._events, HEARTBEAT_S,
+                                                          step_timeout_s),
                                 name="specserve-engine", daemon=False)  # it may spawn TP ranks
 
     # ------------------------------------------------------------ lifecycle
@@ -107,11 +110,14 @@ class EngineClient:
         threading.Thread(target=self._read_events, name="engine-events", daemon=True).start()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask the engine to abort what is left and exit; kill it if it does not within the bound."""
+        """Ask the engine to abort what is left and exit; kill it if it does not within the bound.
+        A failed engine is not asked: it is killed after a moment, so the server exits promptly."""
         self._closing = True
-        if self.proc.is_alive():
+        if self.fatal is not None:
+            timeout_s = FAILED_ENGINE_EXIT_S
+        elif self.proc.is_alive():
             self._commands.put(Shutdown())
-            self.proc.join(timeout_s)
+        self.proc.join(timeout_s)
         if self.proc.is_alive():
             logger.error("engine process did not exit within %.0f s; killing it", timeout_s)
             self.proc.kill()
@@ -180,6 +186,15 @@ class EngineClient:
             pass
 
     def _dispatch(self, events: list[Event]) -> None:
+        """On the event loop: route one list of events; a failure here would lose final events, so it
+        is engine death too."""
+        try:
+            self._route_all(events)
+        except Exception as exc:
+            logger.critical("routing engine events failed", exc_info=True)
+            self._fail_all(f"routing engine events failed: {type(exc).__name__}: {exc}")
+
+    def _route_all(self, events: list[Event]) -> None:
         now = time.perf_counter()
         for ev in events:
             match ev:

@@ -14,7 +14,8 @@ import os
 import queue
 import signal
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 from specserve.engine.messages import (AbortRequest, AddRequest, Command, EngineFatal, EngineReady, Event,
                                        Heartbeat, LoadReport, RequestDone, RequestError, RequestFailed, Shutdown,
@@ -25,9 +26,11 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
 HEARTBEAT_S = 1.0  # how often the engine process says it is alive
+DEFAULT_STEP_TIMEOUT_S = 300.0  # one serving-loop iteration longer than this is a stuck engine
 
 
-def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: float = HEARTBEAT_S) -> None:
+def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: float = HEARTBEAT_S,
+                step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
     """Process entry point (spawned): build the Engine, then serve commands until shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when to stop
     logging.basicConfig(level=str(engine_kwargs.get("log_level", "info")).upper(),
@@ -40,11 +43,13 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: fl
         events.put([EngineFatal(f"engine failed to start: {type(exc).__name__}: {exc}")])
         return
     events.put([EngineReady(_ready_info(engine))])
+    server = EngineServer(engine, commands, events)
     beating = threading.Event()
-    threading.Thread(target=_beat, args=(events, heartbeat_s, beating), name="engine-heartbeat", daemon=True).start()
+    threading.Thread(target=_beat, args=(events, heartbeat_s, beating, lambda: server.stalled(step_timeout_s)),
+                     name="engine-heartbeat", daemon=True).start()
     try:
         with engine.sanitized():
-            EngineServer(engine, commands, events).run()
+            server.run()
     except Exception as exc:  # the traceback goes to the log; the HTTP side gets one line
         logger.critical("engine step failed; the engine stops", exc_info=True)
         events.put([EngineFatal(one_line(f"engine step failed: {type(exc).__name__}: {exc}"))])
@@ -54,10 +59,16 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: fl
         engine.shutdown()
 
 
-def _beat(events, interval_s: float, stop: threading.Event) -> None:
-    """Off the step thread: a slow step does not stop it, a stopped or wedged process does."""
+def _beat(events, interval_s: float, stop: threading.Event, stalled: Callable[[], bool]) -> None:
+    """Off the step thread: a slow step does not stop it; a stopped process, or a serving loop stuck in
+    one iteration past the step timeout (a deadlock, a wait that never returns), does."""
+    warned = False
     while not stop.wait(interval_s):
-        events.put([Heartbeat()])
+        if not stalled():
+            events.put([Heartbeat()])
+        elif not warned:
+            logger.critical("engine serving loop stuck in one step; no more heartbeats")
+            warned = True
 
 
 def one_line(message: str, limit: int = 300) -> str:
@@ -88,9 +99,15 @@ class EngineServer:
         self.live: set[str] = set()
         self.parent = os.getppid()
         self._last_load: dict[str, int] = {}
+        self._iteration_started = time.monotonic()
+
+    def stalled(self, timeout_s: float) -> bool:
+        """Whether the current loop iteration (a step, or the idle wait) has run past timeout_s."""
+        return time.monotonic() - self._iteration_started > timeout_s
 
     def run(self) -> None:
         while True:
+            self._iteration_started = time.monotonic()
             out: list[Event] = []
             stop = self._apply(self._drain(block=not self.engine.has_work()), out)
             if stop:

@@ -17,7 +17,7 @@ import signal
 
 from specserve.args import ServerArgs
 from specserve.server.engine_client import DEFAULT_HEARTBEAT_TIMEOUT_S
-from specserve.server.engine_process import HEARTBEAT_S
+from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     p.add_argument("--engine-heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
                    help="an engine process silent this long (stopped or wedged) is killed and the server exits")
+    p.add_argument("--engine-step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="an engine stuck this long in one step stops its heartbeat (then the timeout above)")
 
 
 def validate_serve_args(ns: argparse.Namespace) -> None:
@@ -46,7 +48,8 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
               ("--max-request-bytes", ns.max_request_bytes, ns.max_request_bytes >= 1, ">= 1"),
               ("--shutdown-timeout", ns.shutdown_timeout, ns.shutdown_timeout >= 0, ">= 0"),
               ("--engine-heartbeat-timeout", ns.engine_heartbeat_timeout, ns.engine_heartbeat_timeout > HEARTBEAT_S,
-               f"> {HEARTBEAT_S:g} (the heartbeat interval)")]
+               f"> {HEARTBEAT_S:g} (the heartbeat interval)"),
+              ("--engine-step-timeout", ns.engine_step_timeout, ns.engine_step_timeout > 0, "> 0")]
     for flag, value, ok, allowed in checks:
         if not ok:
             raise ValueError(f"{flag} must be {allowed}, got {value}")
@@ -78,7 +81,7 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     path = resolve_model_path(args.model_path)
     name = ns.served_model_name or served_model_name(path)
     metrics = ServerMetrics(name)
-    client = EngineClient(dataclasses.asdict(args), metrics, ns.engine_heartbeat_timeout)
+    client = EngineClient(dataclasses.asdict(args), metrics, ns.engine_heartbeat_timeout, ns.engine_step_timeout)
     tokenizer = load_tokenizer(args.tokenizer_path or path)
     info = client.start()
     logger.info("engine ready (pid %s): %s, %s speculation, context %d", info["pid"], name,

@@ -43,29 +43,30 @@ class GuardMiddleware:
         try:
             rejection = self._reject(scope)
             if rejection is None:
-                body, rejection = await self._read_body(receive)
+                first, rejection = await self._read_body(receive)
             if rejection is not None:
                 await rejection(scope, receive, send_recording)
             else:
-                await self.app(scope, _replay(body, receive), send_recording)
+                await self.app(scope, _replay(first, receive), send_recording)
         finally:
             endpoint = path if path in KNOWN_PATHS else "other"
             self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
-    async def _read_body(self, receive) -> tuple[bytes, Optional[Response]]:
-        """The whole body, or a 413 once the bytes received pass the limit."""
+    async def _read_body(self, receive) -> tuple[dict, Optional[Response]]:
+        """The first message the app will see (the whole body in one, or the client's disconnect),
+        or a 413 once the bytes received pass the limit."""
         chunks, size, limit = [], 0, self.state.max_request_bytes
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client left: the app sees the disconnect
-                return b"".join(chunks), None
+            if message["type"] != "http.request":  # the client left mid-body: the app sees that, not half a body
+                return message, None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return b"", _too_large(f"request body exceeds the limit of {limit} bytes")
+                return {}, _too_large(f"request body exceeds the limit of {limit} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), None
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}, None
 
     def _reject(self, scope) -> Optional[Response]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -85,9 +86,9 @@ def _too_large(message: str) -> Response:
     return APIError(message, 413, code="request_too_large").response()
 
 
-def _replay(body: bytes, receive):
-    """A receive that hands the app the body read already, then the client's later messages."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
+def _replay(first: dict, receive):
+    """A receive that hands the app the message read already, then the client's later messages."""
+    pending = [first]
 
     async def replayed():
         return pending.pop() if pending else await receive()

@@ -9,6 +9,7 @@ step accepts some drafts and rejects others.
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -44,6 +45,13 @@ def long_reference(fp32_engine, prompts):
 @pytest.fixture(scope="module")
 def reference(long_reference):
     return [out[:GREEDY["max_new_tokens"]] for out in long_reference]
+
+
+@pytest.fixture(autouse=True)
+def free_engines():
+    """Each test builds its own engines: free them (weights, KV pools) before the next one builds."""
+    yield
+    gc.collect()
 
 
 def dspark_engine(drafter_dir: str, **kwargs) -> Engine:
@@ -119,14 +127,14 @@ def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, long_referen
     """Static and compact verify, with drafts partly right by construction."""
     table = tmp_path / "sps.json"  # flat up to 20 rows, then slower: compact picks partial windows
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, speculative_dspark_verify_mode=mode,
-                           speculative_dspark_sps_table_path=str(table))
-    plant_oracle(engine, prompts, partly_wrong(long_reference))  # into the real verify and accept
-    check_lossless_and_partly_accepted(engine, prompts, reference, GREEDY, gamma, mode == "static")
-    check_lossless_and_partly_accepted(engine, prompts[1:2], reference[1:2], GREEDY, gamma, mode == "static")
-    engine.scheduler.check_integrity()
-    engine.tree.reset()
-    assert engine.allocator.available == engine.allocator.size
+    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, speculative_dspark_verify_mode=mode,
+                       speculative_dspark_sps_table_path=str(table)) as engine:
+        plant_oracle(engine, prompts, partly_wrong(long_reference))  # into the real verify and accept
+        check_lossless_and_partly_accepted(engine, prompts, reference, GREEDY, gamma, mode == "static")
+        check_lossless_and_partly_accepted(engine, prompts[1:2], reference[1:2], GREEDY, gamma, mode == "static")
+        engine.scheduler.check_integrity()
+        engine.tree.reset()
+        assert engine.allocator.available == engine.allocator.size
 
 
 @pytest.mark.parametrize("gamma", [g for g in range(1, MAX_DRAFT_TOKENS + 1) if g not in (1, 3, 5, 7)])
@@ -134,11 +142,11 @@ def test_every_other_block_size_is_lossless_with_partly_right_drafts(drafter_dir
                                                                       gamma):
     """The block sizes the test above leaves out (together: every size the flag accepts), on a
     smaller batch: static windows, three requests, 16 tokens."""
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=gamma)
     short = [out[:16] for out in reference[:3]]
-    plant_oracle(engine, prompts[:3], partly_wrong(long_reference[:3]))
-    check_lossless_and_partly_accepted(engine, prompts[:3], short, {**GREEDY, "max_new_tokens": 16}, gamma, True)
-    engine.scheduler.check_integrity()
+    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma) as engine:
+        plant_oracle(engine, prompts[:3], partly_wrong(long_reference[:3]))
+        check_lossless_and_partly_accepted(engine, prompts[:3], short, {**GREEDY, "max_new_tokens": 16}, gamma, True)
+        engine.scheduler.check_integrity()
 
 
 def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, reference, tmp_path):

@@ -157,3 +157,51 @@ def test_engine_server_fails_only_the_request_whose_host_work_raised():
 def test_one_line_reason():
     assert one_line("Traceback (most recent call last):\n  File x\nValueError: y") == "Traceback (most recent call last):"
     assert len(one_line("x" * 1000)) == 300
+
+
+# ---------------------------------------------------------------- the engine heartbeat
+
+
+def test_heartbeat_stops_while_the_serving_loop_is_stuck():
+    import threading
+    import time
+
+    from specserve.engine.messages import Heartbeat
+    from specserve.server.engine_process import _beat
+
+    events, stop, stuck = queue.Queue(), threading.Event(), threading.Event()
+    beat = threading.Thread(target=_beat, args=(events, 0.01, stop, stuck.is_set))
+    beat.start()
+    time.sleep(0.1)
+    stuck.set()
+    time.sleep(0.05)
+    while not events.empty():  # drain what was sent before (and while) it got stuck
+        events.get()
+    time.sleep(0.1)
+    stop.set()
+    beat.join()
+    assert events.empty()  # no heartbeat while stuck
+    beats = _count_beats(0.01, stalled=lambda: False)
+    assert beats and all(isinstance(ev, Heartbeat) for ev in beats)
+
+
+def _count_beats(interval, stalled):
+    import threading
+    import time
+
+    from specserve.server.engine_process import _beat
+
+    events, stop = queue.Queue(), threading.Event()
+    beat = threading.Thread(target=_beat, args=(events, interval, stop, stalled))
+    beat.start()
+    time.sleep(0.1)
+    stop.set()
+    beat.join()
+    return [ev for _ in range(events.qsize()) for ev in events.get()]
+
+
+def test_engine_server_reports_a_stalled_iteration():
+    server = EngineServer(_Engine(), queue.Queue(), queue.Queue())
+    assert not server.stalled(60)
+    server._iteration_started -= 61
+    assert server.stalled(60)
