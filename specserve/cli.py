@@ -8,10 +8,10 @@ import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
 from specserve.args import MAX_DRAFT_TOKENS, MAX_SEED, ServerArgs
+from specserve.server.engine_process import HEARTBEAT_S
 
-# The subcommands' own numeric flags: flag -> (allowed, check). ServerArgs checks its fields itself
-# and `serve` its own flags (server/launch.py). A flag a command lacks is skipped, so each bound
-# must hold for every command that has the flag.
+# The subcommands' own numeric flags: flag -> (allowed, check). ServerArgs checks its fields itself.
+# A flag a command lacks is skipped, so each bound must hold for every command that has the flag.
 _AT_LEAST_0 = (">= 0", lambda v: v >= 0)
 _AT_LEAST_1 = (">= 1", lambda v: v >= 1)
 _POSITIVE = ("> 0", lambda v: v > 0)
@@ -28,6 +28,13 @@ FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "block_size": (f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS),
     "mask_token_id": _AT_LEAST_0, "draft_vocab_size": _AT_LEAST_0, "steps": _AT_LEAST_1, "seqs_per_step": _AT_LEAST_1,
     "anchors_per_seq": _AT_LEAST_1, "lr": _POSITIVE, "checkpoint_every": _AT_LEAST_1, "held_out": _AT_LEAST_0,
+    # serve
+    "port": ("in [1, 65535]", lambda v: 1 <= v <= 65535), "max_queued_requests": _AT_LEAST_1,
+    "max_request_bytes": _AT_LEAST_1, "shutdown_timeout": _AT_LEAST_0, "engine_step_timeout": _POSITIVE,
+    "engine_heartbeat_timeout": (f"> {HEARTBEAT_S:g} (the heartbeat interval)", lambda v: v > HEARTBEAT_S),
+    # bench load
+    "minutes": _POSITIVE, "clients": _AT_LEAST_1, "rss_baseline_s": _AT_LEAST_0, "max_rss_growth": _POSITIVE,
+    "hostile_share": _AT_LEAST_0, "disconnect_share": _AT_LEAST_0, "abort_share": _AT_LEAST_0,
 }
 
 

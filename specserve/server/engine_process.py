@@ -50,9 +50,9 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: fl
     try:
         with engine.sanitized():
             server.run()
-    except Exception as exc:  # the traceback goes to the log; the HTTP side gets one line
+    except Exception as exc:  # the traceback goes to the log; the HTTP side keeps one line of this
         logger.critical("engine step failed; the engine stops", exc_info=True)
-        events.put([EngineFatal(one_line(f"engine step failed: {type(exc).__name__}: {exc}"))])
+        events.put([EngineFatal(f"engine step failed: {type(exc).__name__}: {exc}")])
         raise
     finally:
         beating.set()

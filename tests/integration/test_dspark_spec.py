@@ -99,6 +99,13 @@ def test_block_size_defaults_to_the_checkpoint_and_the_flag_overrides_it(drafter
     assert engine.scheduler.window == 3
 
 
+def assert_accept_identity(info: dict) -> None:
+    """completion = the prefill's token + per verify step its accepted drafts and a bonus, less at
+    most the bonus a stop inside the last run cut off."""
+    bonuses = info["completion_tokens"] - 1 - info["spec_num_correct_drafts"]
+    assert bonuses in (info["spec_verify_ct"], info["spec_verify_ct"] - 1), info
+
+
 def check_lossless_and_partly_accepted(engine: Engine, prompts, reference, params: dict, gamma: int,
                                        static: bool) -> list[dict]:
     """With partly right drafts planted (`partly_wrong`): the output equals the reference, and
@@ -111,11 +118,8 @@ def check_lossless_and_partly_accepted(engine: Engine, prompts, reference, param
     for out in outs:
         info = out["meta_info"]
         assert info["spec_num_correct_drafts"] > 0, info
-        # completion = the prefill's token + per verify step its accepted drafts and a bonus (a
-        # stop inside the last run may cut that bonus); every step accepted at most gamma drafts.
-        bonuses = info["completion_tokens"] - 1 - info["spec_num_correct_drafts"]
-        assert bonuses in (info["spec_verify_ct"], info["spec_verify_ct"] - 1), info
-        assert max(info["spec_correct_drafts_histogram"]) <= gamma, info
+        assert_accept_identity(info)
+        assert max(info["spec_correct_drafts_histogram"]) <= gamma, info  # at most gamma drafts per step
         if static:
             assert min(info["spec_correct_drafts_histogram"]) < gamma, info
     return outs
@@ -176,10 +180,7 @@ def test_oracle_drafts_give_long_runs_and_the_metrics_identity(drafter_dir, prom
     for out in batch:
         info = out["meta_info"]
         assert info["spec_accept_length"] > 3.0, info
-        # Identity kept: completion = first token from prefill + one bonus per verify step + the
-        # accepted drafts, less at most the bonus a stop inside the last run cut off.
-        bonuses = info["completion_tokens"] - 1 - info["spec_num_correct_drafts"]
-        assert bonuses in (info["spec_verify_ct"], info["spec_verify_ct"] - 1)
+        assert_accept_identity(info)
         assert sum(info["spec_correct_drafts_histogram"].values()) == info["spec_verify_ct"]
 
 
