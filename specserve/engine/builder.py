@@ -99,7 +99,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     max_positions = context_length + MAX_DRAFT_TOKENS + 1
     model = LlamaForCausalLM(cfg, dtype, tp=TPContext(tp_rank, args.tp_size, dist), max_positions=max_positions)
     model = model.to(args.device)
-    model.load_weights(loaded.weights, loaded.q4 if args.quantization == "auto" else None)
+    model.load_weights(loaded.weights, loaded.quantized if args.quantization == "auto" else None)
     if not args.enable_torch_compile:  # inductor packs weights itself and cannot trace ours
         model.pack_for_cpu()
     model.eval()

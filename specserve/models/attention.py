@@ -1,8 +1,12 @@
-"""Paged attention in PyTorch: gather each request's K/V through its token-slot table.
+"""Paged attention over the token-slot table.
 
 One batch may mix requests with different numbers of new tokens (prefill after a cached
-prefix, decode, or a speculative verify window). Queries are padded to [bs, max_q] and keys to
-[bs, max_kv]; a boolean mask gives each request causal access to its own prefix and new rows.
+prefix, decode, or a speculative verify window). In bf16 on CPU every query row goes through
+specserve's kernel, which reads its request's K/V in place and computes the row alone in one
+fixed order (specserve/kernels/csrc/attention.h): a token's output is the same in a prefill, an
+extend, a decode batch or a verify window. Elsewhere (fp32, CUDA) queries are padded to
+[bs, max_q], keys gathered to [bs, max_kv], and a boolean mask gives each request causal access to
+its own prefix and new rows for SDPA.
 """
 
 from __future__ import annotations
@@ -12,17 +16,30 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels.attention import paged_attention as kernel_paged_attention
+
+
+def uses_kernel(device, dtype: torch.dtype) -> bool:
+    """bf16 on CPU runs specserve's attention kernel."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16
+
 
 @dataclass
 class AttentionMetadata:
     """Index tensors shared by every layer of one forward pass."""
 
-    q_gather: torch.Tensor | None  # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when every request has max_q rows
-    out_scatter: torch.Tensor | None  # [T] row of the padded [bs*max_q] output for each flat token
-    kv_slots: torch.Tensor  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
-    mask: torch.Tensor | None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
     bs: int
     max_q: int
+    # The kernel's (bf16 on CPU): the table, read in place, and per flat query row its table row and
+    # how many positions it sees (0 for padding rows).
+    table: torch.Tensor | None = None
+    row_req: torch.Tensor | None = None  # [T]
+    row_len: torch.Tensor | None = None  # [T]
+    # SDPA's (other dtypes and devices):
+    q_gather: torch.Tensor | None = None  # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when every request has max_q rows
+    out_scatter: torch.Tensor | None = None  # [T] row of the padded [bs*max_q] output for each flat token
+    kv_slots: torch.Tensor | None = None  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
+    mask: torch.Tensor | None = None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
@@ -32,6 +49,10 @@ class AttentionMetadata:
         rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
         seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
         ext = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+        row_req = torch.repeat_interleave(rows, ext)
+        row_len = torch.tensor([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], device=device)
+        if uses_kernel(device, dtype):
+            return cls(bs, max_q, req_to_token, row_req, row_len)
         cols = torch.arange(max_kv, device=device)
         kv_valid = cols.unsqueeze(0) < seq.unsqueeze(1)
         kv_slots = req_to_token[rows, :max_kv].masked_fill(~kv_valid, 0)
@@ -53,7 +74,7 @@ class AttentionMetadata:
         additive = None
         if max_q > 1 or min(seq_lens) != max_kv:
             additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return cls(q_gather, out_scatter, kv_slots, additive, bs, max_q)
+        return cls(bs, max_q, req_to_token, row_req, row_len, q_gather, out_scatter, kv_slots, additive)
 
     @classmethod
     def for_windows(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
@@ -63,19 +84,25 @@ class AttentionMetadata:
         Built from device tensors with shapes fixed by (bs, width, kv_len) and no host reads, so
         a CUDA graph can capture it. Rows with `valid` False are padding: they see column 0 only."""
         bs, device = rows.shape[0], rows.device
+        q_pos = prefix_lens.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
+        row_len = (q_pos + 1).masked_fill(~valid.unsqueeze(1), 0).reshape(-1)
+        row_req = rows.repeat_interleave(width)
+        if uses_kernel(device, dtype):
+            return cls(bs, width, req_to_token, row_req, row_len)
         cols = torch.arange(kv_len, device=device)
         kv_valid = (cols.unsqueeze(0) < (prefix_lens + width).unsqueeze(1)) & valid.unsqueeze(1)
         kv_slots = req_to_token[rows, :kv_len].masked_fill(~kv_valid, 0)
-        q_pos = prefix_lens.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
         mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
         mask = mask | ((~valid).view(bs, 1, 1) & (cols.view(1, 1, -1) == 0))
         additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return cls(None, None, kv_slots, additive, bs, width)
+        return cls(bs, width, req_to_token, row_req, row_len, None, None, kv_slots, additive)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
+    if meta.kv_slots is None:
+        return kernel_paged_attention(q, k_pool, v_pool, meta.table, meta.row_req, meta.row_len, scale)
     heads, dim = q.shape[1], q.shape[2]
     if meta.q_gather is None:
         qp = q.view(meta.bs, meta.max_q, heads, dim)

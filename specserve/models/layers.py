@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.q4 import Q4Weight, int4_matmul
+from specserve.kernels.linear import PackedLinear, pack_bf16
+from specserve.models.quant import QuantWeight
 
 
 @dataclass(frozen=True)
@@ -83,50 +84,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def cpu_weight_packing_available(dtype: torch.dtype) -> bool:
-    """oneDNN can pre-pack bf16 weights on this CPU (AVX-512 BF16 / AMX)."""
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-# Above this many rows the oneDNN bf16 kernel beats the int4 one (measured here: equal at 16-32
-# rows, bf16 25% faster at 64-1024 rows, int4 3x faster at 1 row), so prefill takes the bf16 path.
-INT4_MAX_ROWS = 32
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor, packed: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None,
-           int4: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """x W^T (+ b): through 4-bit GGUF weights, else the pre-packed oneDNN weight, else F.linear.
-
-    Eager bf16 F.linear on CPU re-lays out the weight for oneDNN on every call; packing once at
-    load time took the 30-layer decode matmuls from about 24 ms to 17 ms here (same results).
-    """
-    if int4 is not None and (packed is None or x.numel() <= INT4_MAX_ROWS * x.shape[-1]):
-        y = int4_matmul(x, *int4)
-        return y if bias is None else y + bias
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
 class _ParallelLinear(nn.Module):
+    """A linear layer's weight and, in bf16 on CPU, its packed form for specserve's kernels.
+
+    In bf16 on CPU every row count goes through one kernel family with a fixed per-row operation
+    order (specserve/kernels), so a token's result never depends on the batch, the chunk or the
+    verify window: the GGUF's own Q4/Q8 codes when loaded, else the bf16 weight. Other dtypes and
+    devices use F.linear.
+    """
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.packed: Optional[torch.Tensor] = None
-        self.int4: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._q4: Optional[Q4Weight] = None  # this rank's 4-bit weight, until pack_for_cpu packs it
+        self.kernel: Optional[PackedLinear] = None
+        self._quant: Optional[QuantWeight] = None  # this rank's GGUF codes, until pack_for_cpu packs them
 
     def pack_for_cpu(self) -> None:
-        """Pack for CPU kernels after load(), bf16 only: 4-bit GGUF weights if loaded, and oneDNN bf16."""
+        """Pack for the CPU kernels after load() (bf16 on CPU only)."""
         if self.weight.device.type != "cpu" or self.weight.dtype != torch.bfloat16:
             return
-        if self._q4 is not None:
-            self.int4, self._q4 = self._q4.pack(), None
-        if cpu_weight_packing_available(self.weight.dtype):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        self.kernel = self._quant.packed() if self._quant is not None else pack_bf16(self.weight)
+        self._quant = None
+
+    def matmul(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """x W^T (no bias) in out_dtype (default: x's dtype)."""
+        if self.kernel is not None:
+            return self.kernel(x, out_dtype or x.dtype)
+        y = F.linear(x, self.weight)
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -145,9 +132,11 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.bias is not None and biases is not None:
             self.bias.data.copy_(torch.cat([self._rows(b, r) for b, r in zip(biases, self.ranges)]))
 
-    def load_q4(self, parts: list[Q4Weight]) -> None:
-        """Keep this rank's rows of each fused part's 4-bit weight (used if the layer is packed for CPU)."""
-        self._q4 = Q4Weight.cat([self._rows(p, r) for p, r in zip(parts, self.ranges)])
+    def load_quantized(self, parts: list[QuantWeight]) -> None:
+        """Keep this rank's rows of each fused part's GGUF codes (used if the layer is packed for CPU)."""
+        if len({type(p) for p in parts}) != 1:
+            raise ValueError("quantization: the fused parts of a layer mix GGUF formats")
+        self._quant = type(parts[0]).cat([self._rows(p, r) for p, r in zip(parts, self.ranges)])
 
     @staticmethod
     def _rows(w, rows: tuple[int, int]):
@@ -155,7 +144,8 @@ class ColumnParallelLinear(_ParallelLinear):
         return w[start:start + part] if isinstance(w, torch.Tensor) else w.rows(slice(start, start + part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.packed, self.bias, self.int4)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -172,12 +162,12 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None and bias is not None:
             self.bias.data.copy_(bias)
 
-    def load_q4(self, weight: Q4Weight) -> None:
-        self._q4 = weight.cols(*self.cols)
+    def load_quantized(self, weight: QuantWeight) -> None:
+        self._quant = weight.cols(*self.cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, after the reduction, so it is not counted tp_size times.
-        y = self.tp.all_reduce(matmul(x, self.weight, self.packed, None, self.int4))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -213,8 +203,12 @@ class ParallelLMHead(_ParallelLinear):
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[self.start:self.start + self.weight.shape[0]])
 
+    def load_quantized(self, weight: QuantWeight) -> None:
+        """This rank's vocabulary rows of the GGUF output (or tied embedding) codes."""
+        self._quant = weight.rows(slice(self.start, self.start + self.weight.shape[0]))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = matmul(hidden, self.weight, self.packed).float()
+        logits = self.matmul(hidden, torch.float32)
         if self.tp.size == 1:
             return logits
         return torch.cat(self.tp.all_gather(logits), dim=-1)

@@ -14,7 +14,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                      TPContext, VocabParallelEmbedding, apply_rope)
-from specserve.models.q4 import Q4Weight
+from specserve.models.quant import QuantWeight
 
 
 class LlamaAttention(nn.Module):
@@ -101,33 +101,36 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @staticmethod
-    def _load_q4(layer: "LlamaDecoderLayer", p: str, q4: dict[str, Q4Weight]) -> None:
+    def _load_quantized(layer: "LlamaDecoderLayer", p: str, quantized: dict[str, QuantWeight]) -> None:
         fused = {
             layer.self_attn.qkv_proj: [f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")],
             layer.mlp.gate_up_proj: [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
         }
         for linear, names in fused.items():
-            if all(n in q4 for n in names):
-                linear.load_q4([q4[n] for n in names])
+            if all(n in quantized for n in names):
+                linear.load_quantized([quantized[n] for n in names])
         for linear, name in ((layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"), (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
-            if name in q4:
-                linear.load_q4(q4[name])
+            if name in quantized:
+                linear.load_quantized(quantized[name])
 
     def pack_for_cpu(self) -> None:
-        """Pre-pack every linear weight for oneDNN (a no-op off CPU or outside bf16)."""
+        """Pack every linear weight for specserve's CPU kernels (a no-op off CPU or outside bf16)."""
         for module in self.modules():
             if module is not self and hasattr(module, "pack_for_cpu"):
                 module.pack_for_cpu()
 
-    def load_weights(self, weights: dict[str, torch.Tensor], q4: Optional[dict[str, Q4Weight]] = None) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], quantized: Optional[dict[str, QuantWeight]] = None) -> None:
         """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard.
 
-        `q4` optionally gives GGUF 4-bit versions of some weights; a fused linear takes them only
-        when every part has one, and uses them only once packed for CPU in bf16.
+        `quantized` optionally gives GGUF-quantized (Q4/Q8) codes of some weights; a fused linear takes
+        them only when every part has them, and uses them only once packed for CPU in bf16.
         """
         w = weights
         self.embed_tokens.load(w["model.embed_tokens.weight"])
-        self.lm_head.load(w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+        head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
+        self.lm_head.load(w[head])
+        if head in (quantized or {}):
+            self.lm_head.load_quantized(quantized[head])
         self.norm.weight.data.copy_(w["model.norm.weight"])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -138,6 +141,6 @@ class LlamaForCausalLM(nn.Module):
             attn.o_proj.load(w[f"{p}self_attn.o_proj.weight"])
             layer.mlp.gate_up_proj.load([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
             layer.mlp.down_proj.load(w[f"{p}mlp.down_proj.weight"])
-            self._load_q4(layer, p, q4 or {})
+            self._load_quantized(layer, p, quantized or {})
             layer.input_layernorm.weight.data.copy_(w[f"{p}input_layernorm.weight"])
             layer.post_attention_layernorm.weight.data.copy_(w[f"{p}post_attention_layernorm.weight"])

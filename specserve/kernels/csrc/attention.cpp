@@ -1,0 +1,139 @@
+// Paged attention, generic and AVX-512 paths (see attention.h).
+#include "attention.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace specserve {
+
+namespace {
+
+struct Task {
+  const uint16_t* q;
+  const int64_t* slots;
+  int64_t len;
+  int64_t kv_offset;  // kv head * dim inside a slot
+  int64_t slot_stride;
+  uint16_t* out;
+};
+
+Task task_of(const PagedAttentionArgs& a, int64_t task) {
+  const int64_t row = task / a.heads, head = task % a.heads;
+  const int64_t group = a.heads / a.kv_heads;
+  return Task{a.q + (row * a.heads + head) * a.dim, a.table + a.row_req[row] * a.table_stride, a.row_len[row],
+              (head / group) * a.dim, a.kv_heads * a.dim, a.out + (row * a.heads + head) * a.dim};
+}
+
+// ------------------------------------------------------------------ generic path
+
+void task_generic(const PagedAttentionArgs& a, const Task& t, float* p) {
+  const int64_t D = a.dim, chunks = (D + 15) / 16;
+  if (t.len <= 0) {
+    for (int64_t d = 0; d < D; ++d) t.out[d] = 0;
+    return;
+  }
+  auto lane_value = [&](const uint16_t* v, int64_t c, int l) { return 16 * c + l < D ? bf16_to_f32(v[16 * c + l]) : 0.0f; };
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < t.len; ++j) {
+    const uint16_t* k = a.k_pool + t.slots[j] * t.slot_stride + t.kv_offset;
+    float acc[16];
+    for (int l = 0; l < 16; ++l) acc[l] = lane_value(t.q, 0, l) * lane_value(k, 0, l);
+    for (int64_t c = 1; c < chunks; ++c)
+      for (int l = 0; l < 16; ++l) acc[l] = std::fma(lane_value(t.q, c, l), lane_value(k, c, l), acc[l]);
+    p[j] = tree_sum16(acc) * a.scale;
+    best = std::max(best, p[j]);
+  }
+  const int64_t padded = (t.len + 15) / 16 * 16;
+  float lanes[16] = {0};
+  for (int64_t j = 0; j < padded; ++j) {
+    p[j] = j < t.len ? exp_nonpositive(p[j] - best) : 0.0f;
+    lanes[j % 16] += p[j];
+  }
+  const float total = tree_sum16(lanes);
+  for (int64_t d = 0; d < D; ++d) {
+    float o = 0.0f;
+    for (int64_t j = 0; j < t.len; ++j)
+      o = std::fma(p[j], bf16_to_f32(a.v_pool[t.slots[j] * t.slot_stride + t.kv_offset + d]), o);
+    t.out[d] = f32_to_bf16(o / total);
+  }
+}
+
+// ------------------------------------------------------------------ AVX-512 path (dim % 16 == 0)
+
+#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+SPECSERVE_AVX512 inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+SPECSERVE_AVX512 inline float tree_sum16_avx(__m512 v) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+SPECSERVE_AVX512 inline __m512 exp_nonpositive_avx(__m512 x) {
+  __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_GE_OQ);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpC[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+template <int C>  // C = dim / 16 chunks
+SPECSERVE_AVX512 void task_avx512(const PagedAttentionArgs& a, const Task& t, float* p) {
+  if (t.len <= 0) {
+    for (int c = 0; c < C; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.out + 16 * c), _mm256_setzero_si256());
+    return;
+  }
+  __m512 q[C];
+  for (int c = 0; c < C; ++c) q[c] = load_bf16(t.q + 16 * c);
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < t.len; ++j) {
+    const uint16_t* k = a.k_pool + t.slots[j] * t.slot_stride + t.kv_offset;
+    __m512 acc = _mm512_mul_ps(q[0], load_bf16(k));
+    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[c], load_bf16(k + 16 * c), acc);
+    p[j] = tree_sum16_avx(acc) * a.scale;
+    best = std::max(best, p[j]);
+  }
+  const int64_t padded = (t.len + 15) / 16 * 16;
+  __m512 lanes = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(best);
+  for (int64_t j = 0; j < padded; j += 16) {
+    __mmask16 in = __mmask16(t.len - j >= 16 ? 0xFFFF : (1u << (t.len - j)) - 1u);
+    __m512 e = _mm512_maskz_mov_ps(in, exp_nonpositive_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), top)));
+    _mm512_storeu_ps(p + j, e);
+    lanes = _mm512_add_ps(lanes, e);
+  }
+  const __m512 total = _mm512_set1_ps(tree_sum16_avx(lanes));
+  __m512 o[C];
+  for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < t.len; ++j) {
+    const uint16_t* v = a.v_pool + t.slots[j] * t.slot_stride + t.kv_offset;
+    __m512 w = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(w, load_bf16(v + 16 * c), o[c]);
+  }
+  for (int c = 0; c < C; ++c)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[c], total)));
+}
+
+}  // namespace
+
+void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin, int64_t end, float* scratch) {
+  for (int64_t task = begin; task < end; ++task) {
+    const Task t = task_of(a, task);
+    if (path == Path::Avx512Bf16 && a.dim == 64) task_avx512<4>(a, t, scratch);
+    else if (path == Path::Avx512Bf16 && a.dim == 128) task_avx512<8>(a, t, scratch);
+    else if (path == Path::Avx512Bf16 && a.dim == 32) task_avx512<2>(a, t, scratch);
+    else task_generic(a, t, scratch);
+  }
+}
+
+}  // namespace specserve

@@ -1,0 +1,32 @@
+// Paged attention over the K/V pool in place: each query row reads its request's token slots
+// through the request-to-token table, no gathered copies. One (row, head) is one task and is
+// computed alone, in one order: scores q.k (fp32, 16-lane partial sums over the head dimension,
+// then a fixed tree), the max, exp by a fixed polynomial, the sum of weights in 16 lanes over
+// positions then the same tree, and the weighted sum of V in position order. A row's output thus
+// depends only on its query and the K/V of the positions it sees: prefill, extend, decode and
+// verify rows compute a token identically.
+#pragma once
+
+#include <cstdint>
+
+#include "simd.h"
+
+namespace specserve {
+
+struct PagedAttentionArgs {
+  const uint16_t* q;        // [T, heads, dim] bf16
+  const uint16_t* k_pool;   // [slots, kv_heads, dim] bf16
+  const uint16_t* v_pool;
+  const int64_t* table;     // [requests, table_stride] token slots
+  int64_t table_stride;
+  const int64_t* row_req;   // [T] request row of the table
+  const int64_t* row_len;   // [T] positions the row sees (0: output zeros)
+  int64_t heads, kv_heads, dim;
+  float scale;
+  uint16_t* out;            // [T, heads, dim] bf16
+};
+
+// Tasks [begin, end) of T * heads (task = row * heads + head); scratch holds >= max(row_len) + 16 floats.
+void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin, int64_t end, float* scratch);
+
+}  // namespace specserve

@@ -1,0 +1,98 @@
+// Torch bindings of the CPU kernels: argument checks, threading (at::parallel_for splits work by
+// output column blocks or attention tasks, never inside one output's sum) and CPU feature detection.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attention.h"
+#include "linear.h"
+
+namespace specserve {
+namespace {
+
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+Path checked_path(int64_t path) {
+  if (path == int64_t(Path::Generic)) return Path::Generic;
+  if (path == int64_t(Path::Avx512Bf16)) {
+    TORCH_CHECK(cpu_has_avx512_bf16(), "specserve kernels: the avx512_bf16 path was asked for but this CPU lacks AVX512-BF16");
+    return Path::Avx512Bf16;
+  }
+  TORCH_CHECK(false, "specserve kernels: unknown path ", path);
+}
+
+const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
+                     int64_t n, int64_t k, bool out_bf16, int64_t path) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, "specserve linear: x must be bf16 on CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "specserve linear: x must be [M, ", k, "] with contiguous rows");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
+  const auto fmt = static_cast<WeightFormat>(format);
+  TORCH_CHECK(fmt == WeightFormat::BF16 || k % kGroup == 0, "specserve linear: quantized K must be a multiple of 32");
+  const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
+  TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k), "specserve linear: packed codes have the wrong size");
+  const int64_t m = x.size(0);
+  auto out = torch::empty({m, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  if (m == 0) return out;
+  const Path p = checked_path(path);
+  std::vector<float> sums;
+  if (fmt == WeightFormat::Q4) {
+    sums.resize(m * (k / kGroup));
+    group_sums(bf16_data(x), x.stride(0), m, k, sums.data());
+  }
+  PackedWeight w{fmt, codes.data_ptr<uint8_t>(), fmt == WeightFormat::BF16 ? nullptr : scale.data_ptr<float>(),
+                 fmt == WeightFormat::Q4 ? zero.data_ptr<float>() : nullptr, n, k};
+  const uint16_t* xd = bf16_data(x);
+  void* od = out.data_ptr();
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), begin, end, od, n, out_bf16);
+  });
+  return out;
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor table,
+                              torch::Tensor row_req, torch::Tensor row_len, double scale, int64_t path) {
+  for (const auto* t : {&q, &k_pool, &v_pool})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous(),
+                "specserve attention: q and the K/V pools must be contiguous bf16 on CPU");
+  for (const auto* t : {&table, &row_req, &row_len})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->stride(-1) == 1, "specserve attention: index tensors must be int64");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(), "specserve attention: q [T,H,D], pools [S,KVH,D]");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == dim && heads % kv_heads == 0, "specserve attention: head shapes do not match");
+  TORCH_CHECK(row_req.numel() == rows && row_len.numel() == rows, "specserve attention: one request and length per row");
+  auto out = torch::empty_like(q);
+  if (rows == 0) return out;
+  const int64_t longest = row_len.max().item<int64_t>();
+  TORCH_CHECK(longest <= table.size(1), "specserve attention: a row sees more positions than the table holds");
+  const Path p = checked_path(path);
+  PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), table.data_ptr<int64_t>(), table.stride(0),
+                       row_req.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(), heads, kv_heads, dim, float(scale),
+                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(std::max<int64_t>(longest, 0) + 16);
+    paged_attention_tasks(p, a, begin, end, scratch.data());
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace specserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_avx512_bf16", &specserve::cpu_has_avx512_bf16, "CPU (and OS) support AVX512-BF16");
+  m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight");
+  m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
+}

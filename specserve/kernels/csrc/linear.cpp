@@ -1,0 +1,240 @@
+// Weight-quantized linear layers: the generic path and the AVX512-BF16 path (see linear.h).
+#include "linear.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace specserve {
+
+namespace {
+
+constexpr uint32_t kQ4Magic = 0x43004300u;  // bf16 128.0 in both halves
+constexpr uint32_t kQ4Mask = 0x000F000Fu;
+
+int64_t groups(const PackedWeight& w) { return w.k / kGroup; }
+int64_t pairs(const PackedWeight& w) { return (w.k + 1) / 2; }
+
+// The (x[2p], x[2p+1]) word of a row; past an odd K the high half is +0.
+inline uint32_t x_pair(const uint16_t* row, int64_t k, int64_t pair) {
+  if (2 * pair + 1 < k) {
+    uint32_t word;
+    std::memcpy(&word, row + 2 * pair, 4);
+    return word;
+  }
+  return row[2 * pair];
+}
+
+// ------------------------------------------------------------------ generic path
+
+inline uint32_t weight_word(const PackedWeight& w, const uint8_t* block, int64_t pair, int lane) {
+  switch (w.format) {
+    case WeightFormat::Q4: {
+      int64_t g = pair / 16, within = pair % 16, oct = within / 4, p = within % 4;
+      uint32_t v;
+      std::memcpy(&v, block + (g * 4 + oct) * 64 + lane * 4, 4);
+      return kQ4Magic | ((v >> (4 * p)) & kQ4Mask);
+    }
+    case WeightFormat::Q8: {
+      const int8_t* c = reinterpret_cast<const int8_t*>(block + pair * 32 + lane * 2);
+      return uint32_t(f32_to_bf16(float(c[0]))) | (uint32_t(f32_to_bf16(float(c[1]))) << 16);
+    }
+    default: {
+      uint32_t v;
+      std::memcpy(&v, block + pair * 64 + lane * 4, 4);
+      return v;
+    }
+  }
+}
+
+void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t ldx, int64_t m,
+                   const float* gs, void* out, int64_t ldo, bool out_bf16) {
+  const uint8_t* block = w.codes + b * block_bytes(w.format, w.k);
+  const int64_t G = groups(w);
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* row = x + r * ldx;
+    float acc[kBlockCols] = {0};
+    if (w.format == WeightFormat::BF16) {
+      for (int64_t pair = 0; pair < pairs(w); ++pair) {
+        uint32_t xw = x_pair(row, w.k, pair);
+        for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = dot_pair(acc[lane], weight_word(w, block, pair, lane), xw);
+      }
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        float part[kBlockCols] = {0};
+        for (int64_t pair = g * 16; pair < g * 16 + 16; ++pair) {
+          uint32_t xw = x_pair(row, w.k, pair);
+          for (int lane = 0; lane < kBlockCols; ++lane) part[lane] = dot_pair(part[lane], weight_word(w, block, pair, lane), xw);
+        }
+        const float* d = w.scale + (b * G + g) * kBlockCols;
+        for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = std::fma(d[lane], part[lane], acc[lane]);
+        if (w.format == WeightFormat::Q4) {
+          const float* z = w.zero + (b * G + g) * kBlockCols;
+          for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = std::fma(z[lane], gs[r * G + g], acc[lane]);
+        }
+      }
+    }
+    for (int lane = 0; lane < kBlockCols; ++lane) {
+      int64_t col = b * kBlockCols + lane;
+      if (col >= w.n) break;
+      if (out_bf16) static_cast<uint16_t*>(out)[r * ldo + col] = f32_to_bf16(acc[lane]);
+      else static_cast<float*>(out)[r * ldo + col] = acc[lane];
+    }
+  }
+}
+
+// ------------------------------------------------------------------ AVX512-BF16 path
+
+#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+template <WeightFormat F>
+SPECSERVE_AVX512 inline __m512i q8_or_bf16_word(const uint8_t* block, int64_t pair) {
+  if constexpr (F == WeightFormat::Q8) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + pair * 32))));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + pair * 32 + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    return _mm512_loadu_si512(block + pair * 64);
+  }
+}
+
+SPECSERVE_AVX512 inline __m512i x_word(const uint16_t* row, int64_t k, int64_t pair) {
+  return _mm512_set1_epi32(int32_t(x_pair(row, k, pair)));
+}
+
+// R rows x NBT column blocks; every (row, column) sees the same operation sequence whatever R and NBT are.
+template <WeightFormat F, int R, int NBT>
+SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx,
+                                  const float* gs, void* out, int64_t ldo, bool out_bf16) {
+  const int64_t bytes = block_bytes(F, w.k), G = groups(w);
+  const uint8_t* blocks[NBT];
+  for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
+  const uint16_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = x + r * ldx;
+  __m512 acc[R][NBT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) acc[r][j] = _mm512_setzero_ps();
+
+  if constexpr (F == WeightFormat::BF16) {
+    for (int64_t pair = 0; pair < pairs(w); ++pair) {
+      __m512i wv[NBT];
+      for (int j = 0; j < NBT; ++j) wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
+      for (int r = 0; r < R; ++r) {
+        __m512i xb = x_word(rows[r], w.k, pair);
+        for (int j = 0; j < NBT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv[j], (__m512bh)xb);
+      }
+    }
+  } else {
+    const __m512i magic = _mm512_set1_epi32(int32_t(kQ4Magic)), mask = _mm512_set1_epi32(int32_t(kQ4Mask));
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 part[R][NBT];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_setzero_ps();
+      for (int oct = 0; oct < 4; ++oct) {
+        __m512i packed[NBT];
+        if constexpr (F == WeightFormat::Q4)
+          for (int j = 0; j < NBT; ++j) packed[j] = _mm512_loadu_si512(blocks[j] + (g * 4 + oct) * 64);
+        for (int p = 0; p < 4; ++p) {
+          const int64_t pair = g * 16 + oct * 4 + p;
+          __m512i wv[NBT];
+          for (int j = 0; j < NBT; ++j) {
+            if constexpr (F == WeightFormat::Q4)
+              wv[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * p), mask, magic, 0xEA);
+            else
+              wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
+          }
+          for (int r = 0; r < R; ++r) {
+            __m512i xb = _mm512_set1_epi32(int32_t(x_pair(rows[r], w.k, pair)));
+            for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], (__m512bh)wv[j], (__m512bh)xb);
+          }
+        }
+      }
+      for (int j = 0; j < NBT; ++j) {
+        __m512 d = _mm512_loadu_ps(w.scale + ((b0 + j) * G + g) * kBlockCols);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(d, part[r][j], acc[r][j]);
+        if constexpr (F == WeightFormat::Q4) {
+          __m512 z = _mm512_loadu_ps(w.zero + ((b0 + j) * G + g) * kBlockCols);
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NBT; ++j) {
+    int64_t col = (b0 + j) * kBlockCols;
+    int64_t valid = std::min<int64_t>(kBlockCols, w.n - col);
+    __mmask16 keep = __mmask16((1u << valid) - 1u);
+    for (int r = 0; r < R; ++r) {
+      if (out_bf16) {
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * ldo + col, keep, h);
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(out) + r * ldo + col, keep, acc[r][j]);
+      }
+    }
+  }
+}
+
+template <WeightFormat F, int R>
+SPECSERVE_AVX512 void rows_avx512(const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x, int64_t ldx,
+                                  const float* gs, void* out, int64_t ldo, bool out_bf16) {
+  constexpr int kWide = R <= 2 ? 4 : 2;  // keep 2 * R * NBT accumulators within the 32 registers
+  for (; b + kWide <= b_end; b += kWide) tile_avx512<F, R, kWide>(w, b, x, ldx, gs, out, ldo, out_bf16);
+  for (; b < b_end; ++b) tile_avx512<F, R, 1>(w, b, x, ldx, gs, out, ldo, out_bf16);
+}
+
+template <WeightFormat F>
+SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int64_t b_end, const uint16_t* x,
+                                    int64_t ldx, int64_t m, const float* gs, void* out, int64_t ldo, bool out_bf16) {
+  const int64_t G = w.format == WeightFormat::BF16 ? 0 : groups(w);
+  const size_t elem = out_bf16 ? 2 : 4;
+  // Column chunks outside, row tiles inside: a chunk's weights stay in cache across the rows.
+  constexpr int64_t kChunk = 8;
+  for (int64_t c = b_begin; c < b_end; c += kChunk) {
+    int64_t c_end = std::min(b_end, c + kChunk);
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4)
+      rows_avx512<F, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16);
+    void* o = static_cast<char*>(out) + r * ldo * elem;
+    switch (m - r) {
+      case 3: rows_avx512<F, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16); break;
+      case 2: rows_avx512<F, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16); break;
+      case 1: rows_avx512<F, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+int64_t block_bytes(WeightFormat format, int64_t k) {
+  switch (format) {
+    case WeightFormat::Q4: return k / 2 * kBlockCols;  // 16 columns x k nibbles
+    case WeightFormat::Q8: return k * kBlockCols;
+    default: return (k + 1) / 2 * 4 * kBlockCols;
+  }
+}
+
+void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out) {
+  const int64_t G = k / kGroup;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (int i = 0; i < kGroup; ++i) s += bf16_to_f32(x[r * ldx + g * kGroup + i]);
+      out[r * G + g] = s;
+    }
+}
+
+void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
+                   const float* gs, int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16) {
+  if (path == Path::Generic) {
+    for (int64_t b = block_begin; b < block_end; ++b) block_generic(w, b, x, ldx, m, gs, out, ldo, out_bf16);
+    return;
+  }
+  switch (w.format) {
+    case WeightFormat::Q4: blocks_avx512<WeightFormat::Q4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
+    case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
+    default: blocks_avx512<WeightFormat::BF16>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
+  }
+}
+
+}  // namespace specserve

@@ -1,0 +1,49 @@
+// Weight-quantized linear layers y = x W^T for bf16 activations: one kernel family for every row
+// count. Weights are packed in blocks of 16 output columns; within a block, input columns come in
+// pairs so one 32-bit lane holds the two weights VDPBF16PS multiplies with an (x[k], x[k+1]) pair.
+//
+// Formats (per block of 16 columns, K input columns):
+//   Q4: G = K/32 groups; codes as 4 "octs" of 8 columns per group, 64 bytes each (16 lanes x 8
+//       nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. = column 2p+1); per group and column a
+//       scale d and offset z, w = d * (128 + q) + z (GGUF Q4_1: z = m - 128 d; Q4_0: z = -136 d).
+//       128 + q is exact in bf16 (bits 0x4300 | q), so codes become bf16 with one OR.
+//   Q8: codes as K/2 pairs x 16 lanes x 2 int8 (32 bytes), per group and column a scale d
+//       (GGUF Q8_0: w = d * q).
+//   BF16: K/2 pairs x 16 lanes x 2 bf16 (64 bytes), no scales (K is padded to even with zeros).
+// Per output (row, column) the sum runs over groups in order; within a group over pairs in order,
+// then acc = fma(d, group_sum, acc) and, for Q4, acc = fma(z, sum_x(group), acc).
+#pragma once
+
+#include <cstdint>
+
+#include "simd.h"
+
+namespace specserve {
+
+enum class WeightFormat : int { Q4 = 0, Q8 = 1, BF16 = 2 };
+
+struct PackedWeight {
+  WeightFormat format;
+  const uint8_t* codes;  // [blocks][...] as above
+  const float* scale;    // [blocks][G][16] (Q4, Q8)
+  const float* zero;     // [blocks][G][16] (Q4)
+  int64_t n;             // output columns
+  int64_t k;             // input columns
+};
+
+constexpr int kBlockCols = 16;
+constexpr int kGroup = 32;
+
+// Bytes of one 16-column block.
+int64_t block_bytes(WeightFormat format, int64_t k);
+
+// Rows [0, m) of x (bf16, row stride ldx) times columns of blocks [block_begin, block_end).
+// out is float32 or bf16 (row stride ldo). group_sums[m][K/32] = sum of x per group (Q4 only).
+void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
+                   const float* group_sums, int64_t block_begin, int64_t block_end, void* out, int64_t ldo,
+                   bool out_bf16);
+
+// Per-row, per-group sums of x (sequential order), for the Q4 offset term.
+void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out);
+
+}  // namespace specserve

@@ -1,0 +1,43 @@
+"""Which kernel path this process uses: chosen from the CPU's flags, or forced by
+SPECSERVE_CPU_KERNEL_PATH (generic | avx512_bf16) so every path can be tested where the CPU allows."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from specserve import envs
+from specserve.kernels.build import load
+
+PATHS = {"generic": 0, "avx512_bf16": 1}
+
+
+def cpu_flags() -> set[str]:
+    """Feature flags of this CPU as the kernel sees them (Linux /proc/cpuinfo), for tests and reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_path() -> str:
+    return "avx512_bf16" if load().has_avx512_bf16() else "generic"
+
+
+@lru_cache(maxsize=None)
+def path_id(forced: str | None = None) -> int:
+    """The numeric path passed to the kernels (cached per forced value)."""
+    name = forced or os.environ.get(envs.CPU_KERNEL_PATH, "").strip() or best_path()
+    if name not in PATHS:
+        raise ValueError(f"{envs.CPU_KERNEL_PATH} must be one of {sorted(PATHS)}, got {name!r}")
+    if name == "avx512_bf16" and not load().has_avx512_bf16():
+        raise ValueError(f"{envs.CPU_KERNEL_PATH}=avx512_bf16 but this CPU lacks AVX512-BF16")
+    return PATHS[name]
+
+
+def path_name() -> str:
+    return {v: k for k, v in PATHS.items()}[path_id()]

@@ -1,0 +1,92 @@
+"""Weights packed for the CPU linear kernels, and y = x W^T through them.
+
+Three weight formats share one kernel family (see csrc/linear.h): GGUF Q4_0/Q4_1 codes with
+per-32 scale and offset, GGUF Q8_0 codes with per-32 scale, and plain bf16. Packing keeps the
+GGUF codes exactly; only the layout changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.kernels.build import load
+from specserve.kernels.dispatch import path_id
+
+GROUP = 32
+BLOCK = 16  # output columns per packed block
+Q4, Q8, BF16 = 0, 1, 2
+
+
+@dataclass
+class PackedLinear:
+    """One weight [n, k] in a kernel format: codes (uint8 bytes), scales and offsets per group."""
+
+    format: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    n: int
+    k: int
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [..., k] bf16 -> [..., n] in out_dtype (bf16 or float32)."""
+        shape = x.shape
+        flat = x.reshape(-1, self.k)
+        if flat.dtype != torch.bfloat16:
+            flat = flat.to(torch.bfloat16)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = load().linear(flat, self.format, self.codes, self.scale, self.zero, self.n, self.k,
+                          out_dtype == torch.bfloat16, path_id())
+        return y.view(*shape[:-1], self.n)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[0] % multiple
+    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+
+def _block_scales(values: torch.Tensor) -> torch.Tensor:
+    """[n, G] per-column group values -> [blocks, G, 16] float32."""
+    v = _pad_rows(values.to(torch.float32), BLOCK)
+    return v.view(-1, BLOCK, v.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> PackedLinear:
+    """w = scale * q + offset per group of 32 (codes [n, k] in 0..15; scale/offset [n, k/32]).
+
+    The kernel computes w = scale * (128 + q) + zero, so zero = offset - 128 * scale (in float64,
+    rounded once)."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"4-bit weights need k divisible by {GROUP}, got {k}")
+    c = _pad_rows(codes.to(torch.int64), BLOCK).view(-1, BLOCK, k // GROUP, 4, 8)  # [B, lane, G, oct, 8]
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)  # column 2p at 4p, 2p+1 at 16+4p
+    words = (c << shifts).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, oct, lane]
+    packed = words.to(torch.uint32).view(torch.uint8).reshape(-1)
+    zero = (offset.double() - 128 * scale.double()).float()
+    return PackedLinear(Q4, packed, _block_scales(scale), _block_scales(zero), n, k)
+
+
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> PackedLinear:
+    """w = scale * q per group of 32 (codes [n, k] int8; scale [n, k/32])."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"8-bit weights need k divisible by {GROUP}, got {k}")
+    c = _pad_rows(codes.to(torch.int8), BLOCK).view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), _block_scales(scale), torch.empty(0), n, k)
+
+
+def pack_bf16(weight: torch.Tensor) -> PackedLinear:
+    """A bf16 weight [n, k] as it is (k padded to even with zeros)."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.bfloat16)
+    if k % 2:
+        w = torch.cat([w, w.new_zeros(n, 1)], dim=1)
+    w = _pad_rows(w, BLOCK).view(-1, BLOCK, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return PackedLinear(BF16, w.view(torch.uint8).reshape(-1), torch.empty(0), torch.empty(0), n, k)
