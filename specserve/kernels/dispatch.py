@@ -24,14 +24,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+@lru_cache(maxsize=1)
 def best_path() -> str:
     return "avx512_bf16" if load().has_avx512_bf16() else "generic"
 
 
-@lru_cache(maxsize=None)
-def path_id(forced: str | None = None) -> int:
-    """The numeric path passed to the kernels (cached per forced value)."""
-    name = forced or os.environ.get(envs.CPU_KERNEL_PATH, "").strip() or best_path()
+def path_id() -> int:
+    """The numeric path passed to the kernels: SPECSERVE_CPU_KERNEL_PATH if set, else the best."""
+    name = os.environ.get(envs.CPU_KERNEL_PATH, "").strip() or best_path()
     if name not in PATHS:
         raise ValueError(f"{envs.CPU_KERNEL_PATH} must be one of {sorted(PATHS)}, got {name!r}")
     if name == "avx512_bf16" and not load().has_avx512_bf16():

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.ops import add_rms_norm, rope_store, silu_mul
 from specserve.kv.pool import KVPool
 from specserve.models.attention import paged_attention
 from specserve.models.config import ModelConfig
@@ -44,6 +45,14 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, kv.k[self.layer_id], kv.v[self.layer_id], fb.attn, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
+    def forward_fused(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool, rope: RotaryEmbedding) -> torch.Tensor:
+        """bf16 on CPU: RoPE and the K/V store in one kernel, attention reading the pool in place."""
+        k_pool, v_pool = kv.k[self.layer_id], kv.v[self.layer_id]
+        q = rope_store(self.qkv_proj(hidden), rope.cos, rope.sin, fb.positions, fb.out_cache_loc, self.num_heads,
+                       self.num_kv_heads, k_pool, v_pool)
+        out = paged_attention(q, k_pool, v_pool, fb.attn, self.scale)
+        return self.o_proj(out.view(out.shape[0], -1))
+
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: fused column-parallel gate/up, row-parallel down."""
@@ -57,6 +66,9 @@ class LlamaMLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype: torch.dtype):
@@ -69,6 +81,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), fb, kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_fused(self, out: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, kv: KVPool,
+                      rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 on CPU, with the residual stream kept apart: the layer's output is out + residual
+        (each add rounds to bf16 as the unfused layer's does), folded into the next norm's kernel."""
+        if residual is None:  # the first layer: its input is the residual stream itself
+            residual = out.clone()
+            normed = add_rms_norm(out, None, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            normed = add_rms_norm(out, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn.forward_fused(normed, fb, kv, rope)
+        normed = add_rms_norm(attn, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self.mlp.forward_fused(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -85,9 +110,12 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+        self.fused = False  # set by pack_for_cpu: bf16 on CPU runs the fused kernels
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(fb, kv)
         fb.rope_cos, fb.rope_sin = self.rope.cos_sin(fb.positions, self.dtype)
         hidden = self.embed_tokens(fb.input_ids)
         captured = []
@@ -98,6 +126,19 @@ class LlamaForCausalLM(nn.Module):
         if captured:  # the drafter's context: these layers' outputs for every row, concatenated
             fb.captured_hidden = torch.cat(captured, dim=-1)
         hidden = self.norm(hidden[fb.logit_rows])
+        return self.lm_head(hidden)
+
+    def _forward_fused(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        out, residual = self.embed_tokens(fb.input_ids), None
+        captured = []
+        for i, layer in enumerate(self.layers):
+            out, residual = layer.forward_fused(out, residual, fb, kv, self.rope)
+            if i in fb.capture_layer_ids:
+                captured.append(out + residual)
+        if captured:
+            fb.captured_hidden = torch.cat(captured, dim=-1)
+        rows = fb.logit_rows
+        hidden = add_rms_norm(out[rows].contiguous(), residual[rows].contiguous(), self.norm.weight, self.norm.eps)
         return self.lm_head(hidden)
 
     @staticmethod
@@ -114,10 +155,12 @@ class LlamaForCausalLM(nn.Module):
                 linear.load_quantized(quantized[name])
 
     def pack_for_cpu(self) -> None:
-        """Pack every linear weight for specserve's CPU kernels (a no-op off CPU or outside bf16)."""
+        """Pack every linear weight for specserve's CPU kernels and switch to the fused layer
+        kernels (a no-op off CPU or outside bf16)."""
         for module in self.modules():
             if module is not self and hasattr(module, "pack_for_cpu"):
                 module.pack_for_cpu()
+        self.fused = self.dtype == torch.bfloat16 and self.embed_tokens.weight.device.type == "cpu"
 
     def load_weights(self, weights: dict[str, torch.Tensor], quantized: Optional[dict[str, QuantWeight]] = None) -> None:
         """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard.

@@ -8,6 +8,7 @@
 
 #include "attention.h"
 #include "linear.h"
+#include "ops.h"
 
 namespace specserve {
 namespace {
@@ -75,8 +76,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   TORCH_CHECK(row_req.numel() == rows && row_len.numel() == rows, "specserve attention: one request and length per row");
   auto out = torch::empty_like(q);
   if (rows == 0) return out;
-  const int64_t longest = row_len.max().item<int64_t>();
-  TORCH_CHECK(longest <= table.size(1), "specserve attention: a row sees more positions than the table holds");
+  const int64_t *req = row_req.data_ptr<int64_t>(), *len = row_len.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(req[t] >= 0 && req[t] < table.size(0), "specserve attention: row ", t, " names table row ", req[t]);
+    TORCH_CHECK(len[t] >= 0 && len[t] <= table.size(1), "specserve attention: row ", t, " sees ", len[t], " positions");
+    longest = std::max(longest, len[t]);
+  }
   const Path p = checked_path(path);
   PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), table.data_ptr<int64_t>(), table.stride(0),
                        row_req.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(), heads, kv_heads, dim, float(scale),
@@ -88,6 +94,69 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   return out;
 }
 
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && t.dim() == 2,
+              "specserve ", what, ": expected a contiguous 2-D bf16 CPU tensor");
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps,
+                           int64_t path) {
+  check_rows(x, "add_rms_norm x");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous() && weight.numel() == h,
+              "specserve add_rms_norm: weight must be bf16 [", h, "]");
+  uint16_t* res = nullptr;
+  if (residual.has_value()) {
+    check_rows(*residual, "add_rms_norm residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "specserve add_rms_norm: residual and x differ in shape");
+    res = reinterpret_cast<uint16_t*>(residual->data_ptr<at::BFloat16>());
+  }
+  auto out = torch::empty_like(x);
+  const Path p = checked_path(path);
+  const uint16_t *xd = bf16_data(x), *wd = bf16_data(weight);
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { add_rms_norm_rows(p, xd, res, wd, h, float(eps), od, b, e); });
+  return out;
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up, int64_t path) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "specserve silu_mul: gate_up width must be even");
+  const int64_t rows = gate_up.size(0), f = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, f}, gate_up.options());
+  const Path p = checked_path(path);
+  const uint16_t* gd = bf16_data(gate_up);
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) { silu_mul_rows(p, gd, f, od, b, e); });
+  return out;
+}
+
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                         torch::Tensor slots, int64_t heads, int64_t kv_heads, torch::Tensor k_pool, torch::Tensor v_pool) {
+  check_rows(qkv, "rope_store qkv");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == torch::kBFloat16 &&
+              v_pool.scalar_type() == torch::kBFloat16 && k_pool.dim() == 3 && k_pool.size(1) == kv_heads,
+              "specserve rope_store: K/V pools must be contiguous bf16 [slots, ", kv_heads, ", dim]");
+  const int64_t rows = qkv.size(0), dim = k_pool.size(2);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "specserve rope_store: qkv width does not match the heads");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == dim / 2,
+              "specserve rope_store: cos/sin must be contiguous float32 [positions, dim/2]");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
+              positions.numel() == rows && slots.numel() == rows && positions.is_contiguous() && slots.is_contiguous(),
+              "specserve rope_store: one int64 position and slot per row");
+  const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "specserve rope_store: position ", pos[t], " is outside the RoPE table");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < k_pool.size(0), "specserve rope_store: slot ", slot[t], " is outside the K/V pool");
+  }
+  auto q = torch::empty({rows, heads, dim}, qkv.options());
+  RopeStoreArgs a{bf16_data(qkv), cos.data_ptr<float>(), sin.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                  slots.data_ptr<int64_t>(), heads, kv_heads, dim, reinterpret_cast<uint16_t*>(q.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<uint16_t*>(k_pool.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(v_pool.data_ptr<at::BFloat16>())};
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) { rope_store_rows(a, b, e); });
+  return q;
+}
+
 }  // namespace
 }  // namespace specserve
 
@@ -95,4 +164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512_bf16", &specserve::cpu_has_avx512_bf16, "CPU (and OS) support AVX512-BF16");
   m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight");
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
+  m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
+  m.def("silu_mul", &specserve::silu_mul, "silu(gate) * up of [rows, 2f] gate_up");
+  m.def("rope_store", &specserve::rope_store, "RoPE of q and k; k and v stored to their slots; returns q");
 }

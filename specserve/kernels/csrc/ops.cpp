@@ -1,0 +1,147 @@
+// Fused small ops (see ops.h). RoPE has no reduction and no transcendental, so one scalar
+// version serves both paths; the other two have an AVX-512 version with the same order.
+#include "ops.h"
+
+#include <immintrin.h>
+
+namespace specserve {
+
+namespace {
+
+inline float silu(float g) {
+  const float e = exp_nonpositive(g >= 0.0f ? -g : g);  // exp(-|g|) <= 1
+  const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return g * sig;
+}
+
+void add_rms_norm_generic(const uint16_t* x, uint16_t* residual, const uint16_t* w, int64_t h, float eps, uint16_t* out) {
+  float lanes[16] = {0};
+  for (int64_t i = 0; i < h; ++i) {
+    float v = bf16_to_f32(x[i]);
+    if (residual) {
+      residual[i] = f32_to_bf16(v + bf16_to_f32(residual[i]));
+      v = bf16_to_f32(residual[i]);
+    }
+    lanes[i % 16] = std::fma(v, v, lanes[i % 16]);
+  }
+  const float inv = 1.0f / std::sqrt(tree_sum16(lanes) / float(h) + eps);
+  const uint16_t* src = residual ? residual : x;
+  for (int64_t i = 0; i < h; ++i) out[i] = f32_to_bf16((bf16_to_f32(src[i]) * inv) * bf16_to_f32(w[i]));
+}
+
+#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+SPECSERVE_AVX512 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+SPECSERVE_AVX512 inline void store_bf16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+SPECSERVE_AVX512 inline __m512 bf16_round(__m512 v) {  // the value after a round trip through bf16
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+SPECSERVE_AVX512 inline __mmask16 tail_mask(int64_t left) { return __mmask16(left >= 16 ? 0xFFFF : (1u << left) - 1u); }
+
+SPECSERVE_AVX512 inline float tree_sum16_avx(__m512 v) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+SPECSERVE_AVX512 inline __m512 exp_nonpositive_avx(__m512 x) {
+  __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_GE_OQ);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpC[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+SPECSERVE_AVX512 void add_rms_norm_avx(const uint16_t* x, uint16_t* residual, const uint16_t* w, int64_t h, float eps,
+                                       uint16_t* out) {
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = tail_mask(h - i);
+    __m512 v = load_bf16(x + i, m);
+    if (residual) {
+      v = bf16_round(_mm512_add_ps(v, load_bf16(residual + i, m)));
+      store_bf16(residual + i, v, m);
+    }
+    lanes = _mm512_fmadd_ps(v, v, lanes);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(tree_sum16_avx(lanes) / float(h) + eps));
+  const uint16_t* src = residual ? residual : x;
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = tail_mask(h - i);
+    store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(load_bf16(src + i, m), inv), load_bf16(w + i, m)), m);
+  }
+}
+
+SPECSERVE_AVX512 void silu_mul_avx(const uint16_t* gate, const uint16_t* up, int64_t f, uint16_t* out) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < f; i += 16) {
+    const __mmask16 m = tail_mask(f - i);
+    const __m512 g = load_bf16(gate + i, m);
+    const __mmask16 pos = _mm512_cmp_ps_mask(g, zero, _CMP_GE_OQ);
+    const __m512 neg_abs = _mm512_mask_sub_ps(g, pos, zero, g);  // g >= 0 ? -g : g
+    const __m512 e = exp_nonpositive_avx(neg_abs);
+    const __m512 denom = _mm512_add_ps(one, e);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(e, pos, one), denom);
+    store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), load_bf16(up + i, m)), m);
+  }
+}
+
+}  // namespace
+
+void add_rms_norm_rows(Path path, const uint16_t* x, uint16_t* residual, const uint16_t* weight, int64_t h, float eps,
+                       uint16_t* out, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    uint16_t* res = residual ? residual + r * h : nullptr;
+    if (path == Path::Avx512Bf16) add_rms_norm_avx(x + r * h, res, weight, h, eps, out + r * h);
+    else add_rms_norm_generic(x + r * h, res, weight, h, eps, out + r * h);
+  }
+}
+
+void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* gate = gate_up + r * 2 * f;
+    if (path == Path::Avx512Bf16) {
+      silu_mul_avx(gate, gate + f, f, out + r * f);
+    } else {
+      for (int64_t i = 0; i < f; ++i)
+        out[r * f + i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(gate[f + i]));
+    }
+  }
+}
+
+void rope_store_rows(const RopeStoreArgs& a, int64_t begin, int64_t end) {
+  const int64_t half = a.dim / 2, width = (a.heads + 2 * a.kv_heads) * a.dim;
+  for (int64_t t = begin; t < end; ++t) {
+    const uint16_t* row = a.qkv + t * width;
+    const float* c = a.cos + a.positions[t] * half;
+    const float* s = a.sin + a.positions[t] * half;
+    for (int64_t head = 0; head < a.heads + a.kv_heads; ++head) {
+      const uint16_t* x = row + head * a.dim;
+      uint16_t* dst = head < a.heads ? a.q_out + (t * a.heads + head) * a.dim
+                                     : a.k_pool + (a.slots[t] * a.kv_heads + head - a.heads) * a.dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+        const float a1 = x1 * c[i], b1 = x2 * s[i], a2 = x2 * c[i], b2 = x1 * s[i];
+        dst[i] = f32_to_bf16(a1 - b1);
+        dst[i + half] = f32_to_bf16(a2 + b2);
+      }
+    }
+    const uint16_t* v = row + (a.heads + a.kv_heads) * a.dim;
+    uint16_t* vdst = a.v_pool + a.slots[t] * a.kv_heads * a.dim;
+    for (int64_t i = 0; i < a.kv_heads * a.dim; ++i) vdst[i] = v[i];
+  }
+}
+
+}  // namespace specserve

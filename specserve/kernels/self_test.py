@@ -1,0 +1,57 @@
+"""A start-up check of the built kernels on this CPU: results against a float64 reference and
+row invariance (the same row alone and inside a larger batch), for every path the CPU allows."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from specserve.kernels.dispatch import PATHS
+from specserve.kernels.linear import Q4, Q8, pack_bf16, pack_q4, pack_q8
+
+# Relative to the largest reference output: bf16 outputs carry 2^-8 rounding, fp32 sums far less.
+TOLERANCE = {"q4": 1e-5, "q8": 1e-5, "bf16": 1e-2, "attention": 1e-2}
+
+
+def _weights(n: int, k: int, g: torch.Generator) -> dict[str, tuple]:
+    codes4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    offset = -8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3
+    codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    dense = torch.randn(n, k + 1, generator=g).bfloat16()  # odd K
+    expand = lambda t: t.double().repeat_interleave(32, 1)  # noqa: E731
+    return {
+        "q4": (pack_q4(codes4, scale, offset), codes4.double() * expand(scale) + expand(offset)),
+        "q8": (pack_q8(codes8, scale), codes8.double() * expand(scale)),
+        "bf16": (pack_bf16(dense), dense.double()),
+    }
+
+
+def _check(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    if not err <= TOLERANCE[name]:
+        raise RuntimeError(f"kernel self-test: {name} is off the float64 reference by {err:.2e} (limit {TOLERANCE[name]})")
+    return err
+
+
+def self_test(module: ModuleType) -> str:
+    """Run the checks; raise RuntimeError on any failure, else return a one-line summary."""
+    g = torch.Generator().manual_seed(0)
+    paths = ["generic"] + (["avx512_bf16"] if module.has_avx512_bf16() else [])
+    worst: dict[str, float] = {}
+    for name, (packed, dense) in _weights(48, 96, g).items():
+        x = torch.randn(7, packed.k, generator=g).bfloat16()
+        outs = {}
+        for path in paths:
+            y = module.linear(x, packed.format, packed.codes, packed.scale, packed.zero, packed.n, packed.k,
+                              packed.format not in (Q4, Q8), PATHS[path])
+            alone = module.linear(x[3:4].contiguous(), packed.format, packed.codes, packed.scale, packed.zero,
+                                  packed.n, packed.k, packed.format not in (Q4, Q8), PATHS[path])
+            if not torch.equal(alone[0], y[3]):
+                raise RuntimeError(f"kernel self-test: {name} ({path}) gives a row a different result alone than in a batch")
+            worst[name] = max(worst.get(name, 0.0), _check(name, y, x.double() @ dense.T))
+            outs[path] = y
+        if len(outs) > 1 and not torch.equal(*outs.values()):
+            raise RuntimeError(f"kernel self-test: {name} differs between the generic and AVX512-BF16 paths")
+    return f"self-test passed on paths {paths}; worst relative error " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())

@@ -1,0 +1,217 @@
+"""The C++ CPU kernels against float64 references, for odd shapes, on every path this CPU has:
+each output row is computed in one order whatever the row count (so a row's result is bitwise the
+same alone, in any batch and at any position), the generic and AVX512-BF16 paths agree bit for bit,
+and the dispatched path follows the CPU's flags and SPECSERVE_CPU_KERNEL_PATH."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import envs
+from specserve.kernels import dispatch
+from specserve.kernels.attention import paged_attention
+from specserve.kernels.build import load
+from specserve.kernels.linear import Q4, Q8, pack_bf16, pack_q4, pack_q8
+
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}
+PATHS = ["generic"] + (["avx512_bf16"] if load().has_avx512_bf16() else [])
+# Largest error relative to the largest reference output: fp32 sums of exact bf16 products for
+# the quantized formats; bf16 output rounding (2^-8) for the dense one.
+BOUND = {"q4": 1e-5, "q8": 1e-5, "bf16": 8e-3}
+
+
+def expand(t: torch.Tensor) -> torch.Tensor:
+    return t.double().repeat_interleave(32, 1)
+
+
+def make_weight(kind: str, n: int, k: int, seed: int = 0):
+    """(packed, float64 dense reference) of an [n, k] weight."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    if kind == "q4":
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        offset = -8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3
+        return pack_q4(codes, scale, offset), codes.double() * expand(scale) + expand(offset)
+    if kind == "q8":
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        return pack_q8(codes, scale), codes.double() * expand(scale)
+    dense = torch.randn(n, k, generator=g).bfloat16()
+    return pack_bf16(dense), dense.double()
+
+
+def run(packed, x: torch.Tensor, path: str) -> torch.Tensor:
+    out_bf16 = packed.format not in (Q4, Q8)
+    return load().linear(x.contiguous(), packed.format, packed.codes, packed.scale, packed.zero, packed.n, packed.k,
+                         out_bf16, dispatch.PATHS[path])
+
+
+# N = 40 leaves a partial column block; K = 160 is 5 groups; K = 77 is odd (dense only).
+SHAPES = {"q4": (40, 160), "q8": (40, 160), "bf16": (40, 77)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+def test_linear_matches_float64_and_every_row_count_gives_the_same_rows(kind, path):
+    packed, dense = make_weight(kind, *SHAPES[kind])
+    x = torch.randn(70, packed.k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    full = run(packed, x, path)
+    want = x.double() @ dense.T
+    err = ((full.double() - want).abs().max() / want.abs().max()).item()
+    assert err <= BOUND[kind], f"{kind} {path}: relative error {err:.2e}"
+    for m in range(1, 71):
+        assert torch.equal(run(packed, x[:m], path), full[:m]), f"{kind} {path}: rows differ at M={m}"
+    # A row's result does not depend on its place in the batch either.
+    order = torch.randperm(70, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(run(packed, x[order], path), full[order])
+
+
+@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no AVX512-BF16: only the generic path exists")
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+def test_generic_and_avx512_paths_agree_bitwise(kind):
+    packed, _ = make_weight(kind, 100, 192 if kind != "bf16" else 191, seed=3)
+    x = torch.randn(33, packed.k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert torch.equal(run(packed, x, "generic"), run(packed, x, "avx512_bf16"))
+
+
+def attention_case(seed: int = 0, dim: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    slots, kv_heads, heads = 300, 3, 9
+    k_pool = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
+    v_pool = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
+    table = torch.zeros(3, 256, dtype=torch.int64)
+    for r in range(3):
+        table[r, :200] = torch.randperm(slots - 1, generator=g)[:200] + 1
+    rows = 40
+    q = torch.randn(rows, heads, dim, generator=g).bfloat16()
+    row_req = torch.randint(0, 3, (rows,), generator=g)
+    row_len = torch.randint(1, 201, (rows,), generator=g)
+    row_len[-1] = 0  # a padding row
+    return q, k_pool, v_pool, table, row_req, row_len, dim ** -0.5
+
+
+def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale):
+    group = q.shape[1] // k_pool.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        n = int(row_len[t])
+        if n == 0:
+            continue
+        slots = table[row_req[t], :n]
+        k = k_pool[slots].double().repeat_interleave(group, 1)
+        v = v_pool[slots].double().repeat_interleave(group, 1)
+        weights = (torch.einsum("hd,lhd->hl", q[t].double(), k) * scale).softmax(-1)
+        out[t] = torch.einsum("hl,lhd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("dim", [64, 48])
+@pytest.mark.parametrize("path", PATHS)
+def test_paged_attention_matches_float64_and_rows_are_independent(path, dim, monkeypatch):
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+    case = attention_case(dim=dim)
+    q, k_pool, v_pool, table, row_req, row_len, scale = case
+    out = paged_attention(*case)
+    err = (out.double() - attention_reference(*case)).abs().max().item()
+    assert err <= 1.6e-2, f"attention {path}: error {err:.2e} (outputs are bf16)"
+    assert not out[-1].any(), "a row that sees no positions must be zero"
+    for t in (0, 5, 17, 38):  # alone, and within a different set of rows
+        alone = paged_attention(q[t:t + 1], k_pool, v_pool, table, row_req[t:t + 1], row_len[t:t + 1], scale)
+        assert torch.equal(alone[0], out[t])
+    pick = torch.tensor([30, 2, 17])
+    assert torch.equal(paged_attention(q[pick], k_pool, v_pool, table, row_req[pick], row_len[pick], scale), out[pick])
+
+
+@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no AVX512-BF16: only the generic path exists")
+def test_attention_paths_agree_bitwise(monkeypatch):
+    case = attention_case(seed=5)
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, "generic")
+    generic = paged_attention(*case)
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, "avx512_bf16")
+    assert torch.equal(generic, paged_attention(*case))
+
+
+def test_dispatched_path_follows_the_cpu_flags(monkeypatch):
+    monkeypatch.delenv(envs.CPU_KERNEL_PATH, raising=False)
+    expected = "avx512_bf16" if AVX512_FLAGS <= dispatch.cpu_flags() else "generic"
+    assert dispatch.path_name() == expected
+
+
+def test_the_environment_switch_forces_a_path_and_rejects_unknown_ones(monkeypatch):
+    packed, _ = make_weight("q4", 32, 64)
+    x = torch.randn(3, 64).bfloat16()
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, "generic")
+    assert dispatch.path_name() == "generic"
+    assert torch.equal(packed(x, torch.float32), run(packed, x, "generic"))
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, "amx")
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_KERNEL_PATH must be one of"):
+        packed(x)
+    if "avx512_bf16" not in PATHS:
+        monkeypatch.setenv(envs.CPU_KERNEL_PATH, "avx512_bf16")
+        with pytest.raises(ValueError, match="lacks AVX512-BF16"):
+            packed(x)
+
+
+def test_bad_arguments_get_clear_errors():
+    packed, _ = make_weight("q8", 32, 64)
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        load().linear(torch.randn(2, 64), Q8, packed.codes, packed.scale, packed.zero, 32, 64, False, 0)
+    with pytest.raises(RuntimeError, match="wrong size"):
+        load().linear(torch.randn(2, 64).bfloat16(), Q8, packed.codes[:-1], packed.scale, packed.zero, 32, 64, False, 0)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        pack_q4(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1))
+
+
+def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):
+    from specserve.kernels import ops
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 200, generator=g).bfloat16()  # 200: not a multiple of 16
+    x[0, :4] = torch.tensor([1e-39, -1e-40, 0.0, 1e18]).bfloat16()  # denormals and a large value
+    residual = torch.randn(9, 200, generator=g).bfloat16()
+    weight = torch.randn(200, generator=g).bfloat16()
+    gate_up = (torch.randn(9, 2 * 200, generator=g) * 4).bfloat16()
+    results = {}
+    for path in PATHS:
+        monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+        res = residual.clone()
+        results[path] = (ops.add_rms_norm(x, res, weight, 1e-5), res, ops.add_rms_norm(x, None, weight, 1e-5),
+                         ops.silu_mul(gate_up))
+        normed, res, plain, act = results[path]
+        assert torch.equal(res, x + residual)  # the residual add rounds to bf16 like torch's
+        for got, base in ((normed, (x + residual)), (plain, x)):
+            want = torch.nn.functional.rms_norm(base.double(), (200,), weight.double(), 1e-5)
+            assert ((got.double() - want).abs() / (want.abs() + 1e-2)).max() < 2e-2
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        assert ((act.double() - want).abs() / (want.abs() + 1e-2)).max() < 2e-2
+        for t in (0, 4, 8):  # one row alone gives the same result
+            assert torch.equal(ops.add_rms_norm(x[t:t + 1], None, weight, 1e-5)[0], plain[t])
+            assert torch.equal(ops.silu_mul(gate_up[t:t + 1])[0], act[t])
+    if len(results) > 1:
+        for a, b in zip(*results.values()):
+            assert torch.equal(a, b)
+
+
+def test_rope_store_rotates_q_and_k_and_stores_k_v():
+    from specserve.kernels import ops
+    from specserve.models.layers import RotaryEmbedding, apply_rope
+
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, dim, rows = 6, 2, 32, 5
+    rope = RotaryEmbedding(dim, 64, 10000.0)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    positions = torch.tensor([0, 3, 17, 63, 5])
+    slots = torch.tensor([4, 1, 7, 2, 9])
+    k_pool = torch.zeros(10, kv_heads, dim, dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    q = ops.rope_store(qkv, rope.cos, rope.sin, positions, slots, heads, kv_heads, k_pool, v_pool)
+    parts = qkv.double().view(rows, -1, dim)
+    cos, sin = rope.cos[positions].double().unsqueeze(1), rope.sin[positions].double().unsqueeze(1)
+    rotated = apply_rope(parts[:, :heads + kv_heads], cos, sin)
+    assert (q.double() - rotated[:, :heads]).abs().max() < 3e-2
+    assert (k_pool[slots].double() - rotated[:, heads:]).abs().max() < 3e-2
+    assert torch.equal(v_pool[slots], qkv.view(rows, -1, dim)[:, heads + kv_heads:])
+    assert not k_pool[[0, 3, 5, 6, 8]].any()  # no other slot is touched
+    with pytest.raises(RuntimeError, match="outside the K/V pool"):
+        ops.rope_store(qkv, rope.cos, rope.sin, positions, torch.tensor([4, 1, 7, 2, 10]), heads, kv_heads, k_pool, v_pool)
