@@ -18,7 +18,7 @@ _POSITIVE = ("> 0", lambda v: v > 0)
 FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "seed": ("in [0, 2^64)", lambda v: 0 <= v <= MAX_SEED), "temperature": _AT_LEAST_0,
     "max_new_tokens": _AT_LEAST_0, "new_tokens": _AT_LEAST_1, "max_tokens": _AT_LEAST_1, "batch_size": _AT_LEAST_1,
-    "num_prompts": _AT_LEAST_0, "hf_prompts": _AT_LEAST_0, "num_questions": _AT_LEAST_1, "answer_tokens": _AT_LEAST_1,
+    "num_prompts": _AT_LEAST_0, "num_texts": _AT_LEAST_1, "prefill_len": _AT_LEAST_1, "hf_prompts": _AT_LEAST_0, "num_questions": _AT_LEAST_1, "answer_tokens": _AT_LEAST_1,
     "device_tokens": (">= 16", lambda v: v >= 16), "repeats": _AT_LEAST_1, "prefix_len": _AT_LEAST_0,
     "window": (f"in [1, {MAX_DRAFT_TOKENS + 1}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS + 1),
     "wave": _AT_LEAST_1, "small_new_tokens": _AT_LEAST_1, "large_new_tokens": _AT_LEAST_1,
@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_hicache_bench_args(hic)
     ServerArgs.add_cli_args(hic)
+    qual = bench_sub.add_parser("quality", help="bf16 against fp32 on the same weights: perplexity and greedy match rate")
+    from specserve.bench.quality import add_quality_bench_args
+
+    add_quality_bench_args(qual)
+    ServerArgs.add_cli_args(qual)
     ovl = bench_sub.add_parser("overlap", help="overlap loop vs normal loop decode throughput")
     from specserve.bench.overlap import add_overlap_bench_args
 
@@ -242,6 +247,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.hicache import run_hicache_bench
 
             return run_hicache_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "quality":
+            from specserve.bench.quality import run_quality_bench
+
+            return run_quality_bench(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "bench" and ns.bench_command == "overlap":
             from specserve.bench.overlap import run_overlap_bench
 

@@ -58,28 +58,48 @@ def jsonl_prompts(path: str) -> list[dict[str, str]]:
     return out
 
 
-def sharegpt_first_turns(limit: int, seed: int = 0, max_chars: int = 2000) -> list[str]:
-    """Up to `limit` first human turns from ShareGPT V3, shuffled with `seed`, MT-Bench excluded.
-
-    The packaged file is cut off at the end, so records are decoded one by one and the truncated
-    tail is dropped."""
+def _sharegpt_records():
+    """ShareGPT V3 records in file order. The packaged file is cut off at the end, so records are
+    decoded one by one and the truncated tail is dropped."""
     with open(package_file(*SHAREGPT)) as f:
         text = f.read()
-    excluded = {q["prompt"].strip() for q in _mtbench_or_empty()}
-    decoder, pos, prompts = json.JSONDecoder(), text.index("[") + 1, []
+    decoder, pos = json.JSONDecoder(), text.index("[") + 1
     while True:
         while pos < len(text) and text[pos] in " \n\r\t,":
             pos += 1
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
-            break  # the truncated last record
-        turns = record.get("conversations") or []
-        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "").strip()
+            return  # the truncated last record
+        yield record
+
+
+def _first(turns: list[dict], who: str) -> str:
+    return next((t.get("value", "") for t in turns if t.get("from") == who), "").strip()
+
+
+def sharegpt_first_turns(limit: int, seed: int = 0, max_chars: int = 2000) -> list[str]:
+    """Up to `limit` first human turns from ShareGPT V3, shuffled with `seed`, MT-Bench excluded."""
+    excluded = {q["prompt"].strip() for q in _mtbench_or_empty()}
+    prompts = []
+    for record in _sharegpt_records():
+        first = _first(record.get("conversations") or [], "human")
         if 8 <= len(first) <= max_chars and first not in excluded:
             prompts.append(first)
     random.Random(seed).shuffle(prompts)
     return prompts[:limit]
+
+
+def sharegpt_exchanges(limit: int, max_chars: int = 2000) -> list[tuple[str, str]]:
+    """(first human turn, first assistant answer) pairs from the end of ShareGPT V3, for
+    measuring a model's perplexity on real assistant text."""
+    pairs: list[tuple[str, str]] = []
+    for record in _sharegpt_records():
+        turns = record.get("conversations") or []
+        human, answer = _first(turns, "human"), _first(turns, "gpt")
+        if 8 <= len(human) <= max_chars and 64 <= len(answer) <= max_chars:
+            pairs.append((human, answer))
+    return pairs[-limit:]
 
 
 def _mtbench_or_empty() -> list[dict[str, str]]:

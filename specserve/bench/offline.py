@@ -1,15 +1,20 @@
-"""`specserve bench offline`: decode speed of specserve vs Hugging Face transformers, side by side.
+"""`specserve bench offline`: decode speed of specserve against its peers, side by side.
 
-Both run greedy on the same GGUF, same dtype, same prompts, in one process run; the report gives
-tokens/s and ratios. Batch 1 measures per-token latency, batch N measures throughput.
+Peers (`--peer`, repeatable): Hugging Face transformers (`generate`, same dtype) and llama.cpp
+through llama-cpp-python. All run greedy on the same GGUF and the same token ids in one process
+run; the report gives tokens/s and ratios. Batch 1 measures per-token latency, batch N
+throughput; against llama.cpp it also compares one forward step over 1 new token (decode) and
+over a 6-row verify window after the same 256-token prefix, and prefill tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
+import statistics
 import time
 from typing import Any
 
@@ -32,7 +37,13 @@ PROMPTS = [
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--skip-hf", action="store_true", help="measure specserve only")
+    p.add_argument("--peer", action="append", choices=["transformers", "llama.cpp"], default=None,
+                   help="peers to measure (repeatable; default: transformers)")
+    p.add_argument("--skip-hf", action="store_true", help="measure no peer (same as giving no --peer and skipping transformers)")
+    p.add_argument("--prefix-len", type=int, default=256, help="context before the timed decode and verify steps")
+    p.add_argument("--window", type=int, default=6, help="rows of the timed verify step")
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prefill")
+    p.add_argument("--repeats", type=int, default=10, help="timed passes per step shape (median kept)")
     p.add_argument("--hf-batch", action="store_true", help="also run transformers at the batch size (slow)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -41,8 +52,44 @@ def _chat_ids(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]) for i in range(n)]
 
 
+def _long_ids(tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(" ".join(PROMPTS))
+    return ids[:n]
+
+
+def _median_pass_s(engine, ids: list[int], prefix_len: int, repeats: int, last_logit_only: bool) -> float:
+    """Median seconds of one target forward over `ids` as new rows after `prefix_len` cached ones."""
+    from specserve.bench.profile_sps import verify_pass
+
+    n = len(ids)
+    fb = verify_pass(engine, n, n, prefix_len)
+    fb = dataclasses.replace(fb, input_ids=torch.tensor(ids, device=fb.input_ids.device),
+                             logit_rows=torch.tensor([n - 1]) if last_logit_only else fb.logit_rows)
+    engine.runner.model(fb, engine.kv)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.runner.model(fb, engine.kv)
+        times.append(time.perf_counter() - start)
+    engine.req_to_token.table.zero_()
+    return statistics.median(times)
+
+
+def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
+    """Decode (1 row) vs verify (`--window` rows) step time, and prefill tokens/s, of the target."""
+    window = _long_ids(engine.tokenizer, ns.window)
+    decode = _median_pass_s(engine, window[:1], ns.prefix_len, ns.repeats, last_logit_only=False)
+    verify = _median_pass_s(engine, window, ns.prefix_len, ns.repeats, last_logit_only=False)
+    prefill = _median_pass_s(engine, _long_ids(engine.tokenizer, ns.prefill_len), 0, max(2, ns.repeats // 3), True)
+    return {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
+            "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill}
+
+
 def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     from specserve.engine import Engine
+    from specserve.kernels.dispatch import path_name
 
     engine = Engine(**vars(args))
     one = _chat_ids(engine.tokenizer, 1)
@@ -57,8 +104,21 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     outs = engine.generate(input_ids=batch, sampling_params=params)
     bn = sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
+    engine.tree.reset()
+    shapes = step_shapes(engine, ns)
+    kernel_path = path_name() if engine.args.device == "cpu" else "none"
     engine.shutdown()
-    return {"batch1_tok_s": b1, f"batch{ns.batch_size}_tok_s": bn}
+    return {"batch1_tok_s": b1, f"batch{ns.batch_size}_tok_s": bn, **shapes, "cpu_kernel_path": kernel_path}
+
+
+def bench_llama_cpp_peer(args: ServerArgs, ns: argparse.Namespace, path: str) -> dict[str, Any]:
+    from specserve.bench.llamacpp import bench_llama_cpp
+    from specserve.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    long = _long_ids(tok, max(ns.prefix_len + ns.window, ns.prefill_len))
+    return bench_llama_cpp(path, torch.get_num_threads(), _chat_ids(tok, 1)[0], ns.new_tokens, long[:ns.prefix_len],
+                           _long_ids(tok, ns.window), long[:ns.prefill_len], ns.repeats)
 
 
 def bench_transformers(dtype: torch.dtype, ns: argparse.Namespace, model_path: str) -> dict[str, Any]:
@@ -100,6 +160,20 @@ class _SpecTok:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+def cpu_description() -> dict[str, Any]:
+    """The CPU a figure comes from: model name and whether it has AMX / AVX512-BF16."""
+    from specserve.kernels.dispatch import cpu_flags
+
+    flags, name = cpu_flags(), "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return {"model": name, "amx": "amx_tile" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "threads": torch.get_num_threads()}
+
+
 def run_offline_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.engine.builder import resolve_dtype
     from specserve.models.loader import resolve_model_path
@@ -108,13 +182,17 @@ def run_offline_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     dtype = resolve_dtype(args.dtype)
     report: dict[str, Any] = {"model": path, "dtype": str(dtype), "new_tokens": ns.new_tokens,
                               "batch_size": ns.batch_size, "threads": torch.get_num_threads()}
+    report["cpu"] = cpu_description()
     report["specserve"] = bench_specserve(args, ns)
     print("specserve:", json.dumps(report["specserve"]))
-    if not ns.skip_hf:
-        report["transformers"] = bench_transformers(dtype, ns, path)
-        print("transformers:", json.dumps(report["transformers"]))
-        ours, theirs = report["specserve"], report["transformers"]
-        report["ratios"] = {k: ours[k] / theirs[k] for k in theirs if k in ours}
+    peers = [] if ns.skip_hf and not ns.peer else (ns.peer or ["transformers"])
+    for peer in peers:
+        result = bench_transformers(dtype, ns, path) if peer == "transformers" else bench_llama_cpp_peer(args, ns, path)
+        report[peer] = result
+        print(f"{peer}:", json.dumps(result))
+        ours = report["specserve"]
+        report[f"ratios_vs_{peer}"] = {k: ours[k] / v for k, v in result.items()
+                                       if k in ours and isinstance(v, (int, float)) and v}
     bn = report["specserve"][f"batch{ns.batch_size}_tok_s"]
     report["specserve_batch_over_batch1"] = bn / report["specserve"]["batch1_tok_s"]
     print(json.dumps(report, indent=2))

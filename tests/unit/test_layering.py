@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
                "sampler", "sampling_params", "args", "envs", "errors"},
     "server": {"engine", "tokenizer", "models", "sampling_params", "args", "errors"},
     "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args"},
-    "bench": {"engine", "scheduler", "executor", "speculative", "models", "kv", "tokenizer", "datasets", "args",
+    "bench": {"engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
               "sampling_params"},
     "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names

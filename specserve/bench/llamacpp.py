@@ -1,0 +1,84 @@
+"""llama.cpp as a benchmark peer, through `llama-cpp-python` (an optional extra, never a test
+dependency), driven with the same token ids as specserve so both see identical prompts.
+
+Build it with its AMX path off (it crashes on some of these CPUs):
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF" pip install llama-cpp-python==0.3.36
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+INSTALL = ('pip install llama-cpp-python==0.3.36 (with CMAKE_ARGS turning AMX off, see '
+           'specserve/bench/llamacpp.py)')
+
+
+def open_llama(model_path: str, threads: int, n_ctx: int = 4096):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ValueError(f"--peer llama.cpp needs llama-cpp-python: {INSTALL}") from None
+    return Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                 verbose=False)
+
+
+def _rewind(llm, n_tokens: int) -> None:
+    """Forget every position from n_tokens on (K/V and the token history)."""
+    llm.n_tokens = n_tokens
+    llm._ctx.memory_seq_rm(-1, n_tokens, -1) if hasattr(llm._ctx, "memory_seq_rm") else llm._ctx.kv_cache_seq_rm(-1, n_tokens, -1)
+
+
+def greedy_decode_tok_s(llm, prompt: list[int], new_tokens: int) -> float:
+    """Prompt eval plus `new_tokens` greedy decode steps (argmax of the last logits), as tokens/s."""
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    for _ in range(new_tokens):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval([token])
+    return new_tokens / (time.perf_counter() - start)
+
+
+def step_times_ms(llm, prefix: list[int], rows: list[int], repeats: int) -> dict[str, float]:
+    """Median time of one forward over 1 new token and over `len(rows)` new tokens after `prefix`."""
+    llm.reset()
+    llm.eval(prefix)
+    out = {}
+    for name, tokens in (("decode_1_row_ms", rows[:1]), (f"verify_{len(rows)}_rows_ms", rows)):
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            llm.eval(tokens)
+            times.append(time.perf_counter() - start)
+            _rewind(llm, len(prefix))
+        out[name] = 1e3 * statistics.median(times[1:])
+    return out
+
+
+def prefill_tok_s(llm, prompt: list[int], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        llm.reset()
+        _rewind(llm, 0)
+        start = time.perf_counter()
+        llm.eval(prompt)
+        times.append(time.perf_counter() - start)
+    return len(prompt) / statistics.median(times)
+
+
+def bench_llama_cpp(model_path: str, threads: int, prompt: list[int], new_tokens: int, prefix: list[int],
+                    window: list[int], long_prompt: list[int], repeats: int) -> dict[str, Any]:
+    import llama_cpp
+
+    llm = open_llama(model_path, threads)
+    greedy_decode_tok_s(llm, prompt, 8)  # warm-up
+    result: dict[str, Any] = {"version": llama_cpp.__version__, "batch1_tok_s": greedy_decode_tok_s(llm, prompt, new_tokens)}
+    result.update(step_times_ms(llm, prefix, window, repeats))
+    result["prefill_tok_s"] = prefill_tok_s(llm, long_prompt, repeats)
+    llm.close()
+    return result

@@ -1,0 +1,95 @@
+"""`specserve bench quality`: the bf16 kernels' quality gate against the fp32 reference.
+
+On the same GGUF weights: perplexity of real assistant answers (ShareGPT exchanges from the end
+of the file, chat-templated, scored on the answer tokens only) in fp32 and in bf16, and the
+greedy match rate of bf16 against fp32 on MT-Bench first turns (the share of outputs that are
+identical, and the mean share of tokens before the first difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import torch
+
+from specserve.args import ServerArgs
+from specserve.datasets import mtbench_first_turns, sharegpt_exchanges
+from specserve.kv.pool import KVPool, ReqToTokenPool
+from specserve.models.attention import AttentionMetadata
+from specserve.models.forward_batch import ForwardBatch
+
+
+def add_quality_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-texts", type=int, default=24, help="ShareGPT exchanges scored for perplexity")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per scored exchange (cut at the end)")
+    p.add_argument("--num-prompts", type=int, default=16, help="MT-Bench first turns for the greedy match rate")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def all_logits(model, ids: list[int]) -> torch.Tensor:
+    """float32 logits of every position of one sequence, in one prefill over a private pool."""
+    cfg, n = model.config, len(ids)
+    kv = KVPool(n, cfg.num_layers, model.layers[0].self_attn.num_kv_heads, cfg.head_dim, model.dtype)
+    table = ReqToTokenPool(1, n)
+    table.write(0, 0, list(range(1, n + 1)))
+    meta = AttentionMetadata.build(table.table, [0], [n], [n], dtype=model.dtype)
+    fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1), meta, torch.arange(n))
+    return model(fb, kv)
+
+
+def scored_texts(tokenizer, count: int, max_tokens: int) -> list[tuple[list[int], int]]:
+    """(token ids, index of the first answer token) per exchange."""
+    out = []
+    for human, answer in sharegpt_exchanges(count):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": human}])
+        ids = (prompt + tokenizer.encode(answer))[:max_tokens]
+        if len(ids) > len(prompt) + 8:
+            out.append((ids, len(prompt)))
+    return out
+
+
+def perplexity(model, texts: list[tuple[list[int], int]]) -> float:
+    nll, count = 0.0, 0
+    for ids, start in texts:
+        logp = torch.log_softmax(all_logits(model, ids)[start - 1:-1].double(), dim=-1)
+        target = torch.tensor(ids[start:])
+        nll -= logp.gather(1, target.unsqueeze(1)).sum().item()
+        count += len(target)
+    return math.exp(nll / count)
+
+
+def match_rate(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
+    prefix = []
+    for a, b in zip(reference, other):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(same / max(len(a), 1))
+    return {"identical_outputs": sum(a == b for a, b in zip(reference, other)) / len(reference),
+            "mean_matching_prefix": sum(prefix) / len(prefix)}
+
+
+def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
+    from specserve.engine import Engine
+
+    report: dict[str, Any] = {"threads": torch.get_num_threads()}
+    greedy = {"temperature": 0, "max_new_tokens": ns.new_tokens}
+    outputs = {}
+    for dtype in ("float32", "bfloat16"):
+        with Engine(**vars(args.replace(dtype=dtype, speculative_algorithm="NONE"))) as engine:
+            texts = scored_texts(engine.tokenizer, ns.num_texts, ns.max_tokens)
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}])
+                       for q in mtbench_first_turns()[:ns.num_prompts]]
+            ppl = perplexity(engine.runner.model, texts)
+            outputs[dtype] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+            report[dtype] = {"perplexity": ppl, "scored_tokens": sum(len(i) - s for i, s in texts)}
+        print(f"{dtype}: perplexity {ppl:.4f}", flush=True)
+    report["bf16_over_fp32_perplexity"] = report["bfloat16"]["perplexity"] / report["float32"]["perplexity"]
+    report["bf16_greedy_vs_fp32"] = match_rate(outputs["float32"], outputs["bfloat16"])
+    print(json.dumps(report, indent=2))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
