@@ -21,7 +21,7 @@ Q4, Q8, BF16 = 0, 1, 2
 
 @dataclass
 class PackedLinear:
-    """One weight [n, k] in a kernel format: codes (uint8 bytes), scales and offsets per group."""
+    """One weight [n, k] in a kernel format: codes (uint8 bytes), float16 scales and offsets per group."""
 
     format: int
     codes: torch.Tensor
@@ -51,17 +51,19 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return t if extra == 0 else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
 
-def _block_scales(values: torch.Tensor) -> torch.Tensor:
-    """[n, G] per-column group values -> [blocks, G, 16] float32."""
-    v = _pad_rows(values.to(torch.float32), BLOCK)
+def _block_scales(values: torch.Tensor, what: str) -> torch.Tensor:
+    """[n, G] per-column group values -> [blocks, G, 16] float16, which must hold them exactly
+    (GGUF scales are float16)."""
+    half = values.to(torch.float16)
+    if not torch.equal(half.to(values.dtype), values):
+        raise ValueError(f"packing: the {what} are not float16 values (GGUF block scales are)")
+    v = _pad_rows(half, BLOCK)
     return v.view(-1, BLOCK, v.shape[1]).transpose(1, 2).contiguous()
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> PackedLinear:
-    """w = scale * q + offset per group of 32 (codes [n, k] in 0..15; scale/offset [n, k/32]).
-
-    The kernel computes w = scale * (128 + q) + zero, so zero = offset - 128 * scale (in float64,
-    rounded once)."""
+    """w = scale * q + offset per group of 32 (codes [n, k] in 0..15; scale/offset [n, k/32],
+    float16 values)."""
     n, k = codes.shape
     if k % GROUP:
         raise ValueError(f"4-bit weights need k divisible by {GROUP}, got {k}")
@@ -69,17 +71,16 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> P
     shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)  # column 2p at 4p, 2p+1 at 16+4p
     words = (c << shifts).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, oct, lane]
     packed = words.to(torch.uint32).view(torch.uint8).reshape(-1)
-    zero = (offset.double() - 128 * scale.double()).float()
-    return PackedLinear(Q4, packed, _block_scales(scale), _block_scales(zero), n, k)
+    return PackedLinear(Q4, packed, _block_scales(scale, "scales"), _block_scales(offset, "offsets"), n, k)
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> PackedLinear:
-    """w = scale * q per group of 32 (codes [n, k] int8; scale [n, k/32])."""
+    """w = scale * q per group of 32 (codes [n, k] int8; scale [n, k/32], float16 values)."""
     n, k = codes.shape
     if k % GROUP:
         raise ValueError(f"8-bit weights need k divisible by {GROUP}, got {k}")
     c = _pad_rows(codes.to(torch.int8), BLOCK).view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), _block_scales(scale), torch.empty(0), n, k)
+    return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), _block_scales(scale, "scales"), torch.empty(0), n, k)
 
 
 def pack_bf16(weight: torch.Tensor) -> PackedLinear:

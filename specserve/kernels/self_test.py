@@ -16,8 +16,8 @@ TOLERANCE = {"q4": 1e-5, "q8": 1e-5, "bf16": 1e-2, "attention": 1e-2}
 
 def _weights(n: int, k: int, g: torch.Generator) -> dict[str, tuple]:
     codes4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-    scale = torch.rand(n, k // 32, generator=g) * 0.02
-    offset = -8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    offset = (-8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3).half().float()
     codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     dense = torch.randn(n, k + 1, generator=g).bfloat16()  # odd K
     expand = lambda t: t.double().repeat_interleave(32, 1)  # noqa: E731

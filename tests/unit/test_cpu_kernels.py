@@ -28,10 +28,10 @@ def expand(t: torch.Tensor) -> torch.Tensor:
 def make_weight(kind: str, n: int, k: int, seed: int = 0):
     """(packed, float64 dense reference) of an [n, k] weight."""
     g = torch.Generator().manual_seed(seed)
-    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
     if kind == "q4":
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-        offset = -8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3
+        offset = (-8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3).half().float()
         return pack_q4(codes, scale, offset), codes.double() * expand(scale) + expand(offset)
     if kind == "q8":
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
@@ -160,6 +160,8 @@ def test_bad_arguments_get_clear_errors():
         load().linear(torch.randn(2, 64).bfloat16(), Q8, packed.codes[:-1], packed.scale, packed.zero, 32, 64, False, 0)
     with pytest.raises(ValueError, match="divisible by 32"):
         pack_q4(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1))
+    with pytest.raises(ValueError, match="not float16 values"):
+        pack_q8(torch.zeros(16, 32, dtype=torch.int8), torch.full((16, 1), 1e-9))
 
 
 def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 namespace specserve {
 
@@ -87,52 +88,89 @@ SPECSERVE_AVX512 inline __m512 exp_nonpositive_avx(__m512 x) {
   return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
-template <int C>  // C = dim / 16 chunks
-SPECSERVE_AVX512 void task_avx512(const PagedAttentionArgs& a, const Task& t, float* p) {
-  if (t.len <= 0) {
-    for (int c = 0; c < C; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.out + 16 * c), _mm256_setzero_si256());
+// HB query heads of one KV group at once: each K/V row is loaded once for all of them, and the
+// heads' independent chains keep the FMA units busy; every head's operations are those of HB = 1.
+template <int C, int HB>
+SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, float* scratch) {
+  const int64_t len = t[0].len, padded = (len + 15) / 16 * 16;
+  if (len <= 0) {
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[h].out + 16 * c), _mm256_setzero_si256());
     return;
   }
-  __m512 q[C];
-  for (int c = 0; c < C; ++c) q[c] = load_bf16(t.q + 16 * c);
-  float best = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < t.len; ++j) {
-    const uint16_t* k = a.k_pool + t.slots[j] * t.slot_stride + t.kv_offset;
-    __m512 acc = _mm512_mul_ps(q[0], load_bf16(k));
-    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[c], load_bf16(k + 16 * c), acc);
-    p[j] = tree_sum16_avx(acc) * a.scale;
-    best = std::max(best, p[j]);
+  __m512 q[HB][C];
+  float* p[HB];
+  float best[HB];
+  for (int h = 0; h < HB; ++h) {
+    for (int c = 0; c < C; ++c) q[h][c] = load_bf16(t[h].q + 16 * c);
+    p[h] = scratch + h * padded;
+    best[h] = -std::numeric_limits<float>::infinity();
   }
-  const int64_t padded = (t.len + 15) / 16 * 16;
-  __m512 lanes = _mm512_setzero_ps();
-  const __m512 top = _mm512_set1_ps(best);
-  for (int64_t j = 0; j < padded; j += 16) {
-    __mmask16 in = __mmask16(t.len - j >= 16 ? 0xFFFF : (1u << (t.len - j)) - 1u);
-    __m512 e = _mm512_maskz_mov_ps(in, exp_nonpositive_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), top)));
-    _mm512_storeu_ps(p + j, e);
-    lanes = _mm512_add_ps(lanes, e);
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* k = a.k_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset;
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load_bf16(k + 16 * c);
+    for (int h = 0; h < HB; ++h) {
+      __m512 acc = _mm512_mul_ps(q[h][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[h][c], kv[c], acc);
+      p[h][j] = tree_sum16_avx(acc) * a.scale;
+      best[h] = std::max(best[h], p[h][j]);
+    }
   }
-  const __m512 total = _mm512_set1_ps(tree_sum16_avx(lanes));
-  __m512 o[C];
-  for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < t.len; ++j) {
-    const uint16_t* v = a.v_pool + t.slots[j] * t.slot_stride + t.kv_offset;
-    __m512 w = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(w, load_bf16(v + 16 * c), o[c]);
+  __m512 total[HB];
+  for (int h = 0; h < HB; ++h) {
+    __m512 lanes = _mm512_setzero_ps();
+    const __m512 top = _mm512_set1_ps(best[h]);
+    for (int64_t j = 0; j < padded; j += 16) {
+      __mmask16 in = __mmask16(len - j >= 16 ? 0xFFFF : (1u << (len - j)) - 1u);
+      __m512 e = _mm512_maskz_mov_ps(in, exp_nonpositive_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p[h] + j), top)));
+      _mm512_storeu_ps(p[h] + j, e);
+      lanes = _mm512_add_ps(lanes, e);
+    }
+    total[h] = _mm512_set1_ps(tree_sum16_avx(lanes));
   }
-  for (int c = 0; c < C; ++c)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[c], total)));
+  __m512 o[HB][C];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) o[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* v = a.v_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + 16 * c);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h][j]);
+      for (int c = 0; c < C; ++c) o[h][c] = _mm512_fmadd_ps(w, vv[c], o[h][c]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[h].out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[h][c], total[h])));
+}
+
+template <int C>
+SPECSERVE_AVX512 void group_avx512(const PagedAttentionArgs& a, const Task* t, int64_t heads, float* scratch) {
+  int64_t h = 0;
+  for (; h + 4 <= heads; h += 4) heads_avx512<C, 4>(a, t + h, scratch);
+  switch (heads - h) {
+    case 3: heads_avx512<C, 3>(a, t + h, scratch); break;
+    case 2: heads_avx512<C, 2>(a, t + h, scratch); break;
+    case 1: heads_avx512<C, 1>(a, t + h, scratch); break;
+    default: break;
+  }
 }
 
 }  // namespace
 
 void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin, int64_t end, float* scratch) {
-  for (int64_t task = begin; task < end; ++task) {
-    const Task t = task_of(a, task);
-    if (path == Path::Avx512Bf16 && a.dim == 64) task_avx512<4>(a, t, scratch);
-    else if (path == Path::Avx512Bf16 && a.dim == 128) task_avx512<8>(a, t, scratch);
-    else if (path == Path::Avx512Bf16 && a.dim == 32) task_avx512<2>(a, t, scratch);
-    else task_generic(a, t, scratch);
+  const int64_t group = a.heads / a.kv_heads;
+  std::vector<Task> tasks(group);
+  for (int64_t task = begin; task < end; ++task) {  // task = row * kv_heads + kv head
+    const int64_t row = task / a.kv_heads, first = (task % a.kv_heads) * group;
+    for (int64_t h = 0; h < group; ++h) tasks[h] = task_of(a, row * a.heads + first + h);
+    if (path == Path::Avx512Bf16 && a.dim == 64) group_avx512<4>(a, tasks.data(), group, scratch);
+    else if (path == Path::Avx512Bf16 && a.dim == 128) group_avx512<8>(a, tasks.data(), group, scratch);
+    else if (path == Path::Avx512Bf16 && a.dim == 32) group_avx512<2>(a, tasks.data(), group, scratch);
+    else
+      for (int64_t h = 0; h < group; ++h) task_generic(a, tasks[h], scratch);
   }
 }
 

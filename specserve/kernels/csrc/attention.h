@@ -1,6 +1,6 @@
 // Paged attention over the K/V pool in place: each query row reads its request's token slots
-// through the request-to-token table, no gathered copies. One (row, head) is one task and is
-// computed alone, in one order: scores q.k (fp32, 16-lane partial sums over the head dimension,
+// through the request-to-token table, no gathered copies. Each (row, head) is computed alone (a
+// task runs the heads of one KV group side by side, sharing K/V loads), in one order: scores q.k (fp32, 16-lane partial sums over the head dimension,
 // then a fixed tree), the max, exp by a fixed polynomial, the sum of weights in 16 lanes over
 // positions then the same tree, and the weighted sum of V in position order. A row's output thus
 // depends only on its query and the K/V of the positions it sees: prefill, extend, decode and
@@ -26,7 +26,8 @@ struct PagedAttentionArgs {
   uint16_t* out;            // [T, heads, dim] bf16
 };
 
-// Tasks [begin, end) of T * heads (task = row * heads + head); scratch holds >= max(row_len) + 16 floats.
+// Tasks [begin, end) of T * kv_heads (task = row * kv_heads + kv head: the query heads of one
+// KV group); scratch holds >= 4 * (max(row_len) + 16) floats.
 void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin, int64_t end, float* scratch);
 
 }  // namespace specserve

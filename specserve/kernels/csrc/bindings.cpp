@@ -53,8 +53,16 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
     sums.resize(m * (k / kGroup));
     group_sums(bf16_data(x), x.stride(0), m, k, sums.data());
   }
-  PackedWeight w{fmt, codes.data_ptr<uint8_t>(), fmt == WeightFormat::BF16 ? nullptr : scale.data_ptr<float>(),
-                 fmt == WeightFormat::Q4 ? zero.data_ptr<float>() : nullptr, n, k};
+  const int64_t scales = blocks * (k / kGroup) * kBlockCols;
+  if (fmt != WeightFormat::BF16)
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == scales,
+                "specserve linear: scales must be contiguous float16 [blocks, K/32, 16]");
+  if (fmt == WeightFormat::Q4)
+    TORCH_CHECK(zero.scalar_type() == torch::kFloat16 && zero.is_contiguous() && zero.numel() == scales,
+                "specserve linear: offsets must be contiguous float16 [blocks, K/32, 16]");
+  auto half_data = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  PackedWeight w{fmt, codes.data_ptr<uint8_t>(), fmt == WeightFormat::BF16 ? nullptr : half_data(scale),
+                 fmt == WeightFormat::Q4 ? half_data(zero) : nullptr, n, k};
   const uint16_t* xd = bf16_data(x);
   void* od = out.data_ptr();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
@@ -87,8 +95,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), table.data_ptr<int64_t>(), table.stride(0),
                        row_req.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(), heads, kv_heads, dim, float(scale),
                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(std::max<int64_t>(longest, 0) + 16);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(4 * ((longest + 15) / 16 * 16 + 16));
     paged_attention_tasks(p, a, begin, end, scratch.data());
   });
   return out;

@@ -66,11 +66,16 @@ void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t 
           uint32_t xw = x_pair(row, w.k, pair);
           for (int lane = 0; lane < kBlockCols; ++lane) part[lane] = dot_pair(part[lane], weight_word(w, block, pair, lane), xw);
         }
-        const float* d = w.scale + (b * G + g) * kBlockCols;
-        for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = std::fma(d[lane], part[lane], acc[lane]);
+        const uint16_t* d = w.scale + (b * G + g) * kBlockCols;
         if (w.format == WeightFormat::Q4) {
-          const float* z = w.zero + (b * G + g) * kBlockCols;
-          for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = std::fma(z[lane], gs[r * G + g], acc[lane]);
+          const uint16_t* m = w.zero + (b * G + g) * kBlockCols;
+          const float s0 = gs[r * G + g];
+          for (int lane = 0; lane < kBlockCols; ++lane) {
+            acc[lane] = std::fma(f16_to_f32(d[lane]), std::fma(-128.0f, s0, part[lane]), acc[lane]);
+            acc[lane] = std::fma(f16_to_f32(m[lane]), s0, acc[lane]);
+          }
+        } else {
+          for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = std::fma(f16_to_f32(d[lane]), part[lane], acc[lane]);
         }
       }
     }
@@ -150,11 +155,17 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
         }
       }
       for (int j = 0; j < NBT; ++j) {
-        __m512 d = _mm512_loadu_ps(w.scale + ((b0 + j) * G + g) * kBlockCols);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(d, part[r][j], acc[r][j]);
+        const int64_t at = ((b0 + j) * G + g) * kBlockCols;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scale + at)));
         if constexpr (F == WeightFormat::Q4) {
-          __m512 z = _mm512_loadu_ps(w.zero + ((b0 + j) * G + g) * kBlockCols);
-          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zero + at)));
+          for (int r = 0; r < R; ++r) {
+            const __m512 s0 = _mm512_set1_ps(gs[r * G + g]);
+            acc[r][j] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s0, part[r][j]), acc[r][j]);
+            acc[r][j] = _mm512_fmadd_ps(m, s0, acc[r][j]);
+          }
+        } else {
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(d, part[r][j], acc[r][j]);
         }
       }
     }

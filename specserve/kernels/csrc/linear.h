@@ -4,14 +4,15 @@
 //
 // Formats (per block of 16 columns, K input columns):
 //   Q4: G = K/32 groups; codes as 4 "octs" of 8 columns per group, 64 bytes each (16 lanes x 8
-//       nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. = column 2p+1); per group and column a
-//       scale d and offset z, w = d * (128 + q) + z (GGUF Q4_1: z = m - 128 d; Q4_0: z = -136 d).
-//       128 + q is exact in bf16 (bits 0x4300 | q), so codes become bf16 with one OR.
-//   Q8: codes as K/2 pairs x 16 lanes x 2 int8 (32 bytes), per group and column a scale d
-//       (GGUF Q8_0: w = d * q).
+//       nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. = column 2p+1); per group and column the
+//       GGUF's float16 scale d and offset m, w = d * q + m (Q4_0: m = -8 d). The kernel multiplies
+//       x by 128 + q, which is exact in bf16 (bits 0x4300 | q), so codes become bf16 with one OR.
+//   Q8: codes as K/2 pairs x 16 lanes x 2 int8 (32 bytes), per group and column the float16
+//       scale d (GGUF Q8_0: w = d * q).
 //   BF16: K/2 pairs x 16 lanes x 2 bf16 (64 bytes), no scales (K is padded to even with zeros).
 // Per output (row, column) the sum runs over groups in order; within a group over pairs in order,
-// then acc = fma(d, group_sum, acc) and, for Q4, acc = fma(z, sum_x(group), acc).
+// then acc = fma(d, group_sum, acc); for Q4 the group sum is of x * (128 + q), so it first becomes
+// fma(-128, sum_x(group), group_sum) and acc = fma(m, sum_x(group), acc) follows.
 #pragma once
 
 #include <cstdint>
@@ -25,8 +26,8 @@ enum class WeightFormat : int { Q4 = 0, Q8 = 1, BF16 = 2 };
 struct PackedWeight {
   WeightFormat format;
   const uint8_t* codes;  // [blocks][...] as above
-  const float* scale;    // [blocks][G][16] (Q4, Q8)
-  const float* zero;     // [blocks][G][16] (Q4)
+  const uint16_t* scale;  // [blocks][G][16] float16 (Q4, Q8)
+  const uint16_t* zero;   // [blocks][G][16] float16 (Q4)
   int64_t n;             // output columns
   int64_t k;             // input columns
 };

@@ -33,6 +33,14 @@ inline float bits_f32(uint32_t u) {
   return f;
 }
 
+// IEEE half -> float (exact).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0x1Fu) return bits_f32(sign | 0x7F800000u | (man << 13));
+  if (exp != 0) return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+  return (sign ? -1.0f : 1.0f) * float(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
+}
+
 // Round to nearest even, as VCVTNEPS2BF16 does (denormal inputs become signed zero).
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u = f32_bits(f);
