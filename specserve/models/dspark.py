@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.linear import PackedLinear, pack_bf16
 from specserve.kv.pool import KVPool
 from specserve.models.config import ModelConfig
-from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, uses_cpu_kernels
 from specserve.sampler import counter_uniform, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
 
@@ -118,14 +119,14 @@ class DraftLayer(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=False)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.gate_proj = Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, h, bias=False)
 
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of context rows [N, H] at their absolute positions -> [N, KVH, D] each."""
@@ -141,11 +142,26 @@ class DraftLayer(nn.Module):
         k = apply_rope(self.k_proj(h).view(bs * g, -1, self.head_dim), cos, sin).view(bs, g, -1, self.head_dim)
         v = self.v_proj(h).view(bs, g, -1, self.head_dim)
         keys, values = torch.cat([ctx_k, k], 1), torch.cat([ctx_v, v], 1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask, enable_gqa=True)  # bidirectional inside the block
-        x = x + self.o_proj(out.transpose(1, 2).reshape(bs, g, -1))
+        if uses_cpu_kernels(x, self.q_proj.weight):  # each request alone, over its own columns only
+            out = torch.cat([_attend(q[b:b + 1], keys[b:b + 1], values[b:b + 1], None if mask is None else mask[b])
+                             for b in range(bs)])
+        else:
+            out = _attend(q, keys, values, mask)
+        x = x + self.o_proj(out.reshape(bs, g, -1))
         m = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Block queries [bs, g, H, D] over keys/values [bs, C + g, KVH, D] -> [bs, g, H, D]. With bs = 1
+    and a mask [1, 1, C + g], the masked columns are dropped instead, so the computation's shape
+    is the request's own: batching another request next to it cannot change its result."""
+    if mask is not None and q.shape[0] == 1:
+        keep = mask.reshape(-1) == 0
+        keys, values, mask = keys[:, keep], values[:, keep], None
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, enable_gqa=True)  # bidirectional inside the block
+    return out.transpose(1, 2)
 
 
 class DraftVocabHead(nn.Module):
@@ -154,8 +170,15 @@ class DraftVocabHead(nn.Module):
     def __init__(self, rows: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", rows, persistent=False)
+        self.kernel: Optional[PackedLinear] = None
+
+    def pack_for_cpu(self) -> None:
+        if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
+            self.kernel = pack_bf16(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(hidden.to(torch.bfloat16), torch.float32)
         return F.linear(hidden.to(self.weight.dtype), self.weight).float()
 
 
@@ -166,15 +189,15 @@ class DsparkDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         n_ctx = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(n_ctx * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(n_ctx * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
-        self.markov_w2 = nn.Linear(cfg.markov_rank, self.draft_vocab_size, bias=False)
+        self.markov_w2 = Linear(cfg.markov_rank, self.draft_vocab_size, bias=False)
         if cfg.draft_vocab_size is not None:  # draft id -> target id; saved with the weights
             self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size))
-        self.confidence = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+        self.confidence = Linear(cfg.hidden_size + cfg.markov_rank, 1)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
         self.embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
@@ -202,6 +225,13 @@ class DsparkDrafter(nn.Module):
         self.embed, self.lm_head = embed, lm_head
         if self.reduced_vocab:
             self.lm_head = DraftVocabHead(lm_head.weight.detach()[self.draft_to_target].contiguous())
+            self.lm_head.pack_for_cpu()
+
+    def pack_for_cpu(self) -> None:
+        """bf16 on CPU: the drafter's linears run through specserve's row-invariant kernels."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
 
     # ------------------------------------------------------------ context injection
 
@@ -360,4 +390,5 @@ def load_drafter(path: str, target: ModelConfig, dtype: torch.dtype, device: str
     for p in model.parameters():  # parameters only: the RoPE tables stay float32, as the target's do
         p.requires_grad_(False)
         p.data = p.data.to(dtype)
+    model.pack_for_cpu()
     return model.eval()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.linear import PackedLinear, pack_bf16
+from specserve.kernels.ops import add_rms_norm
 from specserve.models.quant import QuantWeight
 
 
@@ -59,7 +60,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_cpu_kernels(x, self.weight):  # one fixed order per row (specserve/kernels)
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return add_rms_norm(flat, None, self.weight, self.eps).view(x.shape)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def uses_cpu_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """bf16 inference on CPU goes through specserve's kernels (they have no backward pass)."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once packed for CPU (bf16 inference), runs through the bf16 kernel of
+    specserve/kernels, whose per-row result does not depend on the row count (the drafter's)."""
+
+    kernel: Optional[PackedLinear] = None
+
+    def pack_for_cpu(self) -> None:
+        if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
+            self.kernel = pack_bf16(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and uses_cpu_kernels(x, self.weight):
+            y = self.kernel(x)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
 
 
 class RotaryEmbedding(nn.Module):
