@@ -48,7 +48,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps on CPU)"})
     cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest batch run as a captured step; larger batches run eagerly"})
-    enable_torch_compile: bool = field(default=False, metadata={"help": "torch.compile the captured steps on CPU instead of using pre-packed oneDNN weights (measured here: ~50 s of compiling, then slower decode; off by default)"})
+    enable_torch_compile: bool = field(default=False, metadata={"help": "torch.compile the captured steps on CPU with stock PyTorch matmuls instead of specserve's kernels: slower here, and bf16 output is then NOT batch-invariant (opt-in, off by default)"})
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
     log_level: str = field(default="warning", metadata={"help": "logging level"})

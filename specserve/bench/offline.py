@@ -59,14 +59,20 @@ def _long_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def _median_pass_s(engine, ids: list[int], prefix_len: int, repeats: int, last_logit_only: bool) -> float:
-    """Median seconds of one target forward over `ids` as new rows after `prefix_len` cached ones."""
+def _pass(engine, ids: list[int], prefix_len: int, last_logit_only: bool):
+    """A target forward over `ids` as new rows after `prefix_len` cached ones (K/V content is whatever
+    the pool holds: timing only)."""
     from specserve.bench.profile_sps import verify_pass
 
     n = len(ids)
     fb = verify_pass(engine, n, n, prefix_len)
-    fb = dataclasses.replace(fb, input_ids=torch.tensor(ids, device=fb.input_ids.device),
-                             logit_rows=torch.tensor([n - 1]) if last_logit_only else fb.logit_rows)
+    return dataclasses.replace(fb, input_ids=torch.tensor(ids, device=fb.input_ids.device),
+                               logit_rows=torch.tensor([n - 1]) if last_logit_only else fb.logit_rows)
+
+
+def _median_pass_s(engine, ids: list[int], prefix_len: int, repeats: int, last_logit_only: bool) -> float:
+    """Median seconds of one target forward over `ids` as new rows after `prefix_len` cached ones."""
+    fb = _pass(engine, ids, prefix_len, last_logit_only)
     engine.runner.model(fb, engine.kv)  # warm-up
     times = []
     for _ in range(repeats):
@@ -83,8 +89,16 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
     decode = _median_pass_s(engine, window[:1], ns.prefix_len, ns.repeats, last_logit_only=False)
     verify = _median_pass_s(engine, window, ns.prefix_len, ns.repeats, last_logit_only=False)
     prefill = _median_pass_s(engine, _long_ids(engine.tokenizer, ns.prefill_len), 0, max(2, ns.repeats // 3), True)
-    return {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
-            "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill}
+    result = {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
+              "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill}
+    if engine.runner.model.fused:  # where the step goes, kernel by kernel
+        from specserve.bench.step_profile import profile_step
+
+        for name, ids in (("decode", window[:1]), ("verify", window)):
+            fb = _pass(engine, ids, ns.prefix_len, False)
+            result[f"{name}_profile_ms"] = profile_step(lambda: engine.runner.model(fb, engine.kv), ns.repeats)
+        engine.req_to_token.table.zero_()
+    return result
 
 
 def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:

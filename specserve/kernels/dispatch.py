@@ -30,8 +30,14 @@ def best_path() -> str:
 
 
 def path_id() -> int:
-    """The numeric path passed to the kernels: SPECSERVE_CPU_KERNEL_PATH if set, else the best."""
-    name = os.environ.get(envs.CPU_KERNEL_PATH, "").strip() or best_path()
+    """The numeric path passed to the kernels: SPECSERVE_CPU_KERNEL_PATH if set, else the best.
+    Read on every call (tests switch paths), resolved once per distinct value."""
+    return _path_for(os.environ.get(envs.CPU_KERNEL_PATH, ""))
+
+
+@lru_cache(maxsize=8)
+def _path_for(raw: str) -> int:
+    name = raw.strip() or best_path()
     if name not in PATHS:
         raise ValueError(f"{envs.CPU_KERNEL_PATH} must be one of {sorted(PATHS)}, got {name!r}")
     if name == "avx512_bf16" and not load().has_avx512_bf16():

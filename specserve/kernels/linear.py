@@ -32,15 +32,12 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [..., k] bf16 -> [..., n] in out_dtype (bf16 or float32)."""
-        shape = x.shape
-        flat = x.reshape(-1, self.k)
-        if flat.dtype != torch.bfloat16:
-            flat = flat.to(torch.bfloat16)
-        if flat.stride(-1) != 1:
-            flat = flat.contiguous()
-        y = load().linear(flat, self.format, self.codes, self.scale, self.zero, self.n, self.k,
-                          out_dtype == torch.bfloat16, path_id())
-        return y.view(*shape[:-1], self.n)
+        out_bf16 = out_dtype == torch.bfloat16
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the common case, kept short
+            return load().linear(x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path_id())
+        flat = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
+        y = load().linear(flat, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path_id())
+        return y.view(*x.shape[:-1], self.n)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))

@@ -148,8 +148,10 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
             else
               wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
           }
-          for (int r = 0; r < R; ++r) {
-            __m512i xb = _mm512_set1_epi32(int32_t(x_pair(rows[r], w.k, pair)));
+          for (int r = 0; r < R; ++r) {  // K % 32 == 0 here, so the pair is whole: a broadcast load
+            int32_t word;
+            std::memcpy(&word, rows[r] + 2 * pair, 4);
+            const __m512i xb = _mm512_set1_epi32(word);
             for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], (__m512bh)wv[j], (__m512bh)xb);
           }
         }

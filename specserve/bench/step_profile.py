@@ -1,0 +1,61 @@
+"""Where one target forward step spends its time, by kernel: each kernel entry point is wrapped
+with a wall-clock timer for the duration of a `with timed_kernels()` block, and whatever the
+kernels do not account for (Python, embedding, allocation) is reported as `other`."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Callable, Iterator
+
+import specserve.models.attention as attention_module
+import specserve.models.llama as llama_module
+from specserve.kernels.linear import BF16, Q4, Q8, PackedLinear
+
+_FORMATS = {Q4: "q4", Q8: "q8", BF16: "bf16"}
+
+
+def _timed(totals: dict[str, float], name: Callable[..., str], fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name(*args)] += time.perf_counter() - start
+    return wrapper
+
+
+@contextlib.contextmanager
+def timed_kernels() -> Iterator[dict[str, float]]:
+    """Seconds per kernel (linears by shape) accumulated while the block runs."""
+    totals: dict[str, float] = defaultdict(float)
+    patches = [
+        (PackedLinear, "__call__", lambda self, *a: f"linear {_FORMATS[self.format]} {self.n}x{self.k}"),
+        (llama_module, "add_rms_norm", lambda *a: "add_rms_norm"),
+        (llama_module, "silu_mul", lambda *a: "silu_mul"),
+        (llama_module, "rope_store", lambda *a: "rope_store"),
+        (attention_module, "kernel_paged_attention", lambda *a: "attention"),
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for (owner, attr, name), (_, _, original) in zip(patches, saved):
+        setattr(owner, attr, _timed(totals, name, original))
+    try:
+        yield totals
+    finally:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
+
+
+def profile_step(run: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Milliseconds per step of each kernel and of the rest, over `repeats` calls of `run`."""
+    run()  # warm-up
+    with timed_kernels() as totals:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        total = time.perf_counter() - start
+    profile = {name: 1e3 * t / repeats for name, t in sorted(totals.items(), key=lambda kv: -kv[1])}
+    profile["other"] = 1e3 * total / repeats - sum(profile.values())
+    profile["step"] = 1e3 * total / repeats
+    return profile
