@@ -9,8 +9,9 @@ from helpers import API_KEY, ServerProcess
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The default engine (DSPARK with the shipped drafter) in fp32, so greedy output is batch-invariant."""
-    srv = ServerProcess("--dtype", "float32", "--api-key", API_KEY, "--max-total-tokens", "40000",
+    """The default engine: DSPARK with the shipped drafter, in bf16, whose greedy output is batch-,
+    cache- and stream-invariant (specserve's CPU kernels)."""
+    srv = ServerProcess("--api-key", API_KEY, "--max-total-tokens", "40000",
                         log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
     yield srv
     code = srv.stop()

@@ -47,6 +47,13 @@ def test_chat_greedy_is_deterministic_and_counts_usage(client):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_the_same_greedy_request_repeats_exactly_streamed_or_not(client):
+    """The issue's report: 'Name three colors.' at temperature 0 answered differently on each call in bf16."""
+    answers = [chat(client, "Name three colors.", max_tokens=32).choices[0].message.content for _ in range(3)]
+    streamed = stream_chat(client, "Name three colors.", max_tokens=32)[0]
+    assert answers[0].strip() and answers == [answers[0]] * 3 and streamed == answers[0]
+
+
 def test_max_tokens_is_honoured(client):
     out = chat(client, "Write a long story about a dragon.", max_tokens=7, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
