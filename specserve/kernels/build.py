@@ -57,8 +57,14 @@ def load() -> ModuleType:
         from torch.utils import cpp_extension
 
         os.makedirs(folder, exist_ok=True)
-        return cpp_extension.load(NAME, [os.path.join(SOURCE_DIR, s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                                  extra_ldflags=["-fopenmp"], build_directory=folder, verbose=False)
+        # The `ninja` the package depends on lives next to this interpreter, maybe not on PATH.
+        path = os.environ.get("PATH", "")
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + path
+        try:
+            return cpp_extension.load(NAME, [os.path.join(SOURCE_DIR, s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                                      extra_ldflags=["-fopenmp"], build_directory=folder, verbose=False)
+        finally:
+            os.environ["PATH"] = path
     spec = importlib.util.spec_from_file_location(NAME, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
