@@ -1,0 +1,100 @@
+"""The engine's own model of what a step costs, learned online from its steps.
+
+A step's time is modelled as linear in its shape: a fixed part, a part per running request, a part
+per verified draft row, a fixed part when the DSpark drafter runs at all, a part per drafted DSpark
+row and a part per NGRAM lookup. Linear is not exact (on a CPU a verify row is nearly free while
+the weights stream from memory and costs a full row once compute-bound), so the fit is local: it
+forgets old steps geometrically and follows the shapes the engine actually runs. Recursive least
+squares keeps the fit at O(features^2) per step. `freeze()` stops learning, so tests, loop modes
+and ranks given the same table make the same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+FEATURES = ("fixed", "requests", "verify_rows", "dspark_step", "dspark_rows", "ngram_requests")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step does."""
+
+    requests: int  # running requests (one target row each)
+    verify_rows: int = 0  # draft rows verified on top of one row per request
+    dspark_requests: int = 0  # requests the DSpark drafter drafts for
+    dspark_rows: int = 0  # rows the DSpark drafter computes (its block per drafting request)
+    ngram_requests: int = 0  # requests whose drafts come from NGRAM lookups
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.requests), float(self.verify_rows), float(self.dspark_requests > 0),
+                float(self.dspark_rows), float(self.ngram_requests))
+
+
+class StepCostModel:
+    """Step seconds = theta . features(shape), fit by recursive least squares with forgetting.
+
+    `prior` gives theta before any step (from a warm-up or an SPS table); `prior_steps` says how
+    many observed steps it is worth. Predictions never go below `floor_s`."""
+
+    def __init__(self, prior: Sequence[float], prior_steps: float = 20.0, forgetting: float = 0.995,
+                 floor_s: float = 1e-5):
+        if len(prior) != len(FEATURES):
+            raise ValueError(f"cost model: the prior needs {len(FEATURES)} coefficients {FEATURES}, got {len(prior)}")
+        if not 0.5 < forgetting <= 1.0:
+            raise ValueError(f"cost model: forgetting must be in (0.5, 1], got {forgetting}")
+        self.theta = torch.tensor(prior, dtype=torch.float64)
+        self._coef = self.theta.tolist()  # plain floats: predict() runs many times per step
+        self.p = torch.eye(len(FEATURES), dtype=torch.float64) / max(prior_steps, 1e-6)
+        self.forgetting = forgetting
+        self.floor_s = floor_s
+        self.frozen = False
+        self.steps = 0
+        self._abs_rel_residual = 0.0  # running mean of |observed - predicted| / observed
+
+    def predict(self, shape: StepShape) -> float:
+        return max(sum(c * f for c, f in zip(self._coef, shape.features())), self.floor_s)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Learn from one measured step (ignored when frozen or not a finite positive time)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        predicted = self.predict(shape)
+        self.steps += 1
+        self._abs_rel_residual += (abs(seconds - predicted) / seconds - self._abs_rel_residual) / min(self.steps, 100)
+        if self.frozen:
+            return
+        x = torch.tensor(shape.features(), dtype=torch.float64)
+        px = self.p @ x
+        gain = px / (self.forgetting + x @ px)
+        self.theta = self.theta + gain * (seconds - float(self.theta @ x))
+        self.p = (self.p - torch.outer(gain, px)) / self.forgetting
+        self._coef = self.theta.tolist()
+
+    def freeze(self) -> None:
+        """Stop learning: every later prediction depends only on the table as it is now."""
+        self.frozen = True
+
+    @property
+    def mean_abs_relative_residual(self) -> float:
+        """Mean |observed - predicted| / observed over recent steps (up to the last ~100)."""
+        return self._abs_rel_residual
+
+    def coefficients(self) -> dict[str, float]:
+        return dict(zip(FEATURES, self.theta.tolist()))
+
+    @classmethod
+    def from_sps(cls, tokens: Sequence[int], steps_per_second: Sequence[float],
+                 drafting: Optional[dict[str, float]] = None, **kwargs) -> "StepCostModel":
+        """A prior from a verify SPS table (rows -> steps/s): the line through its first and last
+        points for the target; drafting coefficients from `drafting` (default 0)."""
+        t0, t1 = 1.0 / steps_per_second[0], 1.0 / steps_per_second[-1]
+        per_row = (t1 - t0) / max(tokens[-1] - tokens[0], 1)
+        fixed = t0 - per_row * tokens[0]
+        extra = drafting or {}
+        prior = [fixed, per_row, per_row] + [extra.get(name, 0.0) for name in FEATURES[3:]]
+        return cls(prior, **kwargs)

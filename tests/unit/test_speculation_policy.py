@@ -1,0 +1,135 @@
+"""The speculation policy's parts without a model: the online step-cost model, the per-request
+acceptance estimates and their calibration, and the batch decision of drafter and draft count."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.speculative.acceptance import Calibration, SurvivalEstimate, ngram_hint
+from specserve.speculative.cost_model import FEATURES, StepCostModel, StepShape
+from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts
+
+# A CPU-like step: 7 ms fixed, 0.3 ms per request, 1 ms per verified draft row, 2 ms to run the
+# DSpark drafter at all plus 0.2 ms per drafted row, 0.05 ms per NGRAM lookup.
+TRUE = [7e-3, 3e-4, 1e-3, 2e-3, 2e-4, 5e-5]
+
+
+def true_cost(shape: StepShape) -> float:
+    return sum(c * f for c, f in zip(TRUE, shape.features()))
+
+
+def random_shape(rng: random.Random) -> StepShape:
+    bs = rng.randint(1, 16)
+    dspark = rng.randint(0, bs)
+    return StepShape(bs, rng.randint(0, 5 * bs), dspark, 5 * dspark, rng.randint(0, bs - dspark))
+
+
+def test_cost_model_learns_the_step_cost_online_and_freezing_stops_learning():
+    rng = random.Random(0)
+    model = StepCostModel([5e-3, 0, 5e-4, 0, 0, 0], prior_steps=5)
+    probe = StepShape(8, 20, 8, 40, 0)
+    before = abs(model.predict(probe) - true_cost(probe)) / true_cost(probe)
+    for _ in range(300):
+        shape = random_shape(rng)
+        model.observe(shape, true_cost(shape) * rng.uniform(0.97, 1.03))
+    after = abs(model.predict(probe) - true_cost(probe)) / true_cost(probe)
+    assert before > 0.2 and after < 0.03, (before, after)
+    assert model.mean_abs_relative_residual < 0.05
+    model.freeze()
+    frozen = model.coefficients()
+    for _ in range(50):
+        model.observe(probe, 1.0)  # a wild measurement: ignored while frozen
+    assert model.coefficients() == frozen
+
+
+def test_cost_model_rejects_bad_priors_and_ignores_bad_times():
+    with pytest.raises(ValueError, match="coefficients"):
+        StepCostModel([1.0])
+    model = StepCostModel([1e-3] * len(FEATURES))
+    model.observe(StepShape(1), float("nan"))
+    model.observe(StepShape(1), -1.0)
+    assert model.steps == 0
+    seeded = StepCostModel.from_sps([1, 6, 32], [100.0, 80.0, 30.0])
+    assert seeded.predict(StepShape(1)) == pytest.approx(0.01, rel=1e-6)
+    assert seeded.predict(StepShape(32)) == pytest.approx(1 / 30.0, rel=1e-6)
+
+
+def frozen_true_model() -> StepCostModel:
+    model = StepCostModel(TRUE)
+    model.freeze()
+    return model
+
+
+def test_plain_decoding_when_a_verify_row_costs_more_than_it_gains():
+    weak = [[Candidate(DSPARK, (0.05, 0.01, 0.0)), Candidate(NGRAM, (0.02, 0.0, 0.0))]] * 4
+    assert choose_drafts(weak, frozen_true_model(), 3) == [Decision()] * 4
+
+
+def test_ngram_is_chosen_for_a_request_whose_suffix_matches():
+    copying = [Candidate(DSPARK, (0.3, 0.1, 0.03)), Candidate(NGRAM, (0.95, 0.9, 0.85))]
+    chatting = [Candidate(DSPARK, (0.3, 0.1, 0.03)), Candidate(NGRAM, (0.0, 0.0, 0.0))]
+    decisions = choose_drafts([copying, chatting], frozen_true_model(), 3)
+    assert decisions[0] == Decision(NGRAM, 3)
+    assert decisions[1] == Decision()
+
+
+def test_drafts_grow_longer_as_acceptance_rises():
+    counts = []
+    for rate in (0.3, 0.6, 0.8, 0.9, 0.97):
+        survival = tuple(rate ** j for j in range(1, 7))
+        counts.append(choose_drafts([[Candidate(NGRAM, survival)]], frozen_true_model(), 6)[0].drafts)
+    assert counts == sorted(counts) and counts[0] < counts[-1], counts
+
+
+def test_the_batch_optimum_differs_from_each_request_deciding_alone():
+    # A step where each request's own row is dear (1 ms), a verified draft row cheap (0.3 ms) and
+    # running the DSpark drafter at all costs 10 ms: one request's expected gain does not repay
+    # that fixed cost, eight requests drafting in the same step share it.
+    requests = [[Candidate(DSPARK, (0.75, 0.5))]] * 8
+    model = StepCostModel([7e-3, 1e-3, 3e-4, 1e-2, 5e-5, 0.0])
+    model.freeze()
+    alone = [choose_drafts([r], model, 2)[0] for r in requests]
+    together = choose_drafts(requests, model, 2)
+    assert alone == [Decision()] * 8
+    assert all(d.drafter == DSPARK and d.drafts > 0 for d in together)
+
+    def rate(decisions):
+        tokens = sum(d.expected_tokens(r) for d, r in zip(decisions, requests))
+        drafting = sum(d.drafts > 0 for d in decisions)
+        shape = StepShape(8, sum(d.drafts for d in decisions), drafting, 2 * drafting, 0)  # block of 2
+        return tokens / model.predict(shape)
+
+    assert rate(together) > rate(alone) * 1.05
+
+
+def test_candidates_must_be_non_increasing_probabilities():
+    with pytest.raises(ValueError, match="non-increasing"):
+        Candidate(DSPARK, (0.5, 0.7))
+    with pytest.raises(ValueError, match="non-increasing"):
+        Candidate(NGRAM, (1.5,))
+
+
+def test_survival_estimate_follows_the_request_and_blends_hints():
+    est = SurvivalEstimate(gamma=4, prior=0.5, decay=0.5)
+    for _ in range(10):
+        est.observe(drafted=4, accepted=4)  # everything accepted
+    high = est.survival()
+    assert high[0] > 0.99 and high[3] > 0.95
+    for _ in range(10):
+        est.observe(drafted=4, accepted=0)  # first draft rejected: later positions untested
+    low = est.survival()
+    assert low[0] < 0.01
+    assert est.rates[1] > 0.99  # position 2 was never tested again
+    assert est.survival(hint=[1.0, 1.0, 1.0, 1.0])[0] == pytest.approx(0.5 * 1.0 + 0.5 * est.rates[0])
+    assert ngram_hint(0, 3) == [0.0, 0.0, 0.0] and ngram_hint(8, 2)[0] > ngram_hint(2, 2)[0]
+
+
+def test_calibration_tracks_error_and_bias():
+    cal = Calibration()
+    for predicted, realised in ((2.0, 1.0), (1.5, 2.5), (3.0, 3.0)):
+        cal.record(predicted, realised)
+    assert cal.windows == 3
+    assert cal.mean_abs_error == pytest.approx(2.0 / 3)
+    assert cal.bias == pytest.approx(0.0)
