@@ -37,12 +37,15 @@ def _finish_reason(req: Req) -> dict[str, Any]:
 
 
 def _spec_info(req: Req) -> dict[str, Any]:
+    """Speculative counters of a request that took part in verify steps. The accept length counts
+    those steps only (the bonus plus accepted drafts per verify step): tokens from its prefill and
+    from plain decode steps (e.g. above --speculative-disable-batch-size) are not speculation's."""
     if req.spec_verify_ct == 0:
         return {}
     return {
         "spec_verify_ct": req.spec_verify_ct,
         "spec_num_correct_drafts": req.spec_num_correct_drafts,
-        "spec_accept_length": len(req.output_ids) / req.spec_verify_ct,
+        "spec_accept_length": 1.0 + req.spec_num_correct_drafts / req.spec_verify_ct,
         "spec_correct_drafts_histogram": dict(sorted(req.spec_correct_hist.items())),
         "spec_cap_trim_histogram": dict(sorted(req.spec_cap_trim_hist.items())),
     }
