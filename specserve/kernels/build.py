@@ -42,6 +42,10 @@ def build_dir() -> str:
 
 
 def _built_library(folder: str) -> str | None:
+    """The finished library in folder, or None (also while another process is still building it:
+    torch's build holds a `lock` file there, and going through cpp_extension waits for it)."""
+    if os.path.exists(os.path.join(folder, "lock")):
+        return None
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         if name.startswith(NAME) and name.endswith(".so"):
             return os.path.join(folder, name)

@@ -49,9 +49,9 @@ class AttentionMetadata:
         rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
         seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
         ext = torch.tensor(extend_lens, dtype=torch.int64, device=device)
-        row_req = torch.repeat_interleave(rows, ext)
-        row_len = torch.tensor([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], device=device)
-        if uses_kernel(device, dtype):
+        if uses_kernel(device, dtype):  # per flat row: its request's table row and how far it sees
+            row_req = torch.tensor([r for r, e in zip(req_pool_indices, extend_lens) for _ in range(e)], device=device)
+            row_len = torch.tensor([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], device=device)
             return cls(bs, max_q, req_to_token, row_req, row_len)
         cols = torch.arange(max_kv, device=device)
         kv_valid = cols.unsqueeze(0) < seq.unsqueeze(1)
@@ -74,7 +74,7 @@ class AttentionMetadata:
         additive = None
         if max_q > 1 or min(seq_lens) != max_kv:
             additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return cls(bs, max_q, req_to_token, row_req, row_len, q_gather, out_scatter, kv_slots, additive)
+        return cls(bs, max_q, q_gather=q_gather, out_scatter=out_scatter, kv_slots=kv_slots, mask=additive)
 
     @classmethod
     def for_windows(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
@@ -85,17 +85,16 @@ class AttentionMetadata:
         a CUDA graph can capture it. Rows with `valid` False are padding: they see column 0 only."""
         bs, device = rows.shape[0], rows.device
         q_pos = prefix_lens.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
-        row_len = (q_pos + 1).masked_fill(~valid.unsqueeze(1), 0).reshape(-1)
-        row_req = rows.repeat_interleave(width)
         if uses_kernel(device, dtype):
-            return cls(bs, width, req_to_token, row_req, row_len)
+            row_len = (q_pos + 1).masked_fill(~valid.unsqueeze(1), 0).reshape(-1)
+            return cls(bs, width, req_to_token, rows.repeat_interleave(width), row_len)
         cols = torch.arange(kv_len, device=device)
         kv_valid = (cols.unsqueeze(0) < (prefix_lens + width).unsqueeze(1)) & valid.unsqueeze(1)
         kv_slots = req_to_token[rows, :kv_len].masked_fill(~kv_valid, 0)
         mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
         mask = mask | ((~valid).view(bs, 1, 1) & (cols.view(1, 1, -1) == 0))
         additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return cls(bs, width, req_to_token, row_req, row_len, None, None, kv_slots, additive)
+        return cls(bs, width, kv_slots=kv_slots, mask=additive)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.linear import PackedLinear, pack_bf16
+from specserve.kernels.ops import silu_mul
 from specserve.kv.pool import KVPool
 from specserve.models.config import ModelConfig
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, uses_cpu_kernels
@@ -149,7 +150,12 @@ class DraftLayer(nn.Module):
             out = _attend(q, keys, values, mask)
         x = x + self.o_proj(out.reshape(bs, g, -1))
         m = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        if uses_cpu_kernels(m, self.gate_proj.weight):  # SiLU x up with one per-row order, as the target's
+            gate_up = torch.cat([self.gate_proj(m), self.up_proj(m)], dim=-1)
+            act = silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(*m.shape[:-1], -1)
+        else:
+            act = F.silu(self.gate_proj(m)) * self.up_proj(m)
+        return x + self.down_proj(act)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -162,7 +162,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def load_quantized(self, parts: list[QuantWeight]) -> None:
         """Keep this rank's rows of each fused part's GGUF codes (used if the layer is packed for CPU)."""
         if len({type(p) for p in parts}) != 1:
-            raise ValueError("quantization: the fused parts of a layer mix GGUF formats")
+            return  # parts in different GGUF formats: the layer computes from its bf16 weight instead
         self._quant = type(parts[0]).cat([self._rows(p, r) for p, r in zip(parts, self.ranges)])
 
     @staticmethod

@@ -217,3 +217,22 @@ def test_rope_store_rotates_q_and_k_and_stores_k_v():
     assert not k_pool[[0, 3, 5, 6, 8]].any()  # no other slot is touched
     with pytest.raises(RuntimeError, match="outside the K/V pool"):
         ops.rope_store(qkv, rope.cos, rope.sin, positions, torch.tensor([4, 1, 7, 2, 10]), heads, kv_heads, k_pool, v_pool)
+
+
+@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no AVX512-BF16: only the generic path exists")
+def test_paths_agree_on_subnormal_inputs_and_products():
+    # VDPBF16PS reads subnormal inputs as zero and flushes subnormal results; the generic path must too.
+    weight = torch.ones(16, 2, dtype=torch.bfloat16)
+    packed = pack_bf16(weight)
+    x = torch.tensor([[2.0 ** -130, 2.0 ** -120], [2.0 ** -65, 2.0 ** -65], [2.0 ** -60, 3.0]]).bfloat16()
+    generic = load().linear(x, packed.format, packed.codes, packed.scale, packed.zero, 16, 2, False, 0)
+    assert torch.equal(generic, load().linear(x, packed.format, packed.codes, packed.scale, packed.zero, 16, 2, False, 1))
+    assert generic[0, 0].item() == 2.0 ** -120  # the subnormal input counted as zero
+
+
+def test_attention_refuses_a_table_slot_outside_the_pool():
+    q, k_pool, v_pool, table, row_req, row_len, scale = attention_case()
+    bad = table.clone()
+    bad[int(row_req[0]), 0] = k_pool.shape[0]
+    with pytest.raises(RuntimeError, match="outside the K/V pool"):
+        paged_attention(q, k_pool, v_pool, bad, row_req, row_len, scale)

@@ -77,7 +77,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous(),
                 "specserve attention: q and the K/V pools must be contiguous bf16 on CPU");
   for (const auto* t : {&table, &row_req, &row_len})
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->stride(-1) == 1, "specserve attention: index tensors must be int64");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->stride(-1) == 1,
+                "specserve attention: index tensors must be int64 on CPU");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(), "specserve attention: q [T,H,D], pools [S,KVH,D]");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
   TORCH_CHECK(k_pool.size(2) == dim && heads % kv_heads == 0, "specserve attention: head shapes do not match");
@@ -90,6 +91,20 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
     TORCH_CHECK(req[t] >= 0 && req[t] < table.size(0), "specserve attention: row ", t, " names table row ", req[t]);
     TORCH_CHECK(len[t] >= 0 && len[t] <= table.size(1), "specserve attention: row ", t, " sees ", len[t], " positions");
     longest = std::max(longest, len[t]);
+  }
+  // Every slot a row reads must be in the pool: checked once per request over its longest row.
+  std::vector<std::pair<int64_t, int64_t>> seen;  // (table row, positions checked)
+  const int64_t* slots = table.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) {
+    auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) { return e.first == req[t]; });
+    const int64_t from = it == seen.end() ? 0 : it->second;
+    for (int64_t j = from; j < len[t]; ++j) {
+      const int64_t slot = slots[req[t] * table.stride(0) + j];
+      TORCH_CHECK(slot >= 0 && slot < k_pool.size(0), "specserve attention: table row ", req[t], " position ", j,
+                  " names slot ", slot, " outside the K/V pool");
+    }
+    if (it == seen.end()) seen.emplace_back(req[t], len[t]);
+    else it->second = std::max(it->second, len[t]);
   }
   const Path p = checked_path(path);
   PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), table.data_ptr<int64_t>(), table.stride(0),
@@ -147,8 +162,12 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
               "specserve rope_store: K/V pools must be contiguous bf16 [slots, ", kv_heads, ", dim]");
   const int64_t rows = qkv.size(0), dim = k_pool.size(2);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "specserve rope_store: qkv width does not match the heads");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == dim / 2,
+  TORCH_CHECK(v_pool.sizes() == k_pool.sizes(), "specserve rope_store: the K and V pools differ in shape");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == dim / 2 && sin.sizes() == cos.sizes(),
               "specserve rope_store: cos/sin must be contiguous float32 [positions, dim/2]");
+  TORCH_CHECK(positions.device().is_cpu() && slots.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "specserve rope_store: positions, slots and tables must be on CPU");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
               positions.numel() == rows && slots.numel() == rows && positions.is_contiguous() && slots.is_contiguous(),
               "specserve rope_store: one int64 position and slot per row");

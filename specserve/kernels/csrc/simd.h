@@ -50,11 +50,19 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+// Subnormals as VDPBF16PS treats them: inputs read as zero (DAZ), results flushed to zero (FTZ).
+inline float flush_subnormal(float f) {
+  const uint32_t u = f32_bits(f);
+  return (u & 0x7F800000u) == 0 ? bits_f32(u & 0x80000000u) : f;
+}
+
 // One VDPBF16PS lane: acc + a_hi*b_hi + a_lo*b_lo for a pair of bf16 in each 32-bit word, in the
-// order the instruction defines (the odd element first). Products of two bf16 are exact in fp32.
+// order the instruction defines (the odd element first), with its DAZ/FTZ. Products of two bf16
+// are exact in fp32 unless they fall below its normal range, where they flush.
 inline float dot_pair(float acc, uint32_t a, uint32_t b) {
-  acc = acc + bf16_to_f32(uint16_t(a >> 16)) * bf16_to_f32(uint16_t(b >> 16));
-  return acc + bf16_to_f32(uint16_t(a & 0xFFFF)) * bf16_to_f32(uint16_t(b & 0xFFFF));
+  auto value = [](uint32_t word, int shift) { return flush_subnormal(bf16_to_f32(uint16_t(word >> shift))); };
+  acc = flush_subnormal(acc + flush_subnormal(value(a, 16) * value(b, 16)));
+  return flush_subnormal(acc + flush_subnormal(value(a, 0) * value(b, 0)));
 }
 
 // Sum of 16 lanes in the tree the AVX-512 path uses: halves, quarters, pairs, last pair.
