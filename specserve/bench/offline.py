@@ -176,14 +176,9 @@ class _SpecTok:
 
 def cpu_description() -> dict[str, Any]:
     """The CPU a figure comes from: model name and whether it has AMX / AVX512-BF16."""
-    from specserve.kernels.dispatch import cpu_flags
+    from specserve.kernels.dispatch import cpu_flags, cpu_model
 
-    flags, name = cpu_flags(), "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
+    flags, name = cpu_flags(), cpu_model()
     return {"model": name, "amx": "amx_tile" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "threads": torch.get_num_threads()}
 

@@ -12,16 +12,22 @@ from specserve.kernels.build import load
 PATHS = {"generic": 0, "avx512_bf16": 1}
 
 
-def cpu_flags() -> set[str]:
-    """Feature flags of this CPU as the kernel sees them (Linux /proc/cpuinfo), for tests and reports."""
+def _cpuinfo(key: str) -> str:
+    """The first `key : value` line of /proc/cpuinfo (Linux), or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == key), "")
     except OSError:
-        pass
-    return set()
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    """Feature flags of this CPU as the kernel sees them, for tests and reports."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or "unknown"
 
 
 @lru_cache(maxsize=1)

@@ -1,7 +1,7 @@
 // Paged attention, generic and AVX-512 paths (see attention.h).
 #include "attention.h"
 
-#include <immintrin.h>
+#include "simd_avx512.h"
 
 #include <algorithm>
 #include <limits>
@@ -63,31 +63,6 @@ void task_generic(const PagedAttentionArgs& a, const Task& t, float* p) {
 
 // ------------------------------------------------------------------ AVX-512 path (dim % 16 == 0)
 
-#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-SPECSERVE_AVX512 inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-SPECSERVE_AVX512 inline float tree_sum16_avx(__m512 v) {
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-  return _mm_cvtss_f32(s1);
-}
-
-SPECSERVE_AVX512 inline __m512 exp_nonpositive_avx(__m512 x) {
-  __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_GE_OQ);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpC[6]);
-  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[i]));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
-}
-
 // HB query heads of one KV group at once: each K/V row is loaded once for all of them, and the
 // heads' independent chains keep the FMA units busy; every head's operations are those of HB = 1.
 template <int C, int HB>
@@ -122,7 +97,7 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
     __m512 lanes = _mm512_setzero_ps();
     const __m512 top = _mm512_set1_ps(best[h]);
     for (int64_t j = 0; j < padded; j += 16) {
-      __mmask16 in = __mmask16(len - j >= 16 ? 0xFFFF : (1u << (len - j)) - 1u);
+      const __mmask16 in = tail_mask(len - j);
       __m512 e = _mm512_maskz_mov_ps(in, exp_nonpositive_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p[h] + j), top)));
       _mm512_storeu_ps(p[h] + j, e);
       lanes = _mm512_add_ps(lanes, e);
@@ -143,7 +118,7 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
   }
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t[h].out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(o[h][c], total[h])));
+      store_bf16(t[h].out + 16 * c, _mm512_div_ps(o[h][c], total[h]));
 }
 
 template <int C>

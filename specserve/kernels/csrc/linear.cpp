@@ -1,7 +1,7 @@
 // Weight-quantized linear layers: the generic path and the AVX512-BF16 path (see linear.h).
 #include "linear.h"
 
-#include <immintrin.h>
+#include "simd_avx512.h"
 
 #include <algorithm>
 
@@ -89,8 +89,6 @@ void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t 
 }
 
 // ------------------------------------------------------------------ AVX512-BF16 path
-
-#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 template <WeightFormat F>
 SPECSERVE_AVX512 inline __m512i q8_or_bf16_word(const uint8_t* block, int64_t pair) {
