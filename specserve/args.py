@@ -16,6 +16,7 @@ MAX_DRAFT_TOKENS = 15
 DEFAULT_BLOCK_SIZE = 5
 SPEC_ALGORITHMS = (None, "NONE", "NGRAM", "DSPARK")
 VERIFY_MODES = ("static", "compact")
+SPEC_POLICIES = ("adaptive", "fixed")
 VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_STORAGE_MAX_BYTES = 4 << 30
@@ -42,9 +43,14 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = field(default=None, metadata={"help": "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt lookup) or NONE (no speculation)", "choices": SPEC_ALGORITHMS})
     speculative_dspark_block_size: Optional[int] = field(default=None, metadata={"help": "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)"})
     speculative_draft_model_path: Optional[str] = field(default=None, metadata={"help": "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default for the embedded model: the shipped one"})
-    speculative_dspark_verify_mode: Optional[str] = field(default=None, metadata={"help": "static: verify every window row; compact: per-request verify lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)", "choices": (None,) + VERIFY_MODES})
-    speculative_dspark_sps_table_path: Optional[str] = field(default=None, metadata={"help": "JSON table of verify steps/s against batch verify tokens for the compact planner (`specserve profile-sps`)"})
-    speculative_disable_batch_size: Optional[int] = field(default=8, metadata={"help": "decode steps with more running requests than this run without drafts (speculation costs compute that a large batch already uses); 0: never speculate in decode, empty: always"})
+    speculative_dspark_verify_mode: Optional[str] = field(default=None, metadata={"help": "with --speculative-policy fixed: static verifies every window row; compact: per-request verify lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)", "choices": (None,) + VERIFY_MODES})
+    speculative_dspark_sps_table_path: Optional[str] = field(default=None, metadata={"help": "JSON table of verify steps/s against batch verify tokens (`specserve profile-sps`): the compact planner's, or the adaptive policy's starting cost of the target's rows"})
+    speculative_policy: str = field(default="adaptive", metadata={"help": "adaptive: each step, every request gets the drafter and the number of drafts (0..gamma) that maximise the batch's expected tokens per second under a step-cost model the engine measures itself; fixed: every request drafts gamma tokens with --speculative-algorithm's drafter", "choices": SPEC_POLICIES})
+    speculative_policy_drafters: Optional[str] = field(default=None, metadata={"help": "comma-separated drafters the adaptive policy chooses from (default: DSPARK,NGRAM with DSPARK; NGRAM with NGRAM)"})
+    speculative_cost_table_path: Optional[str] = field(default=None, metadata={"help": "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up (StepCostModel.save)"})
+    speculative_freeze_cost_table: bool = field(default=False, metadata={"help": "never update the step-cost table after start-up, so that runs, loop modes and ranks make identical decisions"})
+    speculative_explore_interval: int = field(default=64, metadata={"help": "a request tries a drafter it has not used for this many of its steps (0: never)"})
+    speculative_disable_batch_size: Optional[int] = field(default=None, metadata={"help": "override: decode steps with more running requests than this run without drafts; 0: never speculate in decode; empty (default): the policy decides"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps on CPU)"})
     cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest batch run as a captured step; larger batches run eagerly"})
@@ -84,6 +90,12 @@ class ServerArgs:
     @property
     def speculating(self) -> bool:
         return self.speculative_algorithm not in (None, "NONE")
+
+    def policy_drafters(self) -> tuple[str, ...]:
+        """The drafters the adaptive policy chooses from."""
+        if self.speculative_policy_drafters:
+            return tuple(d.strip().upper() for d in self.speculative_policy_drafters.split(",") if d.strip())
+        return ("DSPARK", "NGRAM") if self.speculative_algorithm == "DSPARK" else (self.speculative_algorithm,)
 
     def verify_mode(self) -> str:
         """The flag, else $SPECSERVE_RAGGED_VERIFY_MODE, else static."""
@@ -204,6 +216,19 @@ def _check_speculative(args: ServerArgs) -> None:
         raise ValueError(f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got "
                          f"{args.speculative_dspark_verify_mode!r}")
     _at_least("speculative_disable_batch_size", args.speculative_disable_batch_size, 0)
+    _at_least("speculative_explore_interval", args.speculative_explore_interval, 0)
+    if args.speculative_policy not in SPEC_POLICIES:
+        raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
+    if args.speculating and args.speculative_policy == "adaptive":
+        if args.speculative_dspark_verify_mode == "compact":
+            raise ValueError("speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
+                             "fixed; the adaptive policy chooses every window's length itself")
+        unknown = set(args.policy_drafters()) - {"DSPARK", "NGRAM"}
+        if unknown or not args.policy_drafters():
+            raise ValueError(f"speculative_policy_drafters: a comma-separated subset of DSPARK,NGRAM, got "
+                             f"{args.speculative_policy_drafters!r}")
+        if "DSPARK" in args.policy_drafters() and args.speculative_algorithm != "DSPARK":
+            raise ValueError("speculative_policy_drafters: DSPARK needs --speculative-algorithm DSPARK (its drafter)")
 
 
 def _check_hicache(args: ServerArgs) -> None:

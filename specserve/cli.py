@@ -125,11 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(off)
     ServerArgs.add_cli_args(off)
-    spec = bench_sub.add_parser("spec", help="NONE vs NGRAM vs DSPARK on MT-Bench first turns, with HF peers")
+    spec = bench_sub.add_parser("spec", help="NONE vs NGRAM and DSPARK (fixed) vs the default policy on MT-Bench and HumanEval, with HF peers")
     from specserve.bench.spec import add_spec_bench_args
 
     add_spec_bench_args(spec)
     ServerArgs.add_cli_args(spec)
+    dstep = bench_sub.add_parser("dspark-step", help="where a DSPARK verify step's time goes, against a plain decode step")
+    from specserve.bench.dspark_step import add_dspark_step_args
+
+    add_dspark_step_args(dstep)
+    ServerArgs.add_cli_args(dstep)
     srvb = bench_sub.add_parser("serving", help="drive OpenAI-compatible servers at a concurrency sweep and compare")
     from specserve.bench.serving import add_serving_bench_args
 
@@ -235,6 +240,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.spec import run_spec_bench
 
             return run_spec_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "dspark-step":
+            from specserve.bench.dspark_step import run_dspark_step_bench
+
+            return run_dspark_step_bench(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "bench" and ns.bench_command == "serving":
             from specserve.bench.serving import run_serving_bench
 

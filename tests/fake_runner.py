@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from specserve.executor.step_io import StepInput, StepOutcome
+from specserve.executor.step_io import StepInput, StepOutcome, VerifyOutcome
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.sampling_params import SamplingParams
@@ -148,9 +148,10 @@ class FakeRunner:
             out.append(self.next_token(req.input_ids, req.output_ids) if wanted else None)
         return out
 
-    def _verify(self, req: Req, prefix: int, width: int, slots: list[int]) -> list[int]:
+    def _verify(self, req: Req, prefix: int, width: int, slots: list[int]) -> VerifyOutcome:
         """What a speculative runner commits: the true next tokens, as many as the drafts it
-        accepted plus the bonus. Shadow KV: committed rows hold their tokens, the rest is stale."""
+        accepted plus the bonus, from a window of width - 1 drafts by the "FAKE" drafter.
+        Shadow KV: committed rows hold their tokens, the rest is stale."""
         chain: list[int] = []
         for _ in range(width):
             chain.append(self.next_token(req.input_ids, req.output_ids + chain))
@@ -163,7 +164,7 @@ class FakeRunner:
             for j, slot in enumerate(slots):
                 pos = prefix + j
                 self.shadow[slot] = (pos, tokens[pos], hashes[pos]) if j <= accepted else ("stale", pos)
-        return committed
+        return VerifyOutcome(committed, drafter="FAKE", drafts=width - 1)
 
     # ------------------------------------------------------------ checks
 

@@ -69,7 +69,8 @@ def evaluate(args: ServerArgs, algorithm: str, mode: str, temperature: float, pr
              bs: int, max_new_tokens: int) -> dict[str, Any]:
     from specserve.engine import Engine
 
-    kw: dict[str, Any] = {"speculative_algorithm": algorithm}
+    # The drafter itself is measured: every request drafts gamma tokens (the policy turned off).
+    kw: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_policy": "fixed"}
     if algorithm == "DSPARK":
         kw["speculative_dspark_verify_mode"] = mode
     else:

@@ -58,7 +58,7 @@ def bench_algorithm(args: ServerArgs, algorithm: str, sizes: list[int], ns) -> l
     from specserve.engine import Engine
     from specserve.scheduler.loops import NormalLoop, OverlapLoop
 
-    kw = {"speculative_algorithm": algorithm}
+    kw = {"speculative_algorithm": algorithm, "speculative_policy": "fixed"}  # every step drafts: loops compared
     if algorithm != "DSPARK":
         kw["speculative_draft_model_path"] = None
     engine = Engine(**{**vars(args), **kw})

@@ -1,10 +1,13 @@
-"""`specserve bench spec`: speculative decoding on MT-Bench first turns, side by side in one run.
+"""`specserve bench spec`: speculative decoding configurations side by side in one run.
 
-For each algorithm (none, NGRAM, DSPARK) and batch size it generates greedily for the 80 MT-Bench
-first turns (prompts submitted in groups of the batch size) and reports accept length, decode
-tokens/s and the ratio to non-speculative decoding. Peers: Hugging Face transformers greedy and
-its prompt-lookup decoding (the model-free speculative baseline) at batch 1 on the first
-`--hf-prompts` prompts. It also times the six `read_accept` clones against the whole verify step.
+Configurations: NONE (plain decoding), NGRAM and DSPARK with the policy turned off (every request
+drafts gamma tokens with that drafter), and DEFAULT (what `specserve serve` runs: the adaptive
+policy over DSPARK and NGRAM). Each keeps one engine for the whole run; its policy keeps learning
+across repeats, as a server's would. Workloads: MT-Bench first turns (by category at batch 1) and
+HumanEval, greedy, prompts submitted in groups of the batch size, every group prefilled afresh.
+Runs are interleaved (repeat r runs every configuration of a workload and batch size before
+repeat r + 1, in a rotated order) and the report gives medians over repeats and ratios to NONE.
+Peers: Hugging Face transformers greedy and its prompt-lookup decoding at batch 1.
 """
 
 from __future__ import annotations
@@ -13,78 +16,127 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import time
 from typing import Any, Optional
 
 import torch
 
 from specserve.args import ServerArgs
-from specserve.datasets import mtbench_first_turns
+from specserve.datasets import humaneval_prompts, mtbench_first_turns
+
+CONFIGS = {
+    "NONE": {"speculative_algorithm": "NONE"},
+    "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_policy": "fixed"},
+    "DSPARK": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"},
+    "DEFAULT": {},
+}
+# The issue's targets: DEFAULT >= 0.98x NONE everywhere; at batch 1 >= the best fixed configuration
+# minus 2% on every category, and >= 1.3x NONE on extraction.
+FLOOR_VS_NONE, FLOOR_VS_BEST, EXTRACTION_TARGET = 0.98, 0.98, 1.3
+
 
 def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--algorithms", default="NONE,NGRAM,DSPARK", help="comma-separated, NONE is the baseline")
-    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--configs", default="NONE,NGRAM,DSPARK,DEFAULT", help=f"comma-separated of {list(CONFIGS)}")
+    p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=80)
-    p.add_argument("--hf-prompts", type=int, default=8, help="prompts for the transformers peers (0: skip)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--num-prompts", type=int, default=80, help="MT-Bench first turns (80: all)")
+    p.add_argument("--humaneval-prompts", type=int, default=64, help="HumanEval problems (0: skip)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hf-prompts", type=int, default=4, help="prompts for the transformers peers (0: skip)")
+    p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG beside it)")
 
 
-class VerifyTimer:
-    """Times whole verify steps and the read_accept clones inside them (wall clock, this process)."""
-
-    def __init__(self, runner):
-        self.verify_s, self.clone_s, self.steps = 0.0, 0.0, 0
-        verify, read = runner._verify, runner.read_accept
-
-        def timed_verify(spec):
-            start = time.perf_counter()
-            out = verify(spec)
-            self.verify_s += time.perf_counter() - start
-            self.steps += 1
-            return out
-
-        def timed_read(bs):
-            start = time.perf_counter()
-            out = read(bs)
-            self.clone_s += time.perf_counter() - start
-            return out
-
-        runner._verify, runner.read_accept = timed_verify, timed_read
-
-
-def run_specserve(args: ServerArgs, algorithm: str, prompts: list[list[int]], bs: int, new_tokens: int) -> dict[str, Any]:
+def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.engine import Engine
 
-    spec = {} if algorithm == "NONE" else {"speculative_algorithm": algorithm}
-    if algorithm != "DSPARK":
-        args = args.replace(speculative_draft_model_path=None)
-    engine = Engine(**{**vars(args), "speculative_algorithm": "NONE", **spec})
-    timer = VerifyTimer(engine.runner) if algorithm != "NONE" else None
-    params = {"temperature": 0, "max_new_tokens": new_tokens}
-    engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up
-    engine.tree.reset()
-    if timer:
-        timer.verify_s = timer.clone_s = timer.steps = 0
-    outs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), bs):
-        outs += engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
-        engine.tree.reset()  # no cross-group prefix reuse: every group prefills its prompts
-    wall = time.perf_counter() - start
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    verify_ct = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-    result = {"algorithm": algorithm, "batch_size": bs, "completion_tokens": tokens, "wall_s": round(wall, 2),
-              "tokens_per_s": round(tokens / wall, 2), "outputs": [o["output_ids"] for o in outs]}
-    if verify_ct:
-        decode_tokens = tokens - len(outs)  # the first token of each request comes from prefill
-        result["accept_length"] = round(decode_tokens / verify_ct, 3)
-        result["verify_steps"] = verify_ct
-        result["read_accept_share_of_verify"] = timer.clone_s / timer.verify_s if timer.verify_s else None
-        result["verify_step_ms"] = round(1000 * timer.verify_s / max(timer.steps, 1), 2)
-    engine.shutdown()
-    del engine
+    configs = [c.strip().upper() for c in ns.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or "NONE" not in configs:
+        raise ValueError(f"--configs: choose from {list(CONFIGS)}, NONE included (the baseline); got {ns.configs!r}")
+    sizes = [int(b) for b in ns.batch_sizes.split(",")]
+    engines = {name: Engine(**engine_kwargs(args, name)) for name in configs}
+    tokenizer = engines["NONE"].tokenizer
+    workloads = {"mtbench": mtbench_first_turns()[:ns.num_prompts]}
+    if ns.humaneval_prompts > 0:
+        workloads["humaneval"] = humaneval_prompts()[:ns.humaneval_prompts]
+    runs = []
+    for repeat in range(ns.repeats):
+        for workload, items in workloads.items():
+            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in items]
+            categories = [q["category"] for q in items]
+            for bs in sizes:
+                for name in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
+                    run = run_once(engines[name], prompts, categories, bs, ns.new_tokens)
+                    run.update(config=name, workload=workload, batch_size=bs, repeat=repeat)
+                    runs.append(run)
+                    print(_line(run), flush=True)
+    policy = engines.get("DEFAULT") and engines["DEFAULT"].runner.speculation.policy
+    cost = policy.cost.coefficients() if policy else None
+    for engine in engines.values():
+        engine.shutdown()
+    del engines
     gc.collect()
-    return result
+    peers = run_peers(ns, args, workloads["mtbench"], tokenizer)
+    report = summarize(runs, peers, cost)
+    print(json.dumps({k: report[k] for k in ("ratios", "targets")}, indent=2))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(report, f, indent=2)
+        plot(report, os.path.splitext(ns.out)[0] + ".png")
+    return 0
+
+
+def engine_kwargs(args: ServerArgs, name: str) -> dict[str, Any]:
+    base = {k: v for k, v in vars(args).items() if not k.startswith("speculative_")}
+    if name == "DSPARK" or name == "DEFAULT":
+        base["speculative_draft_model_path"] = args.speculative_draft_model_path
+    return {**base, **CONFIGS[name]}
+
+
+def run_once(engine, prompts: list[list[int]], categories: list[str], bs: int, new_tokens: int) -> dict[str, Any]:
+    """Generate every prompt in groups of bs; per group its wall time, tokens and spec counters."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens}
+    groups = []
+    for i in range(0, len(prompts), bs):
+        engine.tree.reset()  # no cross-group prefix reuse: every group prefills its prompts
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
+        wall = time.perf_counter() - start
+        metas = [o["meta_info"] for o in outs]
+        groups.append({"categories": categories[i:i + bs], "wall_s": wall, "outputs": [o["output_ids"] for o in outs],
+                       "tokens": sum(m["completion_tokens"] for m in metas),
+                       "verify_ct": sum(m.get("spec_verify_ct", 0) for m in metas),
+                       "correct": sum(m.get("spec_num_correct_drafts", 0) for m in metas),
+                       "predicted": sum(m.get("spec_predicted_accept_length", 0) * m.get("spec_verify_ct", 0)
+                                        for m in metas),
+                       "drafter_steps": _sum_dicts(m.get("spec_drafter_steps", {}) for m in metas),
+                       "draft_len": _sum_dicts(m.get("spec_draft_len_histogram", {}) for m in metas)})
+    tokens, wall = sum(g["tokens"] for g in groups), sum(g["wall_s"] for g in groups)
+    verify, correct = sum(g["verify_ct"] for g in groups), sum(g["correct"] for g in groups)
+    out = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "groups": groups,
+           "accept_length": 1 + correct / verify if verify else None,
+           "drafter_steps": _sum_dicts(g["drafter_steps"] for g in groups),
+           "draft_len_histogram": _sum_dicts(g["draft_len"] for g in groups)}
+    if verify and any(g["predicted"] for g in groups):
+        out["predicted_accept_length"] = sum(g["predicted"] for g in groups) / verify
+    return out
+
+
+def _sum_dicts(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
+
+
+def run_peers(ns: argparse.Namespace, args: ServerArgs, questions: list[dict], tokenizer) -> list[dict[str, Any]]:
+    if ns.hf_prompts <= 0:
+        return []
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}])
+               for q in questions[:ns.hf_prompts]]
+    return [run_hf(prompts, ns.new_tokens, lookup) for lookup in (None, args.speculative_dspark_block_size or 5)]
 
 
 def run_hf(prompts: list[list[int]], new_tokens: int, prompt_lookup: Optional[int]) -> dict[str, Any]:
@@ -103,61 +155,110 @@ def run_hf(prompts: list[list[int]], new_tokens: int, prompt_lookup: Optional[in
             out = model.generate(x, max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(x), **extra)
             tokens += out.shape[1] - x.shape[1]
     wall = time.perf_counter() - start
-    return {"algorithm": "hf-prompt-lookup" if prompt_lookup else "hf-greedy", "batch_size": 1,
-            "completion_tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2)}
+    return {"peer": "hf-prompt-lookup" if prompt_lookup else "hf-greedy", "batch_size": 1, "prompts": len(prompts),
+            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
-def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
-    from specserve.tokenizer.tokenizer import load_tokenizer
-    from specserve.models.loader import resolve_model_path
-
-    algorithms = [a.strip().upper() for a in ns.algorithms.split(",") if a.strip()]
-    if "DSPARK" in algorithms and not args.speculative_draft_model_path:
-        raise ValueError("speculative_draft_model_path: DSPARK needs a drafter (`specserve init-drafter --out DIR`)")
-    sizes = [int(b) for b in ns.batch_sizes.split(",")]
-    questions = mtbench_first_turns()[:ns.num_prompts]
-    tokenizer = load_tokenizer(resolve_model_path(args.model_path))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in questions]
-    results = []
-    for bs in sizes:
-        for algorithm in algorithms:
-            r = run_specserve(args, algorithm, prompts, bs, ns.new_tokens)
-            results.append(r)
-            print(_line(r), flush=True)
-    gamma = args.speculative_dspark_block_size
-    if ns.hf_prompts > 0:
-        for lookup in (None, gamma or 5):
-            r = run_hf(prompts[:ns.hf_prompts], ns.new_tokens, lookup)
-            results.append(r)
-            print(_line(r), flush=True)
-    report = summarize(results)
-    print(json.dumps(report["ratios"], indent=2))
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump({"results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
-                       **report}, f, indent=2)
-    return 0
+def summarize(runs: list[dict[str, Any]], peers: list[dict[str, Any]], cost: Optional[dict]) -> dict[str, Any]:
+    """Medians over repeats, ratios to NONE, per-category figures at batch 1 and the targets."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in runs:
+        cells.setdefault((r["workload"], r["batch_size"], r["config"]), []).append(r)
+    table, ratios = [], {}
+    for (workload, bs, name), rs in sorted(cells.items()):
+        none = cells[(workload, bs, "NONE")]
+        speed = statistics.median(r["tokens_per_s"] for r in rs)
+        row = {"workload": workload, "batch_size": bs, "config": name, "tokens_per_s": speed,
+               "runs_tokens_per_s": [r["tokens_per_s"] for r in rs],
+               "ratio_to_none": statistics.median(r["tokens_per_s"] / n["tokens_per_s"] for r, n in zip(rs, none)),
+               "accept_length": _median([r["accept_length"] for r in rs]),
+               "predicted_accept_length": _median([r.get("predicted_accept_length") for r in rs]),
+               "identical_to_none": all(_outputs(r) == _outputs(n) for r, n in zip(rs, none)),
+               "drafter_steps": rs[-1]["drafter_steps"], "draft_len_histogram": rs[-1]["draft_len_histogram"]}
+        table.append(row)
+        ratios[f"{name}@{workload}/bs{bs}"] = round(row["ratio_to_none"], 3)
+    by_category = category_table(runs)
+    return {"table": table, "ratios": ratios, "by_category_bs1": by_category, "peers": peers,
+            "targets": check_targets(table, by_category), "default_cost_model_s": cost}
 
 
-def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Speedups over NONE at the same batch size, and whether greedy outputs matched it."""
-    base = {r["batch_size"]: r for r in results if r["algorithm"] == "NONE"}
-    ratios = {}
-    for r in results:
-        b = base.get(r["batch_size"])
-        if b is None or r is b or "outputs" not in r:
+def category_table(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """MT-Bench at batch 1, per category: median over repeats of tokens / wall, per configuration."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in runs:
+        if r["workload"] != "mtbench" or r["batch_size"] != 1:
             continue
-        key = f"{r['algorithm']}@bs{r['batch_size']}"
-        ratios[key] = {"speedup": round(r["tokens_per_s"] / b["tokens_per_s"], 3),
-                       "accept_length": r.get("accept_length"),
-                       "identical_outputs": r["outputs"] == b["outputs"]}
-    return {"ratios": ratios}
+        per_cat: dict[str, list[float]] = {}
+        for g in r["groups"]:
+            tokens_wall = per_cat.setdefault(g["categories"][0], [0.0, 0.0])
+            tokens_wall[0] += g["tokens"]
+            tokens_wall[1] += g["wall_s"]
+        for cat, (tokens, wall) in per_cat.items():
+            out.setdefault(cat, {}).setdefault(r["config"], []).append(tokens / wall)
+    return {cat: {name: statistics.median(v) for name, v in sorted(cfgs.items())} for cat, cfgs in sorted(out.items())}
+
+
+def check_targets(table: list[dict], by_category: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Each target with its measured value (never asserted: a benchmark reports)."""
+    out: dict[str, Any] = {}
+    for row in table:
+        if row["config"] == "DEFAULT":
+            key = f"default_vs_none@{row['workload']}/bs{row['batch_size']}"
+            out[key] = {"ratio": round(row["ratio_to_none"], 3), "met": row["ratio_to_none"] >= FLOOR_VS_NONE}
+    for cat, speeds in by_category.items():
+        fixed = {k: v for k, v in speeds.items() if k != "DEFAULT"}
+        if "DEFAULT" not in speeds or not fixed:
+            continue
+        best = max(fixed, key=fixed.get)
+        ratio = speeds["DEFAULT"] / fixed[best]
+        out[f"default_vs_best_fixed@{cat}/bs1"] = {"best": best, "ratio": round(ratio, 3), "met": ratio >= FLOOR_VS_BEST}
+        if cat == "extraction" and "NONE" in speeds:
+            ratio = speeds["DEFAULT"] / speeds["NONE"]
+            out["default_vs_none@extraction/bs1"] = {"ratio": round(ratio, 3), "met": ratio >= EXTRACTION_TARGET}
+    return out
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({row["workload"] for row in report["table"]})
+    fig, axes = plt.subplots(1, len(workloads) + 1, figsize=(6 * (len(workloads) + 1), 4.5))
+    for ax, workload in zip(axes, workloads):
+        rows = [r for r in report["table"] if r["workload"] == workload]
+        for name in sorted({r["config"] for r in rows}):
+            pts = sorted((r["batch_size"], r["ratio_to_none"]) for r in rows if r["config"] == name)
+            ax.plot([str(b) for b, _ in pts], [v for _, v in pts], marker="o", label=name)
+        ax.axhline(FLOOR_VS_NONE, color="grey", linestyle=":")
+        ax.set(title=f"{workload}: tokens/s vs NONE", xlabel="batch size", ylabel="ratio (median of repeats)")
+        ax.legend()
+    cats = report["by_category_bs1"]
+    names = sorted({n for speeds in cats.values() for n in speeds})
+    ax = axes[-1]
+    for j, name in enumerate(names):
+        ax.bar([i + j / (len(names) + 1) for i in range(len(cats))],
+               [speeds.get(name, 0) / speeds["NONE"] for speeds in cats.values()], width=1 / (len(names) + 1), label=name)
+    ax.set_xticks(range(len(cats)), list(cats), rotation=45, ha="left")
+    ax.set(title="MT-Bench bs1 by category (vs NONE)", ylabel="ratio")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _outputs(run: dict[str, Any]) -> list[list[int]]:
+    return [o for g in run["groups"] for o in g["outputs"]]
+
+
+def _median(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _line(r: dict[str, Any]) -> str:
-    extra = ""
-    if "accept_length" in r:
-        extra = (f"  accept {r['accept_length']:.2f}  verify {r['verify_step_ms']:.1f} ms"
-                 f"  read_accept {100 * (r['read_accept_share_of_verify'] or 0):.3f}% of verify")
-    return (f"{r['algorithm']:>16} bs{r['batch_size']:<3} {r['completion_tokens']:6d} tok {r['wall_s']:8.1f} s "
-            f"{r['tokens_per_s']:8.1f} tok/s{extra}")
+    extra = f"  accept {r['accept_length']:.2f}" if r.get("accept_length") else ""
+    if r.get("drafter_steps"):
+        extra += f"  drafter steps {r['drafter_steps']}  drafts hist {r['draft_len_histogram']}"
+    return (f"{r['config']:>8} {r['workload']:>9} bs{r['batch_size']:<3} rep{r['repeat']} {r['tokens']:6d} tok "
+            f"{r['wall_s']:7.1f} s {r['tokens_per_s']:8.1f} tok/s{extra}")

@@ -19,6 +19,7 @@ from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
 from specserve.executor.model_runner import CaptureConfig, ModelRunner
 from specserve.executor.tp_decisions import TPDecisions
+from specserve.executor.warmup import measure_cost_prior
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.models.config import ModelConfig
@@ -31,6 +32,8 @@ from specserve.runtime.sanitizer import StreamSanitizer
 from specserve.runtime.stream import Stream
 from specserve.scheduler.loops import NormalLoop, OverlapLoop
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from specserve.speculative.adaptive import AdaptivePolicy
+from specserve.speculative.cost_model import FEATURES, StepCostModel
 from specserve.speculative.dspark_worker import DsparkWorker
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
@@ -38,6 +41,8 @@ from specserve.speculative.speculation import Speculation
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+DEFERRED_ROWS = 1024  # committed rows the DSpark drafter may queue before injecting them
 
 
 @dataclass
@@ -124,7 +129,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
     forward_stream, copy_stream = _make_streams(args, faults, sanitizer)
     req_to_token = ReqToTokenPool(args.max_running_requests + 1, max_positions, args.device, stream=forward_stream)
-    speculation = _make_speculation(args, drafter, gamma, size, dtype, req_to_token)
+    speculation = _make_speculation(args, drafter, gamma, size, dtype, req_to_token, tokenizer.eos_token_ids)
     consensus = RankConsensusChecker.from_env(dist)
     tree = _make_tree(args, size, allocator, [kv] + speculation.kv_pools, forward_stream, copy_stream, dist,
                       tp_rank, consensus)
@@ -134,6 +139,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
                          capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs,
                                                args.enable_torch_compile),
                          tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None)
+    _start_cost_model(args, runner, gamma)
     sched_cfg = SchedulerConfig(
         context_length=context_length,
         eos_token_ids=tokenizer.eos_token_ids,
@@ -162,20 +168,44 @@ def _make_streams(args: ServerArgs, faults: FaultConfig,
 
 
 def _make_speculation(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma: int, size: int,
-                      dtype: torch.dtype, req_to_token: ReqToTokenPool) -> Speculation:
+                      dtype: torch.dtype, req_to_token: ReqToTokenPool, eos_token_ids: tuple[int, ...]) -> Speculation:
     """The drafters: the draft K/V of DSPARK share the target's token slots, so one allocator serves both."""
     workers = []
     if drafter is not None:
         dc = drafter.config
         draft_kv = KVPool(size, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, args.device)
-        workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table))
-    if args.speculative_algorithm == "NGRAM":
+        # Deferred injection under the adaptive policy, unless the host tier copies the pools too.
+        defer = args.speculating and args.speculative_policy == "adaptive" and not args.enable_hierarchical_cache
+        workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))
+    adaptive = args.speculating and args.speculative_policy == "adaptive"
+    if args.speculative_algorithm == "NGRAM" or adaptive and "NGRAM" in args.policy_drafters():
         workers.append(NgramWorker(gamma))
-    planner = None
-    if drafter is not None and args.verify_mode() != "static":
+    planner, policy = None, None
+    if adaptive:  # its cost model is measured once the runner exists (_start_cost_model)
+        policy = AdaptivePolicy(args.policy_drafters(), gamma, StepCostModel([0.0] * len(FEATURES)), eos_token_ids,
+                                args.speculative_explore_interval)
+    elif drafter is not None and args.verify_mode() != "static":
         path = args.speculative_dspark_sps_table_path
         planner = VerifyPlanner(SpsTable.load(path) if path else None)
-    return Speculation(workers, planner)
+    return Speculation(workers, planner, policy)
+
+
+def _start_cost_model(args: ServerArgs, runner: ModelRunner, gamma: int) -> None:
+    """The adaptive policy's step-cost model: from the given table, else timed by a warm-up."""
+    policy = runner.speculation.policy
+    if policy is None:
+        return
+    if args.speculative_cost_table_path:
+        policy.cost = StepCostModel.load(args.speculative_cost_table_path)
+    else:
+        prior = measure_cost_prior(runner, gamma)
+        if args.speculative_dspark_sps_table_path:  # a recorded SPS table gives the target's part
+            sps = SpsTable.load(args.speculative_dspark_sps_table_path)
+            prior[:3] = StepCostModel.from_sps(sps.tokens, sps.steps_per_second).theta.tolist()[:3]
+        policy.cost = StepCostModel(prior)
+    if args.speculative_freeze_cost_table:
+        policy.cost.freeze()
+    logger.info("speculation cost model (s): %s", {k: round(v, 6) for k, v in policy.cost.coefficients().items()})
 
 
 def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, device_pools: list[KVPool],

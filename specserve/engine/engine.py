@@ -200,14 +200,19 @@ class Engine:
         """The stream sanitizer's scope when STREAM_SANITIZER is set, else a no-op context."""
         return self._sanitized()
 
-    def load(self) -> dict[str, int]:
-        """Queue, batch and KV occupancy: slots held by requests vs by the prefix cache."""
+    def load(self) -> dict[str, float]:
+        """Queue, batch and KV occupancy (slots held by requests vs by the prefix cache) and, with
+        the adaptive speculation policy, its step-cost model's mean relative error."""
         sched = self.scheduler
         cached = self.tree.total_size
         free = self.allocator.available
-        return {"waiting": len(sched.waiting), "running": len(sched.running) + (sched.chunked_req is not None),
-                "kv_total_tokens": self.allocator.size, "kv_free_tokens": free, "kv_cached_tokens": cached,
-                "kv_request_tokens": self.allocator.size - free - cached}
+        out = {"waiting": len(sched.waiting), "running": len(sched.running) + (sched.chunked_req is not None),
+               "kv_total_tokens": self.allocator.size, "kv_free_tokens": free, "kv_cached_tokens": cached,
+               "kv_request_tokens": self.allocator.size - free - cached}
+        policy = self.runner.speculation.policy
+        if policy is not None and policy.cost.steps:
+            out["spec_cost_residual"] = policy.cost.mean_abs_relative_residual
+        return out
 
     def output(self, req: Req) -> dict[str, Any]:
         """The output dict of a (finished) request, as `generate` returns it."""
@@ -221,7 +226,9 @@ class Engine:
         if now - self._last_log >= STATS_LOG_INTERVAL_S and logger.isEnabledFor(logging.INFO):
             self._last_log = now
             sched = self.scheduler
-            logger.info("%s", sched.stats.log_line(len(sched.running), len(sched.waiting)))
+            policy = self.runner.speculation.policy
+            residual = policy.cost.mean_abs_relative_residual if policy is not None else None
+            logger.info("%s", sched.stats.log_line(len(sched.running), len(sched.waiting), residual))
 
     def shutdown(self) -> None:
         """Stop this engine; rank 0 also tells the other ranks to stop and waits for them."""

@@ -37,15 +37,23 @@ def _finish_reason(req: Req) -> dict[str, Any]:
 
 
 def _spec_info(req: Req) -> dict[str, Any]:
-    """Speculative counters of a request that took part in verify steps. The accept length counts
-    those steps only (the bonus plus accepted drafts per verify step): tokens from its prefill and
-    from plain decode steps (e.g. above --speculative-disable-batch-size) are not speculation's."""
+    """Speculative counters of a request. The accept length counts its steps with drafts only (the
+    bonus plus accepted drafts per such step): tokens from its prefill and from steps without
+    drafts (the policy chose none, or --speculative-disable-batch-size) are not speculation's.
+    The plan counters cover every step of a speculating engine, with or without drafts."""
+    out: dict[str, Any] = {}
+    if req.spec_draft_len_hist:
+        out["spec_draft_len_histogram"] = dict(sorted(req.spec_draft_len_hist.items()))
+        out["spec_drafter_steps"] = dict(sorted(req.spec_drafter_steps.items()))
     if req.spec_verify_ct == 0:
-        return {}
-    return {
+        return out
+    out.update({
         "spec_verify_ct": req.spec_verify_ct,
         "spec_num_correct_drafts": req.spec_num_correct_drafts,
         "spec_accept_length": 1.0 + req.spec_num_correct_drafts / req.spec_verify_ct,
         "spec_correct_drafts_histogram": dict(sorted(req.spec_correct_hist.items())),
         "spec_cap_trim_histogram": dict(sorted(req.spec_cap_trim_hist.items())),
-    }
+    })
+    if req.spec_predicted_sum > 0:
+        out["spec_predicted_accept_length"] = req.spec_predicted_sum / req.spec_verify_ct
+    return out

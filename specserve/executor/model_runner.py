@@ -14,6 +14,7 @@ to the constructor.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -30,6 +31,8 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.stream import Event, Stream
 from specserve.sampler import sample
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, accept_windows
+from specserve.speculative.adaptive import StepPlan
+from specserve.speculative.cost_model import StepShape
 from specserve.speculative.speculation import Proposal, Speculation
 
 
@@ -51,6 +54,7 @@ class StepHandle:
     """One launched step: its results on the device, their host copies, and the copy's event."""
 
     step: StepInput
+    plan: Optional[StepPlan] = None  # a verify step's decisions, set on the forward stream
     device_out: list[torch.Tensor] = field(default_factory=list)  # set on the forward stream
     host_out: list[torch.Tensor] = field(default_factory=list)  # set on the copy stream
     done: Optional[Event] = None
@@ -105,9 +109,10 @@ class ModelRunner:
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
         step = handle.step
         if step.mode not in (EXTEND, DECODE):
-            out = AcceptOuts(*handle.host_out)
+            out, plan = AcceptOuts(*handle.host_out), handle.plan
             commit, tokens, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
-            return [VerifyOutcome(row[:n], cap) for row, n, cap in zip(tokens, commit, trimmed)]
+            return [VerifyOutcome(row[:n], cap, drafter, k, predicted) for row, n, cap, drafter, k, predicted
+                    in zip(tokens, commit, trimmed, plan.drafters, plan.drafts, plan.predicted)]
         tokens = handle.host_out[0].tolist()
         return [t if s else None for t, s in zip(tokens, step.sample)]
 
@@ -124,12 +129,20 @@ class ModelRunner:
     @torch.inference_mode()
     def _step(self, handle: StepHandle) -> None:
         step = handle.step
+        start = time.perf_counter()
         if step.mode == EXTEND:
             handle.device_out = [self._extend(step)]
-        elif step.mode == DECODE:
+            return
+        if step.mode == DECODE:
             handle.device_out = [self._decode(step)]
+            shape = StepShape(step.size)
         else:
-            handle.device_out = self._verify(step).tensors()
+            out, handle.plan = self._verify(step)
+            handle.device_out = out.tensors()
+            shape = handle.plan.shape
+        policy = self.speculation.policy
+        if policy is not None and self.forward.device.type == "cpu":  # CUDA steps run asynchronously
+            policy.observe_step(shape, time.perf_counter() - start)
 
     def _extend(self, step: StepInput) -> torch.Tensor:
         fb = self._forward_batch(step.rows, step.prefix_lens, step.extend_lens,
@@ -150,11 +163,20 @@ class ModelRunner:
             if self.speculation.reads_tokens:
                 for i, tok in zip(wanted, picked.tolist()):
                     self.speculation.commit_tokens(step.rows[i], step.fills[i] + [tok], restart=True)
+            for i, tok in zip(wanted, picked.tolist()):
+                self.speculation.start(step.rows[i])
+                self._observe_tokens(step, i, [tok], step.out_lens[i] + 1)
         return tokens
 
     def _decode(self, step: StepInput) -> torch.Tensor:
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
+        return self._decode_rows(step, rows, anchors, prefix, out_lens, out_lens.tolist())
+
+    def _decode_rows(self, step: StepInput, rows: torch.Tensor, anchors: torch.Tensor, prefix: torch.Tensor,
+                     out_lens: torch.Tensor, counters: list[int]) -> torch.Tensor:
+        """One row per request: sample, commit to the drafters and the FutureMap. `counters` index
+        each sampling request's uniform (see speculative/accept.py for a verify step's)."""
         if self.capture.covers(step.size):
             out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
             if self.speculation.reads_rows:
@@ -165,13 +187,20 @@ class ModelRunner:
             fb = self._forward_batch(step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False,
                                      sample=step.sample)
             logits = self._forward(fb)
-        picked = torch.tensor(sample(logits.cpu(), step.params, step.seeds, out_lens.tolist()), dtype=torch.int64)
+        picked = torch.tensor(sample(logits.cpu(), step.params, step.seeds, counters), dtype=torch.int64)
         tokens = self._agree([picked], "runner.decode_tokens")[0]
         self.future.write(rows, tokens.to(self.device), prefix + 1, out_lens + 1)
         if self.speculation.reads_tokens:  # a plain decode step of a speculating engine
             for row, tok in zip(step.rows, tokens.tolist()):
                 self.speculation.commit_tokens(row, [tok])
+        if self.speculation.policy is not None:
+            for i, (tok, n) in enumerate(zip(tokens.tolist(), out_lens.tolist())):
+                self._observe_tokens(step, i, [tok], n + 1)
         return tokens
+
+    def _observe_tokens(self, step: StepInput, i: int, tokens: list[int], out_len: int) -> None:
+        if self.speculation.policy is not None:
+            self.speculation.policy.observe_tokens(step.rows[i], tokens, step.params[i], out_len)
 
     def _captured_step(self, width: int) -> CapturedStep:
         """The captured step for this window width, made (and registered as persistent) on first use."""
@@ -215,17 +244,24 @@ class ModelRunner:
 
     # ------------------------------------------------------------ speculative verify (forward stream)
 
-    def _verify(self, step: StepInput) -> AcceptOuts:
-        """Draft, verify the windows, accept into the epilogue's buffers, then read owned copies,
-        commit the accepted rows to the drafters and leave anchors and lengths for the next step."""
+    def _verify(self, step: StepInput) -> tuple[AcceptOuts, StepPlan]:
+        """Plan, then draft, verify the windows, accept into the epilogue's buffers, read owned
+        copies, commit the accepted rows to the drafters and leave anchors and lengths for the
+        next step. A plan without drafts runs as a plain decode step."""
         bs, width = step.size, step.width
         epilogue = self._epilogue(width)
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
+        plan = self._plan(step, width - 1)
+        if not plan.speculates:
+            return self._verify_without_drafts(step, rows, anchors, prefix, out_lens), plan
         ids = torch.empty(bs, width, dtype=torch.int64, device=self.device)
         ids[:, 0] = anchors
-        proposal = self._draft(step, rows, ids, prefix, out_lens)
+        proposal = self._draft(step, rows, ids, prefix, out_lens, drafters=plan.drafters)
         verify_lens = proposal.verify_lens
+        if any(k < width - 1 for k in plan.drafts):  # a window with fewer drafts verifies fewer rows
+            lens = [1 + k for k in plan.drafts]
+            verify_lens = lens if verify_lens is None else [min(a, b) for a, b in zip(lens, verify_lens)]
         if self.tp is not None:
             lens = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
             ids_agreed, lens = self._agree([ids.cpu(), lens], "runner.drafts")
@@ -253,7 +289,37 @@ class ModelRunner:
         if self.speculation.reads_tokens:
             for row, toks, n in zip(step.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
                 self.speculation.commit_tokens(row, toks[:n])
-        return out
+        policy = self.speculation.policy
+        if policy is not None:
+            policy.observe_accept(step.rows, plan, out.correct_len.tolist())
+            for i, (toks, n, m) in enumerate(zip(out.out_tokens.tolist(), out.commit_lens.tolist(), out_lens.tolist())):
+                self._observe_tokens(step, i, toks[:n], m + n)
+        return out, plan
+
+    def _plan(self, step: StepInput, gamma: int) -> StepPlan:
+        """This step's drafter and draft count per request: rank 0's under tensor parallelism."""
+        plan = self.speculation.plan(step.drafters, step.rows, gamma)
+        if self.tp is None:
+            return plan
+        names = sorted(self.speculation.workers)
+        codes = torch.tensor([-1 if d is None else names.index(d) for d in plan.drafters], dtype=torch.int64)
+        codes, drafts = self._agree([codes, torch.tensor(plan.drafts, dtype=torch.int64)], "runner.plan")
+        plan.drafters = [None if c < 0 else names[c] for c in codes.tolist()]
+        plan.drafts = drafts.tolist()
+        return plan
+
+    def _verify_without_drafts(self, step: StepInput, rows: torch.Tensor, anchors: torch.Tensor,
+                               prefix: torch.Tensor, out_lens: torch.Tensor) -> AcceptOuts:
+        """A verify step whose plan has no drafts costs one decode row per request. A sampling
+        request draws the uniform a one-row window would (its bonus column), so its token does not
+        depend on whether the rest of the batch drafted."""
+        gamma = step.width - 1
+        counters = [(n << 6) + gamma for n in out_lens.tolist()]
+        tokens = self._decode_rows(step, rows, anchors, prefix, out_lens, counters).to(self.device)
+        zeros, ones = torch.zeros_like(tokens), torch.ones_like(tokens)
+        out_tokens = torch.zeros(step.size, step.width, dtype=torch.int64, device=self.device)
+        out_tokens[:, 0] = tokens
+        return AcceptOuts(zeros, tokens, zeros.clone(), ones, prefix + 1, out_tokens)
 
     def _epilogue(self, width: int) -> DsparkVerifyEpilogue:
         if self.epilogue is None or self.epilogue.num_verify_tokens != width:
@@ -263,9 +329,11 @@ class ModelRunner:
         return self.epilogue
 
     def _draft(self, step: StepInput, rows: torch.Tensor, ids: torch.Tensor, prefix: torch.Tensor,
-               out_lens: torch.Tensor) -> Proposal:
-        """Fill ids[:, 1:] with each request's drafts; returns their distributions and verify lengths."""
-        return self.speculation.propose(step.drafters, rows, ids, prefix, out_lens, step.params, step.seeds)
+               out_lens: torch.Tensor, drafters: Optional[list[Optional[str]]] = None) -> Proposal:
+        """Fill ids[:, 1:] with each request's drafts (by the plan's drafters, else the step's);
+        returns their distributions and verify lengths."""
+        return self.speculation.propose(step.drafters if drafters is None else drafters, rows, ids, prefix, out_lens,
+                                        step.params, step.seeds)
 
     def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""

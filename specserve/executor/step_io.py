@@ -50,10 +50,13 @@ class StepInput:
 @dataclass
 class VerifyOutcome:
     """One request's result of a verify step: the committed tokens (accepted drafts, then the
-    bonus) and the matches the compact verify length cut off."""
+    bonus), the matches the compact verify length cut off and what the step planned for it."""
 
     tokens: list[int]
     cap_trimmed: int = 0
+    drafter: Optional[str] = None  # who drafted the window (None: no drafts, one row verified)
+    drafts: int = 0  # drafts verified (k)
+    predicted: float = 0.0  # the policy's expected accept length (0.0 without the policy)
 
 
 # Per request of a step: the next token (None where none is sampled), or a VerifyOutcome.

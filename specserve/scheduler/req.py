@@ -47,6 +47,10 @@ class Req:
     spec_num_correct_drafts: int = 0  # drafts accepted and emitted
     spec_correct_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts per step -> steps
     spec_cap_trim_hist: dict[int, int] = field(default_factory=dict)  # matches cut by verify_len -> steps
+    spec_draft_len_hist: dict[int, int] = field(default_factory=dict)  # drafts planned (k, 0 included) -> steps
+    spec_drafter_steps: dict[str, int] = field(default_factory=dict)  # windows with drafts, per drafter
+    spec_predicted_sum: float = 0.0  # the policy's expected accept length, summed over windows with drafts
+    spec_plans: list[tuple[Optional[str], int]] = field(default_factory=list)  # (drafter, k) per verify step
 
     @property
     def fill_ids(self) -> list[int]:
@@ -60,6 +64,12 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    def record_plan(self, drafter: Optional[str], drafts: int) -> None:
+        self.spec_plans.append((drafter, drafts))
+        self.spec_draft_len_hist[drafts] = self.spec_draft_len_hist.get(drafts, 0) + 1
+        if drafter is not None and drafts > 0:
+            self.spec_drafter_steps[drafter] = self.spec_drafter_steps.get(drafter, 0) + 1
 
     def record_verify(self, appended: int, committed: int, cap_trimmed: int) -> int:
         """Count one verify step; returns its correct drafts. Only emitted drafts count as

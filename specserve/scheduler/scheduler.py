@@ -152,8 +152,8 @@ class Scheduler:
                 req.kv_len += n
                 self.chunked_req = req
                 continue
-            cap_trimmed = token.cap_trimmed if isinstance(token, VerifyOutcome) else 0
-            token = token.tokens if isinstance(token, VerifyOutcome) else token
+            window = token if isinstance(token, VerifyOutcome) else None
+            token = token.tokens if window is not None else token
             emitted = [int(t) for t in token] if isinstance(token, (list, tuple)) else [int(token)]
             start = req.kv_len
             reason, appended = None, 0
@@ -172,9 +172,8 @@ class Scheduler:
                 # Window rows 0..appended-1 (the anchor and the emitted drafts) hold committed KV.
                 # The slots past them stay with the request: the next window overwrites them.
                 req.kv_len = start + appended
-                if batch.mode == "verify":
-                    correct = req.record_verify(appended, len(emitted), cap_trimmed)
-                    self.stats.record_verify(correct, cap_trimmed)
+                if window is not None:
+                    self.stats.record_window(req, window, appended, len(emitted))
             if reason is not None:
                 self.running.remove(req)
                 self._release(req)

@@ -58,6 +58,15 @@ class ServerMetrics:
                                   "length", buckets=COUNT_BUCKETS, registry=r)
         self.verify_steps = Counter("specserve_spec_verify_steps", "Verify steps (per request)", registry=r)
         self.correct_total = Counter("specserve_spec_accepted_drafts", "Drafts accepted", registry=r)
+        self.draft_len = Histogram("specserve_spec_draft_len", "Per request-step of a speculating engine: drafts "
+                                   "the policy planned (0: one plain row)", buckets=COUNT_BUCKETS, registry=r)
+        self.drafter_steps = Counter("specserve_spec_drafter_steps", "Request-steps with drafts, by drafter",
+                                     ["drafter"], registry=r)
+        self.predicted_accept = Histogram("specserve_spec_predicted_accept_length", "Per request: the policy's "
+                                          "expected tokens per verify step (compare specserve_spec_accept_length)",
+                                          buckets=ACCEPT_BUCKETS, registry=r)
+        self.cost_residual = Gauge("specserve_spec_cost_model_residual", "Step-cost model: mean |observed - "
+                                   "predicted| / observed over recent steps", registry=r)
         self.info = Gauge("specserve_model_info", "Served model", ["model_name"], registry=r)
         self.info.labels(**label).set(1)
         self._prompt_total = 0
@@ -71,6 +80,8 @@ class ServerMetrics:
         self.kv_cached.set(load["kv_cached_tokens"])
         used = load["kv_total_tokens"] - load["kv_free_tokens"]
         self.kv_usage.set(used / max(1, load["kv_total_tokens"]))
+        if "spec_cost_residual" in load:
+            self.cost_residual.set(load["spec_cost_residual"])
 
     def observe_done(self, output: dict[str, Any], e2e_s: float) -> None:
         meta = output["meta_info"]
@@ -88,6 +99,11 @@ class ServerMetrics:
             self.correct_total.inc(meta["spec_num_correct_drafts"])
             _observe_counts(self.correct_drafts, meta["spec_correct_drafts_histogram"])
             _observe_counts(self.cap_trim, meta["spec_cap_trim_histogram"])
+        if "spec_predicted_accept_length" in meta:
+            self.predicted_accept.observe(meta["spec_predicted_accept_length"])
+        _observe_counts(self.draft_len, meta.get("spec_draft_len_histogram", {}))
+        for drafter, steps in meta.get("spec_drafter_steps", {}).items():
+            self.drafter_steps.labels(drafter=drafter).inc(steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

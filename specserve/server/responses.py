@@ -6,7 +6,8 @@ import time
 from typing import Any
 
 SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_accept_length", "spec_correct_drafts_histogram",
-             "spec_cap_trim_histogram")
+             "spec_cap_trim_histogram", "spec_draft_len_histogram", "spec_drafter_steps",
+             "spec_predicted_accept_length")
 
 
 def finish_reason(output: dict) -> str:

@@ -11,6 +11,7 @@ and ranks given the same table make the same decisions.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -59,6 +60,14 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float:
         return max(sum(c * f for c, f in zip(self._coef, shape.features())), self.floor_s)
 
+    def predict_totals(self, requests: int, verify_rows: float, dspark_requests: float, dspark_rows: float,
+                       ngram_requests: float) -> float:
+        """predict() without building a StepShape: the policy's search calls this thousands of times."""
+        c = self._coef
+        t = (c[0] + c[1] * requests + c[2] * verify_rows + c[3] * (dspark_requests > 0) + c[4] * dspark_rows
+             + c[5] * ngram_requests)
+        return max(t, self.floor_s)
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Learn from one measured step (ignored when frozen or not a finite positive time)."""
         if not (math.isfinite(seconds) and seconds > 0):
@@ -86,6 +95,21 @@ class StepCostModel:
 
     def coefficients(self) -> dict[str, float]:
         return dict(zip(FEATURES, self.theta.tolist()))
+
+    def save(self, path: str) -> None:
+        """The coefficients as JSON: a cost table for --speculative-cost-table-path."""
+        with open(path, "w") as f:
+            json.dump({"coefficients_s": self.coefficients(), "steps": self.steps}, f, indent=2)
+
+    @classmethod
+    def load(cls, path: str, **kwargs) -> "StepCostModel":
+        try:
+            with open(path) as f:
+                raw = json.load(f)["coefficients_s"]
+            return cls([float(raw[name]) for name in FEATURES], **kwargs)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"speculative_cost_table_path: cannot read a cost table from {path!r} (a JSON object "
+                             f"with 'coefficients_s' for {list(FEATURES)}): {exc}")
 
     @classmethod
     def from_sps(cls, tokens: Sequence[int], steps_per_second: Sequence[float],

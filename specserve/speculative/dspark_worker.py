@@ -12,6 +12,14 @@ One request's DSPARK verify step, top to bottom (the executor runs the parts tha
 3. the executor verifies `[anchor, d_1..d_g]` with the target and accepts (speculative/accept.py);
    the committed rows come back to step 1.
 Rejected rows are never injected: their draft K/V slots are overwritten by the next window.
+
+Deferred injection (`max_pending_rows` > 0, with the adaptive policy): while no request drafts
+with DSPARK, committed rows queue up (owned copies) and are injected in one batch before the next
+DSPARK draft, or once `max_pending_rows` have queued: a step that does not draft then costs what
+a plain decode step costs. Rows are injected in commit order, so a slot reused by a later request
+ends with that request's row. Only the drafter reads the draft K/V, and it flushes first; the
+host tier (HiCache) copies the pools behind the drafter's back, so the engine turns deferral off
+with it.
 """
 
 from __future__ import annotations
@@ -29,10 +37,13 @@ class DsparkWorker:
     name = "DSPARK"
     reads_tokens = False
 
-    def __init__(self, drafter: DsparkDrafter, kv: KVPool, req_to_token: torch.Tensor):
+    def __init__(self, drafter: DsparkDrafter, kv: KVPool, req_to_token: torch.Tensor, max_pending_rows: int = 0):
         self.drafter = drafter
         self.kv = kv  # draft K/V, same token slots as the target's
         self.table = req_to_token  # [request slots, positions] -> token slot, for the context's slots
+        self.max_pending_rows = max_pending_rows
+        self.pending: list[CommittedRows] = []
+        self.pending_rows = 0
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -43,13 +54,31 @@ class DsparkWorker:
         return [self.kv]
 
     def draft(self, inp: DraftInput) -> Drafts:
+        self.flush()
         ctx_slots = self.table[inp.rows, :int(inp.prefix_lens.max())]
         out = self.drafter.propose(inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds,
                                    inp.out_lens.tolist())
         return Drafts(out.tokens, out.probs, out.confidence)
 
     def commit_rows(self, rows: CommittedRows) -> None:
-        self.drafter.inject(rows.hidden, rows.positions, rows.slots, self.kv)
+        if self.max_pending_rows <= 0:
+            self.drafter.inject(rows.hidden, rows.positions, rows.slots, self.kv)
+            return
+        # Owned copies: a captured step's hidden states live in a buffer its next replay rewrites.
+        self.pending.append(CommittedRows(rows.hidden.clone(), rows.positions.clone(), rows.slots.clone()))
+        self.pending_rows += rows.hidden.shape[0]
+        if self.pending_rows >= self.max_pending_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        """Inject every queued row, in commit order, as one batch."""
+        if not self.pending:
+            return
+        hidden = torch.cat([r.hidden for r in self.pending])
+        positions = torch.cat([r.positions for r in self.pending])
+        slots = torch.cat([r.slots for r in self.pending])
+        self.pending, self.pending_rows = [], 0
+        self.drafter.inject(hidden, positions, slots, self.kv)
 
     def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
         return None  # the context is the target's hidden states, received by commit_rows

@@ -8,31 +8,35 @@ from specserve.kv.pool import KVPool
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 
 
-class NgramDrafter:
-    """Proposes the tokens that followed the latest earlier occurrence of the current suffix.
+class TokenHistory:
+    """One request's committed tokens and an index of their n-grams, so a lookup costs a few dict
+    reads instead of a scan: `index[n]` maps every n-gram that has a token after it to its latest
+    start. The proposal is the tokens that followed the latest earlier occurrence of the current
+    suffix, trying max_ngram tokens down to min_ngram; with no match it repeats the last token."""
 
-    Tries suffixes of max_ngram tokens down to min_ngram; with no match it repeats the last
-    token, a cheap guess that costs nothing extra since the verify window has a fixed width.
-    """
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
 
-    def __init__(self, gamma: int, max_ngram: int = 4, min_ngram: int = 1, max_lookback: int = 2048):
-        if gamma < 1:
-            raise ValueError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
-        self.gamma = gamma
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-        self.max_lookback = max_lookback
+    def extend(self, tokens: list[int]) -> None:
+        toks = self.tokens
+        for tok in tokens:
+            toks.append(tok)
+            end = len(toks) - 1  # the n-grams ending just before the new token now have a continuation
+            for n, index in self.index.items():
+                if end >= n:
+                    index[tuple(toks[end - n:end])] = end - n
 
-    def propose(self, tokens: list[int]) -> list[int]:
-        window = tokens[-self.max_lookback:]
-        for n in range(min(self.max_ngram, len(window) - 1), self.min_ngram - 1, -1):
-            suffix = window[-n:]
-            # Latest earlier occurrence whose continuation is inside the window.
-            for start in range(len(window) - n - 1, -1, -1):
-                if window[start:start + n] == suffix:
-                    follow = window[start + n:start + n + self.gamma]
-                    return follow + [follow[-1]] * (self.gamma - len(follow))
-        return [window[-1]] * self.gamma
+    def match(self, gamma: int) -> tuple[int, list[int]]:
+        """(matched suffix length, 0 when none; the gamma proposed tokens)."""
+        toks = self.tokens
+        for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
+            start = self.index[n].get(tuple(toks[len(toks) - n:]))
+            if start is not None:
+                follow = toks[start + n:start + n + gamma]
+                return n, follow + [follow[-1]] * (gamma - len(follow))
+        return 0, [toks[-1]] * gamma
 
 
 class NgramWorker:
@@ -44,12 +48,18 @@ class NgramWorker:
     capture_layer_ids: tuple[int, ...] = ()
     kv_pools: list[KVPool] = []
 
-    def __init__(self, gamma: int):
-        self.drafter = NgramDrafter(gamma)
-        self.histories: dict[int, list[int]] = {}
+    def __init__(self, gamma: int, max_ngram: int = 4, min_ngram: int = 1):
+        if gamma < 1:
+            raise ValueError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
+        self.gamma, self.max_ngram, self.min_ngram = gamma, max_ngram, min_ngram
+        self.histories: dict[int, TokenHistory] = {}
+
+    def match_lens(self, rows: list[int]) -> list[int]:
+        """The suffix match length of each request slot: what the speculation policy's NGRAM hint reads."""
+        return [self.histories[row].match(1)[0] for row in rows]
 
     def draft(self, inp: DraftInput) -> Drafts:
-        proposals = [self.drafter.propose(self.histories[row])[:inp.gamma] for row in inp.rows.tolist()]
+        proposals = [self.histories[row].match(inp.gamma)[1] for row in inp.rows.tolist()]
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
 
     def commit_rows(self, rows: CommittedRows) -> None:
@@ -57,6 +67,8 @@ class NgramWorker:
 
     def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
         if restart:
-            self.histories[row] = list(tokens)
-        else:
-            self.histories[row].extend(tokens)
+            self.histories[row] = TokenHistory(self.max_ngram, self.min_ngram)
+        self.histories[row].extend(tokens)
+
+    def flush(self) -> None:
+        return None  # histories are updated as tokens commit

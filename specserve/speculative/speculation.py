@@ -13,6 +13,7 @@ import torch
 
 from specserve.kv.pool import KVPool
 from specserve.sampling_params import SamplingParams
+from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
 from specserve.speculative.planner import VerifyPlanner
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
 
@@ -39,11 +40,17 @@ class Proposal:
 
 
 class Speculation:
-    """Named draft workers and the compact-verify planner."""
+    """Named draft workers and what decides each request's window: the adaptive policy, or (turned
+    off) each request's own drafter with every draft, verified whole or by the compact planner."""
 
-    def __init__(self, workers: Sequence[DraftWorker] = (), planner: Optional[VerifyPlanner] = None):
+    def __init__(self, workers: Sequence[DraftWorker] = (), planner: Optional[VerifyPlanner] = None,
+                 policy: Optional[AdaptivePolicy] = None):
         self.workers = {w.name: w for w in workers}
         self.planner = planner
+        self.policy = policy
+        if policy is not None and set(policy.drafters) - set(self.workers):
+            raise ValueError(f"speculation: the policy's drafters {policy.drafters} are not all in this engine "
+                             f"(have {sorted(self.workers)})")
         readers = [w for w in workers if w.capture_layer_ids]
         if len(readers) > 1:
             raise ValueError("speculation: at most one drafter may read the target's hidden states, got "
@@ -60,7 +67,20 @@ class Speculation:
     def kv_pools(self) -> list[KVPool]:
         return [pool for w in self.workers.values() for pool in w.kv_pools]
 
-    # ------------------------------------------------------------ drafting
+    # ------------------------------------------------------------ planning and drafting
+
+    def plan(self, drafters: Sequence[Optional[str]], rows: list[int], gamma: int) -> StepPlan:
+        """Each request's drafter and draft count for this step, before any drafter runs."""
+        if self.policy is None:
+            return StepPlan.fixed(drafters, gamma)
+        ngram = self.workers.get("NGRAM")
+        match_lens = ngram.match_lens(rows) if ngram is not None and "NGRAM" in self.policy.drafters else None
+        return self.policy.plan(rows, [d is not None for d in drafters], match_lens)
+
+    def start(self, row: int) -> None:
+        """A new request's prefill finished in this request slot."""
+        if self.policy is not None:
+            self.policy.start(row)
 
     def propose(self, drafters: Sequence[Optional[str]], rows: torch.Tensor, ids: torch.Tensor,
                 prefix: torch.Tensor, out_lens: torch.Tensor, params: Sequence[SamplingParams],
@@ -100,6 +120,10 @@ class Speculation:
         for worker in self.workers.values():
             if worker.capture_layer_ids:
                 worker.commit_rows(rows)
+
+    def flush(self) -> None:
+        for worker in self.workers.values():
+            worker.flush()
 
     def commit_tokens(self, row: int, tokens: list[int], restart: bool = False) -> None:
         for worker in self.workers.values():

@@ -75,3 +75,6 @@ class DraftWorker(Protocol):
 
     def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
         """Request slot `row` committed `tokens`; `restart`: they are its whole sequence so far."""
+
+    def flush(self) -> None:
+        """Apply any committed state the worker deferred (see DsparkWorker)."""

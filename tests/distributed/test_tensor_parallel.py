@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from helpers import policy_args
 
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
@@ -17,26 +18,36 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
+# DSPARK: the default candidates (the shipped drafter and NGRAM) under the adaptive policy, its
+# cost table frozen so that every run plans the same (helpers.policy_args).
+ALGORITHMS = {"NONE": {"speculative_algorithm": "NONE"}, "DSPARK": {"speculative_algorithm": "DSPARK", **policy_args()}}
+PLAN_KEYS = ("spec_draft_len_histogram", "spec_drafter_steps", "spec_verify_ct", "spec_correct_drafts_histogram")
+
+
+def tokens_and_plans(outs: list[dict]) -> list[tuple]:
+    return [(o["output_ids"], [o["meta_info"].get(k) for k in PLAN_KEYS]) for o in outs]
+
+
 @pytest.fixture(scope="module")
 def tp1_outputs():
     from specserve import Engine
 
     out = {}
-    for algorithm in ("NONE", "DSPARK"):
-        with Engine(dtype="float32", speculative_algorithm=algorithm, max_total_tokens=4096) as engine:
-            out[algorithm] = [o["output_ids"] for o in engine.generate(PROMPTS, sampling_params=GREEDY)]
+    for algorithm, kw in ALGORITHMS.items():
+        with Engine(dtype="float32", max_total_tokens=4096, **kw) as engine:
+            out[algorithm] = tokens_and_plans(engine.generate(PROMPTS, sampling_params=GREEDY))
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["NONE", "DSPARK"])
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
-def test_tp2_tokens_equal_tp1(tp1_outputs, algorithm, overlap):
+def test_tp2_tokens_and_speculation_plans_equal_tp1(tp1_outputs, algorithm, overlap):
     from specserve import Engine
 
-    with Engine(dtype="float32", speculative_algorithm=algorithm, max_total_tokens=4096, tp_size=2,
-                disable_overlap_schedule=not overlap, collective_timeout=120) as engine:
+    with Engine(dtype="float32", max_total_tokens=4096, tp_size=2, disable_overlap_schedule=not overlap,
+                collective_timeout=120, **ALGORITHMS[algorithm]) as engine:
         outs = engine.generate(PROMPTS, sampling_params=GREEDY)
-    assert [o["output_ids"] for o in outs] == tp1_outputs[algorithm]
+    assert tokens_and_plans(outs) == tp1_outputs[algorithm]  # same tokens, same drafters and draft counts
     if algorithm == "DSPARK":
         assert all(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in outs)
 

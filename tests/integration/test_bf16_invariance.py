@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import chat_prompts
+from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.kv.pool import KVPool, ReqToTokenPool
@@ -102,14 +102,18 @@ def test_mutation_routing_some_row_counts_elsewhere_breaks_invariance(bf16_engin
     assert "6-row verify window" in bad and "decode in a batch of 8" in bad, bad
 
 
+FIXED = dict(speculative_policy="fixed")
 CONFIGS = {
     "NONE overlap": dict(speculative_algorithm="NONE"),
     "NONE sync": dict(speculative_algorithm="NONE", disable_overlap_schedule=True),
-    "NGRAM": dict(speculative_algorithm="NGRAM"),
-    "DSPARK static": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="static"),
-    "DSPARK compact": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="compact"),
+    "NGRAM": dict(speculative_algorithm="NGRAM", **FIXED),
+    "DSPARK static": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="static", **FIXED),
+    "DSPARK compact": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="compact", **FIXED),
     "DSPARK sync eager": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="static",
-                              disable_overlap_schedule=True, disable_cuda_graph=True),
+                              disable_overlap_schedule=True, disable_cuda_graph=True, **FIXED),
+    # The default: the adaptive policy over DSPARK and NGRAM (on a frozen table where drafting pays).
+    "policy": policy_args(),
+    "policy sync eager": dict(disable_overlap_schedule=True, disable_cuda_graph=True, **policy_args()),
 }
 
 

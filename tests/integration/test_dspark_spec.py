@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from helpers import chat_prompts
+from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.args import MAX_DRAFT_TOKENS
@@ -55,8 +55,10 @@ def free_engines():
 
 
 def dspark_engine(drafter_dir: str, **kwargs) -> Engine:
+    """The adaptive policy (on a frozen table where drafting pays) unless kwargs turn it off."""
+    policy = {} if kwargs.get("speculative_policy") == "fixed" else policy_args()
     return Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="DSPARK",
-                  speculative_draft_model_path=drafter_dir, **kwargs)
+                  speculative_draft_model_path=drafter_dir, **policy, **kwargs)
 
 
 def plant_oracle(engine: Engine, prompts: list[list[int]], outputs: list[list[int]]) -> None:
@@ -65,8 +67,8 @@ def plant_oracle(engine: Engine, prompts: list[list[int]], outputs: list[list[in
     truth = {tuple(p): o for p, o in zip(prompts, outputs)}
     original = runner._draft
 
-    def oracle_draft(spec, rows, ids, prefix, out_lens):
-        draft = original(spec, rows, ids, prefix, out_lens)
+    def oracle_draft(spec, rows, ids, prefix, out_lens, **kwargs):
+        draft = original(spec, rows, ids, prefix, out_lens, **kwargs)
         gamma = ids.shape[1] - 1
         by_row = {r.req_pool_idx: r for r in engine.scheduler.live_requests()}
         for i, (row, n) in enumerate(zip(spec.rows, out_lens.tolist())):
@@ -102,8 +104,10 @@ def test_block_size_defaults_to_the_checkpoint_and_the_flag_overrides_it(drafter
 def assert_accept_identity(info: dict) -> None:
     """completion = the prefill's token + per verify step its accepted drafts and a bonus, less at
     most the bonus a stop inside the last run cut off."""
-    bonuses = info["completion_tokens"] - 1 - info["spec_num_correct_drafts"]
-    assert bonuses in (info["spec_verify_ct"], info["spec_verify_ct"] - 1), info
+    bonuses = info["completion_tokens"] - 1 - info.get("spec_num_correct_drafts", 0)
+    steps = sum(info["spec_draft_len_histogram"].values())  # decode steps, with drafts or without
+    assert bonuses in (steps, steps - 1), info
+    assert info.get("spec_verify_ct", 0) == steps - info["spec_draft_len_histogram"].get(0, 0), info
 
 
 def check_lossless_and_partly_accepted(engine: Engine, prompts, reference, params: dict, gamma: int,
@@ -125,14 +129,16 @@ def check_lossless_and_partly_accepted(engine: Engine, prompts, reference, param
     return outs
 
 
-@pytest.mark.parametrize("mode", ["static", "compact"])
+@pytest.mark.parametrize("mode", ["static", "compact", "policy"])
 @pytest.mark.parametrize("gamma", [1, 3, 5, 7])
 def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, long_reference, gamma, mode, tmp_path):
-    """Static and compact verify, with drafts partly right by construction."""
+    """Static and compact verify (the policy turned off) and the adaptive policy, with drafts
+    partly right by construction."""
     table = tmp_path / "sps.json"  # flat up to 20 rows, then slower: compact picks partial windows
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
-    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, speculative_dspark_verify_mode=mode,
-                       speculative_dspark_sps_table_path=str(table)) as engine:
+    fixed = {} if mode == "policy" else {"speculative_policy": "fixed", "speculative_dspark_verify_mode": mode,
+                                         "speculative_dspark_sps_table_path": str(table)}
+    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, **fixed) as engine:
         plant_oracle(engine, prompts, partly_wrong(long_reference))  # into the real verify and accept
         check_lossless_and_partly_accepted(engine, prompts, reference, GREEDY, gamma, mode == "static")
         check_lossless_and_partly_accepted(engine, prompts[1:2], reference[1:2], GREEDY, gamma, mode == "static")
@@ -157,7 +163,7 @@ def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, r
     table = tmp_path / "sps.json"
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
     engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5, speculative_dspark_verify_mode="compact",
-                           speculative_dspark_sps_table_path=str(table))
+                           speculative_dspark_sps_table_path=str(table), speculative_policy="fixed")
     plant_oracle(engine, prompts, reference)
     seen = []
     planner = engine.runner.speculation.planner
@@ -234,7 +240,9 @@ def test_injection_writes_exactly_the_committed_rows(drafter_dir, prompts, refer
 
 
 def check_injection(drafter_dir, prompts, reference, mutation):
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5, disable_radix_cache=True)
+    # Static windows (the policy turned off): the mutations inject whole windows' rows.
+    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5, disable_radix_cache=True,
+                           speculative_policy="fixed")
     if mutation is not None:
         mutation(engine.runner)
     plant_oracle(engine, prompts[:1], [reference[0][:3] + [7, 7, 7, 7, 7] + reference[0][3:]])  # 2 right drafts
@@ -308,5 +316,21 @@ def test_dspark_flag_errors(drafter_dir, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ValueError, match="SPS table"):
-        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir, speculative_policy="fixed",
                speculative_dspark_verify_mode="compact", speculative_dspark_sps_table_path=str(bad))
+    with pytest.raises(ValueError, match="SPS table"):  # the adaptive policy's starting cost of the target
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
+               speculative_dspark_sps_table_path=str(bad))
+    with pytest.raises(ValueError, match="cost table"):
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
+               speculative_cost_table_path=str(bad))
+    with pytest.raises(ValueError, match="compact planner runs with --speculative-policy fixed"):
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
+               speculative_dspark_verify_mode="compact")
+    with pytest.raises(ValueError, match="speculative_policy_drafters"):
+        Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
+               speculative_policy_drafters="DSPARK,EAGLE")
+    with pytest.raises(ValueError, match="DSPARK needs --speculative-algorithm DSPARK"):
+        Engine(speculative_algorithm="NGRAM", speculative_policy_drafters="DSPARK")
+    with pytest.raises(ValueError, match="speculative_policy must be one of"):
+        Engine(speculative_algorithm="NGRAM", speculative_policy="greedy")

@@ -24,9 +24,9 @@ def test_one_step_mixes_dspark_ngram_and_undrafted_requests(fp32_engine, drafter
     drafters_per_step = []
     draft = runner._draft
 
-    def spy(step, *args):
-        drafters_per_step.append(list(step.drafters))
-        return draft(step, *args)
+    def spy(step, *args, **kwargs):
+        drafters_per_step.append(list(kwargs["drafters"]))
+        return draft(step, *args, **kwargs)
 
     runner._draft = spy
     reqs = [engine.submit(ids, GREEDY) for ids in prompts]
@@ -37,6 +37,8 @@ def test_one_step_mixes_dspark_ngram_and_undrafted_requests(fp32_engine, drafter
     assert [r.output_ids for r in reqs] == reference  # lossless whoever drafted
     assert ["DSPARK", "NGRAM", None] in drafters_per_step  # all three windows in one verify step
     assert reqs[1].spec_num_correct_drafts > 0, "NGRAM drafts from its own histories in a mixed step"
-    assert all(r.spec_verify_ct > 0 for r in reqs)
+    assert all(r.spec_verify_ct > 0 for r in reqs[:2])
+    # The undrafted request's windows were single rows: steps, but none with drafts.
+    assert reqs[2].spec_verify_ct == 0 and set(reqs[2].spec_draft_len_hist) == {0}
     engine.scheduler.check_integrity()
     engine.shutdown()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import chat_prompts
+from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.runtime.sanitizer import StreamHazardError
@@ -43,13 +43,15 @@ def params_mix():
 def engine_for(kind: str, overlap: bool, drafter_dir: str, tmp_path) -> Engine:
     kw = {"speculative_algorithm": "NONE"}
     if kind == "ngram":
-        kw = {"speculative_algorithm": "NGRAM", "speculative_dspark_block_size": 3}
+        kw = {"speculative_algorithm": "NGRAM", "speculative_dspark_block_size": 3, **policy_args()}
     elif kind.startswith("dspark"):
-        kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir}
-        if kind == "dspark-compact":
+        kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir, **policy_args()}
+        if kind == "dspark-compact":  # the compact planner: the policy turned off
             table = tmp_path / "sps.json"
             table.write_text(json.dumps({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}))
-            kw.update(speculative_dspark_verify_mode="compact", speculative_dspark_sps_table_path=str(table))
+            kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir,
+                  "speculative_policy": "fixed", "speculative_dspark_verify_mode": "compact",
+                  "speculative_dspark_sps_table_path": str(table)}
     return Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)
 
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from helpers import chat_prompts
+from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.assets import default_drafter_path
@@ -17,6 +17,9 @@ from specserve.models.dspark import read_drafter_config
 CONTENTS = ["Explain what a CPU does.", "Write a short story about a cat who learns to swim.",
             "List five tips for staying healthy.", "Describe how a bicycle works."]
 GREEDY = {"temperature": 0, "max_new_tokens": 48}
+# The default engine, its policy on a frozen table where drafting pays and with the shipped drafter
+# as its only candidate: these tests measure that drafter, in both loops alike.
+DSPARK_ONLY = {**policy_args(), "speculative_policy_drafters": "DSPARK"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def loop_runs(shipped, prompts) -> dict[bool, list[dict]]:
     """The default engine (no speculative flags) under the overlap and the normal loop."""
     runs = {}
     for overlap in (True, False):
-        engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap)
+        engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **DSPARK_ONLY)
         assert engine.args.speculative_algorithm == "DSPARK"
         assert engine.args.speculative_draft_model_path == shipped
         runs[overlap] = engine.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -82,7 +85,7 @@ def test_both_loops_accept_identically(loop_runs):
 def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, reference):
     """Mutation: inject each step's committed rows at S + commit_len (the positions a view of
     `new_seq_lens`, rewritten by the step, would give): still lossless, but acceptance drops."""
-    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True)
+    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True, **DSPARK_ONLY)
     good = accept_length(engine.generate(input_ids=prompts, sampling_params=GREEDY))
     runner = engine.runner
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import API_KEY, ServerProcess
+from helpers import API_KEY, ServerProcess, cheap_drafting_table
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The default engine: DSPARK with the shipped drafter, in bf16, whose greedy output is batch-,
-    cache- and stream-invariant (specserve's CPU kernels)."""
+    """The default engine: the adaptive policy over the shipped DSpark drafter and NGRAM, in bf16,
+    whose greedy output is batch-, cache- and stream-invariant (specserve's CPU kernels). Its cost
+    table is the tests' frozen one on which drafting pays, so every request speculates."""
     srv = ServerProcess("--api-key", API_KEY, "--max-total-tokens", "40000",
+                        "--speculative-cost-table-path", cheap_drafting_table(), "--speculative-freeze-cost-table",
                         log_path=str(tmp_path_factory.mktemp("server") / "server.log"))
     yield srv
     code = srv.stop()

@@ -31,6 +31,15 @@ def metrics(http) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
+def labelled(http, name: str) -> dict[str, float]:
+    """A counter's samples by their one label's value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http.get("/metrics").text
+    return {next(iter(s.labels.values())): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name and s.labels}
+
+
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
     (json.dumps(ok_body(max_tokens="four")).encode(), 400, "max_tokens"),
@@ -99,6 +108,13 @@ def test_metrics_parse_and_carry_speculative_statistics(http):
     m = metrics(http)
     assert m["specserve_spec_accept_length_count"] >= 1
     assert m["specserve_spec_correct_drafts_count"] >= m["specserve_spec_accept_length_count"]
+    # The policy's decisions: drafts per request-step (0 included) cover at least the verify steps,
+    # a prediction per request that speculated, and the cost model's residual once it has seen steps.
+    assert m["specserve_spec_draft_len_count"] >= m["specserve_spec_correct_drafts_count"]
+    assert m["specserve_spec_predicted_accept_length_count"] >= 1
+    assert m["specserve_spec_cost_model_residual"] > 0
+    drafters = labelled(http, "specserve_spec_drafter_steps_total")
+    assert drafters and set(drafters) <= {"DSPARK", "NGRAM"} and sum(drafters.values()) >= 1
     assert m["specserve_generation_tokens_total"] >= 16
     assert m["specserve_time_to_first_token_seconds_count"] >= 1
     assert 0 < m["specserve_kv_total_tokens"]

@@ -84,7 +84,7 @@ def test_verify_outcomes_feed_the_histograms_and_the_log_line():
         out = plain(batch)
         if batch.mode != "verify":
             return out
-        return [VerifyOutcome(tokens, cap_trimmed=len(tokens) % 2) for tokens in out]
+        return [VerifyOutcome(o.tokens, len(o.tokens) % 2, o.drafter, o.drafts) for o in out]
 
     runner.run_batch = run_batch
     sched = make_scheduler(runner=runner, num_draft_tokens=3)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.speculative.acceptance import Calibration, SurvivalEstimate, ngram_hint
+from specserve.speculative.acceptance import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import FEATURES, StepCostModel, StepShape
 from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts
 
@@ -122,8 +122,10 @@ def test_survival_estimate_follows_the_request_and_blends_hints():
     low = est.survival()
     assert low[0] < 0.01
     assert est.rates[1] > 0.99  # position 2 was never tested again
-    assert est.survival(hint=[1.0, 1.0, 1.0, 1.0])[0] == pytest.approx(0.5 * 1.0 + 0.5 * est.rates[0])
-    assert ngram_hint(0, 3) == [0.0, 0.0, 0.0] and ngram_hint(8, 2)[0] > ngram_hint(2, 2)[0]
+    own = est.tested[0] / (est.tested[0] + est.credibility)
+    assert est.survival(hint=[1.0, 1.0, 1.0, 1.0])[0] == pytest.approx(own * est.rates[0] + (1 - own) * 1.0)
+    fresh = SurvivalEstimate(gamma=2)
+    assert fresh.survival(hint=[0.3, 0.5]) == pytest.approx((0.3, 0.15))  # no own evidence: the hint alone
 
 
 def test_calibration_tracks_error_and_bias():
@@ -133,3 +135,28 @@ def test_calibration_tracks_error_and_bias():
     assert cal.windows == 3
     assert cal.mean_abs_error == pytest.approx(2.0 / 3)
     assert cal.bias == pytest.approx(0.0)
+
+
+def test_the_large_batch_shortcut_never_changes_the_decision(monkeypatch):
+    """When the shortcut says no plan beats plain decoding, the full search agrees."""
+    import specserve.speculative.policy as policy_module
+
+    rng = random.Random(3)
+    model = frozen_true_model()
+    shortcuts = 0
+    for _ in range(60):
+        bs = rng.randint(1, 24)
+        scale = rng.choice([0.05, 0.2, 0.6])
+        def candidate(name: str) -> Candidate:
+            rate = scale * rng.random()
+            return Candidate(name, tuple(rate ** j for j in range(1, 4)))
+
+        requests = [[candidate(DSPARK), candidate(NGRAM)] for _ in range(bs)]
+        fast = choose_drafts(requests, model, 3)
+        with monkeypatch.context() as m:
+            m.setattr(policy_module, "_nothing_can_pay", lambda *a: False)
+            full = choose_drafts(requests, model, 3)
+        assert fast == full
+        plain = policy_module._Plan(requests, model, 3).rate([Decision()] * bs)
+        shortcuts += policy_module._nothing_can_pay(requests, model, plain)
+    assert shortcuts > 5  # the shortcut was actually taken in some cases

@@ -1,0 +1,116 @@
+"""`specserve bench dspark-step`: where a DSPARK verify step's time goes, against a plain decode step.
+
+Two engines on the same prompts, greedy, at each batch size: NONE (plain decode steps) and DSPARK
+with the policy turned off (every step drafts gamma tokens, verified whole). Each part of a DSPARK
+step is timed by wrapping its entry point for the run: planning, the drafter's block pass, its
+head over the draft vocabulary, the Markov head, the context injection of committed rows and the
+`read_accept` clones; the target's verify forward with the folded accept is what remains. The
+drafting share is drafting / plain decode step (the issue's target: at most 15% at batch 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+from specserve.args import ServerArgs
+from specserve.datasets import mtbench_first_turns
+
+DRAFTING = ("block_hidden", "draft_head", "markov_decode")
+
+
+def add_dspark_step_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--num-prompts", type=int, default=8, help="MT-Bench first turns per batch size")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--out", default=None, help="write the breakdown as JSON here")
+
+
+def _timed(totals: dict[str, float], name: str, fn: Callable, inside: dict[str, bool] | None = None) -> Callable:
+    """fn, adding its seconds to totals[name] and its calls to totals[name + "_count"]; with
+    `inside`, only calls made while inside["verify"] (a verify step) count."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if inside is None or inside["verify"]:
+                totals[name] += time.perf_counter() - start
+                totals[name + "_count"] += 1
+    return wrapper
+
+
+def instrument(engine) -> dict[str, float]:
+    """Wrap the parts of a verify step on this engine's objects; returns the running totals."""
+    totals: dict[str, float] = defaultdict(float)
+    inside = {"verify": False}
+    runner = engine.runner
+    drafter = runner.speculation.worker("DSPARK").drafter
+    verify = runner._verify
+
+    def verify_step(step):
+        inside["verify"] = True
+        try:
+            return verify(step)
+        finally:
+            inside["verify"] = False
+
+    runner._verify = _timed(totals, "verify_step", verify_step)
+    runner._plan = _timed(totals, "plan", runner._plan, inside)
+    runner.read_accept = _timed(totals, "read_accept", runner.read_accept, inside)
+    drafter.block_hidden = _timed(totals, "block_hidden", drafter.block_hidden, inside)
+    drafter.lm_head.forward = _timed(totals, "draft_head", drafter.lm_head.forward, inside)
+    drafter.markov_decode = _timed(totals, "markov_decode", drafter.markov_decode, inside)
+    drafter.inject = _timed(totals, "inject", drafter.inject, inside)  # the committed rows of verify steps
+    return totals
+
+
+def instrument_plain(engine) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    engine.runner._decode = _timed(totals, "decode_step", engine.runner._decode)
+    return totals
+
+
+def run_dspark_step_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
+    from specserve.engine import Engine
+
+    base = {k: v for k, v in vars(args).items() if not k.startswith("speculative_")}
+    questions = mtbench_first_turns()[:ns.num_prompts]
+    report: dict[str, Any] = {"batch_sizes": {}}
+    with Engine(**base, speculative_algorithm="NONE") as plain, \
+            Engine(**base, speculative_algorithm="DSPARK", speculative_policy="fixed",
+                   speculative_draft_model_path=args.speculative_draft_model_path) as spec:
+        prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in questions]
+        plain_totals, spec_totals = instrument_plain(plain), instrument(spec)
+        params = {"temperature": 0, "max_new_tokens": ns.new_tokens}
+        for bs in [int(b) for b in ns.batch_sizes.split(",")]:
+            plain_totals.clear()
+            spec_totals.clear()
+            for i in range(0, len(prompts), bs):
+                for engine in (plain, spec):
+                    engine.tree.reset()
+                    engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
+            report["batch_sizes"][bs] = breakdown(dict(plain_totals), dict(spec_totals))
+            print(json.dumps({bs: report["batch_sizes"][bs]}, indent=2), flush=True)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def breakdown(plain: dict[str, float], spec: dict[str, float]) -> dict[str, Any]:
+    """Milliseconds per step for each part, and shares of the plain decode step."""
+    decode_ms = 1e3 * plain["decode_step"] / max(plain["decode_step_count"], 1)
+    n = max(spec.get("verify_step_count", 0), 1)
+    parts = {k: 1e3 * v / n for k, v in spec.items() if not k.endswith("_count")}
+    parts["target_verify_and_accept"] = parts["verify_step"] - sum(
+        parts.get(k, 0.0) for k in ("plan", "read_accept", "inject") + DRAFTING)
+    drafting = sum(parts.get(k, 0.0) for k in DRAFTING)
+    return {"plain_decode_step_ms": round(decode_ms, 3), "plain_decode_steps": int(plain["decode_step_count"]),
+            "verify_steps": n, "verify_step_parts_ms": {k: round(v, 3) for k, v in sorted(parts.items())},
+            "drafting_ms": round(drafting, 3), "drafting_share_of_decode_step": round(drafting / decode_ms, 3),
+            "injection_share_of_decode_step": round(parts.get("inject", 0.0) / decode_ms, 3),
+            "verify_step_vs_decode_step": round(parts["verify_step"] / decode_ms, 3)}

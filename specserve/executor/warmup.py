@@ -1,0 +1,111 @@
+"""The speculation cost model's starting point, measured on this machine before the first request.
+
+A few synthetic steps time what a step costs: plain decode and full verify windows at batch 1 and
+a larger batch, the DSpark drafter at both, and an NGRAM lookup. They run through the engine's own
+forward (drafters commit the rows as in a real step) over request slots and token slots that no
+request holds yet; the first prefill overwrites whatever they wrote. Every rank runs the same
+steps in the same order (the model's collectives need it); rank 0's numbers are the ones used.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.cost_model import FEATURES
+from specserve.speculative.ngram_worker import TokenHistory
+from specserve.speculative.worker import DraftInput
+
+CONTEXT = 128  # tokens of context per synthetic request
+
+
+def measure_cost_prior(runner, gamma: int, batch: int = 8, repeats: int = 3) -> list[float]:
+    """Coefficients for StepCostModel (speculative/cost_model.py FEATURES), in seconds."""
+    width = gamma + 1
+    per_req = CONTEXT + width
+    batch = max(2, min(batch, runner.req_to_token.table.shape[0], (runner.kv.size - 1) // per_req))
+    if batch * per_req >= runner.kv.size:
+        raise ValueError(f"speculation warm-up: the KV pool ({runner.kv.size} tokens) is too small to time "
+                         f"steps; give --max-total-tokens >= {2 * per_req + 1} or a cost table")
+    table = runner.req_to_token.table
+    saved = table[:batch].clone()
+    for r in range(batch):  # synthetic requests r: slots 1 + r * per_req ...
+        table[r, :per_req] = torch.arange(1 + r * per_req, 1 + (r + 1) * per_req, device=table.device)
+    timer = _Timer(runner.device, repeats)
+    try:
+        step = {(bs, w): timer(lambda bs=bs, w=w: _forward(runner, bs, w)) for bs in (1, batch) for w in (1, width)}
+        draft = {}
+        dspark = runner.speculation.worker("DSPARK")
+        if dspark is not None:
+            draft = {bs: timer(lambda bs=bs: _draft(runner, dspark, bs, gamma)) for bs in (1, batch)}
+    finally:
+        runner.speculation.flush()  # the synthetic rows go now, before any request holds their slots
+        table[:batch] = saved
+    return _fit(step, draft, batch, gamma, timer(_ngram_lookup))
+
+
+def _forward(runner, bs: int, width: int) -> None:
+    rows = list(range(bs))
+    fb = runner._forward_batch(rows, [CONTEXT] * bs, [width] * bs,
+                               torch.zeros(bs * width, dtype=torch.int64, device=runner.device),
+                               runner.req_to_token.table[rows, CONTEXT:CONTEXT + width].reshape(-1).tolist(),
+                               every_row=width > 1)
+    runner._forward(fb)
+
+
+def _draft(runner, worker, bs: int, gamma: int) -> None:
+    dev = runner.device
+    rows = torch.arange(bs, device=dev)
+    worker.draft(DraftInput(rows, torch.zeros(bs, dtype=torch.int64, device=dev),
+                            torch.full((bs,), CONTEXT, dtype=torch.int64, device=dev), torch.zeros(bs, dtype=torch.int64),
+                            [SamplingParams(temperature=0.0)] * bs, [0] * bs, gamma))
+
+
+def _ngram_lookup() -> None:
+    history = TokenHistory()
+    history.extend([i % 97 for i in range(CONTEXT)])
+    history.match(8)
+
+
+class _Timer:
+    """Median seconds of `repeats` runs after one untimed run."""
+
+    def __init__(self, device: str, repeats: int):
+        self.cuda = torch.device(device).type == "cuda"
+        self.repeats = repeats
+
+    @torch.inference_mode()
+    def __call__(self, fn: Callable[[], None]) -> float:
+        fn()
+        times = []
+        for _ in range(self.repeats):
+            self._sync()
+            start = time.perf_counter()
+            fn()
+            self._sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _fit(step: dict[tuple[int, int], float], draft: dict[int, float], batch: int, gamma: int,
+         ngram_s: float) -> list[float]:
+    """Least squares of the four forward timings over (fixed, requests, verify rows); the drafter's
+    two timings give its fixed and per-row parts."""
+    x = torch.tensor([[1.0, bs, bs * (w - 1)] for bs, w in step], dtype=torch.float64)
+    y = torch.tensor(list(step.values()), dtype=torch.float64).unsqueeze(1)
+    fixed, per_request, per_row = torch.linalg.lstsq(x, y).solution.squeeze(1).tolist()
+    dspark_step = dspark_row = 0.0
+    if draft:
+        dspark_row = max(0.0, (draft[batch] - draft[1]) / ((batch - 1) * gamma))
+        dspark_step = max(0.0, draft[1] - gamma * dspark_row)
+    coefficients = dict(fixed=fixed, requests=per_request, verify_rows=max(per_row, 0.0), dspark_step=dspark_step,
+                        dspark_rows=dspark_row, ngram_requests=ngram_s)
+    return [coefficients[name] for name in FEATURES]

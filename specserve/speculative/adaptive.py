@@ -1,0 +1,173 @@
+"""Adaptive speculation at run time: the per-step plan (drafter and draft count per request) and
+everything it learns from, kept on the forward stream.
+
+Before any drafter runs, every live request of a verify step gets candidates: for each drafter its
+survival estimates (speculative/acceptance.py), blending the request's own recent survival with
+the drafter's engine-wide rates (for NGRAM, the rates of the request's current suffix-match
+length). `choose_drafts` (speculative/policy.py) turns them into decisions under the step-cost
+model. After the accept, the windows update the estimates and the calibration; the step's time
+updates the cost model (unless frozen).
+
+Everything the plan depends on is a function of the committed tokens, the batch of live requests
+and the cost table, so with a frozen table the sync and overlap loops and every tensor-parallel
+rank plan identically. A request the forward stream already knows is finished (its length limit
+or a stop token id was committed; the overlap loop still runs it one more step) is planned with
+no drafts and left out of the batch objective. A drafter a request has not tried for
+`explore_every` of its steps is tried once with every draft, so estimates can recover after a
+bad stretch without costing more than one window in that many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.acceptance import Calibration, SurvivalEstimate
+from specserve.speculative.cost_model import StepCostModel, StepShape
+from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts
+
+MAX_MATCH_BUCKET = 4  # NGRAM rates are kept per suffix-match length 0..4 (4: four or more)
+# Conditional acceptance per position before any evidence: DSpark drafters are right on the first
+# draft a third of the time on chat; an NGRAM guess without a match (a repeated token) almost never.
+DSPARK_PRIOR = 0.35
+NGRAM_PRIORS = (0.02, 0.2, 0.35, 0.5, 0.6)
+
+
+@dataclass
+class StepPlan:
+    """One verify step's decisions, per request, and the step's shape for the cost model."""
+
+    drafters: list[Optional[str]]  # None: no drafts (one verified row)
+    drafts: list[int]  # k, 0..gamma
+    predicted: list[float]  # expected accept length 1 + s_1 + .. + s_k
+    shape: StepShape
+
+    @property
+    def speculates(self) -> bool:
+        return any(self.drafts)
+
+    @classmethod
+    def fixed(cls, drafters: Sequence[Optional[str]], gamma: int) -> "StepPlan":
+        """Every request with a drafter verifies all gamma drafts (the policy turned off)."""
+        drafts = [gamma if d is not None else 0 for d in drafters]
+        shape = StepShape(len(drafters), sum(drafts), sum(d == DSPARK for d in drafters),
+                          gamma * sum(d == DSPARK for d in drafters), sum(d == NGRAM for d in drafters))
+        return cls(list(drafters), drafts, [0.0] * len(drafts), shape)
+
+
+@dataclass
+class _Row:
+    """One request slot's state."""
+
+    own: dict[str, SurvivalEstimate]  # the request's own recent conditional rates, per drafter
+    done: bool = False  # the forward stream saw it finish (length or stop token id)
+    steps: int = 0
+    last_try: dict[str, int] = field(default_factory=dict)  # step of the latest window per drafter
+
+
+class AdaptivePolicy:
+    """Plans each verify step and learns from it; one per engine rank (rank 0's plan is used)."""
+
+    def __init__(self, drafters: Sequence[str], gamma: int, cost: StepCostModel,
+                 eos_token_ids: Sequence[int] = (), explore_every: int = 64):
+        self.drafters = tuple(drafters)
+        self.gamma = gamma
+        self.cost = cost
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.explore_every = explore_every
+        self.rows: dict[int, _Row] = {}
+        # Engine-wide conditional rates: DSPARK per position; NGRAM per match length and position.
+        self.dspark_rates = SurvivalEstimate(gamma, prior=DSPARK_PRIOR, decay=0.98)
+        self.ngram_rates = [SurvivalEstimate(gamma, prior=p, decay=0.98) for p in NGRAM_PRIORS]
+        self.calibration = Calibration()  # per window with drafts
+        self.step_calibration = Calibration()  # per step: the mean over its windows with drafts
+
+    # ------------------------------------------------------------ per request slot
+
+    def start(self, row: int) -> None:
+        """A new request occupies this slot (its prefill finished)."""
+        self.rows[row] = _Row({name: SurvivalEstimate(self.gamma) for name in self.drafters})
+
+    def observe_tokens(self, row: int, tokens: Sequence[int], params: SamplingParams, out_len: int) -> None:
+        """Tokens the slot committed (out_len: its output length after them): marks it finished
+        when the scheduler will see it finish by length or by a stop token id."""
+        state = self.rows.get(row)
+        if state is None:
+            return
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if out_len >= params.max_new_tokens or any(t in stops for t in tokens):
+            state.done = True
+
+    # ------------------------------------------------------------ planning
+
+    def plan(self, rows: Sequence[int], speculating: Sequence[bool], match_lens: Optional[Sequence[int]]) -> StepPlan:
+        """speculating[i]: request i may draft at all (a request without a drafter never does)."""
+        bs = len(rows)
+        drafters: list[Optional[str]] = [None] * bs
+        drafts, predicted = [0] * bs, [1.0] * bs
+        live = [i for i, row in enumerate(rows) if not self._row(row).done]
+        candidates = [self._candidates(rows[i], match_lens[i] if match_lens else 0) if speculating[i] else []
+                      for i in live]
+        decisions = choose_drafts(candidates, self.cost, self.gamma)
+        decisions = self._explore(rows, live, candidates, decisions)
+        for i, decision, cands in zip(live, decisions, candidates):
+            if decision.drafter is not None and decision.drafts > 0:
+                drafters[i], drafts[i] = decision.drafter, decision.drafts
+                predicted[i] = decision.expected_tokens(cands)
+        dspark = sum(d == DSPARK for d in drafters)
+        shape = StepShape(bs, sum(drafts), dspark, dspark * self.gamma, sum(d == NGRAM for d in drafters))
+        self._match_lens = dict(zip(rows, match_lens or [0] * bs))
+        return StepPlan(drafters, drafts, predicted, shape)
+
+    def _row(self, row: int) -> _Row:
+        if row not in self.rows:
+            self.start(row)
+        return self.rows[row]
+
+    def _global(self, name: str, match_len: int) -> SurvivalEstimate:
+        return self.dspark_rates if name == DSPARK else self.ngram_rates[min(match_len, MAX_MATCH_BUCKET)]
+
+    def _candidates(self, row: int, match_len: int) -> list[Candidate]:
+        state = self._row(row)
+        return [Candidate(name, state.own[name].survival(self._global(name, match_len).rates)) for name in self.drafters]
+
+    def _explore(self, rows: Sequence[int], live: list[int], candidates: list[list[Candidate]],
+                 decisions: list[Decision]) -> list[Decision]:
+        """At most one window per step tries a drafter its request has not used for explore_every steps."""
+        if self.explore_every <= 0:
+            return decisions
+        stale = []
+        for j, i in enumerate(live):
+            state = self._row(rows[i])
+            for name in self.drafters if candidates[j] else ():
+                idle = state.steps - state.last_try.get(name, 0)
+                if idle >= self.explore_every and decisions[j].drafter != name:
+                    stale.append((-idle, j, name))
+        if not stale:
+            return decisions
+        _, j, name = min(stale)
+        out = list(decisions)
+        out[j] = Decision(name, self.gamma)
+        return out
+
+    # ------------------------------------------------------------ learning
+
+    def observe_accept(self, rows: Sequence[int], plan: StepPlan, accepted: Sequence[int]) -> None:
+        """The accepted drafts of each window of a planned step."""
+        predicted_sum, realised_sum, windows = 0.0, 0, 0
+        for row, name, k, predicted, a in zip(rows, plan.drafters, plan.drafts, plan.predicted, accepted):
+            state = self._row(row)
+            state.steps += 1
+            if name is None or k == 0:
+                continue
+            state.last_try[name] = state.steps
+            state.own[name].observe(k, a)
+            self._global(name, self._match_lens.get(row, 0)).observe(k, a)
+            self.calibration.record(predicted, 1 + a)
+            predicted_sum, realised_sum, windows = predicted_sum + predicted, realised_sum + 1 + a, windows + 1
+        if windows:
+            self.step_calibration.record(predicted_sum / windows, realised_sum / windows)
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        self.cost.observe(shape, seconds)

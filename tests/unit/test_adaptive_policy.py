@@ -1,0 +1,154 @@
+"""The adaptive policy's run-time side without a model: per-slot state, finished rows, exploration,
+learning per drafter and NGRAM match length, and the NGRAM index it reads."""
+
+from __future__ import annotations
+
+import random
+
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.adaptive import AdaptivePolicy
+from specserve.speculative.cost_model import StepCostModel
+from specserve.speculative.ngram_worker import TokenHistory
+from specserve.speculative.policy import DSPARK, NGRAM
+
+GAMMA = 4
+# 10 ms a step, 1 ms a request, 0.5 ms a verified draft, 0.5 ms to run DSpark at all.
+TABLE = [1e-2, 1e-3, 5e-4, 5e-4, 1e-5, 1e-5]
+NEVER_PAYS = [1e-2, 1e-3, 1.0, 1.0, 1e-5, 1e-5]  # a verified draft row costs a second
+
+
+def policy(table=TABLE, drafters=(DSPARK, NGRAM), explore_every=0) -> AdaptivePolicy:
+    cost = StepCostModel(table)
+    cost.freeze()
+    return AdaptivePolicy(drafters, GAMMA, cost, eos_token_ids=(2,), explore_every=explore_every)
+
+
+def brute_force_match(tokens: list[int], gamma: int, max_ngram: int = 4) -> tuple[int, list[int]]:
+    """The definition: the latest earlier occurrence of the longest suffix (max_ngram..1 tokens)."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + gamma]
+                return n, follow + [follow[-1]] * (gamma - len(follow))
+    return 0, [tokens[-1]] * gamma
+
+
+def test_the_ngram_index_finds_what_a_scan_finds():
+    rng = random.Random(0)
+    for trial in range(200):
+        tokens = [rng.randint(0, 2 + trial % 7) for _ in range(rng.randint(1, 60))]
+        history = TokenHistory()
+        cut = rng.randint(1, len(tokens))
+        history.extend(tokens[:cut])  # grown in two commits, as the forward stream does
+        history.extend(tokens[cut:])
+        for gamma in (1, 3, 6):
+            assert history.match(gamma) == brute_force_match(tokens, gamma), (tokens, gamma)
+
+
+def teach(p: AdaptivePolicy, row: int, drafter: str, accepted: int, steps: int, match_len: int = 0) -> None:
+    """Feed `steps` windows of GAMMA drafts by `drafter` with `accepted` accepted each."""
+    for _ in range(steps):
+        plan = p.plan([row], [True], [match_len])
+        plan.drafters, plan.drafts = [drafter], [GAMMA]
+        p.observe_accept([row], plan, [accepted])
+
+
+def test_windows_follow_acceptance_engine_wide_and_per_request():
+    p = policy()
+    p.start(0)
+    teach(p, 0, DSPARK, GAMMA, 30)  # everything accepted
+    plan = p.plan([0], [True], [0])
+    assert plan.drafters == [DSPARK] and plan.drafts[0] >= 3 and plan.predicted[0] > 3.0
+    p = policy()
+    p.start(1)
+    teach(p, 1, DSPARK, 0, 100)  # nothing accepted
+    plan = p.plan([1], [True], [0])
+    assert plan.drafts == [0] and plan.drafters == [None] and plan.predicted == [1.0]
+    # Same engine-wide rates, different own histories: the request that accepts drafts more.
+    p = policy(drafters=(DSPARK,))
+    p.start(0)
+    p.start(1)
+    for _ in range(20):
+        teach(p, 0, DSPARK, GAMMA, 1)
+        teach(p, 1, DSPARK, 1, 1)
+    plan = p.plan([0, 1], [True, True], [0, 0])
+    assert plan.drafts[0] > plan.drafts[1], plan
+
+
+def test_ngram_rates_are_learned_per_match_length():
+    p = policy(drafters=(NGRAM,))
+    p.start(0)
+    p.start(1)
+    teach(p, 0, NGRAM, GAMMA, 40, match_len=4)  # long matches: copied text, accepted
+    teach(p, 1, NGRAM, 0, 40, match_len=1)  # one-token matches: rejected
+    p.start(2)
+    p.start(3)
+    plan = p.plan([2, 3], [True, True], [4, 1])  # fresh requests: only the engine-wide rates differ
+    assert plan.drafters == [NGRAM, None] and plan.drafts[0] > 0
+
+
+def test_finished_rows_get_no_drafts_and_do_not_change_the_others_plans():
+    p = policy()
+    for row in range(3):
+        p.start(row)
+    teach(p, 0, DSPARK, 3, 10)
+    teach(p, 1, NGRAM, 2, 10, match_len=3)
+    teach(p, 2, DSPARK, GAMMA, 10)
+    alone = p.plan([0, 1], [True, True], [0, 3])
+    p.observe_tokens(2, [7, 2], SamplingParams(max_new_tokens=100), out_len=20)  # 2 is EOS: finished
+    with_finished = p.plan([0, 1, 2], [True, True, True], [0, 3, 0])
+    assert with_finished.drafts[2] == 0 and with_finished.drafters[2] is None
+    assert (with_finished.drafters[:2], with_finished.drafts[:2]) == (alone.drafters, alone.drafts)
+    p.start(2)  # a new request in the slot
+    assert p.plan([2], [True], [0]).drafts[0] > 0
+
+
+def test_finished_by_length_and_eos_ignored():
+    p = policy()
+    p.start(0)
+    p.observe_tokens(0, [2], SamplingParams(max_new_tokens=100, ignore_eos=True), out_len=5)
+    assert not p.rows[0].done
+    p.observe_tokens(0, [9, 9], SamplingParams(max_new_tokens=8), out_len=8)
+    assert p.rows[0].done
+    p.start(1)
+    p.observe_tokens(1, [5], SamplingParams(max_new_tokens=100, stop_token_ids=[5]), out_len=3)
+    assert p.rows[1].done
+
+
+def test_requests_without_a_drafter_never_draft():
+    p = policy()
+    p.start(0)
+    teach(p, 0, DSPARK, GAMMA, 20)
+    assert p.plan([0], [False], [4]).drafts == [0]
+
+
+def test_exploration_tries_an_unused_drafter_once_per_interval_one_window_a_step():
+    p = policy(table=NEVER_PAYS, explore_every=8)
+    rows = [0, 1, 2]
+    for row in rows:
+        p.start(row)
+    tried = []
+    for _ in range(40):
+        plan = p.plan(rows, [True] * 3, [2] * 3)
+        windows = [(row, d, k) for row, d, k in zip(rows, plan.drafters, plan.drafts) if k]
+        assert len(windows) <= 1  # at most one exploring window per step
+        tried += windows
+        p.observe_accept(rows, plan, [0] * 3)
+    assert all(k == GAMMA for _, _, k in tried)
+    for row in rows:
+        for name in (DSPARK, NGRAM):
+            n = sum(1 for r, d, _ in tried if (r, d) == (row, name))
+            assert 2 <= n <= 5, (row, name, tried)  # about once per 8 of its steps, each drafter
+    assert policy(table=NEVER_PAYS).plan(rows, [True] * 3, [2] * 3).drafts == [0, 0, 0]  # explore_every=0
+
+
+def test_calibration_per_window_and_per_step():
+    p = policy()
+    p.start(0)
+    p.start(1)
+    plan = p.plan([0, 1], [True, True], [0, 0])
+    plan.drafters, plan.drafts, plan.predicted = [DSPARK, DSPARK], [2, 2], [2.0, 1.0]
+    p.observe_accept([0, 1], plan, [2, 0])  # realised 3 and 1
+    assert p.calibration.windows == 2 and p.calibration.mean_abs_error == 0.5 * (1.0 + 0.0)
+    assert p.step_calibration.windows == 1 and p.step_calibration.mean_abs_error == 0.5  # |1.5 - 2.0|
