@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.acceptance import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import StepCostModel, StepShape
-from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts
+from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts, plain_beats_every_plan
 
 MAX_MATCH_BUCKET = 4  # NGRAM rates are kept per suffix-match length 0..4 (4: four or more)
 # Conditional acceptance per position before any evidence: DSpark drafters are right on the first
@@ -107,9 +107,14 @@ class AdaptivePolicy:
         drafters: list[Optional[str]] = [None] * bs
         drafts, predicted = [0] * bs, [1.0] * bs
         live = [i for i, row in enumerate(rows) if not self._row(row).done]
-        candidates = [self._candidates(rows[i], match_lens[i] if match_lens else 0) if speculating[i] else []
-                      for i in live]
-        decisions = choose_drafts(candidates, self.cost, self.gamma)
+        match = [match_lens[i] if match_lens else 0 for i in range(bs)]
+        if self._plain_wins(rows, live, speculating, match):  # most large-batch steps: no survival curves
+            candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live] \
+                if self._stale(rows, live) else [[] for _ in live]
+            decisions = [Decision() for _ in live]
+        else:
+            candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
+            decisions = choose_drafts(candidates, self.cost, self.gamma)
         decisions = self._explore(rows, live, candidates, decisions)
         for i, decision, cands in zip(live, decisions, candidates):
             if decision.drafter is not None and decision.drafts > 0:
@@ -119,6 +124,26 @@ class AdaptivePolicy:
         shape = StepShape(bs, sum(drafts), dspark, dspark * self.gamma, sum(d == NGRAM for d in drafters))
         self._match_lens = dict(zip(rows, match_lens or [0] * bs))
         return StepPlan(drafters, drafts, predicted, shape)
+
+    def _plain_wins(self, rows: Sequence[int], live: list[int], speculating: Sequence[bool],
+                    match: Sequence[int]) -> bool:
+        """No plan beats plain decoding, judged from each request's first-draft survival alone."""
+        best_first = 0.0
+        for i in live:
+            if speculating[i]:
+                state = self._row(rows[i])
+                for name in self.drafters:
+                    hint = self._global(name, match[i]).rates[:1]
+                    best_first = max(best_first, state.own[name].survival(hint)[0] if self.gamma else 0.0)
+        plain_rate = len(live) / self.cost.predict(StepShape(len(live))) if live else 0.0
+        return not live or plain_beats_every_plan(best_first, self.cost, plain_rate)
+
+    def _stale(self, rows: Sequence[int], live: list[int]) -> bool:
+        """Some live request is due to explore a drafter (it then needs its candidates)."""
+        if self.explore_every <= 0:
+            return False
+        return any(self._row(rows[i]).steps - min(self._row(rows[i]).last_try.get(n, 0) for n in self.drafters)
+                   >= self.explore_every for i in live)
 
     def _row(self, row: int) -> _Row:
         if row not in self.rows:

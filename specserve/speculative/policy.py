@@ -6,9 +6,14 @@ A request's candidates give, per drafter, the survival s_j = P(drafts 1..j all a
 drafts a request commits 1 + s_1 + ... + s_k tokens in expectation. The step's cost depends on the
 whole batch (rows verified, whether the DSpark drafter runs at all, its rows, NGRAM lookups), so
 the optimum is a batch decision: a fixed drafting cost that no single request repays alone can pay
-for many. The search starts from plain decoding (k = 0 everywhere, always available), tries one
-budget-greedy plan per drafter assignment (slots by falling survival, like the compact planner),
-then improves the best plan one request at a time until no single change helps.
+for many.
+
+The objective is a ratio, tokens(plan) / seconds(plan), and with the DSpark drafter's fixed cost
+settled (it runs, or it does not) both are sums over requests. Dinkelbach's method then finds the
+exact optimum: for the best rate r so far, each request alone picks the option maximising
+tokens - r * seconds; the plan's own rate becomes the next r, which rises until it stops. Both
+settings of the DSpark drafter are solved and the better kept. Plain decoding (k = 0 everywhere)
+is always a candidate plan, so nothing that predicts a loss is ever chosen.
 """
 
 from __future__ import annotations
@@ -57,8 +62,7 @@ class Decision:
 
 
 class _Plan:
-    """Decisions for the batch and the running totals the objective needs: a change of one
-    request's decision is rated in O(1), so a search over a large batch stays cheap."""
+    """Rates a batch's decisions: expected tokens over the cost model's seconds."""
 
     def __init__(self, requests: Sequence[Sequence[Candidate]], cost: StepCostModel, dspark_block: int):
         self.requests, self.cost, self.block = requests, cost, dspark_block
@@ -78,15 +82,6 @@ class _Plan:
     def rate(self, decisions: Sequence[Decision]) -> float:
         return self.rate_of(self.totals(decisions))
 
-    def rate_if(self, totals: list[float], r: int, old: Decision, new: Decision) -> float:
-        """The rate after request r changes from `old` to `new` (totals are left as they were)."""
-        _add(totals, old, self.requests[r], -1)
-        _add(totals, new, self.requests[r], 1)
-        rate = self.rate_of(totals)
-        _add(totals, new, self.requests[r], -1)
-        _add(totals, old, self.requests[r], 1)
-        return rate
-
 
 def _add(totals: list[float], d: Decision, candidates: Sequence[Candidate], sign: int) -> None:
     totals[0] += sign * d.expected_tokens(candidates)
@@ -97,33 +92,50 @@ def _add(totals: list[float], d: Decision, candidates: Sequence[Candidate], sign
 
 
 def choose_drafts(requests: Sequence[Sequence[Candidate]], cost: StepCostModel, dspark_block: int,
-                  max_passes: int = 3) -> list[Decision]:
+                  max_iterations: int = 20) -> list[Decision]:
     """The batch's decisions (plain decoding when nothing pays)."""
     plan = _Plan(requests, cost, dspark_block)
     best = [Decision() for _ in requests]
     best_rate = plan.rate(best)
     if _nothing_can_pay(requests, cost, best_rate):
         return best
-    for assignment in _assignments(requests):
-        decisions, rate = _budget_greedy(plan, assignment)
-        if rate > best_rate:
-            best, best_rate = decisions, rate
-    totals = plan.totals(best)
-    for _ in range(max_passes):
-        improved = False
-        for r, candidates in enumerate(requests):
-            for option in _options(candidates):
-                rate = plan.rate_if(totals, r, best[r], option)
-                if rate > best_rate * (1 + 1e-12):
-                    _add(totals, best[r], candidates, -1)
-                    _add(totals, option, candidates, 1)
-                    best[r], best_rate, improved = option, rate, True
-        if not improved:
-            break
+    coef = cost.coefficients()
+    for dspark_runs in (False, True):
+        if dspark_runs and not any(c.drafter == DSPARK for cands in requests for c in cands):
+            continue
+        options = [_priced_options(cands, coef, dspark_block, dspark_runs) for cands in requests]
+        rate = best_rate
+        for _ in range(max_iterations):
+            decisions = [max(opts, key=lambda o: o[0] - rate * o[1])[2] for opts in options]
+            new_rate = plan.rate(decisions)
+            if new_rate <= rate * (1 + 1e-12):
+                break
+            rate = new_rate
+            if rate > best_rate:
+                best, best_rate = decisions, rate
     return best
 
 
+def _priced_options(candidates: Sequence[Candidate], coef: dict[str, float], dspark_block: int,
+                    dspark_runs: bool) -> list[tuple[float, float, Decision]]:
+    """(expected tokens, seconds this request adds, decision) for each of its options; DSpark
+    options only when the drafter runs (its fixed cost is the batch's, not the request's)."""
+    out = [(1.0, 0.0, Decision())]
+    for c in candidates:
+        if c.drafter == DSPARK and not dspark_runs:
+            continue
+        extra = coef["dspark_rows"] * dspark_block if c.drafter == DSPARK else coef["ngram_requests"]
+        out += [(c.expected_tokens(k), coef["verify_rows"] * k + extra, Decision(c.drafter, k))
+                for k in range(1, len(c.survival) + 1)]
+    return out
+
+
 def _nothing_can_pay(requests: Sequence[Sequence[Candidate]], cost: StepCostModel, plain_rate: float) -> bool:
+    best_first = max((c.survival[0] for cands in requests for c in cands if c.survival), default=0.0)
+    return plain_beats_every_plan(best_first, cost, plain_rate)
+
+
+def plain_beats_every_plan(best_first: float, cost: StepCostModel, plain_rate: float) -> bool:
     """An exact shortcut for large batches: with every drafting coefficient non-negative, a plan
     with D draft rows gains at most D * max s_1 tokens for at least D * (cost of a verified row)
     seconds, so if max s_1 / row cost <= plain decoding's tokens per second, no plan beats it."""
@@ -131,40 +143,4 @@ def _nothing_can_pay(requests: Sequence[Sequence[Candidate]], cost: StepCostMode
     row = coef["verify_rows"]
     if row <= 0 or any(coef[name] < 0 for name in ("dspark_step", "dspark_rows", "ngram_requests")):
         return False
-    best_first = max((c.survival[0] for cands in requests for c in cands if c.survival), default=0.0)
     return best_first / row <= plain_rate
-
-
-def _options(candidates: Sequence[Candidate]) -> list[Decision]:
-    return [Decision()] + [Decision(c.drafter, k) for c in candidates for k in range(1, len(c.survival) + 1)]
-
-
-def _assignments(requests: Sequence[Sequence[Candidate]]) -> list[list[Optional[Candidate]]]:
-    """Drafter per request for the budget-greedy plans: each drafter for everyone who offers it,
-    and each request's own best (most expected tokens with every draft)."""
-    names = sorted({c.drafter for cands in requests for c in cands})
-    plans = [[next((c for c in cands if c.drafter == name), None) for cands in requests] for name in names]
-    plans.append([max(cands, key=lambda c: sum(c.survival), default=None) for cands in requests])
-    return plans
-
-
-def _budget_greedy(plan: _Plan, assignment: Sequence[Optional[Candidate]]) -> tuple[list[Decision], float]:
-    """Add draft slots in order of falling survival (a prefix of every window, as survival falls
-    along it) and keep the best-rated prefix."""
-    slots = sorted(((-c.survival[j], r, j) for r, c in enumerate(assignment) if c is not None
-                    for j in range(len(c.survival))))
-    decisions = [Decision() for _ in assignment]
-    totals = plan.totals(decisions)
-    best_rate, best_len = plan.rate_of(totals), 0
-    for n, (_, r, j) in enumerate(slots, start=1):
-        new = Decision(assignment[r].drafter, j + 1)
-        _add(totals, decisions[r], plan.requests[r], -1)
-        _add(totals, new, plan.requests[r], 1)
-        decisions[r] = new
-        rate = plan.rate_of(totals)
-        if rate > best_rate:
-            best_rate, best_len = rate, n
-    best = [Decision() for _ in assignment]
-    for _, r, j in slots[:best_len]:
-        best[r] = Decision(assignment[r].drafter, j + 1)
-    return best, best_rate
