@@ -49,6 +49,7 @@ class ServerArgs:
     speculative_policy_drafters: Optional[str] = field(default=None, metadata={"help": "comma-separated drafters the adaptive policy chooses from (default: DSPARK,NGRAM with DSPARK; NGRAM with NGRAM)"})
     speculative_cost_table_path: Optional[str] = field(default=None, metadata={"help": "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up (StepCostModel.save)"})
     speculative_freeze_cost_table: bool = field(default=False, metadata={"help": "never update the step-cost table after start-up, so that runs, loop modes and ranks make identical decisions"})
+    speculative_min_gain: float = field(default=0.05, metadata={"help": "the adaptive policy drafts only when it predicts at least this fraction more tokens per second than plain decoding (a margin for its prediction errors)"})
     speculative_explore_interval: int = field(default=64, metadata={"help": "a request tries a drafter it has not used for this many of its steps (0: never)"})
     speculative_disable_batch_size: Optional[int] = field(default=None, metadata={"help": "override: decode steps with more running requests than this run without drafts; 0: never speculate in decode; empty (default): the policy decides"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"})
@@ -217,6 +218,8 @@ def _check_speculative(args: ServerArgs) -> None:
                          f"{args.speculative_dspark_verify_mode!r}")
     _at_least("speculative_disable_batch_size", args.speculative_disable_batch_size, 0)
     _at_least("speculative_explore_interval", args.speculative_explore_interval, 0)
+    if not 0.0 <= args.speculative_min_gain <= 1.0:
+        raise ValueError(f"speculative_min_gain must be in [0, 1], got {args.speculative_min_gain}")
     if args.speculative_policy not in SPEC_POLICIES:
         raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
     if args.speculating and args.speculative_policy == "adaptive":

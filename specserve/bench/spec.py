@@ -2,9 +2,11 @@
 
 Configurations: NONE (plain decoding), NGRAM and DSPARK with the policy turned off (every request
 drafts gamma tokens with that drafter), and DEFAULT (what `specserve serve` runs: the adaptive
-policy over DSPARK and NGRAM). Each keeps one engine for the whole run; its policy keeps learning
-across repeats, as a server's would. Workloads: MT-Bench first turns (by category at batch 1) and
-HumanEval, greedy, prompts submitted in groups of the batch size, every group prefilled afresh.
+policy over DSPARK and NGRAM). Workloads: MT-Bench first turns (by category at batch 1) and
+HumanEval, greedy. Batch size b is a server's concurrency: every prompt is submitted at once to
+an engine that runs at most b requests (--max-running-requests b), admitting the next as one
+finishes; at batch 1 each prompt runs alone, so its time is its category's. Each configuration
+keeps one engine per batch size; its policy keeps learning across repeats, as a server's would.
 Runs are interleaved (repeat r runs every configuration of a workload and batch size before
 repeat r + 1, in a rotated order) and the report gives medians over repeats and ratios to NONE.
 Peers: Hugging Face transformers greedy and its prompt-lookup decoding at batch 1.
@@ -55,30 +57,33 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     if unknown or "NONE" not in configs:
         raise ValueError(f"--configs: choose from {list(CONFIGS)}, NONE included (the baseline); got {ns.configs!r}")
     sizes = [int(b) for b in ns.batch_sizes.split(",")]
-    engines = {name: Engine(**engine_kwargs(args, name)) for name in configs}
-    tokenizer = engines["NONE"].tokenizer
     workloads = {"mtbench": mtbench_first_turns()[:ns.num_prompts]}
     if ns.humaneval_prompts > 0:
         workloads["humaneval"] = humaneval_prompts()[:ns.humaneval_prompts]
-    runs = []
-    for repeat in range(ns.repeats):
-        for workload, items in workloads.items():
-            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in items]
-            categories = [q["category"] for q in items]
-            for bs in sizes:
+    runs, cost, tokenizer = [], None, None
+    for bs in sizes:
+        engines = {name: Engine(**{**engine_kwargs(args, name), "max_running_requests": bs}) for name in configs}
+        tokenizer = engines["NONE"].tokenizer
+        for repeat in range(ns.repeats):
+            for workload, items in workloads.items():
+                prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in items]
+                categories = [q["category"] for q in items]
                 for name in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
                     run = run_once(engines[name], prompts, categories, bs, ns.new_tokens)
                     run.update(config=name, workload=workload, batch_size=bs, repeat=repeat)
                     runs.append(run)
                     print(_line(run), flush=True)
-    policy = engines.get("DEFAULT") and engines["DEFAULT"].runner.speculation.policy
-    cost = policy.cost.coefficients() if policy else None
-    for engine in engines.values():
-        engine.shutdown()
-    del engines
-    gc.collect()
+        policy = engines["DEFAULT"].runner.speculation.policy if "DEFAULT" in engines else None
+        cost = policy.cost.coefficients() if policy else cost
+        for engine in engines.values():
+            engine.shutdown()
+        del engines
+        gc.collect()
     peers = run_peers(ns, args, workloads["mtbench"], tokenizer)
     report = summarize(runs, peers, cost)
+    from specserve.kernels.dispatch import cpu_flags, cpu_model
+
+    report["machine"] = {"cpu": cpu_model(), "amx": "amx_bf16" in cpu_flags(), "threads": torch.get_num_threads()}
     print(json.dumps({k: report[k] for k in ("ratios", "targets")}, indent=2))
     if ns.out:
         with open(ns.out, "w") as f:
@@ -95,13 +100,15 @@ def engine_kwargs(args: ServerArgs, name: str) -> dict[str, Any]:
 
 
 def run_once(engine, prompts: list[list[int]], categories: list[str], bs: int, new_tokens: int) -> dict[str, Any]:
-    """Generate every prompt in groups of bs; per group its wall time, tokens and spec counters."""
+    """Generate every prompt: alone at batch 1 (a group each), else all at once (one group) with
+    the engine running at most bs; per group its wall time, tokens and spec counters."""
     params = {"temperature": 0, "max_new_tokens": new_tokens}
     groups = []
-    for i in range(0, len(prompts), bs):
-        engine.tree.reset()  # no cross-group prefix reuse: every group prefills its prompts
+    group = 1 if bs == 1 else len(prompts)
+    for i in range(0, len(prompts), group):
+        engine.tree.reset()  # every run prefills its prompts from scratch
         start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
+        outs = engine.generate(input_ids=prompts[i:i + group], sampling_params=params)
         wall = time.perf_counter() - start
         metas = [o["meta_info"] for o in outs]
         groups.append({"categories": categories[i:i + bs], "wall_s": wall, "outputs": [o["output_ids"] for o in outs],

@@ -183,7 +183,7 @@ def _make_speculation(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma:
     planner, policy = None, None
     if adaptive:  # its cost model is measured once the runner exists (_start_cost_model)
         policy = AdaptivePolicy(args.policy_drafters(), gamma, StepCostModel([0.0] * len(FEATURES)), eos_token_ids,
-                                args.speculative_explore_interval)
+                                args.speculative_explore_interval, args.speculative_min_gain)
     elif drafter is not None and args.verify_mode() != "static":
         path = args.speculative_dspark_sps_table_path
         planner = VerifyPlanner(SpsTable.load(path) if path else None)

@@ -272,12 +272,12 @@ class ModelRunner:
         captured = verify_lens is None and self.capture.covers(bs)
         if captured:  # the captured verify, with the greedy accept folded in
             out = self._captured_step(width).run(rows, prefix, ids, step.kv_bound, accept=greedy)
-            logits, hidden = out.logits, out.hidden
+            logits, hidden, keep = out.logits, out.hidden, None
         else:
-            logits, hidden = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
+            logits, hidden, keep = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
         if not (captured and greedy):
             accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds,
-                           lambda vocab: proposal.draft_probs(ids, vocab), verify_lens)
+                           lambda vocab: proposal.draft_probs(ids, vocab), verify_lens, keep)
         if self.tp is not None:  # rank 0's accept results, into every rank's accept buffers
             bufs = epilogue.accept_buffers(bs).tensors()
             for buf, agreed in zip(bufs, self._agree([b.cpu() for b in bufs], "runner.accept")):
@@ -345,20 +345,15 @@ class ModelRunner:
         return self.epilogue.read_accept(bs)
 
     def _verify_forward(self, step: StepInput, ids: torch.Tensor, prefix: torch.Tensor, window_slots: torch.Tensor,
-                        verify_lens: Optional[list[int]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Target logits in the strided [bs * W, V] layout, and the packed rows' hidden states.
-        Compact mode packs the verified rows for the forward and scatters them back; uncomputed
-        rows are zero (the cap never reads them)."""
+                        verify_lens: Optional[list[int]]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Target logits of the computed rows, packed, the packed rows' hidden states, and which
+        window rows they are ([bs, W]; None: every row, the strided [bs * W, V] layout)."""
         bs, width = ids.shape
         lens = verify_lens or [width] * bs
         keep = torch.arange(width, device=self.device).unsqueeze(0) < torch.tensor(lens, device=self.device).unsqueeze(1)
         fb = self._forward_batch(step.rows, prefix.tolist(), lens, ids[keep], window_slots[keep].tolist(), every_row=True)
         packed = self.model(fb, self.kv)
-        if verify_lens is None:
-            return packed, fb.captured_hidden
-        logits = packed.new_zeros(bs * width, packed.shape[-1])
-        logits[keep.reshape(-1)] = packed
-        return logits, fb.captured_hidden
+        return packed, fb.captured_hidden, None if verify_lens is None else keep
 
     def _commit_rows(self, hidden: Optional[torch.Tensor], out: AcceptOuts, prefix: torch.Tensor,
                      window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> None:

@@ -1,7 +1,8 @@
 """The speculation cost model's starting point, measured on this machine before the first request.
 
-A few synthetic steps time what a step costs: plain decode and full verify windows at batch 1 and
-a larger batch, the DSpark drafter at both, and an NGRAM lookup. They run through the engine's own
+A few synthetic steps time what a step costs: plain decode (captured, as the engine runs it),
+eager decode and full verify windows at batch 1 and a larger batch, the DSpark drafter at both,
+and an NGRAM lookup. They run through the engine's own
 forward (drafters commit the rows as in a real step) over request slots and token slots that no
 request holds yet; the first prefill overwrites whatever they wrote. Every rank runs the same
 steps in the same order (the model's collectives need it); rank 0's numbers are the ones used.
@@ -38,6 +39,9 @@ def measure_cost_prior(runner, gamma: int, batch: int = 8, repeats: int = 3) -> 
     timer = _Timer(runner.device, repeats)
     try:
         step = {(bs, w): timer(lambda bs=bs, w=w: _forward(runner, bs, w)) for bs in (1, batch) for w in (1, width)}
+        # A plain decode step runs captured where the engine captures it; a verify with drafts eagerly.
+        plain = {bs: timer(lambda bs=bs: _captured_decode(runner, bs)) if runner.capture.covers(bs) else step[(bs, 1)]
+                 for bs in (1, batch)}
         draft = {}
         dspark = runner.speculation.worker("DSPARK")
         if dspark is not None:
@@ -45,7 +49,7 @@ def measure_cost_prior(runner, gamma: int, batch: int = 8, repeats: int = 3) -> 
     finally:
         runner.speculation.flush()  # the synthetic rows go now, before any request holds their slots
         table[:batch] = saved
-    return _fit(step, draft, batch, gamma, timer(_ngram_lookup))
+    return _fit(step, plain, draft, batch, gamma, timer(_ngram_lookup))
 
 
 def _forward(runner, bs: int, width: int) -> None:
@@ -55,6 +59,13 @@ def _forward(runner, bs: int, width: int) -> None:
                                runner.req_to_token.table[rows, CONTEXT:CONTEXT + width].reshape(-1).tolist(),
                                every_row=width > 1)
     runner._forward(fb)
+
+
+def _captured_decode(runner, bs: int) -> None:
+    dev = runner.device
+    rows = torch.arange(bs, device=dev)
+    runner._captured_step(1).run(rows, torch.full((bs,), CONTEXT, dtype=torch.int64, device=dev),
+                                 torch.zeros(bs, 1, dtype=torch.int64, device=dev), CONTEXT + 1)
 
 
 def _draft(runner, worker, bs: int, gamma: int) -> None:
@@ -95,17 +106,19 @@ class _Timer:
             torch.cuda.synchronize()
 
 
-def _fit(step: dict[tuple[int, int], float], draft: dict[int, float], batch: int, gamma: int,
-         ngram_s: float) -> list[float]:
-    """Least squares of the four forward timings over (fixed, requests, verify rows); the drafter's
-    two timings give its fixed and per-row parts."""
-    x = torch.tensor([[1.0, bs, bs * (w - 1)] for bs, w in step], dtype=torch.float64)
-    y = torch.tensor(list(step.values()), dtype=torch.float64).unsqueeze(1)
-    fixed, per_request, per_row = torch.linalg.lstsq(x, y).solution.squeeze(1).tolist()
+def _fit(step: dict[tuple[int, int], float], plain: dict[int, float], draft: dict[int, float], batch: int,
+         gamma: int, ngram_s: float) -> list[float]:
+    """Plain decode steps give the fixed and per-request parts; eager steps over full windows the
+    part per verified row and, against plain decode, the fixed cost of taking the verify path;
+    the drafter's two timings give its fixed and per-row parts."""
+    per_request = (plain[batch] - plain[1]) / (batch - 1)
+    fixed = plain[1] - per_request
+    per_row = statistics.mean((step[(bs, gamma + 1)] - step[(bs, 1)]) / (bs * gamma) for bs in (1, batch))
+    verify_step = statistics.mean(step[(bs, 1)] - plain[bs] for bs in (1, batch))
     dspark_step = dspark_row = 0.0
     if draft:
         dspark_row = max(0.0, (draft[batch] - draft[1]) / ((batch - 1) * gamma))
         dspark_step = max(0.0, draft[1] - gamma * dspark_row)
     coefficients = dict(fixed=fixed, requests=per_request, verify_rows=max(per_row, 0.0), dspark_step=dspark_step,
-                        dspark_rows=dspark_row, ngram_requests=ngram_s)
+                        dspark_rows=dspark_row, ngram_requests=ngram_s, verify_step=max(verify_step, 0.0))
     return [coefficients[name] for name in FEATURES]

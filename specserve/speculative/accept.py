@@ -94,9 +94,14 @@ class DsparkVerifyEpilogue:
     def accept_greedy(self, bs: int, verify_ids: torch.Tensor, target_logits: torch.Tensor,
                       prefix_lens: torch.Tensor, verify_lens: Optional[torch.Tensor] = None) -> None:
         """Greedy accept: a draft survives while it equals the target's argmax at the row before it."""
+        self.accept_greedy_ids(bs, verify_ids, target_logits.view(bs, self.num_verify_tokens, -1).argmax(-1),
+                               prefix_lens, verify_lens)
+
+    def accept_greedy_ids(self, bs: int, verify_ids: torch.Tensor, target: torch.Tensor,
+                          prefix_lens: torch.Tensor, verify_lens: Optional[torch.Tensor] = None) -> None:
+        """Greedy accept from the target's argmax ids [bs, W] (rows past a verify length unread)."""
         width = self.num_verify_tokens
         ids = verify_ids.view(bs, width).long()
-        target = target_logits.view(bs, width, -1).argmax(-1)  # [bs, W]
         matches = ids[:, 1:] == target[:, :-1]
         self._commit(bs, ids, matches, prefix_lens, verify_lens, lambda correct, cap: target.gather(1, correct))
 
@@ -167,18 +172,30 @@ class DsparkVerifyEpilogue:
 
 def accept_windows(epilogue: DsparkVerifyEpilogue, ids: torch.Tensor, logits: torch.Tensor, prefix: torch.Tensor,
                    out_lens: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                   draft_probs: Callable[[int], torch.Tensor], verify_lens: Optional[list[int]]) -> None:
+                   draft_probs: Callable[[int], torch.Tensor], verify_lens: Optional[list[int]],
+                   keep: Optional[torch.Tensor] = None) -> None:
     """Accept every window of a step into the epilogue's buffers: greedy when every request is,
     else exact rejection sampling (a greedy request's target distribution is one-hot).
 
-    ids [bs, W]; logits [bs * W, V] (rows a compact verify did not compute are never read);
-    draft_probs(V) gives q [bs, gamma, V]. The uniforms derive from (request seed, output length,
-    row), so every rank and every batch composition draws the same numbers."""
+    ids [bs, W]; logits [bs * W, V] (rows a compact verify did not compute are never read), or
+    with `keep` [bs, W] (the computed rows) only the computed rows, packed: greedy accept then
+    reads their argmax alone, without a [bs * W, V] tensor. draft_probs(V) gives q [bs, gamma, V].
+    The uniforms derive from (request seed, output length, row), so every rank and every batch
+    composition draws the same numbers."""
     bs, width = ids.shape
     lens = None if verify_lens is None else torch.tensor(verify_lens, dtype=torch.int64, device=ids.device)
     if all(p.is_greedy for p in params):
-        epilogue.accept_greedy(bs, ids, logits, prefix, lens)
+        if keep is None:
+            epilogue.accept_greedy(bs, ids, logits, prefix, lens)
+        else:
+            target = torch.zeros(bs, width, dtype=torch.int64, device=ids.device)
+            target[keep] = logits.argmax(-1)
+            epilogue.accept_greedy_ids(bs, ids, target, prefix, lens)
         return
+    if keep is not None:
+        full = logits.new_zeros(bs * width, logits.shape[-1])
+        full[keep.reshape(-1)] = logits
+        logits = full
     target = verify_target_probs(logits.view(bs, width, -1), params)
     uniforms = torch.tensor([[counter_uniform(seed, (n << 6) + j) for j in range(width)]
                              for seed, n in zip(seeds, out_lens.tolist())], dtype=torch.float64)

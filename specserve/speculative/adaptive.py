@@ -62,6 +62,7 @@ class _Row:
 
     own: dict[str, SurvivalEstimate]  # the request's own recent conditional rates, per drafter
     done: bool = False  # the forward stream saw it finish (length or stop token id)
+    stops: Optional[frozenset[int]] = None  # its stop token ids, eos included unless ignored (set once)
     steps: int = 0
     last_try: dict[str, int] = field(default_factory=dict)  # step of the latest window per drafter
 
@@ -70,12 +71,13 @@ class AdaptivePolicy:
     """Plans each verify step and learns from it; one per engine rank (rank 0's plan is used)."""
 
     def __init__(self, drafters: Sequence[str], gamma: int, cost: StepCostModel,
-                 eos_token_ids: Sequence[int] = (), explore_every: int = 64):
+                 eos_token_ids: Sequence[int] = (), explore_every: int = 64, min_gain: float = 0.0):
         self.drafters = tuple(drafters)
         self.gamma = gamma
         self.cost = cost
         self.eos_token_ids = frozenset(eos_token_ids)
         self.explore_every = explore_every
+        self.min_gain = min_gain  # a plan must beat plain decoding by this fraction (prediction errors)
         self.rows: dict[int, _Row] = {}
         # Engine-wide conditional rates: DSPARK per position; NGRAM per match length and position.
         self.dspark_rates = SurvivalEstimate(gamma, prior=DSPARK_PRIOR, decay=0.98)
@@ -95,8 +97,9 @@ class AdaptivePolicy:
         state = self.rows.get(row)
         if state is None:
             return
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if out_len >= params.max_new_tokens or any(t in stops for t in tokens):
+        if state.stops is None:
+            state.stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        if out_len >= params.max_new_tokens or any(t in state.stops for t in tokens):
             state.done = True
 
     # ------------------------------------------------------------ planning
@@ -114,7 +117,7 @@ class AdaptivePolicy:
             decisions = [Decision() for _ in live]
         else:
             candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
-            decisions = choose_drafts(candidates, self.cost, self.gamma)
+            decisions = choose_drafts(candidates, self.cost, self.gamma, self.min_gain)
         decisions = self._explore(rows, live, candidates, decisions)
         for i, decision, cands in zip(live, decisions, candidates):
             if decision.drafter is not None and decision.drafts > 0:
@@ -133,10 +136,11 @@ class AdaptivePolicy:
             if speculating[i]:
                 state = self._row(rows[i])
                 for name in self.drafters:
-                    hint = self._global(name, match[i]).rates[:1]
-                    best_first = max(best_first, state.own[name].survival(hint)[0] if self.gamma else 0.0)
+                    glob = self._global(name, match[i])
+                    hint = glob.accepted[0] / glob.tested[0] if glob.tested[0] > 0 else glob.prior
+                    best_first = max(best_first, state.own[name].first(hint))
         plain_rate = len(live) / self.cost.predict(StepShape(len(live))) if live else 0.0
-        return not live or plain_beats_every_plan(best_first, self.cost, plain_rate)
+        return not live or plain_beats_every_plan(best_first, self.cost, plain_rate * (1 + self.min_gain))
 
     def _stale(self, rows: Sequence[int], live: list[int]) -> bool:
         """Some live request is due to explore a drafter (it then needs its candidates)."""

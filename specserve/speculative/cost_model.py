@@ -2,7 +2,8 @@
 
 A step's time is modelled as linear in its shape: a fixed part, a part per running request, a part
 per verified draft row, a fixed part when the DSpark drafter runs at all, a part per drafted DSpark
-row and a part per NGRAM lookup. Linear is not exact (on a CPU a verify row is nearly free while
+row, a part per NGRAM lookup and a fixed part for verifying drafts at all (the step runs the
+verify path instead of a plain decode step). Linear is not exact (on a CPU a verify row is nearly free while
 the weights stream from memory and costs a full row once compute-bound), so the fit is local: it
 forgets old steps geometrically and follows the shapes the engine actually runs.
 
@@ -23,9 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
-FEATURES = ("fixed", "requests", "verify_rows", "dspark_step", "dspark_rows", "ngram_requests")
+FEATURES = ("fixed", "requests", "verify_rows", "dspark_step", "dspark_rows", "ngram_requests", "verify_step")
 # A typical size of each feature: the prior's weight per feature is prior_steps * NOMINAL^2.
-NOMINAL = (1.0, 4.0, 4.0, 1.0, 5.0, 2.0)
+NOMINAL = (1.0, 4.0, 4.0, 1.0, 5.0, 2.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class StepShape:
 
     def features(self) -> tuple[float, ...]:
         return (1.0, float(self.requests), float(self.verify_rows), float(self.dspark_requests > 0),
-                float(self.dspark_rows), float(self.ngram_requests))
+                float(self.dspark_rows), float(self.ngram_requests), float(self.verify_rows > 0))
 
 
 class StepCostModel:
@@ -76,7 +77,7 @@ class StepCostModel:
         """predict() without building a StepShape: the policy's search calls this thousands of times."""
         c = self._coef
         t = (c[0] + c[1] * requests + c[2] * verify_rows + c[3] * (dspark_requests > 0) + c[4] * dspark_rows
-             + c[5] * ngram_requests)
+             + c[5] * ngram_requests + c[6] * (verify_rows > 0))
         return max(t, self.floor_s)
 
     def observe(self, shape: StepShape, seconds: float) -> None:

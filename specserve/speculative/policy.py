@@ -92,13 +92,15 @@ def _add(totals: list[float], d: Decision, candidates: Sequence[Candidate], sign
 
 
 def choose_drafts(requests: Sequence[Sequence[Candidate]], cost: StepCostModel, dspark_block: int,
-                  max_iterations: int = 20) -> list[Decision]:
-    """The batch's decisions (plain decoding when nothing pays)."""
+                  min_gain: float = 0.0, max_iterations: int = 20) -> list[Decision]:
+    """The batch's decisions: plain decoding unless a plan is predicted to commit tokens at least
+    (1 + min_gain) times as fast (a margin for the predictions' own errors)."""
     plan = _Plan(requests, cost, dspark_block)
-    best = [Decision() for _ in requests]
-    best_rate = plan.rate(best)
-    if _nothing_can_pay(requests, cost, best_rate):
-        return best
+    plain = [Decision() for _ in requests]
+    plain_rate = plan.rate(plain)
+    if _nothing_can_pay(requests, cost, plain_rate * (1 + min_gain)):
+        return plain
+    best, best_rate = plain, plain_rate
     coef = cost.coefficients()
     for dspark_runs in (False, True):
         if dspark_runs and not any(c.drafter == DSPARK for cands in requests for c in cands):
@@ -113,7 +115,7 @@ def choose_drafts(requests: Sequence[Sequence[Candidate]], cost: StepCostModel, 
             rate = new_rate
             if rate > best_rate:
                 best, best_rate = decisions, rate
-    return best
+    return best if best_rate >= plain_rate * (1 + min_gain) else plain
 
 
 def _priced_options(candidates: Sequence[Candidate], coef: dict[str, float], dspark_block: int,
@@ -141,6 +143,6 @@ def plain_beats_every_plan(best_first: float, cost: StepCostModel, plain_rate: f
     seconds, so if max s_1 / row cost <= plain decoding's tokens per second, no plan beats it."""
     coef = cost.coefficients()
     row = coef["verify_rows"]
-    if row <= 0 or any(coef[name] < 0 for name in ("dspark_step", "dspark_rows", "ngram_requests")):
+    if row <= 0 or any(coef[name] < 0 for name in ("dspark_step", "dspark_rows", "ngram_requests", "verify_step")):
         return False
     return best_first / row <= plain_rate

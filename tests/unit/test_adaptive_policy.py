@@ -13,8 +13,8 @@ from specserve.speculative.policy import DSPARK, NGRAM
 
 GAMMA = 4
 # 10 ms a step, 1 ms a request, 0.5 ms a verified draft, 0.5 ms to run DSpark at all.
-TABLE = [1e-2, 1e-3, 5e-4, 5e-4, 1e-5, 1e-5]
-NEVER_PAYS = [1e-2, 1e-3, 1.0, 1.0, 1e-5, 1e-5]  # a verified draft row costs a second
+TABLE = [1e-2, 1e-3, 5e-4, 5e-4, 1e-5, 1e-5, 0.0]
+NEVER_PAYS = [1e-2, 1e-3, 1.0, 1.0, 1e-5, 1e-5, 0.0]  # a verified draft row costs a second
 
 
 def policy(table=TABLE, drafters=(DSPARK, NGRAM), explore_every=0) -> AdaptivePolicy:

@@ -13,7 +13,7 @@ from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, cho
 
 # A CPU-like step: 7 ms fixed, 0.3 ms per request, 1 ms per verified draft row, 2 ms to run the
 # DSpark drafter at all plus 0.2 ms per drafted row, 0.05 ms per NGRAM lookup.
-TRUE = [7e-3, 3e-4, 1e-3, 2e-3, 2e-4, 5e-5]
+TRUE = [7e-3, 3e-4, 1e-3, 2e-3, 2e-4, 5e-5, 5e-4]
 
 
 def true_cost(shape: StepShape) -> float:
@@ -28,7 +28,7 @@ def random_shape(rng: random.Random) -> StepShape:
 
 def test_cost_model_learns_the_step_cost_online_and_freezing_stops_learning():
     rng = random.Random(0)
-    model = StepCostModel([5e-3, 0, 5e-4, 0, 0, 0], prior_steps=5)
+    model = StepCostModel([5e-3, 0, 5e-4, 0, 0, 0, 0], prior_steps=5)
     probe = StepShape(8, 20, 8, 40, 0)
     before = abs(model.predict(probe) - true_cost(probe)) / true_cost(probe)
     for _ in range(300):
@@ -88,7 +88,7 @@ def test_the_batch_optimum_differs_from_each_request_deciding_alone():
     # running the DSpark drafter at all costs 10 ms: one request's expected gain does not repay
     # that fixed cost, eight requests drafting in the same step share it.
     requests = [[Candidate(DSPARK, (0.75, 0.5))]] * 8
-    model = StepCostModel([7e-3, 1e-3, 3e-4, 1e-2, 5e-5, 0.0])
+    model = StepCostModel([7e-3, 1e-3, 3e-4, 1e-2, 5e-5, 0.0, 0.0])
     model.freeze()
     alone = [choose_drafts([r], model, 2)[0] for r in requests]
     together = choose_drafts(requests, model, 2)
@@ -163,20 +163,23 @@ def test_the_large_batch_shortcut_never_changes_the_decision(monkeypatch):
 
 
 def test_directions_the_steps_never_separate_stay_at_the_prior():
-    """One-draft NGRAM windows only: verified rows and NGRAM lookups always rise together, so the
+    """One-draft NGRAM windows only: verified rows, NGRAM lookups and the verify path's fixed
+    cost always rise together, so the
     data fixes their sum, not the split. Anchored to the prior, the split stays where the prior
     put it and a five-draft window is still predicted sensibly (plain forgetting RLS drifted here
     to 5.3 ms a row and -3.4 ms a lookup on the real engine)."""
     rng = random.Random(1)
-    prior = [7e-3, 3e-4, 1e-3, 2e-3, 2e-4, 1e-4]
-    truth = [7.5e-3, 3e-4, 1.2e-3, 2e-3, 2e-4, 1e-4]
+    prior = [7e-3, 3e-4, 1e-3, 2e-3, 2e-4, 1e-4, 0.0]
+    truth = [7.5e-3, 3e-4, 1.2e-3, 2e-3, 2e-4, 1e-4, 0.0]
     model = StepCostModel(prior)
     for i in range(3000):
         shape = StepShape(1, 1, 0, 0, 1) if i % 3 else StepShape(1)
         model.observe(shape, sum(c * f for c, f in zip(truth, shape.features())) * rng.uniform(0.9, 1.1))
     coef = model.coefficients()
-    assert coef["verify_rows"] + coef["ngram_requests"] == pytest.approx(truth[2] + truth[5], rel=0.1)
+    together = coef["verify_rows"] + coef["ngram_requests"] + coef["verify_step"]  # all rise together here
+    assert together == pytest.approx(truth[2] + truth[5] + truth[6], rel=0.1)
     assert 0.5e-3 < coef["verify_rows"] < 2e-3 and 0 <= coef["ngram_requests"] < 1e-3, coef
+    assert abs(coef["verify_step"]) < 0.5e-3, coef
     five = StepShape(1, 5, 0, 0, 1)
     assert model.predict(five) == pytest.approx(sum(c * f for c, f in zip(truth, five.features())), rel=0.1)
 
@@ -188,7 +191,7 @@ def test_the_search_finds_the_exact_optimum_of_small_batches():
     from specserve.speculative.policy import _Plan
 
     rng = random.Random(7)
-    model = StepCostModel([7e-3, 1e-3, 8e-4, 3e-3, 2e-4, 1e-4])
+    model = StepCostModel([7e-3, 1e-3, 8e-4, 3e-3, 2e-4, 1e-4, 3e-4])
     model.freeze()
     for _ in range(40):
         bs = rng.randint(1, 3)
@@ -200,3 +203,24 @@ def test_the_search_finds_the_exact_optimum_of_small_batches():
         options = [[Decision()] + [Decision(c.drafter, k) for c in cands for k in (1, 2)] for cands in requests]
         best = max(plan.rate(list(combo)) for combo in itertools.product(*options))
         assert plan.rate(choose_drafts(requests, model, 2)) == pytest.approx(best, rel=1e-9)
+
+
+def test_first_is_the_first_survival():
+    rng = random.Random(5)
+    est = SurvivalEstimate(gamma=3)
+    for _ in range(30):
+        hint = rng.random()
+        assert est.first(hint) == pytest.approx(est.survival([hint, 0.5, 0.5])[0])
+        est.observe(3, rng.randint(0, 3))
+
+
+def test_a_plan_must_beat_plain_decoding_by_the_margin():
+    """A draft whose predicted gain is small (about +3% tokens per second here) is taken with no
+    margin and refused with a 5% one; a large gain passes either way."""
+    model = StepCostModel([7e-3, 3e-4, 1e-3, 0.0, 0.0, 0.0, 0.0])
+    model.freeze()
+    small = [[Candidate(NGRAM, (0.18,))]]  # 1.18 tokens in 8.3 ms against 1 in 7.3 ms: +3.8%
+    assert choose_drafts(small, model, 1) == [Decision(NGRAM, 1)]
+    assert choose_drafts(small, model, 1, min_gain=0.05) == [Decision()]
+    large = [[Candidate(NGRAM, (0.9,))]]
+    assert choose_drafts(large, model, 1, min_gain=0.05) == [Decision(NGRAM, 1)]
