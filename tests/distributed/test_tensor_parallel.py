@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from helpers import policy_args
+from helpers import cheap_drafting_table, policy_args
 
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
@@ -112,7 +112,9 @@ def test_server_fails_loudly_when_a_rank_stalls(tmp_path):
 
     os.environ["SPECSERVE_FAULT_SKIP_COLLECTIVE"] = "model.all_reduce:1"
     try:
-        srv = ServerProcess("--tp-size", "2", "--collective-timeout", "5", log_path=str(tmp_path / "server.log"))
+        # A given cost table: no start-up warm-up, so the skipped collective is the request's.
+        srv = ServerProcess("--tp-size", "2", "--collective-timeout", "5", "--speculative-cost-table-path",
+                            cheap_drafting_table(), log_path=str(tmp_path / "server.log"))
     finally:
         del os.environ["SPECSERVE_FAULT_SKIP_COLLECTIVE"]
     try:

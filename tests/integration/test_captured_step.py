@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import chat_prompts
+from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.executor.captured_step import CapturedStep, batch_buckets, kv_bucket
@@ -39,9 +39,13 @@ def test_buckets():
 
 
 def make_engine(kind: str, drafter_dir: str, **kw) -> Engine:
+    """NONE, or DSPARK drafting every window whole (the policy off: these tests compare captured
+    and eager steps), or ("dspark-policy") the adaptive policy on its frozen test table."""
     kw.update(speculative_algorithm="NONE")
     if kind == "dspark":
-        kw.update(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir)
+        kw.update(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir, speculative_policy="fixed")
+    if kind == "dspark-policy":
+        kw.update(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir, **policy_args())
     return Engine(dtype="float32", max_total_tokens=4096, **kw)
 
 
@@ -113,12 +117,14 @@ def test_sanitizer_catches_captured_logits_escaping(drafter_dir, prompts, monkey
     engine.shutdown()
 
 
-def test_sanitizer_silent_on_captured_steps(drafter_dir, prompts, monkeypatch):
+@pytest.mark.parametrize("kind", ["dspark", "dspark-policy"])
+def test_sanitizer_silent_on_captured_steps(kind, drafter_dir, prompts, monkeypatch):
     monkeypatch.setenv("SPECSERVE_STREAM_SANITIZER", "1")
-    engine = make_engine("dspark", drafter_dir)
+    engine = make_engine(kind, drafter_dir)
     tokens, steps, _ = generate(engine, prompts, sampled=True)
     assert steps > 5 and all(tokens)
-    assert list(engine.runner._captured) == [5]  # every decode step was a captured verify (block size 4)
+    if kind == "dspark":
+        assert list(engine.runner._captured) == [5]  # every decode step was a captured verify (block size 4)
     engine.shutdown()
 
 
