@@ -24,7 +24,7 @@ from specserve.speculative.worker import DraftInput
 CONTEXT = 128  # tokens of context per synthetic request
 
 
-def measure_cost_prior(runner, gamma: int, batch: int = 8, repeats: int = 3) -> list[float]:
+def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> list[float]:
     """Coefficients for StepCostModel (speculative/cost_model.py FEATURES), in seconds."""
     width = gamma + 1
     per_req = CONTEXT + width
