@@ -21,58 +21,59 @@ from specserve.speculative.cost_model import FEATURES
 from specserve.speculative.ngram_worker import TokenHistory
 from specserve.speculative.worker import DraftInput
 
-CONTEXT = 128  # tokens of context per synthetic request
+CONTEXT = 128  # tokens of context per synthetic request (fewer when the context window is smaller)
 
 
 def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> list[float]:
     """Coefficients for StepCostModel (speculative/cost_model.py FEATURES), in seconds."""
     width = gamma + 1
-    per_req = CONTEXT + width
+    table = runner.req_to_token.table
+    ctx = max(1, min(CONTEXT, table.shape[1] - width))
+    per_req = ctx + width
     batch = max(2, min(batch, runner.req_to_token.table.shape[0], (runner.kv.size - 1) // per_req))
     if batch * per_req >= runner.kv.size:
         raise ValueError(f"speculation warm-up: the KV pool ({runner.kv.size} tokens) is too small to time "
                          f"steps; give --max-total-tokens >= {2 * per_req + 1} or a cost table")
-    table = runner.req_to_token.table
     saved = table[:batch].clone()
     for r in range(batch):  # synthetic requests r: slots 1 + r * per_req ...
         table[r, :per_req] = torch.arange(1 + r * per_req, 1 + (r + 1) * per_req, device=table.device)
     timer = _Timer(runner.device, repeats)
     try:
-        step = {(bs, w): timer(lambda bs=bs, w=w: _forward(runner, bs, w)) for bs in (1, batch) for w in (1, width)}
+        step = {(bs, w): timer(lambda bs=bs, w=w: _forward(runner, bs, w, ctx)) for bs in (1, batch) for w in (1, width)}
         # A plain decode step runs captured where the engine captures it; a verify with drafts eagerly.
-        plain = {bs: timer(lambda bs=bs: _captured_decode(runner, bs)) if runner.capture.covers(bs) else step[(bs, 1)]
+        plain = {bs: timer(lambda bs=bs: _captured_decode(runner, bs, ctx)) if runner.capture.covers(bs) else step[(bs, 1)]
                  for bs in (1, batch)}
         draft = {}
         dspark = runner.speculation.worker("DSPARK")
         if dspark is not None:
-            draft = {bs: timer(lambda bs=bs: _draft(runner, dspark, bs, gamma)) for bs in (1, batch)}
+            draft = {bs: timer(lambda bs=bs: _draft(runner, dspark, bs, gamma, ctx)) for bs in (1, batch)}
     finally:
         runner.speculation.flush()  # the synthetic rows go now, before any request holds their slots
         table[:batch] = saved
     return _fit(step, plain, draft, batch, gamma, timer(_ngram_lookup))
 
 
-def _forward(runner, bs: int, width: int) -> None:
+def _forward(runner, bs: int, width: int, ctx: int) -> None:
     rows = list(range(bs))
-    fb = runner._forward_batch(rows, [CONTEXT] * bs, [width] * bs,
+    fb = runner._forward_batch(rows, [ctx] * bs, [width] * bs,
                                torch.zeros(bs * width, dtype=torch.int64, device=runner.device),
-                               runner.req_to_token.table[rows, CONTEXT:CONTEXT + width].reshape(-1).tolist(),
+                               runner.req_to_token.table[rows, ctx:ctx + width].reshape(-1).tolist(),
                                every_row=width > 1)
     runner._forward(fb)
 
 
-def _captured_decode(runner, bs: int) -> None:
+def _captured_decode(runner, bs: int, ctx: int) -> None:
     dev = runner.device
     rows = torch.arange(bs, device=dev)
-    runner._captured_step(1).run(rows, torch.full((bs,), CONTEXT, dtype=torch.int64, device=dev),
-                                 torch.zeros(bs, 1, dtype=torch.int64, device=dev), CONTEXT + 1)
+    runner._captured_step(1).run(rows, torch.full((bs,), ctx, dtype=torch.int64, device=dev),
+                                 torch.zeros(bs, 1, dtype=torch.int64, device=dev), ctx + 1)
 
 
-def _draft(runner, worker, bs: int, gamma: int) -> None:
+def _draft(runner, worker, bs: int, gamma: int, ctx: int) -> None:
     dev = runner.device
     rows = torch.arange(bs, device=dev)
     worker.draft(DraftInput(rows, torch.zeros(bs, dtype=torch.int64, device=dev),
-                            torch.full((bs,), CONTEXT, dtype=torch.int64, device=dev), torch.zeros(bs, dtype=torch.int64),
+                            torch.full((bs,), ctx, dtype=torch.int64, device=dev), torch.zeros(bs, dtype=torch.int64),
                             [SamplingParams(temperature=0.0)] * bs, [0] * bs, gamma))
 
 

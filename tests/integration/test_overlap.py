@@ -45,8 +45,11 @@ def engine_for(kind: str, overlap: bool, drafter_dir: str, tmp_path) -> Engine:
     if kind == "ngram":
         kw = {"speculative_algorithm": "NGRAM", "speculative_dspark_block_size": 3, **policy_args()}
     elif kind.startswith("dspark"):
-        kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir, **policy_args()}
-        if kind == "dspark-compact":  # the compact planner: the policy turned off
+        # dspark-static and dspark-compact: the policy turned off (every window drafted whole);
+        # dspark-policy: the adaptive policy on its frozen test table.
+        policy = policy_args() if kind == "dspark-policy" else {"speculative_policy": "fixed"}
+        kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir, **policy}
+        if kind == "dspark-compact":  # the compact planner
             table = tmp_path / "sps.json"
             table.write_text(json.dumps({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}))
             kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir,
@@ -73,7 +76,7 @@ def assert_idle_and_free(engine: Engine) -> None:
     assert not engine.scheduler.in_flight
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "dspark-static", "dspark-compact"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "dspark-static", "dspark-compact", "dspark-policy"])
 def test_overlap_matches_the_normal_loop(kind, drafter_dir, prompts, tmp_path, monkeypatch):
     normal = engine_for(kind, False, drafter_dir, tmp_path)
     want = summary(run(normal, prompts))

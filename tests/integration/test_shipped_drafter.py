@@ -85,7 +85,8 @@ def test_both_loops_accept_identically(loop_runs):
 def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, reference):
     """Mutation: inject each step's committed rows at S + commit_len (the positions a view of
     `new_seq_lens`, rewritten by the step, would give): still lossless, but acceptance drops."""
-    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True, **DSPARK_ONLY)
+    # Every window drafted whole (the policy off): accept lengths compare the drafter alone.
+    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True, speculative_policy="fixed")
     good = accept_length(engine.generate(input_ids=prompts, sampling_params=GREEDY))
     runner = engine.runner
 
