@@ -70,7 +70,8 @@ class StepCostModel:
         self._abs_rel_residual = 0.0  # running mean of |observed - predicted| / observed
 
     def predict(self, shape: StepShape) -> float:
-        return max(sum(c * f for c, f in zip(self._coef, shape.features())), self.floor_s)
+        return self.predict_totals(shape.requests, shape.verify_rows, shape.dspark_requests, shape.dspark_rows,
+                                   shape.ngram_requests)
 
     def predict_totals(self, requests: int, verify_rows: float, dspark_requests: float, dspark_rows: float,
                        ngram_requests: float) -> float:

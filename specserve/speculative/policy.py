@@ -67,28 +67,16 @@ class _Plan:
     def __init__(self, requests: Sequence[Sequence[Candidate]], cost: StepCostModel, dspark_block: int):
         self.requests, self.cost, self.block = requests, cost, dspark_block
 
-    def totals(self, decisions: Sequence[Decision]) -> list[float]:
-        """[expected tokens, verify rows, DSpark requests, NGRAM requests] of a whole plan."""
-        out = [0.0, 0, 0, 0]
-        for d, c in zip(decisions, self.requests):
-            _add(out, d, c, 1)
-        return out
-
-    def rate_of(self, totals: Sequence[float]) -> float:
-        """Expected committed tokens per second of a step with these totals."""
-        return totals[0] / self.cost.predict_totals(len(self.requests), totals[1], totals[2], totals[2] * self.block,
-                                                    totals[3])
-
     def rate(self, decisions: Sequence[Decision]) -> float:
-        return self.rate_of(self.totals(decisions))
-
-
-def _add(totals: list[float], d: Decision, candidates: Sequence[Candidate], sign: int) -> None:
-    totals[0] += sign * d.expected_tokens(candidates)
-    if d.drafter is not None and d.drafts > 0:
-        totals[1] += sign * d.drafts
-        totals[2] += sign * (d.drafter == DSPARK)
-        totals[3] += sign * (d.drafter == NGRAM)
+        """Expected committed tokens per second of a step with these decisions."""
+        tokens, rows, dspark, ngram = 0.0, 0, 0, 0
+        for d, c in zip(decisions, self.requests):
+            tokens += d.expected_tokens(c)
+            if d.drafter is not None and d.drafts > 0:
+                rows += d.drafts
+                dspark += d.drafter == DSPARK
+                ngram += d.drafter == NGRAM
+        return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark * self.block, ngram)
 
 
 def choose_drafts(requests: Sequence[Sequence[Candidate]], cost: StepCostModel, dspark_block: int,
