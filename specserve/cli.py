@@ -1,4 +1,4 @@
-"""The `specserve` command: serve, generate, train-drafter, init-drafter, eval-acceptance, profile-sps, bench."""
+"""The `specserve` command: serve, generate, train-drafter, drafter-corpus, eval-drafter, init-drafter, eval-acceptance, profile-sps, bench."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "topk": _AT_LEAST_1, "num_layers": _AT_LEAST_1, "markov_rank": _AT_LEAST_1, "num_context_layers": _AT_LEAST_1,
     "block_size": (f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS),
     "mask_token_id": _AT_LEAST_0, "draft_vocab_size": _AT_LEAST_0, "steps": _AT_LEAST_1, "seqs_per_step": _AT_LEAST_1,
-    "anchors_per_seq": _AT_LEAST_1, "lr": _POSITIVE, "checkpoint_every": _AT_LEAST_1, "held_out": _AT_LEAST_0,
+    "anchors_per_seq": _AT_LEAST_0, "lr": _POSITIVE, "checkpoint_every": _AT_LEAST_1, "held_out": _AT_LEAST_0,
     # serve
     "port": ("in [1, 65535]", lambda v: 1 <= v <= 65535), "max_queued_requests": _AT_LEAST_1,
     "max_request_bytes": _AT_LEAST_1, "shutdown_timeout": _AT_LEAST_0, "engine_step_timeout": _POSITIVE,
@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.train.run import add_train_args
 
     add_train_args(trn)
+    dc = sub.add_parser("drafter-corpus", help="extend the drafter's training corpus (token-id shards) or show it")
+    from specserve.train.corpus_cli import add_corpus_args
+
+    add_corpus_args(dc)
+    evd = sub.add_parser("eval-drafter", help="a drafter's accept length as served and at every anchor, on the "
+                                              "corpus's dev / held-out sets or benchmarks")
+    from specserve.train.eval_drafter import add_eval_drafter_args
+
+    add_eval_drafter_args(evd)
     init = sub.add_parser("init-drafter", help="write a randomly initialised DSpark drafter for a target model")
     init.add_argument("--out", required=True, help="directory to write config.json and model.safetensors to")
     init.add_argument("--model-path", default=None, help="target model (default: the embedded one)")
@@ -130,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_spec_bench_args(spec)
     ServerArgs.add_cli_args(spec)
+    tspeed = bench_sub.add_parser("train-speed", help="drafter training positions/s by batch shape, and where a step goes")
+    from specserve.bench.train_speed import add_train_speed_args
+
+    add_train_speed_args(tspeed)
     dstep = bench_sub.add_parser("dspark-step", help="where a DSPARK verify step's time goes, against a plain decode step")
     from specserve.bench.dspark_step import add_dspark_step_args
 
@@ -222,6 +235,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.train.run import run_train_drafter
 
             return run_train_drafter(ns)
+        if ns.command == "drafter-corpus":
+            from specserve.train.corpus_cli import run_drafter_corpus
+
+            return run_drafter_corpus(ns)
+        if ns.command == "eval-drafter":
+            from specserve.train.eval_drafter import run_eval_drafter
+
+            return run_eval_drafter(ns)
         if ns.command == "eval-acceptance":
             from specserve.bench.eval_acceptance import run_eval_acceptance
 
@@ -240,6 +261,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.spec import run_spec_bench
 
             return run_spec_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "train-speed":
+            from specserve.bench.train_speed import run_train_speed
+
+            return run_train_speed(ns)
         if ns.command == "bench" and ns.bench_command == "dspark-step":
             from specserve.bench.dspark_step import run_dspark_step_bench
 

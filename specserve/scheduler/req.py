@@ -46,6 +46,7 @@ class Req:
     spec_verify_ct: int = 0  # verify steps this request took part in
     spec_num_correct_drafts: int = 0  # drafts accepted and emitted
     spec_correct_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts per step -> steps
+    spec_emitted_trace: list[int] = field(default_factory=list)  # accepted and emitted drafts, per verify step
     spec_cap_trim_hist: dict[int, int] = field(default_factory=dict)  # matches cut by verify_len -> steps
     spec_draft_len_hist: dict[int, int] = field(default_factory=dict)  # drafts planned (k, 0 included) -> steps
     spec_drafter_steps: dict[str, int] = field(default_factory=dict)  # windows with drafts, per drafter
@@ -77,6 +78,7 @@ class Req:
         correct = committed - 1
         self.spec_verify_ct += 1
         self.spec_num_correct_drafts += min(appended, correct)
+        self.spec_emitted_trace.append(min(appended, correct))
         self.spec_correct_hist[correct] = self.spec_correct_hist.get(correct, 0) + 1
         self.spec_cap_trim_hist[cap_trimmed] = self.spec_cap_trim_hist.get(cap_trimmed, 0) + 1
         return correct

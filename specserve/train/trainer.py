@@ -47,46 +47,56 @@ class TrainConfig:
 
 @dataclass
 class Blocks:
-    """One training batch: n blocks of g slots over B padded sequences."""
+    """One training batch: A blocks of g slots in each of B padded sequences.
+
+    The blocks of one sequence are grouped, so its context K/V is computed once and every block's
+    queries attend to it under a mask (context columns < the block's anchor, and its own block).
+    """
 
     hidden: torch.Tensor  # [B, T, L*H] target hidden states (context)
-    seq_of_block: torch.Tensor  # [n]
-    anchors: torch.Tensor  # [n] S
-    block_ids: torch.Tensor  # [n, g] x_S, M, .., M
-    labels: torch.Tensor  # [n, g] x_{S+k+1}
-    prev: torch.Tensor  # [n, g] x_{S+k} (teacher-forced Markov input)
-    valid: torch.Tensor  # [n, g] label inside the sequence
-    top_ids: torch.Tensor  # [n, g, K]
-    top_probs: torch.Tensor  # [n, g, K]
+    anchors: torch.Tensor  # [B, A] S (0 for padding blocks)
+    block_ids: torch.Tensor  # [B, A, g] x_S, M, .., M
+    labels: torch.Tensor  # [B, A, g] x_{S+k+1}
+    prev: torch.Tensor  # [B, A, g] x_{S+k} (teacher-forced Markov input)
+    valid: torch.Tensor  # [B, A, g] label inside the sequence (False for padding blocks)
+    top_ids: torch.Tensor  # [B, A, g, K]
+    top_probs: torch.Tensor  # [B, A, g, K]
 
 
 def make_blocks(seqs: list[Sequence], g: int, anchors_per_seq: int, mask_id: int, rng: random.Random) -> Blocks:
+    """Up to `anchors_per_seq` anchors per sequence, drawn without replacement from its answer
+    positions (0 or less: every answer position)."""
     T = max(len(s.ids) for s in seqs)
-    hidden = torch.zeros(len(seqs), T, seqs[0].hidden.shape[1], dtype=seqs[0].hidden.dtype)
-    rows = []  # (seq index, S)
-    for b, s in enumerate(seqs):
-        hidden[b, :len(s.ids)] = s.hidden
+    chosen = []
+    for s in seqs:
         candidates = range(s.prompt_len, len(s.ids) - 1)  # S with at least one label
-        rows += [(b, S) for S in rng.sample(candidates, min(anchors_per_seq, len(candidates)))]
-    n, k_top = len(rows), seqs[0].top_ids.shape[1]
-    block_ids = torch.full((n, g), mask_id, dtype=torch.int64)
-    labels = torch.zeros(n, g, dtype=torch.int64)
-    prev = torch.zeros(n, g, dtype=torch.int64)
-    valid = torch.zeros(n, g, dtype=torch.bool)
-    top_ids = torch.zeros(n, g, k_top, dtype=torch.int64)
-    top_probs = torch.zeros(n, g, k_top)
-    for i, (b, S) in enumerate(rows):
-        s = seqs[b]
-        m = min(g, len(s.ids) - 1 - S)  # slots with a label
-        block_ids[i, 0] = s.ids[S]
-        labels[i, :m] = s.ids[S + 1:S + 1 + m]
-        prev[i, :m] = s.ids[S:S + m]
-        valid[i, :m] = True
-        top_ids[i, :m] = s.top_ids[S - s.prompt_len:S - s.prompt_len + m]
-        top_probs[i, :m] = s.top_probs[S - s.prompt_len:S - s.prompt_len + m]
-    seq_of_block = torch.tensor([b for b, _ in rows])
-    anchors = torch.tensor([S for _, S in rows])
-    return Blocks(hidden, seq_of_block, anchors, block_ids, labels, prev, valid, top_ids, top_probs)
+        n = len(candidates) if anchors_per_seq <= 0 else min(anchors_per_seq, len(candidates))
+        chosen.append(sorted(rng.sample(candidates, n)))
+    B, A, k_top = len(seqs), max(len(c) for c in chosen), seqs[0].top_ids.shape[1]
+    hidden = torch.zeros(B, T, seqs[0].hidden.shape[1], dtype=seqs[0].hidden.dtype)
+    anchors = torch.zeros(B, A, dtype=torch.int64)
+    block_ids = torch.full((B, A, g), mask_id, dtype=torch.int64)
+    labels = torch.zeros(B, A, g, dtype=torch.int64)
+    prev = torch.zeros(B, A, g, dtype=torch.int64)
+    valid = torch.zeros(B, A, g, dtype=torch.bool)
+    top_ids = torch.zeros(B, A, g, k_top, dtype=torch.int64)
+    top_probs = torch.zeros(B, A, g, k_top)
+    for b, (s, starts) in enumerate(zip(seqs, chosen)):
+        hidden[b, :len(s.ids)] = s.hidden
+        n = len(starts)
+        S = torch.tensor(starts, dtype=torch.int64)
+        anchors[b, :n] = S
+        block_ids[b, :n, 0] = s.ids[S]
+        k = torch.arange(g)
+        label_pos = S.unsqueeze(1) + 1 + k  # [n, g]
+        ok = label_pos < len(s.ids)
+        valid[b, :n] = ok
+        labels[b, :n] = torch.where(ok, s.ids[label_pos.clamp(max=len(s.ids) - 1)], 0)
+        prev[b, :n] = torch.where(ok, s.ids[(label_pos - 1).clamp(max=len(s.ids) - 1)], 0)
+        rows = (label_pos - 1 - s.prompt_len).clamp(max=s.top_ids.shape[0] - 1)  # teacher row r predicts r + 1
+        top_ids[b, :n] = s.top_ids[rows] * ok.unsqueeze(-1)
+        top_probs[b, :n] = s.top_probs[rows] * ok.unsqueeze(-1)
+    return Blocks(hidden, anchors, block_ids, labels, prev, valid, top_ids, top_probs)
 
 
 class DrafterLoss:
@@ -107,26 +117,37 @@ class DrafterLoss:
         return target_ids if self.target_to_draft is None else self.target_to_draft[target_ids]
 
     def block_hidden(self, blk: Blocks) -> torch.Tensor:
+        """Final-normed hidden states of every block slot, [B, A, g, H]: the serving computation
+        (`DraftLayer`), with each sequence's blocks side by side over one shared context."""
         d = self.drafter
         B, T, _ = blk.hidden.shape
-        n, g = blk.block_ids.shape
+        _, A, g = blk.block_ids.shape
         ctx = d.context(blk.hidden.view(B * T, -1))
         ctx_cos, ctx_sin = d.rope.cos_sin(torch.arange(T).repeat(B), ctx.dtype)
-        positions = (blk.anchors.unsqueeze(1) + torch.arange(g)).reshape(-1)
+        positions = (blk.anchors.unsqueeze(-1) + torch.arange(g)).reshape(-1)
         cos, sin = d.rope.cos_sin(positions, ctx.dtype)
-        x = F.embedding(blk.block_ids.reshape(-1), self.embed_weight).to(ctx.dtype).view(n, g, -1)
-        keep = torch.cat([torch.arange(T).unsqueeze(0) < blk.anchors.unsqueeze(1), torch.ones(n, g, dtype=torch.bool)], 1)
-        mask = torch.zeros(keep.shape, dtype=ctx.dtype).masked_fill_(~keep, float("-inf")).view(n, 1, 1, -1)
+        x = F.embedding(blk.block_ids.reshape(-1), self.embed_weight).to(ctx.dtype).view(B, A * g, -1)
         for layer in d.layers:
             k, v = layer.context_kv(ctx, ctx_cos, ctx_sin)
-            k, v = k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:])
-            x = layer(x, k[blk.seq_of_block], v[blk.seq_of_block], mask, cos, sin)
-        return d.norm(x)
+            x = layer(x, k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:]), self._mask(blk, ctx.dtype), cos, sin)
+        return d.norm(x).view(B, A, g, -1)
 
-    def __call__(self, blk: Blocks) -> tuple[torch.Tensor, dict[str, float]]:
+    @staticmethod
+    def _mask(blk: Blocks, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, A*g, T + A*g] additive: slot (a, j) sees context t < S_a and the slots of block a."""
+        B, T, _ = blk.hidden.shape
+        _, A, g = blk.block_ids.shape
+        ctx_ok = (torch.arange(T).view(1, 1, T) < blk.anchors.unsqueeze(-1))  # [B, A, T]
+        ctx_ok = ctx_ok.unsqueeze(2).expand(B, A, g, T).reshape(B, A * g, T)
+        block_of = torch.arange(A).repeat_interleave(g)
+        own = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(B, A * g, A * g)
+        keep = torch.cat([ctx_ok, own], -1)
+        return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).unsqueeze(1)
+
+    def __call__(self, blk: Blocks, hidden: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
         d = self.drafter
-        n, g = blk.block_ids.shape
-        hidden = self.block_hidden(blk)  # [n, g, H]
+        g = blk.block_ids.shape[-1]
+        hidden = self.block_hidden(blk) if hidden is None else hidden  # [B, A, g, H]
         h = hidden[blk.valid]  # [P, H]
         prev = d.markov_w1(blk.prev[blk.valid])  # [P, r]
         logits = F.linear(h, self.head_weight).float() + d.markov_w2(prev).float()
@@ -141,21 +162,22 @@ class DrafterLoss:
         tv = 0.5 * ((p_top - q_top).abs().sum(1) + ((1 - p_top.sum(1)) - (1 - q_top.sum(1))).abs())
         conf_logit = d.confidence(torch.cat([h, prev], -1)).float().squeeze(-1)
         bce = F.binary_cross_entropy_with_logits(conf_logit, (1 - tv).detach().clamp(0, 1), reduction="none")
-        slot = torch.arange(g).expand(n, g)[blk.valid]
+        slot = torch.arange(g).expand(blk.valid.shape)[blk.valid]
         w = torch.exp(-slot.float() / POSITION_DECAY)
         loss = (w * (CE_WEIGHT * ce + TV_WEIGHT * tv + CONF_WEIGHT * bce)).sum() / w.sum()
         with torch.no_grad():
             hit = (d.to_target(logits.argmax(-1)) == labels).view(-1)
-        return loss, {"loss": float(loss.detach()), "ce": float(ce.mean()), "tv": float(tv.mean()),
-                      "bce": float(bce.mean()), "top1": float(hit.float().mean()), "positions": int(h.shape[0])}
+        return loss, {"loss": float(loss.detach()), "ce": float(ce.detach().mean()), "tv": float(tv.detach().mean()),
+                      "bce": float(bce.detach().mean()), "top1": float(hit.float().mean()), "positions": int(h.shape[0])}
 
 
 @torch.no_grad()
 def teacher_forced_accept_length(loss: DrafterLoss, corpus: Corpus, g: int, mask_id: int, seed: int = 1,
                                  anchors_per_seq: int = 16) -> dict[str, float]:
-    """Greedy accept length on held-out sequences if the target's tokens were those of the corpus:
-    1 + the run of leading slots whose Markov-decoded argmax equals the label (the chain uses the
-    drafter's own picks, as at serving time)."""
+    """Greedy accept length on held-out sequences if the target's tokens were those of the corpus,
+    at random anchors: 1 + the run of leading slots whose Markov-decoded argmax equals the label
+    (the chain uses the drafter's own picks, as at serving time). `serving_walk.py` places the
+    anchors where serving does instead."""
     rng = random.Random(seed)
     d = loss.drafter
     lengths, per_slot = [], torch.zeros(g)
@@ -164,13 +186,14 @@ def teacher_forced_accept_length(loss: DrafterLoss, corpus: Corpus, g: int, mask
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = loss.block_hidden(blk)
             base = F.linear(hidden, loss.head_weight).float()
-        prev = blk.block_ids[:, 0]
+        real = blk.valid[..., 0]  # padding blocks have no label at all
+        base, labels, valid = base[real], blk.labels[real], blk.valid[real]
+        prev = blk.block_ids[real][:, 0]
         run = torch.ones(len(prev), dtype=torch.bool)
         accepted = torch.zeros(len(prev))
         for k in range(g):
             pick = d.to_target((base[:, k] + d.markov_w2(d.markov_w1(prev)).float()).argmax(-1))
-            ok = (pick == blk.labels[:, k]) & blk.valid[:, k]
-            run = run & ok
+            run = run & (pick == labels[:, k]) & valid[:, k]
             per_slot[k] += float(run.sum())
             accepted += run.float()
             prev = pick
@@ -180,13 +203,15 @@ def teacher_forced_accept_length(loss: DrafterLoss, corpus: Corpus, g: int, mask
             "per_slot_survival": [round(float(x) / len(all_lengths), 4) for x in per_slot]}
 
 
-def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus: Corpus, cfg: TrainConfig, out_dir: str,
-          on_step: Callable[[int, dict[str, float], float], None], resume: bool = False) -> int:
-    """Run until cfg.steps or cfg.max_minutes; checkpoints to out_dir; returns the last step."""
+def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus, cfg: TrainConfig, out_dir: str,
+          on_step: Callable[[int, dict[str, float], float], None], resume: bool = False, start_step: int = 0) -> int:
+    """Run cfg.steps steps (or until cfg.max_minutes) after `start_step`, or after the step of
+    out_dir's checkpoint with `resume` (which also restores the optimizer); checkpoints to out_dir;
+    returns the last step. `corpus`: a `Corpus` or a `TeacherCorpus`."""
     torch.manual_seed(cfg.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, rng = 0, random.Random(cfg.seed)
+    step, rng = start_step, random.Random(cfg.seed)
     ckpt = os.path.join(out_dir, CHECKPOINT_FILE)
     if resume and os.path.isfile(ckpt):
         state = load_checkpoint(ckpt)
@@ -194,20 +219,21 @@ def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus: Corpus, cfg: TrainC
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         rng.setstate(state["rng"])
-    start = time.perf_counter()
+    first, start = step, time.perf_counter()
     g, mask_id = drafter.config.block_size, drafter.config.mask_token_id
-    while step < cfg.steps:
+    sequence = corpus.sequence if hasattr(corpus, "sequence") else corpus.sequences.__getitem__
+    while step - first < cfg.steps:
         if cfg.max_minutes is not None and time.perf_counter() - start > cfg.max_minutes * 60:
             break
-        # Cosine over the budget: steps, or the wall-time budget when that runs out first.
-        progress = step / cfg.steps
+        # Cosine over this run's budget: steps, or the wall-time budget when that runs out first.
+        progress = (step - first) / cfg.steps
         if cfg.max_minutes is not None:
             progress = max(progress, (time.perf_counter() - start) / (cfg.max_minutes * 60))
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        lr = cfg.lr * min(1.0, (step - first + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         for group in opt.param_groups:
             group["lr"] = lr
-        blk = make_blocks(rng.sample(corpus.sequences, min(cfg.seqs_per_step, len(corpus.sequences))), g,
-                          cfg.anchors_per_seq, mask_id, rng)
+        picks = rng.sample(range(len(corpus)), min(cfg.seqs_per_step, len(corpus)))
+        blk = make_blocks([sequence(i) for i in picks], g, cfg.anchors_per_seq, mask_id, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             value, parts = loss(blk)
         opt.zero_grad(set_to_none=True)
@@ -216,7 +242,7 @@ def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus: Corpus, cfg: TrainC
         opt.step()
         step += 1
         on_step(step, parts, lr)
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+        if step % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, drafter, opt, step, rng)
     save_checkpoint(ckpt, drafter, opt, step, rng)
     return step
@@ -262,19 +288,27 @@ def init_from_target(drafter: DsparkDrafter, target_weights: dict[str, torch.Ten
         drafter.markov_w2.weight.zero_()
 
 
-def choose_draft_vocab(corpus: Corpus, vocab_size: int, size: int, always: tuple[int, ...] = (),
+def choose_draft_vocab(corpus, vocab_size: int, size: int, always: tuple[int, ...] = (),
                        held_out: Optional[Corpus] = None) -> tuple[torch.Tensor, float]:
-    """The `size` target ids the target emits most in the corpus (responses and teacher top-1),
-    plus `always` (e.g. stop tokens), sorted; returns them and the share of `held_out`'s response
-    tokens (default: the corpus's) they cover."""
+    """The `size` target ids the target emits most in the corpus (answers and teacher top-1),
+    plus `always` (e.g. stop tokens), sorted; returns them and the share of `held_out`'s answer
+    tokens (default: the corpus's) they cover. `corpus`: a `Corpus` or a `TeacherCorpus`."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for s in corpus.sequences:
-        counts += torch.bincount(s.ids[s.prompt_len:], minlength=vocab_size)
-        counts += torch.bincount(s.top_ids[:, 0], minlength=vocab_size)
+    for answer, top1 in _answers_and_top1(corpus):
+        counts += torch.bincount(answer, minlength=vocab_size)
+        counts += torch.bincount(top1, minlength=vocab_size)
     counts[list(always)] = int(counts.max()) + 1
     ids = torch.sort(torch.argsort(counts, descending=True, stable=True)[:size]).values
-    responses = torch.cat([s.ids[s.prompt_len:] for s in (held_out or corpus).sequences])
+    responses = torch.cat([a for a, _ in _answers_and_top1(held_out or corpus)])
     return ids, float(torch.isin(responses, ids).float().mean())
+
+
+def _answers_and_top1(corpus):
+    if hasattr(corpus, "answers_and_top1"):
+        yield from corpus.answers_and_top1()
+        return
+    for s in corpus.sequences:
+        yield s.ids[s.prompt_len:], s.top_ids[:, 0]
 
 
 def drafter_config_for(target_cfg, num_layers: int, block_size: int, markov_rank: int,

@@ -4,6 +4,7 @@ injected at positions shifted by commit_len) visible as an accept-length drop.""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -48,8 +49,10 @@ def accept_length(outs: list[dict]) -> float:
 def test_shipped_drafter_fits_the_size_budget_and_has_a_card(shipped):
     size = sum(os.path.getsize(os.path.join(shipped, f)) for f in os.listdir(shipped))
     assert size <= 30 * 2**20, size
-    cfg = read_drafter_config(shipped)
-    assert cfg.extra["training"]["steps"] > 0
+    read_drafter_config(shipped)
+    with open(os.path.join(shipped, "train_state.json")) as f:
+        state = json.load(f)  # every extension that made it, the first run included
+    assert state["steps"] > 0 and state["extensions"] and state["extensions"][-1]["steps"] == state["steps"]
     assert os.path.isfile(os.path.join(shipped, "README.md"))
 
 

@@ -1,57 +1,85 @@
-"""train-drafter smoke run (tiny budget): the loss goes down, checkpoints resume, the drafter it
-writes serves losslessly; eval-acceptance writes its JSON and plot; the draft-vocabulary map."""
+"""train-drafter smoke run (tiny corpus and budget): the loss goes down, the teacher recomputed from
+token ids agrees with the generated tokens, checkpoints resume (full and weights-only), the drafter
+it writes serves losslessly; eval-acceptance writes its JSON and plot; the draft-vocabulary map."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
 from specserve import Engine
 from specserve.cli import main as cli_main
-from specserve.train.corpus import Corpus
+from specserve.train.corpus_store import CorpusStore
+from specserve.train.teacher import TeacherCache, TeacherCorpus
 
-SMOKE = ["--num-prompts", "10", "--max-new-tokens", "40", "--seqs-per-step", "6", "--anchors-per-seq", "8",
-         "--held-out", "2", "--checkpoint-every", "10", "--draft-vocab-size", "2048", "--lr", "2e-3", "--seed", "5"]
+SMOKE = ["--seqs-per-step", "6", "--anchors-per-seq", "8", "--held-out", "2", "--checkpoint-every", "10",
+         "--draft-vocab-size", "2048", "--lr", "2e-3", "--seed", "5"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def corpus_dir(tmp_path_factory):
+    data = tmp_path_factory.mktemp("corpus")
+    assert cli_main(["drafter-corpus", "extend", "--data", str(data), "--source", "sharegpt-greedy", "--num-prompts",
+                     "10", "--max-new-tokens", "40", "--batch-size", "10"]) == 0
+    return str(data)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    assert cli_main(["train-drafter", "--out", str(out), "--steps", "40", *SMOKE]) == 0
-    with open(out / "train_summary.json") as f:
+    assert cli_main(["train-drafter", "--data", corpus_dir, "--out", str(out), "--steps", "40", *SMOKE]) == 0
+    with open(out / "train_history.json") as f:
         return str(out), json.load(f)
 
 
-def test_loss_goes_down_and_files_are_written(trained):
+def test_loss_goes_down_and_files_are_written(trained, corpus_dir):
     out, summary = trained
     losses = [h["loss"] for h in summary["history"]]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
-    for name in ("config.json", "model.safetensors", "checkpoint.pt", "corpus.pt"):
+    for name in ("config.json", "model.safetensors", "checkpoint.pt", "train_state.json", "README.md"):
         assert os.path.isfile(os.path.join(out, name)), name
     cfg = json.load(open(os.path.join(out, "config.json")))
-    assert cfg["draft_vocab_size"] == 2048 and cfg["extra"]["training"]["steps"] == 40
-    corpus = Corpus.load(os.path.join(out, "corpus.pt"))
-    seq = corpus.sequences[0]
-    assert seq.hidden.shape == (len(seq.ids), 3 * 576)
+    assert cfg["draft_vocab_size"] == 2048 and cfg["extra"]["training_steps"] == 40
+    store = CorpusStore(corpus_dir)
+    state = json.load(open(os.path.join(out, "train_state.json")))
+    assert len(state["extensions"]) == 1
+    assert state["extensions"][0]["train_sequences"] == store.counts()["sequences"] - 2  # --held-out 2
+    assert "| 0 |" in open(os.path.join(out, "README.md")).read()
+    # The teacher recomputed from the committed ids: its top-1 is the token the target generated.
+    cache = TeacherCache(os.path.join(corpus_dir, "cache"), cfg["target_layer_ids"], 16, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    seqs = TeacherCorpus([cache.load(s) for s in store.shards], cfg["target_layer_ids"], 16).materialise().sequences
+    seq = seqs[0]
+    assert seq.hidden.shape == (len(seq.ids), 3 * 576) and seq.hidden.dtype == torch.bfloat16
     assert seq.top_ids.shape == (len(seq.ids) - 1 - seq.prompt_len, 16)
-    # The teacher's top-1 is the token the target generated (greedy), for nearly every position.
-    agree = torch.cat([(s.top_ids[:, 0] == s.ids[s.prompt_len + 1:]).float() for s in corpus.sequences]).mean()
+    agree = torch.cat([(s.top_ids[:, 0] == s.ids[s.prompt_len + 1:]).float() for s in seqs]).mean()
     assert agree > 0.95
 
 
-def test_resume_continues_from_the_checkpoint(trained, tmp_path):
+def test_resume_continues_from_the_checkpoint(trained, corpus_dir, tmp_path):
     out, _ = trained
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    for name in ("checkpoint.pt", "corpus.pt"):
-        os.link(os.path.join(out, name), resumed / name)
-    assert cli_main(["train-drafter", "--out", str(resumed), "--steps", "45", "--resume", *SMOKE]) == 0
-    summary = json.load(open(resumed / "train_summary.json"))
+    shutil.copytree(out, resumed)
+    assert cli_main(["train-drafter", "--data", corpus_dir, "--out", str(resumed), "--steps", "5", "--resume",
+                     *SMOKE]) == 0
+    summary = json.load(open(resumed / "train_history.json"))
     assert [h["step"] for h in summary["history"]] == [41, 42, 43, 44, 45]
+    assert len(json.load(open(resumed / "train_state.json"))["extensions"]) == 2
+
+
+def test_resume_from_committed_weights_only(trained, corpus_dir, tmp_path):
+    """The committed form (bf16 weights + train_state.json, no optimizer state) resumes too."""
+    out, _ = trained
+    committed = tmp_path / "committed"
+    shutil.copytree(out, committed)
+    os.remove(committed / "checkpoint.pt")
+    assert cli_main(["train-drafter", "--data", corpus_dir, "--out", str(committed), "--steps", "3", "--resume",
+                     *SMOKE]) == 0
+    assert [h["step"] for h in json.load(open(committed / "train_history.json"))["history"]] == [41, 42, 43]
 
 
 def test_checkpoints_load_weights_only_and_refuse_pickled_objects(tmp_path):
