@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_bench_args(spec)
     ServerArgs.add_cli_args(spec)
     tspeed = bench_sub.add_parser("train-speed", help="drafter training positions/s by batch shape, and where a step goes")
-    from specserve.bench.train_speed import add_train_speed_args
+    from specserve.train.train_speed import add_train_speed_args
 
     add_train_speed_args(tspeed)
     dstep = bench_sub.add_parser("dspark-step", help="where a DSPARK verify step's time goes, against a plain decode step")
@@ -262,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             return run_spec_bench(ns, ServerArgs.from_cli_args(ns))
         if ns.command == "bench" and ns.bench_command == "train-speed":
-            from specserve.bench.train_speed import run_train_speed
+            from specserve.train.train_speed import run_train_speed
 
             return run_train_speed(ns)
         if ns.command == "bench" and ns.bench_command == "dspark-step":

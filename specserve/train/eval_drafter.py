@@ -31,6 +31,8 @@ def add_eval_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="corpus folder holding the dev and held-out sets")
     p.add_argument("--model-path", default=None)
     p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--record", action="store_true", help="add the served figures to the drafter's train_state.json "
+                                                         "(its latest extension) and model card")
 
 
 def load_prompt_set(name: str, data: Optional[str]) -> list[str]:
@@ -78,6 +80,7 @@ def walk(engine, served: list[Served]) -> dict:
     report = tally.summary()
     n_steps = sum(len(s.steps) for s in served)
     report["served"] = {"accept_length": 1 + sum(sum(s.steps) for s in served) / max(n_steps, 1), "steps": n_steps,
+                        "first_draft_accepted": sum(a > 0 for s in served for a in s.steps) / max(n_steps, 1),
                         "completion_tokens": sum(len(s.output_ids) for s in served)}
     report["requests"] = len(served)
     report["walk_equals_served"] = matched
@@ -112,4 +115,10 @@ def run_eval_drafter(ns: argparse.Namespace) -> int:
         with open(ns.out, "w") as f:
             json.dump({"drafter": ns.drafter or "shipped", "dtype": ns.dtype, "max_new_tokens": ns.max_new_tokens,
                        "sets": reports}, f, indent=1)
+    if ns.record:
+        from specserve.assets import default_drafter_path
+        from specserve.train.model_card import record_served
+
+        record_served(ns.drafter or default_drafter_path(), reports,
+                      {"max_new_tokens": ns.max_new_tokens, "dtype": ns.dtype})
     return 0

@@ -1,9 +1,38 @@
-"""README.md beside a drafter's weights: what it is and every extension that made it."""
+"""A drafter's history (`train_state.json`) and the README.md built from it: every extension that made it."""
 
 from __future__ import annotations
 
 import json
 import os
+
+STATE_FILE = "train_state.json"
+
+
+def read_train_state(drafter_dir: str) -> dict:
+    path = os.path.join(drafter_dir, STATE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} not found (train into --out first, or use --init-from)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_train_state(drafter_dir: str, state: dict) -> None:
+    """Write the state and rebuild the card from it."""
+    with open(os.path.join(drafter_dir, STATE_FILE), "w") as f:
+        json.dump(state, f, indent=1)
+    write_model_card(drafter_dir, state)
+
+
+def record_served(drafter_dir: str, reports: dict[str, dict], settings: dict) -> None:
+    """Add `specserve eval-drafter` figures (per prompt set) to the drafter's latest extension."""
+    state = read_train_state(drafter_dir)
+    served = state["extensions"][-1].setdefault("served", {})
+    for name, rep in reports.items():
+        served[name] = {"accept_length": round(rep["served"]["accept_length"], 4),
+                        "first_draft_accepted": round(rep["served"]["first_draft_accepted"], 4),
+                        "every_anchor_accept_length": round(rep["every_anchor"]["accept_length"], 4),
+                        "prompts": rep["requests"], **settings}
+    save_train_state(drafter_dir, state)
 
 
 def write_model_card(out: str, state: dict) -> None:
@@ -42,7 +71,22 @@ def write_model_card(out: str, state: dict) -> None:
     notes = [e["note"] for e in state.get("extensions", []) if e.get("note")]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
-    lines += ["", "Served acceptance on MT-Bench: `eval.json` here when present (`specserve eval-acceptance`), "
-              "and `specserve eval-drafter --prompts mt-bench`."]
+    lines += _served_lines(state)
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _served_lines(state: dict) -> list[str]:
+    rows = [(n, name, r) for n, e in enumerate(state.get("extensions", [])) for name, r in e.get("served", {}).items()]
+    lines = ["", "## Served acceptance", "",
+             "Recorded by `specserve eval-drafter --record` (DSPARK fixed, static verify, greedy); *every anchor* is "
+             "the mean over all anchors of the same responses, what a random-anchor training score converges to.", ""]
+    if not rows:
+        return lines + ["None recorded yet."]
+    lines += ["| # | prompt set | prompts | new tokens | dtype | accept length | first draft accepted | every anchor |",
+              "|---|---|---|---|---|---|---|---|"]
+    for n, name, r in rows:
+        lines.append(f"| {n} | {name} | {r['prompts']} | {r.get('max_new_tokens', '-')} | {r.get('dtype', '-')} | "
+                     f"{r['accept_length']:.3f} | {100 * r['first_draft_accepted']:.1f}% | "
+                     f"{r['every_anchor_accept_length']:.3f} |")
+    return lines

@@ -21,9 +21,9 @@ from typing import Optional
 import torch
 
 from specserve.train.corpus_cli import DEFAULT_DATA_DIR
+from specserve.train.model_card import STATE_FILE, read_train_state, save_train_state
 
 TRAIN_DEFAULTS = dict(steps=1200, seqs_per_step=8, anchors_per_seq=48)
-STATE_FILE = "train_state.json"
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -70,13 +70,13 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
     if not store.shards:
         raise ValueError(f"--data {ns.data}: no corpus shards (run `specserve drafter-corpus extend` first)")
     loaded = load_model(ns.model_path)
-    state = _read_state(ns.out) if ns.resume else {}
+    state = read_train_state(ns.out) if ns.resume else {}
     if not ns.resume and ns.init_from and os.path.isfile(os.path.join(ns.init_from, STATE_FILE)):
-        state = _read_state(ns.init_from)  # the history it extends
+        state = read_train_state(ns.init_from)  # the history it extends
     cfg = _drafter_config(ns, loaded.config, state)
     model_name = os.path.basename(ns.model_path or "SmolLM2-135M-Instruct.Q4_1.gguf")
     cache = TeacherCache(ns.cache or os.path.join(ns.data, "cache"), cfg.target_layer_ids, ns.topk, model_name)
-    teacher_s = _build_teacher(cache, store, sources, ns.model_path)
+    teacher_s = build_teacher_cache(cache, store, sources, ns.model_path)
     chosen = [s for s in store.shards if sources is None or s.source in sources]
     corpus = TeacherCorpus([cache.load(s) for s in chosen], cfg.target_layer_ids, ns.topk)
     train_set, held_out = _split(corpus, ns.held_out, ns.seed)
@@ -105,7 +105,8 @@ def _drafter_config(ns: argparse.Namespace, target_cfg, state: dict):
                               ns.mask_token_id)
 
 
-def _build_teacher(cache, store, sources, model_path: Optional[str]) -> float:
+def build_teacher_cache(cache, store, sources: Optional[list[str]], model_path: Optional[str]) -> float:
+    """Compute the teacher (hidden states, top-k) for the shards `cache` lacks; the seconds it took."""
     missing = cache.missing(store, sources)
     if not missing:
         return 0.0
@@ -144,7 +145,7 @@ def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
         print(f"draft vocabulary: {len(ids)} ids cover {coverage:.4f} of held-out answer tokens")
     drafter = DsparkDrafter(cfg, max_positions=max_len)
     if start is not None:
-        _load_weights(drafter, start)
+        load_drafter_weights(drafter, start)
     else:
         from specserve.models.dspark import init_drafter
 
@@ -157,7 +158,8 @@ def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
     return drafter, DrafterLoss(drafter, embed, head)
 
 
-def _load_weights(drafter, path: str) -> None:
+def load_drafter_weights(drafter, path: str) -> None:
+    """Load a drafter directory's (bf16) weights into `drafter` as fp32 for training."""
     from safetensors.torch import load_file
 
     from specserve.models.dspark import WEIGHTS_FILE
@@ -221,23 +223,7 @@ def _save(out: str, drafter, state: dict, summary: dict, model_name: str) -> Non
                  dtype=torch.bfloat16)
     with open(os.path.join(out, "train_history.json"), "w") as f:
         json.dump({"history": history, "config": asdict(cfg)}, f)
-    _save_state(out, state)
-
-
-def _read_state(out: str) -> dict:
-    path = os.path.join(out, STATE_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"--resume: {path} not found (train into --out first, or use --init-from)")
-    with open(path) as f:
-        return json.load(f)
-
-
-def _save_state(out: str, state: dict) -> None:
-    with open(os.path.join(out, STATE_FILE), "w") as f:
-        json.dump(state, f, indent=1)
-    from specserve.train.model_card import write_model_card
-
-    write_model_card(out, state)
+    save_train_state(out, state)
 
 
 def promote(new: str, shipped: str, dev_prompts: int, data: str, model_path: Optional[str]) -> dict:
@@ -260,9 +246,9 @@ def promote(new: str, shipped: str, dev_prompts: int, data: str, model_path: Opt
     old_len = scores["shipped"]["served"]["accept_length"]
     result = {"dev_prompts": len(prompts), "new_dev_accept_length": new_len, "shipped_dev_accept_length": old_len,
               "new_every_anchor": scores["new"]["every_anchor"]["accept_length"], "promoted": new_len > old_len}
-    state = _read_state(new)
+    state = read_train_state(new)
     state["extensions"][-1]["dev"] = result
-    _save_state(new, state)
+    save_train_state(new, state)
     with open(os.path.join(new, "dev_eval.json"), "w") as f:
         json.dump(scores, f, indent=1)
     if result["promoted"]:

@@ -62,11 +62,9 @@ class AcceptTally:
     block_size: int
     walk_steps: int = 0
     walk_accepted: int = 0
-    walk_first: int = 0
     walk_survival: list[int] = field(default_factory=list)
     all_anchors: int = 0
     all_accepted: int = 0
-    all_first: int = 0
     all_survival: list[int] = field(default_factory=list)
 
     def add(self, accepts: torch.Tensor, steps: list[int]) -> None:

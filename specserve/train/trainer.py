@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from specserve.models.dspark import DsparkConfig, DsparkDrafter
 from specserve.train.corpus import Corpus, Sequence
+from specserve.train.vocab_loss import picked_log_probs
 
 CE_WEIGHT, TV_WEIGHT, CONF_WEIGHT = 0.1, 0.9, 1.0
 POSITION_DECAY = 4.0
@@ -150,14 +151,14 @@ class DrafterLoss:
         hidden = self.block_hidden(blk) if hidden is None else hidden  # [B, A, g, H]
         h = hidden[blk.valid]  # [P, H]
         prev = d.markov_w1(blk.prev[blk.valid])  # [P, r]
-        logits = F.linear(h, self.head_weight).float() + d.markov_w2(prev).float()
-        logq = torch.log_softmax(logits, -1)
         labels = blk.labels[blk.valid]
-        draft_labels = self.to_draft(labels)
-        in_vocab = draft_labels >= 0  # a label outside the draft vocabulary cannot be drafted: no CE
-        ce = -logq.gather(1, draft_labels.clamp(min=0).unsqueeze(1)).squeeze(1) * in_vocab
+        draft_labels = self.to_draft(labels).unsqueeze(1)
         top = self.to_draft(blk.top_ids[blk.valid])
-        q_top = logq.gather(1, top.clamp(min=0)).exp() * (top >= 0)
+        ids = torch.cat([draft_labels, top], 1)  # -1: outside the draft vocabulary, masked below
+        logq, pick = picked_log_probs(h, prev, self.head_weight, d.markov_w2.weight, ids.clamp(min=0))
+        in_vocab = ids >= 0  # a label outside the draft vocabulary cannot be drafted: no CE
+        ce = -logq[:, 0] * in_vocab[:, 0]
+        q_top = logq[:, 1:].exp() * in_vocab[:, 1:]
         p_top = blk.top_probs[blk.valid]
         tv = 0.5 * ((p_top - q_top).abs().sum(1) + ((1 - p_top.sum(1)) - (1 - q_top.sum(1))).abs())
         conf_logit = d.confidence(torch.cat([h, prev], -1)).float().squeeze(-1)
@@ -165,8 +166,7 @@ class DrafterLoss:
         slot = torch.arange(g).expand(blk.valid.shape)[blk.valid]
         w = torch.exp(-slot.float() / POSITION_DECAY)
         loss = (w * (CE_WEIGHT * ce + TV_WEIGHT * tv + CONF_WEIGHT * bce)).sum() / w.sum()
-        with torch.no_grad():
-            hit = (d.to_target(logits.argmax(-1)) == labels).view(-1)
+        hit = d.to_target(pick) == labels
         return loss, {"loss": float(loss.detach()), "ce": float(ce.detach().mean()), "tv": float(tv.detach().mean()),
                       "bce": float(bce.detach().mean()), "top1": float(hit.float().mean()), "positions": int(h.shape[0])}
 

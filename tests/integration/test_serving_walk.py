@@ -42,3 +42,21 @@ def test_a_walk_with_misplaced_anchors_is_caught(served, monkeypatch):
 
     monkeypatch.setattr(serving_walk, "serving_walk", off_by_one)
     assert eval_drafter.walk(*served)["walk_equals_served"] < len(PROMPTS)
+
+
+def test_eval_drafter_cli_reports_served_walk_and_every_anchor(tmp_path):
+    import json
+
+    from specserve.cli import main as cli_main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval-drafter", "--prompts", str(prompts), "--dtype", "float32", "--max-new-tokens", "24",
+                     "--batch-size", "2", "--out", str(out)]) == 0
+    report = json.load(open(out))["sets"][str(prompts)]
+    assert report["requests"] == report["walk_equals_served"] == 2
+    served = report["served"]
+    assert served["accept_length"] == pytest.approx(report["serving_walk"]["accept_length"])
+    assert served["first_draft_accepted"] == pytest.approx(report["serving_walk"]["first_draft_accepted"])
+    assert 0 < served["steps"] < served["completion_tokens"]

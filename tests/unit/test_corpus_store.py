@@ -65,3 +65,18 @@ def test_training_prompts_exclude_benchmarks_and_the_evaluation_sets(tmp_path):
     store.append("sharegpt-greedy", [Pair([1], [2, 2], prompt_key(train[0][0]))], {}, 0.0, "m")
     assert sources.training_prompts(str(tmp_path), store, "sharegpt-greedy")[0] == train[1]  # answered once
     assert sources.training_prompts(str(tmp_path), store, "sharegpt-answers")[0] == train[0]  # per source
+
+
+def test_the_committed_corpus_is_intact_and_keeps_the_evaluation_prompts_out():
+    from specserve.train.corpus_cli import DEFAULT_DATA_DIR
+
+    store = CorpusStore(DEFAULT_DATA_DIR)
+    assert store.shards and store.total_bytes <= store.budget_bytes
+    by_source: dict[str, list[int]] = {}
+    for info, pair in store.pairs():  # every shard's sha256 is checked on read
+        by_source.setdefault(info.source, []).append(pair.key)
+    assert {s: len(k) for s, k in by_source.items()} == {s: store.counts(s)["sequences"] for s in store.sources()}
+    assert all(len(set(keys)) == len(keys) for keys in by_source.values())  # one answer per prompt and source
+    sets = sources.evaluation_sets(DEFAULT_DATA_DIR)
+    evaluation = {prompt_key(p) for prompts in sets.values() for p in prompts} | sources.benchmark_keys()
+    assert not evaluation & {k for keys in by_source.values() for k in keys}

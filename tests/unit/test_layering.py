@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
                "sampler", "sampling_params", "args", "envs", "errors"},
     "server": {"engine", "tokenizer", "models", "sampling_params", "args", "errors"},
-    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args"},
+    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets"},
     "bench": {"engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
               "sampling_params"},
     "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},

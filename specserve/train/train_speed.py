@@ -31,7 +31,7 @@ def run_train_speed(ns: argparse.Namespace) -> int:
     from specserve.assets import default_drafter_path
     from specserve.models.loader import load_model
     from specserve.train.corpus_store import CorpusStore
-    from specserve.train.run import _build_teacher, _load_weights
+    from specserve.train.run import build_teacher_cache, load_drafter_weights
     from specserve.train.teacher import TeacherCache, TeacherCorpus
     from specserve.models.dspark import DsparkDrafter, read_drafter_config
     from specserve.train.trainer import DrafterLoss
@@ -40,11 +40,11 @@ def run_train_speed(ns: argparse.Namespace) -> int:
     cfg = read_drafter_config(path)
     store = CorpusStore(ns.data)
     cache = TeacherCache(ns.cache or f"{ns.data}/cache", cfg.target_layer_ids, 16, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    _build_teacher(cache, store, None, None)
+    build_teacher_cache(cache, store, None, None)
     corpus = TeacherCorpus([cache.load(s) for s in store.shards], cfg.target_layer_ids, 16)
     loaded = load_model(None)
     drafter = DsparkDrafter(cfg, max_positions=4096)
-    _load_weights(drafter, path)
+    load_drafter_weights(drafter, path)
     head = loaded.weights["model.embed_tokens.weight"].to(torch.bfloat16)
     loss = DrafterLoss(drafter, head, head)
     results = []
