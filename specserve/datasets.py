@@ -90,15 +90,19 @@ def sharegpt_first_turns(limit: int, seed: int = 0, max_chars: int = 2000) -> li
     return prompts[:limit]
 
 
+def sharegpt_first_exchanges():
+    """(first human turn, first assistant answer) of every ShareGPT V3 conversation, in file order
+    ('' where a side is missing)."""
+    for record in _sharegpt_records():
+        turns = record.get("conversations") or []
+        yield _first(turns, "human"), _first(turns, "gpt")
+
+
 def sharegpt_exchanges(limit: int, max_chars: int = 2000) -> list[tuple[str, str]]:
     """(first human turn, first assistant answer) pairs from the end of ShareGPT V3, for
     measuring a model's perplexity on real assistant text."""
-    pairs: list[tuple[str, str]] = []
-    for record in _sharegpt_records():
-        turns = record.get("conversations") or []
-        human, answer = _first(turns, "human"), _first(turns, "gpt")
-        if 8 <= len(human) <= max_chars and 64 <= len(answer) <= max_chars:
-            pairs.append((human, answer))
+    pairs = [(human, answer) for human, answer in sharegpt_first_exchanges()
+             if 8 <= len(human) <= max_chars and 64 <= len(answer) <= max_chars]
     return pairs[-limit:]
 
 

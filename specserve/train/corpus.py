@@ -1,18 +1,15 @@
-"""The self-distillation corpus: the target's own responses, its hidden states and its top-k.
+"""The target's view of a prompt + response: its hidden states and its top-k, by one prefill.
 
-1. Responses: the target answers real prompts greedily, batched through specserve's engine (the
-   same weights and kernels that will serve the drafter).
-2. Capture: one batched prefill over prompt + response per sequence records the target's hidden
-   states at the drafter's `target_layer_ids` for every position (the drafter's context) and the
-   target's top-k next-token distribution at every response position (the teacher for the TV loss;
-   the full 49k-wide distribution would not fit in memory for a useful corpus).
+`capture` runs one batched prefill over prompt + response per sequence and records the target's
+hidden states at the drafter's `target_layer_ids` for every position (the drafter's context) and
+the target's top-k next-token distribution at every response position (the teacher for the TV
+loss; the full 49k-wide distribution would not fit in memory for a useful corpus). The responses
+themselves come from the corpus store (`corpus_store.py`, `sources.py`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -39,50 +36,13 @@ class Sequence:
 
 @dataclass
 class Corpus:
+    """Sequences held in memory (the held-out set; training reads `teacher.TeacherCorpus`)."""
+
     sequences: list[Sequence]
     target_layer_ids: list[int]
     topk: int
 
-    @property
-    def response_tokens(self) -> int:
-        return sum(s.response_len for s in self.sequences)
 
-    def save(self, path: str) -> None:
-        torch.save({"sequences": [vars(s) for s in self.sequences], "target_layer_ids": self.target_layer_ids,
-                    "topk": self.topk}, path)
-
-    @classmethod
-    def load(cls, path: str) -> "Corpus":
-        raw = torch.load(path, weights_only=True)
-        return cls([Sequence(**s) for s in raw["sequences"]], list(raw["target_layer_ids"]), int(raw["topk"]))
-
-    def split(self, held_out: int) -> tuple["Corpus", "Corpus"]:
-        """The last `held_out` sequences for evaluation, the rest for training."""
-        held_out = min(held_out, len(self.sequences) // 2)
-        cut = len(self.sequences) - held_out
-        return (Corpus(self.sequences[:cut], self.target_layer_ids, self.topk),
-                Corpus(self.sequences[cut:], self.target_layer_ids, self.topk))
-
-
-def generate_responses(engine, prompts: list[str], max_new_tokens: int, max_prompt_tokens: int = 768,
-                       group: int = 400, progress: Optional[Callable[[int, int], None]] = None
-                       ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy response ids) per prompt that fits; responses keep their stop token."""
-    tokenized = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    tokenized = [t for t in tokenized if len(t) <= max_prompt_tokens]
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
-    out = []
-    for start in range(0, len(tokenized), group):
-        chunk = tokenized[start:start + group]
-        for ids, res in zip(chunk, engine.generate(input_ids=chunk, sampling_params=params)):
-            if len(res["output_ids"]) >= 2:
-                out.append((ids, res["output_ids"]))
-        if progress:
-            progress(len(out), sum(len(r) for _, r in out))
-    return out
-
-
-@torch.inference_mode()
 def capture(model: LlamaForCausalLM, pairs: list[tuple[list[int], list[int]]], layer_ids: list[int], topk: int,
             max_tokens: int = 2048) -> list[Sequence]:
     """Batched prefills over prompt + response with the layers' hidden states and the teacher top-k."""
@@ -125,18 +85,3 @@ def _capture_chunk(model, kv, chunk, layer_ids: tuple[int, ...], topk: int) -> l
                             top_ids[row:row + n_rows].clone(), top_probs[row:row + n_rows].float().clone()))
         row += n_rows
     return out
-
-
-def build_corpus(engine, prompts: list[str], max_new_tokens: int, layer_ids: list[int], topk: int = 16,
-                 log: Callable[[str], None] = print) -> Corpus:
-    start = time.perf_counter()
-
-    def progress(n: int, tokens: int) -> None:
-        elapsed = time.perf_counter() - start
-        log(f"responses: {n} sequences, {tokens} tokens, {tokens / elapsed:.0f} tokens/s")
-
-    pairs = generate_responses(engine, prompts, max_new_tokens, progress=progress)
-    mid = time.perf_counter()
-    sequences = capture(engine.runner.model, pairs, layer_ids, topk)
-    log(f"capture: {sum(len(s.ids) for s in sequences)} tokens in {time.perf_counter() - mid:.0f} s")
-    return Corpus(sequences, list(layer_ids), topk)

@@ -15,6 +15,7 @@ size budget (50 MB by default) so that the repository stays small.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 MANIFEST = "manifest.json"
+LOCK_FILE = ".append.lock"  # held while a shard is appended
 SHARD_DIR = "shards"
 DEFAULT_BUDGET_BYTES = 50 * 1024 * 1024
 
@@ -92,16 +94,24 @@ class CorpusStore:
         keys: set[int] = set()
         for info in self.shards:
             if info.source == source:
-                keys.update(int(k) for k in self._load(info)["keys"])
+                keys.update(self.shard_keys(info))
         return keys
 
     def append(self, source: str, pairs: Sequence[Pair], generator: dict, seconds: float, machine: str) -> ShardInfo:
-        """Write one new shard and record it; refuses to exceed the size budget."""
+        """Write one new shard and record it; refuses to exceed the size budget. Safe against another
+        process appending at the same time (a lock file; the manifest is re-read under it)."""
         if not pairs:
             raise ValueError("append: no sequences")
         if any(t < 0 or t > 0xFFFF for p in pairs for t in (*p.prompt_ids, *p.answer_ids)):
             raise ValueError("append: token ids must fit uint16 (vocabulary up to 65,536)")
         os.makedirs(os.path.join(self.root, SHARD_DIR), exist_ok=True)
+        with open(os.path.join(self.root, LOCK_FILE), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.shards = CorpusStore(self.root, self.budget_bytes).shards
+            return self._append_locked(source, pairs, generator, seconds, machine)
+
+    def _append_locked(self, source: str, pairs: Sequence[Pair], generator: dict, seconds: float,
+                       machine: str) -> ShardInfo:
         name = f"{SHARD_DIR}/{len(self.shards):05d}-{source}.npz"
         path = os.path.join(self.root, name)
         if os.path.exists(path):
@@ -129,14 +139,22 @@ class CorpusStore:
     def pairs(self, sources: Optional[Sequence[str]] = None) -> Iterator[tuple[ShardInfo, Pair]]:
         """Every sequence of the chosen sources, shard by shard in manifest order."""
         for info in self.shards:
-            if sources is not None and info.source not in sources:
-                continue
-            raw = self._load(info)
-            tokens, offset = raw["tokens"], 0
-            for p_len, a_len, key in zip(raw["prompt_lens"], raw["answer_lens"], raw["keys"]):
-                seq = tokens[offset:offset + p_len + a_len].astype(np.int64).tolist()
-                offset += int(p_len + a_len)
-                yield info, Pair(seq[:p_len], seq[p_len:], int(key))
+            if sources is None or info.source in sources:
+                yield from ((info, pair) for pair in self.shard_pairs(info))
+
+    def shard_pairs(self, info: ShardInfo) -> list[Pair]:
+        """One shard's sequences, in order."""
+        raw = self._load(info)
+        tokens, offset, out = raw["tokens"], 0, []
+        for p_len, a_len, key in zip(raw["prompt_lens"], raw["answer_lens"], raw["keys"]):
+            seq = tokens[offset:offset + p_len + a_len].astype(np.int64).tolist()
+            offset += int(p_len + a_len)
+            out.append(Pair(seq[:p_len], seq[p_len:], int(key)))
+        return out
+
+    def shard_keys(self, info: ShardInfo) -> list[int]:
+        """One shard's prompt keys, in sequence order."""
+        return [int(k) for k in self._load(info)["keys"]]
 
     def _load(self, info: ShardInfo) -> dict[str, np.ndarray]:
         path = os.path.join(self.root, info.file)

@@ -63,6 +63,11 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
     from specserve.train.corpus_store import CorpusStore
     from specserve.train.teacher import TeacherCache, TeacherCorpus
 
+    if ns.resume and ns.init_from:
+        raise ValueError("--resume continues --out's own weights; --init-from starts a new line: give one of them")
+    if ns.promote and os.path.realpath(ns.promote) == os.path.realpath(ns.out):
+        raise ValueError("--promote must name another directory than --out (the drafter it may replace is "
+                         "measured against the new one)")
     os.makedirs(ns.out, exist_ok=True)
     torch.manual_seed(ns.seed)
     store = CorpusStore(ns.data)
@@ -79,7 +84,8 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
     teacher_s = build_teacher_cache(cache, store, sources, ns.model_path)
     chosen = [s for s in store.shards if sources is None or s.source in sources]
     corpus = TeacherCorpus([cache.load(s) for s in chosen], cfg.target_layer_ids, ns.topk)
-    train_set, held_out = _split(corpus, ns.held_out, ns.seed)
+    keys = [k for info in chosen for k in store.shard_keys(info)]
+    train_set, held_out = _split(corpus, keys, ns.held_out)
     drafter, loss = _build_drafter(ns, cfg, loaded, train_set, held_out, state)
     del loaded
     summary = _train(ns, drafter, loss, train_set, held_out, state)
@@ -121,13 +127,14 @@ def build_teacher_cache(cache, store, sources: Optional[list[str]], model_path: 
         engine.shutdown()
 
 
-def _split(corpus, held_out: int, seed: int):
-    import random
-
-    order = list(range(len(corpus)))
-    random.Random(seed).shuffle(order)
-    held_out = min(held_out, len(order) // 2)
-    return corpus.subset(sorted(order[held_out:])), corpus.subset(sorted(order[:held_out])).materialise()
+def _split(corpus, keys: list[int], held_out: int):
+    """Hold out the sequences of the `held_out` smallest prompt keys (every source's answer to a
+    prompt goes the same way). As the corpus grows a sequence can only move from held-out to
+    training, never back, so no extension scores itself on what an earlier one trained on."""
+    chosen = set(sorted(set(keys))[:min(held_out, len(set(keys)) // 2)])
+    held = [k for k, key in enumerate(keys) if key in chosen]
+    train = [k for k, key in enumerate(keys) if key not in chosen]
+    return corpus.subset(train), corpus.subset(held).materialise()
 
 
 def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
@@ -191,7 +198,7 @@ def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
         bar.set_postfix(loss=f"{parts['loss']:.3f}", top1=f"{parts['top1']:.2f}", pos_s=f"{rate:.0f}", lr=f"{lr:.1e}")
         bar.refresh()
 
-    resume_full = ns.resume and os.path.isfile(os.path.join(ns.out, "checkpoint.pt"))
+    resume_full = ns.resume and _full_checkpoint_is_current(ns.out, int(state.get("steps", 0)))
     last = train(drafter, loss, train_set, tcfg, ns.out, on_step, resume=resume_full,
                  start_step=int(state.get("steps", 0)))
     bar.close()
@@ -203,7 +210,24 @@ def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
             "first_loss": history[0]["loss"] if history else None, "last_loss": _mean_tail(history, "loss"),
             "train_sequences": len(train_set), "train_answer_tokens": train_set.answer_tokens,
             "held_out_teacher_forced": {"before": before, "after": after}, "history": history,
+            "started_from": ("checkpoint.pt" if resume_full else "weights") if ns.resume else
+            ("init-from" if ns.init_from else "scratch"),
             "args": _jsonable(vars(ns))}
+
+
+def _full_checkpoint_is_current(out: str, committed_steps: int) -> bool:
+    """A local checkpoint.pt continues the run only if it is not older than the committed weights
+    (a stale one from an earlier stretch would silently roll the drafter back)."""
+    from specserve.train.trainer import CHECKPOINT_FILE, load_checkpoint
+
+    path = os.path.join(out, CHECKPOINT_FILE)
+    if not os.path.isfile(path):
+        return False
+    step = load_checkpoint(path)["step"]
+    if step < committed_steps:
+        print(f"ignoring {path}: step {step} is older than the committed weights' step {committed_steps}")
+        return False
+    return True
 
 
 def _save(out: str, drafter, state: dict, summary: dict, model_name: str) -> None:
@@ -226,7 +250,8 @@ def _save(out: str, drafter, state: dict, summary: dict, model_name: str) -> Non
     save_train_state(out, state)
 
 
-def promote(new: str, shipped: str, dev_prompts: int, data: str, model_path: Optional[str]) -> dict:
+def promote(new: str, shipped: str, dev_prompts: int, data: str, model_path: Optional[str],
+            max_new_tokens: int = 256) -> dict:
     """Measure both drafters on the dev prompts (bf16, DSPARK fixed, greedy); copy `new` over
     `shipped` only if it is accepted longer. Records the result in both states."""
     from specserve.engine import Engine
@@ -239,7 +264,7 @@ def promote(new: str, shipped: str, dev_prompts: int, data: str, model_path: Opt
         engine = Engine(model_path=model_path, speculative_algorithm="DSPARK", speculative_policy="fixed",
                         speculative_draft_model_path=path, max_running_requests=16, random_seed=0)
         try:
-            scores[name] = evaluate_drafter(engine, prompts, 256)
+            scores[name] = evaluate_drafter(engine, prompts, max_new_tokens)
         finally:
             engine.shutdown()
     new_len = scores["new"]["served"]["accept_length"]
@@ -252,12 +277,22 @@ def promote(new: str, shipped: str, dev_prompts: int, data: str, model_path: Opt
     with open(os.path.join(new, "dev_eval.json"), "w") as f:
         json.dump(scores, f, indent=1)
     if result["promoted"]:
-        for name in ("config.json", "model.safetensors", STATE_FILE, "README.md", "dev_eval.json"):
-            shutil.copy(os.path.join(new, name), os.path.join(shipped, name))
-        for stale in ("eval.json", "eval.png"):  # measured on the drafter just replaced
-            if os.path.exists(os.path.join(shipped, stale)):
-                os.remove(os.path.join(shipped, stale))
+        _replace_drafter(new, shipped)
     return result
+
+
+def _replace_drafter(new: str, shipped: str) -> None:
+    """Swap in `new`'s files as a whole directory, so an interruption never leaves weights and config
+    of different drafters side by side. Figures measured on the replaced drafter (eval.json/png) go."""
+    staging, retired = shipped.rstrip("/") + ".new", shipped.rstrip("/") + ".old"
+    for path in (staging, retired):
+        shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(staging)
+    for name in ("config.json", "model.safetensors", STATE_FILE, "README.md", "dev_eval.json"):
+        shutil.copy(os.path.join(new, name), os.path.join(staging, name))
+    os.rename(shipped, retired)
+    os.rename(staging, shipped)
+    shutil.rmtree(retired)
 
 
 def _mean_tail(history: list[dict], key: str, n: int = 20) -> Optional[float]:

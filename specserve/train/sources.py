@@ -23,10 +23,10 @@ import random
 import time
 from typing import Callable, Optional
 
-from specserve.datasets import _first, _sharegpt_records, humaneval_prompts, mtbench_questions
+from specserve.datasets import humaneval_prompts, mtbench_questions, sharegpt_first_exchanges
 from specserve.train.corpus_store import CorpusStore, Pair, prompt_key
 
-POOL_SEED = 0  # the shuffle the shipped drafter's first corpus drew its prompts from
+POOL_SEED = 0  # the pool's fixed shuffle (its tail is the dev and held-out sets)
 DEV_FILE, HELDOUT_FILE = "dev_prompts.jsonl", "heldout_prompts.jsonl"
 SET_SIZE = 64
 MAX_PROMPT_CHARS = 2000
@@ -39,9 +39,7 @@ def sharegpt_pool() -> list[tuple[str, str]]:
     the fixed shuffled order, with the benchmark prompts removed."""
     excluded = benchmark_keys()
     pool, seen = [], set()
-    for record in _sharegpt_records():
-        turns = record.get("conversations") or []
-        human, answer = _first(turns, "human"), _first(turns, "gpt")
+    for human, answer in sharegpt_first_exchanges():
         key = prompt_key(human)
         if 8 <= len(human) <= MAX_PROMPT_CHARS and key not in excluded and key not in seen:
             seen.add(key)
@@ -61,7 +59,10 @@ def benchmark_keys() -> set[int]:
 def evaluation_sets(root: str, pool: Optional[list[tuple[str, str]]] = None) -> dict[str, list[str]]:
     """The frozen development and held-out prompt sets (written on first use from the pool's tail)."""
     paths = {"dev": os.path.join(root, DEV_FILE), "heldout": os.path.join(root, HELDOUT_FILE)}
-    if not all(os.path.isfile(p) for p in paths.values()):
+    present = [os.path.isfile(p) for p in paths.values()]
+    if any(present) and not all(present):  # rewriting the other would unfreeze a set
+        raise ValueError(f"{root}: one of {DEV_FILE} and {HELDOUT_FILE} is missing; restore it from git")
+    if not any(present):
         pool = pool if pool is not None else sharegpt_pool()
         tail = [human for human, _ in pool[-2 * SET_SIZE:]]
         os.makedirs(root, exist_ok=True)
@@ -134,9 +135,13 @@ def extend(root: str, source: str, num_prompts: int, shard_prompts: int = 512, m
     try:
         if engine is None:
             for at in range(0, len(todo), shard_prompts):
+                if deadline is not None and time.perf_counter() > deadline:
+                    log("stopping at the time budget")
+                    break
                 t0 = time.perf_counter()
-                write(_answer_pairs(todo[at:at + shard_prompts], tokenizer, max_new_tokens, max_prompt_tokens),
-                      time.perf_counter() - t0)
+                pairs = _answer_pairs(todo[at:at + shard_prompts], tokenizer, max_new_tokens, max_prompt_tokens)
+                if pairs:  # every answer of the chunk too short or its prompt too long: nothing to keep
+                    write(pairs, time.perf_counter() - t0)
         else:
             params = {"max_new_tokens": max_new_tokens, "temperature": 0}
             if source == "sharegpt-sampled":

@@ -72,7 +72,7 @@ class TeacherCache:
         tokens, started = 0, time.perf_counter()
         for info in self.missing(store, sources):
             t0 = time.perf_counter()
-            pairs = [(p.prompt_ids, p.answer_ids) for s, p in store.pairs() if s.file == info.file]
+            pairs = [(p.prompt_ids, p.answer_ids) for p in store.shard_pairs(info)]
             self._write(self.entry_dir(info), pairs, model)
             n = sum(len(a) + len(b) for a, b in pairs)
             tokens += n

@@ -24,9 +24,10 @@ class PickedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, e, w_head, w_markov, ids):
-        x = torch.cat([h, e.to(h.dtype)], 1)
-        weight = torch.cat([w_head, w_markov.to(w_head.dtype)], 1)
-        logits = x @ weight.t()  # [P, V] in the inputs' dtype
+        dtype = w_head.dtype  # everything runs in the frozen head's dtype (bf16 in training), autocast or not
+        x = torch.cat([h.to(dtype), e.to(dtype)], 1)
+        weight = torch.cat([w_head, w_markov.to(dtype)], 1)
+        logits = x @ weight.t()  # [P, V]
         rows = logits.shape[0]
         lse = torch.empty(rows)
         picked = torch.empty(ids.shape)
@@ -53,10 +54,13 @@ class PickedLogProbs(torch.autograd.Function):
             p.mul_(-row_sum[s:s + ROWS_PER_CHUNK])
             p.scatter_add_(1, ids[s:s + ROWS_PER_CHUNK], grad_picked[s:s + ROWS_PER_CHUNK])
             grad_logits[s:s + ROWS_PER_CHUNK] = p
-        grad_x = grad_logits @ weight
         split = ctx.split
-        grad_h, grad_e = grad_x[:, :split], grad_x[:, split:]
-        grad_w_markov = grad_logits.t() @ x[:, split:] if ctx.needs_input_grad[3] else None
+        grad_h = grad_e = grad_w_markov = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            grad_x = grad_logits @ weight
+            grad_h, grad_e = grad_x[:, :split], grad_x[:, split:]
+        if ctx.needs_input_grad[3]:
+            grad_w_markov = grad_logits.t() @ x[:, split:]
         return grad_h, grad_e, None, grad_w_markov, None
 
 
@@ -65,4 +69,6 @@ def picked_log_probs(h: torch.Tensor, e: torch.Tensor, w_head: torch.Tensor, w_m
     """log q(ids) over the draft vocabulary and the argmax draft id; see the module docstring."""
     if ids.dtype != torch.int64 or (ids < 0).any():
         raise ValueError("ids must be int64 draft ids >= 0 (clamp out-of-vocabulary ids and mask them)")
+    if w_head.requires_grad:
+        raise ValueError("w_head is the frozen target LM head: no gradient is computed for it")
     return PickedLogProbs.apply(h, e, w_head, w_markov, ids)

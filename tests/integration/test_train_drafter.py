@@ -68,7 +68,14 @@ def test_resume_continues_from_the_checkpoint(trained, corpus_dir, tmp_path):
                      *SMOKE]) == 0
     summary = json.load(open(resumed / "train_history.json"))
     assert [h["step"] for h in summary["history"]] == [41, 42, 43, 44, 45]
-    assert len(json.load(open(resumed / "train_state.json"))["extensions"]) == 2
+    extensions = json.load(open(resumed / "train_state.json"))["extensions"]
+    assert len(extensions) == 2 and extensions[-1]["started_from"] == "checkpoint.pt"  # with optimizer state
+    # A checkpoint.pt older than the weights (left from an earlier stretch) must not roll them back.
+    shutil.copy(os.path.join(out, "checkpoint.pt"), resumed / "checkpoint.pt")  # step 40 < 45
+    assert cli_main(["train-drafter", "--data", corpus_dir, "--out", str(resumed), "--steps", "1", "--resume",
+                     *SMOKE]) == 0
+    assert [h["step"] for h in json.load(open(resumed / "train_history.json"))["history"]] == [46]
+    assert json.load(open(resumed / "train_state.json"))["extensions"][-1]["started_from"] == "weights"
 
 
 def test_resume_from_committed_weights_only(trained, corpus_dir, tmp_path):
@@ -80,6 +87,7 @@ def test_resume_from_committed_weights_only(trained, corpus_dir, tmp_path):
     assert cli_main(["train-drafter", "--data", corpus_dir, "--out", str(committed), "--steps", "3", "--resume",
                      *SMOKE]) == 0
     assert [h["step"] for h in json.load(open(committed / "train_history.json"))["history"]] == [41, 42, 43]
+    assert json.load(open(committed / "train_state.json"))["extensions"][-1]["started_from"] == "weights"
 
 
 def test_checkpoints_load_weights_only_and_refuse_pickled_objects(tmp_path):
@@ -143,3 +151,28 @@ def test_eval_acceptance_writes_json_and_plot(trained, tmp_path):
 def test_eval_acceptance_rejects_unknown_dataset(capsys):
     assert cli_main(["eval-acceptance", "--dataset", "nope"]) == 2
     assert "--dataset must be" in capsys.readouterr().err
+
+
+def test_promotion_replaces_only_with_a_drafter_accepted_longer(trained, corpus_dir, tmp_path):
+    from specserve.assets import default_drafter_path
+    from specserve.train.run import promote
+
+    weak, shipped = tmp_path / "weak", tmp_path / "shipped"
+    shutil.copytree(trained[0], weak)
+    shutil.copytree(default_drafter_path(), shipped)
+    before = (shipped / "model.safetensors").read_bytes()
+    kept = promote(str(weak), str(shipped), 2, corpus_dir, None, max_new_tokens=32)
+    assert not kept["promoted"] and kept["new_dev_accept_length"] < kept["shipped_dev_accept_length"]
+    assert (shipped / "model.safetensors").read_bytes() == before and not (shipped / "dev_eval.json").exists()
+    assert json.load(open(weak / "train_state.json"))["extensions"][-1]["dev"] == kept
+
+    replaced = promote(str(shipped), str(weak), 2, corpus_dir, None, max_new_tokens=32)
+    assert replaced["promoted"]
+    assert (weak / "model.safetensors").read_bytes() == before and (weak / "dev_eval.json").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["shipped", "weak"]  # no staging or retired folder left
+
+
+def test_resume_and_init_from_together_are_refused(trained, corpus_dir, capsys):
+    assert cli_main(["train-drafter", "--data", corpus_dir, "--out", trained[0], "--resume",
+                     "--init-from", trained[0]]) == 2
+    assert "give one of them" in capsys.readouterr().err

@@ -29,6 +29,16 @@ def test_shards_round_trip_and_the_manifest_counts_them(tmp_path):
     assert manifest["by_source"]["sharegpt-greedy"]["answer_tokens"] == 9 and manifest["shards"][0]["seconds"] == 1.5
 
 
+def test_two_writers_on_one_corpus_keep_both_shards(tmp_path):
+    """Two `extend` processes at once: each append re-reads the manifest under the lock."""
+    first, second = CorpusStore(str(tmp_path)), CorpusStore(str(tmp_path))  # both see an empty corpus
+    first.append("sharegpt-greedy", _pairs(2), {}, 1.0, "m")
+    second.append("sharegpt-sampled", _pairs(3, 10), {}, 1.0, "m")
+    again = CorpusStore(str(tmp_path))
+    assert [s.file for s in again.shards] == ["shards/00000-sharegpt-greedy.npz", "shards/00001-sharegpt-sampled.npz"]
+    assert again.counts()["sequences"] == 5
+
+
 def test_a_rewritten_shard_is_refused(tmp_path):
     store = CorpusStore(str(tmp_path))
     info = store.append("sharegpt-greedy", _pairs(2), {}, 1.0, "m")

@@ -54,3 +54,26 @@ def test_negative_ids_are_refused():
     with pytest.raises(ValueError, match="draft ids >= 0"):
         picked_log_probs(torch.zeros(2, 4), torch.zeros(2, 2), torch.zeros(8, 4), torch.zeros(8, 2),
                          torch.tensor([[0], [-1]]))
+
+
+def test_under_autocast_it_matches_the_autograd_path_it_replaces():
+    """The trainer's setting: bf16 autocast, a bf16 head, fp32 block states and Markov weights."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(70, 32, generator=gen, requires_grad=True)
+    e = torch.randn(70, 8, generator=gen, requires_grad=True)
+    w_head = (torch.randn(500, 32, generator=gen) / 4).to(torch.bfloat16)
+    w_markov = torch.randn(500, 8, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 500, (70, 4), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = picked_log_probs(h, e, w_head, w_markov, ids)
+        logits = torch.nn.functional.linear(h, w_head).float() + torch.nn.functional.linear(e, w_markov).float()
+        want = torch.log_softmax(logits, -1).gather(1, ids)
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)  # one bf16 rounding of the logits each
+    got.sum().backward()
+    assert h.grad.dtype == torch.float32 and torch.isfinite(w_markov.grad).all() and w_markov.grad.abs().sum() > 0
+
+
+def test_a_trainable_head_is_refused():
+    with pytest.raises(ValueError, match="frozen"):
+        picked_log_probs(torch.zeros(2, 4), torch.zeros(2, 2), torch.zeros(8, 4, requires_grad=True),
+                         torch.zeros(8, 2), torch.zeros(2, 1, dtype=torch.int64))
