@@ -128,9 +128,10 @@ class DrafterLoss:
         positions = (blk.anchors.unsqueeze(-1) + torch.arange(g)).reshape(-1)
         cos, sin = d.rope.cos_sin(positions, ctx.dtype)
         x = F.embedding(blk.block_ids.reshape(-1), self.embed_weight).to(ctx.dtype).view(B, A * g, -1)
+        mask = self._mask(blk, ctx.dtype)  # [B, 1, A*g, T + A*g]: the same for every layer
         for layer in d.layers:
             k, v = layer.context_kv(ctx, ctx_cos, ctx_sin)
-            x = layer(x, k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:]), self._mask(blk, ctx.dtype), cos, sin)
+            x = layer(x, k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:]), mask, cos, sin)
         return d.norm(x).view(B, A, g, -1)
 
     @staticmethod
