@@ -80,7 +80,7 @@ def main() -> None:
     cfg = read_drafter_config(path)
     store = CorpusStore(ns.data)
     cache = TeacherCache(os.path.join(ns.data, "cache"), cfg.target_layer_ids, 16, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    build_teacher_cache(cache, store, None, None)
+    build_teacher_cache(cache, store, store.shards, None)
     corpus = TeacherCorpus([cache.load(s) for s in store.shards], cfg.target_layer_ids, 16)
     drafter = DsparkDrafter(cfg, max_positions=4096)
     load_drafter_weights(drafter, path)

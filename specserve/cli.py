@@ -143,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.train.train_speed import add_train_speed_args
 
     add_train_speed_args(tspeed)
+    dsrc = bench_sub.add_parser("drafter-sources", help="dev accept length gained per machine-hour by each source "
+                                "of drafter training data, against more training on data already used")
+    from specserve.train.source_value import add_source_value_args
+
+    add_source_value_args(dsrc)
+    dshape = bench_sub.add_parser("drafter-shapes", help="drafter shapes trained from scratch on the same data and "
+                                  "minutes: dev accept length, drafting cost and batch-1 speed")
+    from specserve.train.shape_ablation import add_shape_ablation_args
+
+    add_shape_ablation_args(dshape)
     dstep = bench_sub.add_parser("dspark-step", help="where a DSPARK verify step's time goes, against a plain decode step")
     from specserve.bench.dspark_step import add_dspark_step_args
 
@@ -257,6 +267,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.offline import run_offline_bench
 
             return run_offline_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "drafter-sources":
+            from specserve.train.source_value import run_source_value
+
+            return run_source_value(ns)
+        if ns.command == "bench" and ns.bench_command == "drafter-shapes":
+            from specserve.train.shape_ablation import run_shape_ablation
+
+            return run_shape_ablation(ns)
         if ns.command == "bench" and ns.bench_command == "spec":
             from specserve.bench.spec import run_spec_bench
 

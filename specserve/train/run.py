@@ -24,6 +24,7 @@ from specserve.train.corpus_cli import DEFAULT_DATA_DIR
 from specserve.train.model_card import STATE_FILE, read_train_state, save_train_state
 
 TRAIN_DEFAULTS = dict(steps=1200, seqs_per_step=8, anchors_per_seq=48)
+DEFAULT_TOPK = 16  # teacher probabilities kept per position (the cache is keyed by it)
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +33,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="target model (default: the embedded one)")
     p.add_argument("--data", default=DEFAULT_DATA_DIR, help="corpus folder (manifest.json, shards/)")
     p.add_argument("--sources", default=None, help="comma-separated corpus sources (default: all)")
+    p.add_argument("--shards", default=None, help="only these shard numbers, e.g. 0-4,6 (default: all)")
     p.add_argument("--cache", default=None, help="teacher cache folder (default: DATA/cache, not committed)")
-    p.add_argument("--topk", type=int, default=16, help="teacher distribution kept per position")
+    p.add_argument("--topk", type=int, default=DEFAULT_TOPK, help="teacher distribution kept per position")
     p.add_argument("--init-from", default=None, help="start from this drafter directory's weights and shape")
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--block-size", type=int, default=5)
@@ -79,10 +81,10 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
     if not ns.resume and ns.init_from and os.path.isfile(os.path.join(ns.init_from, STATE_FILE)):
         state = read_train_state(ns.init_from)  # the history it extends
     cfg = _drafter_config(ns, loaded.config, state)
-    model_name = os.path.basename(ns.model_path or "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model_name = target_model_name(ns.model_path)
     cache = TeacherCache(ns.cache or os.path.join(ns.data, "cache"), cfg.target_layer_ids, ns.topk, model_name)
-    teacher_s = build_teacher_cache(cache, store, sources, ns.model_path)
-    chosen = [s for s in store.shards if sources is None or s.source in sources]
+    chosen = select_shards(store, sources, ns.shards)
+    teacher_s = build_teacher_cache(cache, store, chosen, ns.model_path)
     corpus = TeacherCorpus([cache.load(s) for s in chosen], cfg.target_layer_ids, ns.topk)
     keys = [k for info in chosen for k in store.shard_keys(info)]
     train_set, held_out = _split(corpus, keys, ns.held_out)
@@ -90,7 +92,8 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
     del loaded
     summary = _train(ns, drafter, loss, train_set, held_out, state)
     summary.update(teacher_minutes=round(teacher_s / 60, 2), corpus=store.counts(),
-                   corpus_by_source={s: store.counts(s) for s in store.sources() if sources is None or s in sources})
+                   corpus_by_source={s: store.counts(s) for s in store.sources() if sources is None or s in sources},
+                   shards=[os.path.basename(s.file) for s in chosen])
     _save(ns.out, drafter, state, summary, model_name)
     if ns.promote:
         summary["promotion"] = promote(ns.out, ns.promote, ns.dev_prompts, ns.data, ns.model_path)
@@ -111,9 +114,42 @@ def _drafter_config(ns: argparse.Namespace, target_cfg, state: dict):
                               ns.mask_token_id)
 
 
-def build_teacher_cache(cache, store, sources: Optional[list[str]], model_path: Optional[str]) -> float:
-    """Compute the teacher (hidden states, top-k) for the shards `cache` lacks; the seconds it took."""
-    missing = cache.missing(store, sources)
+def target_model_name(model_path: Optional[str]) -> str:
+    """The target's file name, which keys the teacher cache (the embedded model's by default)."""
+    return os.path.basename(model_path or "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def select_shards(store, sources: Optional[list[str]], numbers: Optional[str]) -> list:
+    """The shards of `sources` (all when None) whose numbers are in `numbers` ("0-4,6"; all when None)."""
+    wanted = parse_shard_numbers(numbers) if numbers else None
+    chosen = [s for s in store.shards if (sources is None or s.source in sources)
+              and (wanted is None or shard_number(s) in wanted)]
+    if not chosen:
+        raise ValueError(f"no corpus shard matches --sources {sources} --shards {numbers} "
+                         f"(have: {', '.join(os.path.basename(s.file) for s in store.shards)})")
+    return chosen
+
+
+def shard_number(info) -> int:
+    """A shard's number (the NNNNN of shards/NNNNN-SOURCE.npz)."""
+    return int(os.path.basename(info.file).split("-", 1)[0])
+
+
+def parse_shard_numbers(spec: str) -> set[int]:
+    """"0-4,6" as {0, 1, 2, 3, 4, 6}."""
+    numbers: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            numbers.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"--shards {spec!r}: expected shard numbers and ranges like 0-4,6") from None
+    return numbers
+
+
+def build_teacher_cache(cache, store, shards: list, model_path: Optional[str]) -> float:
+    """Compute the teacher (hidden states, top-k) for those of `shards` `cache` lacks; the seconds it took."""
+    missing = cache.missing(shards)
     if not missing:
         return 0.0
     from tqdm import tqdm
@@ -122,7 +158,7 @@ def build_teacher_cache(cache, store, sources: Optional[list[str]], model_path: 
 
     engine = Engine(model_path=model_path, speculative_algorithm="NONE", random_seed=0)
     try:
-        return cache.build(store, engine.runner.model, sources, log=tqdm.write)["seconds"]
+        return cache.build(store, engine.runner.model, shards, log=tqdm.write)["seconds"]
     finally:
         engine.shutdown()
 

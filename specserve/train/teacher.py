@@ -62,25 +62,30 @@ class TeacherCache:
         tag = hashlib.sha1(json.dumps([info.sha256, self.layer_ids, self.topk, self.model_name]).encode()).hexdigest()
         return os.path.join(self.cache_dir, f"{os.path.basename(info.file)[:-4]}-{tag[:12]}")
 
-    def missing(self, store: CorpusStore, sources: Optional[Seq[str]] = None) -> list[ShardInfo]:
-        return [s for s in store.shards if (sources is None or s.source in sources)
-                and not os.path.isfile(os.path.join(self.entry_dir(s), "done"))]
+    def missing(self, shards: Seq[ShardInfo]) -> list[ShardInfo]:
+        return [s for s in shards if not os.path.isfile(os.path.join(self.entry_dir(s), "done"))]
 
-    def build(self, store: CorpusStore, model, sources: Optional[Seq[str]] = None,
+    def build(self, store: CorpusStore, model, shards: Seq[ShardInfo],
               log: Callable[[str], None] = print) -> dict[str, float]:
-        """Compute every missing shard of `sources`; returns tokens and seconds spent."""
+        """Compute every missing one of `shards`; returns tokens and seconds spent."""
         tokens, started = 0, time.perf_counter()
-        for info in self.missing(store, sources):
+        for info in self.missing(shards):
             t0 = time.perf_counter()
             pairs = [(p.prompt_ids, p.answer_ids) for p in store.shard_pairs(info)]
-            self._write(self.entry_dir(info), pairs, model)
             n = sum(len(a) + len(b) for a, b in pairs)
+            self._write(self.entry_dir(info), pairs, model, lambda: {"tokens": n, "seconds": time.perf_counter() - t0})
             tokens += n
             log(f"teacher {info.file}: {n} tokens in {time.perf_counter() - t0:.0f} s "
                 f"({n / (time.perf_counter() - t0):.0f} tokens/s)")
         return {"tokens": tokens, "seconds": time.perf_counter() - started}
 
-    def _write(self, path: str, pairs: list[tuple[list[int], list[int]]], model) -> None:
+    def cost(self, info: ShardInfo) -> Optional[dict]:
+        """{"tokens", "seconds"} the teacher prefill of a cached shard took (None for older entries)."""
+        path = os.path.join(self.entry_dir(info), "done")
+        text = open(path).read() if os.path.isfile(path) else ""
+        return json.loads(text) if text.strip() else None
+
+    def _write(self, path: str, pairs: list[tuple[list[int], list[int]]], model, cost: Callable[[], dict]) -> None:
         os.makedirs(path, exist_ok=True)
         lens = [len(p) + len(a) for p, a in pairs]
         rows = [len(a) - 1 for _, a in pairs]
@@ -103,7 +108,8 @@ class TeacherCache:
         np.save(os.path.join(path, "seq_offsets.npy"), seq_offsets)
         np.save(os.path.join(path, "row_offsets.npy"), row_offsets)
         np.save(os.path.join(path, "prompt_lens.npy"), np.array([len(p) for p, _ in pairs], dtype=np.int32))
-        open(os.path.join(path, "done"), "w").close()  # written last: a half-built entry is rebuilt
+        with open(os.path.join(path, "done"), "w") as f:  # written last: a half-built entry is rebuilt
+            json.dump(cost(), f)
 
     def load(self, info: ShardInfo) -> ShardTeacher:
         path = self.entry_dir(info)

@@ -40,7 +40,7 @@ def run_train_speed(ns: argparse.Namespace) -> int:
     cfg = read_drafter_config(path)
     store = CorpusStore(ns.data)
     cache = TeacherCache(ns.cache or f"{ns.data}/cache", cfg.target_layer_ids, 16, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    build_teacher_cache(cache, store, None, None)
+    build_teacher_cache(cache, store, store.shards, None)
     corpus = TeacherCorpus([cache.load(s) for s in store.shards], cfg.target_layer_ids, 16)
     loaded = load_model(None)
     drafter = DsparkDrafter(cfg, max_positions=4096)

@@ -177,3 +177,43 @@ def test_resume_and_init_from_together_are_refused(trained, corpus_dir, capsys):
     assert cli_main(["train-drafter", "--data", corpus_dir, "--out", trained[0], "--resume",
                      "--init-from", trained[0]]) == 2
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_drafter_sources_bench_prices_new_data_and_scores_each_arm(trained, corpus_dir, tmp_path):
+    """Two arms from the smoke drafter: more training on its own shard (paid for: training only) and a
+    new off-policy shard (its teacher prefill is built, timed and charged)."""
+    data = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, data)
+    assert cli_main(["drafter-corpus", "extend", "--data", str(data), "--source", "sharegpt-answers",
+                     "--num-prompts", "6"]) == 0
+    out = tmp_path / "sources.json"
+    assert cli_main(["bench", "drafter-sources", "--drafter", trained[0], "--data", str(data), "--minutes", "0.05",
+                     "--dev-prompts", "2", "--max-new-tokens", "24", "--seen", "0", "--work", str(tmp_path / "arms"),
+                     "--arms", "seen:sharegpt-greedy:0,answers:sharegpt-answers:1", "--out", str(out)]) == 0
+    result = json.load(open(out))
+    seen, answers = result["arms"]["seen"], result["arms"]["answers"]
+    assert seen["cost"]["making_s"] == 0 and seen["cost"]["teacher_s"] == 0
+    assert seen["cost"]["total_s"] == seen["cost"]["train_s"] > 0
+    assert answers["shards"] == ["00001-sharegpt-answers.npz"] and answers["cost"]["teacher_s"] > 0
+    start = result["start"]["served"]["accept_length"]
+    for arm in (seen, answers):
+        assert arm["dev"]["served"]["accept_length"] >= 1.0 and arm["dev"]["walk_equals_served"] >= 0
+        assert arm["dev_gain"] == pytest.approx(arm["dev"]["served"]["accept_length"] - start, abs=1e-4)
+        assert arm["gain_per_machine_hour"] == pytest.approx(arm["dev_gain"] / (arm["cost"]["total_s"] / 3600),
+                                                             rel=1e-3, abs=1e-3)
+
+
+def test_drafter_shapes_bench_trains_each_shape_and_times_it(corpus_dir, tmp_path):
+    out = tmp_path / "shapes.json"
+    assert cli_main(["bench", "drafter-shapes", "--data", corpus_dir, "--shards", "0", "--minutes", "0.05",
+                     "--arms", "v2048=--draft-vocab-size 2048;block4=--draft-vocab-size 1024 --block-size 4",
+                     "--dev-prompts", "2", "--max-new-tokens", "16", "--speed-prompts", "2", "--speed-tokens", "12",
+                     "--work", str(tmp_path / "arms"), "--out", str(out)]) == 0
+    result = json.load(open(out))
+    assert set(result["arms"]) == {"v2048", "block4"} and result["plain"]["tokens_per_s"] > 0
+    assert json.load(open(tmp_path / "arms" / "block4" / "config.json"))["block_size"] == 4
+    for arm in result["arms"].values():
+        assert arm["steps"] > 0 and arm["dev_accept_length"] >= 1.0
+        assert 0 < arm["batch1"]["drafting_ms"] < arm["batch1"]["verify_step_ms"]
+        assert arm["batch1_speedup_vs_none"] == pytest.approx(arm["batch1"]["tokens_per_s"] /
+                                                              result["plain"]["tokens_per_s"], abs=2e-3)
