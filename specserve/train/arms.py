@@ -10,10 +10,13 @@ from specserve.train.model_card import read_train_state
 
 def train_arm(argv: list[str]) -> dict:
     """Run `specserve train-drafter ARGV` in this process; the extension it recorded."""
-    from specserve.cli import build_parser
-    from specserve.train.run import run_train_drafter
+    import argparse
 
-    ns = build_parser().parse_args(["train-drafter", *argv])
+    from specserve.train.run import add_train_args, run_train_drafter
+
+    parser = argparse.ArgumentParser(prog="specserve train-drafter")
+    add_train_args(parser)
+    ns = parser.parse_args(argv)
     run_train_drafter(ns)
     return read_train_state(ns.out)["extensions"][-1]
 

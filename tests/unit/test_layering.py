@@ -42,7 +42,8 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
                "sampler", "sampling_params", "args", "envs", "errors"},
     "server": {"engine", "tokenizer", "models", "sampling_params", "args", "errors"},
-    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets"},
+    # train -> bench: the drafter experiments time verify steps with bench's step instrumentation
+    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench"},
     "bench": {"engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
               "sampling_params"},
     "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
