@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import tempfile
+
 from specserve.train.corpus_cli import DEFAULT_DATA_DIR
 
 DEFAULT_ARMS = "seen:sharegpt-greedy:0-4,greedy:sharegpt-greedy:6,answers:sharegpt-answers:5"
@@ -67,6 +68,7 @@ def run_source_value(ns: argparse.Namespace) -> int:
     from specserve.train.arms import dev_score, train_arm
     from specserve.train.corpus_store import CorpusStore
     from specserve.train.run import DEFAULT_TOPK, parse_shard_numbers, select_shards, target_model_name
+    from specserve.train.sources import machine_name
     from specserve.train.teacher import TeacherCache
 
     start = ns.drafter or default_drafter_path()
@@ -76,6 +78,7 @@ def run_source_value(ns: argparse.Namespace) -> int:
     cache = TeacherCache(ns.cache or os.path.join(ns.data, "cache"), read_drafter_config(start).target_layer_ids,
                          DEFAULT_TOPK, target_model_name(None))
     work = ns.work or tempfile.mkdtemp(prefix="drafter-sources-")
+
     def score(drafter: str) -> dict:
         return dev_score(drafter, ns.data, ns.dev_prompts, ns.max_new_tokens)
 
@@ -95,14 +98,9 @@ def run_source_value(ns: argparse.Namespace) -> int:
                                  "cost": cost, "dev": dev, "dev_gain": gain,
                                  "gain_per_machine_hour": round(gain / (cost["total_s"] / 3600), 4)}
         print(json.dumps({name: {k: v for k, v in results["arms"][name].items() if k != "dev"}}), flush=True)
-    results.update(minutes=ns.minutes, max_new_tokens=ns.max_new_tokens, seen=sorted(seen), machine=_machine())
+    results.update(minutes=ns.minutes, max_new_tokens=ns.max_new_tokens, seen=sorted(seen), machine=machine_name())
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(results, f, indent=1)
     return 0
 
-
-def _machine() -> str:
-    from specserve.train.sources import machine_name
-
-    return machine_name()

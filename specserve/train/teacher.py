@@ -73,7 +73,10 @@ class TeacherCache:
             t0 = time.perf_counter()
             pairs = [(p.prompt_ids, p.answer_ids) for p in store.shard_pairs(info)]
             n = sum(len(a) + len(b) for a, b in pairs)
-            self._write(self.entry_dir(info), pairs, model, lambda: {"tokens": n, "seconds": time.perf_counter() - t0})
+            path = self.entry_dir(info)
+            self._write(path, pairs, model)
+            with open(os.path.join(path, "done"), "w") as f:  # written last: a half-built entry is rebuilt
+                json.dump({"tokens": n, "seconds": time.perf_counter() - t0}, f)
             tokens += n
             log(f"teacher {info.file}: {n} tokens in {time.perf_counter() - t0:.0f} s "
                 f"({n / (time.perf_counter() - t0):.0f} tokens/s)")
@@ -85,7 +88,7 @@ class TeacherCache:
         text = open(path).read() if os.path.isfile(path) else ""
         return json.loads(text) if text.strip() else None
 
-    def _write(self, path: str, pairs: list[tuple[list[int], list[int]]], model, cost: Callable[[], dict]) -> None:
+    def _write(self, path: str, pairs: list[tuple[list[int], list[int]]], model) -> None:
         os.makedirs(path, exist_ok=True)
         lens = [len(p) + len(a) for p, a in pairs]
         rows = [len(a) - 1 for _, a in pairs]
@@ -108,8 +111,6 @@ class TeacherCache:
         np.save(os.path.join(path, "seq_offsets.npy"), seq_offsets)
         np.save(os.path.join(path, "row_offsets.npy"), row_offsets)
         np.save(os.path.join(path, "prompt_lens.npy"), np.array([len(p) for p, _ in pairs], dtype=np.int32))
-        with open(os.path.join(path, "done"), "w") as f:  # written last: a half-built entry is rebuilt
-            json.dump(cost(), f)
 
     def load(self, info: ShardInfo) -> ShardTeacher:
         path = self.entry_dir(info)
