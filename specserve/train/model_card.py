@@ -53,7 +53,8 @@ def write_model_card(out: str, state: dict) -> None:
         "## Extensions",
         "",
         "Each row is one `specserve train-drafter` run. Steps are cumulative. *Held-out TF* is the teacher-forced "
-        "accept length at random anchors on held-out corpus sequences. *Dev* is the served accept length on the "
+        "accept length at random anchors on the line's fixed held-out corpus sequences (`held_out_keys`). "
+        "*Dev* is the served accept length on the "
         "development prompts (bf16, DSPARK fixed, greedy, 256 new tokens). Each run measures the drafter it "
         "replaces in the same run.",
         "",

@@ -86,8 +86,7 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
     chosen = select_shards(store, sources, ns.shards)
     teacher_s = build_teacher_cache(cache, store, chosen, ns.model_path)
     corpus = TeacherCorpus([cache.load(s) for s in chosen], cfg.target_layer_ids, ns.topk)
-    keys = [k for info in chosen for k in store.shard_keys(info)]
-    train_set, held_out = _split(corpus, keys, ns.held_out)
+    train_set, held_out = split_for_line(corpus, store, chosen, state, ns.held_out)
     drafter, loss = _build_drafter(ns, cfg, loaded, train_set, held_out, state)
     del loaded
     summary = _train(ns, drafter, loss, train_set, held_out, state)
@@ -163,13 +162,21 @@ def build_teacher_cache(cache, store, shards: list, model_path: Optional[str]) -
         engine.shutdown()
 
 
-def _split(corpus, keys: list[int], held_out: int):
-    """Hold out the sequences of the `held_out` smallest prompt keys (every source's answer to a
-    prompt goes the same way). As the corpus grows a sequence can only move from held-out to
-    training, never back, so no extension scores itself on what an earlier one trained on."""
-    chosen = set(sorted(set(keys))[:min(held_out, len(set(keys)) // 2)])
-    held = [k for k, key in enumerate(keys) if key in chosen]
-    train = [k for k, key in enumerate(keys) if key not in chosen]
+def split_for_line(corpus, store, chosen: list, state: dict, size: int):
+    """(training set, held-out set) of the chosen shards' sequences for the line whose state is
+    `state`; records the held-out keys in it (`held_out.py`: fixed once chosen, never trained on)."""
+    from specserve.train.held_out import choose_held_out_keys, record_held_out_keys, trained_shards
+
+    keys = [k for info in chosen for k in store.shard_keys(info)]
+    shard_of = [os.path.basename(info.file) for info in chosen for _ in range(info.sequences)]
+    seen = trained_shards(state)
+    trained_keys = [k for info in store.shards if os.path.basename(info.file) in seen for k in store.shard_keys(info)]
+    held_keys = choose_held_out_keys(keys, shard_of, state, size, trained_keys)
+    if not held_keys:
+        print("no held-out sequences: this drafter line trained on every chosen prompt (no teacher-forced score)")
+    record_held_out_keys(state, held_keys)
+    held = [k for k, key in enumerate(keys) if key in held_keys]
+    train = [k for k, key in enumerate(keys) if key not in held_keys]
     return corpus.subset(train), corpus.subset(held).materialise()
 
 
@@ -179,7 +186,7 @@ def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
 
     max_len = max(int(sh.seq_offsets[i + 1] - sh.seq_offsets[i]) for sh in train_set.shards
                   for i in range(len(sh))) + cfg.block_size + 1
-    max_len = max(max_len, max(len(s.ids) for s in held_out.sequences) + cfg.block_size + 1)
+    max_len = max(max_len, max((len(s.ids) for s in held_out.sequences), default=0) + cfg.block_size + 1)
     start = ns.out if ns.resume else ns.init_from
     if start is None and ns.draft_vocab_size:
         ids, coverage = choose_draft_vocab(train_set, cfg.vocab_size, ns.draft_vocab_size,

@@ -179,6 +179,8 @@ def teacher_forced_accept_length(loss: DrafterLoss, corpus: Corpus, g: int, mask
     at random anchors: 1 + the run of leading slots whose Markov-decoded argmax equals the label
     (the chain uses the drafter's own picks, as at serving time). `serving_walk.py` places the
     anchors where serving does instead."""
+    if not corpus.sequences:
+        return {"accept_length": None, "blocks": 0, "per_slot_survival": []}
     rng = random.Random(seed)
     d = loss.drafter
     lengths, per_slot = [], torch.zeros(g)
