@@ -21,6 +21,11 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_TEMPERATURE = 100.0
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32: treated as greedy
 SEED_LIMIT = 2**64  # seeds are 64-bit (the sampler hashes them as such)
+MAX_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range [-2, 2]
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -37,6 +42,18 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: Optional[int] = None
     skip_special_tokens: bool = True
+    # On the target's logits, in every row (decode, prefill, each verify row); see specserve/logits/.
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # a token of the prompt or output: logit / r if positive, else * r
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: bool = False  # return each output token's logprob
+    top_logprobs: int = 0  # and the N most likely tokens' at each position (needs logprobs)
+
+    def __post_init__(self) -> None:
+        # JSON keys are strings: {"50256": -100} is token 50256 (validate rejects what is not an id)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
 
     @classmethod
     def from_dict(cls, params: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -64,6 +81,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Its target logits are changed before sampling and accept (penalties or bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
     def validate(self, vocab_size: Optional[int] = None) -> None:
         """Raise InvalidRequestError naming the first bad field; with vocab_size, token ids and top_k too."""
         top_k_max = vocab_size if vocab_size is not None else MAX_NEW_TOKENS_LIMIT
@@ -79,6 +102,29 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         self._validate_stops(vocab_size)
+        self._validate_logits(vocab_size)
+
+    def _validate_logits(self, vocab_size: Optional[int]) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_num(name, getattr(self, name), f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                       lambda v: -MAX_PENALTY <= v <= MAX_PENALTY)
+        _check_num("repetition_penalty", self.repetition_penalty, f"in (0, {MAX_REPETITION_PENALTY:g}]",
+                   lambda v: 0 < v <= MAX_REPETITION_PENALTY)
+        _check_bool("logprobs", self.logprobs)
+        _check_int("top_logprobs", self.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]",
+                   lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("sampling_params.top_logprobs: needs logprobs", param="sampling_params.top_logprobs")
+        bias, id_limit = self.logit_bias, vocab_size if vocab_size is not None else SEED_LIMIT
+        ok = (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_ENTRIES
+              and all(_is_int(k) and 0 <= k < id_limit for k in bias)
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                      and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in bias.values()))
+        if not ok:
+            bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise InvalidRequestError(f"sampling_params.logit_bias: must map at most {MAX_LOGIT_BIAS_ENTRIES} token "
+                                      f"ids (integers {bound}) to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                      f"{MAX_LOGIT_BIAS:g}]", param="sampling_params.logit_bias")
 
     def _validate_stops(self, vocab_size: Optional[int]) -> None:
         if (not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS
@@ -93,6 +139,12 @@ class SamplingParams:
             bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
             raise InvalidRequestError(f"sampling_params.stop_token_ids: must be a list of at most {MAX_STOP_TOKEN_IDS} "
                                       f"token ids, integers in {bound}", param="sampling_params.stop_token_ids")
+
+
+def _token_key(key: Any) -> Any:
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit() and len(key) <= 20:
+        return int(key)
+    return key
 
 
 def _is_int(value: Any) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from specserve.logits.logprobs import TokenLogprob
+
 # ------------------------------------------------------------------ commands (front end -> engine)
 
 
@@ -56,6 +58,7 @@ class TokensOut:
 
     rid: str
     token_ids: list[int]
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token, if the request asked for logprobs
 
 
 @dataclass(frozen=True)

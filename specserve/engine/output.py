@@ -23,8 +23,19 @@ def request_output(req: Req, tokenizer: Tokenizer) -> dict[str, Any]:
             "cached_tokens": req.cached_tokens,
             "finish_reason": _finish_reason(req),
             **_spec_info(req),
+            **_logprob_info(req),
         },
     }
+
+
+def _logprob_info(req: Req) -> dict[str, Any]:
+    """SGLang's native layout: [logprob, token_id, null] per output token, and per position its top list."""
+    if not req.params.logprobs:
+        return {}
+    out: dict[str, Any] = {"output_token_logprobs": [[lp.logprob, lp.token, None] for lp in req.output_logprobs]}
+    if req.params.top_logprobs:
+        out["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in req.output_logprobs]
+    return out
 
 
 def _finish_reason(req: Req) -> dict[str, Any]:

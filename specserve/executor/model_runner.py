@@ -22,10 +22,10 @@ import torch
 
 from specserve.executor.captured_step import CapturedStep
 from specserve.executor.future_map import FutureMap
-from specserve.executor.step_io import DECODE, EXTEND, StepInput, StepOutcome, VerifyOutcome
+from specserve.executor.request_logits import RequestLogits, verify_row_layout
+from specserve.executor.step_io import DECODE, EXTEND, SampledToken, StepInput, StepOutcome, VerifyOutcome
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.kv.pool import KVPool, ReqToTokenPool
-from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.stream import Event, Stream
@@ -58,6 +58,7 @@ class StepHandle:
     device_out: list[torch.Tensor] = field(default_factory=list)  # set on the forward stream
     host_out: list[torch.Tensor] = field(default_factory=list)  # set on the copy stream
     done: Optional[Event] = None
+    logprobs: dict[int, list] = field(default_factory=dict)  # request index -> TokenLogprobs (forward stream)
 
 
 class ModelRunner:
@@ -83,6 +84,7 @@ class ModelRunner:
         self.capture.max_bs = min(self.capture.max_bs, max_bs)
         self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
         self.tp = tp  # rank 0's sampled tokens, drafts, verify lengths and accept results, on every rank
+        self.request_logits = RequestLogits()  # penalties' token histories (forward stream)
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -111,10 +113,12 @@ class ModelRunner:
         if step.mode not in (EXTEND, DECODE):
             out, plan = AcceptOuts(*handle.host_out), handle.plan
             commit, tokens, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
-            return [VerifyOutcome(row[:n], cap, drafter, k, predicted) for row, n, cap, drafter, k, predicted
-                    in zip(tokens, commit, trimmed, plan.drafters, plan.drafts, plan.predicted)]
+            return [VerifyOutcome(row[:n], cap, drafter, k, predicted, handle.logprobs.get(i))
+                    for i, (row, n, cap, drafter, k, predicted)
+                    in enumerate(zip(tokens, commit, trimmed, plan.drafters, plan.drafts, plan.predicted))]
         tokens = handle.host_out[0].tolist()
-        return [t if s else None for t, s in zip(tokens, step.sample)]
+        return [(SampledToken(t, handle.logprobs[i]) if i in handle.logprobs else t) if s else None
+                for i, (t, s) in enumerate(zip(tokens, step.sample))]
 
     def _copy_to_host(self, handle: StepHandle) -> None:
         """Copy stream: the device-to-host copy (pinned and non-blocking on CUDA)."""
@@ -131,20 +135,20 @@ class ModelRunner:
         step = handle.step
         start = time.perf_counter()
         if step.mode == EXTEND:
-            handle.device_out = [self._extend(step)]
+            handle.device_out = [self._extend(step, handle.logprobs)]
             return
         if step.mode == DECODE:
-            handle.device_out = [self._decode(step)]
+            handle.device_out = [self._decode(step, handle.logprobs)]
             shape = StepShape(step.size)
         else:
-            out, handle.plan = self._verify(step)
+            out, handle.plan = self._verify(step, handle.logprobs)
             handle.device_out = out.tensors()
             shape = handle.plan.shape
         policy = self.speculation.policy
         if policy is not None and self.forward.device.type == "cpu":  # CUDA steps run asynchronously
             policy.observe_step(shape, time.perf_counter() - start)
 
-    def _extend(self, step: StepInput) -> torch.Tensor:
+    def _extend(self, step: StepInput, logprobs: dict[int, list]) -> torch.Tensor:
         fb = self._forward_batch(step.rows, step.prefix_lens, step.extend_lens,
                                  torch.tensor(step.input_ids, dtype=torch.int64, device=self.device),
                                  step.out_cache_loc, every_row=False, sample=step.sample)
@@ -152,9 +156,14 @@ class ModelRunner:
         tokens = torch.zeros(step.size, dtype=torch.int64)
         wanted = [i for i, s in enumerate(step.sample) if s]
         if wanted:
-            picked = torch.tensor(sample(logits.cpu(), [step.params[i] for i in wanted],
-                                         [step.seeds[i] for i in wanted], [step.out_lens[i] for i in wanted]))
+            params, rows = [step.params[i] for i in wanted], [step.rows[i] for i in wanted]
+            for i in wanted:
+                self.request_logits.start(step.rows[i], step.params[i], step.fills[i], step.out_lens[i])
+            logits = self.request_logits.shape(logits.cpu(), rows, params)
+            picked = torch.tensor(sample(logits, params, [step.seeds[i] for i in wanted],
+                                         [step.out_lens[i] for i in wanted]))
             picked = self._agree([picked], "runner.extend_tokens")[0]
+            self.request_logits.record_logprobs(logprobs, wanted, logits, params, picked.tolist())
             tokens[wanted] = picked
             rows = torch.tensor([step.rows[i] for i in wanted], device=self.device)
             seq = torch.tensor([step.prefix_lens[i] + step.extend_lens[i] for i in wanted], device=self.device)
@@ -164,17 +173,18 @@ class ModelRunner:
                 for i, tok in zip(wanted, picked.tolist()):
                     self.speculation.commit_tokens(step.rows[i], step.fills[i] + [tok], restart=True)
             for i, tok in zip(wanted, picked.tolist()):
+                self.request_logits.commit(step.rows[i], [tok])
                 self.speculation.start(step.rows[i])
                 self._observe_tokens(step, i, [tok], step.out_lens[i] + 1)
         return tokens
 
-    def _decode(self, step: StepInput) -> torch.Tensor:
+    def _decode(self, step: StepInput, logprobs: dict[int, list]) -> torch.Tensor:
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
-        return self._decode_rows(step, rows, anchors, prefix, out_lens, out_lens.tolist())
+        return self._decode_rows(step, rows, anchors, prefix, out_lens, out_lens.tolist(), logprobs)
 
     def _decode_rows(self, step: StepInput, rows: torch.Tensor, anchors: torch.Tensor, prefix: torch.Tensor,
-                     out_lens: torch.Tensor, counters: list[int]) -> torch.Tensor:
+                     out_lens: torch.Tensor, counters: list[int], logprobs: dict[int, list]) -> torch.Tensor:
         """One row per request: sample, commit to the drafters and the FutureMap. `counters` index
         each sampling request's uniform (see speculative/accept.py for a verify step's)."""
         if self.capture.covers(step.size):
@@ -187,8 +197,12 @@ class ModelRunner:
             fb = self._forward_batch(step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False,
                                      sample=step.sample)
             logits = self._forward(fb)
-        picked = torch.tensor(sample(logits.cpu(), step.params, step.seeds, counters), dtype=torch.int64)
+        logits = self.request_logits.shape(logits.cpu(), step.rows, step.params)
+        picked = torch.tensor(sample(logits, step.params, step.seeds, counters), dtype=torch.int64)
         tokens = self._agree([picked], "runner.decode_tokens")[0]
+        self.request_logits.record_logprobs(logprobs, range(step.size), logits, step.params, tokens.tolist())
+        for row, tok in zip(step.rows, tokens.tolist()):
+            self.request_logits.commit(row, [tok])
         self.future.write(rows, tokens.to(self.device), prefix + 1, out_lens + 1)
         if self.speculation.reads_tokens:  # a plain decode step of a speculating engine
             for row, tok in zip(step.rows, tokens.tolist()):
@@ -226,25 +240,12 @@ class ModelRunner:
                        input_ids: torch.Tensor, slots: list[int], every_row: bool,
                        sample: Optional[list[bool]] = None) -> ForwardBatch:
         """Tensors for one pass; logits for every row (verify) or each sampling request's last row."""
-        dev = self.device
-        logit_rows, offset = [], 0
-        for i, n in enumerate(extend_lens):
-            offset += n
-            if every_row:
-                logit_rows.extend(range(offset - n, offset))
-            elif sample is None or sample[i]:
-                logit_rows.append(offset - 1)
-        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-        positions = [p + i for p, n in zip(prefix_lens, extend_lens) for i in range(n)]
-        meta = AttentionMetadata.build(self.req_to_token.table, rows, seq_lens, extend_lens, dev, self.model.dtype)
-        return ForwardBatch(input_ids=input_ids, positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-                            out_cache_loc=torch.tensor(slots, dtype=torch.int64, device=dev), attn=meta,
-                            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-                            capture_layer_ids=self.capture_layer_ids)
+        return ForwardBatch.for_requests(self.req_to_token.table, rows, prefix_lens, extend_lens, input_ids, slots,
+                                         every_row, sample, self.model.dtype, self.capture_layer_ids)
 
     # ------------------------------------------------------------ speculative verify (forward stream)
 
-    def _verify(self, step: StepInput) -> tuple[AcceptOuts, StepPlan]:
+    def _verify(self, step: StepInput, logprobs: dict[int, list]) -> tuple[AcceptOuts, StepPlan]:
         """Plan, then draft, verify the windows, accept into the epilogue's buffers, read owned
         copies, commit the accepted rows to the drafters and leave anchors and lengths for the
         next step. A plan without drafts runs as a plain decode step."""
@@ -254,7 +255,7 @@ class ModelRunner:
         anchors, prefix, out_lens = self.future.read(rows)
         plan = self._plan(step, width - 1)
         if not plan.speculates:
-            return self._verify_without_drafts(step, rows, anchors, prefix, out_lens), plan
+            return self._verify_without_drafts(step, rows, anchors, prefix, out_lens, logprobs), plan
         ids = torch.empty(bs, width, dtype=torch.int64, device=self.device)
         ids[:, 0] = anchors
         proposal = self._draft(step, rows, ids, prefix, out_lens, drafters=plan.drafters)
@@ -268,14 +269,18 @@ class ModelRunner:
             ids.copy_(ids_agreed)
             verify_lens = lens.tolist() if verify_lens is not None else None
         window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(width)]
-        greedy = all(p.is_greedy for p in step.params)
+        # the greedy accept folds into the captured verify unless some request's logits are shaped
+        fold = all(p.is_greedy and not p.shapes_logits for p in step.params)
         captured = verify_lens is None and self.capture.covers(bs)
-        if captured:  # the captured verify, with the greedy accept folded in
-            out = self._captured_step(width).run(rows, prefix, ids, step.kv_bound, accept=greedy)
+        if captured:
+            out = self._captured_step(width).run(rows, prefix, ids, step.kv_bound, accept=fold)
             logits, hidden, keep = out.logits, out.hidden, None
         else:
             logits, hidden, keep = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
-        if not (captured and greedy):
+        layout = verify_row_layout(bs, width, keep)
+        logits = self.request_logits.shape(logits, [step.rows[i] for i, _ in layout],
+                                           [step.params[i] for i, _ in layout], [ids[i, 1:j + 1].tolist() for i, j in layout])
+        if not (captured and fold):
             accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds,
                            lambda vocab: proposal.draft_probs(ids, vocab), verify_lens, keep)
         if self.tp is not None:  # rank 0's accept results, into every rank's accept buffers
@@ -283,12 +288,16 @@ class ModelRunner:
             for buf, agreed in zip(bufs, self._agree([b.cpu() for b in bufs], "runner.accept")):
                 buf.copy_(agreed)
         out = self.read_accept(bs)  # owned: nothing below reads the *_buf tensors
+        self.request_logits.window_logprobs(logprobs, step.params, logits, layout, out.commit_lens.tolist(),
+                                                 out.out_tokens.tolist())
         if self.speculation.reads_rows:
             self._commit_rows(hidden, out, prefix, window_slots, verify_lens)
         self.future.write(rows, out.bonus, out.new_seq_lens, out_lens + out.commit_lens)
         if self.speculation.reads_tokens:
             for row, toks, n in zip(step.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
                 self.speculation.commit_tokens(row, toks[:n])
+        for row, toks, n in zip(step.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
+            self.request_logits.commit(row, toks[:n])
         policy = self.speculation.policy
         if policy is not None:
             policy.observe_accept(step.rows, plan, out.correct_len.tolist())
@@ -309,13 +318,13 @@ class ModelRunner:
         return plan
 
     def _verify_without_drafts(self, step: StepInput, rows: torch.Tensor, anchors: torch.Tensor,
-                               prefix: torch.Tensor, out_lens: torch.Tensor) -> AcceptOuts:
+                               prefix: torch.Tensor, out_lens: torch.Tensor, logprobs: dict[int, list]) -> AcceptOuts:
         """A verify step whose plan has no drafts costs one decode row per request. A sampling
         request draws the uniform a one-row window would (its bonus column), so its token does not
         depend on whether the rest of the batch drafted."""
         gamma = step.width - 1
         counters = [(n << 6) + gamma for n in out_lens.tolist()]
-        tokens = self._decode_rows(step, rows, anchors, prefix, out_lens, counters).to(self.device)
+        tokens = self._decode_rows(step, rows, anchors, prefix, out_lens, counters, logprobs).to(self.device)
         zeros, ones = torch.zeros_like(tokens), torch.ones_like(tokens)
         out_tokens = torch.zeros(step.size, step.width, dtype=torch.int64, device=self.device)
         out_tokens[:, 0] = tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from specserve.logits.logprobs import TokenLogprob
 from specserve.sampling_params import SamplingParams
 
 EXTEND, DECODE, VERIFY = "extend", "decode", "verify"
@@ -57,7 +58,16 @@ class VerifyOutcome:
     drafter: Optional[str] = None  # who drafted the window (None: no drafts, one row verified)
     drafts: int = 0  # drafts verified (k)
     predicted: float = 0.0  # the policy's expected accept length (0.0 without the policy)
+    logprobs: Optional[list[TokenLogprob]] = None  # one per committed token, if the request asked
 
 
-# Per request of a step: the next token (None where none is sampled), or a VerifyOutcome.
-StepOutcome = Union[Optional[int], VerifyOutcome]
+@dataclass
+class SampledToken:
+    """A prefill or decode row's token with its logprob: what a request that asked for logprobs gets."""
+
+    token: int
+    logprobs: list[TokenLogprob]
+
+
+# Per request of a step: the next token (None where none is sampled), a SampledToken, or a VerifyOutcome.
+StepOutcome = Union[Optional[int], SampledToken, VerifyOutcome]

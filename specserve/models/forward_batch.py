@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -22,3 +23,26 @@ class ForwardBatch:
     captured_hidden: torch.Tensor | None = None  # [T, len(capture_layer_ids) * H], filled by the model
     rope_cos: torch.Tensor | None = None  # [T, 1, D/2], filled by the model once per pass
     rope_sin: torch.Tensor | None = None
+
+    @classmethod
+    def for_requests(cls, table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[int],
+                     extend_lens: Sequence[int], input_ids: torch.Tensor, slots: Sequence[int], every_row: bool,
+                     sample: Optional[Sequence[bool]], dtype: torch.dtype,
+                     capture_layer_ids: tuple[int, ...]) -> "ForwardBatch":
+        """One pass over requests (slots `rows` of the request-to-token `table`) that each add
+        `extend_lens` tokens after `prefix_lens`: logits for every row, or each sampling request's last."""
+        dev = input_ids.device
+        logit_rows, offset = [], 0
+        for i, n in enumerate(extend_lens):
+            offset += n
+            if every_row:
+                logit_rows.extend(range(offset - n, offset))
+            elif sample is None or sample[i]:
+                logit_rows.append(offset - 1)
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        positions = [p + i for p, n in zip(prefix_lens, extend_lens) for i in range(n)]
+        meta = AttentionMetadata.build(table, list(rows), seq_lens, list(extend_lens), dev, dtype)
+        return cls(input_ids=input_ids, positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+                   out_cache_loc=torch.tensor(list(slots), dtype=torch.int64, device=dev), attn=meta,
+                   logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+                   capture_layer_ids=capture_layer_ids)

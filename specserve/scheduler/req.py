@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specserve.logits.logprobs import TokenLogprob
 from specserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Req:
     seed: int
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     req_pool_idx: Optional[int] = None
     kv_slots: list[int] = field(default_factory=list)
     kv_len: int = 0

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.executor.step_io import StepOutcome, VerifyOutcome
+from specserve.executor.step_io import SampledToken, StepOutcome, VerifyOutcome
 from specserve.scheduler.batch import ScheduleBatch
 from specserve.scheduler.finish import check_finish
 from specserve.scheduler.integrity import check_kv_integrity
@@ -153,7 +153,8 @@ class Scheduler:
                 self.chunked_req = req
                 continue
             window = token if isinstance(token, VerifyOutcome) else None
-            token = token.tokens if window is not None else token
+            logprobs = token.logprobs if isinstance(token, (VerifyOutcome, SampledToken)) else None
+            token = token.tokens if window is not None else token.token if isinstance(token, SampledToken) else token
             emitted = [int(t) for t in token] if isinstance(token, (list, tuple)) else [int(token)]
             start = req.kv_len
             reason, appended = None, 0
@@ -165,6 +166,8 @@ class Scheduler:
                 reason = self._check_finish(req)
                 if reason is not None:
                     break
+            if logprobs is not None:
+                req.output_logprobs.extend(logprobs[:appended])
             if batch.mode == "extend":
                 req.kv_len += n
                 self.running.append(req)

@@ -15,7 +15,7 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from specserve.engine.messages import (AbortRequest, AddRequest, Command, EngineFatal, EngineReady, Event,
                                        Heartbeat, LoadReport, RequestDone, RequestError, RequestFailed, Shutdown,
@@ -162,9 +162,11 @@ class EngineServer:
     def _step(self, out: list[Event]) -> None:
         result = self.engine.step()
         new: dict[str, list[int]] = {}
+        reqs = {}
         for req, token in result.tokens:
             new.setdefault(req.rid, []).append(token)
-        out += [TokensOut(rid, ids) for rid, ids in new.items()]
+            reqs[req.rid] = req
+        out += [TokensOut(rid, ids, _last_logprobs(reqs[rid], len(ids))) for rid, ids in new.items()]
         for req in result.finished:
             self.live.discard(req.rid)
             out.append(self._final_event(req))
@@ -178,3 +180,8 @@ class EngineServer:
         except Exception as exc:  # e.g. detokenizing this request's output: it fails alone
             logger.error("request %s failed building its output", req.rid, exc_info=True)
             return RequestFailed(req.rid, f"output failed: {type(exc).__name__}: {exc}")
+
+
+def _last_logprobs(req, n: int) -> Optional[list]:
+    """The logprobs of a request's last n output tokens (None if it did not ask for logprobs)."""
+    return list(req.output_logprobs[-n:]) if req.params.logprobs else None

@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       model_validator)
 
-from specserve.sampling_params import (MAX_NEW_TOKENS_LIMIT, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                       MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SEED_LIMIT)
+from specserve.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_NEW_TOKENS_LIMIT, MAX_PENALTY,
+                                       MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                       MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SEED_LIMIT)
 
 def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**64 else value
@@ -84,21 +85,14 @@ class SamplingFields(_Strict):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: StrictBool = False  # extension: generate exactly max_tokens (benchmarks)
     user: Optional[StrictStr] = None  # accepted for compatibility; not used
-    # OpenAI fields specserve does not implement: only their neutral values are accepted.
-    presence_penalty: Optional[Number] = neutral_only(None, 0)
-    frequency_penalty: Optional[Number] = neutral_only(None, 0)
-    logit_bias: Optional[dict[str, Number]] = neutral_only(None, {})
-    logprobs: Union[StrictBool, Integer, None] = neutral_only(None, False, 0)
+    # On the target's logits in every row, verify rows included (see specserve/logits/penalties.py).
+    presence_penalty: Optional[Number] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: Optional[Number] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: Optional[Number] = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # extension (vLLM's)
+    logit_bias: Optional[Annotated[dict[str, Number], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
 
     @model_validator(mode="after")
     def _check(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise ValueError(f"{name}: not supported by specserve (omit it or send 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported by specserve (omit it or send {})")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs: not supported by specserve (omit it or send false)")
         if self.top_k == 0:
             raise ValueError("top_k: must be -1 (off) or >= 1")
         if self.stream_options is not None and not self.stream:
@@ -116,11 +110,19 @@ class SamplingFields(_Strict):
         """specserve sampling params; OpenAI's default temperature is 1."""
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "stop": self.stop_list(),
                                   "ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logit_bias"):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
+        top = self.logprob_count()
+        if top is not None:
+            params.update(logprobs=True, top_logprobs=top)
         return params
+
+    def logprob_count(self) -> Optional[int]:
+        """None: no logprobs; else how many top alternatives per token."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -131,15 +133,16 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
     max_completion_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
-    top_logprobs: Optional[Integer] = neutral_only(None, 0)
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: Optional[dict[str, Any]] = neutral_only(None, {"type": "text"})
     tools: Optional[list[dict[str, Any]]] = neutral_only(None, [])
     tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = neutral_only(None, "none")
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.top_logprobs:
-            raise ValueError("top_logprobs: not supported by specserve")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError("response_format: only {\"type\": \"text\"} is supported")
         if self.tools:
@@ -153,10 +156,14 @@ class ChatCompletionRequest(SamplingFields):
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprob_count(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingFields):
     prompt: Union[Text, NonEmpty[list[Text]], TokenIds, NonEmpty[list[TokenIds]]]
     max_tokens: Optional[Integer] = Field(16, ge=0, le=MAX_NEW_TOKENS_LIMIT)  # OpenAI's default for completions
+    logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token
     echo: StrictBool = Field(False, json_schema_extra={"enum": [False]})
     suffix: Optional[StrictStr] = neutral_only(None, "")
     best_of: Optional[Integer] = Field(None, json_schema_extra={"enum": [None], "description": "or equal to n"})
@@ -186,6 +193,9 @@ class CompletionRequest(SamplingFields):
     def token_limit(self) -> Optional[int]:
         return self.max_tokens
 
+    def logprob_count(self) -> Optional[int]:
+        return self.logprobs
+
 
 class GenerateSamplingParams(_Strict):
     """specserve's SamplingParams as the native API takes them (checked again, with the vocabulary, by the engine)."""
@@ -200,6 +210,10 @@ class GenerateSamplingParams(_Strict):
     ignore_eos: StrictBool = False
     seed: Optional[Annotated[Integer, Field(ge=0, lt=SEED_LIMIT)]] = None
     skip_special_tokens: StrictBool = True
+    presence_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: Number = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
+    logit_bias: Annotated[dict[str, Number], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self):
@@ -223,6 +237,8 @@ class GenerateRequest(_Strict):
     input_ids: Optional[TokenIds] = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
+    return_logprob: StrictBool = False  # SGLang's names: meta_info.output_token_logprobs
+    top_logprobs_num: Integer = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # and meta_info.output_top_logprobs
 
     @model_validator(mode="after")
     def _check_generate(self):
@@ -230,7 +246,15 @@ class GenerateRequest(_Strict):
             raise ValueError("text, input_ids: give exactly one")
         if self.text == "" or self.input_ids == []:
             raise ValueError("text/input_ids: must not be empty")
+        if self.top_logprobs_num and not self.return_logprob:
+            raise ValueError("top_logprobs_num: needs return_logprob: true")
         return self
+
+    def engine_params(self) -> dict[str, Any]:
+        params = self.sampling_params.as_dict()
+        if self.return_logprob:
+            params.update(logprobs=True, top_logprobs=self.top_logprobs_num)
+        return params
 
 
 def bound_by_vocab(schema: Any, vocab_size: int) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from specserve.server.logprob_format import chat_logprobs, completion_logprobs, output_logprobs
+from specserve.tokenizer.tokenizer import Tokenizer
+
 SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_accept_length", "spec_correct_drafts_histogram",
              "spec_cap_trim_histogram", "spec_draft_len_histogram", "spec_drafter_steps",
              "spec_predicted_accept_length")
@@ -35,15 +38,18 @@ def usage(prompt_tokens: int, outputs: list[dict]) -> dict[str, Any]:
             "completion_tokens_details": {"accepted_prediction_tokens": accepted, "reasoning_tokens": 0}}
 
 
-def chat_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int) -> dict[str, Any]:
+def chat_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int,
+                    tokenizer: Tokenizer) -> dict[str, Any]:
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": None,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": o["text"]},
+                         "logprobs": chat_logprobs(tokenizer, output_logprobs(o)),
                          "finish_reason": finish_reason(o)} for i, o in enumerate(outputs)],
             "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}
 
 
-def text_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int) -> dict[str, Any]:
+def text_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int,
+                    tokenizer: Tokenizer) -> dict[str, Any]:
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": o["text"], "logprobs": None, "finish_reason": finish_reason(o)}
-                        for i, o in enumerate(outputs)],
+            "choices": [{"index": i, "text": o["text"], "logprobs": completion_logprobs(tokenizer, output_logprobs(o)),
+                         "finish_reason": finish_reason(o)} for i, o in enumerate(outputs)],
             "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}

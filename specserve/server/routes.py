@@ -25,8 +25,9 @@ from specserve.server.state import ServerState
 
 SSE = "text/event-stream"
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
-OPENAI_PARAM_NAMES = {f"sampling_params.{name}": name for name in ("temperature", "top_p", "top_k", "min_p", "stop",
-                                                                  "seed", "ignore_eos")}
+OPENAI_PARAM_NAMES = {f"sampling_params.{name}": name for name in (
+    "temperature", "top_p", "top_k", "min_p", "stop", "seed", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "logprobs", "top_logprobs")}
 OPENAI_PARAM_NAMES["sampling_params.max_new_tokens"] = "max_tokens"
 
 
@@ -64,7 +65,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             first = await gen.first_event()
             return StreamingResponse(chat_stream(state, body, gen, first, len(ids)), media_type=SSE)
-        return chat_completion(gen.rids[0], state.model_name, await collect(gen, request), len(ids))
+        return chat_completion(gen.rids[0], state.model_name, await collect(gen, request), len(ids), state.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -83,7 +84,8 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             first = await gen.first_event()
             return StreamingResponse(completion_stream(state, body, gen, first, prompt_tokens), media_type=SSE)
-        return text_completion(gen.rids[0], state.model_name, await collect(gen, request), prompt_tokens)
+        return text_completion(gen.rids[0], state.model_name, await collect(gen, request), prompt_tokens,
+                               state.tokenizer)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
@@ -93,7 +95,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
             ids = list(body.input_ids)
             _check_token_ids(state, ids, "input_ids")
         _check_context(state, ids, "text" if body.text is not None else "input_ids")
-        params = body.sampling_params.as_dict()
+        params = body.engine_params()
         params.setdefault("max_new_tokens", min(GENERATE_DEFAULT_MAX_NEW_TOKENS, state.context_length - len(ids)))
         _check_params(state, params, {})
         gen = Generation(state, [ids], [params])

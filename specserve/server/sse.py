@@ -16,6 +16,7 @@ from specserve.engine.messages import RequestDone, TokensOut
 from specserve.server.engine_client import Delivery
 from specserve.server.errors import APIError, server_error
 from specserve.server.generation import Generation
+from specserve.server.logprob_format import chat_logprobs, completion_logprobs
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.responses import finish_reason, spec_choice, usage
 from specserve.server.state import ServerState
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 class TextDelta(NamedTuple):
     index: int
     text: str
+    logprobs: Optional[list] = None  # the TokenLogprobs of the tokens that arrived with it, if asked
 
 
 class ChoiceFinished(NamedTuple):
@@ -55,16 +57,16 @@ async def chat_stream(state: ServerState, body: ChatCompletionRequest, gen: Gene
     head = {"id": f"chatcmpl-{gen.rids[0]}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name}
 
-    def chunk(index: int, delta: dict, finish: Optional[str] = None, **extra) -> str:
-        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+    def chunk(index: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None, **extra) -> str:
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish}], **extra})
 
     for i in range(len(gen.rids)):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
         match piece:
-            case TextDelta(index, text):
-                yield chunk(index, {"content": text})
+            case TextDelta(index, text, logprobs):
+                yield chunk(index, {"content": text}, logprobs=chat_logprobs(state.tokenizer, logprobs))
             case ChoiceFinished(index, output):
                 yield chunk(index, {}, finish_reason(output), specserve=spec_choice(index, output))
             case StreamUsage(u):
@@ -80,14 +82,19 @@ async def completion_stream(state: ServerState, body: CompletionRequest, gen: Ge
     head = {"id": f"cmpl-{gen.rids[0]}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
 
-    def chunk(index: int, text: str, finish: Optional[str] = None, **extra) -> str:
-        return sse({**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+    def chunk(index: int, text: str, finish: Optional[str] = None, logprobs: Optional[dict] = None, **extra) -> str:
+        return sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                     **extra})
+
+    offsets = [0] * len(gen.rids)  # text_offset of each choice's next token
 
     async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
         match piece:
-            case TextDelta(index, text):
-                yield chunk(index, text)
+            case TextDelta(index, text, logprobs):
+                formatted = completion_logprobs(state.tokenizer, logprobs, offsets[index])
+                if formatted:
+                    offsets[index] += sum(len(t) for t in formatted["tokens"])
+                yield chunk(index, text, logprobs=formatted)
             case ChoiceFinished(index, output):
                 yield chunk(index, "", finish_reason(output), specserve=spec_choice(index, output))
             case StreamUsage(u):
@@ -106,8 +113,8 @@ async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, fi
         async for index, event in gen.events(first):
             if isinstance(event, TokensOut):
                 delta = streams[index].add(event.token_ids)
-                if delta:
-                    yield TextDelta(index, delta)
+                if delta or event.logprobs:
+                    yield TextDelta(index, delta, event.logprobs)
             elif isinstance(event, RequestDone):
                 outputs[index] = event.output
                 rest = streams[index].finish(event.output["text"])
@@ -127,11 +134,16 @@ async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, fi
 async def generate_stream(state: ServerState, gen: Generation, first: Delivery) -> AsyncIterator[str]:
     """Native streaming: cumulative text and ids per delivery, then the final output dict."""
     ids: list[int] = []
+    logprobs: list = []
     try:
         async for _, event in gen.events(first):
             if isinstance(event, TokensOut):
                 ids += event.token_ids
-                yield sse({"text": state.tokenizer.decode(ids), "output_ids": ids})
+                chunk = {"text": state.tokenizer.decode(ids), "output_ids": ids}
+                if event.logprobs is not None:
+                    logprobs += event.logprobs
+                    chunk["meta_info"] = {"output_token_logprobs": [[lp.logprob, lp.token, None] for lp in logprobs]}
+                yield sse(chunk)
             elif isinstance(event, RequestDone):
                 yield sse(event.output)
     except APIError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Optional, Sequence
@@ -31,6 +32,7 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = ChatTemplate(chat_template) if chat_template else None
         self._special_ids = {t_id for t_id, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self._added_ids = set(backend.get_added_tokens_decoder())
 
     @property
     def eos_token_id(self) -> int:
@@ -50,6 +52,15 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE symbol mapped back to its bytes (a token
+        may hold part of a UTF-8 character); an added token's own text."""
+        piece = self.backend.id_to_token(token_id) or ""
+        table = _byte_decoder()
+        if token_id in self._added_ids or not all(c in table for c in piece):
+            return piece.encode()
+        return bytes(table[c] for c in piece)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = True) -> list[int] | str:
@@ -151,3 +162,18 @@ def _read_json(path: str) -> dict[str, Any]:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: each of the 256 bytes has one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars

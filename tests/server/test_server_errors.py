@@ -48,7 +48,9 @@ def labelled(http, name: str) -> dict[str, float]:
     (json.dumps(ok_body(n=0)).encode(), 400, "n"),
     (json.dumps(ok_body(messages="hi")).encode(), 400, "messages"),
     (json.dumps(ok_body(frobnicate=True)).encode(), 400, "frobnicate"),
-    (json.dumps(ok_body(presence_penalty=0.5)).encode(), 400, None),
+    (json.dumps(ok_body(presence_penalty=2.5)).encode(), 400, "presence_penalty"),
+    (json.dumps(ok_body(logit_bias={"99999999": 1})).encode(), 400, "logit_bias"),
+    (json.dumps(ok_body(top_logprobs=2)).encode(), 400, "top_logprobs"),
     (json.dumps(ok_body(model="gpt-4")).encode(), 404, "model"),
     (json.dumps({**ok_body(), "messages": [{"role": "user", "content": "word " * 9000}]}).encode(), 400, "messages"),
 ])

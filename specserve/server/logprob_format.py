@@ -1,0 +1,59 @@
+"""Logprobs in the OpenAI layouts, from the engine's per-token logprobs.
+
+The engine reports, per output token, its logprob and the top alternatives (`TokenLogprob`; the
+output dict carries them in SGLang's layout, `meta_info.output_token_logprobs`). Chat responses
+list them as `logprobs.content` entries with the token's text and bytes; completions as the
+legacy parallel lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from specserve.logits.logprobs import TokenLogprob
+from specserve.tokenizer.tokenizer import Tokenizer
+
+
+def output_logprobs(output: dict) -> Optional[list[TokenLogprob]]:
+    """The TokenLogprobs of an engine output dict; None if the request did not ask for logprobs."""
+    meta = output["meta_info"]
+    if "output_token_logprobs" not in meta:
+        return None
+    tops = meta.get("output_top_logprobs") or [[] for _ in meta["output_token_logprobs"]]
+    return [TokenLogprob(tok, lp, tuple((t, v) for v, t, _ in top))
+            for (lp, tok, _), top in zip(meta["output_token_logprobs"], tops)]
+
+
+def chat_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]]) -> Optional[dict[str, Any]]:
+    """A chat choice's (or delta's) `logprobs` object."""
+    if logprobs is None:
+        return None
+    return {"content": [dict(_entry(tokenizer, lp.token, lp.logprob),
+                             top_logprobs=[_entry(tokenizer, t, v) for t, v in lp.top]) for lp in logprobs],
+            "refusal": None}
+
+
+def completion_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]],
+                        text_offset: int = 0) -> Optional[dict[str, Any]]:
+    """A completion choice's (or chunk's) `logprobs`: parallel lists; `text_offset` of the first token."""
+    if logprobs is None:
+        return None
+    tokens, offsets = [], []
+    for lp in logprobs:
+        text = token_text(tokenizer, lp.token)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def token_text(tokenizer: Tokenizer, token: int) -> str:
+    """A token's text; bytes that are only part of a UTF-8 character show as U+FFFD."""
+    return tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
+def _entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}

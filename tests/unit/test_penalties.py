@@ -1,0 +1,94 @@
+"""Penalties, bias and logprobs on logits: the math against hand-computed values, and the runner's
+per-slot token histories with the drafts that precede each verify row."""
+
+import math
+
+import pytest
+import torch
+
+from specserve.executor.request_logits import RequestLogits, verify_row_layout
+from specserve.logits.logprobs import token_logprobs
+from specserve.logits.penalties import shape_logits
+from specserve.sampling_params import SamplingParams
+
+
+def test_each_rule_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={3: -1.0})
+    # token 0 in the prompt only; token 1 twice in the output; token 3 biased and once in the output
+    out = shape_logits(logits, [p], prompts=[[0]], outputs=[[1, 1, 3]])
+    expected = [2.0 / 2,  # repetition (prompt): positive / 2
+                -1.0 * 2 - 0.25 * 2 - 0.5,  # repetition (negative: times 2), frequency 2x, presence
+                0.5,  # untouched
+                (3.0 - 1.0) / 2 - 0.25 - 0.5]  # bias first, then repetition, frequency, presence
+    assert out[0].tolist() == pytest.approx(expected)
+
+
+def test_neutral_rows_come_out_bit_identical():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(), SamplingParams(frequency_penalty=1.0), SamplingParams()]
+    out = shape_logits(logits, params, [[1, 2]] * 3, [[4, 4, 5]] * 3)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert out[1, 4] == logits[1, 4] - 2.0 and out[1, 5] == logits[1, 5] - 1.0
+
+
+def test_verify_rows_count_the_drafts_before_them():
+    shaper = RequestLogits()
+    p = SamplingParams(frequency_penalty=1.0)
+    shaper.start(row=7, params=p, fill=[10, 11, 12, 3], out_len=1)  # prompt 10 11 12, output [3]
+    shaper.commit(7, [4])
+    logits = torch.zeros(3, 8)
+    # the rows of one window [anchor=4, d1=5, d2=5]: row j follows d_1..d_j
+    out = shaper.shape(logits, [7, 7, 7], [p] * 3, [[], [5], [5, 5]])
+    assert out[:, 3].tolist() == [-1, -1, -1] and out[:, 4].tolist() == [-1, -1, -1]
+    assert out[:, 5].tolist() == [0, -1, -2]
+    assert torch.equal(logits, torch.zeros(3, 8))  # never written in place (a captured step's buffer)
+
+
+def test_a_request_without_shaping_forgets_the_slot_history():
+    shaper = RequestLogits()
+    shaper.start(1, SamplingParams(presence_penalty=1.0), [1, 2], 1)
+    shaper.start(1, SamplingParams(), [5, 6], 0)  # the slot is reused
+    shaper.commit(1, [9])
+    logits = torch.randn(1, 10)
+    assert shaper.shape(logits, [1], [SamplingParams()]) is logits
+
+
+def test_logprobs_and_top_alternatives():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 5.0]])
+    found = token_logprobs(logits, [0, 2], [2, 0])
+    norm = math.log(math.exp(1) + math.exp(2) + math.exp(3))
+    assert found[0].logprob == pytest.approx(1 - norm, abs=1e-6)
+    assert [t for t, _ in found[0].top] == [2, 1] and found[0].top[0][1] == pytest.approx(3 - norm, abs=1e-6)
+    assert found[1].top == () and found[1].token == 2
+    picked = RequestLogits.logprobs(logits, [SamplingParams(), SamplingParams(logprobs=True)], [0, 2])
+    assert picked[0] is None and picked[1].token == 2
+
+
+def test_verify_layout_of_packed_rows():
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    assert verify_row_layout(2, 3, keep) == [(0, 0), (0, 1), (1, 0)]
+    assert verify_row_layout(1, 2, None) == [(0, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(2000)}}, "logit_bias"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_bad_settings_name_their_field(bad, field):
+    from specserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams.from_dict(bad)
+    assert info.value.param == f"sampling_params.{field}"
+
+
+def test_logit_bias_keys_are_token_ids_and_bounded_by_the_vocabulary():
+    from specserve.errors import InvalidRequestError
+
+    p = SamplingParams.from_dict({"logit_bias": {"5": -100}})
+    assert p.logit_bias == {5: -100} and p.shapes_logits
+    with pytest.raises(InvalidRequestError, match=r"\[0, 10\)"):
+        SamplingParams.from_dict({"logit_bias": {"10": 1}}).validate(vocab_size=10)
