@@ -26,6 +26,8 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
 MAX_TOP_LOGPROBS = 20
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or grammar larger than this is refused
 
 
 @dataclass
@@ -49,6 +51,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: bool = False  # return each output token's logprob
     top_logprobs: int = 0  # and the N most likely tokens' at each position (needs logprobs)
+    # Structured output: at most one grammar the output must match (see specserve/logits/grammar.py).
+    json_schema: Optional[str] = None  # a JSON schema, as JSON text
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None  # GBNF (llama.cpp's grammar format)
 
     def __post_init__(self) -> None:
         # JSON keys are strings: {"50256": -100} is token 50256 (validate rejects what is not an id)
@@ -82,10 +88,20 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
-    def shapes_logits(self) -> bool:
-        """Its target logits are changed before sampling and accept (penalties or bias)."""
+    def penalises(self) -> bool:
+        """Penalties or a logit bias change its target logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar masks its target logits."""
+        return any(getattr(self, name) is not None for name in GRAMMAR_FIELDS)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Its target logits are changed before sampling and accept (penalties, bias or a grammar)."""
+        return self.penalises or self.constrained
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
         """Raise InvalidRequestError naming the first bad field; with vocab_size, token ids and top_k too."""
@@ -120,6 +136,15 @@ class SamplingParams:
               and all(_is_int(k) and 0 <= k < id_limit for k in bias)
               and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                       and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in bias.values()))
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
+                raise InvalidRequestError(f"sampling_params.{name}: must be a non-empty string of at most "
+                                          f"{MAX_GRAMMAR_CHARS} characters", param=f"sampling_params.{name}")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(f"sampling_params.{given[1]}: give at most one of {', '.join(GRAMMAR_FIELDS)}",
+                                      param=f"sampling_params.{given[1]}")
         if not ok:
             bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
             raise InvalidRequestError(f"sampling_params.logit_bias: must map at most {MAX_LOGIT_BIAS_ENTRIES} token "

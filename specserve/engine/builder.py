@@ -38,6 +38,7 @@ from specserve.speculative.dspark_worker import DsparkWorker
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
 from specserve.speculative.speculation import Speculation
+from specserve.logits.grammar import GrammarCompiler
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
                          alias_accept_buffers=faults.alias_accept_buffers,
                          capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs,
                                                args.enable_torch_compile),
-                         tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None)
+                         tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None,
+                         grammars=GrammarCompiler(tokenizer.backend.to_str, cfg.vocab_size, tokenizer.eos_token_ids))
     _start_cost_model(args, runner, gamma)
     sched_cfg = SchedulerConfig(
         context_length=context_length,

@@ -18,6 +18,7 @@ from specserve.engine.builder import build_rank
 from specserve.engine.inputs import Prompt, normalize_inputs, normalize_params
 from specserve.engine.output import request_output
 from specserve.engine.ranks import REQ_CODEC
+from specserve.logits.grammar import GrammarSpec
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import StepResult
@@ -289,7 +290,12 @@ class Engine:
         return normalize_inputs(prompt, input_ids, self.tokenizer, self.model_config.vocab_size)
 
     def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
-        return normalize_params(sampling_params, n, self.model_config.vocab_size)
+        params = normalize_params(sampling_params, n, self.model_config.vocab_size)
+        for p in params:  # a grammar that does not compile is the request's error, before it is queued
+            spec = GrammarSpec.of(p)
+            if spec is not None:
+                self.runner.request_logits.grammars.check(spec)
+        return params
 
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)

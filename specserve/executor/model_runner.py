@@ -26,6 +26,7 @@ from specserve.executor.request_logits import RequestLogits, verify_row_layout
 from specserve.executor.step_io import DECODE, EXTEND, SampledToken, StepInput, StepOutcome, VerifyOutcome
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.kv.pool import KVPool, ReqToTokenPool
+from specserve.logits.grammar import GrammarCompiler
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.stream import Event, Stream
@@ -68,7 +69,7 @@ class ModelRunner:
                  max_bs: int = 64, speculation: Optional[Speculation] = None,
                  forward_stream: Optional[Stream] = None, copy_stream: Optional[Stream] = None,
                  alias_accept_buffers: bool = False, capture: Optional[CaptureConfig] = None,
-                 tp: Optional[TPDecisions] = None):
+                 tp: Optional[TPDecisions] = None, grammars: Optional[GrammarCompiler] = None):
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token
@@ -84,7 +85,7 @@ class ModelRunner:
         self.capture.max_bs = min(self.capture.max_bs, max_bs)
         self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
         self.tp = tp  # rank 0's sampled tokens, drafts, verify lengths and accept results, on every rank
-        self.request_logits = RequestLogits()  # penalties' token histories (forward stream)
+        self.request_logits = RequestLogits(grammars)  # penalties' histories, grammar states (forward stream)
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -262,6 +263,9 @@ class ModelRunner:
         verify_lens = proposal.verify_lens
         if any(k < width - 1 for k in plan.drafts):  # a window with fewer drafts verifies fewer rows
             lens = [1 + k for k in plan.drafts]
+            verify_lens = lens if verify_lens is None else [min(a, b) for a, b in zip(lens, verify_lens)]
+        lens = self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist())  # a draft leaving its grammar
+        if lens is not None:  # ends the window there
             verify_lens = lens if verify_lens is None else [min(a, b) for a, b in zip(lens, verify_lens)]
         if self.tp is not None:
             lens = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)

@@ -1,10 +1,12 @@
-"""The runner's per-request logit work: penalties and bias on every target row, and logprobs.
+"""The runner's per-request logit work: penalties, bias and grammar masks on every target row, and logprobs.
 
-Penalties need the tokens before each row, and the runner is the only place that knows them in
-time: in the overlap loop the scheduler learns step N's tokens after step N+1 was launched. So
-the runner keeps, per request slot, the prompt and the committed output of each request whose
-logits it shapes: set when a prefill samples (the whole sequence, also after a retraction), then
-extended by every token a decode or verify step commits, whichever drafter proposed it.
+Penalties and grammars need the tokens before each row, and the runner is the only place that
+knows them in time: in the overlap loop the scheduler learns step N's tokens after step N+1 was
+launched. So the runner keeps, per request slot, the prompt and committed output of each request
+it penalises and the grammar state of each it constrains: set when a prefill samples (the whole
+sequence, also after a retraction), then advanced by every token a decode or verify step commits,
+whichever drafter proposed it. A verify row is shaped as if the window's drafts before it were
+committed (penalty counts, grammar state), which they are exactly when the row's token is kept.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specserve.logits.grammar import GrammarCompiler, GrammarSpec, GrammarState
 from specserve.logits.logprobs import TokenLogprob, token_logprobs
 from specserve.logits.penalties import shape_logits
 from specserve.sampling_params import SamplingParams
@@ -21,34 +24,54 @@ from specserve.sampling_params import SamplingParams
 class RequestLogits:
     """Token histories of the requests whose logits are shaped, and the shaping and logprobs of a step's rows."""
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: Optional[GrammarCompiler] = None) -> None:
+        self.grammars = grammars
         self._prompts: dict[int, list[int]] = {}
         self._outputs: dict[int, list[int]] = {}
+        self._states: dict[int, GrammarState] = {}
 
     def start(self, row: int, params: SamplingParams, fill: Sequence[int], out_len: int) -> None:
         """Slot `row` holds a request whose tokens so far are `fill`, the last `out_len` of them output."""
-        if params.shapes_logits:
-            cut = len(fill) - out_len
+        cut = len(fill) - out_len
+        self._prompts.pop(row, None), self._outputs.pop(row, None), self._states.pop(row, None)
+        if params.penalises:
             self._prompts[row], self._outputs[row] = list(fill[:cut]), list(fill[cut:])
-        else:
-            self._prompts.pop(row, None)
-            self._outputs.pop(row, None)
+        spec = GrammarSpec.of(params)
+        if spec is not None:
+            if self.grammars is None:
+                raise RuntimeError("a constrained request reached a runner without a grammar compiler")
+            self._states[row] = state = self.grammars.state(spec)
+            state.commit(fill[cut:])
 
     def commit(self, row: int, tokens: Sequence[int]) -> None:
         if row in self._outputs:
             self._outputs[row].extend(tokens)
+        if row in self._states:
+            self._states[row].commit(tokens)
+
+    def draft_limits(self, rows: Sequence[int], drafts: list[list[int]]) -> Optional[list[int]]:
+        """Verify length per window when a grammar ends some early (1 + the drafts it allows), else None."""
+        if not any(row in self._states for row in rows):
+            return None
+        return [1 + (self._states[row].valid_prefix(d) if row in self._states else len(d))
+                for row, d in zip(rows, drafts)]
 
     def shape(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
               windows: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
         """logits [n, V], one row per (slot, params) -> the same logits, shaped where a request asks for it.
         `windows[r]`: tokens between the request's committed output and row r (a verify row's drafts)."""
-        shaped = [r for r, p in enumerate(params) if p.shapes_logits]
-        if not shaped:
+        penalised = [r for r, p in enumerate(params) if p.penalises]
+        constrained = [r for r, p in enumerate(params) if p.constrained]
+        if not penalised and not constrained:
             return logits
         out = logits.clone()  # never write into a captured step's logits buffer
-        outputs = [self._outputs[rows[r]] + list(windows[r] if windows else ()) for r in shaped]
-        out[shaped] = shape_logits(logits[shaped], [params[r] for r in shaped],
-                                   [self._prompts[rows[r]] for r in shaped], outputs).to(logits.dtype)
+        if penalised:
+            outputs = [self._outputs[rows[r]] + list(windows[r] if windows else ()) for r in penalised]
+            out[penalised] = shape_logits(logits[penalised], [params[r] for r in penalised],
+                                          [self._prompts[rows[r]] for r in penalised], outputs).to(logits.dtype)
+        for r in constrained:
+            allowed = self._states[rows[r]].mask_after(windows[r] if windows else ())
+            out[r].masked_fill_(~allowed.to(out.device), float("-inf"))
         return out
 
     @staticmethod

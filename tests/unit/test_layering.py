@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "args": {"assets", "envs", "errors"},
     "datasets": set(),
     "sampler": {"sampling_params"},
-    "logits": {"sampling_params"},
+    "logits": {"sampling_params", "errors"},
     "runtime": {"envs"},
     "kernels": {"envs"},
     "distributed": {"args", "envs"},
