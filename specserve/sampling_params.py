@@ -26,7 +26,7 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
 MAX_TOP_LOGPROBS = 20
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark")
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or grammar larger than this is refused
 
 
@@ -55,6 +55,7 @@ class SamplingParams:
     json_schema: Optional[str] = None  # a JSON schema, as JSON text
     regex: Optional[str] = None
     ebnf: Optional[str] = None  # GBNF (llama.cpp's grammar format)
+    lark: Optional[str] = None  # llguidance's Lark dialect (may embed JSON schemas: `%json {...}`)
 
     def __post_init__(self) -> None:
         # JSON keys are strings: {"50256": -100} is token 50256 (validate rejects what is not an id)

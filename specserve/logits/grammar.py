@@ -1,4 +1,4 @@
-"""Structured outputs: a request's grammar (JSON schema, regex or GBNF) as an llguidance matcher.
+"""Structured outputs: a request's grammar (JSON schema, regex, GBNF or Lark) as an llguidance matcher.
 
 llguidance was chosen over XGrammar: it has no dependencies (XGrammar needs torch, transformers,
 triton and a TVM runtime, against our pinned CPU torch), builds a JSON-schema matcher in under a
@@ -92,6 +92,8 @@ def grammar_text(llg: Any, spec: GrammarSpec) -> str:
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if spec.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(spec.source)
+        if spec.kind == "lark":
+            return llg.LLMatcher.grammar_from_lark(spec.source)
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         return llg.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.source))

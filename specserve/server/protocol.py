@@ -8,6 +8,7 @@ behaviour.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
@@ -16,6 +17,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from specserve.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_NEW_TOKENS_LIMIT, MAX_PENALTY,
                                        MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                        MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SEED_LIMIT)
+from specserve.server.tools import (MAX_TOOLS, ToolCall, ToolChoice, ToolDef, call_grammar, check_tools, offered,
+                                    render_call_history, render_tool_result, with_tools)
 
 def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**64 else value
@@ -57,17 +60,59 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)]] = None  # an assistant's calls
+    tool_call_id: Optional[StrictStr] = None  # a tool result's call
+
+    @model_validator(mode="after")
+    def _check_message(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("messages: tool_calls only on assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("messages: a tool message needs tool_call_id")
+        return self
 
     def as_template_message(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        if self.tool_calls:
+            text = render_call_history(text, self.tool_calls)
+        if self.role == "tool":
+            text = render_tool_result(text)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: Optional[StrictStr] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema (always strict here)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is required with type json_schema, and only then")
+        return self
+
+    def schema_text(self) -> Optional[str]:
+        """The JSON schema the output must match, as JSON text (None: free text)."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"})
+        return None
 
 
 class SamplingFields(_Strict):
@@ -135,20 +180,19 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
     logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: Optional[dict[str, Any]] = neutral_only(None, {"type": "text"})
-    tools: Optional[list[dict[str, Any]]] = neutral_only(None, [])
-    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = neutral_only(None, "none")
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[ToolChoice] = None  # "auto" when tools are given, as OpenAI
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format: only {\"type\": \"text\"} is supported")
-        if self.tools:
-            raise ValueError("tools: not supported by specserve")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: not supported by specserve (omit it or send \"none\")")
+        check_tools(self.tools, self.tool_choice)
+        if self.response_format is not None and self.response_format.type != "text" and call_grammar(
+                self.offered_tools(), self.tool_choice, True):
+            raise ValueError("response_format: not with a required or named tool_choice (both constrain the output)")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_tokens, max_completion_tokens: give at most one")
         return self
@@ -158,6 +202,23 @@ class ChatCompletionRequest(SamplingFields):
 
     def logprob_count(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        params = super().sampling_params(max_new_tokens)
+        schema = self.response_format.schema_text() if self.response_format else None
+        if schema is not None:
+            params["json_schema"] = schema
+        grammar = call_grammar(self.offered_tools(), self.tool_choice, self.parallel_tool_calls)
+        if grammar is not None:
+            params["lark"] = grammar
+        return params
+
+    def offered_tools(self) -> list[ToolDef]:
+        return offered(self.tools, self.tool_choice)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The conversation for the chat template, with the offered tools in the system message."""
+        return with_tools([m.as_template_message() for m in self.messages], self.offered_tools())
 
 
 class CompletionRequest(SamplingFields):
@@ -214,6 +275,10 @@ class GenerateSamplingParams(_Strict):
     frequency_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: Number = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
     logit_bias: Annotated[dict[str, Number], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] = Field(default_factory=dict)
+    json_schema: Optional[StrictStr] = None  # structured output (SGLang's names): a JSON schema as text,
+    regex: Optional[StrictStr] = None  # a regular expression,
+    ebnf: Optional[StrictStr] = None  # or a GBNF grammar,
+    lark: Optional[StrictStr] = None  # or llguidance's Lark (JSON schemas inline: `%json {...}`)
 
     @model_validator(mode="after")
     def _check(self):

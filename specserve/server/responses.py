@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from specserve.server.logprob_format import chat_logprobs, completion_logprobs, output_logprobs
+from specserve.server.tools import ToolDef, parse_calls
 from specserve.tokenizer.tokenizer import Tokenizer
 
 SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_accept_length", "spec_correct_drafts_histogram",
@@ -39,12 +40,20 @@ def usage(prompt_tokens: int, outputs: list[dict]) -> dict[str, Any]:
 
 
 def chat_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int,
-                    tokenizer: Tokenizer) -> dict[str, Any]:
+                    tokenizer: Tokenizer, tools: list[ToolDef]) -> dict[str, Any]:
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": o["text"]},
-                         "logprobs": chat_logprobs(tokenizer, output_logprobs(o)),
-                         "finish_reason": finish_reason(o)} for i, o in enumerate(outputs)],
+            "choices": [chat_choice(i, o, tokenizer, tools) for i, o in enumerate(outputs)],
             "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}
+
+
+def chat_choice(index: int, output: dict, tokenizer: Tokenizer, tools: list[ToolDef]) -> dict[str, Any]:
+    """One choice; with tools offered, the calls in its text become `tool_calls` (finish_reason "tool_calls")."""
+    content, calls = parse_calls(output["text"], tools) if tools else (output["text"], [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, output_logprobs(output)),
+            "finish_reason": "tool_calls" if calls and finish_reason(output) == "stop" else finish_reason(output)}
 
 
 def text_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int,

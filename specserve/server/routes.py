@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.errors import InvalidRequestError
+from specserve.logits.grammar import GrammarSpec
 from specserve.sampling_params import SamplingParams
 from specserve.server.errors import DEFAULT_CODE, APIError
 from specserve.server.generation import Generation, collect
@@ -24,6 +25,7 @@ from specserve.server.sse import chat_stream, completion_stream, generate_stream
 from specserve.server.state import ServerState
 
 SSE = "text/event-stream"
+GRAMMAR_TIMEOUT_S = 10.0
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 OPENAI_PARAM_NAMES = {f"sampling_params.{name}": name for name in (
     "temperature", "top_p", "top_k", "min_p", "stop", "seed", "ignore_eos", "presence_penalty", "frequency_penalty",
@@ -52,7 +54,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        messages = [m.as_template_message() for m in body.messages]
+        messages = body.template_messages()
         try:
             ids = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages)
         except Exception as exc:  # the template rejects the conversation (e.g. role order)
@@ -60,12 +62,14 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_context(state, ids, "messages")
         params = [_engine_params(state, body, len(ids), i) for i in range(body.n)]
         _check_params(state, params[0], OPENAI_PARAM_NAMES)
+        await _check_grammar(state, params[0], {"sampling_params.json_schema": "response_format"})
         gen = Generation(state, [ids] * body.n, params)
         gen.start()
         if body.stream:
             first = await gen.first_event()
             return StreamingResponse(chat_stream(state, body, gen, first, len(ids)), media_type=SSE)
-        return chat_completion(gen.rids[0], state.model_name, await collect(gen, request), len(ids), state.tokenizer)
+        return chat_completion(gen.rids[0], state.model_name, await collect(gen, request), len(ids), state.tokenizer,
+                               body.offered_tools())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -98,6 +102,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         params = body.engine_params()
         params.setdefault("max_new_tokens", min(GENERATE_DEFAULT_MAX_NEW_TOKENS, state.context_length - len(ids)))
         _check_params(state, params, {})
+        await _check_grammar(state, params, {})
         gen = Generation(state, [ids], [params])
         gen.start()
         if body.stream:
@@ -127,6 +132,22 @@ def _check_params(state: ServerState, params: dict[str, Any], names: dict[str, s
         param = names.get(exc.param, exc.param)
         raise APIError(str(exc).replace(exc.param, param, 1) if exc.param and param else str(exc), 400,
                        param=param, code=exc.code or DEFAULT_CODE) from exc
+
+
+async def _check_grammar(state: ServerState, params: dict[str, Any], names: dict[str, str]) -> None:
+    """Compile a request's grammar off the event loop, within GRAMMAR_TIMEOUT_S: a 400 naming the
+    field if it does not compile or takes too long (compiled grammars are cached by spec)."""
+    spec = GrammarSpec.of(SamplingParams.from_dict(params))
+    if spec is None:
+        return
+    field = names.get(f"sampling_params.{spec.kind}", f"sampling_params.{spec.kind}")
+    try:
+        await asyncio.wait_for(asyncio.to_thread(state.grammars.check, spec), GRAMMAR_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(f"{field}: the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s", 400,
+                       param=field) from None
+    except InvalidRequestError as exc:
+        raise APIError(str(exc).replace(exc.param, field, 1), 400, param=field) from exc
 
 
 def _check_context(state: ServerState, ids: list[int], field: str) -> None:

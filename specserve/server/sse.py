@@ -18,7 +18,7 @@ from specserve.server.errors import APIError, server_error
 from specserve.server.generation import Generation
 from specserve.server.logprob_format import chat_logprobs, completion_logprobs
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from specserve.server.responses import finish_reason, spec_choice, usage
+from specserve.server.responses import chat_choice, finish_reason, spec_choice, usage
 from specserve.server.state import ServerState
 from specserve.server.text_stream import TextStream
 
@@ -61,14 +61,24 @@ async def chat_stream(state: ServerState, body: ChatCompletionRequest, gen: Gene
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish}], **extra})
 
+    # With tools offered the reply's text is held back to its end: only then is it known which part
+    # is content and which are calls (each call then comes whole, in one tool_calls delta).
+    tools = body.offered_tools()
     for i in range(len(gen.rids)):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
         match piece:
             case TextDelta(index, text, logprobs):
-                yield chunk(index, {"content": text}, logprobs=chat_logprobs(state.tokenizer, logprobs))
+                if text and not tools or logprobs:
+                    yield chunk(index, {"content": "" if tools else text},
+                                logprobs=chat_logprobs(state.tokenizer, logprobs))
             case ChoiceFinished(index, output):
-                yield chunk(index, {}, finish_reason(output), specserve=spec_choice(index, output))
+                choice = chat_choice(index, output, state.tokenizer, tools)
+                if tools and choice["message"]["content"]:
+                    yield chunk(index, {"content": choice["message"]["content"]})
+                for k, call in enumerate(choice["message"].get("tool_calls", [])):
+                    yield chunk(index, {"tool_calls": [{"index": k, **call}]})
+                yield chunk(index, {}, choice["finish_reason"], specserve=spec_choice(index, output))
             case StreamUsage(u):
                 yield sse({**head, "choices": [], "usage": u})
             case StreamFailed(err):

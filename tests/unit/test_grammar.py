@@ -1,0 +1,109 @@
+"""Grammars on the real tokenizer: masks, draft checks and rollback; tool-call grammars and parsing;
+the API's response_format and tools translated into engine params."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.errors import InvalidRequestError
+from specserve.logits.grammar import GrammarCompiler, GrammarSpec
+from specserve.server.protocol import ChatCompletionRequest
+from specserve.server.tools import ToolDef, call_grammar, parse_calls
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}
+WEATHER = ToolDef.model_validate({"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"], "additionalProperties": False}}})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from specserve.models.loader import default_model_path
+    from specserve.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer.backend.to_str, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+def test_masks_follow_the_committed_tokens_and_windows_roll_back(compiler, tokenizer):
+    state = compiler.state(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    ids = tokenizer.encode('{"n": 7}')
+    assert state.valid_prefix(ids + ids) == len(ids)  # a second object leaves the grammar
+    first = state.mask_after([])
+    assert tokenizer.decode(first.nonzero().view(-1).tolist()) == '{"'
+    inside = state.mask_after(ids[:-2])  # after '{"n": ', only digits 0-9
+    assert {tokenizer.decode([t]) for t in inside.nonzero().view(-1).tolist()} <= {str(d) for d in range(10)}
+    assert state.mask_after([]).equal(first)  # the window was rolled back
+    state.commit(ids)
+    assert state.mask_after([]).nonzero().view(-1).tolist() == list(tokenizer.eos_token_ids)
+
+
+def test_a_skipped_rollback_is_visible(compiler, tokenizer, monkeypatch):
+    """Mutation: without the rollback the drafts stay consumed, and the next mask is wrong."""
+    state = compiler.state(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    ids = tokenizer.encode('{"n": 7}')
+    monkeypatch.setattr(type(state.matcher), "rollback", lambda self, n: True, raising=False)
+    first = state.mask_after([])
+    state.mask_after(ids[:2])
+    assert not state.mask_after([]).equal(first)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (GrammarSpec("json_schema", "{oops"), "json_schema"), (GrammarSpec("json_schema", "[1]"), "must be an object"),
+    (GrammarSpec("regex", "(open"), "regex"), (GrammarSpec("ebnf", "root ::= missing"), "missing"),
+    (GrammarSpec("json_schema", json.dumps({"type": "string", "format": "no-such-format"})), "format"),
+])
+def test_malformed_grammars_name_their_field(compiler, spec, message):
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        compiler.check(spec)
+    assert info.value.param == f"sampling_params.{spec.kind}"
+
+
+def test_required_tool_choice_grammar_admits_exactly_valid_calls(compiler, tokenizer):
+    lark = call_grammar([WEATHER], "required", parallel=False)
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    wrong_name = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert compiler.state(GrammarSpec("lark", lark)).valid_prefix(tokenizer.encode(good)) == len(tokenizer.encode(good))
+    bad_ids = tokenizer.encode(wrong_name)
+    assert compiler.state(GrammarSpec("lark", lark)).valid_prefix(bad_ids) < len(bad_ids)
+    content, calls = parse_calls(good, [WEATHER])
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert parse_calls("no call here", [WEATHER]) == ("no call here", [])
+    assert parse_calls(wrong_name, [WEATHER]) == (wrong_name, [])  # not an offered tool: plain text
+
+
+def _chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_response_format_and_tool_choice_become_engine_grammars():
+    schema = _chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}})
+    assert json.loads(schema.sampling_params(8)["json_schema"]) == SCHEMA
+    assert json.loads(_chat(response_format={"type": "json_object"}).sampling_params(8)["json_schema"]) == {
+        "type": "object"}
+    tools = [WEATHER.model_dump()]
+    named = _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert "get_weather" in named.sampling_params(8)["lark"]
+    assert "lark" not in _chat(tools=tools).sampling_params(8)  # auto: parsed, not enforced
+    assert _chat(tools=tools, tool_choice="none").template_messages() == [{"role": "user", "content": "hi"}]
+    assert "<tools>" in _chat(tools=tools).template_messages()[0]["content"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"tool_choice": "required"}, "tool_choice: needs tools"),
+    ({"tools": [WEATHER.model_dump()], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "no tool named"),
+    ({"tools": [WEATHER.model_dump()] * 2}, "unique"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+])
+def test_bad_tool_and_format_requests_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _chat(**kw)
