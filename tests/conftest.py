@@ -57,6 +57,19 @@ def fp32_engine():
 
 
 @pytest.fixture(scope="session")
+def fp32_spec_engines():
+    """NGRAM and the shipped DSPARK drafter in fp32 with the fixed policy (every step drafts)."""
+    from specserve import Engine
+
+    engines = {alg: Engine(dtype="float32", max_total_tokens=8192, speculative_algorithm=alg,
+                           speculative_policy="fixed", random_seed=1) for alg in ("NGRAM", "DSPARK")}
+    yield engines
+    for engine in engines.values():
+        engine.scheduler.check_integrity()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_path):
     transformers = pytest.importorskip("transformers")
     folder, file = os.path.dirname(model_path), os.path.basename(model_path)

@@ -8,7 +8,6 @@ The mutation test drops the drafts from the verify rows' history and shows the e
 
 from __future__ import annotations
 
-import gc
 import math
 from collections import Counter
 
@@ -17,7 +16,6 @@ import torch
 
 from helpers import chat_prompts, prefill_logits
 
-from specserve import Engine
 from specserve.executor.request_logits import RequestLogits
 from specserve.logits.penalties import shape_logits
 from specserve.sampling_params import SamplingParams
@@ -33,14 +31,8 @@ REPEATING = {"temperature": 0, "max_new_tokens": 32, "frequency_penalty": 0.3, "
 
 
 @pytest.fixture(scope="module")
-def spec_engines():
-    engines = {alg: Engine(dtype="float32", max_total_tokens=8192, speculative_algorithm=alg,
-                           speculative_policy="fixed", random_seed=1) for alg in ("NGRAM", "DSPARK")}
-    yield engines
-    for e in engines.values():
-        e.scheduler.check_integrity()
-        e.shutdown()
-    gc.collect()
+def spec_engines(fp32_spec_engines):
+    return fp32_spec_engines
 
 
 @pytest.fixture(scope="module")
