@@ -58,6 +58,14 @@ def from_engine_fatal(event: EngineFatal) -> APIError:
     return server_error(f"engine failed: {event.message.splitlines()[0]}")
 
 
+class FieldError(ValueError):
+    """A request check spanning fields (a pydantic model validator) that names the field to blame."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def from_validation_errors(errors: list[dict]) -> APIError:
     """The first pydantic error as a 400 naming the field (json_invalid: the body is not JSON)."""
     # The deepest error is the informative one: for a union field (a string or a list of strings)
@@ -72,6 +80,9 @@ def from_validation_errors(errors: list[dict]) -> APIError:
                         code=DEFAULT_CODE)
     param = ".".join(loc) or None
     msg = err["msg"].removeprefix("Value error, ")
+    raised = err.get("ctx", {}).get("error")
+    if isinstance(raised, FieldError):  # a whole-request check that names its field
+        return APIError(f"{raised.param}: {raised}", param=raised.param, code=DEFAULT_CODE)
     if err.get("type") == "extra_forbidden":
         msg = "unknown field (not part of the API or not supported by specserve)"
     return APIError(f"{param}: {msg}" if param else msg, param=param, code=DEFAULT_CODE)

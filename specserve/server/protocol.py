@@ -17,6 +17,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from specserve.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_NEW_TOKENS_LIMIT, MAX_PENALTY,
                                        MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                        MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SEED_LIMIT)
+from specserve.server.errors import FieldError
 from specserve.server.tools import (MAX_TOOLS, ToolCall, ToolChoice, ToolDef, call_grammar, check_tools, offered,
                                     render_call_history, render_tool_result, with_tools)
 
@@ -69,9 +70,9 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _check_message(self):
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("messages: tool_calls only on assistant messages")
+            raise FieldError("messages", "tool_calls only on assistant messages")
         if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("messages: a tool message needs tool_call_id")
+            raise FieldError("messages", "a tool message needs tool_call_id")
         return self
 
     def as_template_message(self) -> dict[str, str]:
@@ -103,7 +104,7 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _check_format(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("response_format: json_schema is required with type json_schema, and only then")
+            raise FieldError("response_format", "json_schema is required with type json_schema, and only then")
         return self
 
     def schema_text(self) -> Optional[str]:
@@ -188,11 +189,11 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
+            raise FieldError("top_logprobs", "needs logprobs: true")
         check_tools(self.tools, self.tool_choice)
         if self.response_format is not None and self.response_format.type != "text" and call_grammar(
                 self.offered_tools(), self.tool_choice, True):
-            raise ValueError("response_format: not with a required or named tool_choice (both constrain the output)")
+            raise FieldError("response_format", "not with a required or named tool_choice (both constrain the output)")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_tokens, max_completion_tokens: give at most one")
         return self
@@ -312,7 +313,7 @@ class GenerateRequest(_Strict):
         if self.text == "" or self.input_ids == []:
             raise ValueError("text/input_ids: must not be empty")
         if self.top_logprobs_num and not self.return_logprob:
-            raise ValueError("top_logprobs_num: needs return_logprob: true")
+            raise FieldError("top_logprobs_num", "needs return_logprob: true")
         return self
 
     def engine_params(self) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from specserve.server.errors import FieldError
+
 MAX_TOOLS = 64
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
@@ -69,15 +71,15 @@ class ToolCall(_Strict):
 
 
 def check_tools(tools: Optional[list[ToolDef]], choice: Optional[ToolChoice]) -> None:
-    """ValueError naming the field for a tool set or choice that cannot be served."""
+    """FieldError for a tool set or choice that cannot be served."""
     names = [t.function.name for t in tools or []]
     if len(set(names)) != len(names):
-        raise ValueError("tools: function names must be unique")
+        raise FieldError("tools", "function names must be unique")
     if choice in ("required",) or isinstance(choice, NamedToolChoice):
         if not tools:
-            raise ValueError("tool_choice: needs tools")
+            raise FieldError("tool_choice", "needs tools")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise ValueError(f"tool_choice: no tool named {choice.function.name!r}")
+        raise FieldError("tool_choice", f"no tool named {choice.function.name!r}")
 
 
 def offered(tools: Optional[list[ToolDef]], choice: Optional[ToolChoice]) -> list[ToolDef]:

@@ -24,12 +24,14 @@ def _chat(client, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], **kw)
 
 
-def test_chat_logprobs_cover_every_token_with_sorted_alternatives(client):
+def test_chat_logprobs_cover_every_token_with_sorted_alternatives(client, tokenizer):
     resp = _chat(client, logprobs=True, top_logprobs=3, **LONG)
     choice = resp.choices[0]
     content = choice.logprobs.content
-    assert len(content) == resp.usage.completion_tokens == 16
-    assert bytes(b for c in content for b in c.bytes).decode() == choice.message.content
+    assert len(content) == resp.usage.completion_tokens == 16  # every output token, EOS included
+    special = {tokenizer.id_to_token(t) for t in range(tokenizer.vocab_size) if tokenizer.is_special(t)}
+    text = bytes(b for c in content if c.token not in special for b in c.bytes).decode()
+    assert text == choice.message.content
     for entry in content:
         values = [t.logprob for t in entry.top_logprobs]
         assert len(values) == 3 and values == sorted(values, reverse=True)

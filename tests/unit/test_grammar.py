@@ -97,7 +97,7 @@ def test_response_format_and_tool_choice_become_engine_grammars():
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"tool_choice": "required"}, "tool_choice: needs tools"),
+    ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [WEATHER.model_dump()], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "no tool named"),
     ({"tools": [WEATHER.model_dump()] * 2}, "unique"),
