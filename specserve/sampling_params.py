@@ -51,6 +51,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: bool = False  # return each output token's logprob
     top_logprobs: int = 0  # and the N most likely tokens' at each position (needs logprobs)
+    prompt_logprobs: bool = False  # also each prompt token's (after the first): the prompt is computed, not cached
     # Structured output: at most one grammar the output must match (see specserve/logits/grammar.py).
     json_schema: Optional[str] = None  # a JSON schema, as JSON text
     regex: Optional[str] = None
@@ -128,6 +129,7 @@ class SamplingParams:
         _check_num("repetition_penalty", self.repetition_penalty, f"in (0, {MAX_REPETITION_PENALTY:g}]",
                    lambda v: 0 < v <= MAX_REPETITION_PENALTY)
         _check_bool("logprobs", self.logprobs)
+        _check_bool("prompt_logprobs", self.prompt_logprobs)
         _check_int("top_logprobs", self.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]",
                    lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:

@@ -59,6 +59,7 @@ class TokensOut:
     rid: str
     token_ids: list[int]
     logprobs: Optional[list[TokenLogprob]] = None  # one per token, if the request asked for logprobs
+    prompt_logprobs: Optional[list[TokenLogprob]] = None  # with a request's first tokens: its prompt's (from token 1)
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,16 @@ def request_output(req: Req, tokenizer: Tokenizer) -> dict[str, Any]:
 
 def _logprob_info(req: Req) -> dict[str, Any]:
     """SGLang's native layout: [logprob, token_id, null] per output token, and per position its top list."""
-    if not req.params.logprobs:
-        return {}
-    out: dict[str, Any] = {"output_token_logprobs": [[lp.logprob, lp.token, None] for lp in req.output_logprobs]}
-    if req.params.top_logprobs:
-        out["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in req.output_logprobs]
+    out: dict[str, Any] = {}
+    if req.params.prompt_logprobs:  # the first prompt token has no logprob
+        first = [[None, req.input_ids[0], None]]
+        out["input_token_logprobs"] = first + [[lp.logprob, lp.token, None] for lp in req.prompt_logprobs]
+        if req.params.top_logprobs:
+            out["input_top_logprobs"] = [None] + [[[v, t, None] for t, v in lp.top] for lp in req.prompt_logprobs]
+    if req.params.logprobs:
+        out["output_token_logprobs"] = [[lp.logprob, lp.token, None] for lp in req.output_logprobs]
+        if req.params.top_logprobs:
+            out["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in req.output_logprobs]
     return out
 
 

@@ -23,7 +23,8 @@ import torch
 from specserve.executor.captured_step import CapturedStep
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
-from specserve.executor.step_io import DECODE, EXTEND, SampledToken, StepInput, StepOutcome, VerifyOutcome
+from specserve.executor.step_io import (DECODE, EXTEND, PromptLogprobs, SampledToken, StepInput, StepOutcome,
+                                        VerifyOutcome)
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.logits.grammar import GrammarCompiler
@@ -60,6 +61,7 @@ class StepHandle:
     host_out: list[torch.Tensor] = field(default_factory=list)  # set on the copy stream
     done: Optional[Event] = None
     logprobs: dict[int, list] = field(default_factory=dict)  # request index -> TokenLogprobs (forward stream)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # request index -> its chunk's
 
 
 class ModelRunner:
@@ -117,9 +119,9 @@ class ModelRunner:
             return [VerifyOutcome(row[:n], cap, drafter, k, predicted, handle.logprobs.get(i))
                     for i, (row, n, cap, drafter, k, predicted)
                     in enumerate(zip(tokens, commit, trimmed, plan.drafters, plan.drafts, plan.predicted))]
-        tokens = handle.host_out[0].tolist()
-        return [(SampledToken(t, handle.logprobs[i]) if i in handle.logprobs else t) if s else None
-                for i, (t, s) in enumerate(zip(tokens, step.sample))]
+        tokens, lps, prompt = handle.host_out[0].tolist(), handle.logprobs, handle.prompt_logprobs
+        return [SampledToken(t if s else None, lps.get(i), prompt.get(i)) if i in lps or i in prompt
+                else t if s else None for i, (t, s) in enumerate(zip(tokens, step.sample))]
 
     def _copy_to_host(self, handle: StepHandle) -> None:
         """Copy stream: the device-to-host copy (pinned and non-blocking on CUDA)."""
@@ -136,7 +138,7 @@ class ModelRunner:
         step = handle.step
         start = time.perf_counter()
         if step.mode == EXTEND:
-            handle.device_out = [self._extend(step, handle.logprobs)]
+            handle.device_out = [self._extend(step, handle.logprobs, handle.prompt_logprobs)]
             return
         if step.mode == DECODE:
             handle.device_out = [self._decode(step, handle.logprobs)]
@@ -149,11 +151,14 @@ class ModelRunner:
         if policy is not None and self.forward.device.type == "cpu":  # CUDA steps run asynchronously
             policy.observe_step(shape, time.perf_counter() - start)
 
-    def _extend(self, step: StepInput, logprobs: dict[int, list]) -> torch.Tensor:
+    def _extend(self, step: StepInput, logprobs: dict[int, list], prompt: dict[int, PromptLogprobs]) -> torch.Tensor:
+        every_row = step.prompt_logprobs if any(step.prompt_logprobs) else False
         fb = self._forward_batch(step.rows, step.prefix_lens, step.extend_lens,
                                  torch.tensor(step.input_ids, dtype=torch.int64, device=self.device),
-                                 step.out_cache_loc, every_row=False, sample=step.sample)
+                                 step.out_cache_loc, every_row=every_row, sample=step.sample)
         logits = self._forward(fb)
+        if every_row:  # score the prompt rows, keep each sampling request's last row
+            logits = self.request_logits.prompt_logprobs(prompt, step, logits)
         tokens = torch.zeros(step.size, dtype=torch.int64)
         wanted = [i for i, s in enumerate(step.sample) if s]
         if wanted:

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specserve.executor.step_io import PromptLogprobs, StepInput
 from specserve.logits.grammar import GrammarCompiler, GrammarSpec, GrammarState
 from specserve.logits.logprobs import TokenLogprob, token_logprobs
 from specserve.logits.penalties import shape_logits
@@ -104,6 +105,29 @@ class RequestLogits:
                               [out_tokens[layout[r][0]][layout[r][1]] for r in picked])
         for r, lp in zip(picked, found):
             into.setdefault(layout[r][0], []).append(lp)
+
+
+    @staticmethod
+    def prompt_logprobs(into: dict[int, PromptLogprobs], step: StepInput, logits: torch.Tensor) -> torch.Tensor:
+        """A prefill step computed every row of the requests scoring their prompt: record the logprobs
+        of the prompt tokens those rows predict (raw logits: no penalties apply inside a prompt) and
+        return the logits of each sampling request's last row, as a plain prefill has them."""
+        kept, offset = [], 0
+        for i, (p, n, sampled) in enumerate(zip(step.prefix_lens, step.extend_lens, step.sample)):
+            if not step.prompt_logprobs[i]:
+                kept += [offset] if sampled else []
+                offset += 1 if sampled else 0
+                continue
+            fill = step.fills[i]
+            prompt_len = len(fill) - step.out_lens[i]
+            scored = min(n, prompt_len - 1 - p)  # row p + k predicts token p + k + 1, while in the prompt
+            if scored > 0:
+                top = step.params[i].top_logprobs
+                into[i] = PromptLogprobs(p + 1, token_logprobs(logits[offset:offset + scored], fill[p + 1:p + 1 + scored],
+                                                               [top] * scored))
+            kept += [offset + n - 1] if sampled else []
+            offset += n
+        return logits[kept]
 
 
 def verify_row_layout(bs: int, width: int, keep: Optional[torch.Tensor]) -> list[tuple[int, int]]:

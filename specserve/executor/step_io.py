@@ -37,6 +37,7 @@ class StepInput:
     out_cache_loc: list[int] = field(default_factory=list)  # flat token slots for their K/V
     out_lens: list[int] = field(default_factory=list)  # output tokens so far (sampling counters)
     fills: list[Optional[list[int]]] = field(default_factory=list)  # every token of a sampling request
+    prompt_logprobs: list[bool] = field(default_factory=list)  # extend: logprobs of this chunk's prompt tokens
     kv_bound: int = 0  # decode/verify: K/V slots the longest request holds (>= its prefix + window)
 
     @property
@@ -62,11 +63,21 @@ class VerifyOutcome:
 
 
 @dataclass
-class SampledToken:
-    """A prefill or decode row's token with its logprob: what a request that asked for logprobs gets."""
+class PromptLogprobs:
+    """Logprobs of prompt tokens at positions start, start + 1, ... (a prefill chunk's)."""
 
-    token: int
+    start: int
     logprobs: list[TokenLogprob]
+
+
+@dataclass
+class SampledToken:
+    """A prefill or decode row's token with its logprob, for a request that asked for logprobs, or
+    (a non-final prefill chunk) token None with only its prompt logprobs."""
+
+    token: Optional[int]
+    logprobs: Optional[list[TokenLogprob]] = None
+    prompt: Optional[PromptLogprobs] = None
 
 
 # Per request of a step: the next token (None where none is sampled), a SampledToken, or a VerifyOutcome.

@@ -26,16 +26,18 @@ class ForwardBatch:
 
     @classmethod
     def for_requests(cls, table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[int],
-                     extend_lens: Sequence[int], input_ids: torch.Tensor, slots: Sequence[int], every_row: bool,
+                     extend_lens: Sequence[int], input_ids: torch.Tensor, slots: Sequence[int],
+                     every_row: "bool | Sequence[bool]",
                      sample: Optional[Sequence[bool]], dtype: torch.dtype,
                      capture_layer_ids: tuple[int, ...]) -> "ForwardBatch":
         """One pass over requests (slots `rows` of the request-to-token `table`) that each add
-        `extend_lens` tokens after `prefix_lens`: logits for every row, or each sampling request's last."""
+        `extend_lens` tokens after `prefix_lens`: logits for every row (of all requests, or of those
+        `every_row` marks), else each sampling request's last."""
         dev = input_ids.device
         logit_rows, offset = [], 0
         for i, n in enumerate(extend_lens):
             offset += n
-            if every_row:
+            if every_row if isinstance(every_row, bool) else every_row[i]:
                 logit_rows.extend(range(offset - n, offset))
             elif sample is None or sample[i]:
                 logit_rows.append(offset - 1)

@@ -44,7 +44,8 @@ class ScheduleBatch:
             step.prefix_lens, step.extend_lens = list(self.prefix_lens), list(self.extend_lens)
             step.input_ids, step.out_cache_loc = list(self.input_ids), list(self.out_cache_loc)
             step.out_lens = [len(r.output_ids) for r in reqs]
-            step.fills = [list(r.fill_ids) if s else None for r, s in zip(reqs, self.sample)]
+            step.prompt_logprobs = [r.wants_prompt_logprobs for r in reqs]
+            step.fills = [list(r.fill_ids) if s or p else None for r, s, p in zip(reqs, self.sample, step.prompt_logprobs)]
         else:
             step.kv_bound = max(len(r.kv_slots) for r in reqs)
         return step

@@ -33,6 +33,7 @@ class Req:
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., if asked
     req_pool_idx: Optional[int] = None
     kv_slots: list[int] = field(default_factory=list)
     kv_len: int = 0
@@ -59,6 +60,19 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Tokens whose KV the request needs before its next decode step."""
         return self.input_ids + self.output_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed yet (its prefill then skips the cache)."""
+        return self.params.prompt_logprobs and len(self.prompt_logprobs) < len(self.input_ids) - 1
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprob]) -> None:
+        """Logprobs of prompt positions start.. (a recomputed chunk may repeat some: each is kept once)."""
+        have = len(self.prompt_logprobs) + 1  # the next position wanted (position 0 has none)
+        for pos, lp in enumerate(logprobs, start):
+            if pos == have and pos < len(self.input_ids):
+                self.prompt_logprobs.append(lp)
+                have += 1
 
     @property
     def finished(self) -> bool:

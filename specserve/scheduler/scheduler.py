@@ -148,6 +148,8 @@ class Scheduler:
         for req, n, sampled, token in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
             if req.finished:  # aborted while its step was in flight; its KV is already released
                 continue
+            if isinstance(token, SampledToken) and token.prompt is not None:
+                req.add_prompt_logprobs(token.prompt.start, token.prompt.logprobs)
             if not sampled:
                 req.kv_len += n
                 self.chunked_req = req
@@ -218,7 +220,8 @@ class Scheduler:
     def _try_admit(self, req: Req, max_tokens: int, planned: int) -> Optional[int]:
         """Lock req's cached prefix and give it a request slot if it fits; returns tokens to compute now."""
         fill = req.fill_ids
-        prefix_slots, node = self.tree.match_prefix(fill[:-1])  # always recompute at least one token
+        # always recompute at least one token; all of a prompt whose logprobs are asked for
+        prefix_slots, node = self.tree.match_prefix([] if req.wants_prompt_logprobs else fill[:-1])
         self.tree.inc_lock_ref(node)  # now unevictable, so _available() no longer counts it
         need = len(fill) - len(prefix_slots) + self._reserve(req)
         if need > self._available() - planned:

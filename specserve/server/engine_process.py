@@ -166,7 +166,8 @@ class EngineServer:
         for req, token in result.tokens:
             new.setdefault(req.rid, []).append(token)
             reqs[req.rid] = req
-        out += [TokensOut(rid, ids, _last_logprobs(reqs[rid], len(ids))) for rid, ids in new.items()]
+        out += [TokensOut(rid, ids, _last_logprobs(reqs[rid], len(ids)), _prompt_logprobs(reqs[rid], len(ids)))
+                for rid, ids in new.items()]
         for req in result.finished:
             self.live.discard(req.rid)
             out.append(self._final_event(req))
@@ -180,6 +181,11 @@ class EngineServer:
         except Exception as exc:  # e.g. detokenizing this request's output: it fails alone
             logger.error("request %s failed building its output", req.rid, exc_info=True)
             return RequestFailed(req.rid, f"output failed: {type(exc).__name__}: {exc}")
+
+
+def _prompt_logprobs(req, n: int) -> Optional[list]:
+    """A request's prompt logprobs, sent once: with its first output tokens."""
+    return list(req.prompt_logprobs) if req.params.prompt_logprobs and len(req.output_ids) == n else None
 
 
 def _last_logprobs(req, n: int) -> Optional[list]:

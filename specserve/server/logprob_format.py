@@ -24,6 +24,33 @@ def output_logprobs(output: dict) -> Optional[list[TokenLogprob]]:
             for (lp, tok, _), top in zip(meta["output_token_logprobs"], tops)]
 
 
+def prompt_logprobs(output: dict) -> Optional[list[TokenLogprob]]:
+    """The prompt's TokenLogprobs (from its second token) of an output dict; None if not computed."""
+    meta = output["meta_info"]
+    if "input_token_logprobs" not in meta:
+        return None
+    tops = meta.get("input_top_logprobs") or [None] * len(meta["input_token_logprobs"])
+    return [TokenLogprob(tok, lp, tuple((t, v) for v, t, _ in top or ()))
+            for (lp, tok, _), top in list(zip(meta["input_token_logprobs"], tops))[1:]]
+
+
+def echoed_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob],
+                    completion: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Legacy completion logprobs with the prompt first (its first token has none), as `echo` returns them."""
+    head = completion_logprobs(tokenizer, scored)
+    first = token_text(tokenizer, prompt_ids[0])
+    tokens = [first] + head["tokens"]
+    lists = {"tokens": tokens, "token_logprobs": [None] + head["token_logprobs"],
+             "top_logprobs": [None] + head["top_logprobs"],
+             "text_offset": [0] + [o + len(first) for o in head["text_offset"]]}
+    if completion:
+        shift = sum(len(t) for t in tokens)
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            lists[key] += completion[key]
+        lists["text_offset"] += [o + shift for o in completion["text_offset"]]
+    return lists
+
+
 def chat_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]]) -> Optional[dict[str, Any]]:
     """A chat choice's (or delta's) `logprobs` object."""
     if logprobs is None:

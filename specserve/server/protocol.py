@@ -226,14 +226,12 @@ class CompletionRequest(SamplingFields):
     prompt: Union[Text, NonEmpty[list[Text]], TokenIds, NonEmpty[list[TokenIds]]]
     max_tokens: Optional[Integer] = Field(16, ge=0, le=MAX_NEW_TOKENS_LIMIT)  # OpenAI's default for completions
     logprobs: Optional[Integer] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token
-    echo: StrictBool = Field(False, json_schema_extra={"enum": [False]})
+    echo: StrictBool = False  # the prompt before the completion (with logprobs: the prompt's too)
     suffix: Optional[StrictStr] = neutral_only(None, "")
     best_of: Optional[Integer] = Field(None, json_schema_extra={"enum": [None], "description": "or equal to n"})
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if self.echo:
-            raise ValueError("echo: not supported by specserve")
         if self.suffix:
             raise ValueError("suffix: not supported by specserve")
         if self.best_of not in (None, self.n):
@@ -257,6 +255,12 @@ class CompletionRequest(SamplingFields):
 
     def logprob_count(self) -> Optional[int]:
         return self.logprobs
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        params = super().sampling_params(max_new_tokens)
+        if self.echo and self.logprobs is not None:
+            params["prompt_logprobs"] = True  # computed, not taken from the prefix cache
+        return params
 
 
 class GenerateSamplingParams(_Strict):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
-from specserve.server.logprob_format import chat_logprobs, completion_logprobs, output_logprobs
+from specserve.server.logprob_format import (chat_logprobs, completion_logprobs, echoed_logprobs, output_logprobs,
+                                             prompt_logprobs)
 from specserve.server.tools import ToolDef, parse_calls
 from specserve.tokenizer.tokenizer import Tokenizer
 
@@ -46,6 +47,19 @@ def chat_completion(request_id: str, model: str, outputs: list[dict], prompt_tok
             "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}
 
 
+def completion_choice(index: int, output: dict, tokenizer: Tokenizer,
+                      echo: Optional[tuple[str, list[int]]]) -> dict[str, Any]:
+    logprobs = completion_logprobs(tokenizer, output_logprobs(output))
+    text = output["text"]
+    if echo is not None:
+        prompt_text, prompt_ids = echo
+        scored = prompt_logprobs(output)
+        if logprobs is not None and scored is not None:
+            logprobs = echoed_logprobs(tokenizer, prompt_ids, scored, logprobs)
+        text = prompt_text + text
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(output)}
+
+
 def chat_choice(index: int, output: dict, tokenizer: Tokenizer, tools: list[ToolDef]) -> dict[str, Any]:
     """One choice; with tools offered, the calls in its text become `tool_calls` (finish_reason "tool_calls")."""
     content, calls = parse_calls(output["text"], tools) if tools else (output["text"], [])
@@ -57,8 +71,8 @@ def chat_choice(index: int, output: dict, tokenizer: Tokenizer, tools: list[Tool
 
 
 def text_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int,
-                    tokenizer: Tokenizer) -> dict[str, Any]:
+                    tokenizer: Tokenizer, echo: Optional[list[tuple[str, list[int]]]] = None) -> dict[str, Any]:
+    """`echo`: per choice its prompt's text and ids, put before the completion (and its logprobs)."""
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": o["text"], "logprobs": completion_logprobs(tokenizer, output_logprobs(o)),
-                         "finish_reason": finish_reason(o)} for i, o in enumerate(outputs)],
+            "choices": [completion_choice(i, o, tokenizer, echo[i] if echo else None) for i, o in enumerate(outputs)],
             "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}

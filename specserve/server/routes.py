@@ -85,11 +85,12 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         gen = Generation(state, ids_list, params)
         gen.start()
         prompt_tokens = sum(len(p) for p in prompts)
+        echo = [(_prompt_text(state, p), ids) for p, ids in zip(body.prompts(), prompts) for _ in range(body.n)]
         if body.stream:
             first = await gen.first_event()
-            return StreamingResponse(completion_stream(state, body, gen, first, prompt_tokens), media_type=SSE)
+            return StreamingResponse(completion_stream(state, body, gen, first, prompt_tokens, echo), media_type=SSE)
         return text_completion(gen.rids[0], state.model_name, await collect(gen, request), prompt_tokens,
-                               state.tokenizer)
+                               state.tokenizer, echo if body.echo else None)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
@@ -109,6 +110,10 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
             first = await gen.first_event()
             return StreamingResponse(generate_stream(state, gen, first), media_type=SSE)
         return (await collect(gen, request))[0]
+
+
+def _prompt_text(state: ServerState, prompt: "str | list[int]") -> str:
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
 
 
 def _check_model(state: ServerState, model: str) -> None:

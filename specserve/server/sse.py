@@ -16,7 +16,7 @@ from specserve.engine.messages import RequestDone, TokensOut
 from specserve.server.engine_client import Delivery
 from specserve.server.errors import APIError, server_error
 from specserve.server.generation import Generation
-from specserve.server.logprob_format import chat_logprobs, completion_logprobs
+from specserve.server.logprob_format import chat_logprobs, completion_logprobs, echoed_logprobs
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.responses import chat_choice, finish_reason, spec_choice, usage
 from specserve.server.state import ServerState
@@ -29,6 +29,7 @@ class TextDelta(NamedTuple):
     index: int
     text: str
     logprobs: Optional[list] = None  # the TokenLogprobs of the tokens that arrived with it, if asked
+    prompt_logprobs: Optional[list] = None  # with a choice's first tokens, if its prompt was scored
 
 
 class ChoiceFinished(NamedTuple):
@@ -87,8 +88,9 @@ async def chat_stream(state: ServerState, body: ChatCompletionRequest, gen: Gene
 
 
 async def completion_stream(state: ServerState, body: CompletionRequest, gen: Generation, first: Delivery,
-                            prompt_tokens: int) -> AsyncIterator[str]:
-    """Completion chunks: text deltas, a finish chunk per choice, usage if asked."""
+                            prompt_tokens: int, echo: list[tuple[str, list[int]]]) -> AsyncIterator[str]:
+    """Completion chunks: text deltas, a finish chunk per choice, usage if asked. With `echo` (per
+    choice its prompt's text and ids) a choice's first chunk starts with its prompt (and its logprobs)."""
     head = {"id": f"cmpl-{gen.rids[0]}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
 
@@ -97,15 +99,28 @@ async def completion_stream(state: ServerState, body: CompletionRequest, gen: Ge
                     **extra})
 
     offsets = [0] * len(gen.rids)  # text_offset of each choice's next token
+    pending = set(range(len(gen.rids))) if body.echo else set()  # choices whose prompt is not sent yet
+
+    def echoed(index: int, text: str, logprobs: Optional[dict], scored: Optional[list]) -> tuple[str, Optional[dict]]:
+        pending.discard(index)
+        prompt_text, prompt_ids = echo[index]
+        if logprobs is not None and scored is not None:
+            logprobs = echoed_logprobs(state.tokenizer, prompt_ids, scored, logprobs)
+        offsets[index] += len(prompt_text)
+        return prompt_text + text, logprobs
 
     async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
         match piece:
-            case TextDelta(index, text, logprobs):
+            case TextDelta(index, text, logprobs, scored):
                 formatted = completion_logprobs(state.tokenizer, logprobs, offsets[index])
                 if formatted:
                     offsets[index] += sum(len(t) for t in formatted["tokens"])
+                if index in pending:
+                    text, formatted = echoed(index, text, formatted, scored)
                 yield chunk(index, text, logprobs=formatted)
             case ChoiceFinished(index, output):
+                if index in pending:  # no token came before the end
+                    yield chunk(index, echoed(index, "", None, None)[0])
                 yield chunk(index, "", finish_reason(output), specserve=spec_choice(index, output))
             case StreamUsage(u):
                 yield sse({**head, "choices": [], "usage": u})
@@ -123,8 +138,8 @@ async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, fi
         async for index, event in gen.events(first):
             if isinstance(event, TokensOut):
                 delta = streams[index].add(event.token_ids)
-                if delta or event.logprobs:
-                    yield TextDelta(index, delta, event.logprobs)
+                if delta or event.logprobs or event.prompt_logprobs:
+                    yield TextDelta(index, delta, event.logprobs, event.prompt_logprobs)
             elif isinstance(event, RequestDone):
                 outputs[index] = event.output
                 rest = streams[index].finish(event.output["text"])

@@ -129,3 +129,17 @@ def _chi_square_sf(stat: float, dof: int) -> float:
         total += term
     lower = math.exp(-x + a * math.log(x) - math.lgamma(a)) * total
     return max(0.0, 1.0 - lower)
+
+
+def test_prompt_logprobs_equal_a_prefill_and_bypass_the_prefix_cache(fp32_engine, spec_engines, prompts):
+    params = {"temperature": 0, "max_new_tokens": 2, "prompt_logprobs": True, "logprobs": True, "top_logprobs": 2}
+    runs = [fp32_engine.generate(input_ids=prompts, sampling_params=params) for _ in range(2)]  # 2nd: cached prefix
+    runs.append(spec_engines["DSPARK"].generate(input_ids=prompts, sampling_params=params))
+    for i, prompt in enumerate(prompts):
+        reference = torch.log_softmax(prefill_logits(fp32_engine.runner.model, prompt).float(), -1)
+        want = [float(reference[k, prompt[k + 1]]) for k in range(len(prompt) - 1)]
+        for run in runs:
+            scored = run[i]["meta_info"]["input_token_logprobs"]
+            assert scored[0] == [None, prompt[0], None] and [t for _, t, _ in scored] == prompt
+            assert [lp for lp, _, _ in scored[1:]] == pytest.approx(want, abs=1e-4)
+            assert run[i]["meta_info"]["cached_tokens"] == 0

@@ -73,3 +73,22 @@ def test_logit_bias_bans_the_greedy_token_and_penalties_are_served(client, serve
     penalised = _chat(client, max_tokens=8, temperature=0, presence_penalty=1.5, frequency_penalty=1.0,
                       extra_body={"repetition_penalty": 1.2})
     assert penalised.choices[0].finish_reason in ("stop", "length") and penalised.usage.completion_tokens > 0
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first_streamed_or_not(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True, logprobs=1,
+              extra_body={"ignore_eos": True})
+    resp = client.completions.create(**kw)
+    choice, prompt_tokens = resp.choices[0], resp.usage.prompt_tokens
+    assert choice.text.startswith("The capital of France is")
+    lp = choice.logprobs
+    assert len(lp.tokens) == prompt_tokens + 4 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    plain = client.completions.create(**{**kw, "logprobs": None})
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
