@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_quality_bench_args(qual)
     ServerArgs.add_cli_args(qual)
+    gram = bench_sub.add_parser("grammar", help="grammar library costs (llguidance vs XGrammar) and structured "
+                                "output under speculation against NONE")
+    from specserve.bench.grammar import add_grammar_bench_args
+
+    add_grammar_bench_args(gram)
     ovl = bench_sub.add_parser("overlap", help="overlap loop vs normal loop decode throughput")
     from specserve.bench.overlap import add_overlap_bench_args
 
@@ -303,6 +308,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.quality import run_quality_bench
 
             return run_quality_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "grammar":
+            from specserve.bench.grammar import run_grammar_bench
+
+            return run_grammar_bench(ns)
         if ns.command == "bench" and ns.bench_command == "overlap":
             from specserve.bench.overlap import run_overlap_bench
 

@@ -16,36 +16,10 @@ import pytest
 
 from helpers import chat_prompts
 
+from specserve.bench.grammar import random_schema
 from specserve.logits.grammar import GrammarState
 
 DIGITS = {"temperature": 0, "max_new_tokens": 24, "regex": "[0-9]{1,4}( [0-9]{1,4}){0,8}"}
-
-
-def random_schema(rng: random.Random, depth: int = 0) -> dict:
-    """An object schema small enough for a 135M model to finish in 256 tokens."""
-    props, required = {}, []
-    for i in range(rng.randint(1, 3)):
-        name = rng.choice(["name", "id", "color", "size", "tags", "owner", "count", "kind", "score"]) + str(i)
-        props[name] = _value_schema(rng, depth)
-        if rng.random() < 0.7:
-            required.append(name)
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-
-
-def _value_schema(rng: random.Random, depth: int) -> dict:
-    kind = rng.choice(["string", "integer", "enum", "boolean", "array"] + (["object"] if depth < 1 else []))
-    if kind == "string":
-        return {"type": "string", "maxLength": rng.randint(3, 10)}
-    if kind == "integer":
-        low = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(1, 500)}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "small", "large", "yes", "no"], rng.randint(2, 4))}
-    if kind == "boolean":
-        return {"type": "boolean"}
-    if kind == "array":
-        return {"type": "array", "items": _value_schema(rng, 2), "maxItems": rng.randint(1, 3)}
-    return random_schema(rng, depth + 1)
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     # train -> bench: the drafter experiments time verify steps with bench's step instrumentation
     "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench"},
     "bench": {"engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
-              "sampling_params"},
+              "sampling_params", "logits"},
     "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
 }
