@@ -127,6 +127,13 @@ class Engine:
         self._commands.put(AddRequest(req))
         return req
 
+    def check_grammar(self, sampling_params: Optional[dict]) -> None:
+        """Compile a request's grammar into the cache (InvalidRequestError if it does not compile);
+        thread-safe, so a serving loop can run it off its own thread before `submit`."""
+        spec = GrammarSpec.of(SamplingParams.from_dict(sampling_params))
+        if spec is not None:
+            self.runner.request_logits.grammars.check(spec)
+
     def abort(self, rid: str) -> None:
         """Stop a request at the next step; it then comes back in that step's `finished`."""
         self._commands.put(AbortRequest(rid))

@@ -15,12 +15,14 @@ import queue
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from specserve.engine.messages import (AbortRequest, AddRequest, Command, EngineFatal, EngineReady, Event,
                                        Heartbeat, LoadReport, RequestDone, RequestError, RequestFailed, Shutdown,
                                        TokensOut)
 from specserve.errors import InvalidRequestError
+from specserve.sampling_params import GRAMMAR_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,10 @@ def _ready_info(engine) -> dict[str, Any]:
             "kv_total_tokens": engine.allocator.size, "pid": os.getpid()}
 
 
+def _constrained(params: Any) -> bool:
+    return isinstance(params, dict) and any(params.get(name) is not None for name in GRAMMAR_FIELDS)
+
+
 def rejection(rid: str, exc: ValueError) -> RequestError:
     """The `RequestError` event for a request the engine refused: the field and code the exception carries."""
     if isinstance(exc, InvalidRequestError):
@@ -100,6 +106,11 @@ class EngineServer:
         self.parent = os.getppid()
         self._last_load: dict[str, int] = {}
         self._iteration_started = time.monotonic()
+        # Requests with a grammar wait here while it compiles on a thread of its own (not this loop's):
+        # a slow schema delays only its own request. Compiled grammars are cached, so the engine's own
+        # check at submit is then a lookup.
+        self._compiling: dict[str, tuple[AddRequest, Future]] = {}
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     def stalled(self, timeout_s: float) -> bool:
         """Whether the current loop iteration (a step, or the idle wait) has run past timeout_s."""
@@ -109,7 +120,9 @@ class EngineServer:
         while True:
             self._iteration_started = time.monotonic()
             out: list[Event] = []
-            stop = self._apply(self._drain(block=not self.engine.has_work()), out)
+            idle = not self.engine.has_work() and not self._compiling
+            stop = self._apply(self._drain(block=idle), out)
+            self._admit_compiled(out)
             if stop:
                 for rid in self.live:
                     self.engine.abort(rid)
@@ -123,6 +136,7 @@ class EngineServer:
             if out:
                 self.events.put(out)
             if stop or os.getppid() != self.parent:  # shut down, or orphaned
+                self._compiler.shutdown(wait=False, cancel_futures=True)
                 return
 
     def _drain(self, block: bool) -> list[Command]:
@@ -141,11 +155,30 @@ class EngineServer:
             match cmd:
                 case Shutdown():
                     return True
+                case AddRequest() if _constrained(cmd.params):
+                    self._compiling[cmd.rid] = (cmd, self._compiler.submit(self.engine.check_grammar, cmd.params))
                 case AddRequest():
                     self._add(cmd, out)
+                case AbortRequest(rid=rid) if rid in self._compiling:
+                    self._compiling.pop(rid)
+                    out.append(RequestError(rid, "request aborted while its grammar compiled"))
                 case AbortRequest(rid=rid) if rid in self.live:
                     self.engine.abort(rid)  # its RequestDone comes with the next step's finished requests
         return False
+
+    def _admit_compiled(self, out: list[Event]) -> None:
+        """Queue the requests whose grammar compiled (in arrival order); reject those whose did not."""
+        for rid, (cmd, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            error = future.exception()
+            if isinstance(error, ValueError):
+                out.append(rejection(rid, error))
+            elif error is not None:
+                out.append(RequestFailed(rid, f"grammar failed: {type(error).__name__}: {error}"))
+            else:
+                self._add(cmd, out)
 
     def _add(self, cmd: AddRequest, out: list[Event]) -> None:
         try:
