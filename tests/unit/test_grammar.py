@@ -107,3 +107,15 @@ def test_response_format_and_tool_choice_become_engine_grammars():
 def test_bad_tool_and_format_requests_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         _chat(**kw)
+
+
+def test_grammar_bench_library_part(tmp_path):
+    """`specserve bench grammar --skip-engine`: every generated instance walks its grammar's masks."""
+    from specserve.cli import main as cli_main
+
+    out = tmp_path / "grammar.json"
+    assert cli_main(["bench", "grammar", "--skip-engine", "--schemas", "4", "--out", str(out)]) == 0
+    lib = json.loads(out.read_text())["libraries"]["llguidance"]
+    assert lib["available"] and lib["instances_rejected"] == 0 and lib["tokens_walked"] > 10
+    assert lib["features"]["$ref/$defs"] and not lib["features"]["uniqueItems"]  # refused, never ignored
+    assert lib["compile_ms_median"] > 0 and lib["mask_ms_per_token"] > 0
