@@ -17,7 +17,11 @@ import statistics
 import time
 from typing import Any, Callable, Optional
 
-COVERAGE = {  # JSON-Schema features, one small schema each
+# JSON-Schema features, one small schema each; where a library might accept the keyword and not
+# enforce it, an instance that breaks it (a library "enforces" a feature it compiles and rejects that with).
+VIOLATIONS = {"uniqueItems": [1, 1], "not": "a", "if/then/else": "abcdef", "multipleOf": 7,
+              "integer range": 98, "pattern": "abc-1", "string length": "abcdef", "const": "other"}
+COVERAGE = {
     "nested objects": {"type": "object", "properties": {"a": {"type": "object", "properties": {
         "b": {"type": "integer"}}, "required": ["b"]}}, "required": ["a"]},
     "enum": {"enum": ["x", "y", "z"]},
@@ -123,10 +127,16 @@ def run_grammar_bench(ns: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ part 1: the libraries
 
 class _Backend:
-    """compile(schema) -> matcher; mask(matcher) computes the next-token mask; consume(matcher, token)."""
+    """compile(schema) -> matcher; mask(matcher) computes the next-token mask; consume(matcher, token)
+    -> accepted; complete(matcher) -> whether what was consumed is a whole valid value."""
 
-    def __init__(self, compile: Callable, mask: Callable, consume: Callable):
-        self.compile, self.mask, self.consume = compile, mask, consume
+    def __init__(self, compile: Callable, mask: Callable, consume: Callable, complete: Callable):
+        self.compile, self.mask, self.consume, self.complete = compile, mask, consume, complete
+
+    def accepts(self, schema: dict, value: Any, tokenizer) -> bool:
+        matcher = self.compile(schema)
+        tokens = tokenizer.encode(json.dumps(value), add_special_tokens=False)
+        return all(self.consume(matcher, t) for t in tokens) and self.complete(matcher)
 
 
 def _llguidance(tokenizer) -> _Backend:
@@ -143,7 +153,8 @@ def _llguidance(tokenizer) -> _Backend:
             raise ValueError(matcher.get_error())
         return matcher
 
-    return _Backend(compile, lambda m: m.compute_bitmask(), lambda m, t: m.consume_token(t))
+    return _Backend(compile, lambda m: m.compute_bitmask(), lambda m, t: m.consume_token(t),
+                    lambda m: m.is_accepting())
 
 
 def _xgrammar(tokenizer) -> Optional[_Backend]:
@@ -161,7 +172,9 @@ def _xgrammar(tokenizer) -> Optional[_Backend]:
         return xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                                     separators=(", ", ": ")))
 
-    return _Backend(compile, lambda m: m.fill_next_token_bitmask(bitmask), lambda m, t: m.accept_token(t))
+    eos = tokenizer.eos_token_ids[0]
+    return _Backend(compile, lambda m: m.fill_next_token_bitmask(bitmask), lambda m, t: m.accept_token(t),
+                    lambda m: m.accept_token(eos))
 
 
 def _library(backend: _Backend, tokenizer, schemas: list[dict]) -> dict[str, Any]:
@@ -177,17 +190,21 @@ def _library(backend: _Backend, tokenizer, schemas: list[dict]) -> dict[str, Any
             if not backend.consume(matcher, token):
                 failed.append(json.dumps(schema)[:80])
                 break
-    covered = {}
+    covered, enforced = {}, {}
     for feature, schema in COVERAGE.items():
         try:
             backend.compile(schema)
             covered[feature] = True
         except Exception:  # each library raises its own type for what it does not support
             covered[feature] = False
+        enforced[feature] = covered[feature] and (feature not in VIOLATIONS or not backend.accepts(
+            schema, VIOLATIONS[feature], tokenizer))
     return {"available": True, "compile_ms_median": round(statistics.median(compile_ms), 3),
             "compile_ms_max": round(max(compile_ms), 3), "mask_ms_per_token": round(statistics.mean(mask_ms), 4),
             "mask_ms_p99": round(sorted(mask_ms)[int(0.99 * (len(mask_ms) - 1))], 4), "tokens_walked": len(mask_ms),
-            "instances_rejected": len(failed), "coverage": f"{sum(covered.values())}/{len(covered)}",
+            "instances_rejected": len(failed), "compiles": f"{sum(covered.values())}/{len(covered)}",
+            "enforces": f"{sum(enforced.values())}/{len(enforced)}",
+            "accepted_but_not_enforced": sorted(f for f in covered if covered[f] and not enforced[f]),
             "features": covered}
 
 

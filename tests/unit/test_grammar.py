@@ -118,4 +118,5 @@ def test_grammar_bench_library_part(tmp_path):
     lib = json.loads(out.read_text())["libraries"]["llguidance"]
     assert lib["available"] and lib["instances_rejected"] == 0 and lib["tokens_walked"] > 10
     assert lib["features"]["$ref/$defs"] and not lib["features"]["uniqueItems"]  # refused, never ignored
+    assert lib["accepted_but_not_enforced"] == []
     assert lib["compile_ms_median"] > 0 and lib["mask_ms_per_token"] > 0
