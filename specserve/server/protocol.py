@@ -309,6 +309,7 @@ class GenerateRequest(_Strict):
     stream: StrictBool = False
     return_logprob: StrictBool = False  # SGLang's names: meta_info.output_token_logprobs
     top_logprobs_num: Integer = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # and meta_info.output_top_logprobs
+    logprob_start_len: Integer = Field(-1, ge=-1, le=0)  # 0: the prompt's too (meta_info.input_token_logprobs)
 
     @model_validator(mode="after")
     def _check_generate(self):
@@ -316,14 +317,16 @@ class GenerateRequest(_Strict):
             raise ValueError("text, input_ids: give exactly one")
         if self.text == "" or self.input_ids == []:
             raise ValueError("text/input_ids: must not be empty")
-        if self.top_logprobs_num and not self.return_logprob:
-            raise FieldError("top_logprobs_num", "needs return_logprob: true")
+        if (self.top_logprobs_num or self.logprob_start_len == 0) and not self.return_logprob:
+            raise FieldError("top_logprobs_num" if self.top_logprobs_num else "logprob_start_len",
+                             "needs return_logprob: true")
         return self
 
     def engine_params(self) -> dict[str, Any]:
         params = self.sampling_params.as_dict()
         if self.return_logprob:
-            params.update(logprobs=True, top_logprobs=self.top_logprobs_num)
+            params.update(logprobs=True, top_logprobs=self.top_logprobs_num,
+                          prompt_logprobs=self.logprob_start_len == 0)
         return params
 
 

@@ -62,9 +62,10 @@ def test_completion_logprobs_are_the_legacy_lists(client):
 def test_logit_bias_bans_the_greedy_token_and_penalties_are_served(client, server, auth, tokenizer):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True,
-            "top_logprobs_num": 2}
+            "top_logprobs_num": 2, "logprob_start_len": 0}
     plain = httpx.post(server.url + "/generate", json=body, headers=auth, timeout=120).json()
     meta = plain["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][0] is None
     assert [t for _, t, _ in meta["output_token_logprobs"]] == plain["output_ids"]
     assert all(len(top) == 2 and top[0][1] == t for top, t in zip(meta["output_top_logprobs"], plain["output_ids"]))
     first = plain["output_ids"][0]
