@@ -76,6 +76,8 @@ def test_verify_layout_of_packed_rows():
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(2000)}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"json_schema": "{" * 70000}, "json_schema"), ({"json_schema": "{}", "regex": "a+"}, "regex"),
+    ({"ebnf": ""}, "ebnf"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_bad_settings_name_their_field(bad, field):
     from specserve.errors import InvalidRequestError
