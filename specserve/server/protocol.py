@@ -60,28 +60,44 @@ class TextPart(_Strict):
     text: StrictStr
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class _Message(_Strict):
     content: Union[StrictStr, list[TextPart], None] = None
     name: Optional[StrictStr] = None
-    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)]] = None  # an assistant's calls
-    tool_call_id: Optional[StrictStr] = None  # a tool result's call
 
-    @model_validator(mode="after")
-    def _check_message(self):
-        if self.tool_calls and self.role != "assistant":
-            raise FieldError("messages", "tool_calls only on assistant messages")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise FieldError("messages", "a tool message needs tool_call_id")
-        return self
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
     def as_template_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        if self.tool_calls:
-            text = render_call_history(text, self.tool_calls)
-        if self.role == "tool":
-            text = render_tool_result(text)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)]] = None  # earlier calls
+
+    def as_template_message(self) -> dict[str, str]:
+        text = render_call_history(self.text(), self.tool_calls) if self.tool_calls else self.text()
+        return {"role": "assistant", "content": text}
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: StrictStr  # the call this is the result of
+
+    def as_template_message(self) -> dict[str, str]:
+        return {"role": "tool", "content": render_tool_result(self.text())}
+
+
+# One model per role, told apart by `role`: what each role may carry is in the API schema itself.
+ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
 
 class StreamOptions(_Strict):
@@ -307,9 +323,10 @@ class GenerateRequest(_Strict):
     input_ids: Optional[TokenIds] = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
-    return_logprob: StrictBool = False  # SGLang's names: meta_info.output_token_logprobs
-    top_logprobs_num: Integer = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # and meta_info.output_top_logprobs
-    logprob_start_len: Integer = Field(-1, ge=-1, le=0)  # 0: the prompt's too (meta_info.input_token_logprobs)
+    # SGLang's names, which (as there) only count with return_logprob: meta_info.output_token_logprobs,
+    return_logprob: StrictBool = False
+    top_logprobs_num: Integer = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # meta_info.output_top_logprobs,
+    logprob_start_len: Integer = Field(-1, ge=-1, le=0)  # 0: meta_info.input_token_logprobs (the prompt's)
 
     @model_validator(mode="after")
     def _check_generate(self):
@@ -317,9 +334,6 @@ class GenerateRequest(_Strict):
             raise ValueError("text, input_ids: give exactly one")
         if self.text == "" or self.input_ids == []:
             raise ValueError("text/input_ids: must not be empty")
-        if (self.top_logprobs_num or self.logprob_start_len == 0) and not self.return_logprob:
-            raise FieldError("top_logprobs_num" if self.top_logprobs_num else "logprob_start_len",
-                             "needs return_logprob: true")
         return self
 
     def engine_params(self) -> dict[str, Any]:
