@@ -51,10 +51,10 @@ def instrument(engine) -> dict[str, float]:
     drafter = runner.speculation.worker("DSPARK").drafter
     verify = runner._verify
 
-    def verify_step(step):
+    def verify_step(step, *rest):
         inside["verify"] = True
         try:
-            return verify(step)
+            return verify(step, *rest)
         finally:
             inside["verify"] = False
 

@@ -85,12 +85,16 @@ def test_both_loops_accept_identically(loop_runs):
     assert acceptance(loop_runs[True]) == acceptance(loop_runs[False])
 
 
-def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, reference):
+def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, fp32_engine):
     """Mutation: inject each step's committed rows at S + commit_len (the positions a view of
     `new_seq_lens`, rewritten by the step, would give): still lossless, but acceptance drops."""
-    # Every window drafted whole (the policy off): accept lengths compare the drafter alone.
+    # Every window drafted whole (the policy off): accept lengths compare the drafter alone. 96 tokens:
+    # the drafter leans on its context K/V more as the answer grows (at 48 the drop can vanish).
+    long = {**GREEDY, "max_new_tokens": 96}
+    fp32_engine.tree.reset()
+    reference = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=long)]
     engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True, speculative_policy="fixed")
-    good = accept_length(engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    good = accept_length(engine.generate(input_ids=prompts, sampling_params=long))
     runner = engine.runner
 
     def shifted(hidden, out, prefix, window_slots, verify_lens):
@@ -98,10 +102,10 @@ def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, refe
 
     runner._commit_rows = shifted
     engine.tree.reset()
-    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    outs = engine.generate(input_ids=prompts, sampling_params=long)
     assert [o["output_ids"] for o in outs] == reference  # the target still decides every token
     bad = accept_length(outs)
-    # Deterministic (fp32, fixed prompts). With this first, weakly context-bound drafter the drop is
-    # small (1.253 -> 1.245 measured); the exact positions are checked by the oracle tests.
+    # Deterministic (fp32, fixed prompts). With this weakly context-bound drafter the drop is small
+    # (extension 2: 1.418 -> 1.392); the exact positions are checked by the oracle tests.
     assert bad < good, (good, bad)
     engine.shutdown()
