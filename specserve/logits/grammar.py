@@ -1,9 +1,9 @@
 """Structured outputs: a request's grammar (JSON schema, regex, GBNF or Lark) as an llguidance matcher.
 
-llguidance was chosen over XGrammar: it has no dependencies (XGrammar needs torch, transformers,
-triton and a TVM runtime, against our pinned CPU torch), builds a JSON-schema matcher in under a
-millisecond for this tokenizer and computes a 49k-token mask in about a millisecond
-(`specserve bench grammar` measures both on the machine at hand).
+llguidance was chosen over XGrammar by `specserve bench grammar` (compile and mask time on the
+same schemas and tokenizer, and which JSON-Schema features each enforces rather than accepts and
+ignores); it also has no dependencies, where XGrammar needs torch, transformers, triton and a TVM
+runtime beside our pinned CPU torch.
 
 The compiler turns a spec into llguidance's grammar text once (cached by spec) and keeps one
 template matcher per grammar; each request gets a deep copy. A request's `GrammarState` advances
