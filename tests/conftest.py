@@ -56,9 +56,10 @@ def fp32_engine():
     engine.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fp32_spec_engines():
-    """NGRAM and the shipped DSPARK drafter in fp32 with the fixed policy (every step drafts)."""
+    """NGRAM and the shipped DSPARK drafter in fp32 with the fixed policy (every step drafts); per
+    module, so that their memory is freed when the module's tests are done."""
     from specserve import Engine
 
     engines = {alg: Engine(dtype="float32", max_total_tokens=8192, speculative_algorithm=alg,
