@@ -242,10 +242,9 @@ class ModelRunner:
             self.speculation.commit_rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
         return logits
 
-    def _forward_batch(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int],
-                       input_ids: torch.Tensor, slots: list[int], every_row: bool,
-                       sample: Optional[list[bool]] = None) -> ForwardBatch:
-        """Tensors for one pass; logits for every row (verify) or each sampling request's last row."""
+    def _forward_batch(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int], input_ids: torch.Tensor,
+                       slots: list[int], every_row, sample: Optional[list[bool]] = None) -> ForwardBatch:
+        """Tensors for one pass (see ForwardBatch.for_requests for which rows get logits)."""
         return ForwardBatch.for_requests(self.req_to_token.table, rows, prefix_lens, extend_lens, input_ids, slots,
                                          every_row, sample, self.model.dtype, self.capture_layer_ids)
 
@@ -269,8 +268,8 @@ class ModelRunner:
         if any(k < width - 1 for k in plan.drafts):  # a window with fewer drafts verifies fewer rows
             lens = [1 + k for k in plan.drafts]
             verify_lens = lens if verify_lens is None else [min(a, b) for a, b in zip(lens, verify_lens)]
-        lens = self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist())  # a draft leaving its grammar
-        if lens is not None:  # ends the window there
+        if any(p.constrained for p in step.params):  # a draft leaving its grammar ends the window there
+            lens = self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist())
             verify_lens = lens if verify_lens is None else [min(a, b) for a, b in zip(lens, verify_lens)]
         if self.tp is not None:
             lens = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
@@ -287,8 +286,7 @@ class ModelRunner:
         else:
             logits, hidden, keep = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
         layout = verify_row_layout(bs, width, keep)
-        logits = self.request_logits.shape(logits, [step.rows[i] for i, _ in layout],
-                                           [step.params[i] for i, _ in layout], [ids[i, 1:j + 1].tolist() for i, j in layout])
+        logits = self.request_logits.shape_windows(logits, step.rows, step.params, ids, layout)
         if not (captured and fold):
             accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds,
                            lambda vocab: proposal.draft_probs(ids, vocab), verify_lens, keep)

@@ -75,6 +75,16 @@ class RequestLogits:
             out[r].masked_fill_(~allowed.to(out.device), float("-inf"))
         return out
 
+    def shape_windows(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                      ids: torch.Tensor, layout: list[tuple[int, int]]) -> torch.Tensor:
+        """A verify step's logits (rows per `layout`), each row shaped after the drafts before it in its
+        window `ids` [bs, W]; untouched (and no host work) when no request shapes its logits."""
+        if not any(p.shapes_logits for p in params):
+            return logits
+        drafts = ids[:, 1:].tolist()
+        return self.shape(logits, [rows[i] for i, _ in layout], [params[i] for i, _ in layout],
+                          [drafts[i][:j] for i, j in layout])
+
     @staticmethod
     def logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
                  tokens: Sequence[int]) -> list[Optional[TokenLogprob]]:
