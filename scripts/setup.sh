@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv and installs specserve with the embedded default model.
-# Usage: bash scripts/setup.sh [--test]   (--test adds the test dependencies)
+# Usage: bash scripts/setup.sh [--test]   (--test adds the test dependencies and SGLang's router)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,7 +9,7 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # torch first and pinned: this picks the local CPU build instead of a multi-GB CUDA download.
 $PIP install torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
-  $PIP install -e ".[test]"
+  $PIP install -e ".[test,router]"
 else
   $PIP install -e .
 fi

@@ -32,6 +32,7 @@ FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "port": ("in [1, 65535]", lambda v: 1 <= v <= 65535), "max_queued_requests": _AT_LEAST_1,
     "max_request_bytes": _AT_LEAST_1, "shutdown_timeout": _AT_LEAST_0, "engine_step_timeout": _POSITIVE,
     "engine_heartbeat_timeout": (f"> {HEARTBEAT_S:g} (the heartbeat interval)", lambda v: v > HEARTBEAT_S),
+    "dp_size": _AT_LEAST_1, "router_health_check_interval": _AT_LEAST_1, "replica_unhealthy_timeout": _POSITIVE,
     # bench load
     "minutes": _POSITIVE, "clients": _AT_LEAST_1, "rss_baseline_s": _AT_LEAST_0, "max_rss_growth": _POSITIVE,
     "hostile_share": _AT_LEAST_0, "disconnect_share": _AT_LEAST_0, "abort_share": _AT_LEAST_0,
@@ -81,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, /generate, /metrics)")
     from specserve.server.launch import add_serve_args
+    from specserve.server.replicas import add_data_parallel_args
 
     add_serve_args(srv)
+    add_data_parallel_args(srv)
     ServerArgs.add_cli_args(srv)
 
     soak = sub.add_parser("soak", help="the production-like configuration (TP 2, DSPARK, overlap, checker) for a budget")
@@ -240,8 +243,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _generate(ns)
         if ns.command == "serve":
             from specserve.server.launch import run_server
+            from specserve.server.replicas import check_data_parallel_args, run_data_parallel
 
-            return run_server(ns, ServerArgs.from_cli_args(ns))
+            args = ServerArgs.from_cli_args(ns)
+            check_data_parallel_args(ns, args)
+            return run_data_parallel(ns, args) if ns.dp_size > 1 else run_server(ns, args)
         if ns.command == "soak":
             from specserve.bench.soak import run_soak
 

@@ -41,7 +41,14 @@ class Shutdown:
     """Stop: a last consensus comparison, then every rank leaves its loop."""
 
 
-Command = Union[AddRequest, AbortRequest, Drain, Shutdown]
+@dataclass(frozen=True)
+class FlushCache:
+    """Drop every cached prefix no request holds, on every rank (`token` names the reply)."""
+
+    token: str
+
+
+Command = Union[AddRequest, AbortRequest, Drain, Shutdown, FlushCache]
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ def encode_commands(commands: list[Command], codec: ReqCodec) -> list[dict]:
             out.append({"kind": "add", "req": codec.encode(c.req)})
         elif isinstance(c, AbortRequest):
             out.append({"kind": "abort", "rid": c.rid})
+        elif isinstance(c, FlushCache):
+            out.append({"kind": "flush", "token": c.token})
         elif isinstance(c, (Drain, Shutdown)):
             out.append({"kind": type(c).__name__.lower()})
         else:
@@ -80,6 +89,9 @@ def decode_commands(payload: Any, codec: ReqCodec) -> list[Command]:
         elif kind == "abort":
             expect(isinstance(item.get("rid"), str), SITE, "an abort command without a string rid")
             commands.append(AbortRequest(item["rid"]))
+        elif kind == "flush":
+            expect(isinstance(item.get("token"), str), SITE, "a flush command without a string token")
+            commands.append(FlushCache(item["token"]))
         elif kind in ("drain", "shutdown"):
             commands.append(Drain() if kind == "drain" else Shutdown())
         else:

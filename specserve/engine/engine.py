@@ -11,7 +11,8 @@ import uuid
 from typing import Any, Optional, Union
 
 from specserve.args import ServerArgs
-from specserve.distributed.commands import AbortRequest, AddRequest, Command, CommandBroadcast, Drain, Shutdown
+from specserve.distributed.commands import (AbortRequest, AddRequest, Command, CommandBroadcast, Drain, FlushCache,
+                                           Shutdown)
 from specserve.distributed.group import DistConfig
 from specserve.distributed.launch import RankStartupError, first_failure
 from specserve.engine.builder import build_rank
@@ -138,6 +139,11 @@ class Engine:
         """Stop a request at the next step; it then comes back in that step's `finished`."""
         self._commands.put(AbortRequest(rid))
 
+    def flush_cache(self, token: str = "flush") -> None:
+        """Drop every cached prefix no request holds, on every rank, at the next step; that step's
+        result reports (token, slots freed) in `flushed`."""
+        self._commands.put(FlushCache(token))
+
     def step(self) -> StepResult:
         """Apply the pending commands (on every rank), then run one loop step if there is work."""
         with self._step_lock:
@@ -170,6 +176,8 @@ class Engine:
                 result.finished.append(req)
         elif isinstance(command, Drain):
             self.loop.drain()
+        elif isinstance(command, FlushCache):
+            result.flushed.append((command.token, self.tree.flush()))
         elif isinstance(command, Shutdown):
             self._closed = True
             if self.consensus is not None:  # a last comparison of everything recorded, then stop

@@ -40,7 +40,14 @@ class Shutdown:
     """Abort every open request, report their `RequestDone`, and exit."""
 
 
-Command = Union[AddRequest, AbortRequest, Shutdown]
+@dataclass(frozen=True)
+class FlushCache:
+    """Drop every cached prefix no request holds; answered by `CacheFlushed` with the same token."""
+
+    token: str
+
+
+Command = Union[AddRequest, AbortRequest, Shutdown, FlushCache]
 
 # ------------------------------------------------------------------ events (engine -> front end)
 
@@ -96,6 +103,14 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class CacheFlushed:
+    """A `FlushCache` was applied: the KV slots it freed."""
+
+    token: str
+    freed_tokens: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """The engine process is alive (sent by a thread of its own, whatever the step is doing)."""
 
@@ -107,4 +122,5 @@ class EngineFatal:
     message: str
 
 
-Event = Union[EngineReady, TokensOut, RequestDone, RequestError, RequestFailed, LoadReport, Heartbeat, EngineFatal]
+Event = Union[EngineReady, TokensOut, RequestDone, RequestError, RequestFailed, LoadReport, CacheFlushed, Heartbeat,
+              EngineFatal]

@@ -248,6 +248,13 @@ class HiRadixCache(RadixCache):
         self._agree_event("radix_evict", (num_tokens, freed))
         return freed
 
+    def flush(self) -> int:
+        """Drop every cached prefix no request holds, from the device and the host tier (a file tier
+        is storage shared across restarts and is kept)."""
+        freed = self.evict(self.evictable_size)
+        self._evict_host(self.host.size)
+        return freed
+
     def _backup_candidates(self, num_tokens: int) -> None:
         """write_back: copy the nodes about to be evicted to the host first."""
         leaves = sorted(n for n in self._device_leaves() if n.lock_ref == 0)

@@ -153,6 +153,11 @@ class RadixCache:
                 heapq.heappush(heap, parent)
         return freed
 
+    def flush(self) -> int:
+        """Drop every cached prefix no request holds (they stay, locked, until their requests end).
+        Returns the device slots freed."""
+        return self.evict(self.evictable_size)
+
     def _leaves(self):
         stack = [self.root]
         while stack:

@@ -57,6 +57,7 @@ class StepResult:
 
     tokens: list[tuple[Req, int]] = field(default_factory=list)
     finished: list[Req] = field(default_factory=list)
+    flushed: list[tuple[str, int]] = field(default_factory=list)  # (flush token, cache slots freed)
 
 
 class Scheduler:

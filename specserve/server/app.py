@@ -1,4 +1,5 @@
-"""The HTTP server: OpenAI-compatible chat and completions, the native /generate, health, metrics.
+"""The HTTP server: OpenAI-compatible chat and completions, the native /generate, health, metrics,
+and what a router asks of its workers (worker_routes.py).
 
 Every request is validated (pydantic models in protocol.py, then the engine's own checks) and a
 client error answers with an OpenAI-style error body naming the field; nothing else is disturbed.
@@ -17,6 +18,7 @@ from specserve.server.middleware import GuardMiddleware
 from specserve.server.protocol import bound_by_vocab
 from specserve.server.routes import add_generation_routes, add_info_routes
 from specserve.server.state import ServerState
+from specserve.server.worker_routes import add_worker_routes
 
 def create_app(state: ServerState) -> FastAPI:
     """The app for one engine client; it routes the engine's events once its event loop runs."""
@@ -31,6 +33,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(GuardMiddleware, state=state)
     add_info_routes(app, state)
     add_generation_routes(app, state)
+    add_worker_routes(app, state)
     _document_vocab_bounds(app, state.client.info["vocab_size"])
     return app
 

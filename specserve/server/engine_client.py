@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Union
 
-from specserve.engine.messages import (AbortRequest, AddRequest, EngineFatal, EngineReady, Event, Heartbeat,
-                                       LoadReport, RequestDone, RequestError, RequestFailed, Shutdown, TokensOut)
+from specserve.engine.messages import (AbortRequest, AddRequest, CacheFlushed, EngineFatal, EngineReady, Event,
+                                       FlushCache, Heartbeat, LoadReport, RequestDone, RequestError, RequestFailed,
+                                       Shutdown, TokensOut)
 from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S, engine_main, one_line
 from specserve.server.metrics import ServerMetrics
 
@@ -73,6 +74,8 @@ class EngineClient:
         self.fatal: Optional[str] = None
         self.tracked: dict[str, Tracked] = {}
         self.queued = 0  # submitted, no event yet: the bound behind 503
+        self.last_output_at: Optional[float] = None  # perf_counter of the last token event (/health_generate)
+        self._flushes: dict[str, asyncio.Future] = {}  # flush token -> its reply (slots freed)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._closing = False
         ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and locks
@@ -148,6 +151,18 @@ class EngineClient:
         if rid in self.tracked:
             self._commands.put(AbortRequest(rid))
 
+    async def flush_cache(self) -> int:
+        """Drop the engine's unheld cached prefixes; the KV slots freed (on the event loop)."""
+        if not self.healthy:
+            raise EngineUnavailable(self.fatal or "engine process is not running")
+        token = f"flush-{len(self._flushes)}-{time.perf_counter_ns()}"
+        self._flushes[token] = done = asyncio.get_running_loop().create_future()
+        self._commands.put(FlushCache(token))
+        try:
+            return await done
+        finally:
+            self._flushes.pop(token, None)
+
     # ------------------------------------------------------------ events
 
     def _read_events(self) -> None:
@@ -201,6 +216,9 @@ class EngineClient:
                 case LoadReport(load=load):
                     self.load = load
                     self.metrics.observe_load(load)
+                case CacheFlushed(token=token, freed_tokens=freed):
+                    if token in self._flushes and not self._flushes[token].done():
+                        self._flushes[token].set_result(freed)
                 case Heartbeat():
                     pass
                 case EngineFatal(message=message):
@@ -215,6 +233,8 @@ class EngineClient:
         if t is None:  # aborted and already answered, or not ours
             return
         tokens = isinstance(ev, TokensOut)
+        if tokens:
+            self.last_output_at = now
         if t.first_at is None:
             t.first_at = now
             self.queued -= 1
@@ -242,5 +262,8 @@ class EngineClient:
             t.sink.put_nowait(Delivery(t.index, fatal))
         self.queued = 0
         self.metrics.queued.set(0)
+        for done in self._flushes.values():
+            if not done.done():
+                done.set_exception(EngineUnavailable(self.fatal))
         if first and self.on_fatal is not None:
             self.on_fatal()

@@ -18,9 +18,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-from specserve.engine.messages import (AbortRequest, AddRequest, Command, EngineFatal, EngineReady, Event,
-                                       Heartbeat, LoadReport, RequestDone, RequestError, RequestFailed, Shutdown,
-                                       TokensOut)
+from specserve.engine.messages import (AbortRequest, AddRequest, CacheFlushed, Command, EngineFatal, EngineReady,
+                                       Event, FlushCache, Heartbeat, LoadReport, RequestDone, RequestError,
+                                       RequestFailed, Shutdown, TokensOut)
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import GRAMMAR_FIELDS
 
@@ -164,6 +164,8 @@ class EngineServer:
                     out.append(RequestError(rid, "request aborted while its grammar compiled"))
                 case AbortRequest(rid=rid) if rid in self.live:
                     self.engine.abort(rid)  # its RequestDone comes with the next step's finished requests
+                case FlushCache(token=token):
+                    self.engine.flush_cache(token)  # answered with the next step's result
         return False
 
     def _admit_compiled(self, out: list[Event]) -> None:
@@ -204,6 +206,7 @@ class EngineServer:
         for req in result.finished:
             self.live.discard(req.rid)
             out.append(self._final_event(req))
+        out += [CacheFlushed(token, freed) for token, freed in result.flushed]
 
     def _final_event(self, req) -> Event:
         """RequestDone with the output dict; RequestFailed when the request's own host work failed."""

@@ -71,7 +71,9 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     info = client.start()
     logger.info("engine ready (pid %s): %s, %s speculation, context %d", info["pid"], name,
                 info["speculative_algorithm"] or "no", info["context_length"])
-    state = ServerState(client, tokenizer, metrics, name, ns.api_key, ns.max_queued_requests, ns.max_request_bytes)
+    settings = {**dataclasses.asdict(args), **{k: v for k, v in vars(ns).items() if k not in ("command", "func")}}
+    state = ServerState(client, tokenizer, metrics, name, path, settings, ns.api_key, ns.max_queued_requests,
+                        ns.max_request_bytes)
     config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False)
     # uvicorn re-raises the signal it shut down on once it is done; with these no-op handlers

@@ -15,8 +15,12 @@ from starlette.responses import Response
 from specserve.server.errors import APIError
 from specserve.server.state import ServerState
 
-OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")  # no API key needed
-KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/health", "/metrics")
+# No API key needed: health, metrics, docs, and what a router reads to register a worker and balance load.
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc", "/model_info", "/get_model_info",
+              "/server_info", "/get_server_info", "/get_load")
+KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/health", "/metrics",
+               "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/get_load",
+               "/flush_cache")
 
 
 class GuardMiddleware:

@@ -39,6 +39,21 @@ TokenIds = NonEmpty[list[TokenId]]
 def neutral_only(*values: Any) -> Any:
     """A field of the OpenAI API that specserve accepts only at its neutral values; the schema says so."""
     return Field(None, json_schema_extra={"enum": list(values)})
+
+
+def fixed(value: Any) -> Any:
+    """An SGLang extension (its router sends it on every request) that specserve implements at this
+    value only: accepted there, a 400 naming it otherwise (`check_fixed`)."""
+    return Field(value, json_schema_extra={"enum": [value]})
+
+
+def check_fixed(model: BaseModel) -> None:
+    """Every `fixed` field of a request at its one supported value, else a FieldError naming it."""
+    for name, info in type(model).model_fields.items():
+        extra = info.json_schema_extra
+        if isinstance(extra, dict) and extra.get("enum") == [info.default] and info.default is not None \
+                and getattr(model, name) != info.default:
+            raise FieldError(name, f"only {json.dumps(info.default)} is supported by specserve")
 MAX_N = 16  # choices per request
 MAX_STOP = MAX_STOP_STRINGS  # stop strings per request
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -152,9 +167,14 @@ class SamplingFields(_Strict):
     frequency_penalty: Optional[Number] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: Optional[Number] = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # extension (vLLM's)
     logit_bias: Optional[Annotated[dict[str, Number], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
+    # SGLang's extensions, which its router adds to every request it forwards (at these values):
+    no_stop_trim: StrictBool = fixed(False)  # a matched stop string is always cut from the text
+    skip_special_tokens: StrictBool = fixed(True)
+    return_hidden_states: StrictBool = fixed(False)
 
     @model_validator(mode="after")
     def _check(self):
+        check_fixed(self)
         if self.top_k == 0:
             raise ValueError("top_k: must be -1 (off) or >= 1")
         if self.stream_options is not None and not self.stream:
@@ -201,6 +221,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[ToolChoice] = None  # "auto" when tools are given, as OpenAI
     parallel_tool_calls: StrictBool = True
+    continue_final_message: StrictBool = fixed(False)  # SGLang's: a final assistant message is answered, not continued
+    # SGLang's reasoning output, which needs a reasoning parser: specserve has none, so with either
+    # value the whole reply is `content` (as SGLang without --reasoning-parser).
+    separate_reasoning: StrictBool = True
+    stream_reasoning: StrictBool = True
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -327,9 +352,19 @@ class GenerateRequest(_Strict):
     return_logprob: StrictBool = False
     top_logprobs_num: Integer = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # meta_info.output_top_logprobs,
     logprob_start_len: Integer = Field(-1, ge=-1, le=0)  # 0: meta_info.input_token_logprobs (the prompt's)
+    model: Optional[StrictStr] = None  # the router's; if given, it must name the served model
+    # SGLang's extensions, which its router adds to every request it forwards (at these values):
+    return_text_in_logprobs: StrictBool = fixed(False)
+    return_hidden_states: StrictBool = fixed(False)
+    return_bytes: StrictBool = fixed(False)
+    return_entropy: StrictBool = fixed(False)
+    background: StrictBool = fixed(False)
+    log_metrics: StrictBool = fixed(True)  # every request is counted in /metrics
+    no_logs: StrictBool = False  # either way: specserve never logs request contents
 
     @model_validator(mode="after")
     def _check_generate(self):
+        check_fixed(self)
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("text, input_ids: give exactly one")
         if self.text == "" or self.input_ids == []:

@@ -94,6 +94,8 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
+        if body.model is not None:
+            _check_model(state, body.model)
         if body.text is not None:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.text)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from specserve.logits.grammar import GrammarCompiler
 
@@ -22,6 +22,8 @@ class ServerState:
     tokenizer: Tokenizer
     metrics: ServerMetrics
     model_name: str
+    model_path: str = ""  # the weights file or directory served
+    settings: dict[str, Any] = field(default_factory=dict)  # the server's and engine's flags (/server_info)
     api_key: Optional[str] = None
     max_queued_requests: int = 256  # requests waiting for their first token; beyond this a request gets 503
     max_request_bytes: int = 8 << 20  # larger bodies get 413

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from specserve.distributed.commands import (AbortRequest, AddRequest, Drain, Shutdown, decode_commands,
+from specserve.distributed.commands import (AbortRequest, AddRequest, Drain, FlushCache, Shutdown, decode_commands,
                                             encode_commands)
 from specserve.distributed.wire import MalformedPayload, decode, encode
 from specserve.engine.ranks import REQ_CODEC
@@ -31,9 +31,10 @@ def _req() -> Req:
 
 
 def test_commands_round_trip_through_json():
-    commands = [AddRequest(_req()), AbortRequest("r-0"), Drain(), Shutdown()]
+    commands = [AddRequest(_req()), AbortRequest("r-0"), Drain(), Shutdown(), FlushCache("f-1")]
     payload = decode(encode(encode_commands(commands, REQ_CODEC)), "engine.commands", 1)
-    add, abort, drain, shutdown = decode_commands(payload, REQ_CODEC)
+    add, abort, drain, shutdown, flush = decode_commands(payload, REQ_CODEC)
+    assert flush == FlushCache("f-1")
     req = add.req
     assert (req.rid, req.input_ids, req.seed, req.drafter) == ("r-1", [1, 2, 3], 2**63 - 5, "DSPARK")
     assert req.params == _req().params
@@ -56,6 +57,7 @@ class Boom:
     (b'{"kind": "add"}', "expected a list of commands"),
     (b'[{"kind": "add", "req": {"rid": "x"}}]', "request fields"),
     (b'[{"kind": "abort", "rid": 5}]', "without a string rid"),
+    (b'[{"kind": "flush"}]', "without a string token"),
 ])
 def test_malformed_command_payloads_raise_a_clear_error(payload, message, tmp_path):
     marker = tmp_path / "pickle-ran"

@@ -84,6 +84,22 @@ def test_evicted_node_loads_back_through_the_caches_own_allocator():
     check(tree, alloc)
 
 
+def test_flush_drops_the_device_and_host_copies_but_not_a_held_prefix():
+    pool, alloc, host, tree = make(64, 64, "write_through")
+    insert_filled(pool, alloc, tree, A, 1)
+    held_key = list(range(300, 310))
+    insert_filled(pool, alloc, tree, held_key, 2)
+    tree.evict(20)  # A now lives on the host only
+    _, held = tree.match_prefix(held_key)
+    tree.inc_lock_ref(held)
+    tree.flush()
+    check(tree, alloc)
+    assert host.available == host.size - sum(len(n.host_value) for n in tree._all_nodes() if n.host_value)
+    assert tree.match_prefix(A)[0] == [], "a flushed prefix still loads back from the host"
+    assert len(tree.match_prefix(held_key)[0]) == 10
+    tree.dec_lock_ref(held)
+
+
 def test_short_allocator_load_back_evicts_other_leaves_but_never_the_matched_path():
     pool, alloc, host, tree = make(40, 64, "write_through")
     prefix = list(range(1, 11))

@@ -237,6 +237,21 @@ def test_evict_frees_at_least_what_was_asked_and_no_more_leaves_than_needed():
     check_sizes(tree)
 
 
+def test_flush_drops_every_unheld_prefix_and_keeps_the_held_ones():
+    tree, log = make_tree()
+    tree.insert([1, 2, 3], [10, 11, 12])
+    tree.insert([1, 2, 4], [10, 11, 13])
+    tree.insert([5, 6], [50, 51])
+    _, held = tree.match_prefix([1, 2, 3])
+    tree.inc_lock_ref(held)  # a running request's prefix
+    assert tree.flush() == 3  # (4,) and (5, 6); the held path stays
+    assert sorted(log.freed) == [13, 50, 51]
+    assert tree.match_prefix([1, 2, 3])[0] == [10, 11, 12] and tree.match_prefix([5, 6])[0] == []
+    check_sizes(tree)
+    tree.dec_lock_ref(held)
+    assert tree.flush() == 3 and tree.total_size == tree.evictable_size == 0
+
+
 # ---------------------------------------------------------------- disabled and reset
 
 

@@ -124,7 +124,7 @@ class _Engine:
 
     def step(self):
         finished, self.queued = self.queued, []
-        return SimpleNamespace(tokens=[], finished=finished)
+        return SimpleNamespace(tokens=[], finished=finished, flushed=[])
 
     def output(self, req):
         if req.output_fails:
