@@ -32,7 +32,8 @@ FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "port": ("in [1, 65535]", lambda v: 1 <= v <= 65535), "max_queued_requests": _AT_LEAST_1,
     "max_request_bytes": _AT_LEAST_1, "shutdown_timeout": _AT_LEAST_0, "engine_step_timeout": _POSITIVE,
     "engine_heartbeat_timeout": (f"> {HEARTBEAT_S:g} (the heartbeat interval)", lambda v: v > HEARTBEAT_S),
-    "dp_size": _AT_LEAST_1, "router_health_check_interval": _AT_LEAST_1, "replica_unhealthy_timeout": _POSITIVE,
+    "dp_size": _AT_LEAST_1, "num_conversations": _AT_LEAST_1, "concurrency": _AT_LEAST_1,
+    "first_tokens": _AT_LEAST_1, "second_tokens": _AT_LEAST_1, "router_health_check_interval": _AT_LEAST_1, "replica_unhealthy_timeout": _POSITIVE,
     # bench load
     "minutes": _POSITIVE, "clients": _AT_LEAST_1, "rss_baseline_s": _AT_LEAST_0, "max_rss_growth": _POSITIVE,
     "hostile_share": _AT_LEAST_0, "disconnect_share": _AT_LEAST_0, "abort_share": _AT_LEAST_0,
@@ -170,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.bench.load import add_load_bench_args
 
     add_load_bench_args(load)
+    rtr = bench_sub.add_parser("router", help="2 replicas behind SGLang's router on MT-Bench conversations: "
+                               "cache-aware vs round-robin hit rate and TTFT, 1 vs 2 replicas throughput")
+    from specserve.bench.router import add_router_bench_args
+
+    add_router_bench_args(rtr)
     hic = bench_sub.add_parser("hicache", help="MT-Bench second turns with a small device pool: radix-only vs HiCache")
     from specserve.bench.hicache import add_hicache_bench_args
 
@@ -306,6 +312,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.load import run_load_bench
 
             return run_load_bench(ns)
+        if ns.command == "bench" and ns.bench_command == "router":
+            from specserve.bench.router import run_router_bench
+
+            return run_router_bench(ns)
         if ns.command == "bench" and ns.bench_command == "hicache":
             from specserve.bench.hicache import run_hicache_bench
 
