@@ -125,15 +125,11 @@ class ServerProcess:
             return f.read()[-4000:]
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        from specserve.server.replicas import stop_process
+
+        code = stop_process(self.proc, sig, timeout_s)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 _CHEAP_TABLE: list[str] = []

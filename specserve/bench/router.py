@@ -18,7 +18,6 @@ import argparse
 import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.server.replicas import free_loopback_port, wait_for_workers
+from specserve.server.replicas import free_loopback_port, stop_process, wait_for_workers
 
 STARTUP_S = 600
 
@@ -113,12 +112,7 @@ class Servers:
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_process(proc)
         self.procs.clear()
 
 

@@ -104,6 +104,18 @@ def _flag(name: str, value) -> list[str]:
     return [flag] if value is True else [flag, str(value)]
 
 
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+    """Send `sig`, wait up to timeout_s, then SIGKILL: the exit code (a no-op for one that has exited)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=PROBE_TIMEOUT_S) as r:
@@ -136,14 +148,8 @@ class Replica:
         logger.warning("replica %d: starting on %s (pid %d)", self.index, self.url, self.proc.pid)
 
     def stop(self, sig: int, timeout_s: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, sig, timeout_s)
 
 
 @dataclass
@@ -222,12 +228,8 @@ class DataParallelLauncher:
                 r.proc.kill()
 
     def _shutdown(self) -> None:
-        if self.router is not None and self.router.poll() is None:
-            self.router.terminate()
-            try:
-                self.router.wait(10)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
+        if self.router is not None:
+            stop_process(self.router, signal.SIGTERM, 10)
         for r in self.replicas:
             r.stop(signal.SIGTERM, self.shutdown_timeout_s + 10)
 

@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from helpers import MODEL, free_port
-from specserve.server.replicas import healthy_workers, wait_for_workers
+from specserve.server.replicas import healthy_workers, stop_process, wait_for_workers
 
 STARTUP_S = 300
 NOTICE_S = 30  # the router marks a killed replica unhealthy within this (checks every 1 s)
@@ -74,14 +74,8 @@ class Fleet:
             return f.read()[-6000:]
 
     def stop(self) -> int:
-        self.rr.terminate()
-        self.rr.wait(30)
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(10)
+        stop_process(self.rr, signal.SIGTERM, 30)
+        code = stop_process(self.proc, signal.SIGTERM, 90)
         self._log.close()
         return code
 
