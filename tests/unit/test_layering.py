@@ -45,8 +45,9 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"engine", "tokenizer", "models", "sampling_params", "args", "errors", "logits"},
     # train -> bench: the drafter experiments time verify steps with bench's step instrumentation
     "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench"},
+    # bench -> server: the router bench starts and waits for replicas with server/replicas.py's helpers
     "bench": {"engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
-              "sampling_params", "logits"},
+              "sampling_params", "logits", "server"},
     "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
 }
