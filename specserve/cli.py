@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_quality_bench_args(qual)
     ServerArgs.add_cli_args(qual)
+    kpaths = bench_sub.add_parser("kernel-paths", help="decode and prefill tokens/s through each CPU kernel path "
+                                  "this machine runs (AVX512-BF16, AVX2, generic), same tokens required")
+    from specserve.bench.kernel_paths import add_kernel_paths_bench_args
+
+    add_kernel_paths_bench_args(kpaths)
     gram = bench_sub.add_parser("grammar", help="grammar library costs (llguidance vs XGrammar) and structured "
                                 "output under speculation against NONE")
     from specserve.bench.grammar import add_grammar_bench_args
@@ -324,6 +329,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.quality import run_quality_bench
 
             return run_quality_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "kernel-paths":
+            from specserve.bench.kernel_paths import run_kernel_paths_bench
+
+            return run_kernel_paths_bench(ns)
         if ns.command == "bench" and ns.bench_command == "grammar":
             from specserve.bench.grammar import run_grammar_bench
 

@@ -21,8 +21,8 @@ from specserve import envs
 
 NAME = "specserve_cpu_kernels"
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("bindings.cpp", "linear.cpp", "attention.cpp", "ops.cpp")
-HEADERS = ("simd.h", "simd_avx512.h", "linear.h", "attention.h", "ops.h")
+SOURCES = ("bindings.cpp", "linear.cpp", "linear_avx2.cpp", "attention.cpp", "ops.cpp")
+HEADERS = ("simd.h", "simd_avx512.h", "simd_avx2.h", "linear.h", "attention.h", "ops.h")
 # No -ffast-math and no contraction: each kernel's operation order is part of its contract.
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
 

@@ -1,5 +1,6 @@
-"""Which kernel path this process uses: chosen from the CPU's flags, or forced by
-SPECSERVE_CPU_KERNEL_PATH (generic | avx512_bf16) so every path can be tested where the CPU allows."""
+"""Which kernel path this process uses: chosen from the CPU's flags (AVX512-BF16, else AVX2 + FMA,
+else portable C++), or forced by SPECSERVE_CPU_KERNEL_PATH (generic | avx512_bf16 | avx2_fma) so
+every path can be tested where the CPU allows. All paths give the same bits."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from functools import lru_cache
 from specserve import envs
 from specserve.kernels.build import load
 
-PATHS = {"generic": 0, "avx512_bf16": 1}
+PATHS = {"generic": 0, "avx512_bf16": 1, "avx2_fma": 2}
 
 
 def _cpuinfo(key: str) -> str:
@@ -30,9 +31,22 @@ def cpu_model() -> str:
     return _cpuinfo("model name") or "unknown"
 
 
+def machine_description() -> str:
+    """What a measured figure ran on: CPU model, cores, AMX or not, and the kernel path."""
+    amx = "amx_tile" in cpu_flags()
+    return f"{cpu_model()}, {os.cpu_count()} cores, {'AMX' if amx else 'no AMX'}, {best_path()} kernels"
+
+
 @lru_cache(maxsize=1)
+def available_paths() -> tuple[str, ...]:
+    """The paths this CPU runs, fastest first ("generic" always last)."""
+    module = load()
+    vector = [name for name, has in (("avx512_bf16", module.has_avx512_bf16), ("avx2_fma", module.has_avx2_fma)) if has()]
+    return (*vector, "generic")
+
+
 def best_path() -> str:
-    return "avx512_bf16" if load().has_avx512_bf16() else "generic"
+    return available_paths()[0]
 
 
 def path_id() -> int:
@@ -46,8 +60,9 @@ def _path_for(raw: str) -> int:
     name = raw.strip() or best_path()
     if name not in PATHS:
         raise ValueError(f"{envs.CPU_KERNEL_PATH} must be one of {sorted(PATHS)}, got {name!r}")
-    if name == "avx512_bf16" and not load().has_avx512_bf16():
-        raise ValueError(f"{envs.CPU_KERNEL_PATH}=avx512_bf16 but this CPU lacks AVX512-BF16")
+    if name not in available_paths():
+        needs = {"avx512_bf16": "AVX512-BF16", "avx2_fma": "AVX2 and FMA"}[name]
+        raise ValueError(f"{envs.CPU_KERNEL_PATH}={name} but this CPU lacks {needs}")
     return PATHS[name]
 
 

@@ -29,15 +29,22 @@ class PackedLinear:
     zero: torch.Tensor
     n: int
     k: int
+    # Biased exponent bounds of a BF16 weight's nonzero values, (-1, -1) if it has a subnormal,
+    # infinite or NaN value: they tell the AVX2 path when FMAs are exact (csrc/linear_avx2.cpp).
+    exponents: tuple[int, int] = (-1, -1)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [..., k] bf16 -> [..., n] in out_dtype (bf16 or float32)."""
         out_bf16 = out_dtype == torch.bfloat16
         if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the common case, kept short
-            return load().linear(x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path_id())
+            return self.run(x, out_bf16, path_id())
         flat = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
-        y = load().linear(flat, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path_id())
-        return y.view(*x.shape[:-1], self.n)
+        return self.run(flat, out_bf16, path_id()).view(*x.shape[:-1], self.n)
+
+    def run(self, x: torch.Tensor, out_bf16: bool, path: int) -> torch.Tensor:
+        """The kernel on a contiguous bf16 [m, k] x through the given path."""
+        return load().linear(x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path,
+                             *self.exponents)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
@@ -86,5 +93,17 @@ def pack_bf16(weight: torch.Tensor) -> PackedLinear:
     w = weight.detach().to(torch.bfloat16)
     if k % 2:
         w = torch.cat([w, w.new_zeros(n, 1)], dim=1)
+    exponents = bf16_exponent_range(w)
     w = _pad_rows(w, BLOCK).view(-1, BLOCK, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return PackedLinear(BF16, w.view(torch.uint8).reshape(-1), torch.empty(0), torch.empty(0), n, k)
+    return PackedLinear(BF16, w.view(torch.uint8).reshape(-1), torch.empty(0), torch.empty(0), n, k, exponents)
+
+
+def bf16_exponent_range(w: torch.Tensor) -> tuple[int, int]:
+    """(lowest, highest) biased exponent of w's nonzero bf16 values; (255, 0) if all are zero;
+    (-1, -1) if any is subnormal, infinite or NaN."""
+    bits = w.view(torch.int16).to(torch.int32)
+    exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
+    if bool(((exponent == 0xFF) | ((exponent == 0) & (mantissa != 0))).any()):
+        return (-1, -1)
+    nonzero = exponent[exponent != 0]
+    return (int(nonzero.min()), int(nonzero.max())) if nonzero.numel() else (255, 0)

@@ -38,20 +38,22 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
 def self_test(module: ModuleType) -> str:
     """Run the checks; raise RuntimeError on any failure, else return a one-line summary."""
     g = torch.Generator().manual_seed(0)
-    paths = ["generic"] + (["avx512_bf16"] if module.has_avx512_bf16() else [])
+    paths = ["generic"] + [name for name, has in (("avx512_bf16", module.has_avx512_bf16),
+                                                  ("avx2_fma", module.has_avx2_fma)) if has()]
     worst: dict[str, float] = {}
     for name, (packed, dense) in _weights(48, 96, g).items():
         x = torch.randn(7, packed.k, generator=g).bfloat16()
         outs = {}
         for path in paths:
             y = module.linear(x, packed.format, packed.codes, packed.scale, packed.zero, packed.n, packed.k,
-                              packed.format not in (Q4, Q8), PATHS[path])
+                              packed.format not in (Q4, Q8), PATHS[path], *packed.exponents)
             alone = module.linear(x[3:4].contiguous(), packed.format, packed.codes, packed.scale, packed.zero,
-                                  packed.n, packed.k, packed.format not in (Q4, Q8), PATHS[path])
+                                  packed.n, packed.k, packed.format not in (Q4, Q8), PATHS[path], *packed.exponents)
             if not torch.equal(alone[0], y[3]):
                 raise RuntimeError(f"kernel self-test: {name} ({path}) gives a row a different result alone than in a batch")
             worst[name] = max(worst.get(name, 0.0), _check(name, y, x.double() @ dense.T))
             outs[path] = y
-        if len(outs) > 1 and not torch.equal(*outs.values()):
-            raise RuntimeError(f"kernel self-test: {name} differs between the generic and AVX512-BF16 paths")
+        for path, y in outs.items():
+            if not torch.equal(y, outs["generic"]):
+                raise RuntimeError(f"kernel self-test: {name} differs between the generic and {path} paths")
     return f"self-test passed on paths {paths}; worst relative error " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())

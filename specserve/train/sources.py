@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import time
 from typing import Callable, Optional
@@ -85,18 +84,11 @@ def training_prompts(root: str, store: CorpusStore, source: str) -> list[tuple[s
 
 
 def machine_name() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    amx = any("amx_tile" in line for line in _cpuinfo() if line.startswith("flags"))
-    return f"{model}, {os.cpu_count()} cores, {'AMX' if amx else 'no AMX'}"
+    from specserve.kernels.dispatch import machine_description
+
+    return machine_description()
 
 
-def _cpuinfo() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.readlines()
-    except OSError:
-        return []
 
 
 def extend(root: str, source: str, num_prompts: int, shard_prompts: int = 512, max_new_tokens: int = 256,

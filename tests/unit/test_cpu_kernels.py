@@ -1,7 +1,7 @@
 """The C++ CPU kernels against float64 references, for odd shapes, on every path this CPU has:
 each output row is computed in one order whatever the row count (so a row's result is bitwise the
-same alone, in any batch and at any position), the generic and AVX512-BF16 paths agree bit for bit,
-and the dispatched path follows the CPU's flags and SPECSERVE_CPU_KERNEL_PATH."""
+same alone, in any batch and at any position), the generic, AVX512-BF16 and AVX2 paths agree bit
+for bit, and the dispatched path follows the CPU's flags and SPECSERVE_CPU_KERNEL_PATH."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from specserve import envs
 from specserve.kernels import dispatch
 from specserve.kernels.attention import paged_attention
 from specserve.kernels.build import load
-from specserve.kernels.linear import Q4, Q8, pack_bf16, pack_q4, pack_q8
+from specserve.kernels.linear import BF16, Q4, Q8, pack_bf16, pack_q4, pack_q8
 
 AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}
-PATHS = ["generic"] + (["avx512_bf16"] if load().has_avx512_bf16() else [])
+VECTOR_PATHS = [p for p in dispatch.available_paths() if p != "generic"]
+PATHS = ["generic", *VECTOR_PATHS]
+NO_VECTOR = pytest.mark.skipif(not VECTOR_PATHS, reason="this CPU has neither AVX512-BF16 nor AVX2: only the generic path")
 # Largest error relative to the largest reference output: fp32 sums of exact bf16 products for
 # the quantized formats; bf16 output rounding (2^-8) for the dense one.
 BOUND = {"q4": 1e-5, "q8": 1e-5, "bf16": 8e-3}
@@ -41,9 +43,7 @@ def make_weight(kind: str, n: int, k: int, seed: int = 0):
 
 
 def run(packed, x: torch.Tensor, path: str) -> torch.Tensor:
-    out_bf16 = packed.format not in (Q4, Q8)
-    return load().linear(x.contiguous(), packed.format, packed.codes, packed.scale, packed.zero, packed.n, packed.k,
-                         out_bf16, dispatch.PATHS[path])
+    return packed.run(x.contiguous(), packed.format not in (Q4, Q8), dispatch.PATHS[path])
 
 
 # N = 40 leaves a partial column block; K = 160 is 5 groups; K = 77 is odd (dense only).
@@ -66,12 +66,47 @@ def test_linear_matches_float64_and_every_row_count_gives_the_same_rows(kind, pa
     assert torch.equal(run(packed, x[order], path), full[order])
 
 
-@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no AVX512-BF16: only the generic path exists")
+@NO_VECTOR
+@pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
-def test_generic_and_avx512_paths_agree_bitwise(kind):
+def test_generic_and_vector_paths_agree_bitwise(kind, path):
     packed, _ = make_weight(kind, 100, 192 if kind != "bf16" else 191, seed=3)
     x = torch.randn(33, packed.k, generator=torch.Generator().manual_seed(4)).bfloat16()
-    assert torch.equal(run(packed, x, "generic"), run(packed, x, "avx512_bf16"))
+    assert torch.equal(run(packed, x, "generic"), run(packed, x, path))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@NO_VECTOR
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+def test_paths_agree_where_fused_multiply_adds_would_not_be_exact(kind, path):
+    """The AVX2 path sums by FMA only for rows whose exponents make that exact; these rows sit on
+    both sides of its bounds (tiny values whose sums go subnormal, huge ones, inf and NaN)."""
+    packed, _ = make_weight(kind, 48, 64, seed=6)
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(10, 64, generator=g)
+    x = torch.cat([base[:2] * 2.0 ** -112, base[2:4] * 2.0 ** -119, base[4:6] * 2.0 ** -124, base[6:8] * 2.0 ** 110,
+                   base[8:10]]).bfloat16()
+    x[9, 5], x[8, 7] = float("inf"), float("nan")
+    x[7, :2] = torch.tensor([2.0 ** -120, -(2.0 ** -120) * (1 + 2 ** -7)])  # cancels to a subnormal
+    assert torch.equal(bits(run(packed, x, "generic")), bits(run(packed, x, path)))
+    if kind == "bf16":  # tiny and huge weights narrow the exact range from the weight's side
+        w = torch.randn(48, 64, generator=g) * 2.0 ** torch.randint(-60, 60, (48, 64), generator=g)
+        for weight in (w, w * 2.0 ** -70):
+            packed = pack_bf16(weight.bfloat16())
+            assert torch.equal(bits(run(packed, x, "generic")), bits(run(packed, x, path)))
+
+
+def test_bf16_exponent_range_marks_values_the_fast_sums_cannot_take():
+    from specserve.kernels.linear import bf16_exponent_range
+
+    assert bf16_exponent_range(torch.tensor([0.0, 1.0, -0.25, 3.0]).bfloat16()) == (125, 128)
+    assert bf16_exponent_range(torch.zeros(4, dtype=torch.bfloat16)) == (255, 0)
+    for bad in (2.0 ** -130, float("inf"), float("nan")):
+        assert bf16_exponent_range(torch.tensor([1.0, bad]).bfloat16()) == (-1, -1)
 
 
 def attention_case(seed: int = 0, dim: int = 64):
@@ -105,7 +140,7 @@ def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale):
     return out
 
 
-@pytest.mark.parametrize("dim", [64, 48])
+@pytest.mark.parametrize("dim", [64, 48, 128, 32])
 @pytest.mark.parametrize("path", PATHS)
 def test_paged_attention_matches_float64_and_rows_are_independent(path, dim, monkeypatch):
     monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
@@ -122,18 +157,21 @@ def test_paged_attention_matches_float64_and_rows_are_independent(path, dim, mon
     assert torch.equal(paged_attention(q[pick], k_pool, v_pool, table, row_req[pick], row_len[pick], scale), out[pick])
 
 
-@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no AVX512-BF16: only the generic path exists")
-def test_attention_paths_agree_bitwise(monkeypatch):
-    case = attention_case(seed=5)
+@NO_VECTOR
+@pytest.mark.parametrize("dim", [64, 128, 32])
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+def test_attention_paths_agree_bitwise(path, dim, monkeypatch):
+    case = attention_case(seed=5, dim=dim)
     monkeypatch.setenv(envs.CPU_KERNEL_PATH, "generic")
     generic = paged_attention(*case)
-    monkeypatch.setenv(envs.CPU_KERNEL_PATH, "avx512_bf16")
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
     assert torch.equal(generic, paged_attention(*case))
 
 
 def test_dispatched_path_follows_the_cpu_flags(monkeypatch):
     monkeypatch.delenv(envs.CPU_KERNEL_PATH, raising=False)
-    expected = "avx512_bf16" if AVX512_FLAGS <= dispatch.cpu_flags() else "generic"
+    flags = dispatch.cpu_flags()
+    expected = "avx512_bf16" if AVX512_FLAGS <= flags else "avx2_fma" if {"avx2", "fma"} <= flags else "generic"
     assert dispatch.path_name() == expected
 
 
@@ -146,10 +184,11 @@ def test_the_environment_switch_forces_a_path_and_rejects_unknown_ones(monkeypat
     monkeypatch.setenv(envs.CPU_KERNEL_PATH, "amx")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_KERNEL_PATH must be one of"):
         packed(x)
-    if "avx512_bf16" not in PATHS:
-        monkeypatch.setenv(envs.CPU_KERNEL_PATH, "avx512_bf16")
-        with pytest.raises(ValueError, match="lacks AVX512-BF16"):
-            packed(x)
+    for path, needs in (("avx512_bf16", "AVX512-BF16"), ("avx2_fma", "AVX2 and FMA")):
+        if path not in PATHS:
+            monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+            with pytest.raises(ValueError, match=f"lacks {needs}"):
+                packed(x)
 
 
 def test_bad_arguments_get_clear_errors():
@@ -219,15 +258,19 @@ def test_rope_store_rotates_q_and_k_and_stores_k_v():
         ops.rope_store(qkv, rope.cos, rope.sin, positions, torch.tensor([4, 1, 7, 2, 10]), heads, kv_heads, k_pool, v_pool)
 
 
-@pytest.mark.skipif(len(PATHS) < 2, reason="this CPU has no AVX512-BF16: only the generic path exists")
-def test_paths_agree_on_subnormal_inputs_and_products():
+@NO_VECTOR
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+def test_paths_agree_on_subnormal_inputs_and_products(path):
     # VDPBF16PS reads subnormal inputs as zero and flushes subnormal results; the generic path must too.
     weight = torch.ones(16, 2, dtype=torch.bfloat16)
     packed = pack_bf16(weight)
     x = torch.tensor([[2.0 ** -130, 2.0 ** -120], [2.0 ** -65, 2.0 ** -65], [2.0 ** -60, 3.0]]).bfloat16()
-    generic = load().linear(x, packed.format, packed.codes, packed.scale, packed.zero, 16, 2, False, 0)
-    assert torch.equal(generic, load().linear(x, packed.format, packed.codes, packed.scale, packed.zero, 16, 2, False, 1))
+    generic = run(packed, x, "generic").float()
+    assert torch.equal(generic, run(packed, x, path).float())
     assert generic[0, 0].item() == 2.0 ** -120  # the subnormal input counted as zero
+    # Without the exponent bounds (the binding's default), the AVX2 path flushes every row: same bits.
+    assert torch.equal(load().linear(x, BF16, packed.codes, packed.scale, packed.zero, 16, 2, False, 0),
+                       load().linear(x, BF16, packed.codes, packed.scale, packed.zero, 16, 2, False, dispatch.PATHS[path]))
 
 
 def test_attention_refuses_a_table_slot_outside_the_pool():

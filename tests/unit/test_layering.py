@@ -44,10 +44,11 @@ ALLOWED: dict[str, set[str]] = {
                "sampler", "sampling_params", "args", "envs", "errors", "logits"},
     "server": {"engine", "tokenizer", "models", "sampling_params", "args", "errors", "logits"},
     # train -> bench: the drafter experiments time verify steps with bench's step instrumentation
-    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench"},
+    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench",
+              "kernels"},
     # bench -> server: the router bench starts and waits for replicas with server/replicas.py's helpers
     "bench": {"engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
-              "sampling_params", "logits", "server"},
+              "sampling_params", "logits", "server", "envs"},
     "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
 }

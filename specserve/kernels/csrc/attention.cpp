@@ -1,6 +1,7 @@
-// Paged attention, generic and AVX-512 paths (see attention.h).
+// Paged attention, generic, AVX-512 and AVX2 paths (see attention.h).
 #include "attention.h"
 
+#include "simd_avx2.h"
 #include "simd_avx512.h"
 
 #include <algorithm>
@@ -133,6 +134,81 @@ SPECSERVE_AVX512 void group_avx512(const PagedAttentionArgs& a, const Task* t, i
   }
 }
 
+// ------------------------------------------------------------------ AVX2 path (dim % 16 == 0)
+
+// heads_avx512 with each 16-lane vector held as two 8-lane halves (h = 0: lanes 0-7, 1: 8-15).
+template <int C, int HB>
+SPECSERVE_AVX2 void heads_avx2(const PagedAttentionArgs& a, const Task* t, float* scratch) {
+  const int64_t len = t[0].len, padded = (len + 15) / 16 * 16;
+  if (len <= 0) {
+    for (int h = 0; h < HB; ++h) std::fill(t[h].out, t[h].out + 16 * C, uint16_t(0));
+    return;
+  }
+  __m256 q[HB][C][2];
+  float* p[HB];
+  float best[HB];
+  for (int h = 0; h < HB; ++h) {
+    for (int c = 0; c < C; ++c)
+      for (int s = 0; s < 2; ++s) q[h][c][s] = load_bf16x8(t[h].q + 16 * c + 8 * s);
+    p[h] = scratch + h * padded;
+    best[h] = -std::numeric_limits<float>::infinity();
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* k = a.k_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset;
+    __m256 kv[C][2];
+    for (int c = 0; c < C; ++c)
+      for (int s = 0; s < 2; ++s) kv[c][s] = load_bf16x8(k + 16 * c + 8 * s);
+    for (int h = 0; h < HB; ++h) {
+      __m256 lo = _mm256_mul_ps(q[h][0][0], kv[0][0]), hi = _mm256_mul_ps(q[h][0][1], kv[0][1]);
+      for (int c = 1; c < C; ++c) {
+        lo = _mm256_fmadd_ps(q[h][c][0], kv[c][0], lo);
+        hi = _mm256_fmadd_ps(q[h][c][1], kv[c][1], hi);
+      }
+      p[h][j] = tree_sum16_avx2(lo, hi) * a.scale;
+      best[h] = std::max(best[h], p[h][j]);
+    }
+  }
+  float total[HB];
+  for (int h = 0; h < HB; ++h) {
+    // Past the end, scores of -inf give exp 0, which is what the generic path adds there.
+    std::fill(p[h] + len, p[h] + padded, -std::numeric_limits<float>::infinity());
+    __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256 top = _mm256_set1_ps(best[h]);
+    for (int64_t j = 0; j < padded; j += 8) {
+      const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(p[h] + j), top));
+      _mm256_storeu_ps(p[h] + j, e);
+      lanes[(j / 8) % 2] = _mm256_add_ps(lanes[(j / 8) % 2], e);
+    }
+    total[h] = tree_sum16_avx2(lanes[0], lanes[1]);
+  }
+  __m256 o[HB][C][2];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) o[h][c][0] = o[h][c][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* v = a.v_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset;
+    __m256 vv[C][2];
+    for (int c = 0; c < C; ++c)
+      for (int s = 0; s < 2; ++s) vv[c][s] = load_bf16x8(v + 16 * c + 8 * s);
+    for (int h = 0; h < HB; ++h) {
+      const __m256 w = _mm256_set1_ps(p[h][j]);
+      for (int c = 0; c < C; ++c)
+        for (int s = 0; s < 2; ++s) o[h][c][s] = _mm256_fmadd_ps(w, vv[c][s], o[h][c][s]);
+    }
+  }
+  for (int h = 0; h < HB; ++h) {
+    const __m256 div = _mm256_set1_ps(total[h]);
+    for (int c = 0; c < C; ++c)
+      for (int s = 0; s < 2; ++s) store_bf16x8(t[h].out + 16 * c + 8 * s, _mm256_div_ps(o[h][c][s], div));
+  }
+}
+
+template <int C>
+SPECSERVE_AVX2 void group_avx2(const PagedAttentionArgs& a, const Task* t, int64_t heads, float* scratch) {
+  int64_t h = 0;
+  for (; h + 2 <= heads; h += 2) heads_avx2<C, 2>(a, t + h, scratch);
+  if (h < heads) heads_avx2<C, 1>(a, t + h, scratch);
+}
+
 }  // namespace
 
 void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin, int64_t end, float* scratch) {
@@ -144,6 +220,9 @@ void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin
     if (path == Path::Avx512Bf16 && a.dim == 64) group_avx512<4>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx512Bf16 && a.dim == 128) group_avx512<8>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx512Bf16 && a.dim == 32) group_avx512<2>(a, tasks.data(), group, scratch);
+    else if (path == Path::Avx2Fma && a.dim == 64) group_avx2<4>(a, tasks.data(), group, scratch);
+    else if (path == Path::Avx2Fma && a.dim == 128) group_avx2<8>(a, tasks.data(), group, scratch);
+    else if (path == Path::Avx2Fma && a.dim == 32) group_avx2<2>(a, tasks.data(), group, scratch);
     else
       for (int64_t h = 0; h < group; ++h) task_generic(a, tasks[h], scratch);
   }

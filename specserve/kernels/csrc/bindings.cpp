@@ -24,8 +24,21 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
 Path checked_path(int64_t path) {
   if (path == int64_t(Path::Generic)) return Path::Generic;
+  if (path == int64_t(Path::Avx2Fma)) {
+    TORCH_CHECK(cpu_has_avx2_fma(), "specserve kernels: the avx2_fma path was asked for but this CPU lacks AVX2 and FMA");
+    return Path::Avx2Fma;
+  }
   if (path == int64_t(Path::Avx512Bf16)) {
     TORCH_CHECK(cpu_has_avx512_bf16(), "specserve kernels: the avx512_bf16 path was asked for but this CPU lacks AVX512-BF16");
     return Path::Avx512Bf16;
@@ -36,7 +49,7 @@ Path checked_path(int64_t path) {
 const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
-                     int64_t n, int64_t k, bool out_bf16, int64_t path) {
+                     int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, "specserve linear: x must be bf16 on CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "specserve linear: x must be [M, ", k, "] with contiguous rows");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
@@ -61,12 +74,17 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
     TORCH_CHECK(zero.scalar_type() == torch::kFloat16 && zero.is_contiguous() && zero.numel() == scales,
                 "specserve linear: offsets must be contiguous float16 [blocks, K/32, 16]");
   auto half_data = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  // BF16 weights' exponent bounds come from packing (w_exp_lo < 0: not all finite and normal).
+  const ExponentRange exps{int(w_exp_lo), int(w_exp_hi), w_exp_lo >= 0};
   PackedWeight w{fmt, codes.data_ptr<uint8_t>(), fmt == WeightFormat::BF16 ? nullptr : half_data(scale),
-                 fmt == WeightFormat::Q4 ? half_data(zero) : nullptr, n, k};
+                 fmt == WeightFormat::Q4 ? half_data(zero) : nullptr, n, k, exps};
   const uint16_t* xd = bf16_data(x);
+  std::vector<uint8_t> exact;
+  if (p == Path::Avx2Fma)
+    for (int64_t r = 0; r < m; ++r) exact.push_back(linear_row_exact(w, xd + r * x.stride(0)));
   void* od = out.data_ptr();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), begin, end, od, n, out_bf16);
+    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), exact.data(), begin, end, od, n, out_bf16);
   });
   return out;
 }
@@ -189,7 +207,10 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512_bf16", &specserve::cpu_has_avx512_bf16, "CPU (and OS) support AVX512-BF16");
-  m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight");
+  m.def("has_avx2_fma", &specserve::cpu_has_avx2_fma, "CPU supports AVX2 and FMA");
+  m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight", py::arg("x"), py::arg("format"),
+        py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"), py::arg("out_bf16"),
+        py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1);
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
   m.def("silu_mul", &specserve::silu_mul, "silu(gate) * up of [rows, 2f] gate_up");

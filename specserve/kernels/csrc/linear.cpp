@@ -1,4 +1,5 @@
-// Weight-quantized linear layers: the generic path and the AVX512-BF16 path (see linear.h).
+// Weight-quantized linear layers: the generic path and the AVX512-BF16 path (see linear.h); the
+// AVX2 path is in linear_avx2.cpp.
 #include "linear.h"
 
 #include "simd_avx512.h"
@@ -236,7 +237,12 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out
 }
 
 void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
-                   const float* gs, int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16) {
+                   const float* gs, const uint8_t* row_exact, int64_t block_begin, int64_t block_end, void* out,
+                   int64_t ldo, bool out_bf16) {
+  if (path == Path::Avx2Fma) {
+    linear_blocks_avx2(w, x, ldx, m, gs, row_exact, block_begin, block_end, out, ldo, out_bf16);
+    return;
+  }
   if (path == Path::Generic) {
     for (int64_t b = block_begin; b < block_end; ++b) block_generic(w, b, x, ldx, m, gs, out, ldo, out_bf16);
     return;

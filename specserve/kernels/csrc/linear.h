@@ -23,6 +23,13 @@ namespace specserve {
 
 enum class WeightFormat : int { Q4 = 0, Q8 = 1, BF16 = 2 };
 
+// Biased exponent bounds of the nonzero values of a row or weight (lo > hi: all zero), and whether
+// every value is zero or normal (no subnormal, infinity or NaN).
+struct ExponentRange {
+  int lo = 255, hi = 0;
+  bool finite_normal = true;
+};
+
 struct PackedWeight {
   WeightFormat format;
   const uint8_t* codes;  // [blocks][...] as above
@@ -30,6 +37,7 @@ struct PackedWeight {
   const uint16_t* zero;   // [blocks][G][16] float16 (Q4)
   int64_t n;             // output columns
   int64_t k;             // input columns
+  ExponentRange exponents;  // of the values (BF16 only; quantized codes have fixed bounds)
 };
 
 constexpr int kBlockCols = 16;
@@ -40,9 +48,18 @@ int64_t block_bytes(WeightFormat format, int64_t k);
 
 // Rows [0, m) of x (bf16, row stride ldx) times columns of blocks [block_begin, block_end).
 // out is float32 or bf16 (row stride ldo). group_sums[m][K/32] = sum of x per group (Q4 only).
+// row_exact[m] (AVX2 path only): linear_row_exact of each row.
 void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
-                   const float* group_sums, int64_t block_begin, int64_t block_end, void* out, int64_t ldo,
-                   bool out_bf16);
+                   const float* group_sums, const uint8_t* row_exact, int64_t block_begin, int64_t block_end,
+                   void* out, int64_t ldo, bool out_bf16);
+
+// The AVX2 path (linear_avx2.cpp), reached through linear_blocks.
+void linear_blocks_avx2(const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m, const float* group_sums,
+                        const uint8_t* row_exact, int64_t block_begin, int64_t block_end, void* out, int64_t ldo,
+                        bool out_bf16);
+
+// Whether FMAs give this row exactly the flushing dot products of the generic path with w.
+bool linear_row_exact(const PackedWeight& w, const uint16_t* row);
 
 // Per-row, per-group sums of x (sequential order), for the Q4 offset term.
 void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out);

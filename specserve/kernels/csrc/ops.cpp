@@ -1,8 +1,11 @@
 // Fused small ops (see ops.h). RoPE has no reduction and no transcendental, so one scalar
-// version serves both paths; the other two have an AVX-512 version with the same order.
+// version serves every path; the other two have AVX-512 and AVX2 versions with the same order.
 #include "ops.h"
 
+#include "simd_avx2.h"
 #include "simd_avx512.h"
+
+#include <algorithm>
 
 namespace specserve {
 
@@ -67,6 +70,60 @@ SPECSERVE_AVX512 void silu_mul_avx(const uint16_t* gate, const uint16_t* up, int
   }
 }
 
+// 16 bf16 from p, of which `valid` are read; the rest are +0 (as the AVX-512 masked loads give).
+SPECSERVE_AVX2 inline F16x2 load16_avx2(const uint16_t* p, int64_t valid) {
+  if (valid >= 16) return {load_bf16x8(p), load_bf16x8(p + 8)};
+  alignas(32) uint16_t tmp[16] = {0};
+  std::copy(p, p + valid, tmp);
+  return {load_bf16x8(tmp), load_bf16x8(tmp + 8)};
+}
+
+SPECSERVE_AVX2 inline void store16_avx2(uint16_t* p, const F16x2& v, int64_t valid) {
+  alignas(32) uint16_t tmp[16];
+  store_bf16x8(tmp, v.lo);
+  store_bf16x8(tmp + 8, v.hi);
+  std::copy(tmp, tmp + std::min<int64_t>(valid, 16), p);
+}
+
+SPECSERVE_AVX2 inline __m256 bf16_round_avx2(__m256 v) {
+  return bits_as_f32(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16x8(v)), 16));
+}
+
+SPECSERVE_AVX2 void add_rms_norm_avx2(const uint16_t* x, uint16_t* residual, const uint16_t* w, int64_t h, float eps,
+                                      uint16_t* out) {
+  __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < h; i += 16) {
+    F16x2 v = load16_avx2(x + i, h - i);
+    if (residual) {
+      const F16x2 r = load16_avx2(residual + i, h - i);
+      v = {bf16_round_avx2(_mm256_add_ps(v.lo, r.lo)), bf16_round_avx2(_mm256_add_ps(v.hi, r.hi))};
+      store16_avx2(residual + i, v, h - i);
+    }
+    lanes[0] = _mm256_fmadd_ps(v.lo, v.lo, lanes[0]);
+    lanes[1] = _mm256_fmadd_ps(v.hi, v.hi, lanes[1]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(tree_sum16_avx2(lanes[0], lanes[1]) / float(h) + eps));
+  const uint16_t* src = residual ? residual : x;
+  for (int64_t i = 0; i < h; i += 16) {
+    const F16x2 v = load16_avx2(src + i, h - i), g = load16_avx2(w + i, h - i);
+    store16_avx2(out + i, {_mm256_mul_ps(_mm256_mul_ps(v.lo, inv), g.lo), _mm256_mul_ps(_mm256_mul_ps(v.hi, inv), g.hi)}, h - i);
+  }
+}
+
+SPECSERVE_AVX2 void silu_mul_avx2(const uint16_t* gate, const uint16_t* up, int64_t f, uint16_t* out) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= f; i += 8) {
+    const __m256 g = load_bf16x8(gate + i);
+    const __m256 pos = _mm256_cmp_ps(g, zero, _CMP_GE_OQ);
+    const __m256 neg_abs = _mm256_blendv_ps(g, _mm256_sub_ps(zero, g), pos);  // g >= 0 ? -g : g
+    const __m256 e = exp_nonpositive_avx2(neg_abs);
+    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), _mm256_add_ps(one, e));
+    store_bf16x8(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), load_bf16x8(up + i)));
+  }
+  for (; i < f; ++i) out[i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(up[i]));
+}
+
 }  // namespace
 
 void add_rms_norm_rows(Path path, const uint16_t* x, uint16_t* residual, const uint16_t* weight, int64_t h, float eps,
@@ -74,6 +131,7 @@ void add_rms_norm_rows(Path path, const uint16_t* x, uint16_t* residual, const u
   for (int64_t r = begin; r < end; ++r) {
     uint16_t* res = residual ? residual + r * h : nullptr;
     if (path == Path::Avx512Bf16) add_rms_norm_avx(x + r * h, res, weight, h, eps, out + r * h);
+    else if (path == Path::Avx2Fma) add_rms_norm_avx2(x + r * h, res, weight, h, eps, out + r * h);
     else add_rms_norm_generic(x + r * h, res, weight, h, eps, out + r * h);
   }
 }
@@ -83,6 +141,8 @@ void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out,
     const uint16_t* gate = gate_up + r * 2 * f;
     if (path == Path::Avx512Bf16) {
       silu_mul_avx(gate, gate + f, f, out + r * f);
+    } else if (path == Path::Avx2Fma) {
+      silu_mul_avx2(gate, gate + f, f, out + r * f);
     } else {
       for (int64_t i = 0; i < f; ++i)
         out[r * f + i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(gate[f + i]));

@@ -1,4 +1,4 @@
-// Numeric building blocks shared by the generic (portable C++) and AVX-512 paths.
+// Numeric building blocks shared by the generic (portable C++), AVX-512 and AVX2 paths.
 //
 // Every kernel in this folder computes each output row with one fixed sequence of floating-point
 // operations that depends only on that row's inputs, never on how many rows, requests or threads
@@ -12,7 +12,7 @@
 
 namespace specserve {
 
-enum class Path : int { Generic = 0, Avx512Bf16 = 1 };
+enum class Path : int { Generic = 0, Avx512Bf16 = 1, Avx2Fma = 2 };
 
 inline float bf16_to_f32(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;

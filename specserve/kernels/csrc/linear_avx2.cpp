@@ -1,0 +1,236 @@
+// The AVX2 + FMA path of the weight-quantized linear layers (see linear.h), for x86 CPUs without
+// AVX512-BF16. It gives the generic path's results bit for bit.
+//
+// A block's 16 output columns are two 8-lane halves. VDPBF16PS (which the generic path spells
+// out) adds, per lane, flush(w_hi * x_hi) and then flush(w_lo * x_lo) to the accumulator, flushing
+// subnormal inputs and results. Here each pair costs two FMAs per half instead, which is the same
+// arithmetic whenever
+//   - every product is exact: bf16 x bf16 (or x integer code) has at most 16 significant bits, so
+//     it is exact unless it overflows or underflows, and
+//   - no input, product or partial sum is subnormal, infinite or NaN.
+// Both hold when the exponents of x and of the weights are bounded (rows_exact): all products and
+// partial sums of a group are then multiples of 2^(Ex_min + Ew_min - 14) >= 2^-126 (rounding keeps
+// that), so none is subnormal, and no product reaches 2^128. Tiles with a row outside the bounds
+// (in practice: never, for real activations) take the flushing version of the same loop, which
+// repeats the generic path's operations one for one.
+#include "linear.h"
+
+#include "simd_avx2.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+namespace specserve {
+
+namespace {
+
+constexpr int32_t kQ4Magic = 0x43004300;
+constexpr int32_t kQ4Mask = 0x000F000F;
+constexpr int32_t kHighHalf = int32_t(0xFFFF0000u);
+
+// The (hi, lo) weights of 8 lanes of one pair word vector, as float.
+template <WeightFormat F>
+SPECSERVE_AVX2 inline void split_pair(__m256i word, __m256& hi, __m256& lo) {
+  if constexpr (F == WeightFormat::Q8) {  // word = two sign-extended int16 codes
+    hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(word, 16));
+    lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(word, 16), 16));
+  } else {  // two bf16
+    hi = bits_as_f32(_mm256_and_si256(word, _mm256_set1_epi32(kHighHalf)));
+    lo = bits_as_f32(_mm256_slli_epi32(word, 16));
+  }
+}
+
+// Pair `pair`'s words of one block half (Q8 and BF16; Q4 words come from the oct loads).
+template <WeightFormat F>
+SPECSERVE_AVX2 inline __m256i pair_word(const uint8_t* block, int64_t pair, int half) {
+  if constexpr (F == WeightFormat::Q8)
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + pair * 32 + half * 16)));
+  else
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + pair * 64 + half * 32));
+}
+
+// acc += w_hi * x_hi, then += w_lo * x_lo, as the generic dot_pair does (Flush) or by FMA (exact rows).
+template <bool Flush>
+SPECSERVE_AVX2 inline __m256 dot_pair8(__m256 acc, __m256 w_hi, __m256 w_lo, __m256 x_hi, __m256 x_lo) {
+  if constexpr (Flush) {
+    acc = flush_subnormal_avx2(_mm256_add_ps(acc, flush_subnormal_avx2(_mm256_mul_ps(flush_subnormal_avx2(w_hi), x_hi))));
+    return flush_subnormal_avx2(_mm256_add_ps(acc, flush_subnormal_avx2(_mm256_mul_ps(flush_subnormal_avx2(w_lo), x_lo))));
+  } else {
+    return _mm256_fmadd_ps(w_lo, x_lo, _mm256_fmadd_ps(w_hi, x_hi, acc));
+  }
+}
+
+// Broadcast x[2p+1] and x[2p] (subnormals flushed, as the generic path reads them).
+SPECSERVE_AVX2 inline void x_pair8(const uint16_t* row, int64_t k, int64_t pair, __m256& hi, __m256& lo) {
+  const int64_t at = 2 * pair;
+  hi = _mm256_set1_ps(at + 1 < k ? flush_subnormal(bf16_to_f32(row[at + 1])) : 0.0f);
+  lo = _mm256_set1_ps(flush_subnormal(bf16_to_f32(row[at])));
+}
+
+template <WeightFormat F, int R, int NBT, bool Flush>
+SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx, const float* gs,
+                              void* out, int64_t ldo, bool out_bf16) {
+  const int64_t bytes = block_bytes(F, w.k), G = w.k / kGroup;
+  const uint8_t* blocks[NBT];
+  for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
+  __m256 acc[R][NBT][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+
+  if constexpr (F == WeightFormat::BF16) {
+    for (int64_t pair = 0; pair < (w.k + 1) / 2; ++pair) {
+      __m256 wh[NBT][2], wl[NBT][2];
+      for (int j = 0; j < NBT; ++j)
+        for (int h = 0; h < 2; ++h) split_pair<F>(pair_word<F>(blocks[j], pair, h), wh[j][h], wl[j][h]);
+      for (int r = 0; r < R; ++r) {
+        __m256 xh, xl;
+        x_pair8(x + r * ldx, w.k, pair, xh, xl);
+        for (int j = 0; j < NBT; ++j)
+          for (int h = 0; h < 2; ++h) acc[r][j][h] = dot_pair8<Flush>(acc[r][j][h], wh[j][h], wl[j][h], xh, xl);
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 part[R][NBT][2];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NBT; ++j) part[r][j][0] = part[r][j][1] = _mm256_setzero_ps();
+      for (int oct = 0; oct < 4; ++oct) {
+        __m256i packed[NBT][2];
+        if constexpr (F == WeightFormat::Q4)
+          for (int j = 0; j < NBT; ++j)
+            for (int h = 0; h < 2; ++h)
+              packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + (g * 4 + oct) * 64 + h * 32));
+        for (int p = 0; p < 4; ++p) {
+          const int64_t pair = g * 16 + oct * 4 + p;
+          __m256 wh[NBT][2], wl[NBT][2];
+          for (int j = 0; j < NBT; ++j)
+            for (int h = 0; h < 2; ++h) {
+              __m256i word;
+              if constexpr (F == WeightFormat::Q4)
+                word = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(packed[j][h], 4 * p), _mm256_set1_epi32(kQ4Mask)),
+                                       _mm256_set1_epi32(kQ4Magic));
+              else
+                word = pair_word<F>(blocks[j], pair, h);
+              split_pair<F>(word, wh[j][h], wl[j][h]);
+            }
+          for (int r = 0; r < R; ++r) {
+            __m256 xh, xl;
+            x_pair8(x + r * ldx, w.k, pair, xh, xl);
+            for (int j = 0; j < NBT; ++j)
+              for (int h = 0; h < 2; ++h) part[r][j][h] = dot_pair8<Flush>(part[r][j][h], wh[j][h], wl[j][h], xh, xl);
+          }
+        }
+      }
+      for (int j = 0; j < NBT; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = ((b0 + j) * G + g) * kBlockCols + h * 8;
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scale + at)));
+          if constexpr (F == WeightFormat::Q4) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zero + at)));
+            for (int r = 0; r < R; ++r) {
+              const __m256 s0 = _mm256_set1_ps(gs[r * G + g]);
+              acc[r][j][h] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(_mm256_set1_ps(-128.0f), s0, part[r][j][h]), acc[r][j][h]);
+              acc[r][j][h] = _mm256_fmadd_ps(m, s0, acc[r][j][h]);
+            }
+          } else {
+            for (int r = 0; r < R; ++r) acc[r][j][h] = _mm256_fmadd_ps(d, part[r][j][h], acc[r][j][h]);
+          }
+        }
+    }
+  }
+  for (int j = 0; j < NBT; ++j) {
+    const int64_t col = (b0 + j) * kBlockCols, valid = std::min<int64_t>(kBlockCols, w.n - col);
+    for (int r = 0; r < R; ++r) {
+      if (out_bf16) {
+        alignas(16) uint16_t h[kBlockCols];
+        store_bf16x8(h, acc[r][j][0]);
+        store_bf16x8(h + 8, acc[r][j][1]);
+        std::memcpy(static_cast<uint16_t*>(out) + r * ldo + col, h, valid * 2);
+      } else {
+        alignas(32) float lanes[kBlockCols];
+        _mm256_store_ps(lanes, acc[r][j][0]);
+        _mm256_store_ps(lanes + 8, acc[r][j][1]);
+        std::memcpy(static_cast<float*>(out) + r * ldo + col, lanes, valid * 4);
+      }
+    }
+  }
+}
+
+template <WeightFormat F, int R, bool Flush>
+SPECSERVE_AVX2 void rows_avx2(const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x, int64_t ldx,
+                              const float* gs, void* out, int64_t ldo, bool out_bf16) {
+  constexpr int kWide = R <= 2 ? 2 : 1;  // keep the 2 * R * NBT partial sums within the 16 registers
+  for (; b + kWide <= b_end; b += kWide) tile_avx2<F, R, kWide, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16);
+  for (; b < b_end; ++b) tile_avx2<F, R, 1, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16);
+}
+
+template <WeightFormat F, int R>
+SPECSERVE_AVX2 void rows_either(bool exact, const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x,
+                                int64_t ldx, const float* gs, void* out, int64_t ldo, bool out_bf16) {
+  if (exact) rows_avx2<F, R, false>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16);
+  else rows_avx2<F, R, true>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16);
+}
+
+// Biased exponent bounds of the weights' values that make FMA exact (see the file comment):
+// quantized codes act as integers below 2^8 (exponent 127 + 7 in both bounds).
+ExponentRange weight_range(const PackedWeight& w) {
+  return w.format == WeightFormat::BF16 ? w.exponents : ExponentRange{127 + 7, 127 + 7, true};
+}
+
+ExponentRange row_exponents(const uint16_t* row, int64_t k) {
+  ExponentRange range{255, 0, true};
+  for (int64_t i = 0; i < k; ++i) {
+    const int e = (row[i] >> 7) & 0xFF;
+    if (e == 0xFF || (e == 0 && (row[i] & 0x7F))) range.finite_normal = false;  // inf, NaN, subnormal
+    if (e != 0) range.lo = std::min(range.lo, e), range.hi = std::max(range.hi, e);
+  }
+  return range;
+}
+
+bool rows_exact(const ExponentRange& x, const ExponentRange& w) {
+  if (!x.finite_normal || !w.finite_normal) return false;
+  if (x.lo > x.hi || w.lo > w.hi) return true;  // all zeros: every product is a zero
+  return x.lo + w.lo >= 254 - 112 && x.hi + w.hi <= 254 + 125;
+}
+
+}  // namespace
+
+void linear_blocks_avx2(const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m, const float* gs,
+                        const uint8_t* row_exact, int64_t block_begin, int64_t block_end, void* out, int64_t ldo,
+                        bool out_bf16) {
+  const int64_t G = w.format == WeightFormat::BF16 ? 0 : w.k / kGroup;
+  const size_t elem = out_bf16 ? 2 : 4;
+  constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk stays in cache
+  for (int64_t c = block_begin; c < block_end; c += kChunk) {
+    const int64_t c_end = std::min(block_end, c + kChunk);
+    for (int64_t r = 0; r < m;) {
+      const int64_t rows = std::min<int64_t>(4, m - r);
+      const bool exact = std::all_of(row_exact + r, row_exact + r + rows, [](uint8_t e) { return e != 0; });
+      const uint16_t* xr = x + r * ldx;
+      const float* g = gs + r * G;
+      void* o = static_cast<char*>(out) + r * ldo * elem;
+      auto run = [&](auto fmt) {
+        constexpr WeightFormat F = decltype(fmt)::value;
+        switch (rows) {
+          case 4: rows_either<F, 4>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
+          case 3: rows_either<F, 3>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
+          case 2: rows_either<F, 2>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
+          default: rows_either<F, 1>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
+        }
+      };
+      switch (w.format) {
+        case WeightFormat::Q4: run(std::integral_constant<WeightFormat, WeightFormat::Q4>{}); break;
+        case WeightFormat::Q8: run(std::integral_constant<WeightFormat, WeightFormat::Q8>{}); break;
+        default: run(std::integral_constant<WeightFormat, WeightFormat::BF16>{}); break;
+      }
+      r += rows;
+    }
+  }
+}
+
+bool linear_row_exact(const PackedWeight& w, const uint16_t* row) {
+  return rows_exact(row_exponents(row, w.k), weight_range(w));
+}
+
+}  // namespace specserve
