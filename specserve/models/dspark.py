@@ -162,7 +162,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Opt
     """Block queries [bs, g, H, D] over keys/values [bs, C + g, KVH, D] -> [bs, g, H, D]. With bs = 1
     and a mask [1, 1, C + g], the masked columns are dropped instead, so the computation's shape
     is the request's own: batching another request next to it cannot change its result."""
-    if mask is not None and q.shape[0] == 1:
+    if mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1]:  # not a training batch's 2-D mask
         keep = mask.reshape(-1) == 0
         keys, values, mask = keys[:, keep], values[:, keep], None
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

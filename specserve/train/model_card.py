@@ -46,7 +46,7 @@ def write_model_card(out: str, state: dict) -> None:
         f"Markov rank {cfg['markov_rank']}, draft vocabulary {cfg.get('draft_vocab_size') or cfg['vocab_size']} ids, "
         f"context from target layers {cfg['target_layer_ids']}; shares the target's embedding and LM head.",
         "- Loss: the DeepSpec recipe (0.1 CE + 0.9 TV against the target's top-k + 1.0 confidence BCE, slot "
-        "weights exp(-k/4)), AdamW, bf16 autocast on CPU.",
+        "weights exp(-k/4)), AdamW, bf16 autocast on CPUs with AVX512-BF16, else float32.",
         "- Data: the corpus in `data/drafter/` (token ids; `manifest.json` lists every shard's source and counts). "
         "The target's hidden states and top-k are recomputed from the ids for training.",
         "",

@@ -182,7 +182,7 @@ def split_for_line(corpus, store, chosen: list, state: dict, size: int):
 
 def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
     from specserve.models.dspark import DsparkDrafter
-    from specserve.train.trainer import DrafterLoss, choose_draft_vocab, init_from_target
+    from specserve.train.trainer import DrafterLoss, choose_draft_vocab, init_from_target, training_dtype
 
     max_len = max(int(sh.seq_offsets[i + 1] - sh.seq_offsets[i]) for sh in train_set.shards
                   for i in range(len(sh))) + cfg.block_size + 1
@@ -203,8 +203,9 @@ def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
         if ns.draft_vocab_size:
             drafter.draft_to_target.copy_(ids)
         init_from_target(drafter, loaded.weights, layer=loaded.config.num_layers - 1)
-    embed = loaded.weights["model.embed_tokens.weight"].to(torch.bfloat16)
-    head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"]).to(torch.bfloat16)
+    dtype = training_dtype()
+    embed = loaded.weights["model.embed_tokens.weight"].to(dtype)
+    head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"]).to(dtype)
     return drafter, DrafterLoss(drafter, embed, head)
 
 
@@ -250,7 +251,7 @@ def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
     positions = sum(h["positions"] for h in history)
     return {"steps": last, "run_steps": len(history), "train_minutes": round(seconds / 60, 2),
             "positions": positions, "positions_per_s": round(positions / max(seconds, 1e-9), 1),
-            "first_loss": history[0]["loss"] if history else None, "last_loss": _mean_tail(history, "loss"),
+            "precision": str(loss.dtype).removeprefix("torch."), "first_loss": history[0]["loss"] if history else None, "last_loss": _mean_tail(history, "loss"),
             "train_sequences": len(train_set), "train_answer_tokens": train_set.answer_tokens,
             "held_out_teacher_forced": {"before": before, "after": after}, "history": history,
             "started_from": ("checkpoint.pt" if resume_full else "weights") if ns.resume else

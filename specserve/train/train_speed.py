@@ -24,6 +24,9 @@ def add_train_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter directory to train (default: the shipped one)")
     p.add_argument("--shapes", default="16x12,8x48,8x96,4x0", help="comma-separated SEQSxANCHORS (0: every position)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per shape (after 2 untimed)")
+    p.add_argument("--shards", default=None, help="only these corpus shards, e.g. 0 (default: all)")
+    p.add_argument("--dtypes", default=None, help="comma-separated training precisions to time side by side, "
+                                                  "bfloat16 (autocast) and/or float32 (default: the one training uses)")
     p.add_argument("--out", default=None, help="JSON results")
 
 
@@ -31,27 +34,30 @@ def run_train_speed(ns: argparse.Namespace) -> int:
     from specserve.assets import default_drafter_path
     from specserve.models.loader import load_model
     from specserve.train.corpus_store import CorpusStore
-    from specserve.train.run import build_teacher_cache, load_drafter_weights
+    from specserve.train.run import build_teacher_cache, load_drafter_weights, select_shards
     from specserve.train.teacher import TeacherCache, TeacherCorpus
     from specserve.models.dspark import DsparkDrafter, read_drafter_config
-    from specserve.train.trainer import DrafterLoss
+    from specserve.train.trainer import DrafterLoss, training_dtype
 
     path = ns.drafter or default_drafter_path()
     cfg = read_drafter_config(path)
     store = CorpusStore(ns.data)
     cache = TeacherCache(ns.cache or f"{ns.data}/cache", cfg.target_layer_ids, 16, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    build_teacher_cache(cache, store, store.shards, None)
-    corpus = TeacherCorpus([cache.load(s) for s in store.shards], cfg.target_layer_ids, 16)
+    shards = select_shards(store, None, ns.shards)
+    build_teacher_cache(cache, store, shards, None)
+    corpus = TeacherCorpus([cache.load(s) for s in shards], cfg.target_layer_ids, 16)
     loaded = load_model(None)
     drafter = DsparkDrafter(cfg, max_positions=4096)
     load_drafter_weights(drafter, path)
-    head = loaded.weights["model.embed_tokens.weight"].to(torch.bfloat16)
-    loss = DrafterLoss(drafter, head, head)
     results = []
-    for shape in ns.shapes.split(","):
-        seqs, anchors = (int(x) for x in shape.lower().split("x"))
-        results.append(time_shape(drafter, loss, corpus, seqs, anchors, ns.steps))
-        print(json.dumps(results[-1]), flush=True)
+    dtypes = ns.dtypes.split(",") if ns.dtypes else [str(training_dtype()).removeprefix("torch.")]
+    for dtype in dtypes:
+        head = loaded.weights["model.embed_tokens.weight"].to(getattr(torch, dtype))
+        loss = DrafterLoss(drafter, head, head)
+        for shape in ns.shapes.split(","):
+            seqs, anchors = (int(x) for x in shape.lower().split("x"))
+            results.append({"dtype": dtype, **time_shape(drafter, loss, corpus, seqs, anchors, ns.steps)})
+            print(json.dumps(results[-1]), flush=True)
     report = {"machine": _machine(), "threads": torch.get_num_threads(), "results": results}
     if ns.out:
         with open(ns.out, "w") as f:
@@ -72,7 +78,7 @@ def time_shape(drafter, loss, corpus, seqs: int, anchors: int, steps: int) -> di
         t = [time.perf_counter()]
         blk = make_blocks([corpus.sequence(i) for i in rng.sample(range(len(corpus)), seqs)], g, anchors, mask_id, rng)
         t.append(time.perf_counter())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with loss.autocast():
             hidden = loss.block_hidden(blk)
             t.append(time.perf_counter())
             value, info = loss(blk, hidden=hidden)

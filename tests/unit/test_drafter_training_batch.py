@@ -51,3 +51,29 @@ def test_loss_runs_on_grouped_blocks_and_counts_valid_positions():
     value.backward()
     assert parts["positions"] == int(blk.valid.sum()) and torch.isfinite(value)
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
+
+
+def test_float32_training_takes_the_bf16_teacher_states_without_autocast():
+    """Where the CPU lacks native bf16 matmuls the loss runs in float32 throughout: the teacher's
+    cached bf16 states are cast on the way in, and no autocast is entered."""
+    model, _ = make_drafter(block_size=4, layers=1)
+    seqs = [_sequence(30, 6, len(model.config.target_layer_ids), 5)]
+    for s in seqs:
+        s.hidden = s.hidden.bfloat16()  # as the teacher cache stores them
+    loss = DrafterLoss(model, model.embed.weight.detach(), torch.randn(V, H))
+    assert loss.dtype == torch.float32 and not loss.autocast()._enabled
+    blk = make_blocks(seqs, 4, 5, model.config.mask_token_id, random.Random(2))
+    with loss.autocast():
+        value, parts = loss(blk)
+    value.backward()
+    assert torch.isfinite(value) and model.fc.weight.grad.abs().sum() > 0
+    bf16 = DrafterLoss(model, model.embed.weight.detach().bfloat16(), torch.randn(V, H).bfloat16())
+    assert bf16.autocast()._enabled  # the bf16 line keeps autocast
+
+
+def test_training_precision_follows_the_cpu():
+    from specserve.kernels.dispatch import available_paths
+    from specserve.train.trainer import training_dtype
+
+    native = "avx512_bf16" in available_paths()
+    assert training_dtype() == (torch.bfloat16 if native else torch.float32)

@@ -80,11 +80,20 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
                  fmt == WeightFormat::Q4 ? half_data(zero) : nullptr, n, k, exps};
   const uint16_t* xd = bf16_data(x);
   std::vector<uint8_t> exact;
-  if (p == Path::Avx2Fma)
-    for (int64_t r = 0; r < m; ++r) exact.push_back(linear_row_exact(w, xd + r * x.stride(0)));
+  std::vector<float> xf;
+  Avx2Rows avx2{nullptr, (k + 1) / 2 * 2, nullptr};
+  if (p == Path::Avx2Fma) {  // each row converted once for every column block
+    exact.resize(m);
+    xf.resize(m * avx2.ldx);
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) exact[r] = prepare_avx2_row(w, xd + r * x.stride(0), xf.data() + r * avx2.ldx);
+    });
+    avx2.x = xf.data();
+    avx2.exact = exact.data();
+  }
   void* od = out.data_ptr();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), exact.data(), begin, end, od, n, out_bf16);
+    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), &avx2, begin, end, od, n, out_bf16);
   });
   return out;
 }

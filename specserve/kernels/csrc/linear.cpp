@@ -237,10 +237,10 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out
 }
 
 void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
-                   const float* gs, const uint8_t* row_exact, int64_t block_begin, int64_t block_end, void* out,
+                   const float* gs, const Avx2Rows* avx2, int64_t block_begin, int64_t block_end, void* out,
                    int64_t ldo, bool out_bf16) {
   if (path == Path::Avx2Fma) {
-    linear_blocks_avx2(w, x, ldx, m, gs, row_exact, block_begin, block_end, out, ldo, out_bf16);
+    linear_blocks_avx2(w, *avx2, m, gs, block_begin, block_end, out, ldo, out_bf16);
     return;
   }
   if (path == Path::Generic) {

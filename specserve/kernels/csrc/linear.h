@@ -48,18 +48,23 @@ int64_t block_bytes(WeightFormat format, int64_t k);
 
 // Rows [0, m) of x (bf16, row stride ldx) times columns of blocks [block_begin, block_end).
 // out is float32 or bf16 (row stride ldo). group_sums[m][K/32] = sum of x per group (Q4 only).
-// row_exact[m] (AVX2 path only): linear_row_exact of each row.
+// avx2 (AVX2 path only): the rows prepared by prepare_avx2_row.
+struct Avx2Rows {
+  const float* x;        // [m][ldx] x as float, subnormals flushed, zero-padded to an even length
+  int64_t ldx;
+  const uint8_t* exact;  // [m] linear_row_exact of each row
+};
 void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
-                   const float* group_sums, const uint8_t* row_exact, int64_t block_begin, int64_t block_end,
+                   const float* group_sums, const Avx2Rows* avx2, int64_t block_begin, int64_t block_end,
                    void* out, int64_t ldo, bool out_bf16);
 
 // The AVX2 path (linear_avx2.cpp), reached through linear_blocks.
-void linear_blocks_avx2(const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m, const float* group_sums,
-                        const uint8_t* row_exact, int64_t block_begin, int64_t block_end, void* out, int64_t ldo,
-                        bool out_bf16);
+void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& x, int64_t m, const float* group_sums,
+                        int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16);
 
-// Whether FMAs give this row exactly the flushing dot products of the generic path with w.
-bool linear_row_exact(const PackedWeight& w, const uint16_t* row);
+// One row of x for the AVX2 path: its floats (out[(k + 1) / 2 * 2]) and whether FMAs give it
+// exactly the flushing dot products of the generic path with w (the returned flag).
+bool prepare_avx2_row(const PackedWeight& w, const uint16_t* row, float* out);
 
 // Per-row, per-group sums of x (sequential order), for the Q4 offset term.
 void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out);

@@ -61,15 +61,15 @@ SPECSERVE_AVX2 inline __m256 dot_pair8(__m256 acc, __m256 w_hi, __m256 w_lo, __m
   }
 }
 
-// Broadcast x[2p+1] and x[2p] (subnormals flushed, as the generic path reads them).
-SPECSERVE_AVX2 inline void x_pair8(const uint16_t* row, int64_t k, int64_t pair, __m256& hi, __m256& lo) {
-  const int64_t at = 2 * pair;
-  hi = _mm256_set1_ps(at + 1 < k ? flush_subnormal(bf16_to_f32(row[at + 1])) : 0.0f);
-  lo = _mm256_set1_ps(flush_subnormal(bf16_to_f32(row[at])));
+// Broadcast x[2p+1] and x[2p] of a prepared row (floats, subnormals flushed as the generic path
+// reads them, zero-padded).
+SPECSERVE_AVX2 inline void x_pair8(const float* row, int64_t pair, __m256& hi, __m256& lo) {
+  hi = _mm256_broadcast_ss(row + 2 * pair + 1);
+  lo = _mm256_broadcast_ss(row + 2 * pair);
 }
 
 template <WeightFormat F, int R, int NBT, bool Flush>
-SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx, const float* gs,
+SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x, int64_t ldx, const float* gs,
                               void* out, int64_t ldo, bool out_bf16) {
   const int64_t bytes = block_bytes(F, w.k), G = w.k / kGroup;
   const uint8_t* blocks[NBT];
@@ -85,7 +85,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const uint16_t*
         for (int h = 0; h < 2; ++h) split_pair<F>(pair_word<F>(blocks[j], pair, h), wh[j][h], wl[j][h]);
       for (int r = 0; r < R; ++r) {
         __m256 xh, xl;
-        x_pair8(x + r * ldx, w.k, pair, xh, xl);
+        x_pair8(x + r * ldx, pair, xh, xl);
         for (int j = 0; j < NBT; ++j)
           for (int h = 0; h < 2; ++h) acc[r][j][h] = dot_pair8<Flush>(acc[r][j][h], wh[j][h], wl[j][h], xh, xl);
       }
@@ -116,7 +116,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const uint16_t*
             }
           for (int r = 0; r < R; ++r) {
             __m256 xh, xl;
-            x_pair8(x + r * ldx, w.k, pair, xh, xl);
+            x_pair8(x + r * ldx, pair, xh, xl);
             for (int j = 0; j < NBT; ++j)
               for (int h = 0; h < 2; ++h) part[r][j][h] = dot_pair8<Flush>(part[r][j][h], wh[j][h], wl[j][h], xh, xl);
           }
@@ -158,7 +158,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const uint16_t*
 }
 
 template <WeightFormat F, int R, bool Flush>
-SPECSERVE_AVX2 void rows_avx2(const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x, int64_t ldx,
+SPECSERVE_AVX2 void rows_avx2(const PackedWeight& w, int64_t b, int64_t b_end, const float* x, int64_t ldx,
                               const float* gs, void* out, int64_t ldo, bool out_bf16) {
   constexpr int kWide = R <= 2 ? 2 : 1;  // keep the 2 * R * NBT partial sums within the 16 registers
   for (; b + kWide <= b_end; b += kWide) tile_avx2<F, R, kWide, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16);
@@ -166,7 +166,7 @@ SPECSERVE_AVX2 void rows_avx2(const PackedWeight& w, int64_t b, int64_t b_end, c
 }
 
 template <WeightFormat F, int R>
-SPECSERVE_AVX2 void rows_either(bool exact, const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x,
+SPECSERVE_AVX2 void rows_either(bool exact, const PackedWeight& w, int64_t b, int64_t b_end, const float* x,
                                 int64_t ldx, const float* gs, void* out, int64_t ldo, bool out_bf16) {
   if (exact) rows_avx2<F, R, false>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16);
   else rows_avx2<F, R, true>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16);
@@ -196,9 +196,11 @@ bool rows_exact(const ExponentRange& x, const ExponentRange& w) {
 
 }  // namespace
 
-void linear_blocks_avx2(const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m, const float* gs,
-                        const uint8_t* row_exact, int64_t block_begin, int64_t block_end, void* out, int64_t ldo,
-                        bool out_bf16) {
+void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t m, const float* gs,
+                        int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16) {
+  const float* x = rows_in.x;
+  const int64_t ldx = rows_in.ldx;
+  const uint8_t* row_exact = rows_in.exact;
   const int64_t G = w.format == WeightFormat::BF16 ? 0 : w.k / kGroup;
   const size_t elem = out_bf16 ? 2 : 4;
   constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk stays in cache
@@ -207,7 +209,7 @@ void linear_blocks_avx2(const PackedWeight& w, const uint16_t* x, int64_t ldx, i
     for (int64_t r = 0; r < m;) {
       const int64_t rows = std::min<int64_t>(4, m - r);
       const bool exact = std::all_of(row_exact + r, row_exact + r + rows, [](uint8_t e) { return e != 0; });
-      const uint16_t* xr = x + r * ldx;
+      const float* xr = x + r * ldx;
       const float* g = gs + r * G;
       void* o = static_cast<char*>(out) + r * ldo * elem;
       auto run = [&](auto fmt) {
@@ -229,7 +231,9 @@ void linear_blocks_avx2(const PackedWeight& w, const uint16_t* x, int64_t ldx, i
   }
 }
 
-bool linear_row_exact(const PackedWeight& w, const uint16_t* row) {
+bool prepare_avx2_row(const PackedWeight& w, const uint16_t* row, float* out) {
+  for (int64_t i = 0; i < w.k; ++i) out[i] = flush_subnormal(bf16_to_f32(row[i]));
+  if (w.k % 2) out[w.k] = 0.0f;
   return rows_exact(row_exponents(row, w.k), weight_range(w));
 }
 
