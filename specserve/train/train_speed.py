@@ -58,7 +58,9 @@ def run_train_speed(ns: argparse.Namespace) -> int:
             seqs, anchors = (int(x) for x in shape.lower().split("x"))
             results.append({"dtype": dtype, **time_shape(drafter, loss, corpus, seqs, anchors, ns.steps)})
             print(json.dumps(results[-1]), flush=True)
-    report = {"machine": _machine(), "threads": torch.get_num_threads(), "results": results}
+    report = {"machine": _machine(), "threads": torch.get_num_threads(), "matmul_gflops": matmul_gflops(),
+              "results": results}
+    print(json.dumps({"matmul_gflops": report["matmul_gflops"]}), flush=True)
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -96,6 +98,22 @@ def time_shape(drafter, loss, corpus, seqs: int, anchors: int, steps: int) -> di
     return {"shape": f"{seqs}x{anchors}", "positions_per_step": positions // steps,
             "positions_per_s": round(positions / total, 1), "step_s": round(total / steps, 3),
             "share": {k: round(v / total, 3) for k, v in parts.items()}}
+
+
+def matmul_gflops(m: int = 512, k: int = 576, n: int = 1536, repeats: int = 3) -> dict[str, float]:
+    """torch's matmul speed on this CPU in float32 and bf16 at a drafter-sized shape: why training
+    runs in float32 where the CPU has no native bf16 (`trainer.training_dtype`)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    speeds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y  # warm-up
+        started = time.perf_counter()
+        for _ in range(repeats):
+            x @ y
+        speeds[str(dtype).removeprefix("torch.")] = round(2 * m * k * n * repeats / (time.perf_counter() - started) / 1e9, 1)
+    return speeds
 
 
 def _machine() -> str:

@@ -102,8 +102,8 @@ def make_blocks(seqs: list[Sequence], g: int, anchors_per_seq: int, mask_id: int
 
 def training_dtype() -> torch.dtype:
     """bf16 (autocast) where the CPU multiplies bf16 natively (AVX512-BF16, which AMX CPUs have
-    too); float32 elsewhere: without it, torch's bf16 matmuls run at about 1/90 of its float32
-    ones (1.2 against 109 GFLOPS on an AVX2-only AMD EPYC)."""
+    too); float32 elsewhere, where torch's bf16 matmuls are emulated and a small fraction of its
+    float32 speed (`bench train-speed --dtypes float32,bfloat16` measures both)."""
     from specserve.kernels.dispatch import available_paths
 
     return torch.bfloat16 if "avx512_bf16" in available_paths() else torch.float32
