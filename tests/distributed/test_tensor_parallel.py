@@ -79,7 +79,9 @@ def test_clean_run_with_every_feature_and_delays_agrees():
 def test_alias_fault_with_copy_delays_is_caught_and_exits():
     """The seed's failure on CPU: views of the accept buffers read late by the copy stream, with
     different delays per rank; the checker must report it and the process must exit non-zero."""
-    code, out, seconds = soak("--max-minutes", "3", "--copy-delay-ms", "300",
+    # The delay must outlast a step on the slowest machine (about 1.2 s with TP2 on 2 AVX2 cores; at
+    # 300 ms the late copies read before the next step wrote and nothing diverged there).
+    code, out, seconds = soak("--max-minutes", "3", "--copy-delay-ms", "2000",
                               env={"SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS": "1",
                                    "SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER": "1"})
     assert code != 0, out[-3000:]
