@@ -37,12 +37,15 @@ def machine_description() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores, {'AMX' if amx else 'no AMX'}, {best_path()} kernels"
 
 
+def vector_paths(module) -> list[str]:
+    """The vector paths the built kernel `module` reports this CPU runs, fastest first."""
+    return [name for name, has in (("avx512_bf16", module.has_avx512_bf16), ("avx2_fma", module.has_avx2_fma)) if has()]
+
+
 @lru_cache(maxsize=1)
 def available_paths() -> tuple[str, ...]:
     """The paths this CPU runs, fastest first ("generic" always last)."""
-    module = load()
-    vector = [name for name, has in (("avx512_bf16", module.has_avx512_bf16), ("avx2_fma", module.has_avx2_fma)) if has()]
-    return (*vector, "generic")
+    return (*vector_paths(load()), "generic")
 
 
 def best_path() -> str:

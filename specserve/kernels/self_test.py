@@ -7,7 +7,7 @@ from types import ModuleType
 
 import torch
 
-from specserve.kernels.dispatch import PATHS
+from specserve.kernels.dispatch import PATHS, vector_paths
 from specserve.kernels.linear import Q4, Q8, pack_bf16, pack_q4, pack_q8
 
 # Relative to the largest reference output: bf16 outputs carry 2^-8 rounding, fp32 sums far less.
@@ -38,8 +38,7 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
 def self_test(module: ModuleType) -> str:
     """Run the checks; raise RuntimeError on any failure, else return a one-line summary."""
     g = torch.Generator().manual_seed(0)
-    paths = ["generic"] + [name for name, has in (("avx512_bf16", module.has_avx512_bf16),
-                                                  ("avx2_fma", module.has_avx2_fma)) if has()]
+    paths = ["generic", *vector_paths(module)]
     worst: dict[str, float] = {}
     for name, (packed, dense) in _weights(48, 96, g).items():
         x = torch.randn(7, packed.k, generator=g).bfloat16()

@@ -62,11 +62,11 @@ def parse_shape_arms(spec: str, only: str | None = None) -> list[tuple[str, list
 
 def run_shape_ablation(ns: argparse.Namespace) -> int:
     from specserve.train.arms import dev_score, train_arm
-    from specserve.train.sources import machine_name
+    from specserve.kernels.dispatch import machine_description
 
     arms = parse_shape_arms(ns.arms, ns.only)
     work = ns.work or tempfile.mkdtemp(prefix="drafter-shapes-")
-    results = {"shards": ns.shards, "sources": ns.sources, "minutes": ns.minutes, "machine": machine_name(),
+    results = {"shards": ns.shards, "sources": ns.sources, "minutes": ns.minutes, "machine": machine_description(),
                "plain": _plain_speed(ns), "arms": {}}
     for name, flags in arms:
         out = os.path.join(work, name)

@@ -68,7 +68,7 @@ def run_source_value(ns: argparse.Namespace) -> int:
     from specserve.train.arms import dev_score, train_arm
     from specserve.train.corpus_store import CorpusStore
     from specserve.train.run import DEFAULT_TOPK, parse_shard_numbers, select_shards, target_model_name
-    from specserve.train.sources import machine_name
+    from specserve.kernels.dispatch import machine_description
     from specserve.train.teacher import TeacherCache
 
     start = ns.drafter or default_drafter_path()
@@ -98,7 +98,7 @@ def run_source_value(ns: argparse.Namespace) -> int:
                                  "cost": cost, "dev": dev, "dev_gain": gain,
                                  "gain_per_machine_hour": round(gain / (cost["total_s"] / 3600), 4)}
         print(json.dumps({name: {k: v for k, v in results["arms"][name].items() if k != "dev"}}), flush=True)
-    results.update(minutes=ns.minutes, max_new_tokens=ns.max_new_tokens, seen=sorted(seen), machine=machine_name())
+    results.update(minutes=ns.minutes, max_new_tokens=ns.max_new_tokens, seen=sorted(seen), machine=machine_description())
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -23,6 +23,7 @@ import time
 from typing import Callable, Optional
 
 from specserve.datasets import humaneval_prompts, mtbench_questions, sharegpt_first_exchanges
+from specserve.kernels.dispatch import machine_description
 from specserve.train.corpus_store import CorpusStore, Pair, prompt_key
 
 POOL_SEED = 0  # the pool's fixed shuffle (its tail is the dev and held-out sets)
@@ -83,14 +84,6 @@ def training_prompts(root: str, store: CorpusStore, source: str) -> list[tuple[s
     return [(h, a) for h, a in pool if prompt_key(h) not in excluded]
 
 
-def machine_name() -> str:
-    from specserve.kernels.dispatch import machine_description
-
-    return machine_description()
-
-
-
-
 def extend(root: str, source: str, num_prompts: int, shard_prompts: int = 512, max_new_tokens: int = 256,
            max_prompt_tokens: int = 768, batch_size: int = 128, max_minutes: Optional[float] = None,
            model_path: Optional[str] = None, log: Callable[[str], None] = print) -> list[dict]:
@@ -116,7 +109,7 @@ def extend(root: str, source: str, num_prompts: int, shard_prompts: int = 512, m
     written, started = [], time.perf_counter()
 
     def write(pairs: list[Pair], seconds: float) -> None:
-        info = store.append(source, pairs, generator, seconds, machine_name())
+        info = store.append(source, pairs, generator, seconds, machine_description())
         rate = info.answer_tokens / info.seconds if info.seconds >= 0.1 else None  # tokenising only: no rate
         log(f"{info.file}: {info.sequences} sequences, {info.answer_tokens} answer tokens in {info.seconds} s"
             + (f" ({rate:.0f} tokens/s)" if rate else "") + f", {info.bytes} bytes; corpus {store.total_bytes} bytes")

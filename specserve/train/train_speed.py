@@ -37,6 +37,7 @@ def run_train_speed(ns: argparse.Namespace) -> int:
     from specserve.train.run import build_teacher_cache, load_drafter_weights, select_shards
     from specserve.train.teacher import TeacherCache, TeacherCorpus
     from specserve.models.dspark import DsparkDrafter, read_drafter_config
+    from specserve.kernels.dispatch import machine_description
     from specserve.train.trainer import DrafterLoss, training_dtype
 
     path = ns.drafter or default_drafter_path()
@@ -58,7 +59,7 @@ def run_train_speed(ns: argparse.Namespace) -> int:
             seqs, anchors = (int(x) for x in shape.lower().split("x"))
             results.append({"dtype": dtype, **time_shape(drafter, loss, corpus, seqs, anchors, ns.steps)})
             print(json.dumps(results[-1]), flush=True)
-    report = {"machine": _machine(), "threads": torch.get_num_threads(), "matmul_gflops": matmul_gflops(),
+    report = {"machine": machine_description(), "threads": torch.get_num_threads(), "matmul_gflops": matmul_gflops(),
               "results": results}
     print(json.dumps({"matmul_gflops": report["matmul_gflops"]}), flush=True)
     if ns.out:
@@ -114,9 +115,3 @@ def matmul_gflops(m: int = 512, k: int = 576, n: int = 1536, repeats: int = 3) -
             x @ y
         speeds[str(dtype).removeprefix("torch.")] = round(2 * m * k * n * repeats / (time.perf_counter() - started) / 1e9, 1)
     return speeds
-
-
-def _machine() -> str:
-    from specserve.train.sources import machine_name
-
-    return machine_name()

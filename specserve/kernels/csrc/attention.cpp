@@ -136,6 +136,13 @@ SPECSERVE_AVX512 void group_avx512(const PagedAttentionArgs& a, const Task* t, i
 
 // ------------------------------------------------------------------ AVX2 path (dim % 16 == 0)
 
+// A row of 16 * C bf16 as C pairs of 8-lane halves.
+template <int C>
+SPECSERVE_AVX2 inline void load_row_avx2(const uint16_t* row, __m256 (&out)[C][2]) {
+  for (int c = 0; c < C; ++c)
+    for (int s = 0; s < 2; ++s) out[c][s] = load_bf16x8(row + 16 * c + 8 * s);
+}
+
 // heads_avx512 with each 16-lane vector held as two 8-lane halves (h = 0: lanes 0-7, 1: 8-15).
 template <int C, int HB>
 SPECSERVE_AVX2 void heads_avx2(const PagedAttentionArgs& a, const Task* t, float* scratch) {
@@ -148,16 +155,13 @@ SPECSERVE_AVX2 void heads_avx2(const PagedAttentionArgs& a, const Task* t, float
   float* p[HB];
   float best[HB];
   for (int h = 0; h < HB; ++h) {
-    for (int c = 0; c < C; ++c)
-      for (int s = 0; s < 2; ++s) q[h][c][s] = load_bf16x8(t[h].q + 16 * c + 8 * s);
+    load_row_avx2<C>(t[h].q, q[h]);
     p[h] = scratch + h * padded;
     best[h] = -std::numeric_limits<float>::infinity();
   }
   for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* k = a.k_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset;
     __m256 kv[C][2];
-    for (int c = 0; c < C; ++c)
-      for (int s = 0; s < 2; ++s) kv[c][s] = load_bf16x8(k + 16 * c + 8 * s);
+    load_row_avx2<C>(a.k_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset, kv);
     for (int h = 0; h < HB; ++h) {
       __m256 lo = _mm256_mul_ps(q[h][0][0], kv[0][0]), hi = _mm256_mul_ps(q[h][0][1], kv[0][1]);
       for (int c = 1; c < C; ++c) {
@@ -185,10 +189,8 @@ SPECSERVE_AVX2 void heads_avx2(const PagedAttentionArgs& a, const Task* t, float
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) o[h][c][0] = o[h][c][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* v = a.v_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset;
     __m256 vv[C][2];
-    for (int c = 0; c < C; ++c)
-      for (int s = 0; s < 2; ++s) vv[c][s] = load_bf16x8(v + 16 * c + 8 * s);
+    load_row_avx2<C>(a.v_pool + t[0].slots[j] * t[0].slot_stride + t[0].kv_offset, vv);
     for (int h = 0; h < HB; ++h) {
       const __m256 w = _mm256_set1_ps(p[h][j]);
       for (int c = 0; c < C; ++c)
