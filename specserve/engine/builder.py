@@ -136,7 +136,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
                       tp_rank, consensus)
     runner = ModelRunner(model, kv, req_to_token, args.device, max_bs=args.max_running_requests,
                          speculation=speculation, forward_stream=forward_stream, copy_stream=copy_stream,
-                         alias_accept_buffers=faults.alias_accept_buffers,
+                         faults=faults,
                          capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs,
                                                args.enable_torch_compile),
                          tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None,

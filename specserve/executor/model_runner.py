@@ -14,9 +14,10 @@ to the constructor.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -30,6 +31,7 @@ from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.logits.grammar import GrammarCompiler
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
+from specserve.runtime.faults import FaultConfig
 from specserve.runtime.stream import Event, Stream
 from specserve.sampler import sample
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, accept_windows
@@ -70,7 +72,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, req_to_token: ReqToTokenPool, device: str = "cpu",
                  max_bs: int = 64, speculation: Optional[Speculation] = None,
                  forward_stream: Optional[Stream] = None, copy_stream: Optional[Stream] = None,
-                 alias_accept_buffers: bool = False, capture: Optional[CaptureConfig] = None,
+                 faults: Optional[FaultConfig] = None, capture: Optional[CaptureConfig] = None,
                  tp: Optional[TPDecisions] = None, grammars: Optional[GrammarCompiler] = None):
         self.model = model
         self.kv = kv
@@ -81,7 +83,9 @@ class ModelRunner:
         self.forward = forward_stream or Stream("forward", device)
         self.copy = copy_stream or Stream("copy", device)
         self.future = FutureMap(req_to_token.table.shape[0], device)
-        self.alias_accept_buffers = alias_accept_buffers  # fault injection: read_accept hands out views
+        faults = faults or FaultConfig()
+        self.alias_accept_buffers = faults.alias_accept_buffers  # fault injection: read_accept hands out views
+        self.copy_lag = faults.copy_lag()  # fault injection: each step's copy runs after the next step
         self.epilogue: Optional[DsparkVerifyEpilogue] = None  # made at the first verify step
         self.capture = capture or CaptureConfig(max_bs=max_bs)
         self.capture.max_bs = min(self.capture.max_bs, max_bs)
@@ -105,6 +109,8 @@ class ModelRunner:
         handle = StepHandle(step)
         self.forward.submit(self._step, handle)
         Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
+        if self.copy_lag is not None:  # SPECSERVE_FAULT_COPY_LAG_MS
+            self.copy_lag.hold_copy(self.forward, self.copy)
         self.copy.submit(self._copy_to_host, handle)
         handle.done = Event().record(self.copy)
         return handle
@@ -381,18 +387,10 @@ class ModelRunner:
         col = torch.arange(width, device=self.device).unsqueeze(0)
         committed = col < out.commit_lens.unsqueeze(1)  # [bs, W]
         lens = verify_lens or [width] * bs
-        packed_row = torch.tensor(_starts(lens), device=self.device).unsqueeze(1) + col
+        packed_row = torch.tensor([0, *itertools.accumulate(lens)][:-1], device=self.device).unsqueeze(1) + col
         self.speculation.commit_rows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
                                      window_slots[committed])
 
     def close(self) -> None:
         self.forward.close()
         self.copy.close()
-
-
-def _starts(lens: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for n in lens:
-        out.append(acc)
-        acc += n
-    return out

@@ -2,6 +2,11 @@
 
 - SPECSERVE_FAULT_COPY_DELAY_MS=N: before each copy-stream operation, sleep a random 0..N ms.
 - SPECSERVE_FAULT_FORWARD_DELAY_MS=N: the same for the forward stream.
+- SPECSERVE_FAULT_COPY_LAG_MS=N: the host copy of each step waits until the next step's forward has
+  finished (at most N ms): the seed's late copy, made to happen whatever the machine's speed. A
+  random delay lands after the next step only when it outlasts that step, which on a slow machine
+  it did not (CI on 2 AVX2 cores). Only the overlap loop launches a step before waiting for the
+  previous copy; in the synchronous loop every copy waits the full N ms.
 - SPECSERVE_FAULT_SEED=S: seed of those delays; unset, each rank gets its own (1000 + rank), so
   tensor-parallel ranks see different timings, as real ones do.
 - SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1: `read_accept` returns views of the persistent accept
@@ -14,9 +19,10 @@ Delays need a real worker thread per stream: with any delay set, CPU streams run
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from specserve import envs
 
@@ -27,6 +33,7 @@ class FaultConfig:
     forward_delay_ms: int = 0
     seed: int = 1000
     alias_accept_buffers: bool = False
+    copy_lag_ms: int = 0
 
     @classmethod
     def from_env(cls, rank: int = 0) -> "FaultConfig":
@@ -34,11 +41,15 @@ class FaultConfig:
         return cls(copy_delay_ms=envs.env_int(envs.FAULT_COPY_DELAY_MS),
                    forward_delay_ms=envs.env_int(envs.FAULT_FORWARD_DELAY_MS),
                    seed=seed if seed is not None else 1000 + rank,
-                   alias_accept_buffers=envs.env_flag(envs.FAULT_ALIAS_ACCEPT_BUFFERS))
+                   alias_accept_buffers=envs.env_flag(envs.FAULT_ALIAS_ACCEPT_BUFFERS),
+                   copy_lag_ms=envs.env_int(envs.FAULT_COPY_LAG_MS))
 
     @property
     def needs_threads(self) -> bool:
-        return self.copy_delay_ms > 0 or self.forward_delay_ms > 0
+        return self.copy_delay_ms > 0 or self.forward_delay_ms > 0 or self.copy_lag_ms > 0
+
+    def copy_lag(self) -> Optional["CopyLag"]:
+        return CopyLag(self.copy_lag_ms) if self.copy_lag_ms > 0 else None
 
     def delay_for(self, stream_name: str) -> Optional["Delay"]:
         ms = {"copy": self.copy_delay_ms, "forward": self.forward_delay_ms}.get(stream_name, 0)
@@ -54,3 +65,33 @@ class Delay:
 
     def __call__(self) -> None:
         time.sleep(self._rng.uniform(0, self.max_ms) / 1000.0)
+
+
+class CopyLag:
+    """Holds each step's host copy until the next step's forward has finished (or max_ms passed).
+
+    `ModelRunner.launch` calls `hold_copy` between queueing a step and queueing its copy."""
+
+    def __init__(self, max_ms: int):
+        self.max_s = max_ms / 1000.0
+        self._launched = 0
+        self._finished = 0
+        self._cond = threading.Condition()
+        self.timeouts = 0  # copies that waited the whole bound (no next step came in time)
+
+    def hold_copy(self, forward: Any, copy: Any) -> None:
+        """Queue the marks for the step just queued on `forward` (streams from runtime.stream)."""
+        forward.submit(self.step_finished)
+        copy.submit(self.wait_for_next_step, self._launched)
+        self._launched += 1
+
+    def step_finished(self) -> None:
+        with self._cond:
+            self._finished += 1
+            self._cond.notify_all()
+
+    def wait_for_next_step(self, number: int) -> None:
+        """Step `number` (0-based) is followed once `number + 2` steps have finished."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished >= number + 2, timeout=self.max_s):
+                self.timeouts += 1

@@ -17,7 +17,7 @@ from specserve.runtime.stream import StreamError
 CONTENTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
             "List the days of the week.", "Write a haiku about rain.", "Name three primary colours."]
 SPEC_VARS = ("SPECSERVE_STREAM_SANITIZER", "SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS", "SPECSERVE_FAULT_COPY_DELAY_MS",
-             "SPECSERVE_FAULT_FORWARD_DELAY_MS")
+             "SPECSERVE_FAULT_FORWARD_DELAY_MS", "SPECSERVE_FAULT_COPY_LAG_MS")
 
 
 @pytest.fixture(autouse=True)

@@ -120,6 +120,28 @@ def test_fault_config_from_env(monkeypatch):
         FaultConfig.from_env()
 
 
+def test_copy_lag_holds_a_copy_until_the_next_step_has_finished(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_FAULT_COPY_LAG_MS", "1000")
+    cfg = FaultConfig.from_env()
+    assert cfg.needs_threads and cfg.copy_lag_ms == 1000
+    lag, order = cfg.copy_lag(), []
+    forward, copy = Stream("forward", threaded=True), Stream("copy", threaded=True)
+    gate = threading.Event()
+    for number in range(2):  # what ModelRunner.launch queues for a step, the forward held at a gate
+        forward.submit(lambda n=number: (gate.wait(), order.append(f"step {n}")))
+        forward.submit(lag.step_finished)
+        copy.submit(lag.wait_for_next_step, number)
+        copy.submit(lambda n=number: order.append(f"copy {n}"))
+    gate.set()
+    copy.synchronize()
+    # Copy 0 ran after step 1 (without the lag it runs first of all); copy 1 had no next step, so
+    # it waited out the bound, and that is counted.
+    assert order == ["step 0", "step 1", "copy 0", "copy 1"] and lag.timeouts == 1
+    assert FaultConfig().copy_lag() is None
+    forward.close()
+    copy.close()
+
+
 # ---------------------------------------------------------------- sanitizer
 
 
