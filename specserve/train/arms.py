@@ -8,15 +8,22 @@ import time
 from specserve.train.model_card import read_train_state
 
 
-def train_arm(argv: list[str]) -> dict:
-    """Run `specserve train-drafter ARGV` in this process; the extension it recorded."""
+def train_parser():
+    """The `specserve train-drafter` argument parser."""
     import argparse
 
-    from specserve.train.run import add_train_args, run_train_drafter
+    from specserve.train.run import add_train_args
 
     parser = argparse.ArgumentParser(prog="specserve train-drafter")
     add_train_args(parser)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def train_arm(argv: list[str]) -> dict:
+    """Run `specserve train-drafter ARGV` in this process; the extension it recorded."""
+    from specserve.train.run import run_train_drafter
+
+    ns = train_parser().parse_args(argv)
     run_train_drafter(ns)
     return read_train_state(ns.out)["extensions"][-1]
 

@@ -6,6 +6,12 @@ vocabulary, block size). After training, each drafter is served on the dev promp
 as served and at every anchor, DSPARK fixed, bf16, greedy) and timed at batch 1: the drafter's part
 of a verify step (its block pass, head and Markov head) and the whole step, against a plain decode
 step of the same engine build, and the end-to-end tokens/s against NONE on the same prompts.
+
+Runs accumulate: with `--out` naming the results of an earlier run of the same settings on the same
+machine, this run's arms are added to it, and each arm's speed-up is against the NONE timing of its
+own run (`plain_runs[arm["plain_run"]]`), since a shared host's speed moves between runs. With
+`--work` naming an earlier run's folder, an arm already trained there with the same settings is
+served again instead of trained again (`--retrain` to train it anyway).
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ def add_shape_ablation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-tokens", type=int, default=96)
     p.add_argument("--data", default=DEFAULT_DATA_DIR)
     p.add_argument("--work", default=None, help="folder for the arms' drafters (default: a temporary one)")
-    p.add_argument("--out", default=None, help="JSON results (rewritten after each arm)")
+    p.add_argument("--out", default=None, help="JSON results (rewritten after each arm; an earlier run's file of "
+                                              "the same settings is added to)")
+    p.add_argument("--retrain", action="store_true", help="train every arm, even one already trained in --work")
 
 
 def parse_shape_arms(spec: str, only: str | None = None) -> list[tuple[str, list[str]]]:
@@ -61,31 +69,76 @@ def parse_shape_arms(spec: str, only: str | None = None) -> list[tuple[str, list
 
 
 def run_shape_ablation(ns: argparse.Namespace) -> int:
-    from specserve.train.arms import dev_score, train_arm
-    from specserve.kernels.dispatch import machine_description
+    from specserve.train.arms import dev_score
 
     arms = parse_shape_arms(ns.arms, ns.only)
     work = ns.work or tempfile.mkdtemp(prefix="drafter-shapes-")
-    results = {"shards": ns.shards, "sources": ns.sources, "minutes": ns.minutes, "machine": machine_description(),
-               "plain": _plain_speed(ns), "arms": {}}
+    results = _earlier_results(ns)
+    results["plain_runs"].append(_plain_speed(ns))
+    plain_run = len(results["plain_runs"]) - 1
     for name, flags in arms:
         out = os.path.join(work, name)
-        ext = train_arm(["--out", out, "--data", ns.data, "--sources", ns.sources, "--shards", ns.shards,
-                         "--max-minutes", str(ns.minutes), "--steps", "1000000", "--checkpoint-every", "1000000",
-                         "--note", f"drafter-shapes arm {name}", *flags])
+        ext, reused = _trained_arm(out, name, flags, ns)
         dev = dev_score(out, ns.data, ns.dev_prompts, ns.max_new_tokens)
         speed = _drafter_speed(out, ns)
+        plain = results["plain_runs"][plain_run]
         results["arms"][name] = {
             "flags": " ".join(flags), "steps": ext["run_steps"], "positions_per_s": ext["positions_per_s"],
             "teacher_forced": ext["held_out_teacher_forced"]["after"]["accept_length"],
             "dev_accept_length": dev["served"]["accept_length"], "dev_first_draft": dev["served"]["first_draft_accepted"],
-            "dev_every_anchor": dev["every_anchor"]["accept_length"], "batch1": speed,
-            "batch1_speedup_vs_none": round(speed["tokens_per_s"] / results["plain"]["tokens_per_s"], 3)}
+            "dev_every_anchor": dev["every_anchor"]["accept_length"], "batch1": speed, "plain_run": plain_run,
+            "batch1_speedup_vs_none": round(speed["tokens_per_s"] / plain["tokens_per_s"], 3),
+            "trained_in_an_earlier_run": reused}
         print(json.dumps({name: results["arms"][name]}), flush=True)
         if ns.out:
             with open(ns.out, "w") as f:
                 json.dump(results, f, indent=1)
     return 0
+
+
+def _settings(ns: argparse.Namespace) -> dict:
+    from specserve.kernels.dispatch import machine_description
+
+    return {"shards": ns.shards, "sources": ns.sources, "minutes": ns.minutes, "machine": machine_description(),
+            "dev_prompts": ns.dev_prompts, "max_new_tokens": ns.max_new_tokens}
+
+
+def _earlier_results(ns: argparse.Namespace) -> dict:
+    """The results of `--out` when an earlier run there had these settings; else a new record."""
+    settings = _settings(ns)
+    if ns.out and os.path.exists(ns.out):
+        with open(ns.out) as f:
+            earlier = json.load(f)
+        if all(earlier.get(k) == v for k, v in settings.items()):
+            return earlier
+        print(f"drafter-shapes: {ns.out} holds a run of other settings; starting a new record", flush=True)
+    return {**settings, "plain_runs": [], "arms": {}}
+
+
+def _trained_arm(out: str, name: str, flags: list[str], ns: argparse.Namespace) -> tuple[dict, bool]:
+    """The arm's training record: the one in `out` when an earlier run trained this arm there with
+    the same settings (and --retrain is off), else a fresh from-scratch training run."""
+    from specserve.train.arms import train_arm, train_parser
+    from specserve.train.model_card import read_train_state
+
+    argv = ["--out", out, "--data", ns.data, "--sources", ns.sources, "--shards", ns.shards,
+            "--max-minutes", str(ns.minutes), "--steps", "1000000", "--checkpoint-every", "1000000",
+            "--note", f"drafter-shapes arm {name}", *flags]
+    if not ns.retrain and os.path.exists(os.path.join(out, "train_state.json")):
+        ext = read_train_state(out)["extensions"][-1]
+        if trained_as_asked(ext, vars(train_parser().parse_args(argv))):
+            return ext, True
+    return train_arm(argv), False
+
+
+def trained_as_asked(ext: dict, args: dict) -> bool:
+    """Whether a recorded training run is the from-scratch run these train-drafter args ask for."""
+    return ext["started_from"] == "scratch" and all(ext["args"].get(k) == args[k] for k in _SAME_FOR_REUSE)
+
+
+# What an earlier run's arm must share with this one to be reused: data, budget and shape.
+_SAME_FOR_REUSE = {"sources", "shards", "max_minutes", "num_layers", "num_context_layers", "markov_rank",
+                   "draft_vocab_size", "block_size", "seed", "seqs_per_step", "anchors_per_seq", "lr", "topk"}
 
 
 def _speed_prompts(engine, ns: argparse.Namespace) -> list[list[int]]:

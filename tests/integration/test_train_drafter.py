@@ -210,10 +210,21 @@ def test_drafter_shapes_bench_trains_each_shape_and_times_it(corpus_dir, tmp_pat
                      "--dev-prompts", "2", "--max-new-tokens", "16", "--speed-prompts", "2", "--speed-tokens", "12",
                      "--work", str(tmp_path / "arms"), "--out", str(out)]) == 0
     result = json.load(open(out))
-    assert set(result["arms"]) == {"v2048", "block4"} and result["plain"]["tokens_per_s"] > 0
+    assert set(result["arms"]) == {"v2048", "block4"} and len(result["plain_runs"]) == 1
     assert json.load(open(tmp_path / "arms" / "block4" / "config.json"))["block_size"] == 4
     for arm in result["arms"].values():
-        assert arm["steps"] > 0 and arm["dev_accept_length"] >= 1.0
+        assert arm["steps"] > 0 and arm["dev_accept_length"] >= 1.0 and not arm["trained_in_an_earlier_run"]
         assert 0 < arm["batch1"]["drafting_ms"] < arm["batch1"]["verify_step_ms"]
         assert arm["batch1_speedup_vs_none"] == pytest.approx(arm["batch1"]["tokens_per_s"] /
-                                                              result["plain"]["tokens_per_s"], abs=2e-3)
+                                                              result["plain_runs"][0]["tokens_per_s"], abs=2e-3)
+    # A second run with the same settings adds to the record: block4 is served again, not trained
+    # again, and timed against the second run's own NONE (tests/unit: which records are reused).
+    assert cli_main(["bench", "drafter-shapes", "--data", corpus_dir, "--shards", "0", "--minutes", "0.05",
+                     "--arms", "v2048=--draft-vocab-size 2048;block4=--draft-vocab-size 1024 --block-size 4",
+                     "--only", "block4", "--dev-prompts", "2", "--max-new-tokens", "16", "--speed-prompts", "2",
+                     "--speed-tokens", "12", "--work", str(tmp_path / "arms"), "--out", str(out)]) == 0
+    again = json.load(open(out))
+    assert len(again["plain_runs"]) == 2 and again["arms"]["v2048"] == result["arms"]["v2048"]
+    block4 = again["arms"]["block4"]
+    assert block4["trained_in_an_earlier_run"] and block4["plain_run"] == 1
+    assert block4["steps"] == result["arms"]["block4"]["steps"]

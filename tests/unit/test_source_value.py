@@ -71,3 +71,17 @@ def test_shape_arms_take_shape_flags_only():
             parse_shape_arms(bad)
     with pytest.raises(ValueError, match="no arm named"):
         parse_shape_arms(DEFAULT_SHAPE_ARMS, only="nope")
+
+
+def test_a_shape_arm_is_reused_only_when_trained_as_asked():
+    from specserve.train.arms import train_parser
+    from specserve.train.shape_ablation import trained_as_asked
+
+    argv = ["--out", "x", "--shards", "0", "--max-minutes", "5", "--note", "drafter-shapes arm block8",
+            "--block-size", "8"]
+    asked = vars(train_parser().parse_args(argv))
+    record = {"started_from": "scratch", "args": dict(asked, out="elsewhere", note="an older note")}
+    assert trained_as_asked(record, asked)  # where it was written and its note do not matter
+    for key, other in (("block_size", 5), ("shards", "0-1"), ("max_minutes", 8.0), ("markov_rank", 16)):
+        assert not trained_as_asked({**record, "args": {**record["args"], key: other}}, asked), key
+    assert not trained_as_asked({**record, "started_from": "weights"}, asked)
