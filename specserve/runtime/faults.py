@@ -22,9 +22,12 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from specserve import envs
+
+if TYPE_CHECKING:
+    from specserve.runtime.stream import Stream
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,8 @@ class CopyLag:
         self._cond = threading.Condition()
         self.timeouts = 0  # copies that waited the whole bound (no next step came in time)
 
-    def hold_copy(self, forward: Any, copy: Any) -> None:
-        """Queue the marks for the step just queued on `forward` (streams from runtime.stream)."""
+    def hold_copy(self, forward: "Stream", copy: "Stream") -> None:
+        """Queue the marks for the step just queued on `forward`."""
         forward.submit(self.step_finished)
         copy.submit(self.wait_for_next_step, self._launched)
         self._launched += 1

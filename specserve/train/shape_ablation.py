@@ -73,15 +73,14 @@ def run_shape_ablation(ns: argparse.Namespace) -> int:
 
     arms = parse_shape_arms(ns.arms, ns.only)
     work = ns.work or tempfile.mkdtemp(prefix="drafter-shapes-")
-    results = _earlier_results(ns)
-    results["plain_runs"].append(_plain_speed(ns))
+    results, plain = _earlier_results(ns), _plain_speed(ns)
+    results["plain_runs"].append(plain)
     plain_run = len(results["plain_runs"]) - 1
     for name, flags in arms:
         out = os.path.join(work, name)
         ext, reused = _trained_arm(out, name, flags, ns)
         dev = dev_score(out, ns.data, ns.dev_prompts, ns.max_new_tokens)
         speed = _drafter_speed(out, ns)
-        plain = results["plain_runs"][plain_run]
         results["arms"][name] = {
             "flags": " ".join(flags), "steps": ext["run_steps"], "positions_per_s": ext["positions_per_s"],
             "teacher_forced": ext["held_out_teacher_forced"]["after"]["accept_length"],
