@@ -175,8 +175,10 @@ class RankConsensusChecker:
     def _die(self, exc: BaseException) -> None:
         if self._abandoned:  # the engine is already failing and tore the groups down
             return
-        self.error = f"rank consensus checker died on rank {self.rank}: {type(exc).__name__}: {exc}"
-        logger.critical("%s; the engine fails at its next step", self.error, exc_info=exc)
+        error = f"rank consensus checker died on rank {self.rank}: {type(exc).__name__}: {exc}"
+        # Log before publishing the error: whoever sees `alive` turn False may read the log at once.
+        logger.critical("%s; the engine fails at its next step", error, exc_info=exc)
+        self.error = error
 
     # ------------------------------------------------------------ control (engine thread)
 
