@@ -225,9 +225,13 @@ def load_drafter_weights(drafter, path: str) -> None:
 def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
     from tqdm import tqdm
 
-    from specserve.train.trainer import TrainConfig, teacher_forced_accept_length, train
+    from specserve.train.trainer import (CHECKPOINT_FILE, TrainConfig, load_checkpoint, teacher_forced_accept_length,
+                                         train)
 
     g, mask_id = drafter.config.block_size, drafter.config.mask_token_id
+    resume_full = ns.resume and _full_checkpoint_is_current(ns.out, int(state.get("steps", 0)))
+    if resume_full:  # "before" scores the weights this run starts from: the checkpoint's, not the card's
+        drafter.load_state_dict(load_checkpoint(os.path.join(ns.out, CHECKPOINT_FILE))["drafter"], strict=False)
     before = teacher_forced_accept_length(loss, held_out, g, mask_id)
     tcfg = TrainConfig(steps=ns.steps, seqs_per_step=ns.seqs_per_step, anchors_per_seq=ns.anchors_per_seq, lr=ns.lr,
                        seed=ns.seed + len(state.get("extensions", [])), checkpoint_every=ns.checkpoint_every,
@@ -242,7 +246,6 @@ def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
         bar.set_postfix(loss=f"{parts['loss']:.3f}", top1=f"{parts['top1']:.2f}", pos_s=f"{rate:.0f}", lr=f"{lr:.1e}")
         bar.refresh()
 
-    resume_full = ns.resume and _full_checkpoint_is_current(ns.out, int(state.get("steps", 0)))
     last = train(drafter, loss, train_set, tcfg, ns.out, on_step, resume=resume_full,
                  start_step=int(state.get("steps", 0)))
     bar.close()
@@ -260,16 +263,23 @@ def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
 
 
 def _full_checkpoint_is_current(out: str, committed_steps: int) -> bool:
-    """A local checkpoint.pt continues the run only if it is not older than the committed weights
-    (a stale one from an earlier stretch would silently roll the drafter back)."""
+    """A local checkpoint.pt continues the line only where it is the line's last step (optimizer
+    state kept) or an interrupted run after it. A stale one from an earlier stretch would roll the
+    drafter back; a finished run's checkpoint past the recorded steps belongs to an extension whose
+    weights and record were reset, and continuing it would train from an unrecorded link."""
     from specserve.train.trainer import CHECKPOINT_FILE, load_checkpoint
 
     path = os.path.join(out, CHECKPOINT_FILE)
     if not os.path.isfile(path):
         return False
-    step = load_checkpoint(path)["step"]
+    ckpt = load_checkpoint(path)
+    step = ckpt["step"]
     if step < committed_steps:
         print(f"ignoring {path}: step {step} is older than the committed weights' step {committed_steps}")
+        return False
+    if step > committed_steps and ckpt.get("finished", False):
+        print(f"ignoring {path}: a finished run's step {step}, past the recorded line's step {committed_steps} "
+              f"(that run's weights and record are not in {out})")
         return False
     return True
 

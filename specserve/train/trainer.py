@@ -262,16 +262,18 @@ def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus, cfg: TrainConfig, o
         on_step(step, parts, lr)
         if step % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, drafter, opt, step, rng)
-    save_checkpoint(ckpt, drafter, opt, step, rng)
+    save_checkpoint(ckpt, drafter, opt, step, rng, finished=True)
     return step
 
 
-def save_checkpoint(path: str, drafter: DsparkDrafter, opt, step: int, rng: random.Random) -> None:
+def save_checkpoint(path: str, drafter: DsparkDrafter, opt, step: int, rng: random.Random,
+                    finished: bool = False) -> None:
     """Tensors and plain values only (the optimizer's state dict, the step, the rng state as a
-    tuple of ints), so that `load_checkpoint` reads it with weights_only=True: no pickled objects."""
+    tuple of ints), so that `load_checkpoint` reads it with weights_only=True: no pickled objects.
+    `finished` marks a run's last checkpoint: its run wrote a record, which a resume must find."""
     tmp = path + ".tmp"
     torch.save({"drafter": {k: v for k, v in drafter.state_dict().items() if not k.startswith("rope.")},
-                "optimizer": opt.state_dict(), "step": step, "rng": rng.getstate()}, tmp)
+                "optimizer": opt.state_dict(), "step": step, "rng": rng.getstate(), "finished": finished}, tmp)
     os.replace(tmp, path)  # a crash mid-save leaves the previous checkpoint intact
 
 

@@ -78,6 +78,31 @@ def test_resume_continues_from_the_checkpoint(trained, corpus_dir, tmp_path):
     assert json.load(open(resumed / "train_state.json"))["extensions"][-1]["started_from"] == "weights"
 
 
+def test_resume_continues_an_interrupted_run_but_not_an_unrecorded_finished_one(trained, corpus_dir, tmp_path):
+    """The line is at step 40 (weights and record). A finished run's checkpoint.pt at step 45 (its weights
+    and record reset, the checkpoint left behind) is not continued; an interrupted run's is, and the
+    record's "before" scores the checkpoint's weights, the ones the run starts from."""
+    out, _ = trained
+    line = tmp_path / "line"
+    shutil.copytree(out, line)
+    ckpt = torch.load(line / "checkpoint.pt", weights_only=True)
+    # Zeroed weights score the floor (only the bonus token), below the line's trained drafter.
+    ckpt.update(step=45, drafter={k: torch.zeros_like(v) for k, v in ckpt["drafter"].items()})
+    recorded_after = json.load(open(line / "train_state.json"))["extensions"][-1]["held_out_teacher_forced"]["after"]
+    for finished, first_step, started_from in ((True, 41, "weights"), (False, 46, "checkpoint.pt")):
+        torch.save({**ckpt, "finished": finished}, line / "checkpoint.pt")
+        shutil.copy(os.path.join(out, "train_state.json"), line / "train_state.json")
+        assert cli_main(["train-drafter", "--data", corpus_dir, "--out", str(line), "--steps", "1", "--resume",
+                         *SMOKE]) == 0
+        assert [h["step"] for h in json.load(open(line / "train_history.json"))["history"]] == [first_step]
+        record = json.load(open(line / "train_state.json"))["extensions"][-1]
+        assert record["started_from"] == started_from
+        before = record["held_out_teacher_forced"]["before"]["accept_length"]
+        # The card's weights (bf16) score about the recorded "after"; the zeroed checkpoint the floor.
+        floor = 1.0 + 0.1 * (recorded_after["accept_length"] - 1.0)
+        assert (before > floor) if finished else (before <= floor), (before, recorded_after)
+
+
 def test_resume_from_committed_weights_only(trained, corpus_dir, tmp_path):
     """The committed form (bf16 weights + train_state.json, no optimizer state) resumes too."""
     out, _ = trained
