@@ -225,13 +225,12 @@ def load_drafter_weights(drafter, path: str) -> None:
 def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
     from tqdm import tqdm
 
-    from specserve.train.trainer import (CHECKPOINT_FILE, TrainConfig, load_checkpoint, teacher_forced_accept_length,
-                                         train)
+    from specserve.train.trainer import TrainConfig, teacher_forced_accept_length, train
 
     g, mask_id = drafter.config.block_size, drafter.config.mask_token_id
-    resume_full = ns.resume and _full_checkpoint_is_current(ns.out, int(state.get("steps", 0)))
-    if resume_full:  # "before" scores the weights this run starts from: the checkpoint's, not the card's
-        drafter.load_state_dict(load_checkpoint(os.path.join(ns.out, CHECKPOINT_FILE))["drafter"], strict=False)
+    checkpoint = _resumable_checkpoint(ns.out, int(state.get("steps", 0))) if ns.resume else None
+    if checkpoint is not None:  # "before" scores the weights this run starts from: the checkpoint's, not the card's
+        drafter.load_state_dict(checkpoint["drafter"], strict=False)
     before = teacher_forced_accept_length(loss, held_out, g, mask_id)
     tcfg = TrainConfig(steps=ns.steps, seqs_per_step=ns.seqs_per_step, anchors_per_seq=ns.anchors_per_seq, lr=ns.lr,
                        seed=ns.seed + len(state.get("extensions", [])), checkpoint_every=ns.checkpoint_every,
@@ -246,7 +245,7 @@ def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
         bar.set_postfix(loss=f"{parts['loss']:.3f}", top1=f"{parts['top1']:.2f}", pos_s=f"{rate:.0f}", lr=f"{lr:.1e}")
         bar.refresh()
 
-    last = train(drafter, loss, train_set, tcfg, ns.out, on_step, resume=resume_full,
+    last = train(drafter, loss, train_set, tcfg, ns.out, on_step, resume_from=checkpoint,
                  start_step=int(state.get("steps", 0)))
     bar.close()
     seconds = time.perf_counter() - started
@@ -257,31 +256,32 @@ def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:
             "precision": str(loss.dtype).removeprefix("torch."), "first_loss": history[0]["loss"] if history else None, "last_loss": _mean_tail(history, "loss"),
             "train_sequences": len(train_set), "train_answer_tokens": train_set.answer_tokens,
             "held_out_teacher_forced": {"before": before, "after": after}, "history": history,
-            "started_from": ("checkpoint.pt" if resume_full else "weights") if ns.resume else
+            "started_from": ("checkpoint.pt" if checkpoint is not None else "weights") if ns.resume else
             ("init-from" if ns.init_from else "scratch"),
             "args": _jsonable(vars(ns))}
 
 
-def _full_checkpoint_is_current(out: str, committed_steps: int) -> bool:
-    """A local checkpoint.pt continues the line only where it is the line's last step (optimizer
-    state kept) or an interrupted run after it. A stale one from an earlier stretch would roll the
-    drafter back; a finished run's checkpoint past the recorded steps belongs to an extension whose
-    weights and record were reset, and continuing it would train from an unrecorded link."""
+def _resumable_checkpoint(out: str, committed_steps: int) -> Optional[dict]:
+    """out's checkpoint.pt, loaded once, if it continues the line; else None. It continues the line
+    only where it is the line's last step (optimizer state kept) or an interrupted run after it. A
+    stale one from an earlier stretch would roll the drafter back; a finished run's checkpoint past
+    the recorded steps belongs to an extension whose weights and record were reset, and continuing
+    it would train from an unrecorded link."""
     from specserve.train.trainer import CHECKPOINT_FILE, load_checkpoint
 
     path = os.path.join(out, CHECKPOINT_FILE)
     if not os.path.isfile(path):
-        return False
+        return None
     ckpt = load_checkpoint(path)
     step = ckpt["step"]
     if step < committed_steps:
         print(f"ignoring {path}: step {step} is older than the committed weights' step {committed_steps}")
-        return False
+        return None
     if step > committed_steps and ckpt.get("finished", False):
         print(f"ignoring {path}: a finished run's step {step}, past the recorded line's step {committed_steps} "
               f"(that run's weights and record are not in {out})")
-        return False
-    return True
+        return None
+    return ckpt
 
 
 def _save(out: str, drafter, state: dict, summary: dict, model_name: str) -> None:

@@ -222,21 +222,21 @@ def teacher_forced_accept_length(loss: DrafterLoss, corpus: Corpus, g: int, mask
 
 
 def train(drafter: DsparkDrafter, loss: DrafterLoss, corpus, cfg: TrainConfig, out_dir: str,
-          on_step: Callable[[int, dict[str, float], float], None], resume: bool = False, start_step: int = 0) -> int:
+          on_step: Callable[[int, dict[str, float], float], None], resume_from: Optional[dict] = None,
+          start_step: int = 0) -> int:
     """Run cfg.steps steps (or until cfg.max_minutes) after `start_step`, or after the step of
-    out_dir's checkpoint with `resume` (which also restores the optimizer); checkpoints to out_dir;
-    returns the last step. `corpus`: a `Corpus` or a `TeacherCorpus`."""
+    `resume_from` (a `load_checkpoint` result, which also restores the optimizer and the rng);
+    checkpoints to out_dir; returns the last step. `corpus`: a `Corpus` or a `TeacherCorpus`."""
     torch.manual_seed(cfg.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, rng = start_step, random.Random(cfg.seed)
     ckpt = os.path.join(out_dir, CHECKPOINT_FILE)
-    if resume and os.path.isfile(ckpt):
-        state = load_checkpoint(ckpt)
-        drafter.load_state_dict(state["drafter"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]
-        rng.setstate(state["rng"])
+    if resume_from is not None:
+        drafter.load_state_dict(resume_from["drafter"], strict=False)
+        opt.load_state_dict(resume_from["optimizer"])
+        step = resume_from["step"]
+        rng.setstate(resume_from["rng"])
     first, start = step, time.perf_counter()
     g, mask_id = drafter.config.block_size, drafter.config.mask_token_id
     sequence = corpus.sequence if hasattr(corpus, "sequence") else corpus.sequences.__getitem__
