@@ -22,7 +22,7 @@ FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "device_tokens": (">= 16", lambda v: v >= 16), "repeats": _AT_LEAST_1, "prefix_len": _AT_LEAST_0,
     "window": (f"in [1, {MAX_DRAFT_TOKENS + 1}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS + 1),
     "wave": _AT_LEAST_1, "small_new_tokens": _AT_LEAST_1, "large_new_tokens": _AT_LEAST_1,
-    "copy_delay_ms": _AT_LEAST_0, "forward_delay_ms": _AT_LEAST_0, "max_minutes": _POSITIVE,
+    "copy_delay_ms": _AT_LEAST_0, "forward_delay_ms": _AT_LEAST_0, "copy_lag_ms": _AT_LEAST_0, "max_minutes": _POSITIVE,
     "random_input_words": _AT_LEAST_1, "request_rate": _POSITIVE, "warmup": _AT_LEAST_0, "timeout": _POSITIVE,
     "topk": _AT_LEAST_1, "num_layers": _AT_LEAST_1, "markov_rank": _AT_LEAST_1, "num_context_layers": _AT_LEAST_1,
     "block_size": (f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS),

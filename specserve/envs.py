@@ -34,10 +34,25 @@ def env_optional_int(name: str) -> Optional[int]:
     return env_int(name) if raw else None
 
 
+def env_int_set(name: str) -> Optional[frozenset[int]]:
+    """A comma-separated set of non-negative integers ("1", "0,2"); None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        values = frozenset(int(part) for part in raw.split(","))
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {raw!r}") from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"{name} must list ranks >= 0, got {raw!r}")
+    return values
+
+
 STREAM_SANITIZER = "SPECSERVE_STREAM_SANITIZER"
 FAULT_COPY_DELAY_MS = "SPECSERVE_FAULT_COPY_DELAY_MS"
 FAULT_FORWARD_DELAY_MS = "SPECSERVE_FAULT_FORWARD_DELAY_MS"
 FAULT_COPY_LAG_MS = "SPECSERVE_FAULT_COPY_LAG_MS"
+FAULT_COPY_LAG_RANKS = "SPECSERVE_FAULT_COPY_LAG_RANKS"  # "1" or "0,2": the ranks that lag (unset: all)
 FAULT_SEED = "SPECSERVE_FAULT_SEED"
 FAULT_ALIAS_ACCEPT_BUFFERS = "SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS"
 RANK_CONSENSUS_CHECKER = "SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER"

@@ -49,6 +49,10 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--large-new-tokens", type=int, default=96)
     p.add_argument("--copy-delay-ms", type=int, default=None, help="sets SPECSERVE_FAULT_COPY_DELAY_MS")
     p.add_argument("--forward-delay-ms", type=int, default=None, help="sets SPECSERVE_FAULT_FORWARD_DELAY_MS")
+    p.add_argument("--copy-lag-ms", type=int, default=None,
+                   help="sets SPECSERVE_FAULT_COPY_LAG_MS: each step's host copy waits for the next step")
+    p.add_argument("--copy-lag-ranks", default=None,
+                   help="sets SPECSERVE_FAULT_COPY_LAG_RANKS: the ranks that lag, e.g. 1 (default: all)")
     p.add_argument("--no-consensus-checker", action="store_true",
                    help="leave the checker to SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER (off: divergences null)")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +75,9 @@ def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
     if ns.max_minutes is None and ns.max_tokens is None:
         raise ValueError("soak: give --max-minutes or --max-tokens")
     for flag, var in ((ns.copy_delay_ms, "SPECSERVE_FAULT_COPY_DELAY_MS"),
-                      (ns.forward_delay_ms, "SPECSERVE_FAULT_FORWARD_DELAY_MS")):
+                      (ns.forward_delay_ms, "SPECSERVE_FAULT_FORWARD_DELAY_MS"),
+                      (ns.copy_lag_ms, "SPECSERVE_FAULT_COPY_LAG_MS"),
+                      (ns.copy_lag_ranks, "SPECSERVE_FAULT_COPY_LAG_RANKS")):
         if flag is not None:
             os.environ[var] = str(flag)  # read by every rank's engine when it is built
     if not ns.no_consensus_checker:  # on, whatever the environment says: the figures depend on it

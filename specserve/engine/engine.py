@@ -186,8 +186,10 @@ class Engine:
 
     def _figures(self) -> dict[str, Any]:
         """This rank's measured reliability figures (gathered from every rank at shutdown)."""
+        lag = self.runner.copy_lag
         return {"rank": self.tp_rank, "collective_timeouts": self.dist.timeouts if self.dist is not None else 0,
-                "consensus": self.consensus.figures() if self.consensus is not None else None}
+                "consensus": self.consensus.figures() if self.consensus is not None else None,
+                "copy_lag": lag.figures() if lag is not None else None}  # SPECSERVE_FAULT_COPY_LAG_MS
 
     def follow(self) -> bool:
         """A non-zero rank's loop body: one step as rank 0 commands; False once it shuts down."""

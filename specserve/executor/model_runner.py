@@ -62,6 +62,7 @@ class StepHandle:
     device_out: list[torch.Tensor] = field(default_factory=list)  # set on the forward stream
     host_out: list[torch.Tensor] = field(default_factory=list)  # set on the copy stream
     done: Optional[Event] = None
+    lag_number: int = -1  # its number for the copy-lag fault (SPECSERVE_FAULT_COPY_LAG_MS), else -1
     logprobs: dict[int, list] = field(default_factory=dict)  # request index -> TokenLogprobs (forward stream)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # request index -> its chunk's
 
@@ -110,12 +111,14 @@ class ModelRunner:
         self.forward.submit(self._step, handle)
         Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
         if self.copy_lag is not None:  # SPECSERVE_FAULT_COPY_LAG_MS
-            self.copy_lag.hold_copy(self.forward, self.copy)
+            handle.lag_number = self.copy_lag.hold_copy(self.forward, self.copy)
         self.copy.submit(self._copy_to_host, handle)
         handle.done = Event().record(self.copy)
         return handle
 
     def resolve(self, handle: StepHandle) -> list[StepOutcome]:
+        if self.copy_lag is not None:
+            self.copy_lag.host_waits(handle.lag_number)
         handle.done.synchronize()
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
         step = handle.step

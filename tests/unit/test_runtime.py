@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from specserve.runtime.faults import Delay, FaultConfig
+from specserve.runtime.faults import CopyLag, Delay, FaultConfig
 from specserve.runtime.sanitizer import StreamHazardError, StreamSanitizer
 from specserve.runtime.stream import Event, Stream, StreamError, async_d2h, current_stream
 
@@ -140,6 +140,32 @@ def test_copy_lag_holds_a_copy_until_the_next_step_has_finished(monkeypatch):
     assert FaultConfig().copy_lag() is None
     forward.close()
     copy.close()
+
+
+def test_copy_lag_lets_a_copy_go_when_the_host_waits_with_no_later_step(monkeypatch):
+    """The run's last step (or any step of the synchronous loop) has no successor to lag behind:
+    once the host waits on it, its copy goes at once instead of waiting out the bound."""
+    lag = CopyLag(60_000)
+    forward, copy = Stream("forward", threaded=True), Stream("copy", threaded=True)
+    numbers = [lag.hold_copy(forward, copy) for _ in range(2)]  # two steps queued back to back
+    done = threading.Event()
+    copy.submit(done.set)
+    lag.host_waits(numbers[0])  # step 1 is queued: copy 0 still waits for it, and gets it
+    lag.host_waits(numbers[1])  # nothing after step 1: copy 1 is released
+    assert numbers == [0, 1] and done.wait(timeout=10) and lag.timeouts == 0
+    forward.close()
+    copy.close()
+
+
+def test_copy_lag_ranks_pick_the_late_ranks(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_FAULT_COPY_LAG_MS", "500")
+    monkeypatch.setenv("SPECSERVE_FAULT_COPY_LAG_RANKS", "1,3")
+    assert [FaultConfig.from_env(rank=r).copy_lag_ms for r in range(4)] == [0, 500, 0, 500]
+    monkeypatch.delenv("SPECSERVE_FAULT_COPY_LAG_RANKS")
+    assert [FaultConfig.from_env(rank=r).copy_lag_ms for r in range(2)] == [500, 500]
+    monkeypatch.setenv("SPECSERVE_FAULT_COPY_LAG_RANKS", "one")
+    with pytest.raises(ValueError, match="SPECSERVE_FAULT_COPY_LAG_RANKS must be comma-separated integers"):
+        FaultConfig.from_env(rank=0)
 
 
 # ---------------------------------------------------------------- sanitizer
