@@ -10,6 +10,14 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 $PIP install torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
   $PIP install -e ".[test,router]"
+  # The portable-kernel test cross-compiles the kernels for aarch64 and runs them under qemu-user.
+  if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null
+    else
+      echo "setup: install g++-aarch64-linux-gnu and qemu-user for tests/unit/test_portable_build.py" >&2
+    fi
+  fi
 else
   $PIP install -e .
 fi

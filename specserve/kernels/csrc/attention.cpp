@@ -64,6 +64,7 @@ void task_generic(const PagedAttentionArgs& a, const Task& t, float* p) {
 
 // ------------------------------------------------------------------ AVX-512 path (dim % 16 == 0)
 
+#if SPECSERVE_X86
 // HB query heads of one KV group at once: each K/V row is loaded once for all of them, and the
 // heads' independent chains keep the FMA units busy; every head's operations are those of HB = 1.
 template <int C, int HB>
@@ -211,6 +212,8 @@ SPECSERVE_AVX2 void group_avx2(const PagedAttentionArgs& a, const Task* t, int64
   if (h < heads) heads_avx2<C, 1>(a, t + h, scratch);
 }
 
+#endif  // SPECSERVE_X86
+
 }  // namespace
 
 void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin, int64_t end, float* scratch) {
@@ -219,6 +222,7 @@ void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin
   for (int64_t task = begin; task < end; ++task) {  // task = row * kv_heads + kv head
     const int64_t row = task / a.kv_heads, first = (task % a.kv_heads) * group;
     for (int64_t h = 0; h < group; ++h) tasks[h] = task_of(a, row * a.heads + first + h);
+#if SPECSERVE_X86
     if (path == Path::Avx512Bf16 && a.dim == 64) group_avx512<4>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx512Bf16 && a.dim == 128) group_avx512<8>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx512Bf16 && a.dim == 32) group_avx512<2>(a, tasks.data(), group, scratch);
@@ -226,6 +230,7 @@ void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin
     else if (path == Path::Avx2Fma && a.dim == 128) group_avx2<8>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx2Fma && a.dim == 32) group_avx2<2>(a, tasks.data(), group, scratch);
     else
+#endif
       for (int64_t h = 0; h < group; ++h) task_generic(a, tasks[h], scratch);
   }
 }

@@ -90,6 +90,7 @@ void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t 
 }
 
 // ------------------------------------------------------------------ AVX512-BF16 path
+#if SPECSERVE_X86
 
 template <WeightFormat F>
 SPECSERVE_AVX512 inline __m512i q8_or_bf16_word(const uint8_t* block, int64_t pair) {
@@ -216,6 +217,8 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
   }
 }
 
+#endif  // SPECSERVE_X86
+
 }  // namespace
 
 int64_t block_bytes(WeightFormat format, int64_t k) {
@@ -239,19 +242,22 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out
 void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
                    const float* gs, const Avx2Rows* avx2, int64_t block_begin, int64_t block_end, void* out,
                    int64_t ldo, bool out_bf16) {
+#if SPECSERVE_X86
   if (path == Path::Avx2Fma) {
     linear_blocks_avx2(w, *avx2, m, gs, block_begin, block_end, out, ldo, out_bf16);
     return;
   }
-  if (path == Path::Generic) {
-    for (int64_t b = block_begin; b < block_end; ++b) block_generic(w, b, x, ldx, m, gs, out, ldo, out_bf16);
+  if (path == Path::Avx512Bf16) {
+    switch (w.format) {
+      case WeightFormat::Q4: blocks_avx512<WeightFormat::Q4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
+      case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
+      default: blocks_avx512<WeightFormat::BF16>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
+    }
     return;
   }
-  switch (w.format) {
-    case WeightFormat::Q4: blocks_avx512<WeightFormat::Q4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
-    case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
-    default: blocks_avx512<WeightFormat::BF16>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
-  }
+#endif
+  (void)avx2;
+  for (int64_t b = block_begin; b < block_end; ++b) block_generic(w, b, x, ldx, m, gs, out, ldo, out_bf16);
 }
 
 }  // namespace specserve

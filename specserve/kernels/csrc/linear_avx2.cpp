@@ -24,6 +24,8 @@ namespace specserve {
 
 namespace {
 
+#if SPECSERVE_X86
+
 constexpr int32_t kQ4Magic = 0x43004300;
 constexpr int32_t kQ4Mask = 0x000F000F;
 constexpr int32_t kHighHalf = int32_t(0xFFFF0000u);
@@ -180,6 +182,8 @@ SPECSERVE_AVX2 void rows_either(bool exact, const PackedWeight& w, int64_t b, in
   else rows_avx2<F, R, true>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16);
 }
 
+#endif  // SPECSERVE_X86
+
 // Biased exponent bounds of the weights' values that make FMA exact (see the file comment):
 // quantized codes act as integers below 2^8 (exponent 127 + 7 in both bounds).
 ExponentRange weight_range(const PackedWeight& w) {
@@ -204,6 +208,7 @@ bool rows_exact(const ExponentRange& x, const ExponentRange& w) {
 
 }  // namespace
 
+#if SPECSERVE_X86
 void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t m, const float* gs,
                         int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16) {
   const float* x = rows_in.x;
@@ -238,6 +243,7 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t 
     }
   }
 }
+#endif  // SPECSERVE_X86
 
 bool prepare_avx2_row(const PackedWeight& w, const uint16_t* row, float* out) {
   for (int64_t i = 0; i < w.k; ++i) out[i] = flush_subnormal(bf16_to_f32(row[i]));

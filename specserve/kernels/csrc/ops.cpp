@@ -32,6 +32,7 @@ void add_rms_norm_generic(const uint16_t* x, uint16_t* residual, const uint16_t*
   for (int64_t i = 0; i < h; ++i) out[i] = f32_to_bf16((bf16_to_f32(src[i]) * inv) * bf16_to_f32(w[i]));
 }
 
+#if SPECSERVE_X86
 SPECSERVE_AVX512 inline __m512 bf16_round(__m512 v) {  // the value after a round trip through bf16
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
@@ -124,29 +125,37 @@ SPECSERVE_AVX2 void silu_mul_avx2(const uint16_t* gate, const uint16_t* up, int6
   for (; i < f; ++i) out[i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(up[i]));
 }
 
+#endif  // SPECSERVE_X86
+
 }  // namespace
 
 void add_rms_norm_rows(Path path, const uint16_t* x, uint16_t* residual, const uint16_t* weight, int64_t h, float eps,
                        uint16_t* out, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     uint16_t* res = residual ? residual + r * h : nullptr;
+#if SPECSERVE_X86
     if (path == Path::Avx512Bf16) add_rms_norm_avx(x + r * h, res, weight, h, eps, out + r * h);
     else if (path == Path::Avx2Fma) add_rms_norm_avx2(x + r * h, res, weight, h, eps, out + r * h);
-    else add_rms_norm_generic(x + r * h, res, weight, h, eps, out + r * h);
+    else
+#endif
+      add_rms_norm_generic(x + r * h, res, weight, h, eps, out + r * h);
   }
 }
 
 void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const uint16_t* gate = gate_up + r * 2 * f;
+#if SPECSERVE_X86
     if (path == Path::Avx512Bf16) {
       silu_mul_avx(gate, gate + f, f, out + r * f);
-    } else if (path == Path::Avx2Fma) {
-      silu_mul_avx2(gate, gate + f, f, out + r * f);
-    } else {
-      for (int64_t i = 0; i < f; ++i)
-        out[r * f + i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(gate[f + i]));
+      continue;
     }
+    if (path == Path::Avx2Fma) {
+      silu_mul_avx2(gate, gate + f, f, out + r * f);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < f; ++i) out[r * f + i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(gate[f + i]));
   }
 }
 

@@ -6,6 +6,13 @@
 // AVX512-BF16 the two paths agree bit for bit (tests/unit/test_cpu_kernels.py checks it).
 #pragma once
 
+// The vector paths are x86 code (AVX-512, AVX2); elsewhere (ARM) only the generic path is built.
+#if defined(__x86_64__) || defined(__i386__)
+#define SPECSERVE_X86 1
+#else
+#define SPECSERVE_X86 0
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>

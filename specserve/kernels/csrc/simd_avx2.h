@@ -4,6 +4,10 @@
 // bit for bit.
 #pragma once
 
+#include "simd.h"
+
+#if SPECSERVE_X86
+
 #include <immintrin.h>
 
 #include <cstdint>
@@ -88,3 +92,5 @@ SPECSERVE_AVX2 inline __m256 exp_nonpositive_avx2(__m256 x) {
 }
 
 }  // namespace specserve
+
+#endif  // SPECSERVE_X86

@@ -2,6 +2,10 @@
 // operation for operation (tree_sum16, exp_nonpositive), so the two paths agree bit for bit.
 #pragma once
 
+#include "simd.h"
+
+#if SPECSERVE_X86
+
 #include <immintrin.h>
 
 #include <cstdint>
@@ -44,3 +48,5 @@ SPECSERVE_AVX512 inline __m512 exp_nonpositive_avx(__m512 x) {
 }
 
 }  // namespace specserve
+
+#endif  // SPECSERVE_X86
