@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(srv)
     add_data_parallel_args(srv)
     ServerArgs.add_cli_args(srv)
+    srv.set_defaults(log_level="info")  # the start-up block and the ready line
 
     soak = sub.add_parser("soak", help="the production-like configuration (TP 2, DSPARK, overlap, checker) for a budget")
     from specserve.bench.soak import SOAK_DEFAULTS, add_soak_args

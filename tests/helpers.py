@@ -87,12 +87,13 @@ def free_port() -> int:
 class ServerProcess:
     """A live server: `.url`, `.stop()` returns its exit code."""
 
-    def __init__(self, *args: str, log_path: str):
+    def __init__(self, *args: str, log_path: str, log_level: str | None = "info"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(self.port), "--log-level", "info", *args]
+        level = ["--log-level", log_level] if log_level else []  # None: serve's own default
+        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(self.port), *level, *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
         self._wait_ready()
 
@@ -111,18 +112,20 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
     def engine_pid(self) -> int:
-        """The engine process's pid, from the server's "engine ready (pid N)" log line."""
+        """The engine process's pid, from the start-up block's "engine  pid N" line."""
         import re
 
         with open(self.log_path) as f:
-            found = re.search(r"engine ready \(pid (\d+)\)", f.read())
+            found = re.search(r"  engine +pid (\d+),", f.read())
         assert found, self.log()
         return int(found.group(1))
 
-    def log(self) -> str:
-        self._log.flush()
+    def log(self, whole: bool = False) -> str:
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path) as f:
-            return f.read()[-4000:]
+            text = f.read()
+        return text if whole else text[-4000:]
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
         from specserve.server.replicas import stop_process

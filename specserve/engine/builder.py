@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -27,6 +27,7 @@ from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter
 from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
+from specserve.models.summary import model_summary
 from specserve.runtime.faults import FaultConfig
 from specserve.runtime.sanitizer import StreamSanitizer
 from specserve.runtime.stream import Stream
@@ -70,6 +71,7 @@ class RankParts:
     loop: NormalLoop | OverlapLoop
     consensus: Optional[RankConsensusChecker]
     drafter_name: Optional[str]  # what new requests draft with (None: no speculation)
+    model_summary: dict[str, Any]  # architecture, parameters, weight types (the start-up block)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -112,6 +114,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     # The drafter is replicated on every rank (see models/dspark.py); a reduced draft vocabulary
     # takes its rows from the full (unsharded) head weight.
     full_head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"])
+    summary = model_summary(loaded)
     del loaded
     drafter = _load_drafter(args, cfg, dtype, model, max_positions, full_head)
     del full_head
@@ -155,9 +158,10 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
     loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)
     drafter_name = args.speculative_algorithm if args.speculating else None
-    logger.info("engine ready (rank %d/%d): %s, %s, KV pool %d tokens", tp_rank, args.tp_size, path, dtype, size)
+    logger.debug("engine ready (rank %d/%d): %s, %s, KV pool %d tokens", tp_rank, args.tp_size, path, dtype, size)
     return RankParts(args, tp_rank, dist, cfg, tokenizer, context_length, dtype, kv, allocator, req_to_token, tree,
-                     faults, sanitizer, forward_stream, copy_stream, runner, scheduler, loop, consensus, drafter_name)
+                     faults, sanitizer, forward_stream, copy_stream, runner, scheduler, loop, consensus, drafter_name,
+                     summary)
 
 
 def _make_streams(args: ServerArgs, faults: FaultConfig,
@@ -207,7 +211,7 @@ def _start_cost_model(args: ServerArgs, runner: ModelRunner, gamma: int) -> None
         policy.cost = StepCostModel(prior)
     if args.speculative_freeze_cost_table:
         policy.cost.freeze()
-    logger.info("speculation cost model (s): %s", {k: round(v, 6) for k, v in policy.cost.coefficients().items()})
+    logger.debug("speculation cost model (s): %s", {k: round(v, 6) for k, v in policy.cost.coefficients().items()})
 
 
 def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, device_pools: list[KVPool],

@@ -83,6 +83,7 @@ class Engine:
         if self.dist is not None:
             self.dist.started()  # model loading is over: collectives now use the collective timeout
         self._drafter = parts.drafter_name
+        self.model_summary = parts.model_summary
         self._seed_rng = random.Random(args.random_seed)
         self._last_log = time.monotonic()
         self._commands = CommandBroadcast(self.dist, REQ_CODEC if self.dist is not None else None)

@@ -125,6 +125,8 @@ class EngineClient:
             logger.error("engine process did not exit within %.0f s; killing it", timeout_s)
             self.proc.kill()
             self.proc.join(5)
+        elif self.fatal is None and self.proc.exitcode != 0:  # asked to stop, it should have exited cleanly
+            logger.error("engine process exited with code %s at shutdown", self.proc.exitcode)
 
     @property
     def healthy(self) -> bool:

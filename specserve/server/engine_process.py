@@ -47,8 +47,10 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: fl
     events.put([EngineReady(_ready_info(engine))])
     server = EngineServer(engine, commands, events)
     beating = threading.Event()
-    threading.Thread(target=_beat, args=(events, heartbeat_s, beating, lambda: server.stalled(step_timeout_s)),
-                     name="engine-heartbeat", daemon=True).start()
+    heartbeat = threading.Thread(target=_beat, args=(events, heartbeat_s, beating,
+                                                     lambda: server.stalled(step_timeout_s)),
+                                 name="engine-heartbeat", daemon=True)
+    heartbeat.start()
     try:
         with engine.sanitized():
             server.run()
@@ -58,6 +60,10 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: fl
         raise
     finally:
         beating.set()
+        # Joined, not left to die: a daemon thread still alive when the interpreter exits is
+        # ended by a forced unwind, which here aborted the process ("terminate called without an
+        # active exception", exit -6) after a clean shutdown.
+        heartbeat.join(timeout=heartbeat_s + 5)
         engine.shutdown()
 
 
@@ -80,10 +86,22 @@ def one_line(message: str, limit: int = 300) -> str:
 
 
 def _ready_info(engine) -> dict[str, Any]:
+    """What the HTTP side logs at start-up (server/startup.py) and serves in /server_info."""
+    import torch
+
+    from specserve.models.loader import resolve_model_path
+    from specserve.models.summary import cpu_kernel_path
+
     args = engine.args
     return {"context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size,
             "speculative_algorithm": args.speculative_algorithm, "num_draft_tokens": engine.scheduler.window - 1,
-            "kv_total_tokens": engine.allocator.size, "pid": os.getpid()}
+            "kv_total_tokens": engine.allocator.size, "pid": os.getpid(), "model": engine.model_summary,
+            "model_path": resolve_model_path(args.model_path), "dtype": str(engine.dtype).replace("torch.", ""), "device": args.device,
+            "kernel_path": cpu_kernel_path(args.device, engine.dtype), "threads": torch.get_num_threads(),
+            "tp_size": args.tp_size, "max_running_requests": args.max_running_requests,
+            "speculative_policy": args.speculative_policy if args.speculating else None,
+            "speculative_drafters": list(args.policy_drafters()) if args.speculating else [],
+            "speculative_draft_model_path": args.speculative_draft_model_path}
 
 
 def _constrained(params: Any) -> bool:

@@ -14,10 +14,12 @@ import logging
 import os
 import re
 import signal
+import time
 
 from specserve.args import ServerArgs
 from specserve.server.engine_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S
+from specserve.server.startup import ReadyAnnouncer, logger as startup_logger, startup_block
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
         from specserve.engine.ranks import run_node_workers
 
         return run_node_workers(args)
+    started_at = time.monotonic()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model_path(args.model_path)
     name = ns.served_model_name or served_model_name(path)
@@ -69,12 +72,14 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     client = EngineClient(dataclasses.asdict(args), metrics, ns.engine_heartbeat_timeout, ns.engine_step_timeout)
     tokenizer = load_tokenizer(args.tokenizer_path or path)
     info = client.start()
-    logger.info("engine ready (pid %s): %s, %s speculation, context %d", info["pid"], name,
-                info["speculative_algorithm"] or "no", info["context_length"])
+    url = f"http://{ns.host}:{ns.port}"
+    startup_logger.info("%s", startup_block(name, info, url, time.monotonic() - started_at))
     settings = {**dataclasses.asdict(args), **{k: v for k, v in vars(ns).items() if k not in ("command", "func")}}
     state = ServerState(client, tokenizer, metrics, name, path, settings, ns.api_key, ns.max_queued_requests,
                         ns.max_request_bytes)
-    config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, log_level=args.log_level.lower(),
+    # uvicorn's own start-up lines would repeat the block's address: at the default level, warnings only.
+    uvicorn_level = "warning" if args.log_level.lower() == "info" else args.log_level.lower()
+    config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, log_level=uvicorn_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False)
     # uvicorn re-raises the signal it shut down on once it is done; with these no-op handlers
     # that re-raise is harmless and a SIGTERM'd server exits 0 after its graceful shutdown.
@@ -82,9 +87,13 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
         signal.signal(sig, lambda *_: None)
     server = uvicorn.Server(config)
     client.on_fatal = lambda: _exit_soon(server)
+    announcer = ReadyAnnouncer(server, url, started_at)
+    announcer.start()
     try:
         server.run()
     finally:
+        server.should_exit = True  # the announcer stops waiting if the server never started
+        announcer.join()
         client.shutdown()
     return 0 if client.fatal is None else 1
 

@@ -1,0 +1,78 @@
+"""What `specserve serve` says when it starts: one short block (model, compute, KV cache,
+speculation, address) once the engine is up, then one "ready" line once the server answers, as
+SGLang's and llama.cpp's servers do. Logged at INFO (the default for `serve`; `--log-level
+warning` quiets them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from specserve.models.summary import describe_parameters
+
+logger = logging.getLogger("specserve.startup")
+
+READY_PROBE_TIMEOUT_S = 5.0
+
+
+def startup_block(name: str, info: dict[str, Any], url: str, seconds: float) -> str:
+    """The block's text, from the engine's ready info (engine_process._ready_info)."""
+    model = info["model"]
+    weights = ", ".join(f"{kind} x{count}" for kind, count in model["weights"].items())
+    kernels = f"{info['kernel_path']} kernels" if info["kernel_path"] else "torch ops"
+    lines = [
+        f"serving {name}",
+        f"  model        {os.path.basename(info['model_path'])}: {model['architecture']}, "
+        f"{describe_parameters(model['parameters'])} parameters; weights {weights}",
+        f"  compute      {info['dtype']} on {info['device']}, {kernels}, {info['threads']} threads, TP {info['tp_size']}",
+        f"  KV cache     {info['kv_total_tokens']:,} tokens; context {info['context_length']:,}; "
+        f"up to {info['max_running_requests']} running requests",
+        f"  speculation  {_speculation(info)}",
+        f"  engine       pid {info['pid']}, up after {seconds:.1f} s",
+        f"  address      {url} (OpenAI API under /v1; /health, /metrics)",
+    ]
+    return "\n".join(lines)
+
+
+def _speculation(info: dict[str, Any]) -> str:
+    if not info["speculative_policy"]:
+        return "off"
+    drafters = []
+    for drafter in info["speculative_drafters"]:
+        if drafter == "DSPARK" and info["speculative_draft_model_path"]:
+            drafter += f" ({os.path.basename(os.path.normpath(info['speculative_draft_model_path']))})"
+        drafters.append(drafter)
+    return (f"{info['speculative_policy']} policy over {', '.join(drafters)}, "
+            f"up to {info['num_draft_tokens']} drafts a step")
+
+
+class ReadyAnnouncer:
+    """Logs the "ready" line once the HTTP server has started and answers /health; joined at exit."""
+
+    def __init__(self, server, url: str, started_at: float):
+        self._server, self._url, self._started_at = server, url, started_at
+        self._thread = threading.Thread(target=self._run, name="ready-announcer")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._server.started:
+            if self._server.should_exit:
+                return
+            time.sleep(0.05)
+        try:
+            with urllib.request.urlopen(self._url + "/health", timeout=READY_PROBE_TIMEOUT_S) as r:
+                status = r.status
+        except OSError as exc:  # an unhealthy engine answers 503: say so instead of "ready"
+            logger.warning("the server started but /health failed: %s", exc)
+            return
+        logger.info("ready: %s answers (/health %d), %.1f s after start", self._url, status,
+                    time.monotonic() - self._started_at)
