@@ -110,7 +110,7 @@ def fp32_spec_engines():
 
 @pytest.fixture(scope="session")
 def hf_model(model_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     folder, file = os.path.dirname(model_path), os.path.basename(model_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     return model.eval()
@@ -118,7 +118,7 @@ def hf_model(model_path):
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(model_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     folder, file = os.path.dirname(model_path), os.path.basename(model_path)
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
 

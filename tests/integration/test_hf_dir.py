@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # a test dependency: a broken install fails the run, never skips it
 from helpers import prefill_logits
 
 from specserve import Engine
 
-transformers = pytest.importorskip("transformers")
 
 
 def _tiny_dir(tmp_path, hf_tokenizer, arch: str):

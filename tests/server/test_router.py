@@ -89,7 +89,7 @@ def fleet(tmp_path_factory):
 
 
 def _client(url: str):
-    openai = pytest.importorskip("openai")
+    import openai
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -128,7 +128,7 @@ def test_worker_endpoints_answer_what_the_router_asks(fleet):
     assert info["served_model_name"] == MODEL and info["dp_size"] == 1 and "api_key" not in info
     assert _get(replica + "/get_model_info")["is_generation"] is True
     load = _get(replica + "/get_load")
-    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] >= 0
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 0  # nothing is in flight here
     assert _get(replica + "/health_generate")["status"] == "ok"
     status, flushed = _post(fleet.url + "/flush_cache", {})
     assert status == 200 and flushed["workers_flushed"] == 2, flushed

@@ -1,7 +1,7 @@
 """Randomised scheduler workloads: random pool / context / chunk / budget / policy / cache settings,
 staggered arrivals, shared prefixes, EOS, stop ids, stop strings, ignore_eos, speculative verify
 windows of 2-8 tokens with runs of every accepted length, and aborts (between steps and while a
-decode or verify step is in flight). Every request that was not aborted must output exactly what it
+prefill chunk, a decode or a verify step is in flight). Every request that was not aborted must output exactly what it
 would output alone; aborted ones a prefix of that. The FakeRunner checks KV bookkeeping every step,
 and every step ends with check_integrity; at the end nothing leaks."""
 
@@ -68,6 +68,7 @@ def run_fuzz(seed):
     by_rid = {r.rid: r for r in reqs}
     abort_at = {rng.randint(0, 80): rng.choice(reqs).rid for _ in range(rng.randint(0, 4))} if reqs else {}
     done, aborted = {}, set()
+    prefill_aborts = 0  # aborts that arrived while the request's prefill chunk was in flight
 
     def finish(r):
         assert r.rid not in done
@@ -89,12 +90,15 @@ def run_fuzz(seed):
             assert not sched.has_work(), "work left but nothing scheduled"
         else:
             tokens = runner.run_batch(batch)
-            # An abort that arrives while a decode step is in flight (the prefill case is a known bug).
-            if rid is not None and (batch.mode != "extend" or by_rid[rid] not in batch.reqs):
+            # An abort that arrives while a step is in flight: a prefill chunk, a decode or a verify step.
+            if rid is not None and batch.mode == "extend" and rng.random() < 0.5:
+                rid = rng.choice(batch.reqs).rid  # one whose prefill chunk is in flight
+            if rid is not None:
                 got = sched.abort(rid)
                 if got is not None:
                     aborted.add(rid)
                     finish(got)
+                    prefill_aborts += batch.mode == "extend" and by_rid[rid] in batch.reqs
             for r in sched.process_result(batch, tokens).finished:
                 finish(r)
         check_step_invariants(sched)
@@ -109,7 +113,7 @@ def run_fuzz(seed):
         else:
             assert (r.output_ids, r.finish_reason) == (want, reason), r.rid
     assert_no_leak(sched)
-    return sched, reqs, aborted
+    return sched, reqs, aborted, prefill_aborts
 
 
 SEEDS = range(48)
@@ -118,12 +122,13 @@ SEEDS = range(48)
 @functools.lru_cache(maxsize=None)
 def fuzz_stats(seed):
     """Run one seed (once per session) and summarise what it exercised."""
-    sched, reqs, aborted = run_fuzz(seed)
+    sched, reqs, aborted, prefill_aborts = run_fuzz(seed)
     batches = sched.runner.batches
     return {
         "retractions": sched.num_retractions,
         "cached_tokens": sum(r.cached_tokens for r in reqs),
         "aborts": len(aborted),
+        "aborts_during_prefill": prefill_aborts,
         "partial_chunks": sum(1 for b in batches if b.mode == "extend" and not all(b.sample)),
         "stops": sum(1 for r in reqs if r.finish_reason == FinishReason.STOP and r.rid not in aborted),
         "verify_steps": sum(1 for b in batches if b.mode == "verify"),
@@ -137,7 +142,8 @@ def test_random_workload(seed):
 
 
 def test_fuzz_is_not_vacuous():
-    """Across the seeds, requests really get retracted, reuse cached prefixes, abort, chunk and stop."""
+    """Across the seeds, requests really get retracted, reuse cached prefixes, abort (also while their
+    prefill is in flight), chunk and stop."""
     totals = {}
     for seed in SEEDS:
         for k, v in fuzz_stats(seed).items():
