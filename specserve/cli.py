@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_overlap_bench_args(ovl)
     ServerArgs.add_cli_args(ovl)
+    rep = bench_sub.add_parser("report", help="render the README's figures from the committed result files (--check: "
+                               "fail on a disagreement)")
+    from specserve.bench.report import add_report_args
+
+    add_report_args(rep)
     return parser
 
 
@@ -330,6 +335,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.quality import run_quality_bench
 
             return run_quality_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "report":
+            from specserve.bench.report import run_report
+
+            return run_report(ns)
         if ns.command == "bench" and ns.bench_command == "kernel-paths":
             from specserve.bench.kernel_paths import run_kernel_paths_bench
 

@@ -1,0 +1,120 @@
+"""`specserve bench report`: the README's figures, rendered from the committed result files.
+
+A rendered part of the README sits between two markers (indented alike inside a list item):
+
+    <!-- render: NAME -->
+    ...text made by RENDERERS[NAME] from bench_results/...
+    <!-- /render -->
+
+`specserve bench report` rewrites every such part from the files; `--check` rewrites nothing and
+exits 1 with a diff where the README and the files disagree (tests/unit/test_report.py runs it, so
+a figure typed by hand, or a result file changed without its text, fails the suite). Each part
+names its file and the file's provenance (machine; commit and date where the file records them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import sys
+from typing import Any, Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+README = os.path.join(REPO, "README.md")
+RESULTS = os.path.join(REPO, "bench_results")
+BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- render: (?P<name>[\w-]+) -->\n)(?P<body>.*?)^(?P=indent)<!-- /render -->",
+                   re.S | re.M)
+
+
+def load(results: str, name: str) -> dict[str, Any]:
+    with open(os.path.join(results, name)) as f:
+        return json.load(f)
+
+
+def provenance(data: dict[str, Any], file: str) -> str:
+    """`bench_results/F` (machine; commit and date when recorded): the line under a rendered part."""
+    m = data.get("machine") or {}
+    machine = m.get("description") or ", ".join(
+        [m.get("model", "machine not recorded")] + ([f"{m['threads']} threads"] if "threads" in m else [])
+        + (["AVX512-BF16"] if m.get("avx512_bf16") else []) + (["AMX"] if m.get("amx") else ["no AMX"] if m else []))
+    when = ", ".join(f"{k} {data[k]}" for k in ("commit", "date") if data.get(k)) or "commit and date not recorded"
+    return f"From `bench_results/{file}` ({machine}; {when})."
+
+
+def render_grammar(results: str) -> str:
+    data = load(results, "grammar.json")
+    llg, xgr = data["libraries"]["llguidance"], data["libraries"]["xgrammar"]
+    return (f"In `bench_results/grammar.json` llguidance compiles the {data['schemas']} schemas in "
+            f"{llg['compile_ms_median']:.3g} ms (median) against XGrammar's {xgr['compile_ms_median']:.3g} ms and "
+            f"computes a mask in {llg['mask_ms_per_token']:.3g} ms per token against "
+            f"{xgr['mask_ms_per_token']:.3g} ms; XGrammar accepts "
+            f"{', '.join('`' + f + '`' for f in xgr['accepted_but_not_enforced'])} and does not enforce them, "
+            f"where llguidance refuses them (a 400). {provenance(data, 'grammar.json')}\n")
+
+
+def render_router(results: str) -> str:
+    data = load(results, "router.json")
+    rows = ["| router policy | second turns: prompt tokens from the prefix cache | second turns: TTFT mean / p50 "
+            "| requests per replica |", "|---|---|---|---|"]
+    for key, label in (("cache_aware", "cache-aware"), ("round_robin", "round-robin")):
+        arm = data[key]
+        rows.append(f"| {label} | {arm['second_turn_hit_rate']:.1%} | {arm['second_turn_ttft_ms_mean']:.0f} / "
+                    f"{arm['second_turn_ttft_ms_p50']:.0f} ms | {' / '.join(map(str, arm['requests_per_replica']))} |")
+    r, two, one = data["ratios"], data["two_replicas"], data["one_server"]
+    return "\n".join(rows) + (
+        f"\n\nThe cache-aware router serves {r['hit_rate_cache_aware_over_round_robin']:.2f}x as many second-turn "
+        f"prompt tokens from the cache and cuts their time to first token "
+        f"{r['ttft_round_robin_over_cache_aware']:.2f}x. Throughput of the same {two['requests']} first turns "
+        f"({data['first_tokens']} tokens each, {data['concurrency']} at a time): 2 replicas "
+        f"{two['output_tokens_per_s']:.1f} tokens/s, one server {one['output_tokens_per_s']:.1f} tokens/s, "
+        f"{r['throughput_two_replicas_over_one_server']:.2f}x (one run each, no spread: not a measured gain). "
+        f"{provenance(data, 'router.json')}\n")
+
+
+RENDERERS: dict[str, Callable[[str], str]] = {"grammar": render_grammar, "router": render_router}
+
+
+def render_readme(text: str, results: str = RESULTS) -> str:
+    """The README with every rendered part made anew; an unknown part name is an error."""
+    def replace(match: re.Match) -> str:
+        name, indent = match.group("name"), match.group("indent")
+        if name not in RENDERERS:
+            raise ValueError(f"README: no renderer for part {name!r} (known: {sorted(RENDERERS)})")
+        body = "".join(indent + line if line.strip() else line for line in RENDERERS[name](results).splitlines(True))
+        return indent + match.group("open") + body + indent + "<!-- /render -->"
+
+    return BLOCK.sub(replace, text)
+
+
+def differences(readme: str = README, results: str = RESULTS) -> str:
+    """A unified diff of the README against its rendering ('' when they agree)."""
+    with open(readme) as f:
+        text = f.read()
+    rendered = render_readme(text, results)
+    return "".join(difflib.unified_diff(text.splitlines(True), rendered.splitlines(True), "README.md", "rendered"))
+
+
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 with a diff if the README is stale")
+    p.add_argument("--readme", default=README)
+    p.add_argument("--results", default=RESULTS, help="the folder of result files")
+
+
+def run_report(ns: argparse.Namespace) -> int:
+    diff = differences(ns.readme, ns.results)
+    if ns.check:
+        if diff:
+            sys.stdout.write(diff)
+            print("bench report: the README's rendered figures disagree with their result files", file=sys.stderr)
+            return 1
+        print("bench report: the README's rendered figures agree with their result files")
+        return 0
+    with open(ns.readme) as f:
+        text = f.read()
+    with open(ns.readme, "w") as f:
+        f.write(render_readme(text, ns.results))
+    print(f"bench report: {len(BLOCK.findall(text))} rendered parts written" + (" (changed)" if diff else ""))
+    return 0

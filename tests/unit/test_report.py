@@ -1,0 +1,45 @@
+"""The README's rendered figures agree with the committed result files they come from, and a
+change to one digit of a result file shows as a disagreement (`specserve bench report --check`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specserve.bench import report
+
+
+def test_readme_figures_agree_with_their_result_files():
+    assert report.differences() == "", "run `specserve bench report` and commit the README"
+
+
+def test_every_renderer_has_its_part_in_the_readme():
+    with open(report.README) as f:
+        names = [m.group("name") for m in report.BLOCK.finditer(f.read())]
+    assert sorted(names) == sorted(report.RENDERERS)
+
+
+@pytest.mark.parametrize("file, path", [("grammar.json", ("libraries", "llguidance", "compile_ms_median")),
+                                        ("router.json", ("cache_aware", "second_turn_ttft_ms_p50"))])
+def test_one_changed_digit_in_a_result_file_is_a_disagreement(tmp_path, file, path):
+    results = tmp_path / "bench_results"
+    shutil.copytree(report.RESULTS, results)
+    data = json.loads((results / file).read_text())
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] += 1.0  # one more in the units digit
+    (results / file).write_text(json.dumps(data))
+    assert report.differences(report.README, str(results)) != ""
+    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "report", "--check", "--results", str(results)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "disagree" in proc.stderr
+
+
+def test_a_part_without_a_renderer_is_an_error():
+    with pytest.raises(ValueError, match="no renderer for part 'nothing'"):
+        report.render_readme("<!-- render: nothing -->\n<!-- /render -->\n")
