@@ -104,14 +104,14 @@ def add_grammar_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_grammar_bench(ns: argparse.Namespace) -> int:
-    from specserve.bench.offline import cpu_description
+    from specserve.bench.provenance import provenance
     from specserve.models.loader import default_model_path
     from specserve.tokenizer.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
     rng = random.Random(18)
     schemas = [random_schema(rng) for _ in range(ns.schemas)]
-    results: dict[str, Any] = {"machine": cpu_description(), "schemas": ns.schemas, "libraries": {}}
+    results: dict[str, Any] = {**provenance(), "schemas": ns.schemas, "libraries": {}}
     for name, make in (("llguidance", _llguidance), ("xgrammar", _xgrammar)):
         backend = make(tokenizer)
         results["libraries"][name] = _library(backend, tokenizer, schemas) if backend else {"available": False}

@@ -38,7 +38,9 @@ def run_kernel_paths_bench(ns: argparse.Namespace) -> int:
     from specserve.kernels import dispatch
 
     paths = ns.paths.split(",") if ns.paths else list(dispatch.available_paths())
-    results: dict = {"machine": dispatch.machine_description(), "paths": {}}
+    from specserve.bench.provenance import provenance
+
+    results: dict = {**provenance(), "paths": {}}
     saved = os.environ.get(envs.CPU_KERNEL_PATH)
     with Engine(speculative_algorithm="NONE", random_seed=0) as engine:
         chat = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}])

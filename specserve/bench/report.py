@@ -22,9 +22,12 @@ import re
 import sys
 from typing import Any, Callable
 
+from specserve.bench.provenance import drafter_checksum
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
 RESULTS = os.path.join(REPO, "bench_results")
+SHIPPED_DRAFTER = os.path.join("specserve", "assets", "drafters", "smollm2-135m-instruct")
 BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- render: (?P<name>[\w-]+) -->\n)(?P<body>.*?)^(?P=indent)<!-- /render -->",
                    re.S | re.M)
 
@@ -35,13 +38,22 @@ def load(results: str, name: str) -> dict[str, Any]:
 
 
 def provenance(data: dict[str, Any], file: str) -> str:
-    """`bench_results/F` (machine; commit and date when recorded): the line under a rendered part."""
+    """`bench_results/F` (machine; commit and date when recorded; the drafter, marked when it is
+    not the shipped one): the line under a rendered part."""
     m = data.get("machine") or {}
-    machine = m.get("description") or ", ".join(
-        [m.get("model", "machine not recorded")] + ([f"{m['threads']} threads"] if "threads" in m else [])
-        + (["AVX512-BF16"] if m.get("avx512_bf16") else []) + (["AMX"] if m.get("amx") else ["no AMX"] if m else []))
+    if isinstance(m, str):  # older files: dispatch.machine_description()
+        machine = m
+    else:
+        machine = m.get("description") or ", ".join(
+            [m.get("model", "machine not recorded")] + ([f"{m['threads']} threads"] if "threads" in m else [])
+            + (["AVX512-BF16"] if m.get("avx512_bf16") else []) + (["AMX"] if m.get("amx") else ["no AMX"] if m else []))
     when = ", ".join(f"{k} {data[k]}" for k in ("commit", "date") if data.get(k)) or "commit and date not recorded"
-    return f"From `bench_results/{file}` ({machine}; {when})."
+    drafter = ""
+    if data.get("drafter"):
+        shipped = drafter_checksum(os.path.join(REPO, SHIPPED_DRAFTER))
+        drafter = ("; the shipped drafter" if data["drafter"].get("sha256") == shipped else
+                   f"; **drafter {data['drafter'].get('path')} is not the shipped one**")
+    return f"From `bench_results/{file}` ({machine}; {when}{drafter})."
 
 
 def render_grammar(results: str) -> str:

@@ -167,7 +167,7 @@ def throughput(url: str, model: str, questions: list[dict], ns: argparse.Namespa
 
 
 def run_router_bench(ns: argparse.Namespace) -> int:
-    from specserve.bench.offline import cpu_description
+    from specserve.bench.provenance import provenance
     from specserve.datasets import mtbench_questions
 
     questions = mtbench_questions()[:ns.num_conversations]
@@ -187,7 +187,7 @@ def run_router_bench(ns: argparse.Namespace) -> int:
         wait_for_workers(round_robin, 2, 120, alive=lambda: rr.poll() is None)
         for r in replicas:  # warm: the first request of a process pays one-off costs
             chat_stream(r, model, [{"role": "user", "content": "Hello"}], 4)
-        report: dict[str, Any] = {"machine": cpu_description(), "num_conversations": len(questions),
+        report: dict[str, Any] = {**provenance(), "num_conversations": len(questions),
                                   "concurrency": ns.concurrency, "first_tokens": ns.first_tokens,
                                   "second_tokens": ns.second_tokens, "serve_args": ns.serve_args}
         report["cache_aware"] = policy_run(router, router, replicas, model, questions, ns)

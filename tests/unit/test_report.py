@@ -43,3 +43,15 @@ def test_one_changed_digit_in_a_result_file_is_a_disagreement(tmp_path, file, pa
 def test_a_part_without_a_renderer_is_an_error():
     with pytest.raises(ValueError, match="no renderer for part 'nothing'"):
         report.render_readme("<!-- render: nothing -->\n<!-- /render -->\n")
+
+
+def test_provenance_names_the_machine_commit_and_marks_a_drafter_that_is_not_shipped():
+    shipped = report.drafter_checksum(f"{report.REPO}/{report.SHIPPED_DRAFTER}")
+    data = {"commit": "abc123", "date": "2026-12-02 16:00 UTC", "machine": {"description": "AMD EPYC, 2 cores"},
+            "drafter": {"path": "elsewhere", "sha256": "0" * 64}}
+    line = report.provenance(data, "x.json")
+    assert line.startswith("From `bench_results/x.json` (AMD EPYC, 2 cores; commit abc123, date 2026-12-02 16:00 UTC")
+    assert "**drafter elsewhere is not the shipped one**" in line
+    data["drafter"]["sha256"] = shipped
+    assert line != report.provenance(data, "x.json") and "; the shipped drafter)." in report.provenance(data, "x.json")
+    assert "commit and date not recorded" in report.provenance({"machine": "AMD EPYC"}, "old.json")
