@@ -35,11 +35,13 @@ def churn(eng) -> None:
         eng.generate(filler, sampling_params=GREEDY)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("algorithm", ["NONE", "DSPARK"])
-def test_evicted_prefix_reloads_from_host_with_identical_output(algorithm):
+def test_evicted_prefix_reloads_from_host_with_identical_output(algorithm, dtype):
     # DSPARK drafts every window whole (the policy off), so the drafts alone decide acceptance.
+    # bf16 runs the default path (the CPU kernels): the reloaded KV must give the same tokens there too.
     fixed = {"speculative_policy": "fixed"} if algorithm == "DSPARK" else {}
-    with engine(speculative_algorithm=algorithm, **fixed) as eng:
+    with engine(speculative_algorithm=algorithm, dtype=dtype, **fixed) as eng:
         first = eng.generate(PROMPT_A, sampling_params=GREEDY)
         churn(eng)
         assert eng.tree.stats.device_evicted_to_host > 0
