@@ -23,7 +23,7 @@ FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "window": (f"in [1, {MAX_DRAFT_TOKENS + 1}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS + 1),
     "wave": _AT_LEAST_1, "small_new_tokens": _AT_LEAST_1, "large_new_tokens": _AT_LEAST_1,
     "copy_delay_ms": _AT_LEAST_0, "forward_delay_ms": _AT_LEAST_0, "copy_lag_ms": _AT_LEAST_0, "max_minutes": _POSITIVE,
-    "random_input_words": _AT_LEAST_1, "request_rate": _POSITIVE, "warmup": _AT_LEAST_0, "timeout": _POSITIVE,
+    "random_input_words": _AT_LEAST_1, "runs": _AT_LEAST_1, "clean_tokens": _AT_LEAST_1, "request_rate": _POSITIVE, "warmup": _AT_LEAST_0, "timeout": _POSITIVE,
     "topk": _AT_LEAST_1, "num_layers": _AT_LEAST_1, "markov_rank": _AT_LEAST_1, "num_context_layers": _AT_LEAST_1,
     "block_size": (f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS),
     "mask_token_id": _AT_LEAST_0, "draft_vocab_size": _AT_LEAST_0, "steps": _AT_LEAST_1, "seqs_per_step": _AT_LEAST_1,
@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_overlap_bench_args(ovl)
     ServerArgs.add_cli_args(ovl)
+    seed = bench_sub.add_parser("seed-failure", help="the seed's failure (aliased accept buffers, rank 1 a step late) "
+                                "caught by the consensus checker, and the same runs with the fix")
+    from specserve.bench.seed_failure import add_seed_failure_args
+
+    add_seed_failure_args(seed)
     rep = bench_sub.add_parser("report", help="render the README's figures from the committed result files (--check: "
                                "fail on a disagreement)")
     from specserve.bench.report import add_report_args
@@ -335,6 +340,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.quality import run_quality_bench
 
             return run_quality_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "seed-failure":
+            from specserve.bench.seed_failure import run_seed_failure_bench
+
+            return run_seed_failure_bench(ns)
         if ns.command == "bench" and ns.bench_command == "report":
             from specserve.bench.report import run_report
 

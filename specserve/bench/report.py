@@ -86,7 +86,32 @@ def render_router(results: str) -> str:
         f"{provenance(data, 'router.json')}\n")
 
 
-RENDERERS: dict[str, Callable[[str], str]] = {"grammar": render_grammar, "router": render_router}
+def _span(values: list[float], unit: str) -> str:
+    """'median (min-max) unit' of a few runs."""
+    ordered = sorted(values)
+    return f"{ordered[len(ordered) // 2]:g} {unit} (min {ordered[0]:g}, max {ordered[-1]:g}, {len(values)} runs)"
+
+
+def render_seed_failure(results: str) -> str:
+    data = load(results, "seed_failure.json")
+    aliased, owned = data["aliased"], data["owned"]
+    caught = [r for r in aliased if r["caught"]]
+    sites = sorted({r["divergence"]["site"] for r in caught})
+    agreed = [r["divergence"]["agreed"] for r in caught]
+    late = [r["late_copies_rank1"] for r in owned]
+    return (f"- The seed's failure (`specserve bench seed-failure`: `SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1 "
+            f"specserve soak {' '.join(data['soak_flags'])}`, rank 1's host copies a step late): caught in "
+            f"{len(caught)} of {len(aliased)} runs (exit code 3, `Found rank divergence ...` first at site "
+            f"{', '.join(repr(s) for s in sites)} after {_span(agreed, 'agreed events')}), "
+            f"{_span([r['seconds'] for r in aliased], 's')} from process start (model loading included). The same "
+            f"lag with the fix (owned accept results): exit code 0 in {sum(r['exit_code'] == 0 for r in owned)} of "
+            f"{len(owned)} runs, {sum(r['rank_divergences'] or 0 for r in owned)} rank divergences, every event "
+            f"checked in {sum(r['events_checked'] == r['events_recorded'] for r in owned)}, rank 1's late copies "
+            f"{_span(late, 'a run')}. {provenance(data, 'seed_failure.json')}\n")
+
+
+RENDERERS: dict[str, Callable[[str], str]] = {"grammar": render_grammar, "router": render_router,
+                                              "seed-failure": render_seed_failure}
 
 
 def render_readme(text: str, results: str = RESULTS) -> str:
