@@ -106,7 +106,8 @@ def render_seed_failure(results: str) -> str:
             f"{_span([r['seconds'] for r in aliased], 's')} from process start (model loading included). The same "
             f"lag with the fix (owned accept results): exit code 0 in {sum(r['exit_code'] == 0 for r in owned)} of "
             f"{len(owned)} runs, {sum(r['rank_divergences'] or 0 for r in owned)} rank divergences, every event "
-            f"checked in {sum(r['events_checked'] == r['events_recorded'] for r in owned)}, rank 1's late copies "
+            f"checked in {sum(r['events_checked'] == r['events_recorded'] for r in owned)} of {len(owned)}, rank 1's "
+            f"late copies "
             f"{_span(late, 'a run')}. {provenance(data, 'seed_failure.json')}\n")
 
 
