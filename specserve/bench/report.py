@@ -111,8 +111,21 @@ def render_seed_failure(results: str) -> str:
             f"{_span(late, 'a run')}. {provenance(data, 'seed_failure.json')}\n")
 
 
+def _kernel_paths_table(results: str, file: str) -> str:
+    data = load(results, file)
+    rows = ["| path | decode, batch 1 (tok/s) | prefill, 1,024 tokens (tok/s) |", "|---|---|---|"]
+    for path, r in data["paths"].items():
+        ratio = lambda key: f" ({r[key]:.2f}x generic)" if path != "generic" and key in r else ""  # noqa: E731
+        rows.append(f"| {path} | {r['decode_tokens_per_s']:g}{ratio('decode_vs_generic')} | "
+                    f"{r['prefill_tokens_per_s']:g}{ratio('prefill_vs_generic')} |")
+    same = "the same on every path" if data["same_tokens_on_every_path"] else "**not the same on every path**"
+    return "\n".join(rows) + f"\n\nTokens: {same} (one run; the bench fails otherwise). {provenance(data, file)}\n"
+
+
 RENDERERS: dict[str, Callable[[str], str]] = {"grammar": render_grammar, "router": render_router,
-                                              "seed-failure": render_seed_failure}
+                                              "seed-failure": render_seed_failure,
+                                              "kernel-paths-avx2": lambda r: _kernel_paths_table(r, "kernel_paths.json"),
+                                              "kernel-paths-avx512": lambda r: _kernel_paths_table(r, "kernel_paths_avx512.json")}
 
 
 def render_readme(text: str, results: str = RESULTS) -> str:
