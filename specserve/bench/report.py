@@ -41,6 +41,8 @@ def provenance(data: dict[str, Any], file: str) -> str:
     """`bench_results/F` (machine; commit and date when recorded; the drafter, marked when it is
     not the shipped one): the line under a rendered part."""
     m = data.get("machine") or {}
+    if "cpu" in m and "model" not in m:  # spec_policy.json's older field name
+        m = {**m, "model": m["cpu"]}
     if isinstance(m, str):  # older files: dispatch.machine_description()
         machine = m
     else:
@@ -122,8 +124,41 @@ def _kernel_paths_table(results: str, file: str) -> str:
     return "\n".join(rows) + f"\n\nTokens: {same} (one run; the bench fails otherwise). {provenance(data, file)}\n"
 
 
+def _versus_none(row: dict[str, Any], none: dict[str, Any]) -> str:
+    """A config's ratio to NONE, called a gain or a loss only when the run ranges do not overlap."""
+    ratio = row.get("ratio_to_none") or row["tokens_per_s"] / none["tokens_per_s"]
+    runs, base = row["runs_tokens_per_s"], none["runs_tokens_per_s"]
+    if min(runs) > max(base):
+        return f"**{ratio:.2f}x**"
+    if max(runs) < min(base):
+        return f"{ratio:.2f}x"
+    return f"{ratio:.2f}x, within noise"
+
+
+def render_spec_policy(results: str) -> str:
+    data = load(results, "spec_policy.json")
+    rows = {(r["workload"], r["batch_size"], r["config"]): r for r in data["table"]}
+    sizes = sorted({bs for _, bs, _ in rows})
+    configs = ["NONE", "NGRAM", "DSPARK", "DEFAULT"]
+    lines = ["| tok/s: median (min-max of the runs), ratio to NONE | " + " | ".join(f"bs {b}" for b in sizes) + " |",
+             "|---|" + "---|" * len(sizes)]
+    for workload, label in (("mtbench", "MT-Bench"), ("humaneval", "HumanEval")):
+        for config in configs:
+            cells = []
+            for bs in sizes:
+                row, none = rows[(workload, bs, config)], rows[(workload, bs, "NONE")]
+                runs = row["runs_tokens_per_s"]
+                cell = f"{row['tokens_per_s']:.1f} ({min(runs):.1f}-{max(runs):.1f})"
+                cells.append(cell if config == "NONE" else f"{cell} {_versus_none(row, none)}")
+            lines.append(f"| {label} {config} | " + " | ".join(cells) + " |")
+    same = all(r["identical_to_none"] for r in data["table"])
+    return "\n".join(lines) + (f"\n\nA ratio is bold only where every run of the configuration beat every run "
+                                f"of NONE. Tokens equal NONE's in every run: {'yes' if same else '**no**'}. "
+                                f"{provenance(data, 'spec_policy.json')}\n")
+
+
 RENDERERS: dict[str, Callable[[str], str]] = {"grammar": render_grammar, "router": render_router,
-                                              "seed-failure": render_seed_failure,
+                                              "seed-failure": render_seed_failure, "spec-policy": render_spec_policy,
                                               "kernel-paths-avx2": lambda r: _kernel_paths_table(r, "kernel_paths.json"),
                                               "kernel-paths-avx512": lambda r: _kernel_paths_table(r, "kernel_paths_avx512.json")}
 
