@@ -41,11 +41,11 @@ def provenance(data: dict[str, Any], file: str) -> str:
     """`bench_results/F` (machine; commit and date when recorded; the drafter, marked when it is
     not the shipped one): the line under a rendered part."""
     m = data.get("machine") or {}
-    if "cpu" in m and "model" not in m:  # spec_policy.json's older field name
-        m = {**m, "model": m["cpu"]}
     if isinstance(m, str):  # older files: dispatch.machine_description()
         machine = m
     else:
+        if "cpu" in m and "model" not in m:  # spec_policy.json's older field name
+            m = {**m, "model": m["cpu"]}
         machine = m.get("description") or ", ".join(
             [m.get("model", "machine not recorded")] + ([f"{m['threads']} threads"] if "threads" in m else [])
             + (["AVX512-BF16"] if m.get("avx512_bf16") else []) + (["AMX"] if m.get("amx") else ["no AMX"] if m else []))
