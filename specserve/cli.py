@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.bench.seed_failure import add_seed_failure_args
 
     add_seed_failure_args(seed)
+    tpc = bench_sub.add_parser("tp-cost", help="TP 1 vs TP 2, with and without the consensus checker: soak runs "
+                               "of one token budget, interleaved")
+    from specserve.bench.tp_cost import add_tp_cost_args
+
+    add_tp_cost_args(tpc)
     rep = bench_sub.add_parser("report", help="render the README's figures from the committed result files (--check: "
                                "fail on a disagreement)")
     from specserve.bench.report import add_report_args
@@ -340,6 +345,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specserve.bench.quality import run_quality_bench
 
             return run_quality_bench(ns, ServerArgs.from_cli_args(ns))
+        if ns.command == "bench" and ns.bench_command == "tp-cost":
+            from specserve.bench.tp_cost import run_tp_cost_bench
+
+            return run_tp_cost_bench(ns)
         if ns.command == "bench" and ns.bench_command == "seed-failure":
             from specserve.bench.seed_failure import run_seed_failure_bench
 

@@ -79,7 +79,10 @@ def run_dspark_step_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
 
     base = {k: v for k, v in vars(args).items() if not k.startswith("speculative_")}
     questions = mtbench_first_turns()[:ns.num_prompts]
-    report: dict[str, Any] = {"batch_sizes": {}}
+    from specserve.bench.provenance import provenance
+
+    report: dict[str, Any] = {**provenance(args.speculative_draft_model_path), "new_tokens": ns.new_tokens,
+                              "num_prompts": len(questions), "batch_sizes": {}}
     with Engine(**base, speculative_algorithm="NONE") as plain, \
             Engine(**base, speculative_algorithm="DSPARK", speculative_policy="fixed",
                    speculative_draft_model_path=args.speculative_draft_model_path) as spec:

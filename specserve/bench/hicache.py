@@ -55,8 +55,10 @@ def run_config(args: ServerArgs, ns: argparse.Namespace, hicache: bool) -> dict[
 def run_hicache_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     radix = run_config(args, ns, hicache=False)
     hier = run_config(args, ns, hicache=True)
-    report = {"radix_only": radix, "hicache": hier, "ttft_ratio": radix["ttft_ms_mean"] / hier["ttft_ms_mean"],
-              "device_tokens": ns.device_tokens, "num_questions": ns.num_questions}
+    from specserve.bench.provenance import provenance
+
+    report = {**provenance(args.speculative_draft_model_path if args.speculating else None), "radix_only": radix, "hicache": hier, "ttft_ratio": radix["ttft_ms_mean"] / hier["ttft_ms_mean"],
+              "device_tokens": ns.device_tokens, "num_questions": ns.num_questions, "answer_tokens": ns.answer_tokens}
     print(json.dumps(report, indent=1))
     if ns.out:
         with open(ns.out, "w") as f:

@@ -192,6 +192,9 @@ def run_offline_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     report: dict[str, Any] = {"model": path, "dtype": str(dtype), "new_tokens": ns.new_tokens,
                               "batch_size": ns.batch_size, "threads": torch.get_num_threads()}
     report["cpu"] = cpu_description()
+    from specserve.bench.provenance import provenance
+
+    report.update(provenance(args.speculative_draft_model_path if args.speculating else None))
     report["specserve"] = bench_specserve(args, ns)
     print("specserve:", json.dumps(report["specserve"]))
     peers = [] if ns.skip_hf and not ns.peer else (ns.peer or ["transformers"])

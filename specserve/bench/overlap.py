@@ -96,6 +96,8 @@ def bench_algorithm(args: ServerArgs, algorithm: str, sizes: list[int], ns) -> l
 
 
 def run_overlap_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
+    from specserve.bench.provenance import provenance
+
     algorithms = [a.strip().upper() for a in ns.algorithms.split(",") if a.strip()]
     if "DSPARK" in algorithms and not args.speculative_draft_model_path:
         raise ValueError("speculative_draft_model_path: DSPARK needs a drafter (`specserve init-drafter --out DIR`)")
@@ -108,5 +110,7 @@ def run_overlap_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     print(f"{label}: worst {worst:.3f}, best {max(r['ratio'] for r in rows):.3f}")
     if ns.out:
         with open(ns.out, "w") as f:
-            json.dump({"rows": rows, "worst_ratio": worst}, f, indent=2)
+            json.dump({**provenance(args.speculative_draft_model_path if "DSPARK" in algorithms else None),
+                       "compare": ns.compare, "new_tokens": ns.new_tokens, "repeats": ns.repeats,
+                       "rows": rows, "worst_ratio": worst}, f, indent=2)
     return 0

@@ -74,7 +74,10 @@ def match_rate(reference: list[list[int]], other: list[list[int]]) -> dict[str, 
 def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.engine import Engine
 
-    report: dict[str, Any] = {"threads": torch.get_num_threads()}
+    from specserve.bench.provenance import provenance
+
+    report: dict[str, Any] = {**provenance(), "threads": torch.get_num_threads(), "num_prompts": ns.num_prompts,
+                              "new_tokens": ns.new_tokens}
     greedy = {"temperature": 0, "max_new_tokens": ns.new_tokens}
     outputs = {}
     for dtype in ("float32", "bfloat16"):

@@ -193,6 +193,20 @@ async def warm_up(target: Target, prompts: list[str], ns) -> None:
             await target.request(http, prompt, min(ns.max_tokens, 32), ns.temperature, ns.timeout)
 
 
+def server_settings(url: str) -> dict[str, Any]:
+    """What a specserve server says it runs (/server_info: algorithm, policy, drafter); {} from a
+    server without that route (llama.cpp's)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/server_info", timeout=10) as resp:
+            info = json.load(resp)
+    except (OSError, ValueError):
+        return {}
+    keys = ("speculative_algorithm", "speculative_policy", "speculative_draft_model_path", "dtype", "tp_size")
+    return {k: info.get(k) for k in keys if k in info}
+
+
 def parse_targets(specs: Optional[list[str]]) -> list[tuple[str, str]]:
     out = []
     for spec in specs or ["specserve=http://127.0.0.1:30000"]:
@@ -239,7 +253,12 @@ def run_serving_bench(ns: argparse.Namespace) -> int:
                 run = asyncio.run(run_one(target, prompts, c, ns.request_rate, ns, bar))
             runs.append(run)
             tqdm.write(_line(run))
-    report = {"dataset": ns.dataset, "num_prompts": len(prompts), "max_tokens": ns.max_tokens,
+    from specserve.bench.provenance import provenance
+
+    servers = {name: server_settings(url) for name, url in targets_spec}
+    drafters = [s["speculative_draft_model_path"] for s in servers.values() if s.get("speculative_draft_model_path")]
+    report = {**provenance(drafters[0] if drafters else None), "servers": servers,
+              "dataset": ns.dataset, "num_prompts": len(prompts), "max_tokens": ns.max_tokens,
               "temperature": ns.temperature, "request_rate": ns.request_rate,
               "runs": [asdict(r) for r in runs], "ratios": ratios(runs)}
     for row in report["ratios"]:

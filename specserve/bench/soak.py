@@ -57,6 +57,7 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
                    help="leave the checker to SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER (off: divergences null)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    p.add_argument("--out", default=None, help="write the summary, the flags and the provenance to this JSON file")
 
 
 SOAK_DEFAULTS = dict(tp_size=2, speculative_algorithm="DSPARK", schedule_policy="shortest-prefill-first",
@@ -92,7 +93,7 @@ def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
     engine = Engine(**vars(args))
     ready = time.monotonic()
     processed = generated = requests = 0
-    accept_steps = accept_tokens = 0
+    verify_steps = accepted_drafts = 0
     try:
         while not _budget_spent(ns, ready, processed):
             wave = [rng.choice(prompts) for _ in range(ns.wave)]
@@ -102,8 +103,8 @@ def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
                 meta = out["meta_info"]
                 processed += meta["prompt_tokens"] + meta["completion_tokens"]
                 generated += meta["completion_tokens"]
-                accept_steps += meta.get("spec_verify_ct", 0)
-                accept_tokens += meta["completion_tokens"] if meta.get("spec_verify_ct") else 0
+                verify_steps += meta.get("spec_verify_ct", 0)  # steps with drafts only, as the README defines
+                accepted_drafts += meta.get("spec_num_correct_drafts", 0)
             requests += len(wave)
             elapsed = time.monotonic() - ready
             print(f"soak: {elapsed:7.1f} s, {requests} requests, {processed} tokens processed, {generated} generated "
@@ -114,16 +115,33 @@ def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
     summary = {"tokens_processed": processed, "tokens_generated": generated, "requests": requests,
                "seconds": round(finished - ready, 1), "startup_seconds": round(ready - started, 1),
                "generated_tokens_per_s": round(generated / max(finished - ready, 1e-9), 2),
-               "accept_length": round(accept_tokens / accept_steps, 3) if accept_steps else None}
+               "accept_length": round(1 + accepted_drafts / verify_steps, 3) if verify_steps else None,
+               "verify_steps": verify_steps, "accepted_drafts": accepted_drafts}
     checker_on = args.tp_size > 1 and (not ns.no_consensus_checker or engine.consensus is not None)
     figures, problems = measured_figures(engine.rank_figures, checker_on)
     summary.update(figures)
     print(json.dumps(summary) if ns.json else
           "soak: done: " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    if ns.out:
+        write_result(ns, args, summary, problems)
     if problems:
         print("soak: FAILED: " + "; ".join(problems), flush=True)
         return 1
     return 0
+
+
+def write_result(ns: argparse.Namespace, args: ServerArgs, summary: dict[str, Any], problems: list[str]) -> None:
+    from specserve.bench.provenance import provenance
+
+    faults = {k: getattr(ns, k) for k in ("copy_delay_ms", "forward_delay_ms", "copy_lag_ms", "copy_lag_ranks")}
+    config = {k: getattr(args, k) for k in ("tp_size", "speculative_algorithm", "speculative_policy", "dtype",
+                                            "enable_hierarchical_cache", "max_total_tokens", "disable_overlap_schedule")}
+    record = {**provenance(args.speculative_draft_model_path if args.speculating else None),
+              "budget": {"max_minutes": ns.max_minutes, "max_tokens": ns.max_tokens}, "faults": faults,
+              "config": config, "consensus_checker": not ns.no_consensus_checker, "summary": summary,
+              "problems": problems}
+    with open(ns.out, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 def measured_figures(ranks: Optional[list[dict]], checker_on: bool) -> tuple[dict[str, Any], list[str]]:

@@ -81,9 +81,9 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
         gc.collect()
     peers = run_peers(ns, args, workloads["mtbench"], tokenizer)
     report = summarize(runs, peers, cost)
-    from specserve.kernels.dispatch import cpu_flags, cpu_model
+    from specserve.bench.provenance import provenance
 
-    report["machine"] = {"cpu": cpu_model(), "amx": "amx_bf16" in cpu_flags(), "threads": torch.get_num_threads()}
+    report.update(provenance(args.speculative_draft_model_path), new_tokens=ns.new_tokens, repeats=ns.repeats)
     print(json.dumps({k: report[k] for k in ("ratios", "targets")}, indent=2))
     if ns.out:
         with open(ns.out, "w") as f:

@@ -8,7 +8,7 @@ full unsharded weight in `load()` and keeps only its own shard, so the loader st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,20 @@ class TPContext:
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self.group.model_all_gather(x) if self.size > 1 else [x]
+
+    def chain(self, partial: Callable[[Optional[torch.Tensor]], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """Float32 sums over a dimension split across ranks, run as one chain in rank order: rank r
+        continues rank r-1's sums (`partial(init)`, None on rank 0) and broadcasts them, so every rank
+        ends with the sums the unsplit layer forms, bit for bit (an all-reduce would add the ranks'
+        partial sums in another order than one rank's kernel). The ranks' shares run one after another."""
+        carried: Optional[torch.Tensor] = None
+        for src in range(self.size):
+            if src == self.rank:
+                carried = partial(carried).contiguous()
+            elif carried is None:
+                carried = torch.empty(shape, dtype=torch.float32)
+            self.group.broadcast_(carried, "model.row_parallel_chain", src=src, on_model_group=True)
+        return carried
 
     def shard(self, full: int) -> tuple[int, int]:
         if full % self.size:
@@ -194,8 +208,23 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, after the reduction, so it is not counted tp_size times.
-        y = self.tp.all_reduce(self.matmul(x))
+        y = self._chained(x) if self.kernel is not None and self.tp.size > 1 else self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
+
+    def _chained(self, x: torch.Tensor) -> torch.Tensor:
+        """specserve's kernels under TP: the shards' sums as one chain (TPContext.chain), rounded to
+        bf16 once as the kernel rounds its own output, so TP N computes what TP 1 computes."""
+        flat = x.reshape(-1, x.shape[-1])
+        kernel = self.kernel
+        sums = self.tp.chain(lambda init: kernel(flat, torch.float32) if init is None else kernel.continue_sums(flat, init),
+                             (flat.shape[0], kernel.n))
+        return round_to_bf16_like_kernels(sums).view(*x.shape[:-1], kernel.n)
+
+
+def round_to_bf16_like_kernels(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bf16 as the kernels store it (csrc/simd.h f32_to_bf16): round to nearest even,
+    with float32 subnormals flushed to signed zero first."""
+    return torch.where(x.abs() < torch.finfo(torch.float32).tiny, x * 0.0, x).to(torch.bfloat16)
 
 
 class VocabParallelEmbedding(nn.Module):

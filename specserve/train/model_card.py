@@ -52,29 +52,66 @@ def write_model_card(out: str, state: dict) -> None:
         "",
         "## Extensions",
         "",
-        "Each row is one `specserve train-drafter` run. Steps are cumulative. *Held-out TF* is the teacher-forced "
-        "accept length at random anchors on the line's fixed held-out corpus sequences (`held_out_keys`). "
+        "Each row is one `specserve train-drafter` run. Steps are cumulative. " + _held_out_text(state) + " "
         "*Dev* is the served accept length on the "
         "development prompts (bf16, DSPARK fixed, greedy, 256 new tokens). Each run measures the drafter it "
         "replaces in the same run.",
         "",
-        "| # | date | answer tokens trained on | steps | train min | teacher min | positions/s | held-out TF | dev (new / replaced) | promoted |",
+        f"| # | date | answer tokens trained on | steps | train min | teacher min | positions/s | {_held_out_header(state)} "
+        "| dev (new / replaced) | promoted |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    blocks = _line_blocks(state)
     for n, e in enumerate(state.get("extensions", [])):
         dev = e.get("dev")
         dev_text = f"{dev['new_dev_accept_length']:.3f} / {dev['shipped_dev_accept_length']:.3f}" if dev else "-"
         promoted = ("yes" if dev["promoted"] else "no") if dev else e.get("promoted_note", "-")
-        tf = e.get("held_out_teacher_forced", {}).get("after", {}).get("accept_length")
         lines.append(f"| {n} | {e.get('date', '-')} | {e.get('train_answer_tokens', '-')} | {e.get('steps', '-')} | "
                      f"{e.get('train_minutes', '-')} | {e.get('teacher_minutes', '-')} | {e.get('positions_per_s', '-')} | "
-                     f"{'-' if tf is None else f'{tf:.3f}'} | {dev_text} | {promoted} |")
+                     f"{_held_out_cell(e, blocks)} | {dev_text} | {promoted} |")
     notes = [e["note"] for e in state.get("extensions", []) if e.get("note")]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     lines += _served_lines(state)
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _line_records(state: dict) -> list[dict]:
+    return [e["held_out_line"] for e in state.get("extensions", []) if e.get("held_out_line")]
+
+
+def _line_blocks(state: dict):
+    """The block count every line-wide figure shares (None if none is recorded or they differ)."""
+    counts = {r["blocks"] for r in _line_records(state)}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def _held_out_header(state: dict) -> str:
+    blocks = _line_blocks(state)
+    return f"held-out TF (line, {blocks} blocks)" if blocks else "held-out TF (line)"
+
+
+def _held_out_cell(ext: dict, blocks) -> str:
+    """The line-wide figure only: a run's own held-out score is on another set, so it never stands in."""
+    rec = ext.get("held_out_line")
+    if not rec or rec.get("accept_length") is None:
+        return "-"
+    return f"{rec['accept_length']:.3f}" + ("" if rec["blocks"] == blocks else f" ({rec['blocks']} blocks)")
+
+
+def _held_out_text(state: dict) -> str:
+    records = _line_records(state)
+    text = ("*Held-out TF (line)* is the teacher-forced accept length of each row's weights on one held-out set for "
+            "the whole line: the corpus sequences of the line's fixed held-out prompts (`held_out_keys`)")
+    if records:
+        r = records[-1]
+        text += (f", {r['sequences']} sequences of {', '.join(r['sources'])} for {r['keys']} keys, "
+                 f"{r['anchors_per_seq']} random anchors each (seed {r['seed']}), {r['precision']}")
+    return text + (". Every row's weights are taken from the git commit that holds them and rescored by "
+                   "`specserve eval-drafter --rescore-line` (`held_out_line` in `train_state.json`); '-' is a row "
+                   "not rescored. A run's own before/after score (`held_out_teacher_forced`) is on the held-out "
+                   "sequences of the shards that run chose, a set that differs between runs, and is not shown.")
 
 
 def _served_lines(state: dict) -> list[str]:

@@ -56,7 +56,7 @@ void linears(Draw& d) {
     group_sums(x.data(), k, m, k, sums.data());
     const PackedWeight w{fmt, codes.data(), scale.data(), zero.data(), n, k, ExponentRange{-1, -1, false}};
     std::vector<float> out(m * n);
-    linear_blocks(Path::Generic, w, x.data(), k, m, sums.data(), nullptr, 0, blocks, out.data(), n, false);
+    linear_blocks(Path::Generic, w, x.data(), k, m, sums.data(), nullptr, 0, blocks, out.data(), n, false, false);
     emit(out.data(), out.size() * sizeof(float));
   }
 }

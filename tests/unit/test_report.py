@@ -14,17 +14,23 @@ from specserve.bench import report
 
 
 def test_readme_figures_agree_with_their_result_files():
-    assert report.differences() == "", "run `specserve bench report` and commit the README"
+    assert report.differences() == "", "run `specserve bench report` and commit the documents"
 
 
-def test_every_renderer_has_its_part_in_the_readme():
-    with open(report.README) as f:
-        names = [m.group("name") for m in report.BLOCK.finditer(f.read())]
+def test_every_renderer_has_exactly_one_part_in_the_documents():
+    names = []
+    for path in report.DOCUMENTS:
+        with open(path) as f:
+            names += [m.group("name") for m in report.BLOCK.finditer(f.read())]
     assert sorted(names) == sorted(report.RENDERERS)
 
 
 @pytest.mark.parametrize("file, path", [("grammar.json", ("libraries", "llguidance", "compile_ms_median")),
-                                        ("router.json", ("cache_aware", "second_turn_ttft_ms_p50"))])
+                                        ("router.json", ("cache_aware", "second_turn_ttft_ms_p50")),
+                                        ("tp_cost.json", ("generated_tokens_per_s", "tp1", "median")),
+                                        ("soak.json", ("summary", "tokens_generated")),
+                                        ("offline_bf16_kernels.json", ("specserve", "prefill_tok_s")),
+                                        ("hicache_mtbench.json", ("hicache", "ttft_ms_p50"))])
 def test_one_changed_digit_in_a_result_file_is_a_disagreement(tmp_path, file, path):
     results = tmp_path / "bench_results"
     shutil.copytree(report.RESULTS, results)
@@ -55,3 +61,19 @@ def test_provenance_names_the_machine_commit_and_marks_a_drafter_that_is_not_shi
     data["drafter"]["sha256"] = shipped
     assert line != report.provenance(data, "x.json") and "; the shipped drafter)." in report.provenance(data, "x.json")
     assert "commit and date not recorded" in report.provenance({"machine": "AMD EPYC"}, "old.json")
+
+
+def test_a_ratio_is_a_gain_only_when_every_run_beats_every_baseline_run():
+    from specserve.bench.render.common import versus
+
+    assert versus(1.06, [115.9, 119.9, 111.8], [108.6, 113.0, 109.2]) == "1.06x, within noise"  # ranges overlap
+    assert versus(1.20, [119.6, 131.7, 123.5], [102.0, 105.2, 103.1]) == "**1.20x**"
+    assert versus(0.50, [50.0, 52.0], [100.0, 104.0]) == "0.50x"
+
+
+def test_tp_cost_calls_overlapping_arms_within_noise():
+    from specserve.bench.tp_cost import compare, spread
+
+    assert compare(spread([12.6, 11.0]), spread([11.6, 12.0]))["within_noise"] is True
+    slower = compare(spread([11.0, 11.5]), spread([30.0, 32.3]))
+    assert slower["within_noise"] is False and slower["ratio"] < 0.4

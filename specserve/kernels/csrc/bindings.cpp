@@ -49,7 +49,8 @@ Path checked_path(int64_t path) {
 const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
-                     int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi) {
+                     int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi,
+                     c10::optional<torch::Tensor> init) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, "specserve linear: x must be bf16 on CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "specserve linear: x must be [M, ", k, "] with contiguous rows");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
@@ -58,7 +59,12 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
   const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
   TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k), "specserve linear: packed codes have the wrong size");
   const int64_t m = x.size(0);
-  auto out = torch::empty({m, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  const bool accumulate = init.has_value();
+  TORCH_CHECK(!accumulate || (!out_bf16 && init->scalar_type() == torch::kFloat32 && init->dim() == 2 &&
+                              init->size(0) == x.size(0) && init->size(1) == n),
+              "specserve linear: init must be float32 [M, ", n, "] and the output float32");
+  auto out = accumulate ? init->contiguous().clone()
+                        : torch::empty({m, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
   if (m == 0) return out;
   const Path p = checked_path(path);
   std::vector<float> sums;
@@ -93,7 +99,7 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
   }
   void* od = out.data_ptr();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), &avx2, begin, end, od, n, out_bf16);
+    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), &avx2, begin, end, od, n, out_bf16, accumulate);
   });
   return out;
 }
@@ -219,7 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2_fma", &specserve::cpu_has_avx2_fma, "CPU supports AVX2 and FMA");
   m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight", py::arg("x"), py::arg("format"),
         py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"), py::arg("out_bf16"),
-        py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1);
+        py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1, py::arg("init") = py::none());
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
   m.def("silu_mul", &specserve::silu_mul, "silu(gate) * up of [rows, 2f] gate_up");

@@ -49,12 +49,15 @@ inline uint32_t weight_word(const PackedWeight& w, const uint8_t* block, int64_t
 }
 
 void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t ldx, int64_t m,
-                   const float* gs, void* out, int64_t ldo, bool out_bf16) {
+                   const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const uint8_t* block = w.codes + b * block_bytes(w.format, w.k);
   const int64_t G = groups(w);
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* row = x + r * ldx;
     float acc[kBlockCols] = {0};
+    if (accumulate)  // continue the sums already in out (fp32): a chain over K split across ranks
+      for (int lane = 0; lane < kBlockCols && b * kBlockCols + lane < w.n; ++lane)
+        acc[lane] = static_cast<const float*>(out)[r * ldo + b * kBlockCols + lane];
     if (w.format == WeightFormat::BF16) {
       for (int64_t pair = 0; pair < pairs(w); ++pair) {
         uint32_t xw = x_pair(row, w.k, pair);
@@ -110,7 +113,7 @@ SPECSERVE_AVX512 inline __m512i x_word(const uint16_t* row, int64_t k, int64_t p
 // R rows x NBT column blocks; every (row, column) sees the same operation sequence whatever R and NBT are.
 template <WeightFormat F, int R, int NBT>
 SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx,
-                                  const float* gs, void* out, int64_t ldo, bool out_bf16) {
+                                  const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t bytes = block_bytes(F, w.k), G = groups(w);
   const uint8_t* blocks[NBT];
   for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
@@ -118,7 +121,13 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
   for (int r = 0; r < R; ++r) rows[r] = x + r * ldx;
   __m512 acc[R][NBT];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NBT; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NBT; ++j) {
+      const int64_t col = (b0 + j) * kBlockCols;
+      const __mmask16 keep = __mmask16((1u << std::min<int64_t>(kBlockCols, w.n - col)) - 1u);
+      // accumulate: continue the fp32 sums already in out (a chain over K split across ranks)
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(keep, static_cast<const float*>(out) + r * ldo + col)
+                             : _mm512_setzero_ps();
+    }
 
   if constexpr (F == WeightFormat::BF16) {
     for (int64_t pair = 0; pair < pairs(w); ++pair) {
@@ -189,15 +198,15 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
 
 template <WeightFormat F, int R>
 SPECSERVE_AVX512 void rows_avx512(const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x, int64_t ldx,
-                                  const float* gs, void* out, int64_t ldo, bool out_bf16) {
+                                  const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int kWide = R <= 2 ? 4 : 2;  // keep 2 * R * NBT accumulators within the 32 registers
-  for (; b + kWide <= b_end; b += kWide) tile_avx512<F, R, kWide>(w, b, x, ldx, gs, out, ldo, out_bf16);
-  for (; b < b_end; ++b) tile_avx512<F, R, 1>(w, b, x, ldx, gs, out, ldo, out_bf16);
+  for (; b + kWide <= b_end; b += kWide) tile_avx512<F, R, kWide>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_avx512<F, R, 1>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
 
 template <WeightFormat F>
 SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int64_t b_end, const uint16_t* x,
-                                    int64_t ldx, int64_t m, const float* gs, void* out, int64_t ldo, bool out_bf16) {
+                                    int64_t ldx, int64_t m, const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t G = w.format == WeightFormat::BF16 ? 0 : groups(w);
   const size_t elem = out_bf16 ? 2 : 4;
   // Column chunks outside, row tiles inside: a chunk's weights stay in cache across the rows.
@@ -206,12 +215,12 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
     int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
     for (; r + 4 <= m; r += 4)
-      rows_avx512<F, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16);
+      rows_avx512<F, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
     void* o = static_cast<char*>(out) + r * ldo * elem;
     switch (m - r) {
-      case 3: rows_avx512<F, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16); break;
-      case 2: rows_avx512<F, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16); break;
-      case 1: rows_avx512<F, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16); break;
+      case 3: rows_avx512<F, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 2: rows_avx512<F, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 1: rows_avx512<F, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
       default: break;
     }
   }
@@ -241,23 +250,23 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out
 
 void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
                    const float* gs, const Avx2Rows* avx2, int64_t block_begin, int64_t block_end, void* out,
-                   int64_t ldo, bool out_bf16) {
+                   int64_t ldo, bool out_bf16, bool accumulate) {
 #if SPECSERVE_X86
   if (path == Path::Avx2Fma) {
-    linear_blocks_avx2(w, *avx2, m, gs, block_begin, block_end, out, ldo, out_bf16);
+    linear_blocks_avx2(w, *avx2, m, gs, block_begin, block_end, out, ldo, out_bf16, accumulate);
     return;
   }
   if (path == Path::Avx512Bf16) {
     switch (w.format) {
-      case WeightFormat::Q4: blocks_avx512<WeightFormat::Q4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
-      case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
-      default: blocks_avx512<WeightFormat::BF16>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16); break;
+      case WeightFormat::Q4: blocks_avx512<WeightFormat::Q4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+      case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+      default: blocks_avx512<WeightFormat::BF16>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
     }
     return;
   }
 #endif
   (void)avx2;
-  for (int64_t b = block_begin; b < block_end; ++b) block_generic(w, b, x, ldx, m, gs, out, ldo, out_bf16);
+  for (int64_t b = block_begin; b < block_end; ++b) block_generic(w, b, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
 }
 
 }  // namespace specserve

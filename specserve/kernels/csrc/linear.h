@@ -47,7 +47,9 @@ constexpr int kGroup = 32;
 int64_t block_bytes(WeightFormat format, int64_t k);
 
 // Rows [0, m) of x (bf16, row stride ldx) times columns of blocks [block_begin, block_end).
-// out is float32 or bf16 (row stride ldo). group_sums[m][K/32] = sum of x per group (Q4 only).
+// out is float32 or bf16 (row stride ldo); with accumulate (float32 out only) every sum starts from
+// the value already in out instead of zero, so a K split across ranks can run as one chain whose
+// operations are exactly those of the unsplit layer. group_sums[m][K/32] = sum of x per group (Q4 only).
 // avx2 (AVX2 path only): the rows prepared by prepare_avx2_row.
 struct Avx2Rows {
   const float* x;        // [m][ldx] x as float, subnormals flushed, zero-padded to an even length
@@ -56,11 +58,11 @@ struct Avx2Rows {
 };
 void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t ldx, int64_t m,
                    const float* group_sums, const Avx2Rows* avx2, int64_t block_begin, int64_t block_end,
-                   void* out, int64_t ldo, bool out_bf16);
+                   void* out, int64_t ldo, bool out_bf16, bool accumulate);
 
 // The AVX2 path (linear_avx2.cpp), reached through linear_blocks.
 void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& x, int64_t m, const float* group_sums,
-                        int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16);
+                        int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16, bool accumulate);
 
 // One row of x for the AVX2 path: its floats (out[(k + 1) / 2 * 2]) and whether FMAs give it
 // exactly the flushing dot products of the generic path with w (the returned flag).

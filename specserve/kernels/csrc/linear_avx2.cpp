@@ -76,13 +76,22 @@ SPECSERVE_AVX2 inline void x_pair8(const float* row, int64_t pair, __m256& hi, _
 
 template <WeightFormat F, int R, int NBT, bool Flush>
 SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x, int64_t ldx, const float* gs,
-                              void* out, int64_t ldo, bool out_bf16) {
+                              void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t bytes = block_bytes(F, w.k), G = w.k / kGroup;
   const uint8_t* blocks[NBT];
   for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
   __m256 acc[R][NBT][2];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NBT; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < NBT; ++j) {
+      acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+      if (accumulate) {  // continue the fp32 sums already in out (a chain over K split across ranks)
+        const int64_t col = (b0 + j) * kBlockCols, valid = std::min<int64_t>(kBlockCols, w.n - col);
+        alignas(32) float lanes[kBlockCols] = {0};
+        std::memcpy(lanes, static_cast<const float*>(out) + r * ldo + col, valid * 4);
+        acc[r][j][0] = _mm256_load_ps(lanes);
+        acc[r][j][1] = _mm256_load_ps(lanes + 8);
+      }
+    }
 
   if constexpr (F == WeightFormat::BF16) {
     FlushDenormalsScope flush(Flush);
@@ -169,17 +178,17 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
 
 template <WeightFormat F, int R, bool Flush>
 SPECSERVE_AVX2 void rows_avx2(const PackedWeight& w, int64_t b, int64_t b_end, const float* x, int64_t ldx,
-                              const float* gs, void* out, int64_t ldo, bool out_bf16) {
+                              const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int kWide = R <= 2 ? 2 : 1;  // keep the 2 * R * NBT partial sums within the 16 registers
-  for (; b + kWide <= b_end; b += kWide) tile_avx2<F, R, kWide, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16);
-  for (; b < b_end; ++b) tile_avx2<F, R, 1, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16);
+  for (; b + kWide <= b_end; b += kWide) tile_avx2<F, R, kWide, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_avx2<F, R, 1, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
 
 template <WeightFormat F, int R>
 SPECSERVE_AVX2 void rows_either(bool exact, const PackedWeight& w, int64_t b, int64_t b_end, const float* x,
-                                int64_t ldx, const float* gs, void* out, int64_t ldo, bool out_bf16) {
-  if (exact) rows_avx2<F, R, false>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16);
-  else rows_avx2<F, R, true>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16);
+                                int64_t ldx, const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+  if (exact) rows_avx2<F, R, false>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  else rows_avx2<F, R, true>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
 
 #endif  // SPECSERVE_X86
@@ -210,7 +219,7 @@ bool rows_exact(const ExponentRange& x, const ExponentRange& w) {
 
 #if SPECSERVE_X86
 void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t m, const float* gs,
-                        int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16) {
+                        int64_t block_begin, int64_t block_end, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const float* x = rows_in.x;
   const int64_t ldx = rows_in.ldx;
   const uint8_t* row_exact = rows_in.exact;
@@ -228,10 +237,10 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t 
       auto run = [&](auto fmt) {
         constexpr WeightFormat F = decltype(fmt)::value;
         switch (rows) {
-          case 4: rows_either<F, 4>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
-          case 3: rows_either<F, 3>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
-          case 2: rows_either<F, 2>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
-          default: rows_either<F, 1>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16); break;
+          case 4: rows_either<F, 4>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 3: rows_either<F, 3>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 2: rows_either<F, 2>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          default: rows_either<F, 1>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
         }
       };
       switch (w.format) {

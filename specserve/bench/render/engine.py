@@ -1,0 +1,126 @@
+"""Rendered parts about the engine itself: the CPU kernel paths, the offline benchmark against its
+peers and where a step goes, bf16 quality against fp32, and the tensor-parallel figures (the seed's
+failure, the soak, what TP 2 and the consensus checker cost)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.bench.render.common import load, provenance, span, table, versus
+
+
+def kernel_paths_table(results: str, file: str) -> str:
+    data = load(results, file)
+    rows = []
+    for path, r in data["paths"].items():
+        ratio = lambda key: f" ({r[key]:.2f}x generic)" if path != "generic" and key in r else ""  # noqa: E731
+        rows.append([path, f"{r['decode_tokens_per_s']:g}{ratio('decode_vs_generic')}",
+                     f"{r['prefill_tokens_per_s']:g}{ratio('prefill_vs_generic')}"])
+    same = "the same on every path" if data["same_tokens_on_every_path"] else "**not the same on every path**"
+    return (table(["path", "decode, batch 1 (tok/s)", "prefill, 1,024 tokens (tok/s)"], rows)
+            + f"\n\nTokens: {same} (one run; the bench fails otherwise). {provenance(data, file)}\n")
+
+
+def render_offline(results: str) -> str:
+    data = load(results, "offline_bf16_kernels.json")
+    ours, llama, hf = data["specserve"], data.get("llama.cpp", {}), data.get("transformers", {})
+    bs = data["batch_size"]
+    ms = lambda v: f"{v:.2f}" if v else ""  # noqa: E731
+    rows = [["batch 1, tokens/s", f"{ours['batch1_tok_s']:.1f}", f"{llama.get('batch1_tok_s', 0):.1f}",
+             f"{hf.get('batch1_tok_s', 0):.1f}", f"{ours['batch1_tok_s'] / llama['batch1_tok_s']:.2f}x" if llama else ""],
+            ["decode step (1 row), ms", ms(ours["decode_1_row_ms"]), ms(llama.get("decode_1_row_ms")), "",
+             f"{llama['decode_1_row_ms'] / ours['decode_1_row_ms']:.2f}x faster" if llama else ""],
+            ["6-row verify step, ms", f"{ours['verify_6_rows_ms']:.2f} ({ours['verify_over_decode']:.2f}x decode)",
+             f"{llama['verify_6_rows_ms']:.2f} ({llama['verify_6_rows_ms'] / llama['decode_1_row_ms']:.2f}x decode)"
+             if llama else "", "", f"{llama['verify_6_rows_ms'] / ours['verify_6_rows_ms']:.2f}x faster" if llama else ""],
+            ["prefill (512 tokens), tokens/s", f"{ours['prefill_tok_s']:.0f}", f"{llama.get('prefill_tok_s', 0):.0f}",
+             "", f"{ours['prefill_tok_s'] / llama['prefill_tok_s']:.2f}x" if llama else ""],
+            [f"batch {bs}, tokens/s", f"{ours[f'batch{bs}_tok_s']:.0f} ({data['specserve_batch_over_batch1']:.1f}x own "
+             "batch 1)", "", "", ""]]
+    version = llama.get("version", "?")
+    header = ["", "specserve", f"llama.cpp (llama-cpp-python {version})", "transformers", "ratio vs llama.cpp"]
+    return table(header, rows) + (f"\n\nbf16, NONE, {data['new_tokens']} new tokens, one run (the ratios have no "
+                                  f"spread). {provenance(data, 'offline_bf16_kernels.json')}\n")
+
+
+PROFILE_GROUPS = (("Q4 linears", lambda k: k.startswith("linear q4")), ("Q8 LM head", lambda k: k.startswith("linear q8")),
+                  ("attention", lambda k: k == "attention"),
+                  ("norm, RoPE, SiLU", lambda k: k in ("add_rms_norm", "rope_store", "silu_mul")),
+                  ("other (Python, embedding)", lambda k: k == "other"), ("step", lambda k: k == "step"))
+
+
+def render_step_profile(results: str) -> str:
+    data = load(results, "offline_bf16_kernels.json")
+    ours = data["specserve"]
+    rows = []
+    for label, key in (("decode, 1 row", "decode_profile_ms"), ("verify, 6 rows", "verify_profile_ms")):
+        prof: dict[str, float] = ours[key]
+        rows.append([label] + [f"{sum(v for k, v in prof.items() if pick(k)):.2f}" for _, pick in PROFILE_GROUPS])
+    return table([""] + [g for g, _ in PROFILE_GROUPS], rows) + f"\n\n{provenance(data, 'offline_bf16_kernels.json')}\n"
+
+
+def render_quality(results: str) -> str:
+    data = load(results, "quality_bf16_vs_fp32.json")
+    fp32, bf16, greedy = data["float32"], data["bfloat16"], data["bf16_greedy_vs_fp32"]
+    rows = [["perplexity", f"{fp32['perplexity']:.4f}",
+             f"{bf16['perplexity']:.4f} ({data['bf16_over_fp32_perplexity'] - 1:+.3%})"],
+            ["greedy outputs identical to fp32", "-", f"{greedy['identical_outputs']:.1%}"],
+            ["mean share of tokens before the first difference", "-", f"{greedy['mean_matching_prefix']:.1%}"]]
+    prompts = data.get("num_prompts", "?")
+    return table(["", "fp32", "bf16 (specserve's kernels)"], rows) + (
+        f"\n\n{fp32['scored_tokens']:,} scored ShareGPT tokens; {prompts} MT-Bench first turns for the greedy "
+        f"comparison. {provenance(data, 'quality_bf16_vs_fp32.json')}\n")
+
+
+def render_seed_failure(results: str) -> str:
+    data = load(results, "seed_failure.json")
+    aliased, owned = data["aliased"], data["owned"]
+    caught = [r for r in aliased if r["caught"]]
+    sites = sorted({r["divergence"]["site"] for r in caught})
+    agreed = [r["divergence"]["agreed"] for r in caught]
+    late = [r["late_copies_rank1"] for r in owned]
+    return (f"- The seed's failure (`specserve bench seed-failure`: `SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1 "
+            f"specserve soak {' '.join(data['soak_flags'])}`, rank 1's host copies a step late): caught in "
+            f"{len(caught)} of {len(aliased)} runs (exit code 3, `Found rank divergence ...` first at site "
+            f"{', '.join(repr(s) for s in sites)} after {span(agreed, 'agreed events')}), "
+            f"{span([r['seconds'] for r in aliased], 's')} from process start (model loading included). The same "
+            f"lag with the fix (owned accept results): exit code 0 in {sum(r['exit_code'] == 0 for r in owned)} of "
+            f"{len(owned)} runs, {sum(r['rank_divergences'] or 0 for r in owned)} rank divergences, every event "
+            f"checked in {sum(r['events_checked'] == r['events_recorded'] for r in owned)} of {len(owned)}, rank 1's "
+            f"late copies "
+            f"{span(late, 'a run')}. {provenance(data, 'seed_failure.json')}\n")
+
+
+def render_soak(results: str) -> str:
+    data = load(results, "soak.json")
+    s, f, c = data["summary"], data["faults"], data["config"]
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in f.items() if v is not None)
+    minutes = data["budget"]["max_minutes"]
+    return (f"- Soak (`specserve soak --max-minutes {minutes:g} {flags} ...`; TP {c['tp_size']}, "
+            f"{c['speculative_algorithm']} with the {c['speculative_policy']} policy, HiCache "
+            f"{'on' if c['enable_hierarchical_cache'] else 'off'}): {s['tokens_processed']:,} tokens processed, "
+            f"{s['tokens_generated']:,} generated ({s['generated_tokens_per_s']:g} tokens/s), {s['requests']:,} "
+            f"requests, accept length {s['accept_length']} (1 + accepted drafts per step with drafts, over "
+            f"{s['verify_steps']:,} such steps), {s['rank_divergences']} rank divergences and {s['hangs']} hangs "
+            f"measured on every rank, {s['consensus_checks']:,} consensus checks covering {s['events_checked']:,} of "
+            f"{s['events_recorded']:,} events. {provenance(data, 'soak.json')}\n")
+
+
+def _tp_arm(data: dict[str, Any], arm: str) -> str:
+    g = data["generated_tokens_per_s"][arm]
+    return f"{g['median']:g} ({g['min']:g}-{g['max']:g})"
+
+
+def render_tp_cost(results: str) -> str:
+    data = load(results, "tp_cost.json")
+    runs = lambda arm: [r["generated_tokens_per_s"] for r in data["runs"] if r["arm"] == arm]  # noqa: E731
+    tp, chk, ms = data["tp2_over_tp1"], data["checker_over_no_checker"], data["mean_check_ms"]
+    return (f"- What TP 2 and the checker cost here (`specserve bench tp-cost`: soak runs of {data['max_tokens']:,} "
+            f"tokens each, {data['generated_tokens_per_s']['tp1']['runs']} interleaved runs an arm; generated "
+            f"tokens/s, median (min-max)): TP 1 {_tp_arm(data, 'tp1')}, TP 2 {_tp_arm(data, 'tp2')} "
+            f"({versus(tp['ratio'], runs('tp2'), runs('tp1'))} TP 1), TP 2 with the consensus checker "
+            f"{_tp_arm(data, 'tp2_checker')} ({versus(chk['ratio'], runs('tp2_checker'), runs('tp2'))} without it); "
+            f"a check (three small all-reduces and a hash, on its own thread) took {ms['median']:g} ms "
+            f"(median of the runs' means), with {data['rank_divergences']} divergences. Two ranks share two cores "
+            f"and every layer adds two gloo all-reduces, so no TP gain is possible here; TP is for machines with a "
+            f"device per rank. {provenance(data, 'tp_cost.json')}\n")

@@ -1,0 +1,91 @@
+"""Rendered parts about serving: the grammar library and structured output, SGLang's router, the
+serving sweep against llama.cpp's server, and HiCache."""
+
+from __future__ import annotations
+
+from specserve.bench.render.common import load, provenance, table
+
+
+def render_grammar(results: str) -> str:
+    data = load(results, "grammar.json")
+    llg, xgr = data["libraries"]["llguidance"], data["libraries"]["xgrammar"]
+    return (f"In `bench_results/grammar.json` llguidance compiles the {data['schemas']} schemas in "
+            f"{llg['compile_ms_median']:.3g} ms (median) against XGrammar's {xgr['compile_ms_median']:.3g} ms and "
+            f"computes a mask in {llg['mask_ms_per_token']:.3g} ms per token against "
+            f"{xgr['mask_ms_per_token']:.3g} ms; XGrammar accepts "
+            f"{', '.join('`' + f + '`' for f in xgr['accepted_but_not_enforced'])} and does not enforce them, "
+            f"where llguidance refuses them (a 400). {provenance(data, 'grammar.json')}\n")
+
+
+def render_grammar_engine(results: str) -> str:
+    data = load(results, "grammar.json")
+    e = data["engine"]
+    b1, b16 = e["batch 1"], e["batch 16"]
+    return (f"On that run the masks cost {b1['mask_overhead_ms_per_token']:.2f} ms per token at batch 1 "
+            f"({e['NONE batch 1 schema']['ms_per_token']:.2f} against {e['NONE batch 1 free']['ms_per_token']:.2f} ms, "
+            f"NONE) and {b16['mask_overhead_ms_per_token']:.2f} ms at batch 16; DSPARK's accept length with a schema "
+            f"was {e['DSPARK batch 1 schema']['accept_length']:.2f} against {e['DSPARK batch 1 free']['accept_length']:.2f} "
+            f"without at batch 1. One run over {e['NONE batch 1 schema']['tokens']} tokens at batch 1: the generated "
+            f"schemas are small, so the engine figures are a small sample and no ratio here is a measured gain.\n")
+
+
+def render_router(results: str) -> str:
+    data = load(results, "router.json")
+    rows = []
+    for key, label in (("cache_aware", "cache-aware"), ("round_robin", "round-robin")):
+        arm = data[key]
+        rows.append([label, f"{arm['second_turn_hit_rate']:.1%}",
+                     f"{arm['second_turn_ttft_ms_mean']:.0f} / {arm['second_turn_ttft_ms_p50']:.0f} ms",
+                     " / ".join(map(str, arm["requests_per_replica"]))])
+    header = ["router policy", "second turns: prompt tokens from the prefix cache", "second turns: TTFT mean / p50",
+              "requests per replica"]
+    r, two, one = data["ratios"], data["two_replicas"], data["one_server"]
+    return table(header, rows) + (
+        f"\n\nThe cache-aware router serves {r['hit_rate_cache_aware_over_round_robin']:.2f}x as many second-turn "
+        f"prompt tokens from the cache and cuts their time to first token "
+        f"{r['ttft_round_robin_over_cache_aware']:.2f}x. Throughput of the same {two['requests']} first turns "
+        f"({data['first_tokens']} tokens each, {data['concurrency']} at a time): 2 replicas "
+        f"{two['output_tokens_per_s']:.1f} tokens/s, one server {one['output_tokens_per_s']:.1f} tokens/s, "
+        f"{r['throughput_two_replicas_over_one_server']:.2f}x (one run each, no spread: not a measured gain). "
+        f"{provenance(data, 'router.json')}\n")
+
+
+def render_serving(results: str) -> str:
+    data = load(results, "serving_mtbench.json")
+    runs = {(r["target"], r["concurrency"]): r for r in data["runs"]}
+    targets = list(dict.fromkeys(r["target"] for r in data["runs"]))
+    base = targets[0]
+    header = ["concurrency"] + [f"{t} tok/s" for t in targets] + \
+             [f"{t} / {base}" for t in targets[1:]] + [f"TPOT p50 {' / '.join(targets)} (ms)", f"TTFT p50 (ms)"]
+    rows = []
+    for c in sorted({c for _, c in runs}):
+        cells = [runs[(t, c)] for t in targets]
+        rows.append([c] + [f"{r['output_tokens_per_s']:.1f}" for r in cells]
+                    + [f"{r['output_tokens_per_s'] / cells[0]['output_tokens_per_s']:.2f}x" for r in cells[1:]]
+                    + [" / ".join(f"{r['tpot_ms'].get('p50', float('nan')):.1f}" for r in cells),
+                       " / ".join(f"{r['ttft_ms'].get('p50', float('nan')):.0f}" for r in cells)])
+    failed = sum(r["failed"] for r in data["runs"])
+    accept = [f"{t} {runs[(t, c)]['accept_length']:.2f} at concurrency {c}" for (t, c) in sorted(runs)
+              if runs[(t, c)].get("accept_length")]
+    servers = data.get("servers", {})
+    said = "; ".join(f"{t}: {s.get('speculative_algorithm')}, {s.get('speculative_policy')} policy"
+                     for t, s in servers.items() if s)
+    return table(header, rows) + (
+        f"\n\n{data['num_prompts']} MT-Bench first turns, streamed, greedy, up to {data['max_tokens']} tokens, one run "
+        f"per cell (ratios without a spread are not measured gains); failed requests: {failed}. "
+        f"Accept length: {', '.join(accept) or 'not reported'}. "
+        + (f"Servers as they reported themselves: {said}. " if said else "") +
+        f"{provenance(data, 'serving_mtbench.json')}\n")
+
+
+def render_hicache(results: str) -> str:
+    data = load(results, "hicache_mtbench.json")
+    radix, hier = data["radix_only"], data["hicache"]
+    return (f"`specserve bench hicache --num-questions {data['num_questions']} --answer-tokens {data['answer_tokens']} --device-tokens "
+            f"{data['device_tokens']}` (MT-Bench second turns after all first turns, a "
+            f"{data['device_tokens']:,}-token device pool, one run): prefix-cache hit rate of the second turns "
+            f"{radix['hit_rate']:.2f} (radix only) against {hier['hit_rate']:.2f} (HiCache, "
+            f"{hier['hicache_stats']['host_hit_tokens']:,} tokens loaded back from the host), time to first token "
+            f"{radix['ttft_ms_mean']:.0f} ms against {hier['ttft_ms_mean']:.0f} ms mean ({data['ttft_ratio']:.1f}x), "
+            f"{radix['ttft_ms_p50']:.0f} against {hier['ttft_ms_p50']:.0f} ms median. "
+            f"{provenance(data, 'hicache_mtbench.json')}\n")

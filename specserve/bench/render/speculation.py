@@ -1,0 +1,94 @@
+"""Rendered parts about speculation: the adaptive policy against fixed drafters (table and what
+the policy chose), where a DSPARK verify step's time goes, and the overlap loop against the
+normal loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.bench.render.common import load, provenance, table, versus
+
+WORKLOADS = (("mtbench", "MT-Bench"), ("humaneval", "HumanEval"))
+
+
+def _rows(data: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    return {(r["workload"], r["batch_size"], r["config"]): r for r in data["table"]}
+
+
+def render_spec_policy(results: str) -> str:
+    data = load(results, "spec_policy.json")
+    rows = _rows(data)
+    sizes = sorted({bs for _, bs, _ in rows})
+    body = []
+    for workload, label in WORKLOADS:
+        for config in ("NONE", "NGRAM", "DSPARK", "DEFAULT"):
+            cells = []
+            for bs in sizes:
+                row, none = rows[(workload, bs, config)], rows[(workload, bs, "NONE")]
+                runs = row["runs_tokens_per_s"]
+                cell = f"{row['tokens_per_s']:.1f} ({min(runs):.1f}-{max(runs):.1f})"
+                ratio = row.get("ratio_to_none") or row["tokens_per_s"] / none["tokens_per_s"]
+                cells.append(cell if config == "NONE" else f"{cell} {versus(ratio, runs, none['runs_tokens_per_s'])}")
+            body.append([f"{label} {config}"] + cells)
+    same = all(r["identical_to_none"] for r in data["table"])
+    header = ["tok/s: median (min-max of the runs), ratio to NONE"] + [f"bs {b}" for b in sizes]
+    return table(header, body) + (f"\n\nA ratio is bold only where every run of the configuration beat every run "
+                                  f"of NONE. Tokens equal NONE's in every run: {'yes' if same else '**no**'}. "
+                                  f"{provenance(data, 'spec_policy.json')}\n")
+
+
+def _plan(row: dict[str, Any]) -> str:
+    steps = sum(row["draft_len_histogram"].values())
+    drafted = ", ".join(f"{n} with {d}" for d, n in sorted(row["drafter_steps"].items())) or "none drafted"
+    accept = (f", accept length {row['accept_length']:.2f} (predicted {row['predicted_accept_length']:.2f})"
+              if row.get("accept_length") and row.get("predicted_accept_length") else "")
+    return f"{drafted} of {steps} request-steps{accept}"
+
+
+def render_spec_policy_notes(results: str) -> str:
+    data = load(results, "spec_policy.json")
+    rows = _rows(data)
+    sizes = sorted({bs for _, bs, _ in rows})
+    fixed = "; ".join(f"{label}: NGRAM {rows[(w, 1, 'NGRAM')]['accept_length']:.2f}, DSPARK "
+                      f"{rows[(w, 1, 'DSPARK')]['accept_length']:.2f}" for w, label in WORKLOADS)
+    plans = "; ".join(f"{label} at batch {bs}: {_plan(rows[(w, bs, 'DEFAULT')])}"
+                      for w, label in WORKLOADS for bs in sizes)
+    cats = []
+    for cat, speeds in sorted(data["by_category_bs1"].items()):
+        best = max((c for c in speeds if c != "DEFAULT"), key=speeds.get)
+        cats.append(f"{cat} {speeds['DEFAULT']:.1f} / {speeds[best]:.1f} {best}")
+    peers = ", ".join(f"{p['peer']} {p['tokens_per_s']:.1f} tok/s ({p['prompts']} prompts)" for p in data["peers"])
+    return (f"Accept length of the fixed drafters at batch 1 (steps with drafts): {fixed}. What DEFAULT chose, "
+            f"per request-step (the last run of each cell): {plans}. MT-Bench at batch 1 by category (tok/s, "
+            f"DEFAULT / best fixed configuration, median runs): {', '.join(cats)}. Peers at batch 1: "
+            f"{peers or 'not run'}.\n")
+
+
+def render_dspark_step(results: str) -> str:
+    data = load(results, "dspark_step.json")
+    parts = []
+    for bs, b in sorted(data["batch_sizes"].items(), key=lambda kv: int(kv[0])):
+        v = b["verify_step_parts_ms"]
+        parts.append(f"at batch {bs} a DSPARK verify step (fixed policy, every window whole) takes "
+                     f"{v['verify_step']:.2f} ms against a {b['plain_decode_step_ms']:.2f} ms decode step "
+                     f"({b['verify_step_vs_decode_step']:.2f}x), of which drafting {b['drafting_ms']:.2f} ms "
+                     f"({b['drafting_share_of_decode_step']:.0%} of a decode step) and the target's verify and "
+                     f"accept {v['target_verify_and_accept']:.2f} ms")
+    return (f"`bench dspark-step` ({data.get('num_prompts', '?')} MT-Bench prompts, {data.get('new_tokens', '?')} new "
+            f"tokens): {'; '.join(parts)}. {provenance(data, 'dspark_step.json')}\n")
+
+
+def render_overlap(results: str) -> str:
+    data = load(results, "overlap.json")
+    sizes = sorted({r["batch_size"] for r in data["rows"]})
+    by = {(r["algorithm"], r["batch_size"]): r for r in data["rows"]}
+    body = []
+    for algorithm in dict.fromkeys(r["algorithm"] for r in data["rows"]):
+        cells = [f"{by[(algorithm, bs)]['overlap_tokens_per_s']:.1f} / {by[(algorithm, bs)]['normal_tokens_per_s']:.1f} "
+                 f"({by[(algorithm, bs)]['ratio']:.2f})" for bs in sizes]
+        body.append([algorithm] + cells)
+    shares = [r[f"{loop}_host_processing_share"] for r in data["rows"] for loop in ("overlap", "normal")]
+    return table(["tokens/s (overlap / normal)"] + [f"batch {bs}" for bs in sizes], body) + (
+        f"\n\nGreedy, {data.get('new_tokens', '?')} new tokens, the fixed policy (every step drafts), best of "
+        f"{data.get('repeats', '?')} alternating runs; result processing on the host took "
+        f"{min(shares):.2%}-{max(shares):.2%} of the wall time. {provenance(data, 'overlap.json')}\n")
