@@ -10,11 +10,13 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specserve.names import DRAFTERS, Algorithm
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
 DTYPES = ("auto", "float32", "bfloat16")
 MAX_DRAFT_TOKENS = 15
 DEFAULT_BLOCK_SIZE = 5
-SPEC_ALGORITHMS = (None, "NONE", "NGRAM", "DSPARK")
+SPEC_ALGORITHMS = (None, *Algorithm)
 VERIFY_MODES = ("static", "compact")
 SPEC_POLICIES = ("adaptive", "fixed")
 VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
@@ -79,24 +81,24 @@ class ServerArgs:
     def _default_to_shipped_drafter(self) -> None:
         """The embedded model speculates with its shipped DSpark drafter unless told otherwise
         (`--speculative-algorithm NONE` or NGRAM, or another drafter path)."""
-        if self.model_path is not None or self.speculative_algorithm not in (None, "DSPARK"):
+        if self.model_path is not None or self.speculative_algorithm not in (None, Algorithm.DSPARK):
             return
         from specserve.assets import default_drafter_path
 
         path = self.speculative_draft_model_path or default_drafter_path()
         if path is not None:  # frozen: set once, while constructing
-            object.__setattr__(self, "speculative_algorithm", "DSPARK")
+            object.__setattr__(self, "speculative_algorithm", Algorithm.DSPARK)
             object.__setattr__(self, "speculative_draft_model_path", path)
 
     @property
     def speculating(self) -> bool:
-        return self.speculative_algorithm not in (None, "NONE")
+        return self.speculative_algorithm not in (None, Algorithm.NONE)
 
     def policy_drafters(self) -> tuple[str, ...]:
         """The drafters the adaptive policy chooses from."""
         if self.speculative_policy_drafters:
             return tuple(d.strip().upper() for d in self.speculative_policy_drafters.split(",") if d.strip())
-        return ("DSPARK", "NGRAM") if self.speculative_algorithm == "DSPARK" else (self.speculative_algorithm,)
+        return DRAFTERS if self.speculative_algorithm == Algorithm.DSPARK else (self.speculative_algorithm,)
 
     def verify_mode(self) -> str:
         """The flag, else $SPECSERVE_RAGGED_VERIFY_MODE, else static."""
@@ -210,7 +212,7 @@ def _check_speculative(args: ServerArgs) -> None:
     gamma = args.speculative_dspark_block_size
     if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
         raise ValueError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
-    if args.speculative_algorithm == "DSPARK" and not args.speculative_draft_model_path:
+    if args.speculative_algorithm == Algorithm.DSPARK and not args.speculative_draft_model_path:
         raise ValueError("speculative_draft_model_path: DSPARK needs a drafter directory "
                          "(make a random one with `specserve init-drafter --out DIR`)")
     if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
@@ -226,11 +228,11 @@ def _check_speculative(args: ServerArgs) -> None:
         if args.speculative_dspark_verify_mode == "compact":
             raise ValueError("speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
                              "fixed; the adaptive policy chooses every window's length itself")
-        unknown = set(args.policy_drafters()) - {"DSPARK", "NGRAM"}
+        unknown = set(args.policy_drafters()) - set(DRAFTERS)
         if unknown or not args.policy_drafters():
             raise ValueError(f"speculative_policy_drafters: a comma-separated subset of DSPARK,NGRAM, got "
                              f"{args.speculative_policy_drafters!r}")
-        if "DSPARK" in args.policy_drafters() and args.speculative_algorithm != "DSPARK":
+        if Algorithm.DSPARK in args.policy_drafters() and args.speculative_algorithm != Algorithm.DSPARK:
             raise ValueError("speculative_policy_drafters: DSPARK needs --speculative-algorithm DSPARK (its drafter)")
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from typing import Callable, NoReturn, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from specserve.args import MAX_DRAFT_TOKENS, MAX_SEED, ServerArgs
 from specserve.server.engine_process import HEARTBEAT_S
@@ -70,160 +72,157 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+@dataclass(frozen=True)
+class Command:
+    """One subcommand, registered once: its help, where its flags and its entry point live
+    ("module:function", imported when the parser is built or the command runs), whether it also
+    takes the engine's flags (ServerArgs; then it runs as run(ns, ServerArgs.from_cli_args(ns))) and
+    the name of a dict of flag defaults it overrides ("module:NAME")."""
+
+    name: str  # "serve", or "bench offline" for a benchmark
+    help: str
+    add_args: Optional[str]
+    run: str
+    engine_flags: bool = False
+    defaults: Optional[str] = None
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("generate", "generate a completion offline and print it", "specserve.cli:_add_generate_args",
+            "specserve.cli:_generate", engine_flags=True),
+    Command("serve", "OpenAI-compatible HTTP server (chat, completions, /generate, /metrics)",
+            "specserve.cli:_add_serve_args", "specserve.cli:_serve", engine_flags=True,
+            defaults="specserve.cli:SERVE_DEFAULTS"),
+    Command("soak", "the production-like configuration (TP 2, DSPARK, overlap, checker) for a budget",
+            "specserve.bench.soak:add_soak_args", "specserve.bench.soak:run_soak", engine_flags=True,
+            defaults="specserve.bench.soak:SOAK_DEFAULTS"),
+    Command("train-drafter", "train a DSpark drafter by self-distillation on ShareGPT prompts",
+            "specserve.train.run:add_train_args", "specserve.train.run:run_train_drafter"),
+    Command("drafter-corpus", "extend the drafter's training corpus (token-id shards) or show it",
+            "specserve.train.corpus_cli:add_corpus_args", "specserve.train.corpus_cli:run_drafter_corpus"),
+    Command("eval-drafter", "a drafter's accept length as served and at every anchor, on the corpus's dev / "
+            "held-out sets or benchmarks", "specserve.train.eval_drafter:add_eval_drafter_args",
+            "specserve.train.eval_drafter:run_eval_drafter"),
+    Command("init-drafter", "write a randomly initialised DSpark drafter for a target model",
+            "specserve.cli:_add_init_drafter_args", "specserve.cli:_init_drafter"),
+    Command("profile-sps", "record verify steps/s against batch verify tokens (compact mode)",
+            "specserve.bench.profile_sps:add_profile_args", "specserve.bench.profile_sps:run_profile_sps",
+            engine_flags=True),
+    Command("eval-acceptance", "accept length, per-position acceptance and tokens/s on a prompt set",
+            "specserve.bench.eval_acceptance:add_eval_args", "specserve.bench.eval_acceptance:run_eval_acceptance",
+            engine_flags=True),
+    Command("bench offline", "decode speed vs Hugging Face transformers on the same GGUF",
+            "specserve.bench.offline:add_bench_args", "specserve.bench.offline:run_offline_bench", engine_flags=True),
+    Command("bench spec", "NONE vs NGRAM and DSPARK (fixed) vs the default policy on MT-Bench and HumanEval, "
+            "with HF peers", "specserve.bench.spec:add_spec_bench_args", "specserve.bench.spec:run_spec_bench",
+            engine_flags=True),
+    Command("bench train-speed", "drafter training positions/s by batch shape, and where a step goes",
+            "specserve.train.train_speed:add_train_speed_args", "specserve.train.train_speed:run_train_speed"),
+    Command("bench drafter-sources", "dev accept length gained per machine-hour by each source of drafter "
+            "training data, against more training on data already used",
+            "specserve.train.source_value:add_source_value_args", "specserve.train.source_value:run_source_value"),
+    Command("bench drafter-shapes", "drafter shapes trained from scratch on the same data and minutes: dev "
+            "accept length, drafting cost and batch-1 speed", "specserve.train.shape_ablation:add_shape_ablation_args",
+            "specserve.train.shape_ablation:run_shape_ablation"),
+    Command("bench dspark-step", "where a DSPARK verify step's time goes, against a plain decode step",
+            "specserve.bench.dspark_step:add_dspark_step_args", "specserve.bench.dspark_step:run_dspark_step_bench",
+            engine_flags=True),
+    Command("bench serving", "drive OpenAI-compatible servers at a concurrency sweep and compare",
+            "specserve.bench.serving:add_serving_bench_args", "specserve.bench.serving:run_serving_bench"),
+    Command("bench load", "many streaming clients with disconnects, aborts and hostile requests against a live "
+            "server: no 5xx, no leaked KV, bounded memory", "specserve.bench.load:add_load_bench_args",
+            "specserve.bench.load:run_load_bench"),
+    Command("bench router", "2 replicas behind SGLang's router on MT-Bench conversations: cache-aware vs "
+            "round-robin hit rate and TTFT, 1 vs 2 replicas throughput", "specserve.bench.router:add_router_bench_args",
+            "specserve.bench.router:run_router_bench"),
+    Command("bench hicache", "MT-Bench second turns with a small device pool: radix-only vs HiCache",
+            "specserve.bench.hicache:add_hicache_bench_args", "specserve.bench.hicache:run_hicache_bench",
+            engine_flags=True),
+    Command("bench quality", "bf16 against fp32 on the same weights: perplexity and greedy match rate",
+            "specserve.bench.quality:add_quality_bench_args", "specserve.bench.quality:run_quality_bench",
+            engine_flags=True),
+    Command("bench kernel-paths", "decode and prefill tokens/s through each CPU kernel path this machine runs "
+            "(AVX512-BF16, AVX2, generic), same tokens required", "specserve.bench.kernel_paths:add_kernel_paths_bench_args",
+            "specserve.bench.kernel_paths:run_kernel_paths_bench"),
+    Command("bench grammar", "grammar library costs (llguidance vs XGrammar) and structured output under "
+            "speculation against NONE", "specserve.bench.grammar:add_grammar_bench_args",
+            "specserve.bench.grammar:run_grammar_bench"),
+    Command("bench overlap", "overlap loop vs normal loop decode throughput", "specserve.bench.overlap:add_overlap_bench_args",
+            "specserve.bench.overlap:run_overlap_bench", engine_flags=True),
+    Command("bench seed-failure", "the seed's failure (aliased accept buffers, rank 1 a step late) caught by the "
+            "consensus checker, and the same runs with the fix", "specserve.bench.seed_failure:add_seed_failure_args",
+            "specserve.bench.seed_failure:run_seed_failure_bench"),
+    Command("bench tp-cost", "TP 1 vs TP 2, with and without the consensus checker: soak runs of one token "
+            "budget, interleaved", "specserve.bench.tp_cost:add_tp_cost_args", "specserve.bench.tp_cost:run_tp_cost_bench"),
+    Command("bench report", "render the documents' figures from the committed result files (--check: fail on a "
+            "disagreement)", "specserve.bench.report:add_report_args", "specserve.bench.report:run_report"),
+)
+SERVE_DEFAULTS = {"log_level": "info"}  # the start-up block and the ready line
+
+
+def _resolve(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate a completion offline and print it")
-    gen.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--json", action="store_true", help="print the whole output dict as JSON")
-    _add_sampling_args(gen)
-    ServerArgs.add_cli_args(gen)
-
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, /generate, /metrics)")
-    from specserve.server.launch import add_serve_args
-    from specserve.server.replicas import add_data_parallel_args
-
-    add_serve_args(srv)
-    add_data_parallel_args(srv)
-    ServerArgs.add_cli_args(srv)
-    srv.set_defaults(log_level="info")  # the start-up block and the ready line
-
-    soak = sub.add_parser("soak", help="the production-like configuration (TP 2, DSPARK, overlap, checker) for a budget")
-    from specserve.bench.soak import SOAK_DEFAULTS, add_soak_args
-
-    add_soak_args(soak)
-    ServerArgs.add_cli_args(soak)
-    soak.set_defaults(**SOAK_DEFAULTS)
-
-    trn = sub.add_parser("train-drafter", help="train a DSpark drafter by self-distillation on ShareGPT prompts")
-    from specserve.train.run import add_train_args
-
-    add_train_args(trn)
-    dc = sub.add_parser("drafter-corpus", help="extend the drafter's training corpus (token-id shards) or show it")
-    from specserve.train.corpus_cli import add_corpus_args
-
-    add_corpus_args(dc)
-    evd = sub.add_parser("eval-drafter", help="a drafter's accept length as served and at every anchor, on the "
-                                              "corpus's dev / held-out sets or benchmarks")
-    from specserve.train.eval_drafter import add_eval_drafter_args
-
-    add_eval_drafter_args(evd)
-    init = sub.add_parser("init-drafter", help="write a randomly initialised DSpark drafter for a target model")
-    init.add_argument("--out", required=True, help="directory to write config.json and model.safetensors to")
-    init.add_argument("--model-path", default=None, help="target model (default: the embedded one)")
-    init.add_argument("--num-layers", type=int, default=1)
-    init.add_argument("--block-size", type=int, default=5, help="gamma: drafts per step")
-    init.add_argument("--markov-rank", type=int, default=64)
-    init.add_argument("--num-context-layers", type=int, default=3, help="target layers feeding the drafter")
-    init.add_argument("--mask-token-id", type=int, default=0)
-    init.add_argument("--seed", type=int, default=0)
-
-    prof = sub.add_parser("profile-sps", help="record verify steps/s against batch verify tokens (compact mode)")
-    from specserve.bench.profile_sps import add_profile_args
-
-    add_profile_args(prof)
-    ServerArgs.add_cli_args(prof)
-
-    ev = sub.add_parser("eval-acceptance", help="accept length, per-position acceptance and tokens/s on a prompt set")
-    from specserve.bench.eval_acceptance import add_eval_args
-
-    add_eval_args(ev)
-    ServerArgs.add_cli_args(ev)
-
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    off = bench_sub.add_parser("offline", help="decode speed vs Hugging Face transformers on the same GGUF")
-    from specserve.bench.offline import add_bench_args
-
-    add_bench_args(off)
-    ServerArgs.add_cli_args(off)
-    spec = bench_sub.add_parser("spec", help="NONE vs NGRAM and DSPARK (fixed) vs the default policy on MT-Bench and HumanEval, with HF peers")
-    from specserve.bench.spec import add_spec_bench_args
-
-    add_spec_bench_args(spec)
-    ServerArgs.add_cli_args(spec)
-    tspeed = bench_sub.add_parser("train-speed", help="drafter training positions/s by batch shape, and where a step goes")
-    from specserve.train.train_speed import add_train_speed_args
-
-    add_train_speed_args(tspeed)
-    dsrc = bench_sub.add_parser("drafter-sources", help="dev accept length gained per machine-hour by each source "
-                                "of drafter training data, against more training on data already used")
-    from specserve.train.source_value import add_source_value_args
-
-    add_source_value_args(dsrc)
-    dshape = bench_sub.add_parser("drafter-shapes", help="drafter shapes trained from scratch on the same data and "
-                                  "minutes: dev accept length, drafting cost and batch-1 speed")
-    from specserve.train.shape_ablation import add_shape_ablation_args
-
-    add_shape_ablation_args(dshape)
-    dstep = bench_sub.add_parser("dspark-step", help="where a DSPARK verify step's time goes, against a plain decode step")
-    from specserve.bench.dspark_step import add_dspark_step_args
-
-    add_dspark_step_args(dstep)
-    ServerArgs.add_cli_args(dstep)
-    srvb = bench_sub.add_parser("serving", help="drive OpenAI-compatible servers at a concurrency sweep and compare")
-    from specserve.bench.serving import add_serving_bench_args
-
-    add_serving_bench_args(srvb)
-    load = bench_sub.add_parser("load", help="many streaming clients with disconnects, aborts and hostile requests "
-                                "against a live server: no 5xx, no leaked KV, bounded memory")
-    from specserve.bench.load import add_load_bench_args
-
-    add_load_bench_args(load)
-    rtr = bench_sub.add_parser("router", help="2 replicas behind SGLang's router on MT-Bench conversations: "
-                               "cache-aware vs round-robin hit rate and TTFT, 1 vs 2 replicas throughput")
-    from specserve.bench.router import add_router_bench_args
-
-    add_router_bench_args(rtr)
-    hic = bench_sub.add_parser("hicache", help="MT-Bench second turns with a small device pool: radix-only vs HiCache")
-    from specserve.bench.hicache import add_hicache_bench_args
-
-    add_hicache_bench_args(hic)
-    ServerArgs.add_cli_args(hic)
-    qual = bench_sub.add_parser("quality", help="bf16 against fp32 on the same weights: perplexity and greedy match rate")
-    from specserve.bench.quality import add_quality_bench_args
-
-    add_quality_bench_args(qual)
-    ServerArgs.add_cli_args(qual)
-    kpaths = bench_sub.add_parser("kernel-paths", help="decode and prefill tokens/s through each CPU kernel path "
-                                  "this machine runs (AVX512-BF16, AVX2, generic), same tokens required")
-    from specserve.bench.kernel_paths import add_kernel_paths_bench_args
-
-    add_kernel_paths_bench_args(kpaths)
-    gram = bench_sub.add_parser("grammar", help="grammar library costs (llguidance vs XGrammar) and structured "
-                                "output under speculation against NONE")
-    from specserve.bench.grammar import add_grammar_bench_args
-
-    add_grammar_bench_args(gram)
-    ovl = bench_sub.add_parser("overlap", help="overlap loop vs normal loop decode throughput")
-    from specserve.bench.overlap import add_overlap_bench_args
-
-    add_overlap_bench_args(ovl)
-    ServerArgs.add_cli_args(ovl)
-    seed = bench_sub.add_parser("seed-failure", help="the seed's failure (aliased accept buffers, rank 1 a step late) "
-                                "caught by the consensus checker, and the same runs with the fix")
-    from specserve.bench.seed_failure import add_seed_failure_args
-
-    add_seed_failure_args(seed)
-    tpc = bench_sub.add_parser("tp-cost", help="TP 1 vs TP 2, with and without the consensus checker: soak runs "
-                               "of one token budget, interleaved")
-    from specserve.bench.tp_cost import add_tp_cost_args
-
-    add_tp_cost_args(tpc)
-    rep = bench_sub.add_parser("report", help="render the README's figures from the committed result files (--check: "
-                               "fail on a disagreement)")
-    from specserve.bench.report import add_report_args
-
-    add_report_args(rep)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    for command in COMMANDS:
+        group, _, name = command.name.rpartition(" ")
+        p = (bench if group == "bench" else sub).add_parser(name, help=command.help)
+        if command.add_args:
+            _resolve(command.add_args)(p)
+        if command.engine_flags:
+            ServerArgs.add_cli_args(p)
+        if command.defaults:
+            p.set_defaults(**_resolve(command.defaults))
     return parser
 
 
-def _generate(ns: argparse.Namespace) -> int:
+def find_command(ns: argparse.Namespace) -> Command:
+    name = f"bench {ns.bench_command}" if ns.command == "bench" else ns.command
+    return next(c for c in COMMANDS if c.name == name)
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print the whole output dict as JSON")
+    _add_sampling_args(p)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from specserve.server.launch import add_serve_args
+    from specserve.server.replicas import add_data_parallel_args
+
+    add_serve_args(p)
+    add_data_parallel_args(p)
+
+
+def _serve(ns: argparse.Namespace, args: ServerArgs) -> int:
+    from specserve.server.launch import run_server
+    from specserve.server.replicas import check_data_parallel_args, run_data_parallel
+
+    check_data_parallel_args(ns, args)
+    return run_data_parallel(ns, args) if ns.dp_size > 1 else run_server(ns, args)
+
+
+def _add_init_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory to write config.json and model.safetensors to")
+    p.add_argument("--model-path", default=None, help="target model (default: the embedded one)")
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=5, help="gamma: drafts per step")
+    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--num-context-layers", type=int, default=3, help="target layers feeding the drafter")
+    p.add_argument("--mask-token-id", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _generate(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.engine import Engine
 
-    args = ServerArgs.from_cli_args(ns)
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
               "top_k": ns.top_k, "min_p": ns.min_p, "seed": ns.seed, "stop": ns.stop or []}
     from specserve.sampling_params import SamplingParams
@@ -266,114 +265,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         check_flag_bounds(ns)
-        if ns.command == "generate":
-            return _generate(ns)
-        if ns.command == "serve":
-            from specserve.server.launch import run_server
-            from specserve.server.replicas import check_data_parallel_args, run_data_parallel
-
-            args = ServerArgs.from_cli_args(ns)
-            check_data_parallel_args(ns, args)
-            return run_data_parallel(ns, args) if ns.dp_size > 1 else run_server(ns, args)
-        if ns.command == "soak":
-            from specserve.bench.soak import run_soak
-
-            return run_soak(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "train-drafter":
-            from specserve.train.run import run_train_drafter
-
-            return run_train_drafter(ns)
-        if ns.command == "drafter-corpus":
-            from specserve.train.corpus_cli import run_drafter_corpus
-
-            return run_drafter_corpus(ns)
-        if ns.command == "eval-drafter":
-            from specserve.train.eval_drafter import run_eval_drafter
-
-            return run_eval_drafter(ns)
-        if ns.command == "eval-acceptance":
-            from specserve.bench.eval_acceptance import run_eval_acceptance
-
-            return run_eval_acceptance(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "init-drafter":
-            return _init_drafter(ns)
-        if ns.command == "profile-sps":
-            from specserve.bench.profile_sps import run_profile_sps
-
-            return run_profile_sps(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "bench" and ns.bench_command == "offline":
-            from specserve.bench.offline import run_offline_bench
-
-            return run_offline_bench(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "bench" and ns.bench_command == "drafter-sources":
-            from specserve.train.source_value import run_source_value
-
-            return run_source_value(ns)
-        if ns.command == "bench" and ns.bench_command == "drafter-shapes":
-            from specserve.train.shape_ablation import run_shape_ablation
-
-            return run_shape_ablation(ns)
-        if ns.command == "bench" and ns.bench_command == "spec":
-            from specserve.bench.spec import run_spec_bench
-
-            return run_spec_bench(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "bench" and ns.bench_command == "train-speed":
-            from specserve.train.train_speed import run_train_speed
-
-            return run_train_speed(ns)
-        if ns.command == "bench" and ns.bench_command == "dspark-step":
-            from specserve.bench.dspark_step import run_dspark_step_bench
-
-            return run_dspark_step_bench(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "bench" and ns.bench_command == "serving":
-            from specserve.bench.serving import run_serving_bench
-
-            return run_serving_bench(ns)
-        if ns.command == "bench" and ns.bench_command == "load":
-            from specserve.bench.load import run_load_bench
-
-            return run_load_bench(ns)
-        if ns.command == "bench" and ns.bench_command == "router":
-            from specserve.bench.router import run_router_bench
-
-            return run_router_bench(ns)
-        if ns.command == "bench" and ns.bench_command == "hicache":
-            from specserve.bench.hicache import run_hicache_bench
-
-            return run_hicache_bench(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "bench" and ns.bench_command == "quality":
-            from specserve.bench.quality import run_quality_bench
-
-            return run_quality_bench(ns, ServerArgs.from_cli_args(ns))
-        if ns.command == "bench" and ns.bench_command == "tp-cost":
-            from specserve.bench.tp_cost import run_tp_cost_bench
-
-            return run_tp_cost_bench(ns)
-        if ns.command == "bench" and ns.bench_command == "seed-failure":
-            from specserve.bench.seed_failure import run_seed_failure_bench
-
-            return run_seed_failure_bench(ns)
-        if ns.command == "bench" and ns.bench_command == "report":
-            from specserve.bench.report import run_report
-
-            return run_report(ns)
-        if ns.command == "bench" and ns.bench_command == "kernel-paths":
-            from specserve.bench.kernel_paths import run_kernel_paths_bench
-
-            return run_kernel_paths_bench(ns)
-        if ns.command == "bench" and ns.bench_command == "grammar":
-            from specserve.bench.grammar import run_grammar_bench
-
-            return run_grammar_bench(ns)
-        if ns.command == "bench" and ns.bench_command == "overlap":
-            from specserve.bench.overlap import run_overlap_bench
-
-            return run_overlap_bench(ns, ServerArgs.from_cli_args(ns))
+        command = find_command(ns)
+        run = _resolve(command.run)
+        return run(ns, ServerArgs.from_cli_args(ns)) if command.engine_flags else run(ns)
     except ValueError as exc:  # a bad flag or setting: argparse's one line, before any model loads
         print(f"{_prog(ns)}: error: {exc}", file=sys.stderr)
         return 2
-    parser.error(f"unknown command {ns.command}")
-    return 2
 
 
 if __name__ == "__main__":

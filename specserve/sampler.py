@@ -72,3 +72,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if zero.any():
         idx = torch.where(zero, probs.argmax(-1), idx)
     return idx
+
+
+def draw_counter(step_counter: int, slot: int) -> int:
+    """The counter of one uniform draw: a request's per-step counter with the slot in its low 6 bits
+    (accept's rejection sampling, the drafter's sampled drafts and the runner share this layout)."""
+    return (step_counter << 6) + slot

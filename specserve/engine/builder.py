@@ -28,6 +28,7 @@ from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
 from specserve.models.summary import model_summary
+from specserve.names import Algorithm
 from specserve.runtime.faults import FaultConfig
 from specserve.runtime.sanitizer import StreamSanitizer
 from specserve.runtime.stream import Stream
@@ -184,7 +185,7 @@ def _make_speculation(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma:
         defer = args.speculating and args.speculative_policy == "adaptive" and not args.enable_hierarchical_cache
         workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))
     adaptive = args.speculating and args.speculative_policy == "adaptive"
-    if args.speculative_algorithm == "NGRAM" or adaptive and "NGRAM" in args.policy_drafters():
+    if args.speculative_algorithm == Algorithm.NGRAM or adaptive and Algorithm.NGRAM in args.policy_drafters():
         workers.append(NgramWorker(gamma))
     planner, policy = None, None
     if adaptive:  # its cost model is measured once the runner exists (_start_cost_model)
@@ -241,7 +242,7 @@ def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAll
     storage = None
     if args.hicache_storage_backend:
         # Everything that decides the bytes of a page: a page made under any other setting is a miss.
-        drafter = args.speculative_draft_model_path if args.speculative_algorithm == "DSPARK" else None
+        drafter = args.speculative_draft_model_path if args.speculative_algorithm == Algorithm.DSPARK else None
         fingerprint = StorageFingerprint(
             model=path_identity(resolve_model_path(args.model_path)), drafter=path_identity(drafter),
             kv_dtype=str(device_pools[0].k[0].dtype), tp_size=args.tp_size, tp_rank=tp_rank,
@@ -259,7 +260,7 @@ def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAll
 
 def _load_drafter(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, model: LlamaForCausalLM,
                   max_positions: int, full_head: torch.Tensor) -> Optional[DsparkDrafter]:
-    if args.speculative_algorithm != "DSPARK":
+    if args.speculative_algorithm != Algorithm.DSPARK:
         return None
     drafter = load_drafter(args.speculative_draft_model_path, cfg, dtype, args.device, max_positions,
                            args.speculative_dspark_block_size)

@@ -33,7 +33,7 @@ from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.faults import FaultConfig
 from specserve.runtime.stream import Event, Stream
-from specserve.sampler import sample
+from specserve.sampler import draw_counter, sample
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, accept_windows
 from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.cost_model import StepShape
@@ -339,7 +339,7 @@ class ModelRunner:
         request draws the uniform a one-row window would (its bonus column), so its token does not
         depend on whether the rest of the batch drafted."""
         gamma = step.width - 1
-        counters = [(n << 6) + gamma for n in out_lens.tolist()]
+        counters = [draw_counter(n, gamma) for n in out_lens.tolist()]
         tokens = self._decode_rows(step, rows, anchors, prefix, out_lens, counters, logprobs).to(self.device)
         zeros, ones = torch.zeros_like(tokens), torch.ones_like(tokens)
         out_tokens = torch.zeros(step.size, step.width, dtype=torch.int64, device=self.device)

@@ -14,7 +14,9 @@ from typing import Optional, Union
 from specserve.logits.logprobs import TokenLogprob
 from specserve.sampling_params import SamplingParams
 
-EXTEND, DECODE, VERIFY = "extend", "decode", "verify"
+from specserve.names import StepMode
+
+EXTEND, DECODE, VERIFY = StepMode.EXTEND, StepMode.DECODE, StepMode.VERIFY
 
 
 @dataclass
@@ -22,7 +24,7 @@ class StepInput:
     """One batch: per request its slot in the request-to-token table, sampling settings and, for
     a verify step, which drafter proposes its window (None: no drafts, the window repeats the anchor)."""
 
-    mode: str  # EXTEND (prefill or a prefill chunk, after any cached prefix), DECODE or VERIFY
+    mode: StepMode  # EXTEND (prefill or a prefill chunk, after any cached prefix), DECODE or VERIFY
     rids: list[str]
     rows: list[int]  # request slots (req_to_token rows)
     params: list[SamplingParams]

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.cost_model import FEATURES
 from specserve.speculative.ngram_worker import TokenHistory
@@ -44,7 +45,7 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
         plain = {bs: timer(lambda bs=bs: _captured_decode(runner, bs, ctx)) if runner.capture.covers(bs) else step[(bs, 1)]
                  for bs in (1, batch)}
         draft = {}
-        dspark = runner.speculation.worker("DSPARK")
+        dspark = runner.speculation.worker(Algorithm.DSPARK)
         if dspark is not None:
             draft = {bs: timer(lambda bs=bs: _draft(runner, dspark, bs, gamma, ctx)) for bs in (1, batch)}
     finally:

@@ -30,7 +30,7 @@ from specserve.kernels.ops import silu_mul
 from specserve.kv.pool import KVPool
 from specserve.models.config import ModelConfig
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, uses_cpu_kernels
-from specserve.sampler import counter_uniform, filtered_probs, inverse_cdf
+from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
 
 CONFIG_FILE = "config.json"
@@ -313,7 +313,7 @@ class DsparkDrafter(nn.Module):
             if sampled:
                 probs[:, k] = F.one_hot(pick, vocab).float()
                 q = filtered_probs(logits[sampled].cpu(), [params[i] for i in sampled])
-                u = torch.tensor([counter_uniform(seeds[i], (counters[i] << 6) + DRAFT_COUNTER_OFFSET + k)
+                u = torch.tensor([counter_uniform(seeds[i], draw_counter(counters[i], DRAFT_COUNTER_OFFSET + k))
                                   for i in sampled], dtype=torch.float64)
                 rows = torch.tensor(sampled, device=anchors.device)
                 pick[rows] = self.to_target(inverse_cdf(q, u).to(pick.device))

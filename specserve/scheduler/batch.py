@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.executor.step_io import EXTEND, VERIFY, StepInput
+from specserve.names import StepMode
 from specserve.scheduler.req import Req
 
 
@@ -13,7 +14,7 @@ from specserve.scheduler.req import Req
 class ScheduleBatch:
     """The requests of one forward step and, per request, the new tokens and their KV slots."""
 
-    mode: str  # "extend" (prefill, possibly after a cached prefix or as one chunk), "decode" or "verify"
+    mode: StepMode  # EXTEND (prefill, possibly after a cached prefix or as one chunk), DECODE or VERIFY
     reqs: list[Req]
     prefix_lens: list[int]  # tokens already in the KV cache, per request
     extend_lens: list[int]  # new tokens this step, per request

@@ -45,7 +45,7 @@ class Req:
     error: Optional[str] = None  # why it finished with FinishReason.ERROR
     num_retractions: int = 0
     admitted_once: bool = False
-    drafter: Optional[str] = None  # the drafter of its verify windows (e.g. "DSPARK"); None: no drafts
+    drafter: Optional[str] = None  # the drafter of its verify windows (an Algorithm); None: no drafts
     spec_verify_ct: int = 0  # verify steps this request took part in
     spec_num_correct_drafts: int = 0  # drafts accepted and emitted
     spec_correct_hist: dict[int, int] = field(default_factory=dict)  # accepted drafts per step -> steps

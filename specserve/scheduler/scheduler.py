@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.executor.step_io import SampledToken, StepOutcome, VerifyOutcome
+from specserve.executor.step_io import DECODE, EXTEND, VERIFY, SampledToken, StepOutcome, VerifyOutcome
 from specserve.scheduler.batch import ScheduleBatch
 from specserve.scheduler.finish import check_finish
 from specserve.scheduler.integrity import check_kv_integrity
@@ -171,7 +171,7 @@ class Scheduler:
                     break
             if logprobs is not None:
                 req.output_logprobs.extend(logprobs[:appended])
-            if batch.mode == "extend":
+            if batch.mode == EXTEND:
                 req.kv_len += n
                 self.running.append(req)
             else:
@@ -184,7 +184,7 @@ class Scheduler:
                 self.running.remove(req)
                 self._release(req)
                 result.finished.append(self._finish(req, reason))
-        if batch.mode != "extend":
+        if batch.mode != EXTEND:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self._agree("committed", [(r.rid, r.kv_len, len(r.output_ids)) for r in batch.reqs])
         return result
@@ -240,7 +240,7 @@ class Scheduler:
 
     def _build_extend(self, plan: list[tuple[Req, int]]) -> ScheduleBatch:
         slots = self._alloc_or_retract(sum(n for _, n in plan))
-        batch = ScheduleBatch("extend", [], [], [], [], [], [])
+        batch = ScheduleBatch(EXTEND, [], [], [], [], [], [])
         offset = 0
         for req, n in plan:
             own = slots[offset:offset + n]
@@ -269,12 +269,12 @@ class Scheduler:
             input_ids.append(req.output_ids[-1])
             input_ids.extend([req.output_ids[-1]] * (w - 1))  # draft placeholders: the executor drafts
             out_cache_loc.extend(req.kv_slots[req.kv_len:req.kv_len + w])
-        mode = "verify" if w > 1 else "decode"
+        mode = VERIFY if w > 1 else DECODE
         cap = self.cfg.speculative_disable_batch_size
-        if mode == "verify" and cap is not None and len(reqs) > cap:
+        if mode == VERIFY and cap is not None and len(reqs) > cap:
             # A large batch already fills the compute that verify windows would need: decode plainly.
             # The slots of the unused window positions stay with the requests for later windows.
-            mode, w = "decode", 1
+            mode, w = DECODE, 1
             input_ids = [r.output_ids[-1] for r in reqs]
             out_cache_loc = [r.kv_slots[r.kv_len] for r in reqs]
         return ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, out_cache_loc,
@@ -283,14 +283,14 @@ class Scheduler:
     def _window_need(self, req: Req) -> int:
         """Slots req must hold for its next window. A request in an unprocessed decode step may
         commit up to a whole window there first, so the overlap loop plans for that too."""
-        pending = sum(1 for b in self.in_flight if b.mode != "extend" and req in b.reqs)
+        pending = sum(1 for b in self.in_flight if b.mode != EXTEND and req in b.reqs)
         return req.kv_len + self.window * (1 + pending) - len(req.kv_slots)
 
     def overlap_ready(self) -> bool:
         """Can the next decode step be scheduled before the in-flight one is processed? Only a
         decode after a decode, with nobody waiting and no retraction needed (a retraction would
         take KV from a request whose step is still running)."""
-        if len(self.in_flight) != 1 or self.in_flight[0].mode == "extend" or self.waiting or self.chunked_req:
+        if len(self.in_flight) != 1 or self.in_flight[0].mode == EXTEND or self.waiting or self.chunked_req:
             return False
         need = sum(max(0, self._window_need(r)) for r in self.running)
         return need <= self._available()

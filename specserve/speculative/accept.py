@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from specserve.sampler import counter_uniform, filtered_probs, inverse_cdf
+from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
 
 BUFFER_FIELDS = ("correct_len", "bonus", "cap_trim_lens", "commit_lens", "new_seq_lens", "out_tokens")
@@ -197,7 +197,7 @@ def accept_windows(epilogue: DsparkVerifyEpilogue, ids: torch.Tensor, logits: to
         full[keep.reshape(-1)] = logits
         logits = full
     target = verify_target_probs(logits.view(bs, width, -1), params)
-    uniforms = torch.tensor([[counter_uniform(seed, (n << 6) + j) for j in range(width)]
+    uniforms = torch.tensor([[counter_uniform(seed, draw_counter(n, j)) for j in range(width)]
                              for seed, n in zip(seeds, out_lens.tolist())], dtype=torch.float64)
     epilogue.accept_sampling(bs, ids, target, draft_probs(target.shape[-1]), uniforms, prefix, lens)
 

@@ -29,12 +29,13 @@ import torch
 from specserve.kv.pool import KVPool
 from specserve.models.dspark import DsparkDrafter
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+from specserve.names import Algorithm
 
 
 class DsparkWorker:
     """The DSpark block drafter for requests that speculate with DSPARK."""
 
-    name = "DSPARK"
+    name = Algorithm.DSPARK
     reads_tokens = False
 
     def __init__(self, drafter: DsparkDrafter, kv: KVPool, req_to_token: torch.Tensor, max_pending_rows: int = 0):

@@ -6,6 +6,7 @@ import torch
 
 from specserve.kv.pool import KVPool
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+from specserve.names import Algorithm
 
 
 class TokenHistory:
@@ -43,7 +44,7 @@ class NgramWorker:
     """The NGRAM drafter behind the worker seam: it keeps each request slot's committed tokens
     (prompt and outputs, as the forward stream commits them) and drafts from them."""
 
-    name = "NGRAM"
+    name = Algorithm.NGRAM
     reads_tokens = True
     capture_layer_ids: tuple[int, ...] = ()
     kv_pools: list[KVPool] = []

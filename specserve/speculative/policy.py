@@ -23,7 +23,9 @@ from typing import Optional, Sequence
 
 from specserve.speculative.cost_model import StepCostModel
 
-DSPARK, NGRAM = "DSPARK", "NGRAM"  # the draft workers' names
+from specserve.names import Algorithm
+
+DSPARK, NGRAM = Algorithm.DSPARK, Algorithm.NGRAM  # the draft workers' names
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
 from specserve.speculative.planner import VerifyPlanner
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
+from specserve.names import Algorithm
 
 
 @dataclass
@@ -73,8 +74,8 @@ class Speculation:
         """Each request's drafter and draft count for this step, before any drafter runs."""
         if self.policy is None:
             return StepPlan.fixed(drafters, gamma)
-        ngram = self.workers.get("NGRAM")
-        match_lens = ngram.match_lens(rows) if ngram is not None and "NGRAM" in self.policy.drafters else None
+        ngram = self.workers.get(Algorithm.NGRAM)
+        match_lens = ngram.match_lens(rows) if ngram is not None and Algorithm.NGRAM in self.policy.drafters else None
         return self.policy.plan(rows, [d is not None for d in drafters], match_lens)
 
     def start(self, row: int) -> None:

@@ -25,9 +25,10 @@ FORBIDDEN_PACKAGE_NAMES = {"spec", "dist", "io"}
 ALLOWED: dict[str, set[str]] = {
     "assets": set(),
     "envs": set(),
+    "names": set(),
     "errors": set(),
     "sampling_params": {"errors"},
-    "args": {"assets", "envs", "errors"},
+    "args": {"names", "assets", "envs", "errors"},
     "datasets": set(),
     "sampler": {"sampling_params"},
     "logits": {"sampling_params", "errors"},
@@ -37,19 +38,19 @@ ALLOWED: dict[str, set[str]] = {
     "kv": {"runtime", "distributed"},
     "models": {"kernels", "kv", "sampler", "sampling_params", "errors"},
     "tokenizer": {"models"},
-    "speculative": {"models", "kv", "sampler", "sampling_params", "runtime"},
-    "executor": {"speculative", "models", "kv", "runtime", "distributed", "sampler", "sampling_params", "logits"},
-    "scheduler": {"executor", "kv", "sampling_params", "errors", "logits"},
-    "engine": {"scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
+    "speculative": {"names", "models", "kv", "sampler", "sampling_params", "runtime"},
+    "executor": {"names", "speculative", "models", "kv", "runtime", "distributed", "sampler", "sampling_params", "logits"},
+    "scheduler": {"names", "executor", "kv", "sampling_params", "errors", "logits"},
+    "engine": {"names", "scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
                "sampler", "sampling_params", "args", "envs", "errors", "logits"},
-    "server": {"engine", "tokenizer", "models", "sampling_params", "args", "errors", "logits"},
+    "server": {"names", "engine", "tokenizer", "models", "sampling_params", "args", "errors", "logits"},
     # train -> bench: the drafter experiments time verify steps with bench's step instrumentation
-    "train": {"engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench",
+    "train": {"names", "engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench",
               "kernels"},
     # bench -> server: the router bench starts and waits for replicas with server/replicas.py's helpers
-    "bench": {"engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
+    "bench": {"names", "engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
               "sampling_params", "logits", "server", "envs"},
-    "cli": {"args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
+    "cli": {"names", "args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
 }
 # The layer the issue names explicitly: models/ holds nn.Modules and what they read, nothing above.

@@ -90,5 +90,6 @@ def render_overlap(results: str) -> str:
     shares = [r[f"{loop}_host_processing_share"] for r in data["rows"] for loop in ("overlap", "normal")]
     return table(["tokens/s (overlap / normal)"] + [f"batch {bs}" for bs in sizes], body) + (
         f"\n\nGreedy, {data.get('new_tokens', '?')} new tokens, the fixed policy (every step drafts), best of "
-        f"{data.get('repeats', '?')} alternating runs; result processing on the host took "
+        f"{data.get('repeats', '?')} alternating runs (no spread is recorded, so no ratio here is a measured gain "
+        f"or loss); result processing on the host took "
         f"{min(shares):.2%}-{max(shares):.2%} of the wall time. {provenance(data, 'overlap.json')}\n")
