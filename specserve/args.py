@@ -25,54 +25,99 @@ DEFAULT_STORAGE_MAX_BYTES = 4 << 30
 MAX_SEED = 2**64 - 1
 
 
+def flag(default: Any, help: str, **metadata: Any) -> Any:
+    """A ServerArgs field: its default, the CLI help and the rest of its argparse metadata (choices)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every engine setting. CLI flag `--foo-bar` is field `foo_bar`; Engine keywords use the same names."""
 
-    model_path: Optional[str] = field(default=None, metadata={"help": "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct"})
-    tokenizer_path: Optional[str] = field(default=None, metadata={"help": "tokenizer.json directory or GGUF file (default: from the model)"})
-    dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | auto (bfloat16 on CPU)", "choices": DTYPES})
-    quantization: str = field(default="auto", metadata={"help": "auto: serve GGUF Q4_0/Q4_1 weights as 4-bit on CPU in bfloat16; none: dequantize to --dtype", "choices": ("auto", "none")})
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    context_length: Optional[int] = field(default=None, metadata={"help": "override the model's context window"})
-    mem_fraction_static: float = field(default=0.1, metadata={"help": "fraction of memory for the KV pool (CPU: of total RAM)"})
-    max_total_tokens: Optional[int] = field(default=None, metadata={"help": "KV pool size in tokens (overrides --mem-fraction-static)"})
-    max_running_requests: int = field(default=64, metadata={"help": "most requests decoding at once"})
-    chunked_prefill_size: int = field(default=2048, metadata={"help": "most prompt tokens in one prefill step; <=0 disables chunking"})
-    max_prefill_tokens: int = field(default=8192, metadata={"help": "most new tokens admitted into one prefill batch"})
-    schedule_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": SCHEDULE_POLICIES})
-    disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
-    speculative_algorithm: Optional[str] = field(default=None, metadata={"help": "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt lookup) or NONE (no speculation)", "choices": SPEC_ALGORITHMS})
-    speculative_dspark_block_size: Optional[int] = field(default=None, metadata={"help": "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)"})
-    speculative_draft_model_path: Optional[str] = field(default=None, metadata={"help": "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default for the embedded model: the shipped one"})
-    speculative_dspark_verify_mode: Optional[str] = field(default=None, metadata={"help": "with --speculative-policy fixed: static verifies every window row; compact: per-request verify lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)", "choices": (None,) + VERIFY_MODES})
-    speculative_dspark_sps_table_path: Optional[str] = field(default=None, metadata={"help": "JSON table of verify steps/s against batch verify tokens (`specserve profile-sps`): the compact planner's, or the adaptive policy's starting cost of the target's rows"})
-    speculative_policy: str = field(default="adaptive", metadata={"help": "adaptive: each step, every request gets the drafter and the number of drafts (0..gamma) that maximise the batch's expected tokens per second under a step-cost model the engine measures itself; fixed: every request drafts gamma tokens with --speculative-algorithm's drafter", "choices": SPEC_POLICIES})
-    speculative_policy_drafters: Optional[str] = field(default=None, metadata={"help": "comma-separated drafters the adaptive policy chooses from (default: DSPARK,NGRAM with DSPARK; NGRAM with NGRAM)"})
-    speculative_cost_table_path: Optional[str] = field(default=None, metadata={"help": "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up (StepCostModel.save)"})
-    speculative_freeze_cost_table: bool = field(default=False, metadata={"help": "never update the step-cost table after start-up, so that runs, loop modes and ranks make identical decisions"})
-    speculative_min_gain: float = field(default=0.05, metadata={"help": "the adaptive policy drafts only when it predicts at least this fraction more tokens per second than plain decoding (a margin for its prediction errors)"})
-    speculative_explore_interval: int = field(default=64, metadata={"help": "a request tries a drafter it has not used for this many of its steps (0: never)"})
-    speculative_disable_batch_size: Optional[int] = field(default=None, metadata={"help": "override: decode steps with more running requests than this run without drafts; 0: never speculate in decode; empty (default): the policy decides"})
-    disable_overlap_schedule: bool = field(default=False, metadata={"help": "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"})
-    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps on CPU)"})
-    cuda_graph_max_bs: int = field(default=32, metadata={"help": "largest batch run as a captured step; larger batches run eagerly"})
-    enable_torch_compile: bool = field(default=False, metadata={"help": "torch.compile the captured steps on CPU with stock PyTorch matmuls instead of specserve's kernels: slower here, and bf16 output is then NOT batch-invariant (opt-in, off by default)"})
-    random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
-    num_threads: Optional[int] = field(default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"})
-    log_level: str = field(default="warning", metadata={"help": "logging level"})
-    enable_hierarchical_cache: bool = field(default=False, metadata={"help": "HiCache: keep evicted prefix-cache KV in a host-memory pool and load it back on a hit"})
-    hicache_ratio: float = field(default=2.0, metadata={"help": "host pool size as a multiple of the device KV pool"})
-    hicache_size: Optional[int] = field(default=None, metadata={"help": "host pool size in tokens (overrides --hicache-ratio)"})
-    hicache_write_policy: str = field(default="write_through", metadata={"help": "when nodes are copied to the host", "choices": ("write_through", "write_through_selective", "write_back")})
-    hicache_storage_backend: Optional[str] = field(default=None, metadata={"help": "file: also keep full 64-token pages in --hicache-storage-dir (survives restarts; a corrupt file is a miss)", "choices": (None, "file")})
-    hicache_storage_dir: Optional[str] = field(default=None, metadata={"help": "directory of the file tier (created 0700, pages 0600)"})
-    hicache_storage_max_bytes: int = field(default=DEFAULT_STORAGE_MAX_BYTES, metadata={"help": "cap on the file tier's pages in bytes (split between TP ranks); least recently used pages are deleted past it"})
-    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (one scheduler process per rank, SPMD)"})
-    dist_init_addr: Optional[str] = field(default=None, metadata={"help": "host:port of the rank-0 rendezvous (default: 127.0.0.1 and a free port; required with --nnodes > 1)"})
-    nnodes: int = field(default=1, metadata={"help": "nodes sharing the tensor-parallel ranks (tp_size / nnodes ranks per node)"})
-    node_rank: int = field(default=0, metadata={"help": "this node's index; node 0 hosts rank 0 and the front end"})
-    collective_timeout: float = field(default=60.0, metadata={"help": "seconds any cross-rank collective may wait before the rank fails loudly"})
+    model_path: Optional[str] = flag(None,
+        "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: Optional[str] = flag(None, "tokenizer.json directory or GGUF file (default: from the model)")
+    dtype: str = flag("auto", "float32 | bfloat16 | auto (bfloat16 on CPU)", choices=DTYPES)
+    quantization: str = flag("auto",
+        "auto: serve GGUF Q4_0/Q4_1 weights as 4-bit on CPU in bfloat16; none: dequantize to --dtype",
+        choices=("auto", "none"))
+    device: str = flag("cpu", "cpu or cuda")
+    context_length: Optional[int] = flag(None, "override the model's context window")
+    mem_fraction_static: float = flag(0.1, "fraction of memory for the KV pool (CPU: of total RAM)")
+    max_total_tokens: Optional[int] = flag(None, "KV pool size in tokens (overrides --mem-fraction-static)")
+    max_running_requests: int = flag(64, "most requests decoding at once")
+    chunked_prefill_size: int = flag(2048, "most prompt tokens in one prefill step; <=0 disables chunking")
+    max_prefill_tokens: int = flag(8192, "most new tokens admitted into one prefill batch")
+    schedule_policy: str = flag("fcfs", "order of the waiting queue", choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = flag(False, "turn prefix sharing off")
+    speculative_algorithm: Optional[str] = flag(None,
+        "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt "
+        "lookup) or NONE (no speculation)", choices=SPEC_ALGORITHMS)
+    speculative_dspark_block_size: Optional[int] = flag(None,
+        "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)")
+    speculative_draft_model_path: Optional[str] = flag(None,
+        "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default "
+        "for the embedded model: the shipped one")
+    speculative_dspark_verify_mode: Optional[str] = flag(None,
+        "with --speculative-policy fixed: static verifies every window row; compact: per-request verify "
+        "lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)",
+        choices=(None,) + VERIFY_MODES)
+    speculative_dspark_sps_table_path: Optional[str] = flag(None,
+        "JSON table of verify steps/s against batch verify tokens (`specserve profile-sps`): the compact "
+        "planner's, or the adaptive policy's starting cost of the target's rows")
+    speculative_policy: str = flag("adaptive",
+        "adaptive: each step, every request gets the drafter and the number of drafts (0..gamma) that "
+        "maximise the batch's expected tokens per second under a step-cost model the engine measures itself; "
+        "fixed: every request drafts gamma tokens with --speculative-algorithm's drafter",
+        choices=SPEC_POLICIES)
+    speculative_policy_drafters: Optional[str] = flag(None,
+        "comma-separated drafters the adaptive policy chooses from (default: DSPARK,NGRAM with DSPARK; NGRAM "
+        "with NGRAM)")
+    speculative_cost_table_path: Optional[str] = flag(None,
+        "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up "
+        "(StepCostModel.save)")
+    speculative_freeze_cost_table: bool = flag(False,
+        "never update the step-cost table after start-up, so that runs, loop modes and ranks make identical "
+        "decisions")
+    speculative_min_gain: float = flag(0.05,
+        "the adaptive policy drafts only when it predicts at least this fraction more tokens per second than "
+        "plain decoding (a margin for its prediction errors)")
+    speculative_explore_interval: int = flag(64,
+        "a request tries a drafter it has not used for this many of its steps (0: never)")
+    speculative_disable_batch_size: Optional[int] = flag(None,
+        "override: decode steps with more running requests than this run without drafts; 0: never speculate "
+        "in decode; empty (default): the policy decides")
+    disable_overlap_schedule: bool = flag(False,
+        "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1")
+    disable_cuda_graph: bool = flag(False,
+        "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps"
+        " on CPU)")
+    cuda_graph_max_bs: int = flag(32, "largest batch run as a captured step; larger batches run eagerly")
+    enable_torch_compile: bool = flag(False,
+        "torch.compile the captured steps on CPU with stock PyTorch matmuls instead of specserve's kernels: "
+        "slower here, and bf16 output is then NOT batch-invariant (opt-in, off by default)")
+    random_seed: int = flag(0, "seed for requests that give none")
+    num_threads: Optional[int] = flag(None, "torch intra-op threads (default: torch's choice)")
+    log_level: str = flag("warning", "logging level")
+    enable_hierarchical_cache: bool = flag(False,
+        "HiCache: keep evicted prefix-cache KV in a host-memory pool and load it back on a hit")
+    hicache_ratio: float = flag(2.0, "host pool size as a multiple of the device KV pool")
+    hicache_size: Optional[int] = flag(None, "host pool size in tokens (overrides --hicache-ratio)")
+    hicache_write_policy: str = flag("write_through",
+        "when nodes are copied to the host", choices=("write_through", "write_through_selective", "write_back"))
+    hicache_storage_backend: Optional[str] = flag(None,
+        "file: also keep full 64-token pages in --hicache-storage-dir (survives restarts; a corrupt file is a"
+        " miss)", choices=(None, "file"))
+    hicache_storage_dir: Optional[str] = flag(None, "directory of the file tier (created 0700, pages 0600)")
+    hicache_storage_max_bytes: int = flag(DEFAULT_STORAGE_MAX_BYTES,
+        "cap on the file tier's pages in bytes (split between TP ranks); least recently used pages are "
+        "deleted past it")
+    tp_size: int = flag(1, "tensor-parallel ranks (one scheduler process per rank, SPMD)")
+    dist_init_addr: Optional[str] = flag(None,
+        "host:port of the rank-0 rendezvous (default: 127.0.0.1 and a free port; required with --nnodes > 1)")
+    nnodes: int = flag(1, "nodes sharing the tensor-parallel ranks (tp_size / nnodes ranks per node)")
+    node_rank: int = flag(0, "this node's index; node 0 hosts rank 0 and the front end")
+    collective_timeout: float = flag(60.0, "seconds any cross-rank collective may wait before the rank fails loudly")
 
     def __post_init__(self) -> None:
         self._default_to_shipped_drafter()

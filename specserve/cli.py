@@ -1,4 +1,5 @@
-"""The `specserve` command: serve, generate, train-drafter, drafter-corpus, eval-drafter, init-drafter, eval-acceptance, profile-sps, bench."""
+"""The `specserve` command: serve, generate, train-drafter, drafter-corpus, eval-drafter, init-drafter, "
+"eval-acceptance, profile-sps, bench."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ _POSITIVE = ("> 0", lambda v: v > 0)
 FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "seed": ("in [0, 2^64)", lambda v: 0 <= v <= MAX_SEED), "temperature": _AT_LEAST_0,
     "max_new_tokens": _AT_LEAST_0, "new_tokens": _AT_LEAST_1, "max_tokens": _AT_LEAST_1, "batch_size": _AT_LEAST_1,
-    "num_prompts": _AT_LEAST_0, "num_texts": _AT_LEAST_1, "prefill_len": _AT_LEAST_1, "hf_prompts": _AT_LEAST_0, "num_questions": _AT_LEAST_1, "answer_tokens": _AT_LEAST_1,
+    "num_prompts": _AT_LEAST_0, "num_texts": _AT_LEAST_1, "prefill_len": _AT_LEAST_1, "hf_prompts": _AT_LEAST_0,
+    "num_questions": _AT_LEAST_1, "answer_tokens": _AT_LEAST_1,
     "device_tokens": (">= 16", lambda v: v >= 16), "repeats": _AT_LEAST_1, "prefix_len": _AT_LEAST_0,
     "window": (f"in [1, {MAX_DRAFT_TOKENS + 1}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS + 1),
     "wave": _AT_LEAST_1, "small_new_tokens": _AT_LEAST_1, "large_new_tokens": _AT_LEAST_1,
     "copy_delay_ms": _AT_LEAST_0, "forward_delay_ms": _AT_LEAST_0, "copy_lag_ms": _AT_LEAST_0, "max_minutes": _POSITIVE,
-    "random_input_words": _AT_LEAST_1, "runs": _AT_LEAST_1, "clean_tokens": _AT_LEAST_1, "request_rate": _POSITIVE, "warmup": _AT_LEAST_0, "timeout": _POSITIVE,
+    "random_input_words": _AT_LEAST_1, "runs": _AT_LEAST_1, "clean_tokens": _AT_LEAST_1, "request_rate": _POSITIVE,
+    "warmup": _AT_LEAST_0, "timeout": _POSITIVE,
     "topk": _AT_LEAST_1, "num_layers": _AT_LEAST_1, "markov_rank": _AT_LEAST_1, "num_context_layers": _AT_LEAST_1,
     "block_size": (f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS),
     "mask_token_id": _AT_LEAST_0, "draft_vocab_size": _AT_LEAST_0, "steps": _AT_LEAST_1, "seqs_per_step": _AT_LEAST_1,
@@ -35,7 +38,8 @@ FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "max_request_bytes": _AT_LEAST_1, "shutdown_timeout": _AT_LEAST_0, "engine_step_timeout": _POSITIVE,
     "engine_heartbeat_timeout": (f"> {HEARTBEAT_S:g} (the heartbeat interval)", lambda v: v > HEARTBEAT_S),
     "dp_size": _AT_LEAST_1, "num_conversations": _AT_LEAST_1, "concurrency": _AT_LEAST_1,
-    "first_tokens": _AT_LEAST_1, "second_tokens": _AT_LEAST_1, "router_health_check_interval": _AT_LEAST_1, "replica_unhealthy_timeout": _POSITIVE,
+    "first_tokens": _AT_LEAST_1, "second_tokens": _AT_LEAST_1, "router_health_check_interval": _AT_LEAST_1,
+    "replica_unhealthy_timeout": _POSITIVE,
     # bench load
     "minutes": _POSITIVE, "clients": _AT_LEAST_1, "rss_baseline_s": _AT_LEAST_0, "max_rss_growth": _POSITIVE,
     "hostile_share": _AT_LEAST_0, "disconnect_share": _AT_LEAST_0, "abort_share": _AT_LEAST_0,
@@ -147,7 +151,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench grammar", "grammar library costs (llguidance vs XGrammar) and structured output under "
             "speculation against NONE", "specserve.bench.grammar:add_grammar_bench_args",
             "specserve.bench.grammar:run_grammar_bench"),
-    Command("bench overlap", "overlap loop vs normal loop decode throughput", "specserve.bench.overlap:add_overlap_bench_args",
+    Command("bench overlap", "overlap loop vs normal loop decode throughput",
+            "specserve.bench.overlap:add_overlap_bench_args",
             "specserve.bench.overlap:run_overlap_bench", engine_flags=True),
     Command("bench seed-failure", "the seed's failure (aliased accept buffers, rank 1 a step late) caught by the "
             "consensus checker, and the same runs with the fix", "specserve.bench.seed_failure:add_seed_failure_args",

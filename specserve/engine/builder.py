@@ -22,6 +22,7 @@ from specserve.executor.tp_decisions import TPDecisions
 from specserve.executor.warmup import measure_cost_prior
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
+from specserve.logits.grammar import GrammarCompiler
 from specserve.models.config import ModelConfig
 from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter
 from specserve.models.layers import TPContext
@@ -40,7 +41,6 @@ from specserve.speculative.dspark_worker import DsparkWorker
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
 from specserve.speculative.speculation import Speculation
-from specserve.logits.grammar import GrammarCompiler
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -232,8 +232,13 @@ def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAll
                             device_pools: list[KVPool], forward_stream: Stream, copy_stream: Stream,
                             dist: Optional[TPGroup], tp_rank: int) -> RadixCache:
     """A HiRadixCache over a host pool (and with --hicache-storage-backend, the file tier)."""
-    from specserve.kv.file_storage import (KV_FORMAT_VERSION, FileKVStorage, PageLayout, StorageFingerprint,
-                                           path_identity)
+    from specserve.kv.file_storage import (
+        KV_FORMAT_VERSION,
+        FileKVStorage,
+        PageLayout,
+        StorageFingerprint,
+        path_identity,
+    )
     from specserve.kv.hiradix_cache import HiRadixCache
     from specserve.kv.host_pool import HostKVPool
 

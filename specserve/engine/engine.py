@@ -11,8 +11,15 @@ import uuid
 from typing import Any, Optional, Union
 
 from specserve.args import ServerArgs
-from specserve.distributed.commands import (AbortRequest, AddRequest, Command, CommandBroadcast, Drain, FlushCache,
-                                           Shutdown)
+from specserve.distributed.commands import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CommandBroadcast,
+    Drain,
+    FlushCache,
+    Shutdown,
+)
 from specserve.distributed.group import DistConfig
 from specserve.distributed.launch import RankStartupError, first_failure
 from specserve.engine.builder import build_rank

@@ -43,7 +43,8 @@ def rank_main(args_dict: dict, rank: int, addr: str, started) -> None:
     parent = os.getppid()
 
     args = ServerArgs.from_kwargs(**args_dict)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: "
+                                                             "%(message)s")
     engine = None
     try:
         engine = Engine.for_rank(args, dist_config(args, rank, addr, watch=lambda: _orphaned(parent)))

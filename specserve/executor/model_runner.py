@@ -24,8 +24,15 @@ import torch
 from specserve.executor.captured_step import CapturedStep
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
-from specserve.executor.step_io import (DECODE, EXTEND, PromptLogprobs, SampledToken, StepInput, StepOutcome,
-                                        VerifyOutcome)
+from specserve.executor.step_io import (
+    DECODE,
+    EXTEND,
+    PromptLogprobs,
+    SampledToken,
+    StepInput,
+    StepOutcome,
+    VerifyOutcome,
+)
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.logits.grammar import GrammarCompiler

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from specserve.logits.logprobs import TokenLogprob
-from specserve.sampling_params import SamplingParams
-
 from specserve.names import StepMode
+from specserve.sampling_params import SamplingParams
 
 EXTEND, DECODE, VERIFY = StepMode.EXTEND, StepMode.DECODE, StepMode.VERIFY
 

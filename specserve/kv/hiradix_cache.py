@@ -213,7 +213,7 @@ class HiRadixCache(RadixCache):
         upper.hits = child.hits
         if host is not None:
             upper.host_value, child.host_value = host[:n], host[n:]
-        for i, (pending_node, event) in enumerate(self._pending):
+        for pending_node, event in self._pending:
             if pending_node is child:  # both halves wait for the same copy
                 self._pending.append((upper, event))
                 break

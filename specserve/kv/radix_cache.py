@@ -75,7 +75,8 @@ class RadixCache:
 
     @consensus_site("radix_insert", lambda self, key, value, result: (len(key), result))
     def insert(self, key: list[int], value: list[int]) -> int:
-        """Insert key -> value. Returns how many leading tokens were already cached (their value slots are the caller's to free)."""
+        """Insert key -> value. Returns how many leading tokens were already cached (their value slots are the "
+        "caller's to free)."""
         if self.disabled:
             return 0
         node, pos = self.root, 0

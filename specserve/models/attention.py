@@ -36,7 +36,8 @@ class AttentionMetadata:
     row_req: torch.Tensor | None = None  # [T]
     row_len: torch.Tensor | None = None  # [T]
     # SDPA's (other dtypes and devices):
-    q_gather: torch.Tensor | None = None  # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when every request has max_q rows
+    # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when every request has max_q rows
+    q_gather: torch.Tensor | None = None
     out_scatter: torch.Tensor | None = None  # [T] row of the padded [bs*max_q] output for each flat token
     kv_slots: torch.Tensor | None = None  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
     mask: torch.Tensor | None = None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked

@@ -79,7 +79,8 @@ class DsparkConfig:
         if self.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.vocab_size} != target {target.vocab_size}")
         if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
-            problems.append(f"target_layer_ids {self.target_layer_ids} must be increasing (fc reads them in layer order)")
+            problems.append(f"target_layer_ids {self.target_layer_ids} must be increasing (fc reads them in layer "
+                            "order)")
         if any(not 0 <= i < target.num_layers for i in self.target_layer_ids):
             problems.append(f"target_layer_ids {self.target_layer_ids} outside 0..{target.num_layers - 1}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:

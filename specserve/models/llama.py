@@ -13,8 +13,16 @@ from specserve.kv.pool import KVPool
 from specserve.models.attention import paged_attention
 from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import ForwardBatch
-from specserve.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                     TPContext, VocabParallelEmbedding, apply_rope)
+from specserve.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    apply_rope,
+)
 from specserve.models.quant import QuantWeight
 
 
@@ -101,8 +109,10 @@ class LlamaForCausalLM(nn.Module):
     of `fb.logit_rows`; with `fb.capture_layer_ids` it also leaves those layers' outputs (every row)
     in `fb.captured_hidden` for the DSpark drafter."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext = TPContext(), max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext | None = None,
+                 max_positions: int | None = None):
         super().__init__()
+        tp = tp or TPContext()
         self.config = cfg
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
@@ -150,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
         for linear, names in fused.items():
             if all(n in quantized for n in names):
                 linear.load_quantized([quantized[n] for n in names])
-        for linear, name in ((layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"), (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
+        for linear, name in ((layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"),
+                             (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
             if name in quantized:
                 linear.load_quantized(quantized[name])
 

@@ -281,7 +281,7 @@ def async_d2h_all(tensors: list[torch.Tensor], stream: Stream) -> tuple[list[tor
     pinned = stream._cuda is not None
     hosts = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned) for t in tensors]
 
-    def copy(sources: list[torch.Tensor] = list(tensors)) -> None:  # the default argument keeps them alive
+    def copy(sources: list[torch.Tensor] = list(tensors)) -> None:  # noqa: B006  (the default keeps them alive)
         for host, src in zip(hosts, sources):
             host.copy_(src, non_blocking=pinned)
             if pinned:

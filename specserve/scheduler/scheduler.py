@@ -17,16 +17,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from specserve.executor.step_io import DECODE, EXTEND, VERIFY, SampledToken, StepOutcome, VerifyOutcome
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.executor.step_io import DECODE, EXTEND, VERIFY, SampledToken, StepOutcome, VerifyOutcome
 from specserve.scheduler.batch import ScheduleBatch
 from specserve.scheduler.finish import check_finish
 from specserve.scheduler.integrity import check_kv_integrity
-from specserve.scheduler.stats import SchedulerStats
-from specserve.scheduler.validation import validate_request
 from specserve.scheduler.policy import order_waiting
 from specserve.scheduler.req import FinishReason, Req
+from specserve.scheduler.stats import SchedulerStats
+from specserve.scheduler.validation import validate_request
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from specserve.server.routes import add_generation_routes, add_info_routes
 from specserve.server.state import ServerState
 from specserve.server.worker_routes import add_worker_routes
 
+
 def create_app(state: ServerState) -> FastAPI:
     """The app for one engine client; it routes the engine's events once its event loop runs."""
     app = FastAPI(title="specserve", version="0.1.0")

@@ -22,9 +22,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Union
 
-from specserve.engine.messages import (AbortRequest, AddRequest, CacheFlushed, EngineFatal, EngineReady, Event,
-                                       FlushCache, Heartbeat, LoadReport, RequestDone, RequestError, RequestFailed,
-                                       Shutdown, TokensOut)
+from specserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    CacheFlushed,
+    EngineFatal,
+    EngineReady,
+    Event,
+    FlushCache,
+    Heartbeat,
+    LoadReport,
+    RequestDone,
+    RequestError,
+    RequestFailed,
+    Shutdown,
+    TokensOut,
+)
 from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S, engine_main, one_line
 from specserve.server.metrics import ServerMetrics
 
@@ -95,7 +108,7 @@ class EngineClient:
                 events = self._events.get(timeout=READER_POLL_S)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise EngineUnavailable(f"engine process exited with code {self.proc.exitcode} during start")
+                    raise EngineUnavailable(f"engine process exited with code {self.proc.exitcode} during start") from None
                 continue
             for ev in events:
                 if isinstance(ev, EngineFatal):  # a start-up failure: its whole message, for the exit line

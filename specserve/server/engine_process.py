@@ -18,9 +18,23 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-from specserve.engine.messages import (AbortRequest, AddRequest, CacheFlushed, Command, EngineFatal, EngineReady,
-                                       Event, FlushCache, Heartbeat, LoadReport, RequestDone, RequestError,
-                                       RequestFailed, Shutdown, TokensOut)
+from specserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    CacheFlushed,
+    Command,
+    EngineFatal,
+    EngineReady,
+    Event,
+    FlushCache,
+    Heartbeat,
+    LoadReport,
+    RequestDone,
+    RequestError,
+    RequestFailed,
+    Shutdown,
+    TokensOut,
+)
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import GRAMMAR_FIELDS
 
@@ -96,7 +110,8 @@ def _ready_info(engine) -> dict[str, Any]:
     return {"context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size,
             "speculative_algorithm": args.speculative_algorithm, "num_draft_tokens": engine.scheduler.window - 1,
             "kv_total_tokens": engine.allocator.size, "pid": os.getpid(), "model": engine.model_summary,
-            "model_path": resolve_model_path(args.model_path), "dtype": str(engine.dtype).replace("torch.", ""), "device": args.device,
+            "model_path": resolve_model_path(args.model_path), "dtype": str(engine.dtype).replace("torch.", ""),
+            "device": args.device,
             "kernel_path": cpu_kernel_path(args.device, engine.dtype), "threads": torch.get_num_threads(),
             "tp_size": args.tp_size, "max_running_requests": args.max_running_requests,
             "speculative_policy": args.speculative_policy if args.speculating else None,

@@ -15,7 +15,13 @@ from fastapi import Request
 
 from specserve.engine.messages import EngineFatal, RequestDone, RequestError, RequestFailed
 from specserve.server.engine_client import Delivery, EngineUnavailable
-from specserve.server.errors import APIError, from_engine_fatal, from_engine_rejection, from_request_failure, server_error
+from specserve.server.errors import (
+    APIError,
+    from_engine_fatal,
+    from_engine_rejection,
+    from_request_failure,
+    server_error,
+)
 from specserve.server.state import ServerState
 
 DISCONNECT_POLL_S = 0.25

@@ -19,7 +19,8 @@ import time
 from specserve.args import ServerArgs
 from specserve.server.engine_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S
-from specserve.server.startup import ReadyAnnouncer, logger as startup_logger, startup_block
+from specserve.server.startup import ReadyAnnouncer, startup_block
+from specserve.server.startup import logger as startup_logger
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,12 @@ def served_model_name(model_path: str) -> str:
 def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     import uvicorn
 
-    from specserve.tokenizer.tokenizer import load_tokenizer
     from specserve.models.loader import resolve_model_path
+    from specserve.server.app import create_app
     from specserve.server.engine_client import EngineClient
     from specserve.server.metrics import ServerMetrics
-    from specserve.server.app import create_app
     from specserve.server.state import ServerState
+    from specserve.tokenizer.tokenizer import load_tokenizer
 
     if args.node_rank > 0:  # a node without rank 0 runs its ranks only; node 0 serves HTTP
         from specserve.engine.ranks import run_node_workers

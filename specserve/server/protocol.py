@@ -11,15 +11,44 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
-from specserve.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_NEW_TOKENS_LIMIT, MAX_PENALTY,
-                                       MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                       MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SEED_LIMIT)
+from specserve.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_NEW_TOKENS_LIMIT,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    SEED_LIMIT,
+)
 from specserve.server.errors import FieldError
-from specserve.server.tools import (MAX_TOOLS, ToolCall, ToolChoice, ToolDef, call_grammar, check_tools, offered,
-                                    render_call_history, render_tool_result, with_tools)
+from specserve.server.tools import (
+    MAX_TOOLS,
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+    call_grammar,
+    check_tools,
+    offered,
+    render_call_history,
+    render_tool_result,
+    with_tools,
+)
+
 
 def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**64 else value

@@ -5,8 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from specserve.server.logprob_format import (chat_logprobs, completion_logprobs, echoed_logprobs, output_logprobs,
-                                             prompt_logprobs)
+from specserve.server.logprob_format import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    output_logprobs,
+    prompt_logprobs,
+)
 from specserve.server.tools import ToolDef, parse_calls
 from specserve.tokenizer.tokenizer import Tokenizer
 

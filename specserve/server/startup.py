@@ -29,7 +29,8 @@ def startup_block(name: str, info: dict[str, Any], url: str, seconds: float) -> 
         f"serving {name}",
         f"  model        {os.path.basename(info['model_path'])}: {model['architecture']}, "
         f"{describe_parameters(model['parameters'])} parameters; weights {weights}",
-        f"  compute      {info['dtype']} on {info['device']}, {kernels}, {info['threads']} threads, TP {info['tp_size']}",
+        f"  compute      {info['dtype']} on {info['device']}, {kernels}, {info['threads']} threads, TP "
+        f"{info['tp_size']}",
         f"  KV cache     {info['kv_total_tokens']:,} tokens; context {info['context_length']:,}; "
         f"up to {info['max_running_requests']} running requests",
         f"  speculation  {_speculation(info)}",

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from specserve.logits.grammar import GrammarCompiler
-
 from specserve.server.engine_client import EngineClient
 from specserve.server.metrics import ServerMetrics
 from specserve.tokenizer.tokenizer import Tokenizer

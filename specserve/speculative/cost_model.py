@@ -121,7 +121,7 @@ class StepCostModel:
             return cls([float(raw[name]) for name in FEATURES], **kwargs)
         except (OSError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"speculative_cost_table_path: cannot read a cost table from {path!r} (a JSON object "
-                             f"with 'coefficients_s' for {list(FEATURES)}): {exc}")
+                             f"with 'coefficients_s' for {list(FEATURES)}): {exc}") from exc
 
     @classmethod
     def from_sps(cls, tokens: Sequence[int], steps_per_second: Sequence[float],

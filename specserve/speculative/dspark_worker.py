@@ -28,8 +28,8 @@ import torch
 
 from specserve.kv.pool import KVPool
 from specserve.models.dspark import DsparkDrafter
-from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 from specserve.names import Algorithm
+from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 
 
 class DsparkWorker:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from specserve.kv.pool import KVPool
-from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 from specserve.names import Algorithm
+from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 
 
 class TokenHistory:

@@ -55,7 +55,7 @@ class SpsTable:
             return cls(tuple(int(t) for t in raw["tokens"]), tuple(float(s) for s in raw["steps_per_second"]),
                        raw.get("meta"))
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"speculative_dspark_sps_table_path: cannot read an SPS table from {path!r}: {exc}")
+            raise ValueError(f"speculative_dspark_sps_table_path: cannot read an SPS table from {path!r}: {exc}") from exc
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

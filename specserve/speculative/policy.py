@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from specserve.speculative.cost_model import StepCostModel
-
 from specserve.names import Algorithm
+from specserve.speculative.cost_model import StepCostModel
 
 DSPARK, NGRAM = Algorithm.DSPARK, Algorithm.NGRAM  # the draft workers' names
 

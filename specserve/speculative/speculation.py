@@ -12,11 +12,11 @@ from typing import Optional, Sequence
 import torch
 
 from specserve.kv.pool import KVPool
+from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
 from specserve.speculative.planner import VerifyPlanner
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
-from specserve.names import Algorithm
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Speculation:
         proposal, confidence = Proposal(), None
         for name, index in _groups(drafters, bs).items():
             sel = None if len(index) == bs else torch.tensor(index, device=ids.device)
-            pick = (lambda t: t) if sel is None else (lambda t: t[sel])
+            pick = (lambda t: t) if sel is None else (lambda t, sel=sel: t[sel])
             target = slice(None) if sel is None else sel
             if name is None:
                 ids[target, 1:] = pick(ids[:, :1]).expand(-1, gamma)
