@@ -15,11 +15,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def commit() -> str:
-    """HEAD's hash, with '-dirty' when tracked files differ from it; 'unknown' outside a git checkout."""
+    """HEAD's hash, with '-dirty' when tracked files other than result files (bench_results/, which
+    the benchmarks themselves write) differ from it; 'unknown' outside a git checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench_results"],
+                               cwd=REPO, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     if head.returncode != 0:

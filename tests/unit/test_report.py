@@ -77,3 +77,24 @@ def test_tp_cost_calls_overlapping_arms_within_noise():
     assert compare(spread([12.6, 11.0]), spread([11.6, 12.0]))["within_noise"] is True
     slower = compare(spread([11.0, 11.5]), spread([30.0, 32.3]))
     assert slower["within_noise"] is False and slower["ratio"] < 0.4
+
+
+def test_commit_is_dirty_for_code_changes_but_not_for_result_files(tmp_path, monkeypatch):
+    from specserve.bench import provenance as prov
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "bench_results").mkdir()
+    (tmp_path / "bench_results" / "r.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    monkeypatch.setattr(prov, "REPO", str(tmp_path))
+    head = prov.commit()
+    assert len(head) == 40
+    (tmp_path / "bench_results" / "r.json").write_text('{"a": 1}')  # a bench wrote its result
+    assert prov.commit() == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert prov.commit() == head + "-dirty"

@@ -122,5 +122,6 @@ def render_tp_cost(results: str) -> str:
             f"{_tp_arm(data, 'tp2_checker')} ({versus(chk['ratio'], runs('tp2_checker'), runs('tp2'))} without it); "
             f"a check (three small all-reduces and a hash, on its own thread) took {ms['median']:g} ms "
             f"(median of the runs' means), with {data['rank_divergences']} divergences. Two ranks share two cores "
-            f"and every layer adds two gloo all-reduces, so no TP gain is possible here; TP is for machines with a "
-            f"device per rank. {provenance(data, 'tp_cost.json')}\n")
+            f"and every layer's two row-parallel linears run as a chain across the ranks (a gloo broadcast per "
+            f"rank), so no TP gain is possible here; TP is for machines with a device per rank. "
+            f"{provenance(data, 'tp_cost.json')}\n")
