@@ -8,7 +8,17 @@ from __future__ import annotations
 from enum import Enum
 
 
-class StepMode(str, Enum):
+class _Name(str, Enum):
+    """A name that is its string: prints, formats, compares and hashes as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # the string's hash: a member and its string are the same dict key
+        return str.__hash__(self)
+
+
+class StepMode(_Name):
     """What one forward step does: EXTEND (a prefill or prefill chunk, after any cached prefix),
     DECODE (one row per request) or VERIFY (a window per request: anchor and drafts)."""
 
@@ -16,26 +26,13 @@ class StepMode(str, Enum):
     DECODE = "decode"
     VERIFY = "verify"
 
-    def __str__(self) -> str:
-        return self.value
 
-    def __hash__(self) -> int:  # the string's hash: a member and its string are the same dict key
-        return str.__hash__(self)
-
-
-class Algorithm(str, Enum):
+class Algorithm(_Name):
     """A speculative algorithm; NGRAM and DSPARK are also the names of the draft workers."""
 
     NONE = "NONE"
     NGRAM = "NGRAM"
     DSPARK = "DSPARK"
 
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # the string's hash: a member and its string are the same dict key
-        return str.__hash__(self)
-
 
 DRAFTERS = (Algorithm.DSPARK, Algorithm.NGRAM)  # the algorithms that draft
-

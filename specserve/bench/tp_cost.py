@@ -23,9 +23,11 @@ import sys
 import tempfile
 from typing import Any
 
-ARMS = {"tp1": (["--tp-size", "1", "--no-consensus-checker"], "0"),
-        "tp2": (["--tp-size", "2", "--no-consensus-checker"], "0"),
-        "tp2_checker": (["--tp-size", "2"], "1")}
+# The adaptive policy, as a server runs by default (the soak's own default, fixed, drafts every step).
+_POLICY = ["--speculative-policy", "adaptive"]
+ARMS = {"tp1": (["--tp-size", "1", "--no-consensus-checker", *_POLICY], "0"),
+        "tp2": (["--tp-size", "2", "--no-consensus-checker", *_POLICY], "0"),
+        "tp2_checker": (["--tp-size", "2", *_POLICY], "1")}
 
 
 def add_tp_cost_args(p: argparse.ArgumentParser) -> None:

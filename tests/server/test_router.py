@@ -46,7 +46,7 @@ def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
 
 
 class Fleet:
-    """The launcher (2 fp32 replicas, the cache-aware router) and a round-robin router over the same replicas."""
+    """The launcher (2 bf16 replicas, the cache-aware router) and a round-robin router over the same replicas."""
 
     def __init__(self, log_dir):
         self.port = free_port()
@@ -54,7 +54,7 @@ class Fleet:
         self._log = open(os.path.join(log_dir, "fleet.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli", "serve", "--dp-size", "2", "--port", str(self.port),
-             "--dtype", "float32", "--speculative-algorithm", "NONE", "--max-total-tokens", "4096",
+             "--dtype", "bfloat16", "--speculative-algorithm", "NONE", "--max-total-tokens", "4096",
              "--log-level", "info", "--router-health-check-interval", "1",
              "--router-args", "--health-failure-threshold 1 --health-success-threshold 1"],
             stdout=self._log, stderr=subprocess.STDOUT)

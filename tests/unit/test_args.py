@@ -131,3 +131,17 @@ def test_bad_flags_exit_2_with_one_argparse_style_line(argv, words, capsys):
     err = capsys.readouterr().err
     prog = "specserve " + " ".join(a for a in argv[:2] if not a.startswith("-"))
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and words in err, err
+
+
+def test_a_fixed_policy_soak_without_verify_steps_is_a_problem():
+    """The soak drafts every step by default; one that ran no verify step exercised nothing of the
+    accept path and must fail, not pass."""
+    from specserve.bench.soak import SOAK_DEFAULTS, speculation_problems
+
+    fixed = ServerArgs(**SOAK_DEFAULTS)
+    assert fixed.speculative_policy == "fixed"
+    assert speculation_problems(fixed, verify_steps=0) == [
+        "DSPARK with the fixed policy ran no verify step: the soak exercised nothing of speculation"]
+    assert speculation_problems(fixed, verify_steps=5) == []
+    adaptive = ServerArgs(**{**SOAK_DEFAULTS, "speculative_policy": "adaptive"})
+    assert speculation_problems(adaptive, verify_steps=0) == []  # NONE throughout is the policy's choice

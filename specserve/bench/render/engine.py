@@ -100,10 +100,16 @@ def render_soak(results: str) -> str:
             f"{c['speculative_algorithm']} with the {c['speculative_policy']} policy, HiCache "
             f"{'on' if c['enable_hierarchical_cache'] else 'off'}): {s['tokens_processed']:,} tokens processed, "
             f"{s['tokens_generated']:,} generated ({s['generated_tokens_per_s']:g} tokens/s), {s['requests']:,} "
-            f"requests, accept length {s['accept_length']} (1 + accepted drafts per step with drafts, over "
-            f"{s['verify_steps']:,} such steps), {s['rank_divergences']} rank divergences and {s['hangs']} hangs "
+            f"requests, {_soak_accept(s)}, {s['rank_divergences']} rank divergences and {s['hangs']} hangs "
             f"measured on every rank, {s['consensus_checks']:,} consensus checks covering {s['events_checked']:,} of "
             f"{s['events_recorded']:,} events. {provenance(data, 'soak.json')}\n")
+
+
+def _soak_accept(summary: dict[str, Any]) -> str:
+    if not summary["verify_steps"]:
+        return "no step drafted (the policy chose NONE throughout)"
+    return (f"accept length {summary['accept_length']:g} (1 + accepted drafts per step with drafts, over "
+            f"{summary['verify_steps']:,} such steps)")
 
 
 def _tp_arm(data: dict[str, Any], arm: str) -> str:
