@@ -14,7 +14,6 @@ import urllib.request
 import torch
 
 from specserve.kv.pool import KVPool, ReqToTokenPool
-from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 
 CHAT_PROMPTS = [
@@ -37,7 +36,7 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     table = ReqToTokenPool(1, n)
     slots = list(range(1, n + 1))
     table.write(0, 0, slots)
-    meta = AttentionMetadata.build(table.table, [0], [n], [n], dtype=model.dtype)
+    meta = model.ops.attention_metadata(table.table, [0], [n], [n], "cpu")
     fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.tensor(slots), meta, torch.arange(n))
     return model(fb, kv)
 
@@ -63,7 +62,7 @@ def windowed_logits(model, prompts: list[list[int]], window: int) -> list[torch.
         pos = [i for s, e in zip(starts, ends) for i in range(s, e)]
         loc = [x for sl, s, e in zip(slots, starts, ends) for x in sl[s:e]]
         ext = [e - s for s, e in zip(starts, ends)]
-        meta = AttentionMetadata.build(table.table, rows, ends, ext, dtype=model.dtype)
+        meta = model.ops.attention_metadata(table.table, rows, ends, ext, "cpu")
         logit_rows = torch.arange(len(ids)) if all_rows else torch.tensor([sum(ext[:i + 1]) - 1 for i in range(len(ext))])
         fb = ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(loc), meta, logit_rows)
         return model(fb, kv)

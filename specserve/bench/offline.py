@@ -91,7 +91,7 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
     prefill = _median_pass_s(engine, _long_ids(engine.tokenizer, ns.prefill_len), 0, max(2, ns.repeats // 3), True)
     result = {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
               "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill}
-    if engine.runner.model.fused:  # where the step goes, kernel by kernel
+    if engine.runner.model.ops.name == "cpu-kernels":  # where the step goes, kernel by kernel
         from specserve.bench.step_profile import profile_step
 
         for name, ids in (("decode", window[:1]), ("verify", window)):

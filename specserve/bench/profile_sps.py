@@ -16,7 +16,6 @@ from typing import Sequence
 
 import torch
 
-from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 from specserve.speculative.planner import SpsTable
 
@@ -43,7 +42,7 @@ def verify_pass(engine, total: int, width: int, prefix_len: int) -> ForwardBatch
     for r in rows:  # distinct slots per request; their values are whatever the pool holds
         engine.req_to_token.table[r, :prefix_len + width] = torch.arange(1, prefix_len + width + 1) + r * (prefix_len + width)
     seq = [prefix_len + n for n in lens]
-    meta = AttentionMetadata.build(engine.req_to_token.table, rows, seq, lens, dev, engine.dtype)
+    meta = engine.runner.model.ops.attention_metadata(engine.req_to_token.table, rows, seq, lens, dev)
     positions = torch.tensor([prefix_len + i for n in lens for i in range(n)], device=dev)
     slots = torch.cat([engine.req_to_token.table[r, prefix_len:prefix_len + n] for r, n in zip(rows, lens)])
     return ForwardBatch(input_ids=torch.randint(3, 1000, (total,), device=dev), positions=positions,

@@ -18,7 +18,6 @@ import torch
 from specserve.args import ServerArgs
 from specserve.datasets import mtbench_first_turns, sharegpt_exchanges
 from specserve.kv.pool import KVPool, ReqToTokenPool
-from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 
 
@@ -36,7 +35,7 @@ def all_logits(model, ids: list[int]) -> torch.Tensor:
     kv = KVPool(n, cfg.num_layers, model.layers[0].self_attn.num_kv_heads, cfg.head_dim, model.dtype)
     table = ReqToTokenPool(1, n)
     table.write(0, 0, list(range(1, n + 1)))
-    meta = AttentionMetadata.build(table.table, [0], [n], [n], dtype=model.dtype)
+    meta = model.ops.attention_metadata(table.table, [0], [n], [n], "cpu")
     fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1), meta, torch.arange(n))
     return model(fb, kv)
 

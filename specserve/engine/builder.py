@@ -23,6 +23,7 @@ from specserve.executor.warmup import measure_cost_prior
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.logits.grammar import GrammarCompiler
+from specserve.models.backend import select_backend
 from specserve.models.config import ModelConfig
 from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter
 from specserve.models.layers import TPContext
@@ -109,8 +110,8 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     model = LlamaForCausalLM(cfg, dtype, tp=TPContext(tp_rank, args.tp_size, dist), max_positions=max_positions)
     model = model.to(args.device)
     model.load_weights(loaded.weights, loaded.quantized if args.quantization == "auto" else None)
-    if not args.enable_torch_compile:  # inductor packs weights itself and cannot trace ours
-        model.pack_for_cpu()
+    # Inductor packs weights itself and cannot trace specserve's kernels: torch.compile runs stock ops.
+    model.use_backend(select_backend(args.device, dtype, stock_ops=args.enable_torch_compile))
     model.eval()
     # The drafter is replicated on every rank (see models/dspark.py); a reduced draft vocabulary
     # takes its rows from the full (unsharded) head weight.

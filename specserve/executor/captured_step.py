@@ -28,7 +28,6 @@ from typing import Callable, Optional
 import torch
 
 from specserve.kv.pool import KVPool
-from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.speculative.accept import DsparkVerifyEpilogue
@@ -164,7 +163,7 @@ class CapturedStep:
         rows, prefix, ids, valid = self.rows_in[:bs], self.prefix_in[:bs], self.ids_in[:bs], self.valid_in[:bs]
         positions = prefix.unsqueeze(1) + torch.arange(width, device=prefix.device)
         slots = self.table[rows.unsqueeze(1), positions].masked_fill(~valid.unsqueeze(1), 0)
-        meta = AttentionMetadata.for_windows(self.table, rows, prefix, valid, width, kv_len, self.model.dtype)
+        meta = self.model.ops.window_metadata(self.table, rows, prefix, valid, width, kv_len)
         n = bs * width
         fb = ForwardBatch(input_ids=ids.reshape(-1), positions=positions.reshape(-1), out_cache_loc=slots.reshape(-1),
                           attn=meta, logit_rows=torch.arange(n, device=prefix.device),

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from specserve.executor.captured_step import CapturedStep
+from specserve.executor.commit_path import CommitPath, Committed
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
 from specserve.executor.step_io import (
@@ -45,6 +46,7 @@ from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, accep
 from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.cost_model import StepShape
 from specserve.speculative.speculation import Proposal, Speculation
+from specserve.speculative.worker import CommittedRows
 
 
 @dataclass
@@ -100,6 +102,7 @@ class ModelRunner:
         self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
         self.tp = tp  # rank 0's sampled tokens, drafts, verify lengths and accept results, on every rank
         self.request_logits = RequestLogits(grammars)  # penalties' histories, grammar states (forward stream)
+        self.commits = CommitPath(self.future, self.speculation, self.request_logits, device)
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -172,11 +175,12 @@ class ModelRunner:
         fb = self._forward_batch(step.rows, step.prefix_lens, step.extend_lens,
                                  torch.tensor(step.input_ids, dtype=torch.int64, device=self.device),
                                  step.out_cache_loc, every_row=every_row, sample=step.sample)
-        logits = self._forward(fb)
+        logits = self.model(fb, self.kv)
         if every_row:  # score the prompt rows, keep each sampling request's last row
             logits = self.request_logits.prompt_logprobs(prompt, step, logits)
         tokens = torch.zeros(step.size, dtype=torch.int64)
         wanted = [i for i, s in enumerate(step.sample) if s]
+        done = Committed.nothing()  # a chunk before its prompt's last commits rows only
         if wanted:
             params, rows = [step.params[i] for i in wanted], [step.rows[i] for i in wanted]
             for i in wanted:
@@ -185,19 +189,12 @@ class ModelRunner:
             picked = torch.tensor(sample(logits, params, [step.seeds[i] for i in wanted],
                                          [step.out_lens[i] for i in wanted]))
             picked = self._agree([picked], "runner.extend_tokens")[0]
-            self.request_logits.record_logprobs(logprobs, wanted, logits, params, picked.tolist())
+            firsts = picked.tolist()
+            self.request_logits.record_logprobs(logprobs, wanted, logits, params, firsts)
             tokens[wanted] = picked
-            rows = torch.tensor([step.rows[i] for i in wanted], device=self.device)
             seq = torch.tensor([step.prefix_lens[i] + step.extend_lens[i] for i in wanted], device=self.device)
-            outs = torch.tensor([step.out_lens[i] + 1 for i in wanted], device=self.device)
-            self.future.write(rows, picked.to(self.device), seq, outs)
-            if self.speculation.reads_tokens:
-                for i, tok in zip(wanted, picked.tolist()):
-                    self.speculation.commit_tokens(step.rows[i], step.fills[i] + [tok], restart=True)
-            for i, tok in zip(wanted, picked.tolist()):
-                self.request_logits.commit(step.rows[i], [tok])
-                self.speculation.start(step.rows[i])
-                self._observe_tokens(step, i, [tok], step.out_lens[i] + 1)
+            done = Committed(wanted, [[t] for t in firsts], seq, [step.out_lens[i] + 1 for i in wanted], first=True)
+        self.commits.commit(step, done, CommittedRows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
         return tokens
 
     def _decode(self, step: StepInput, logprobs: dict[int, list]) -> torch.Tensor:
@@ -211,32 +208,23 @@ class ModelRunner:
         each sampling request's uniform (see speculative/accept.py for a verify step's)."""
         if self.capture.covers(step.size):
             out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
-            if self.speculation.reads_rows:
-                self.speculation.commit_rows(out.hidden, out.positions, out.slots)
+            computed = CommittedRows(out.hidden, out.positions, out.slots)
             logits = out.logits  # a persistent buffer: sampled right here, before the next replay
         else:
             slots = self.req_to_token.table[rows, prefix].tolist()
             fb = self._forward_batch(step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False,
                                      sample=step.sample)
-            logits = self._forward(fb)
+            logits = self.model(fb, self.kv)
+            computed = CommittedRows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
         logits = self.request_logits.shape(logits.cpu(), step.rows, step.params)
         picked = torch.tensor(sample(logits, step.params, step.seeds, counters), dtype=torch.int64)
         tokens = self._agree([picked], "runner.decode_tokens")[0]
-        self.request_logits.record_logprobs(logprobs, range(step.size), logits, step.params, tokens.tolist())
-        for row, tok in zip(step.rows, tokens.tolist()):
-            self.request_logits.commit(row, [tok])
-        self.future.write(rows, tokens.to(self.device), prefix + 1, out_lens + 1)
-        if self.speculation.reads_tokens:  # a plain decode step of a speculating engine
-            for row, tok in zip(step.rows, tokens.tolist()):
-                self.speculation.commit_tokens(row, [tok])
-        if self.speculation.policy is not None:
-            for i, (tok, n) in enumerate(zip(tokens.tolist(), out_lens.tolist())):
-                self._observe_tokens(step, i, [tok], n + 1)
+        picked_list = tokens.tolist()
+        self.request_logits.record_logprobs(logprobs, range(step.size), logits, step.params, picked_list)
+        done = Committed(list(range(step.size)), [[t] for t in picked_list], prefix + 1,
+                         [n + 1 for n in out_lens.tolist()])
+        self.commits.commit(step, done, computed)
         return tokens
-
-    def _observe_tokens(self, step: StepInput, i: int, tokens: list[int], out_len: int) -> None:
-        if self.speculation.policy is not None:
-            self.speculation.policy.observe_tokens(step.rows[i], tokens, step.params[i], out_len)
 
     def _captured_step(self, width: int) -> CapturedStep:
         """The captured step for this window width, made (and registered as persistent) on first use."""
@@ -251,18 +239,11 @@ class ModelRunner:
             self._captured[width] = step
         return step
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """A prefill or plain decode pass: every computed row is committed, so the drafters see it."""
-        logits = self.model(fb, self.kv)
-        if self.speculation.reads_rows:
-            self.speculation.commit_rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
-        return logits
-
     def _forward_batch(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int], input_ids: torch.Tensor,
                        slots: list[int], every_row, sample: Optional[list[bool]] = None) -> ForwardBatch:
         """Tensors for one pass (see ForwardBatch.for_requests for which rows get logits)."""
         return ForwardBatch.for_requests(self.req_to_token.table, rows, prefix_lens, extend_lens, input_ids, slots,
-                                         every_row, sample, self.model.dtype, self.capture_layer_ids)
+                                         every_row, sample, self.model.ops, self.capture_layer_ids)
 
     # ------------------------------------------------------------ speculative verify (forward stream)
 
@@ -311,21 +292,15 @@ class ModelRunner:
             for buf, agreed in zip(bufs, self._agree([b.cpu() for b in bufs], "runner.accept")):
                 buf.copy_(agreed)
         out = self.read_accept(bs)  # owned: nothing below reads the *_buf tensors
-        self.request_logits.window_logprobs(logprobs, step.params, logits, layout, out.commit_lens.tolist(),
-                                                 out.out_tokens.tolist())
-        if self.speculation.reads_rows:
-            self._commit_rows(hidden, out, prefix, window_slots, verify_lens)
-        self.future.write(rows, out.bonus, out.new_seq_lens, out_lens + out.commit_lens)
-        if self.speculation.reads_tokens:
-            for row, toks, n in zip(step.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
-                self.speculation.commit_tokens(row, toks[:n])
-        for row, toks, n in zip(step.rows, out.out_tokens.tolist(), out.commit_lens.tolist()):
-            self.request_logits.commit(row, toks[:n])
-        policy = self.speculation.policy
-        if policy is not None:
-            policy.observe_accept(step.rows, plan, out.correct_len.tolist())
-            for i, (toks, n, m) in enumerate(zip(out.out_tokens.tolist(), out.commit_lens.tolist(), out_lens.tolist())):
-                self._observe_tokens(step, i, toks[:n], m + n)
+        commit_lens, out_tokens = out.commit_lens.tolist(), out.out_tokens.tolist()
+        self.request_logits.window_logprobs(logprobs, step.params, logits, layout, commit_lens, out_tokens)
+        if self.speculation.policy is not None:
+            self.speculation.policy.observe_accept(step.rows, plan, out.correct_len.tolist())
+        computed = self._verified_rows(hidden, out, prefix, window_slots, verify_lens) \
+            if self.speculation.reads_rows else None
+        done = Committed(list(range(bs)), [toks[:n] for toks, n in zip(out_tokens, commit_lens)], out.new_seq_lens,
+                         [m + n for m, n in zip(out_lens.tolist(), commit_lens)])
+        self.commits.commit(step, done, computed)
         return out, plan
 
     def _plan(self, step: StepInput, gamma: int) -> StepPlan:
@@ -387,9 +362,9 @@ class ModelRunner:
         packed = self.model(fb, self.kv)
         return packed, fb.captured_hidden, None if verify_lens is None else keep
 
-    def _commit_rows(self, hidden: Optional[torch.Tensor], out: AcceptOuts, prefix: torch.Tensor,
-                     window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> None:
-        """Hand the drafters exactly the committed rows: positions S..S+commit_len-1 of each window.
+    def _verified_rows(self, hidden: Optional[torch.Tensor], out: AcceptOuts, prefix: torch.Tensor,
+                       window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> CommittedRows:
+        """Exactly the committed rows for the drafters: positions S..S+commit_len-1 of each window.
 
         Reads the owned `out.commit_lens` and this step's own `prefix`, never an accept buffer: a
         view of one would hold the next step's values by the time a later step reads it."""
@@ -398,8 +373,8 @@ class ModelRunner:
         committed = col < out.commit_lens.unsqueeze(1)  # [bs, W]
         lens = verify_lens or [width] * bs
         packed_row = torch.tensor([0, *itertools.accumulate(lens)][:-1], device=self.device).unsqueeze(1) + col
-        self.speculation.commit_rows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
-                                     window_slots[committed])
+        return CommittedRows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
+                             window_slots[committed])
 
     def close(self) -> None:
         self.forward.close()

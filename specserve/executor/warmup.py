@@ -20,7 +20,7 @@ from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.cost_model import FEATURES
 from specserve.speculative.ngram_worker import TokenHistory
-from specserve.speculative.worker import DraftInput
+from specserve.speculative.worker import CommittedRows, DraftInput
 
 CONTEXT = 128  # tokens of context per synthetic request (fewer when the context window is smaller)
 
@@ -60,7 +60,9 @@ def _forward(runner, bs: int, width: int, ctx: int) -> None:
                                torch.zeros(bs * width, dtype=torch.int64, device=runner.device),
                                runner.req_to_token.table[rows, ctx:ctx + width].reshape(-1).tolist(),
                                every_row=width > 1)
-    runner._forward(fb)
+    runner.model(fb, runner.kv)
+    if runner.speculation.reads_rows:  # a DSpark engine's plain pass also writes the drafter's context rows
+        runner.speculation.commit_rows(CommittedRows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
 
 
 def _captured_decode(runner, bs: int, ctx: int) -> None:

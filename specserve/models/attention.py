@@ -1,17 +1,22 @@
-"""Paged attention over the token-slot table.
+"""Paged attention over the token-slot table, one metadata type per implementation.
 
 One batch may mix requests with different numbers of new tokens (prefill after a cached
-prefix, decode, or a speculative verify window). In bf16 on CPU every query row goes through
-specserve's kernel, which reads its request's K/V in place and computes the row alone in one
-fixed order (specserve/kernels/csrc/attention.h): a token's output is the same in a prefill, an
-extend, a decode batch or a verify window. Elsewhere (fp32, CUDA) queries are padded to
-[bs, max_q], keys gathered to [bs, max_kv], and a boolean mask gives each request causal access to
-its own prefix and new rows for SDPA.
+prefix, decode, or a speculative verify window).
+
+- `KernelAttentionMetadata` (bf16 on CPU): every query row goes through specserve's kernel, which
+  reads its request's K/V in place and computes the row alone in one fixed order
+  (specserve/kernels/csrc/attention.h), so a token's output is the same in a prefill, an extend, a
+  decode batch or a verify window.
+- `SdpaAttentionMetadata` (fp32, CUDA): queries are padded to [bs, max_q], keys gathered to
+  [bs, max_kv], and a mask gives each request causal access to its own prefix and new rows.
+
+The backend (models/backend.py) builds one or the other and runs the matching attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,44 +24,56 @@ import torch.nn.functional as F
 from specserve.kernels.attention import paged_attention as kernel_paged_attention
 
 
-def uses_kernel(device, dtype: torch.dtype) -> bool:
-    """bf16 on CPU runs specserve's attention kernel."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16
+@dataclass
+class KernelAttentionMetadata:
+    """Per flat query row: its table row and how many positions it sees (0 for padding rows); the
+    table is read in place. Shared by every layer of one pass."""
+
+    table: torch.Tensor
+    row_req: torch.Tensor  # [T]
+    row_len: torch.Tensor  # [T]
+
+    @classmethod
+    def build(cls, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int],
+              device: str) -> "KernelAttentionMetadata":
+        row_req = torch.tensor([r for r, e in zip(rows, extend_lens) for _ in range(e)], device=device)
+        row_len = torch.tensor([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], device=device)
+        return cls(table, row_req, row_len)
+
+    @classmethod
+    def for_windows(cls, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, valid: torch.Tensor,
+                    width: int) -> "KernelAttentionMetadata":
+        q_pos = prefix_lens.unsqueeze(1) + torch.arange(width, device=rows.device).unsqueeze(0)
+        row_len = (q_pos + 1).masked_fill(~valid.unsqueeze(1), 0).reshape(-1)
+        return cls(table, rows.repeat_interleave(width), row_len)
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
+        return kernel_paged_attention(q, k_pool, v_pool, self.table, self.row_req, self.row_len, scale)
 
 
 @dataclass
-class AttentionMetadata:
-    """Index tensors shared by every layer of one forward pass."""
+class SdpaAttentionMetadata:
+    """Padded queries, gathered keys and an additive mask for torch's SDPA."""
 
     bs: int
     max_q: int
-    # The kernel's (bf16 on CPU): the table, read in place, and per flat query row its table row and
-    # how many positions it sees (0 for padding rows).
-    table: torch.Tensor | None = None
-    row_req: torch.Tensor | None = None  # [T]
-    row_len: torch.Tensor | None = None  # [T]
-    # SDPA's (other dtypes and devices):
+    kv_slots: torch.Tensor  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
     # [bs, max_q] rows of the flat token tensor (T = zero pad row); None when every request has max_q rows
-    q_gather: torch.Tensor | None = None
-    out_scatter: torch.Tensor | None = None  # [T] row of the padded [bs*max_q] output for each flat token
-    kv_slots: torch.Tensor | None = None  # [bs, max_kv] token slots (0 = scratch) to gather K/V from
-    mask: torch.Tensor | None = None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
+    q_gather: Optional[torch.Tensor] = None
+    out_scatter: Optional[torch.Tensor] = None  # [T] row of the padded [bs*max_q] output for each flat token
+    mask: Optional[torch.Tensor] = None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
 
     @classmethod
-    def build(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
-              extend_lens: list[int], device: str = "cpu", dtype: torch.dtype = torch.float32) -> "AttentionMetadata":
+    def build(cls, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: str,
+              dtype: torch.dtype) -> "SdpaAttentionMetadata":
         bs = len(seq_lens)
         max_q, max_kv = max(extend_lens), max(seq_lens)
-        rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
         seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
         ext = torch.tensor(extend_lens, dtype=torch.int64, device=device)
-        if uses_kernel(device, dtype):  # per flat row: its request's table row and how far it sees
-            row_req = torch.tensor([r for r, e in zip(req_pool_indices, extend_lens) for _ in range(e)], device=device)
-            row_len = torch.tensor([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], device=device)
-            return cls(bs, max_q, req_to_token, row_req, row_len)
         cols = torch.arange(max_kv, device=device)
         kv_valid = cols.unsqueeze(0) < seq.unsqueeze(1)
-        kv_slots = req_to_token[rows, :max_kv].masked_fill(~kv_valid, 0)
+        kv_slots = table[torch.tensor(rows, dtype=torch.int64, device=device), :max_kv].masked_fill(~kv_valid, 0)
         # Query row i of request b sits at absolute position prefix_b + i and sees columns <= it.
         q_pos = (seq - ext).unsqueeze(1) + torch.arange(max_q, device=device).unsqueeze(0)
         mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
@@ -65,56 +82,60 @@ class AttentionMetadata:
         mask = mask & q_valid.unsqueeze(-1) | (~q_valid.unsqueeze(-1) & (cols.view(1, 1, -1) == 0))
         q_gather = out_scatter = None
         if max_q > 1:
-            total = int(ext.sum())
             starts = torch.cumsum(ext, 0) - ext
             flat = starts.unsqueeze(1) + torch.arange(max_q, device=device).unsqueeze(0)
-            q_gather = torch.where(q_valid, flat, torch.full_like(flat, total))
+            q_gather = torch.where(q_valid, flat, torch.full_like(flat, int(ext.sum())))
             out_scatter = (torch.arange(bs, device=device).unsqueeze(1) * max_q
                            + torch.arange(max_q, device=device).unsqueeze(0))[q_valid]
-        # Additive, in the model dtype, made once per pass: SDPA would convert a boolean mask in every layer.
-        additive = None
-        if max_q > 1 or min(seq_lens) != max_kv:
-            additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return cls(bs, max_q, q_gather=q_gather, out_scatter=out_scatter, kv_slots=kv_slots, mask=additive)
+        additive = _additive(mask, dtype) if max_q > 1 or min(seq_lens) != max_kv else None
+        return cls(bs, max_q, kv_slots, q_gather, out_scatter, additive)
 
     @classmethod
-    def for_windows(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                    valid: torch.Tensor, width: int, kv_len: int, dtype: torch.dtype) -> "AttentionMetadata":
-        """Every request computes a full window of `width` rows after its prefix (decode: 1).
-
-        Built from device tensors with shapes fixed by (bs, width, kv_len) and no host reads, so
+    def for_windows(cls, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, valid: torch.Tensor,
+                    width: int, kv_len: int, dtype: torch.dtype) -> "SdpaAttentionMetadata":
+        """Built from device tensors with shapes fixed by (bs, width, kv_len) and no host reads, so
         a CUDA graph can capture it. Rows with `valid` False are padding: they see column 0 only."""
         bs, device = rows.shape[0], rows.device
         q_pos = prefix_lens.unsqueeze(1) + torch.arange(width, device=device).unsqueeze(0)
-        if uses_kernel(device, dtype):
-            row_len = (q_pos + 1).masked_fill(~valid.unsqueeze(1), 0).reshape(-1)
-            return cls(bs, width, req_to_token, rows.repeat_interleave(width), row_len)
         cols = torch.arange(kv_len, device=device)
         kv_valid = (cols.unsqueeze(0) < (prefix_lens + width).unsqueeze(1)) & valid.unsqueeze(1)
-        kv_slots = req_to_token[rows, :kv_len].masked_fill(~kv_valid, 0)
+        kv_slots = table[rows, :kv_len].masked_fill(~kv_valid, 0)
         mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
         mask = mask | ((~valid).view(bs, 1, 1) & (cols.view(1, 1, -1) == 0))
-        additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return cls(bs, width, kv_slots=kv_slots, mask=additive)
+        return cls(bs, width, kv_slots, mask=_additive(mask, dtype))
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
+        heads, dim = q.shape[1], q.shape[2]
+        if self.q_gather is None:
+            qp = q.view(self.bs, self.max_q, heads, dim)
+        else:
+            qp = torch.cat([q, q.new_zeros(1, heads, dim)])[self.q_gather]
+        k = k_pool[self.kv_slots]  # [bs, max_kv, KVH, D]
+        v = v_pool[self.kv_slots]
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=self.mask, scale=scale, enable_gqa=True)  # [bs, H, max_q, D]
+        out = out.transpose(1, 2).reshape(-1, heads, dim)
+        return out if self.out_scatter is None else out[self.out_scatter]
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
-    if meta.kv_slots is None:
-        return kernel_paged_attention(q, k_pool, v_pool, meta.table, meta.row_req, meta.row_len, scale)
-    heads, dim = q.shape[1], q.shape[2]
-    if meta.q_gather is None:
-        qp = q.view(meta.bs, meta.max_q, heads, dim)
-    else:
-        qp = torch.cat([q, q.new_zeros(1, heads, dim)])[meta.q_gather]
-    k = k_pool[meta.kv_slots]  # [bs, max_kv, KVH, D]
-    v = v_pool[meta.kv_slots]
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=meta.mask, scale=scale, enable_gqa=True,
-    )  # [bs, H, max_q, D]
-    out = out.transpose(1, 2)
-    if meta.out_scatter is None:
-        return out.reshape(-1, heads, dim)
-    return out.reshape(-1, heads, dim)[meta.out_scatter]
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive, in the model dtype, made once per pass: SDPA would convert a boolean mask in every layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+
+
+AttentionMetadata = KernelAttentionMetadata | SdpaAttentionMetadata
+
+
+def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The drafter's block queries [bs, g, H, D] over keys/values [bs, C + g, KVH, D] -> [bs, g, H, D],
+    bidirectional inside the block. With bs = 1 and a mask [1, 1, C + g], the masked columns are
+    dropped instead, so the computation's shape is the request's own: batching another request
+    next to it cannot change its result."""
+    if mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1]:  # not a training batch's 2-D mask
+        keep = mask.reshape(-1) == 0
+        keys, values, mask = keys[:, keep], values[:, keep], None
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2)

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.linear import PackedLinear, pack_bf16
-from specserve.kernels.ops import silu_mul
 from specserve.kv.pool import KVPool
+from specserve.models.backend import OpBackend, TorchOps, select_backend
 from specserve.models.config import ModelConfig
-from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope, uses_cpu_kernels
+from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
 
@@ -136,39 +136,17 @@ class DraftLayer(nn.Module):
         return k, self.v_proj(ctx).view(ctx.shape[0], -1, self.head_dim)
 
     def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: Optional[torch.Tensor],
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, ops: OpBackend) -> torch.Tensor:
         """x [bs, g, H]; ctx_k/ctx_v [bs, C, KVH, D]; mask additive [bs, 1, 1, C + g] or None."""
         bs, g, _ = x.shape
-        h = self.input_layernorm(x).view(bs * g, -1)
+        h = ops.rms_norm(x, self.input_layernorm).view(bs * g, -1)
         q = apply_rope(self.q_proj(h).view(bs * g, -1, self.head_dim), cos, sin).view(bs, g, -1, self.head_dim)
         k = apply_rope(self.k_proj(h).view(bs * g, -1, self.head_dim), cos, sin).view(bs, g, -1, self.head_dim)
         v = self.v_proj(h).view(bs, g, -1, self.head_dim)
-        keys, values = torch.cat([ctx_k, k], 1), torch.cat([ctx_v, v], 1)
-        if uses_cpu_kernels(x, self.q_proj.weight):  # each request alone, over its own columns only
-            out = torch.cat([_attend(q[b:b + 1], keys[b:b + 1], values[b:b + 1], None if mask is None else mask[b])
-                             for b in range(bs)])
-        else:
-            out = _attend(q, keys, values, mask)
+        out = ops.block_attention(q, torch.cat([ctx_k, k], 1), torch.cat([ctx_v, v], 1), mask)
         x = x + self.o_proj(out.reshape(bs, g, -1))
-        m = self.post_attention_layernorm(x)
-        if uses_cpu_kernels(m, self.gate_proj.weight):  # SiLU x up with one per-row order, as the target's
-            gate_up = torch.cat([self.gate_proj(m), self.up_proj(m)], dim=-1)
-            act = silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(*m.shape[:-1], -1)
-        else:
-            act = F.silu(self.gate_proj(m)) * self.up_proj(m)
-        return x + self.down_proj(act)
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Block queries [bs, g, H, D] over keys/values [bs, C + g, KVH, D] -> [bs, g, H, D]. With bs = 1
-    and a mask [1, 1, C + g], the masked columns are dropped instead, so the computation's shape
-    is the request's own: batching another request next to it cannot change its result."""
-    if mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1]:  # not a training batch's 2-D mask
-        keep = mask.reshape(-1) == 0
-        keys, values, mask = keys[:, keep], values[:, keep], None
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, enable_gqa=True)  # bidirectional inside the block
-    return out.transpose(1, 2)
+        m = ops.rms_norm(x, self.post_attention_layernorm)
+        return x + self.down_proj(ops.silu_mul(torch.cat([self.gate_proj(m), self.up_proj(m)], dim=-1)))
 
 
 class DraftVocabHead(nn.Module):
@@ -180,8 +158,7 @@ class DraftVocabHead(nn.Module):
         self.kernel: Optional[PackedLinear] = None
 
     def pack_for_cpu(self) -> None:
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
-            self.kernel = pack_bf16(self.weight)
+        self.kernel = pack_bf16(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -208,6 +185,7 @@ class DsparkDrafter(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
         self.embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.ops: OpBackend = TorchOps(torch.float32)  # stock torch (training) until use_backend
 
     @property
     def block_size(self) -> int:
@@ -232,13 +210,12 @@ class DsparkDrafter(nn.Module):
         self.embed, self.lm_head = embed, lm_head
         if self.reduced_vocab:
             self.lm_head = DraftVocabHead(lm_head.weight.detach()[self.draft_to_target].contiguous())
-            self.lm_head.pack_for_cpu()
+            self.ops.prepare(self.lm_head)
 
-    def pack_for_cpu(self) -> None:
-        """bf16 on CPU: the drafter's linears run through specserve's row-invariant kernels."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
+    def use_backend(self, ops: OpBackend) -> None:
+        """Run on `ops` from now on (after the weights are loaded: it packs the ones it needs)."""
+        ops.prepare(self)
+        self.ops = ops
 
     # ------------------------------------------------------------ context injection
 
@@ -258,7 +235,7 @@ class DsparkDrafter(nn.Module):
             kv.write(i, slots, k, v)
 
     def context(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+        return self.ops.rms_norm(self.fc(target_hidden.to(self.dtype)), self.hidden_norm)
 
     # ------------------------------------------------------------ drafting
 
@@ -293,8 +270,8 @@ class DsparkDrafter(nn.Module):
             mask = torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
             mask = mask.view(bs, 1, 1, -1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv.k[i][slots], kv.v[i][slots], mask, cos, sin)
-        return self.norm(x)
+            x = layer(x, kv.k[i][slots], kv.v[i][slots], mask, cos, sin, self.ops)
+        return self.ops.rms_norm(x, self.norm)
 
     def markov_decode(self, anchors: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor,
                       params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int]) -> DraftOut:
@@ -397,5 +374,5 @@ def load_drafter(path: str, target: ModelConfig, dtype: torch.dtype, device: str
     for p in model.parameters():  # parameters only: the RoPE tables stay float32, as the target's do
         p.requires_grad_(False)
         p.data = p.data.to(dtype)
-    model.pack_for_cpu()
+    model.use_backend(select_backend(device, dtype))
     return model.eval()

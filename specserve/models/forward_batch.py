@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from specserve.models.attention import AttentionMetadata
+from specserve.models.backend import OpBackend
 
 
 @dataclass
@@ -21,14 +22,12 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # rows of the flat batch whose logits are wanted
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads
     captured_hidden: torch.Tensor | None = None  # [T, len(capture_layer_ids) * H], filled by the model
-    rope_cos: torch.Tensor | None = None  # [T, 1, D/2], filled by the model once per pass
-    rope_sin: torch.Tensor | None = None
 
     @classmethod
     def for_requests(cls, table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[int],
                      extend_lens: Sequence[int], input_ids: torch.Tensor, slots: Sequence[int],
                      every_row: "bool | Sequence[bool]",
-                     sample: Optional[Sequence[bool]], dtype: torch.dtype,
+                     sample: Optional[Sequence[bool]], ops: OpBackend,
                      capture_layer_ids: tuple[int, ...]) -> "ForwardBatch":
         """One pass over requests (slots `rows` of the request-to-token `table`) that each add
         `extend_lens` tokens after `prefix_lens`: logits for every row (of all requests, or of those
@@ -43,7 +42,7 @@ class ForwardBatch:
                 logit_rows.append(offset - 1)
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         positions = [p + i for p, n in zip(prefix_lens, extend_lens) for i in range(n)]
-        meta = AttentionMetadata.build(table, list(rows), seq_lens, list(extend_lens), dev, dtype)
+        meta = ops.attention_metadata(table, list(rows), seq_lens, list(extend_lens), dev)
         return cls(input_ids=input_ids, positions=torch.tensor(positions, dtype=torch.int64, device=dev),
                    out_cache_loc=torch.tensor(list(slots), dtype=torch.int64, device=dev), attn=meta,
                    logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.linear import PackedLinear, pack_bf16
-from specserve.kernels.ops import add_rms_norm
 from specserve.models.quant import QuantWeight
 
 
@@ -74,30 +73,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if uses_cpu_kernels(x, self.weight):  # one fixed order per row (specserve/kernels)
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
-            return add_rms_norm(flat, None, self.weight, self.eps).view(x.shape)
+        """Stock torch (training); the model graphs go through their backend's add_rms_norm."""
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def uses_cpu_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """bf16 inference on CPU goes through specserve's kernels (they have no backward pass)."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
-
-
 class Linear(nn.Linear):
-    """nn.Linear that, once packed for CPU (bf16 inference), runs through the bf16 kernel of
-    specserve/kernels, whose per-row result does not depend on the row count (the drafter's)."""
+    """nn.Linear that, once packed by the CPU kernel backend (bf16 inference), runs through the bf16
+    kernel of specserve/kernels, whose per-row result does not depend on the row count (the drafter's)."""
 
     kernel: Optional[PackedLinear] = None
 
     def pack_for_cpu(self) -> None:
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
-            self.kernel = pack_bf16(self.weight)
+        self.kernel = pack_bf16(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and uses_cpu_kernels(x, self.weight):
+        if self.kernel is not None:
             y = self.kernel(x)
             return y if self.bias is None else y + self.bias
         return super().forward(x)
@@ -143,9 +133,7 @@ class _ParallelLinear(nn.Module):
         self._quant: Optional[QuantWeight] = None  # this rank's GGUF codes, until pack_for_cpu packs them
 
     def pack_for_cpu(self) -> None:
-        """Pack for the CPU kernels after load() (bf16 on CPU only)."""
-        if self.weight.device.type != "cpu" or self.weight.dtype != torch.bfloat16:
-            return
+        """Pack for the CPU kernels after load() (the CPU kernel backend calls it)."""
         self.kernel = self._quant.packed() if self._quant is not None else pack_bf16(self.weight)
         self._quant = None
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels.ops import add_rms_norm, rope_store, silu_mul
 from specserve.kv.pool import KVPool
-from specserve.models.attention import paged_attention
+from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.layers import (
@@ -21,13 +19,13 @@ from specserve.models.layers import (
     RowParallelLinear,
     TPContext,
     VocabParallelEmbedding,
-    apply_rope,
 )
 from specserve.models.quant import QuantWeight
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention: fused column-parallel QKV, RoPE, paged attention, row-parallel output."""
+    """GQA self-attention: fused column-parallel QKV, RoPE with the K/V store, paged attention,
+    row-parallel output."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype: torch.dtype):
         super().__init__()
@@ -44,22 +42,13 @@ class LlamaAttention(nn.Module):
                                              ranges=[q_rows, kv_rows, kv_rows])
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype, cols=q_rows)
 
-    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
-        heads = self.num_heads + self.num_kv_heads
-        qk = apply_rope(qkv[:, :heads], fb.rope_cos, fb.rope_sin)  # q and k rotated together
-        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, heads:]
-        kv.write(self.layer_id, fb.out_cache_loc, k, v)
-        out = paged_attention(q, kv.k[self.layer_id], kv.v[self.layer_id], fb.attn, self.scale)
-        return self.o_proj(out.reshape(out.shape[0], -1))
-
-    def forward_fused(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool, rope: RotaryEmbedding) -> torch.Tensor:
-        """bf16 on CPU: RoPE and the K/V store in one kernel, attention reading the pool in place."""
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool, rope: RotaryEmbedding,
+                ops: OpBackend) -> torch.Tensor:
         k_pool, v_pool = kv.k[self.layer_id], kv.v[self.layer_id]
-        q = rope_store(self.qkv_proj(hidden), rope.cos, rope.sin, fb.positions, fb.out_cache_loc, self.num_heads,
-                       self.num_kv_heads, k_pool, v_pool)
-        out = paged_attention(q, k_pool, v_pool, fb.attn, self.scale)
-        return self.o_proj(out.view(out.shape[0], -1))
+        q = ops.rope_store(self.qkv_proj(hidden), fb.positions, fb.out_cache_loc, self.num_heads, self.num_kv_heads,
+                           rope, k_pool, v_pool)
+        out = fb.attn.attend(q, k_pool, v_pool, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
 
 
 class LlamaMLP(nn.Module):
@@ -70,15 +59,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ops: OpBackend) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks over a residual stream kept apart from each block's output:
+    the layer adds its input `out` into `residual` (in place) in its first norm and returns its MLP
+    output, which the next layer (or the final norm) adds in turn."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -86,28 +75,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
-    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), fb, kv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-    def forward_fused(self, out: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, kv: KVPool,
-                      rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """bf16 on CPU, with the residual stream kept apart: the layer's output is out + residual
-        (each add rounds to bf16 as the unfused layer's does), folded into the next norm's kernel."""
-        if residual is None:  # the first layer: its input is the residual stream itself
-            residual = out.clone()
-            normed = add_rms_norm(out, None, self.input_layernorm.weight, self.input_layernorm.eps)
-        else:
-            normed = add_rms_norm(out, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        attn = self.self_attn.forward_fused(normed, fb, kv, rope)
-        normed = add_rms_norm(attn, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return self.mlp.forward_fused(normed), residual
+    def forward(self, out: Optional[torch.Tensor], residual: torch.Tensor, fb: ForwardBatch, kv: KVPool,
+                rope: RotaryEmbedding, ops: OpBackend) -> torch.Tensor:
+        attn = self.self_attn(ops.add_rms_norm(out, residual, self.input_layernorm), fb, kv, rope, ops)
+        return self.mlp(ops.add_rms_norm(attn, residual, self.post_attention_layernorm), ops)
 
 
 class LlamaForCausalLM(nn.Module):
     """The target model. forward() writes K/V for the batch's new tokens and returns float32 logits
     of `fb.logit_rows`; with `fb.capture_layer_ids` it also leaves those layers' outputs (every row)
-    in `fb.captured_hidden` for the DSpark drafter."""
+    in `fb.captured_hidden` for the DSpark drafter. Its ops run on `self.ops` (stock torch until
+    `use_backend` readies the loaded weights for another backend)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext | None = None,
                  max_positions: int | None = None):
@@ -120,36 +98,25 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
-        self.fused = False  # set by pack_for_cpu: bf16 on CPU runs the fused kernels
+        self.ops: OpBackend = TorchOps(dtype)
+
+    def use_backend(self, ops: OpBackend) -> None:
+        """Run on `ops` from now on (after load_weights: it packs the weights it needs)."""
+        ops.prepare(self)
+        self.ops = ops
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        if self.fused:
-            return self._forward_fused(fb, kv)
-        fb.rope_cos, fb.rope_sin = self.rope.cos_sin(fb.positions, self.dtype)
-        hidden = self.embed_tokens(fb.input_ids)
+        residual, out = self.embed_tokens(fb.input_ids), None
         captured = []
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, fb, kv)
-            if i in fb.capture_layer_ids:
-                captured.append(hidden)
+            out = layer(out, residual, fb, kv, self.rope, self.ops)
+            if i in fb.capture_layer_ids:  # the layer's output: its MLP's plus the residual stream
+                captured.append(out + residual)
         if captured:  # the drafter's context: these layers' outputs for every row, concatenated
             fb.captured_hidden = torch.cat(captured, dim=-1)
-        hidden = self.norm(hidden[fb.logit_rows])
-        return self.lm_head(hidden)
-
-    def _forward_fused(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        out, residual = self.embed_tokens(fb.input_ids), None
-        captured = []
-        for i, layer in enumerate(self.layers):
-            out, residual = layer.forward_fused(out, residual, fb, kv, self.rope)
-            if i in fb.capture_layer_ids:
-                captured.append(out + residual)
-        if captured:
-            fb.captured_hidden = torch.cat(captured, dim=-1)
         rows = fb.logit_rows
-        hidden = add_rms_norm(out[rows].contiguous(), residual[rows].contiguous(), self.norm.weight, self.norm.eps)
-        return self.lm_head(hidden)
+        return self.lm_head(self.ops.add_rms_norm(out[rows].contiguous(), residual[rows].contiguous(), self.norm))
 
     @staticmethod
     def _load_quantized(layer: "LlamaDecoderLayer", p: str, quantized: dict[str, QuantWeight]) -> None:
@@ -164,14 +131,6 @@ class LlamaForCausalLM(nn.Module):
                              (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
             if name in quantized:
                 linear.load_quantized(quantized[name])
-
-    def pack_for_cpu(self) -> None:
-        """Pack every linear weight for specserve's CPU kernels and switch to the fused layer
-        kernels (a no-op off CPU or outside bf16)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu()
-        self.fused = self.dtype == torch.bfloat16 and self.embed_tokens.weight.device.type == "cpu"
 
     def load_weights(self, weights: dict[str, torch.Tensor], quantized: Optional[dict[str, QuantWeight]] = None) -> None:
         """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard.

@@ -43,8 +43,7 @@ def describe_parameters(count: int) -> str:
 def cpu_kernel_path(device: str, dtype: "torch.dtype") -> Optional[str]:
     """The kernel path a bf16 model on CPU runs (avx512_bf16, avx2_fma, generic); None elsewhere
     (fp32 and CUDA run stock torch ops)."""
-    import torch
-
     from specserve.kernels import dispatch
+    from specserve.models.backend import cpu_kernels_apply
 
-    return dispatch.path_name() if device == "cpu" and dtype == torch.bfloat16 else None
+    return dispatch.path_name() if cpu_kernels_apply(device, dtype) else None

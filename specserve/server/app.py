@@ -14,8 +14,8 @@ import asyncio
 from fastapi import FastAPI
 
 from specserve.server.errors import install_error_handlers
+from specserve.server.fields import bound_by_vocab
 from specserve.server.middleware import GuardMiddleware
-from specserve.server.protocol import bound_by_vocab
 from specserve.server.routes import add_generation_routes, add_info_routes
 from specserve.server.state import ServerState
 from specserve.server.worker_routes import add_worker_routes

@@ -9,16 +9,12 @@ behaviour.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
-    StrictInt,
     StrictStr,
     model_validator,
 )
@@ -28,14 +24,27 @@ from specserve.sampling_params import (
     MAX_NEW_TOKENS_LIMIT,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
     SEED_LIMIT,
 )
 from specserve.server.errors import FieldError
+from specserve.server.fields import (
+    MAX_N,
+    VOCAB_BOUND,
+    Integer,
+    NonEmpty,
+    Number,
+    Stop,
+    StrictModel,
+    Text,
+    TokenId,
+    TokenIds,
+    check_fixed,
+    fixed,
+    neutral_only,
+)
 from specserve.server.tools import (
     MAX_TOOLS,
     ToolCall,
@@ -50,61 +59,12 @@ from specserve.server.tools import (
 )
 
 
-def _integral(value: Any) -> Any:
-    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**64 else value
-
-
-Number = StrictFloat  # strict: ints are accepted, bools and strings are not
-Integer = StrictInt  # integral floats are accepted too: see _Strict._integral_floats
-# The vocabulary bounds token ids and top_k; the app writes it into its OpenAPI schema (VOCAB_BOUND).
-VOCAB_BOUND = "x-vocab-bound"
-TokenId = Annotated[StrictInt, Field(ge=0, json_schema_extra={VOCAB_BOUND: -1}), BeforeValidator(_integral)]
-Text = Annotated[StrictStr, Field(min_length=1)]
-T = TypeVar("T")
-NonEmpty = Annotated[T, Field(min_length=1)]
-TokenIds = NonEmpty[list[TokenId]]
-
-
-def neutral_only(*values: Any) -> Any:
-    """A field of the OpenAI API that specserve accepts only at its neutral values; the schema says so."""
-    return Field(None, json_schema_extra={"enum": list(values)})
-
-
-def fixed(value: Any) -> Any:
-    """An SGLang extension (its router sends it on every request) that specserve implements at this
-    value only: accepted there, a 400 naming it otherwise (`check_fixed`)."""
-    return Field(value, json_schema_extra={"enum": [value]})
-
-
-def check_fixed(model: BaseModel) -> None:
-    """Every `fixed` field of a request at its one supported value, else a FieldError naming it."""
-    for name, info in type(model).model_fields.items():
-        extra = info.json_schema_extra
-        if isinstance(extra, dict) and extra.get("enum") == [info.default] and info.default is not None \
-                and getattr(model, name) != info.default:
-            raise FieldError(name, f"only {json.dumps(info.default)} is supported by specserve")
-MAX_N = 16  # choices per request
-MAX_STOP = MAX_STOP_STRINGS  # stop strings per request
-StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
-Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_floats(cls, data: Any) -> Any:
-        """JSON has one number type: 2.0 is the integer 2 (JSON Schema agrees); 2.5, "2" and true are not."""
-        return {k: _integral(v) for k, v in data.items()} if isinstance(data, dict) else data
-
-
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: StrictStr
 
 
-class _Message(_Strict):
+class _Message(StrictModel):
     content: Union[StrictStr, list[TextPart], None] = None
     name: Optional[StrictStr] = None
 
@@ -144,18 +104,18 @@ class ToolMessage(_Message):
 ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     description: Optional[StrictStr] = None
     schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
     strict: Optional[StrictBool] = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's response_format: free text, any JSON object, or JSON matching a schema (always strict here)."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -176,7 +136,7 @@ class ResponseFormat(_Strict):
         return None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """What chat and completion requests share."""
 
     model: StrictStr
@@ -333,7 +293,7 @@ class CompletionRequest(SamplingFields):
         return params
 
 
-class GenerateSamplingParams(_Strict):
+class GenerateSamplingParams(StrictModel):
     """specserve's SamplingParams as the native API takes them (checked again, with the vocabulary, by the engine)."""
 
     max_new_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
@@ -366,7 +326,7 @@ class GenerateSamplingParams(_Strict):
         return self.model_dump(exclude_unset=True, exclude_none=True)
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictModel):
     """The native endpoint: text or input_ids, specserve sampling params, the Engine's output dict."""
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of text and input_ids
@@ -406,15 +366,3 @@ class GenerateRequest(_Strict):
             params.update(logprobs=True, top_logprobs=self.top_logprobs_num,
                           prompt_logprobs=self.logprob_start_len == 0)
         return params
-
-
-def bound_by_vocab(schema: Any, vocab_size: int) -> None:
-    """In an OpenAPI schema (in place): each VOCAB_BOUND marker becomes `maximum: vocab_size + offset`."""
-    if isinstance(schema, dict):
-        if VOCAB_BOUND in schema:
-            schema["maximum"] = vocab_size + schema.pop(VOCAB_BOUND)
-        for value in schema.values():
-            bound_by_vocab(value, vocab_size)
-    elif isinstance(schema, list):
-        for value in schema:
-            bound_by_vocab(value, vocab_size)

@@ -114,10 +114,9 @@ class Speculation:
 
     # ------------------------------------------------------------ commit
 
-    def commit_rows(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    def commit_rows(self, rows: CommittedRows) -> None:
         """Every drafter that reads rows sees every committed row, whoever drafted the request:
         a request may switch drafter between steps."""
-        rows = CommittedRows(hidden, positions, slots)
         for worker in self.workers.values():
             if worker.capture_layer_ids:
                 worker.commit_rows(rows)

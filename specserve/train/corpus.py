@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kv.pool import KVPool
-from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 
@@ -71,7 +70,7 @@ def _capture_chunk(model, kv, chunk, layer_ids: tuple[int, ...], topk: int) -> l
         starts.append(offset)
         offset += n
     rows = [starts[i] + r for i, (p, _) in enumerate(chunk) for r in range(len(p), lens[i] - 1)]
-    meta = AttentionMetadata.build(table, list(range(len(seqs))), lens, lens, "cpu", model.dtype)
+    meta = model.ops.attention_metadata(table, list(range(len(seqs))), lens, lens, "cpu")
     fb = ForwardBatch(input_ids=torch.tensor([t for s in seqs for t in s]),
                       positions=torch.cat([torch.arange(n) for n in lens]),
                       out_cache_loc=torch.arange(1, offset + 1), attn=meta, logit_rows=torch.tensor(rows),

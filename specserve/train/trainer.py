@@ -146,7 +146,7 @@ class DrafterLoss:
         mask = self._mask(blk, ctx.dtype)  # [B, 1, A*g, T + A*g]: the same for every layer
         for layer in d.layers:
             k, v = layer.context_kv(ctx, ctx_cos, ctx_sin)
-            x = layer(x, k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:]), mask, cos, sin)
+            x = layer(x, k.view(B, T, *k.shape[1:]), v.view(B, T, *v.shape[1:]), mask, cos, sin, d.ops)
         return d.norm(x).view(B, A, g, -1)
 
     @staticmethod

@@ -19,7 +19,6 @@ from helpers import chat_prompts, policy_args
 from specserve import Engine
 from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.models import layers
-from specserve.models.attention import AttentionMetadata
 from specserve.models.forward_batch import ForwardBatch
 
 CONTENTS = ["Name three colors.", "Explain in detail how photosynthesis works.",
@@ -50,9 +49,9 @@ class Steps:
         ids = [t for _, toks, _ in parts for t in toks]
         pos = [start + i for _, toks, start in parts for i in range(len(toks))]
         loc = [int(self.table.table[r, p]) for (r, toks, start) in parts for p in range(start, start + len(toks))]
-        meta = AttentionMetadata.build(self.table.table, [r for r, _, _ in parts],
-                                       [start + len(toks) for _, toks, start in parts],
-                                       [len(toks) for _, toks, _ in parts], dtype=self.model.dtype)
+        meta = self.model.ops.attention_metadata(self.table.table, [r for r, _, _ in parts],
+                                                 [start + len(toks) for _, toks, start in parts],
+                                                 [len(toks) for _, toks, _ in parts], "cpu")
         fb = ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(loc), meta, torch.arange(len(ids)))
         return list(self.model(fb, self.kv).split([len(toks) for _, toks, _ in parts]))
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import prefill_logits
 
-import specserve.models.llama as llama
+import specserve.models.backend as backend
 from specserve import Engine
 from specserve.datasets import sharegpt_exchanges
 
@@ -61,24 +61,22 @@ def test_bf16_kernels_agree_with_the_fp32_stock_reference(bf16_engine, sequences
 
 
 def _reversed_rope(monkeypatch, engine):
-    original = llama.rope_store
-    monkeypatch.setattr(llama, "rope_store", lambda qkv, cos, sin, *rest: original(qkv, cos, -sin, *rest))
+    original = backend.rope_store
+    monkeypatch.setattr(backend, "rope_store", lambda qkv, cos, sin, *rest: original(qkv, cos, -sin, *rest))
 
 
 def _dropped_last_mlp(monkeypatch, engine):
     layer = engine.runner.model.layers[-1]
-    forward = layer.forward_fused
-
-    def without_mlp(out, residual, fb, kv, rope):
-        mlp_out, residual = forward(out, residual, fb, kv, rope)
-        return torch.zeros_like(mlp_out), residual
-    monkeypatch.setattr(layer, "forward_fused", without_mlp)
+    forward = layer.forward
+    monkeypatch.setattr(layer, "forward", lambda *args: torch.zeros_like(forward(*args)))
 
 
 def _skipped_residual(monkeypatch, engine):
+    """The residual stream restarts at the middle layer: everything before it reaches the layer
+    only through that layer's input."""
     layer = engine.runner.model.layers[len(engine.runner.model.layers) // 2]
-    forward = layer.forward_fused
-    monkeypatch.setattr(layer, "forward_fused", lambda out, residual, fb, kv, rope: forward(out, None, fb, kv, rope))
+    forward = layer.forward
+    monkeypatch.setattr(layer, "forward", lambda out, residual, *rest: forward(None, residual.copy_(out), *rest))
 
 
 @pytest.mark.parametrize("plant", [_reversed_rope, _dropped_last_mlp, _skipped_residual],

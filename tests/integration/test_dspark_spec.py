@@ -216,15 +216,15 @@ def inject_every_row(runner):
     def inject(hidden, out, prefix, window_slots, verify_lens):
         everything = out.map(torch.clone)
         everything.commit_lens.fill_(out.out_tokens.shape[1])
-        type(runner)._commit_rows(runner, hidden, everything, prefix, window_slots, verify_lens)
-    runner._commit_rows = inject
+        return type(runner)._verified_rows(runner, hidden, everything, prefix, window_slots, verify_lens)
+    runner._verified_rows = inject
 
 
 def inject_one_position_late(runner):
     """Mutation: the right rows at RoPE positions shifted by one (the seed's acceptance symptom)."""
     def inject(hidden, out, prefix, window_slots, verify_lens):
-        type(runner)._commit_rows(runner, hidden, out, prefix + 1, window_slots, verify_lens)
-    runner._commit_rows = inject
+        return type(runner)._verified_rows(runner, hidden, out, prefix + 1, window_slots, verify_lens)
+    runner._verified_rows = inject
 
 
 @pytest.mark.parametrize("mutation", [None, inject_every_row, inject_one_position_late])
@@ -283,12 +283,11 @@ def check_injection(drafter_dir, prompts, reference, mutation):
 
 
 def _prefill(engine: Engine, ids: list[int], layers):
-    from specserve.models.attention import AttentionMetadata
     from specserve.models.forward_batch import ForwardBatch
 
     n = len(ids)
     engine.req_to_token.table[0, :n] = torch.arange(1, n + 1)
-    meta = AttentionMetadata.build(engine.req_to_token.table, [0], [n], [n], "cpu", torch.float32)
+    meta = engine.runner.model.ops.attention_metadata(engine.req_to_token.table, [0], [n], [n], "cpu")
     fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1), meta, torch.tensor([n - 1]),
                       capture_layer_ids=tuple(layers))
     engine.runner.model(fb, engine.kv)

@@ -252,10 +252,11 @@ def adopt_seq_lens_by_view(runner, positions: list) -> None:
 
     def inject(hidden, out, prefix, window_slots, verify_lens):
         s = adopted["seq_lens"] if "seq_lens" in adopted else prefix
-        type(runner)._commit_rows(runner, hidden, out, s, window_slots, verify_lens)
+        rows = type(runner)._verified_rows(runner, hidden, out, s, window_slots, verify_lens)
         adopted["seq_lens"] = out.new_seq_lens  # kept by reference, as the seed's loop kept it
+        return rows
 
-    runner._commit_rows = inject
+    runner._verified_rows = inject
     spy_positions(runner, positions)
 
 

@@ -9,6 +9,7 @@ import torch
 from helpers import prefill_logits
 
 from specserve.kernels.linear import BF16, Q4, Q8
+from specserve.models.backend import CpuKernelOps
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model
 
@@ -35,7 +36,7 @@ def test_int4_model_agrees_with_dequantized_bf16(loaded):
     def build(quantized):
         m = LlamaForCausalLM(loaded.config, torch.bfloat16)
         m.load_weights(loaded.weights, quantized)
-        m.pack_for_cpu()
+        m.use_backend(CpuKernelOps())
         return m.eval()
 
     int4, bf16 = build(loaded.quantized), build(None)

@@ -98,9 +98,9 @@ def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, fp32
     runner = engine.runner
 
     def shifted(hidden, out, prefix, window_slots, verify_lens):
-        type(runner)._commit_rows(runner, hidden, out, prefix + out.commit_lens, window_slots, verify_lens)
+        return type(runner)._verified_rows(runner, hidden, out, prefix + out.commit_lens, window_slots, verify_lens)
 
-    runner._commit_rows = shifted
+    runner._verified_rows = shifted
     engine.tree.reset()
     outs = engine.generate(input_ids=prompts, sampling_params=long)
     assert [o["output_ids"] for o in outs] == reference  # the target still decides every token

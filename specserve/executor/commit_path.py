@@ -1,0 +1,69 @@
+"""The one path by which a step's committed tokens reach every party that reads them.
+
+Every step kind (a prefill chunk, a decode step, a verify step) ends by handing its outcome to
+`CommitPath.commit`, which tells, in this order:
+1. the drafters that read the target's hidden rows (DSpark): the rows this pass committed;
+2. the FutureMap: each request's next anchor (its last committed token) and lengths, which the
+   next step reads on the forward stream;
+3. the drafters that read tokens (n-gram): the committed tokens (a prefill: the prompt and its
+   first token, from scratch);
+4. the request logits: penalty histories and grammar states advance by the committed tokens;
+5. the speculation policy: a prefill starts the request's record; the tokens feed its estimates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specserve.executor.future_map import FutureMap
+from specserve.executor.request_logits import RequestLogits
+from specserve.executor.step_io import StepInput
+from specserve.speculative.speculation import Speculation
+from specserve.speculative.worker import CommittedRows
+
+
+@dataclass
+class Committed:
+    """What one step committed for some of its requests (indices into the step)."""
+
+    indices: list[int]
+    tokens: list[list[int]]  # per request: its committed tokens (the last is the next anchor)
+    seq_lens: torch.Tensor  # per request, on the device: its sequence length after the commit
+    out_lens: list[int]  # per request: its output length after the commit
+    first: bool = False  # a prefill's first token: the request starts here
+
+    @staticmethod
+    def nothing() -> "Committed":
+        return Committed([], [], torch.empty(0, dtype=torch.int64), [])
+
+
+class CommitPath:
+    """Fans a step's commit out to the future map, the drafters, the request logits and the policy."""
+
+    def __init__(self, future: FutureMap, speculation: Speculation, request_logits: RequestLogits, device: str):
+        self.future = future
+        self.speculation = speculation
+        self.request_logits = request_logits
+        self.device = device
+
+    def commit(self, step: StepInput, done: Committed, rows: Optional[CommittedRows] = None) -> None:
+        if rows is not None and self.speculation.reads_rows:
+            self.speculation.commit_rows(rows)
+        if not done.indices:
+            return
+        req_rows = [step.rows[i] for i in done.indices]
+        self.future.write(torch.tensor(req_rows, dtype=torch.int64, device=self.device),
+                          torch.tensor([toks[-1] for toks in done.tokens], dtype=torch.int64, device=self.device),
+                          done.seq_lens, torch.tensor(done.out_lens, dtype=torch.int64, device=self.device))
+        policy = self.speculation.policy
+        for i, row, toks, out_len in zip(done.indices, req_rows, done.tokens, done.out_lens):
+            if self.speculation.reads_tokens:
+                self.speculation.commit_tokens(row, step.fills[i] + toks if done.first else toks, restart=done.first)
+            self.request_logits.commit(row, toks)
+            if done.first:
+                self.speculation.start(row)
+            if policy is not None:
+                policy.observe_tokens(row, toks, step.params[i], out_len)
