@@ -143,6 +143,7 @@ class ServerArgs:
         """The drafters the adaptive policy chooses from."""
         if self.speculative_policy_drafters:
             return tuple(d.strip().upper() for d in self.speculative_policy_drafters.split(",") if d.strip())
+        assert self.speculative_algorithm is not None, "asked only while speculating"
         return DRAFTERS if self.speculative_algorithm == Algorithm.DSPARK else (self.speculative_algorithm,)
 
     def verify_mode(self) -> str:

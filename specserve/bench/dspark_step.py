@@ -59,7 +59,7 @@ def instrument(engine) -> dict[str, float]:
             inside["verify"] = False
 
     runner._verify = _timed(totals, "verify_step", verify_step)
-    runner._plan = _timed(totals, "plan", runner._plan, inside)
+    runner._plan = _timed(totals, "plan", runner._plan)  # just before the verify (ModelRunner._step)
     runner.read_accept = _timed(totals, "read_accept", runner.read_accept, inside)
     drafter.block_hidden = _timed(totals, "block_hidden", drafter.block_hidden, inside)
     drafter.lm_head.forward = _timed(totals, "draft_head", drafter.lm_head.forward, inside)
@@ -109,6 +109,7 @@ def breakdown(plain: dict[str, float], spec: dict[str, float]) -> dict[str, Any]
     decode_ms = 1e3 * plain["decode_step"] / max(plain["decode_step_count"], 1)
     n = max(spec.get("verify_step_count", 0), 1)
     parts = {k: 1e3 * v / n for k, v in spec.items() if not k.endswith("_count")}
+    parts["verify_step"] += parts.get("plan", 0.0)  # the step plans, then verifies: both are its cost
     parts["target_verify_and_accept"] = parts["verify_step"] - sum(
         parts.get(k, 0.0) for k in ("plan", "read_accept", "inject") + DRAFTING)
     drafting = sum(parts.get(k, 0.0) for k in DRAFTING)

@@ -119,6 +119,7 @@ class CommandBroadcast:
             commands, self.pending = self.pending, []
         if self.group is None:
             return commands
+        assert self.codec is not None, "__init__: a group comes with a codec"
         if self.group.rank == 0:  # rank 0 keeps its own objects (callers hold its requests)
             self.group.broadcast_json(encode_commands(commands, self.codec), SITE)
             return commands

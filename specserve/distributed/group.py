@@ -114,7 +114,7 @@ class TPGroup:
         store = dist.PrefixStore(name, self.store)
         if not self.cfg.loopback:  # several nodes: gloo picks the interface the hostname resolves to
             return dist.ProcessGroupGloo(store, self.rank, self.size, self.connect_timeout)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # in torch, missing from its stubs
         opts._timeout = self.connect_timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
         return dist.ProcessGroupGloo(store, self.rank, self.size, opts)
@@ -171,7 +171,8 @@ class TPGroup:
     def all_reduce_(self, tensor: torch.Tensor, site: str, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
         self._arrive(site, group)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        opts.reduceOp = reduce_op  # type: ignore[assignment]  # torch's stubs: RedOpType converts to ReduceOp
         pg = group or self.control
         name = "consensus" if pg is self.monitor else "control"
         self._wait(pg.allreduce([tensor], opts), site, f"all-reduce {op.upper()} of {tuple(tensor.shape)}", name)
@@ -209,7 +210,7 @@ class TPGroup:
     def model_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         self._arrive("model.all_reduce")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs: RedOpType converts to ReduceOp
         self._wait(self.model.allreduce([tensor], opts), "model.all_reduce", f"all-reduce of {tuple(tensor.shape)}",
                    "model")
         return tensor

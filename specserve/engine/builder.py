@@ -6,10 +6,11 @@ that was built after it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -17,7 +18,8 @@ from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
-from specserve.executor.model_runner import CaptureConfig, ModelRunner
+from specserve.executor.captured_step import CaptureConfig
+from specserve.executor.model_runner import ModelRunner
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.executor.warmup import measure_cost_prior
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
@@ -25,9 +27,9 @@ from specserve.kv.radix_cache import RadixCache
 from specserve.logits.grammar import GrammarCompiler
 from specserve.models.backend import select_backend
 from specserve.models.config import ModelConfig
-from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter
+from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter, read_drafter_config
 from specserve.models.layers import TPContext
-from specserve.models.llama import LlamaForCausalLM
+from specserve.models.llama import LlamaAttention, LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
 from specserve.models.summary import model_summary
 from specserve.names import Algorithm
@@ -37,11 +39,12 @@ from specserve.runtime.stream import Stream
 from specserve.scheduler.loops import NormalLoop, OverlapLoop
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from specserve.speculative.adaptive import AdaptivePolicy
-from specserve.speculative.cost_model import FEATURES, StepCostModel
+from specserve.speculative.cost_model import StepCostModel
 from specserve.speculative.dspark_worker import DsparkWorker
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
 from specserve.speculative.speculation import Speculation
+from specserve.speculative.worker import DraftWorker
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,12 +96,65 @@ def kv_pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
     return max(16, int(budget // bytes_per_token))
 
 
+@dataclass
+class _Target:
+    """The loaded target model (ready on its op backend) and what was read with it."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    context_length: int
+    max_positions: int
+    summary: dict[str, Any]
+    drafter: Optional[DsparkDrafter]
+
+
 def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
-    """Load the model and build every component of this rank (all ranks call this alike)."""
+    """Load the model and build every component of this rank (all ranks call this alike). Each
+    component is complete when built: what it needs is built before it."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     dist = TPGroup(dist_cfg) if dist_cfg is not None else None
     tp_rank = dist_cfg.rank if dist_cfg is not None else 0
+    target = _load_target(args, dist, tp_rank)
+    dtype, drafter = target.dtype, target.drafter
+    gamma = _block_size(args, drafter)
+    size = _kv_pool_size(args, target, dist)
+    cfg, local_kv_heads = target.config, _local_kv_heads(target.model)
+    kv = KVPool(size, cfg.num_layers, local_kv_heads, cfg.head_dim, dtype, args.device)
+    allocator = TokenSlotAllocator(size)
+    faults = FaultConfig.from_env(rank=tp_rank)
+    sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
+    forward_stream, copy_stream = _make_streams(args, faults, sanitizer)
+    req_to_token = ReqToTokenPool(args.max_running_requests + 1, target.max_positions, args.device,
+                                  stream=forward_stream)
+    workers = _make_workers(args, drafter, gamma, size, dtype, req_to_token)
+    consensus = RankConsensusChecker.from_env(dist)
+    tree = _make_tree(args, size, allocator, [kv] + [p for w in workers for p in w.kv_pools], forward_stream,
+                      copy_stream, dist, tp_rank, consensus)
+    tokenizer = target.tokenizer
+    make_runner = functools.partial(
+        ModelRunner, target.model, kv, req_to_token, args.device, max_bs=args.max_running_requests,
+        forward_stream=forward_stream, copy_stream=copy_stream, faults=faults,
+        capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs, args.enable_torch_compile),
+        tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None,
+        grammars=GrammarCompiler(tokenizer.backend.to_str, cfg.vocab_size, tokenizer.eos_token_ids))
+    # The adaptive policy starts from step costs timed on a runner of the drafters alone.
+    cost = _cost_model(args, lambda: make_runner(speculation=Speculation(workers)), gamma)
+    runner = make_runner(speculation=_make_speculation(args, workers, drafter, gamma, cost, tokenizer.eos_token_ids))
+    scheduler = Scheduler(_scheduler_config(args, target, gamma), allocator, req_to_token, tree,
+                          decode_text=tokenizer.decode, consensus=consensus)
+    loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)
+    drafter_name = args.speculative_algorithm if args.speculating else None
+    logger.debug("engine ready (rank %d/%d): %s, KV pool %d tokens", tp_rank, args.tp_size, dtype, size)
+    return RankParts(args, tp_rank, dist, cfg, tokenizer, target.context_length, dtype, kv, allocator,
+                     req_to_token, tree, faults, sanitizer, forward_stream, copy_stream, runner, scheduler, loop,
+                     consensus, drafter_name, target.summary)
+
+
+def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Target:
+    """The target on its op backend, its tokenizer and the drafter attached to it."""
     path = resolve_model_path(args.model_path)
     loaded = load_model(path)
     cfg = loaded.config
@@ -117,53 +173,42 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     # takes its rows from the full (unsharded) head weight.
     full_head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"])
     summary = model_summary(loaded)
-    del loaded
+    del loaded  # the checkpoint's tensors go before the drafter loads (the head's stays until then)
     drafter = _load_drafter(args, cfg, dtype, model, max_positions, full_head)
-    del full_head
-    gamma = _block_size(args, drafter)
-    local_kv_heads = model.layers[0].self_attn.num_kv_heads
-    per_token = KVPool.bytes_per_token(cfg.num_layers, local_kv_heads, cfg.head_dim, dtype)
-    if drafter is not None:
-        dc = drafter.config
+    logger.debug("target loaded (rank %d/%d): %s, %s", tp_rank, args.tp_size, path, dtype)
+    return _Target(model, cfg, tokenizer, dtype, context_length, max_positions, summary, drafter)
+
+
+def _kv_pool_size(args: ServerArgs, target: _Target, dist: Optional[TPGroup]) -> int:
+    """Token slots of the KV pools (the target's and the drafter's share them), equal on every rank."""
+    cfg, dtype = target.config, target.dtype
+    per_token = KVPool.bytes_per_token(cfg.num_layers, _local_kv_heads(target.model), cfg.head_dim, dtype)
+    if target.drafter is not None:
+        dc = target.drafter.config
         per_token += KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype)
     size = kv_pool_tokens(args, per_token)
     if dist is not None:  # every rank must schedule against the same pool size
         size = int(dist.all_reduce_(torch.tensor([size]), "engine.kv_pool_size", op="min")[0])
-    kv = KVPool(size, cfg.num_layers, local_kv_heads, cfg.head_dim, dtype, args.device)
-    allocator = TokenSlotAllocator(size)
-    faults = FaultConfig.from_env(rank=tp_rank)
-    sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
-    forward_stream, copy_stream = _make_streams(args, faults, sanitizer)
-    req_to_token = ReqToTokenPool(args.max_running_requests + 1, max_positions, args.device, stream=forward_stream)
-    speculation = _make_speculation(args, drafter, gamma, size, dtype, req_to_token, tokenizer.eos_token_ids)
-    consensus = RankConsensusChecker.from_env(dist)
-    tree = _make_tree(args, size, allocator, [kv] + speculation.kv_pools, forward_stream, copy_stream, dist,
-                      tp_rank, consensus)
-    runner = ModelRunner(model, kv, req_to_token, args.device, max_bs=args.max_running_requests,
-                         speculation=speculation, forward_stream=forward_stream, copy_stream=copy_stream,
-                         faults=faults,
-                         capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs,
-                                               args.enable_torch_compile),
-                         tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None,
-                         grammars=GrammarCompiler(tokenizer.backend.to_str, cfg.vocab_size, tokenizer.eos_token_ids))
-    _start_cost_model(args, runner, gamma)
-    sched_cfg = SchedulerConfig(
-        context_length=context_length,
-        eos_token_ids=tokenizer.eos_token_ids,
+    return size
+
+
+def _local_kv_heads(model: LlamaForCausalLM) -> int:
+    """K/V heads this rank holds (its shard under tensor parallelism)."""
+    attn = model.layers[0].self_attn
+    assert isinstance(attn, LlamaAttention)
+    return attn.num_kv_heads
+
+
+def _scheduler_config(args: ServerArgs, target: _Target, gamma: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        context_length=target.context_length,
+        eos_token_ids=target.tokenizer.eos_token_ids,
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         schedule_policy=args.schedule_policy,
         num_draft_tokens=gamma,
-        speculative_disable_batch_size=args.speculative_disable_batch_size,
     )
-    scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
-    loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)
-    drafter_name = args.speculative_algorithm if args.speculating else None
-    logger.debug("engine ready (rank %d/%d): %s, %s, KV pool %d tokens", tp_rank, args.tp_size, path, dtype, size)
-    return RankParts(args, tp_rank, dist, cfg, tokenizer, context_length, dtype, kv, allocator, req_to_token, tree,
-                     faults, sanitizer, forward_stream, copy_stream, runner, scheduler, loop, consensus, drafter_name,
-                     summary)
 
 
 def _make_streams(args: ServerArgs, faults: FaultConfig,
@@ -175,45 +220,53 @@ def _make_streams(args: ServerArgs, faults: FaultConfig,
             Stream("copy", args.device, threaded, faults.delay_for("copy"), sanitizer))
 
 
-def _make_speculation(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma: int, size: int,
-                      dtype: torch.dtype, req_to_token: ReqToTokenPool, eos_token_ids: tuple[int, ...]) -> Speculation:
+def _make_workers(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma: int, size: int, dtype: torch.dtype,
+                  req_to_token: ReqToTokenPool) -> list[DraftWorker]:
     """The drafters: the draft K/V of DSPARK share the target's token slots, so one allocator serves both."""
-    workers = []
+    workers: list[DraftWorker] = []
+    adaptive = args.speculating and args.speculative_policy == "adaptive"
     if drafter is not None:
         dc = drafter.config
         draft_kv = KVPool(size, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, args.device)
         # Deferred injection under the adaptive policy, unless the host tier copies the pools too.
-        defer = args.speculating and args.speculative_policy == "adaptive" and not args.enable_hierarchical_cache
+        defer = adaptive and not args.enable_hierarchical_cache
         workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))
-    adaptive = args.speculating and args.speculative_policy == "adaptive"
     if args.speculative_algorithm == Algorithm.NGRAM or adaptive and Algorithm.NGRAM in args.policy_drafters():
         workers.append(NgramWorker(gamma))
+    return workers
+
+
+def _make_speculation(args: ServerArgs, workers: list[DraftWorker], drafter: Optional[DsparkDrafter], gamma: int,
+                      cost: Optional[StepCostModel], eos_token_ids: tuple[int, ...]) -> Speculation:
+    """What decides each request's window: the adaptive policy (with its cost model), else each
+    request's drafter with every draft, verified whole or by the compact planner."""
     planner, policy = None, None
-    if adaptive:  # its cost model is measured once the runner exists (_start_cost_model)
-        policy = AdaptivePolicy(args.policy_drafters(), gamma, StepCostModel([0.0] * len(FEATURES)), eos_token_ids,
+    if cost is not None:
+        policy = AdaptivePolicy(args.policy_drafters(), gamma, cost, eos_token_ids,
                                 args.speculative_explore_interval, args.speculative_min_gain)
     elif drafter is not None and args.verify_mode() != "static":
         path = args.speculative_dspark_sps_table_path
         planner = VerifyPlanner(SpsTable.load(path) if path else None)
-    return Speculation(workers, planner, policy)
+    return Speculation(workers, planner, policy, disable_batch_size=args.speculative_disable_batch_size)
 
 
-def _start_cost_model(args: ServerArgs, runner: ModelRunner, gamma: int) -> None:
-    """The adaptive policy's step-cost model: from the given table, else timed by a warm-up."""
-    policy = runner.speculation.policy
-    if policy is None:
-        return
+def _cost_model(args: ServerArgs, timing_runner: Callable[[], ModelRunner], gamma: int) -> Optional[StepCostModel]:
+    """The adaptive policy's step-cost model (None without the policy): from the given table, else
+    timed by a warm-up on `timing_runner()`."""
+    if not (args.speculating and args.speculative_policy == "adaptive"):
+        return None
     if args.speculative_cost_table_path:
-        policy.cost = StepCostModel.load(args.speculative_cost_table_path)
+        cost = StepCostModel.load(args.speculative_cost_table_path)
     else:
-        prior = measure_cost_prior(runner, gamma)
+        prior = measure_cost_prior(timing_runner(), gamma)
         if args.speculative_dspark_sps_table_path:  # a recorded SPS table gives the target's part
             sps = SpsTable.load(args.speculative_dspark_sps_table_path)
             prior[:3] = StepCostModel.from_sps(sps.tokens, sps.steps_per_second).theta.tolist()[:3]
-        policy.cost = StepCostModel(prior)
+        cost = StepCostModel(prior)
     if args.speculative_freeze_cost_table:
-        policy.cost.freeze()
-    logger.debug("speculation cost model (s): %s", {k: round(v, 6) for k, v in policy.cost.coefficients().items()})
+        cost.freeze()
+    logger.debug("speculation cost model (s): %s", {k: round(v, 6) for k, v in cost.coefficients().items()})
+    return cost
 
 
 def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, device_pools: list[KVPool],
@@ -221,17 +274,15 @@ def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, devic
                consensus: Optional[RankConsensusChecker]) -> RadixCache:
     """The radix cache, or with --enable-hierarchical-cache its host (and file) tiers too."""
     if not args.enable_hierarchical_cache:
-        tree = RadixCache(allocator.free, disabled=args.disable_radix_cache)
-    else:
-        tree = _make_hierarchical_tree(args, size, allocator, device_pools, forward_stream, copy_stream, dist,
-                                       tp_rank)
-    tree.consensus = consensus
-    return tree
+        return RadixCache(allocator.free, disabled=args.disable_radix_cache, consensus=consensus)
+    return _make_hierarchical_tree(args, size, allocator, device_pools, forward_stream, copy_stream, dist, tp_rank,
+                                   consensus)
 
 
 def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator,
                             device_pools: list[KVPool], forward_stream: Stream, copy_stream: Stream,
-                            dist: Optional[TPGroup], tp_rank: int) -> RadixCache:
+                            dist: Optional[TPGroup], tp_rank: int,
+                            consensus: Optional[RankConsensusChecker]) -> RadixCache:
     """A HiRadixCache over a host pool (and with --hicache-storage-backend, the file tier)."""
     from specserve.kv.file_storage import (
         KV_FORMAT_VERSION,
@@ -253,6 +304,7 @@ def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAll
             model=path_identity(resolve_model_path(args.model_path)), drafter=path_identity(drafter),
             kv_dtype=str(device_pools[0].k[0].dtype), tp_size=args.tp_size, tp_rank=tp_rank,
             kernel=f"v{KV_FORMAT_VERSION}:{torch.device(args.device).type}:{args.quantization}")
+        assert args.hicache_storage_dir is not None, "args validation: the file tier needs its directory"
         storage = FileKVStorage(args.hicache_storage_dir, fingerprint, PageLayout.of_pools(device_pools),
                                 max(1, args.hicache_storage_max_bytes // args.tp_size))  # each rank its share
 
@@ -261,20 +313,20 @@ def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAll
             return value
         return int(dist.all_reduce_(torch.tensor([value]), site, op="min")[0])
 
-    return HiRadixCache(allocator, host, args.hicache_write_policy, storage, agree_min)
+    return HiRadixCache(allocator, host, args.hicache_write_policy, storage, agree_min, consensus)
 
 
 def _load_drafter(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, model: LlamaForCausalLM,
                   max_positions: int, full_head: torch.Tensor) -> Optional[DsparkDrafter]:
     if args.speculative_algorithm != Algorithm.DSPARK:
         return None
-    drafter = load_drafter(args.speculative_draft_model_path, cfg, dtype, args.device, max_positions,
-                           args.speculative_dspark_block_size)
-    head = model.lm_head
-    if drafter.reduced_vocab and args.tp_size > 1:  # this rank's head holds only its vocab shard
-        head = DraftVocabHead(full_head.to(device=args.device, dtype=dtype))
-    drafter.attach_target(model.embed_tokens, head)
-    return drafter
+    path = args.speculative_draft_model_path
+    assert path is not None, "args validation: DSPARK resolves its drafter's path"
+    head: Callable[[torch.Tensor], torch.Tensor] = model.lm_head
+    if args.tp_size > 1 and read_drafter_config(path).draft_vocab_size is not None:
+        head = DraftVocabHead(full_head.to(device=args.device, dtype=dtype))  # this rank's head: only its shard
+    return load_drafter(path, cfg, dtype, args.device, max_positions,
+                        args.speculative_dspark_block_size, embed=model.embed_tokens, lm_head=head)
 
 
 def _block_size(args: ServerArgs, drafter: Optional[DsparkDrafter]) -> int:

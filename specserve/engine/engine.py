@@ -139,9 +139,7 @@ class Engine:
     def check_grammar(self, sampling_params: Optional[dict]) -> None:
         """Compile a request's grammar into the cache (InvalidRequestError if it does not compile);
         thread-safe, so a serving loop can run it off its own thread before `submit`."""
-        spec = GrammarSpec.of(SamplingParams.from_dict(sampling_params))
-        if spec is not None:
-            self.runner.request_logits.grammars.check(spec)
+        self._check_grammar(SamplingParams.from_dict(sampling_params))
 
     def abort(self, rid: str) -> None:
         """Stop a request at the next step; it then comes back in that step's `finished`."""
@@ -190,7 +188,8 @@ class Engine:
             self._closed = True
             if self.consensus is not None:  # a last comparison of everything recorded, then stop
                 self.consensus.stop()
-            self.rank_figures = self.dist.all_gather_json(self._figures(), "engine.shutdown_figures")
+            if self.dist is not None:  # every rank's figures, on every rank
+                self.rank_figures = self.dist.all_gather_json(self._figures(), "engine.shutdown_figures")
 
     def _figures(self) -> dict[str, Any]:
         """This rank's measured reliability figures (gathered from every rank at shutdown)."""
@@ -232,7 +231,8 @@ class Engine:
         sched = self.scheduler
         cached = self.tree.total_size
         free = self.allocator.available
-        out = {"waiting": len(sched.waiting), "running": len(sched.running) + (sched.chunked_req is not None),
+        running = len(sched.running) + (sched.chunked_req is not None)
+        out: dict[str, float] = {"waiting": len(sched.waiting), "running": running,
                "kv_total_tokens": self.allocator.size, "kv_free_tokens": free, "kv_cached_tokens": cached,
                "kv_request_tokens": self.allocator.size - free - cached}
         policy = self.runner.speculation.policy
@@ -280,9 +280,7 @@ class Engine:
         self._stop_workers(timeout_s=30 if clean else 10)
         if self.dist is not None and clean:  # after the others left their loops
             self.dist.close()
-        self.scheduler = None
-        self.runner = None
-        self.kv = None
+        del self.scheduler, self.runner, self.kv  # their memory goes now; shutdown() again is a no-op
 
     def _stop_workers(self, timeout_s: float) -> None:
         for rp in self._workers:
@@ -317,10 +315,15 @@ class Engine:
     def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
         params = normalize_params(sampling_params, n, self.model_config.vocab_size)
         for p in params:  # a grammar that does not compile is the request's error, before it is queued
-            spec = GrammarSpec.of(p)
-            if spec is not None:
-                self.runner.request_logits.grammars.check(spec)
+            self._check_grammar(p)
         return params
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        spec = GrammarSpec.of(params)
+        grammars = self.runner.request_logits.grammars
+        if spec is not None:
+            assert grammars is not None, "the builder gives every runner a grammar compiler"
+            grammars.check(spec)
 
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)

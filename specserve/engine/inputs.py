@@ -18,12 +18,13 @@ def normalize_inputs(prompt: Prompt, input_ids: Optional[list], tokenizer: Token
         raise InvalidRequestError("prompt/input_ids: give exactly one of them", param="prompt")
     if prompt is not None:
         single = isinstance(prompt, str)
-        texts = [prompt] if single else prompt
+        texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise InvalidRequestError("prompt: must be a string or a non-empty list of strings", param="prompt")
         if any(t == "" for t in texts):
             raise InvalidRequestError("prompt: must not be empty", param="prompt")
         return single, [tokenizer.encode(t) for t in texts]
+    assert input_ids is not None, "exactly one of them, checked above"
     single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
     lists = [input_ids] if single else input_ids
     if not isinstance(lists, list) or not lists:

@@ -77,7 +77,8 @@ def run_node_workers(args: ServerArgs) -> int:
 
 # ------------------------------------------------------------ a request on the wire (the command stream)
 
-REQ_FIELDS = {"rid": str, "input_ids": list, "params": dict, "seed": int, "drafter": (str, type(None))}
+REQ_FIELDS: dict[str, type | tuple[type, ...]] = {"rid": str, "input_ids": list, "params": dict, "seed": int,
+                                                   "drafter": (str, type(None))}
 PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 

@@ -23,7 +23,7 @@ Compact (ragged) verify and prefill run eagerly: their shapes change with every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -49,6 +49,19 @@ def kv_bucket(bound: int, max_context: int) -> int:
     while size < bound:
         size *= 2
     return min(size, max_context)
+
+
+@dataclass
+class CaptureConfig:
+    """Which decode and static-verify steps run as captured steps (CUDA graphs on CUDA)."""
+
+    enabled: bool = True  # --disable-cuda-graph turns it off: every step runs eagerly
+    max_bs: int = 32  # --cuda-graph-max-bs: larger batches run eagerly
+    compile: bool = False  # --enable-torch-compile: torch.compile the step on CPU
+    pad_batches: Optional[bool] = None  # pad to batch buckets (default: only for CUDA graphs; tests set it on CPU)
+
+    def covers(self, bs: int) -> bool:
+        return self.enabled and bs <= self.max_bs
 
 
 @dataclass
@@ -78,7 +91,7 @@ class CapturedStep:
         # Graphs need fixed shapes: pad to a bucket. On CPU that would only add rows (tests turn it on).
         self.pad_batches = use_cuda_graph if pad_batches is None else pad_batches
         dev = req_to_token.device
-        i64 = dict(dtype=torch.int64, device=dev)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=dev)
         rows = max_bs * width
         self.rows_in = torch.zeros(max_bs, **i64)
         self.prefix_in = torch.zeros(max_bs, **i64)
@@ -89,8 +102,8 @@ class CapturedStep:
         self.hidden_out = torch.zeros(rows, hidden, dtype=model.dtype, device=dev) if hidden else None
         self.positions_out = torch.zeros(rows, **i64)
         self.slots_out = torch.zeros(rows, **i64)
-        self._graphs: dict[tuple[int, int, bool], object] = {}
-        self._graph_pool = None
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._graph_pool: Optional[torch.cuda._POOL_HANDLE] = None
         self._body: Callable[[int, int, bool], None] = self._step
         if compile:
             self._body = torch.compile(self._step, dynamic=True)
@@ -144,7 +157,7 @@ class CapturedStep:
             self._graphs[key] = graph
         graph.replay()
 
-    def _capture(self, padded: int, kv_len: int, fold: bool):
+    def _capture(self, padded: int, kv_len: int, fold: bool) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (allocator and kernels), then capture one replayable graph."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -173,6 +186,8 @@ class CapturedStep:
         self.positions_out[:n].copy_(fb.positions)
         self.slots_out[:n].copy_(fb.out_cache_loc)
         if self.hidden_out is not None:
+            assert fb.captured_hidden is not None, "the model fills it: capture_layer_ids is not empty"
             self.hidden_out[:n].copy_(fb.captured_hidden)
         if fold:
+            assert self.epilogue is not None, "run() folds only with an epilogue"
             self.epilogue.accept_greedy(bs, ids, logits, prefix)

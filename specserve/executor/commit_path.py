@@ -61,7 +61,12 @@ class CommitPath:
         policy = self.speculation.policy
         for i, row, toks, out_len in zip(done.indices, req_rows, done.tokens, done.out_lens):
             if self.speculation.reads_tokens:
-                self.speculation.commit_tokens(row, step.fills[i] + toks if done.first else toks, restart=done.first)
+                seen = toks
+                if done.first:  # the drafters start from the whole sequence
+                    fill = step.fills[i]
+                    assert fill is not None, "the batch fills in the tokens of every sampling request"
+                    seen = fill + toks
+                self.speculation.commit_tokens(row, seen, restart=done.first)
             self.request_logits.commit(row, toks)
             if done.first:
                 self.speculation.start(row)

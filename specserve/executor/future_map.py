@@ -8,6 +8,8 @@ by keeping a view of a persistent buffer). Both loops use it, so they compute th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -15,7 +17,7 @@ class FutureMap:
     """Per request slot: the next anchor token, the committed length and the output length."""
 
     def __init__(self, max_reqs: int, device: str | torch.device = "cpu"):
-        i64 = dict(dtype=torch.int64, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_reqs, **i64)  # the last committed token: the next anchor
         self.seq_lens = torch.zeros(max_reqs, **i64)  # tokens whose KV is in the cache
         self.out_lens = torch.zeros(max_reqs, **i64)  # output tokens so far (sampling counters)

@@ -14,6 +14,7 @@ to the constructor.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -21,13 +22,13 @@ from typing import Optional
 
 import torch
 
-from specserve.executor.captured_step import CapturedStep
+from specserve.executor.captured_step import CaptureConfig, CapturedStep
 from specserve.executor.commit_path import CommitPath, Committed
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
 from specserve.executor.step_io import (
-    DECODE,
     EXTEND,
+    VERIFY,
     PromptLogprobs,
     SampledToken,
     StepInput,
@@ -49,17 +50,12 @@ from specserve.speculative.speculation import Proposal, Speculation
 from specserve.speculative.worker import CommittedRows
 
 
-@dataclass
-class CaptureConfig:
-    """Which decode and static-verify steps run as captured steps (CUDA graphs on CUDA)."""
+class VerifyPath(str, enum.Enum):
+    """How a verify step runs (see ModelRunner._verify_path)."""
 
-    enabled: bool = True  # --disable-cuda-graph turns it off: every step runs eagerly
-    max_bs: int = 32  # --cuda-graph-max-bs: larger batches run eagerly
-    compile: bool = False  # --enable-torch-compile: torch.compile the step on CPU
-    pad_batches: Optional[bool] = None  # pad to batch buckets (default: only for CUDA graphs; tests set it on CPU)
-
-    def covers(self, bs: int) -> bool:
-        return self.enabled and bs <= self.max_bs
+    FOLDED = "captured, greedy accept folded in"
+    CAPTURED = "captured, accept after it"
+    EAGER = "eager over the verified rows, accept after it"
 
 
 @dataclass
@@ -129,15 +125,20 @@ class ModelRunner:
     def resolve(self, handle: StepHandle) -> list[StepOutcome]:
         if self.copy_lag is not None:
             self.copy_lag.host_waits(handle.lag_number)
+        assert handle.done is not None, "launch records the copy's event"
         handle.done.synchronize()
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
-        step = handle.step
-        if step.mode not in (EXTEND, DECODE):
-            out, plan = AcceptOuts(*handle.host_out), handle.plan
-            commit, tokens, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
-            return [VerifyOutcome(row[:n], cap, drafter, k, predicted, handle.logprobs.get(i))
-                    for i, (row, n, cap, drafter, k, predicted)
-                    in enumerate(zip(tokens, commit, trimmed, plan.drafters, plan.drafts, plan.predicted))]
+        step, plan = handle.step, handle.plan
+        if plan is not None:  # a speculating engine's decode step: its windows as planned
+            if plan.speculates:
+                out = AcceptOuts(*handle.host_out)
+                commit, rows, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
+                tokens = [row[:n] for row, n in zip(rows, commit)]
+            else:  # no drafts: each request's one decoded token
+                tokens, trimmed = [[t] for t in handle.host_out[0].tolist()], [0] * step.size
+            return [VerifyOutcome(toks, cap, drafter, k, predicted, handle.logprobs.get(i))
+                    for i, (toks, cap, drafter, k, predicted)
+                    in enumerate(zip(tokens, trimmed, plan.drafters, plan.drafts, plan.predicted))]
         tokens, lps, prompt = handle.host_out[0].tolist(), handle.logprobs, handle.prompt_logprobs
         return [SampledToken(t if s else None, lps.get(i), prompt.get(i)) if i in lps or i in prompt
                 else t if s else None for i, (t, s) in enumerate(zip(tokens, step.sample))]
@@ -154,18 +155,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _step(self, handle: StepHandle) -> None:
+        """One step on the forward stream. A decode step of a speculating engine (VERIFY) is planned
+        first: with drafts it verifies windows, without any it is a plain decode step."""
         step = handle.step
         start = time.perf_counter()
         if step.mode == EXTEND:
             handle.device_out = [self._extend(step, handle.logprobs, handle.prompt_logprobs)]
             return
-        if step.mode == DECODE:
+        plan = handle.plan = self._plan(step, step.width - 1) if step.mode == VERIFY else None
+        if plan is not None and plan.speculates:
+            handle.device_out = self._verify(step, plan, handle.logprobs).tensors()
+            shape = plan.shape
+        else:
             handle.device_out = [self._decode(step, handle.logprobs)]
             shape = StepShape(step.size)
-        else:
-            out, handle.plan = self._verify(step, handle.logprobs)
-            handle.device_out = out.tensors()
-            shape = handle.plan.shape
         policy = self.speculation.policy
         if policy is not None and self.forward.device.type == "cpu":  # CUDA steps run asynchronously
             policy.observe_step(shape, time.perf_counter() - start)
@@ -184,7 +187,9 @@ class ModelRunner:
         if wanted:
             params, rows = [step.params[i] for i in wanted], [step.rows[i] for i in wanted]
             for i in wanted:
-                self.request_logits.start(step.rows[i], step.params[i], step.fills[i], step.out_lens[i])
+                fills = step.fills[i]
+                assert fills is not None, "a sampling request's prefill carries its tokens"
+                self.request_logits.start(step.rows[i], step.params[i], fills, step.out_lens[i])
             logits = self.request_logits.shape(logits.cpu(), rows, params)
             picked = torch.tensor(sample(logits, params, [step.seeds[i] for i in wanted],
                                          [step.out_lens[i] for i in wanted]))
@@ -194,28 +199,26 @@ class ModelRunner:
             tokens[wanted] = picked
             seq = torch.tensor([step.prefix_lens[i] + step.extend_lens[i] for i in wanted], device=self.device)
             done = Committed(wanted, [[t] for t in firsts], seq, [step.out_lens[i] + 1 for i in wanted], first=True)
-        self.commits.commit(step, done, CommittedRows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
+        self.commits.commit(step, done, self._rows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
         return tokens
 
     def _decode(self, step: StepInput, logprobs: dict[int, list]) -> torch.Tensor:
+        """One row per request: sample, commit. A sampling request of a speculating engine draws the
+        uniform a one-row window would (its bonus column; see speculative/accept.py), so its token
+        does not depend on whether this step drafted."""
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
-        return self._decode_rows(step, rows, anchors, prefix, out_lens, out_lens.tolist(), logprobs)
-
-    def _decode_rows(self, step: StepInput, rows: torch.Tensor, anchors: torch.Tensor, prefix: torch.Tensor,
-                     out_lens: torch.Tensor, counters: list[int], logprobs: dict[int, list]) -> torch.Tensor:
-        """One row per request: sample, commit to the drafters and the FutureMap. `counters` index
-        each sampling request's uniform (see speculative/accept.py for a verify step's)."""
+        counters = [draw_counter(n, step.width - 1) if step.mode == VERIFY else n for n in out_lens.tolist()]
         if self.capture.covers(step.size):
             out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
-            computed = CommittedRows(out.hidden, out.positions, out.slots)
+            computed = self._rows(out.hidden, out.positions, out.slots)
             logits = out.logits  # a persistent buffer: sampled right here, before the next replay
         else:
             slots = self.req_to_token.table[rows, prefix].tolist()
             fb = self._forward_batch(step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False,
                                      sample=step.sample)
             logits = self.model(fb, self.kv)
-            computed = CommittedRows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
+            computed = self._rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
         logits = self.request_logits.shape(logits.cpu(), step.rows, step.params)
         picked = torch.tensor(sample(logits, step.params, step.seeds, counters), dtype=torch.int64)
         tokens = self._agree([picked], "runner.decode_tokens")[0]
@@ -247,44 +250,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------ speculative verify (forward stream)
 
-    def _verify(self, step: StepInput, logprobs: dict[int, list]) -> tuple[AcceptOuts, StepPlan]:
-        """Plan, then draft, verify the windows, accept into the epilogue's buffers, read owned
+    def _verify(self, step: StepInput, plan: StepPlan, logprobs: dict[int, list]) -> AcceptOuts:
+        """Draft as planned, verify the windows, accept into the epilogue's buffers, read owned
         copies, commit the accepted rows to the drafters and leave anchors and lengths for the
-        next step. A plan without drafts runs as a plain decode step."""
+        next step."""
         bs, width = step.size, step.width
         epilogue = self._epilogue(width)
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
-        plan = self._plan(step, width - 1)
-        if not plan.speculates:
-            return self._verify_without_drafts(step, rows, anchors, prefix, out_lens, logprobs), plan
-        ids = torch.empty(bs, width, dtype=torch.int64, device=self.device)
-        ids[:, 0] = anchors
-        proposal = self._draft(step, rows, ids, prefix, out_lens, drafters=plan.drafters)
-        verify_lens = proposal.verify_lens
-        if any(k < width - 1 for k in plan.drafts):  # a window with fewer drafts verifies fewer rows
-            lens = [1 + k for k in plan.drafts]
-            verify_lens = lens if verify_lens is None else [min(a, b) for a, b in zip(lens, verify_lens)]
-        if any(p.constrained for p in step.params):  # a draft leaving its grammar ends the window there
-            lens = self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist())
-            verify_lens = lens if verify_lens is None else [min(a, b) for a, b in zip(lens, verify_lens)]
-        if self.tp is not None:
-            lens = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
-            ids_agreed, lens = self._agree([ids.cpu(), lens], "runner.drafts")
-            ids.copy_(ids_agreed)
-            verify_lens = lens.tolist() if verify_lens is not None else None
+        ids, proposal, verify_lens = self._draft_windows(step, plan, rows, anchors, prefix, out_lens)
         window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(width)]
-        # the greedy accept folds into the captured verify unless some request's logits are shaped
-        fold = all(p.is_greedy and not p.shapes_logits for p in step.params)
-        captured = verify_lens is None and self.capture.covers(bs)
-        if captured:
-            out = self._captured_step(width).run(rows, prefix, ids, step.kv_bound, accept=fold)
-            logits, hidden, keep = out.logits, out.hidden, None
-        else:
+        path = self._verify_path(step, verify_lens)
+        if path is VerifyPath.EAGER:
             logits, hidden, keep = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
+        else:
+            ran = self._captured_step(width).run(rows, prefix, ids, step.kv_bound, accept=path is VerifyPath.FOLDED)
+            logits, hidden, keep = ran.logits, ran.hidden, None
         layout = verify_row_layout(bs, width, keep)
         logits = self.request_logits.shape_windows(logits, step.rows, step.params, ids, layout)
-        if not (captured and fold):
+        if path is not VerifyPath.FOLDED:
             accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds,
                            lambda vocab: proposal.draft_probs(ids, vocab), verify_lens, keep)
         if self.tp is not None:  # rank 0's accept results, into every rank's accept buffers
@@ -301,7 +285,38 @@ class ModelRunner:
         done = Committed(list(range(bs)), [toks[:n] for toks, n in zip(out_tokens, commit_lens)], out.new_seq_lens,
                          [m + n for m, n in zip(out_lens.tolist(), commit_lens)])
         self.commits.commit(step, done, computed)
-        return out, plan
+        return out
+
+    def _draft_windows(self, step: StepInput, plan: StepPlan, rows: torch.Tensor, anchors: torch.Tensor,
+                       prefix: torch.Tensor, out_lens: torch.Tensor
+                       ) -> tuple[torch.Tensor, Proposal, Optional[list[int]]]:
+        """The windows [anchor, drafts] as planned, their drafters' proposal, and the rows of each
+        window to verify (None: every row), agreed across ranks."""
+        bs, width = step.size, step.width
+        ids = torch.empty(bs, width, dtype=torch.int64, device=self.device)
+        ids[:, 0] = anchors
+        proposal = self._draft(step, rows, ids, prefix, out_lens, drafters=plan.drafters)
+        verify_lens = proposal.verify_lens
+        if any(k < width - 1 for k in plan.drafts):  # a window with fewer drafts verifies fewer rows
+            verify_lens = _tighter(verify_lens, [1 + k for k in plan.drafts])
+        if any(p.constrained for p in step.params):  # a draft leaving its grammar ends the window there
+            verify_lens = _tighter(verify_lens, self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist()))
+        if self.tp is not None:
+            lens_t = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
+            ids_agreed, lens_t = self._agree([ids.cpu(), lens_t], "runner.drafts")
+            ids.copy_(ids_agreed)
+            verify_lens = lens_t.tolist() if verify_lens is not None else None
+        return ids, proposal, verify_lens
+
+    def _verify_path(self, step: StepInput, verify_lens: Optional[list[int]]) -> "VerifyPath":
+        """The one selector of how a verify step runs: captured when every row of every window is
+        verified at a captured batch size, and then with the greedy accept folded in unless some
+        request samples or shapes its logits (penalties, bias, a grammar); else eagerly."""
+        if verify_lens is not None or not self.capture.covers(step.size):
+            return VerifyPath.EAGER
+        if all(p.is_greedy and not p.shapes_logits for p in step.params):
+            return VerifyPath.FOLDED
+        return VerifyPath.CAPTURED
 
     def _plan(self, step: StepInput, gamma: int) -> StepPlan:
         """This step's drafter and draft count per request: rank 0's under tensor parallelism."""
@@ -315,19 +330,6 @@ class ModelRunner:
         plan.drafts = drafts.tolist()
         return plan
 
-    def _verify_without_drafts(self, step: StepInput, rows: torch.Tensor, anchors: torch.Tensor,
-                               prefix: torch.Tensor, out_lens: torch.Tensor, logprobs: dict[int, list]) -> AcceptOuts:
-        """A verify step whose plan has no drafts costs one decode row per request. A sampling
-        request draws the uniform a one-row window would (its bonus column), so its token does not
-        depend on whether the rest of the batch drafted."""
-        gamma = step.width - 1
-        counters = [draw_counter(n, gamma) for n in out_lens.tolist()]
-        tokens = self._decode_rows(step, rows, anchors, prefix, out_lens, counters, logprobs).to(self.device)
-        zeros, ones = torch.zeros_like(tokens), torch.ones_like(tokens)
-        out_tokens = torch.zeros(step.size, step.width, dtype=torch.int64, device=self.device)
-        out_tokens[:, 0] = tokens
-        return AcceptOuts(zeros, tokens, zeros.clone(), ones, prefix + 1, out_tokens)
-
     def _epilogue(self, width: int) -> DsparkVerifyEpilogue:
         if self.epilogue is None or self.epilogue.num_verify_tokens != width:
             self.epilogue = DsparkVerifyEpilogue(self.max_bs, width, self.device)
@@ -336,23 +338,24 @@ class ModelRunner:
         return self.epilogue
 
     def _draft(self, step: StepInput, rows: torch.Tensor, ids: torch.Tensor, prefix: torch.Tensor,
-               out_lens: torch.Tensor, drafters: Optional[list[Optional[str]]] = None) -> Proposal:
-        """Fill ids[:, 1:] with each request's drafts (by the plan's drafters, else the step's);
-        returns their distributions and verify lengths."""
-        return self.speculation.propose(step.drafters if drafters is None else drafters, rows, ids, prefix, out_lens,
-                                        step.params, step.seeds)
+               out_lens: torch.Tensor, drafters: list[Optional[str]]) -> Proposal:
+        """Fill ids[:, 1:] with each request's drafts by `drafters`; returns their distributions
+        and verify lengths."""
+        return self.speculation.propose(drafters, rows, ids, prefix, out_lens, step.params, step.seeds)
 
     def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""
         return tensors if self.tp is None else self.tp.agree(tensors, site)
 
     def read_accept(self, bs: int) -> AcceptOuts:
+        assert self.epilogue is not None, "a verify step makes its epilogue first"
         if self.alias_accept_buffers:  # SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS: views, on purpose
             return self.epilogue.accept_buffers(bs)
         return self.epilogue.read_accept(bs)
 
     def _verify_forward(self, step: StepInput, ids: torch.Tensor, prefix: torch.Tensor, window_slots: torch.Tensor,
-                        verify_lens: Optional[list[int]]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                        verify_lens: Optional[list[int]]
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Target logits of the computed rows, packed, the packed rows' hidden states, and which
         window rows they are ([bs, W]; None: every row, the strided [bs * W, V] layout)."""
         bs, width = ids.shape
@@ -368,6 +371,7 @@ class ModelRunner:
 
         Reads the owned `out.commit_lens` and this step's own `prefix`, never an accept buffer: a
         view of one would hold the next step's values by the time a later step reads it."""
+        assert hidden is not None, "a drafter that reads rows makes the target capture them"
         bs, width = window_slots.shape
         col = torch.arange(width, device=self.device).unsqueeze(0)
         committed = col < out.commit_lens.unsqueeze(1)  # [bs, W]
@@ -376,6 +380,20 @@ class ModelRunner:
         return CommittedRows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
                              window_slots[committed])
 
+    def _rows(self, hidden: Optional[torch.Tensor], positions: torch.Tensor,
+              slots: torch.Tensor) -> Optional[CommittedRows]:
+        """A pass's computed rows for the drafters that read them (None when none does)."""
+        if not self.speculation.reads_rows or hidden is None:
+            return None
+        return CommittedRows(hidden, positions, slots)
+
     def close(self) -> None:
         self.forward.close()
         self.copy.close()
+
+
+def _tighter(lens: Optional[list[int]], limits: Optional[list[int]]) -> Optional[list[int]]:
+    """Per window the smaller of two verify lengths (None: every row of every window)."""
+    if limits is None:
+        return lens
+    return limits if lens is None else [min(a, b) for a, b in zip(lens, limits)]

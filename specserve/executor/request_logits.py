@@ -129,6 +129,7 @@ class RequestLogits:
                 offset += 1 if sampled else 0
                 continue
             fill = step.fills[i]
+            assert fill is not None, "the batch fills in the tokens of every request scoring its prompt"
             prompt_len = len(fill) - step.out_lens[i]
             scored = min(n, prompt_len - 1 - p)  # row p + k predicts token p + k + 1, while in the prompt
             if scored > 0:

@@ -83,3 +83,15 @@ class SampledToken:
 
 # Per request of a step: the next token (None where none is sampled), a SampledToken, or a VerifyOutcome.
 StepOutcome = Union[Optional[int], SampledToken, VerifyOutcome]
+
+
+def emitted_tokens(outcome: StepOutcome | list[int]) -> list[int]:
+    """The tokens a sampling request's outcome emits (a window's committed run, else one token)."""
+    if isinstance(outcome, VerifyOutcome):
+        return [int(t) for t in outcome.tokens]
+    if isinstance(outcome, SampledToken):
+        outcome = outcome.token
+    if isinstance(outcome, (list, tuple)):
+        return [int(t) for t in outcome]
+    assert outcome is not None, "a sampling request's outcome carries its token"
+    return [int(outcome)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from typing import Callable
 
 import torch
@@ -40,14 +41,14 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
         table[r, :per_req] = torch.arange(1 + r * per_req, 1 + (r + 1) * per_req, device=table.device)
     timer = _Timer(runner.device, repeats)
     try:
-        step = {(bs, w): timer(lambda bs=bs, w=w: _forward(runner, bs, w, ctx)) for bs in (1, batch) for w in (1, width)}
+        step = {(bs, w): timer(partial(_forward, runner, bs, w, ctx)) for bs in (1, batch) for w in (1, width)}
         # A plain decode step runs captured where the engine captures it; a verify with drafts eagerly.
-        plain = {bs: timer(lambda bs=bs: _captured_decode(runner, bs, ctx)) if runner.capture.covers(bs) else step[(bs, 1)]
+        plain = {bs: timer(partial(_captured_decode, runner, bs, ctx)) if runner.capture.covers(bs) else step[(bs, 1)]
                  for bs in (1, batch)}
         draft = {}
         dspark = runner.speculation.worker(Algorithm.DSPARK)
         if dspark is not None:
-            draft = {bs: timer(lambda bs=bs: _draft(runner, dspark, bs, gamma, ctx)) for bs in (1, batch)}
+            draft = {bs: timer(partial(_draft, runner, dspark, bs, gamma, ctx)) for bs in (1, batch)}
     finally:
         runner.speculation.flush()  # the synthetic rows go now, before any request holds their slots
         table[:batch] = saved

@@ -124,6 +124,7 @@ def load() -> ModuleType:
             if library is None:
                 return _build(folder)
     spec = importlib.util.spec_from_file_location(NAME, library)
+    assert spec is not None and spec.loader is not None, f"{library}: not an extension module"
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

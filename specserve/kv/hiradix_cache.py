@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from specserve.distributed.consensus import RankConsensusChecker
 from specserve.kv.file_storage import PAGE_TOKENS, FileKVStorage
 from specserve.kv.host_pool import HostKVPool
 from specserve.kv.pool import TokenSlotAllocator
@@ -50,12 +51,13 @@ class HiRadixCache(RadixCache):
     """RadixCache with a host tier (and optionally a file tier); see the module docstring."""
 
     def __init__(self, allocator: TokenSlotAllocator, host: HostKVPool, write_policy: str,
-                 storage: Optional[FileKVStorage], agree_min: Callable[[int, str], int]):
+                 storage: Optional[FileKVStorage], agree_min: Callable[[int, str], int],
+                 consensus: Optional[RankConsensusChecker] = None):
         """`allocator` holds the device token slots this tree frees on eviction and allocates for
         load-back; `agree_min(value, site)` is an all-reduce MIN across ranks (identity on one rank)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
-        super().__init__(allocator.free)
+        super().__init__(allocator.free, consensus=consensus)
         self.allocator = allocator
         self.host = host
         self.write_policy = write_policy
@@ -140,7 +142,7 @@ class HiRadixCache(RadixCache):
                 self.free_slots(n.value)
                 self.total_size -= len(n.key)
                 self.evictable_size -= len(n.key) if n.lock_ref == 0 else 0
-        del node.parent.children[node.key[0]]
+        del node.up().children[node.key[0]]
         self._pending = [(n, e) for n, e in self._pending if n is not node]
 
     def match_prefix(self, key: list[int]) -> tuple[list[int], TreeNode]:
@@ -178,6 +180,7 @@ class HiRadixCache(RadixCache):
         for c in chain:
             c.value = device[offset:offset + len(c.key)]
             offset += len(c.key)
+            assert c.host_value is not None, "the chain holds host-only nodes"
             self.host.load(c.host_value, c.value)
             self.total_size += len(c.key)
             self.evictable_size += len(c.key)
@@ -204,7 +207,7 @@ class HiRadixCache(RadixCache):
             node.hits += 1
             if node.hits >= HIT_THRESHOLD:
                 self._backup(node)
-            node = node.parent
+            node = node.up()
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         host = child.host_value
@@ -282,6 +285,7 @@ class HiRadixCache(RadixCache):
                          and x is not keep and x not in self._loading]
             if host_only:
                 victim = min(host_only)
+                assert victim.host_value is not None, "host_only: nodes with a host copy"
                 n -= len(victim.host_value)
                 self._drop_subtree(victim)
                 continue
@@ -290,6 +294,7 @@ class HiRadixCache(RadixCache):
             if not copies:
                 return
             victim = min(copies)
+            assert victim.host_value is not None, "copies: nodes with a host copy"
             self.host.release(victim.host_value)
             n -= len(victim.host_value)
             victim.host_value = None
@@ -305,6 +310,7 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------ file tier
 
     def _write_pages(self, key: list[int], value: list[int]) -> None:
+        assert self.storage is not None, "called with the file tier on"
         for i, page in enumerate(FileKVStorage.page_keys(key)):
             if not self.storage.has(page):
                 start = i * PAGE_TOKENS
@@ -312,6 +318,7 @@ class HiRadixCache(RadixCache):
                     self.stats.storage_pages_written += 1
 
     def _load_pages(self, key: list[int], slots: list[int], node: TreeNode) -> tuple[list[int], TreeNode]:
+        assert self.storage is not None, "called with the file tier on"
         pages = FileKVStorage.page_keys(key)
         matched = len(slots)
         while True:
@@ -322,6 +329,7 @@ class HiRadixCache(RadixCache):
             rows = self.storage.load(pages[index])
             if self.agree_min(int(rows is not None), "hicache.storage_hit") == 0:
                 break  # some rank misses this page: nobody uses it
+            assert rows is not None, "this rank has the page (else the agreed minimum is 0)"
             skip = matched - index * PAGE_TOKENS  # tokens of this page already in the tree
             device = self._alloc_device(end - matched, node)
             if device is None:

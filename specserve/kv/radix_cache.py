@@ -11,7 +11,7 @@ import heapq
 import itertools
 from typing import Callable, Optional
 
-from specserve.distributed.consensus import consensus_site
+from specserve.distributed.consensus import RankConsensusChecker, consensus_site
 from specserve.kv.pool import TokenSlotAllocator
 
 
@@ -37,11 +37,17 @@ class TreeNode:
     def __lt__(self, other: "TreeNode") -> bool:
         return (self.last_access, self.id) < (other.last_access, other.id)
 
+    def up(self) -> "TreeNode":
+        """The parent of a node that is not the root."""
+        assert self.parent is not None, "the root has no parent"
+        return self.parent
+
 
 class RadixCache:
     """Prefix cache over token slots. `free_slots` returns evicted slots to the allocator."""
 
-    def __init__(self, free_slots: Callable[[list[int]], None], disabled: bool = False):
+    def __init__(self, free_slots: Callable[[list[int]], None], disabled: bool = False,
+                 consensus: Optional[RankConsensusChecker] = None):
         self.free_slots = free_slots
         self.disabled = disabled
         self.root = TreeNode()
@@ -49,7 +55,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.total_size = 0  # tokens held by the tree
         self.evictable_size = 0  # tokens in nodes with lock_ref == 0
-        self.consensus = None  # a RankConsensusChecker under tensor parallelism (inserts and evictions)
+        self.consensus = consensus  # under tensor parallelism: inserts and evictions are compared across ranks
 
     # ------------------------------------------------------------ lookup and insert
 
@@ -102,7 +108,7 @@ class RadixCache:
         upper = TreeNode(child.parent, child.key[:n], child.value[:n])
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
-        child.parent.children[child.key[0]] = upper
+        child.up().children[child.key[0]] = upper
         child.key, child.value = child.key[n:], child.value[n:]
         child.parent = upper
         upper.children[child.key[0]] = child
@@ -115,7 +121,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
             node.lock_ref += 1
-            node = node.parent
+            node = node.up()
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -124,7 +130,7 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
-            node = node.parent
+            node = node.up()
 
     def alloc_evicting(self, allocator: TokenSlotAllocator, n: int) -> Optional[list[int]]:
         """n slots from `allocator`, evicting unlocked cache first when it is short; None if even

@@ -29,9 +29,9 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.int64, device=logp.device).unsqueeze(1))
     k = max(top_n)
-    top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+    best = logp.topk(k, dim=-1) if k else None
     out = []
     for r, (tok, n) in enumerate(zip(tokens, top_n)):
-        top = tuple(zip(top_ids[r, :n].tolist(), top_vals[r, :n].tolist())) if n else ()
+        top = tuple(zip(best.indices[r, :n].tolist(), best.values[r, :n].tolist())) if n and best is not None else ()
         out.append(TokenLogprob(int(tok), float(chosen[r, 0]), top))
     return out

@@ -13,7 +13,7 @@ call it and never test a dtype or a device themselves.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,13 @@ from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 def cpu_kernels_apply(device: "str | torch.device", dtype: torch.dtype) -> bool:
     """The one dispatch predicate: bf16 inference on CPU runs specserve's kernels."""
     return torch.device(device).type == "cpu" and dtype == torch.bfloat16
+
+
+@runtime_checkable
+class _PacksForCpu(Protocol):
+    """A module whose weights the CPU kernels read in a packed layout (the linears)."""
+
+    def pack_for_cpu(self) -> None: ...
 
 
 class OpBackend:
@@ -120,7 +127,7 @@ class CpuKernelOps(OpBackend):
 
     def prepare(self, module: nn.Module) -> None:
         for part in module.modules():
-            if hasattr(part, "pack_for_cpu"):
+            if isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

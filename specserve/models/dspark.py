@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +152,8 @@ class DraftLayer(nn.Module):
 class DraftVocabHead(nn.Module):
     """The target LM head's rows of the draft vocabulary: frozen, float32 logits over draft ids."""
 
+    weight: torch.Tensor  # a buffer [V_draft, H]
+
     def __init__(self, rows: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", rows, persistent=False)
@@ -166,8 +168,14 @@ class DraftVocabHead(nn.Module):
         return F.linear(hidden.to(self.weight.dtype), self.weight).float()
 
 
+class _WeightedHead(Protocol):  # an LM head that shows its weight [V, H] (reduced draft vocabularies read it)
+    weight: torch.Tensor
+
+
 class DsparkDrafter(nn.Module):
     """The drafter's own weights; `embed` and `lm_head` are the target's (callables, frozen)."""
+
+    draft_to_target: torch.Tensor  # a buffer [V_draft], with a reduced draft vocabulary only
 
     def __init__(self, cfg: DsparkConfig, max_positions: int):
         super().__init__()
@@ -209,7 +217,8 @@ class DsparkDrafter(nn.Module):
         the target head's rows of the draft ids (`lm_head` must then have a full `.weight`)."""
         self.embed, self.lm_head = embed, lm_head
         if self.reduced_vocab:
-            self.lm_head = DraftVocabHead(lm_head.weight.detach()[self.draft_to_target].contiguous())
+            weight = cast(_WeightedHead, lm_head).weight  # the contract above
+            self.lm_head = DraftVocabHead(weight.detach()[self.draft_to_target].contiguous())
             self.ops.prepare(self.lm_head)
 
     def use_backend(self, ops: OpBackend) -> None:
@@ -231,6 +240,7 @@ class DsparkDrafter(nn.Module):
         ctx = self.context(target_hidden)
         cos, sin = self.rope.cos_sin(positions, ctx.dtype)
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DraftLayer), "__init__ builds the layers"
             k, v = layer.context_kv(ctx, cos, sin)
             kv.write(i, slots, k, v)
 
@@ -249,6 +259,7 @@ class DsparkDrafter(nn.Module):
         draft uniforms derive, so sampled drafts are reproducible across batches and ranks.
         """
         hidden = self.block_hidden(anchors, prefix_lens, ctx_slots, kv)
+        assert self.lm_head is not None, "attach_target first"
         base = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(hidden.shape[0], hidden.shape[1], -1)
         return self.markov_decode(anchors, hidden, base, params, seeds, counters)
 
@@ -260,6 +271,7 @@ class DsparkDrafter(nn.Module):
         ids[:, 0] = anchors
         positions = (prefix_lens.unsqueeze(1) + torch.arange(g, device=anchors.device)).reshape(-1)
         cos, sin = self.rope.cos_sin(positions, self.dtype)
+        assert self.embed is not None, "attach_target first"
         x = self.embed(ids.reshape(-1)).to(self.dtype).view(bs, g, -1)
         width = ctx_slots.shape[1]
         ctx_valid = torch.arange(width, device=anchors.device).unsqueeze(0) < prefix_lens.unsqueeze(1)
@@ -288,7 +300,7 @@ class DsparkDrafter(nn.Module):
             logits = base_logits[:, k] + self.markov_w2(e).float()
             conf[:, k] = torch.sigmoid(self.confidence(torch.cat([hidden[:, k], e], -1)).float().squeeze(-1))
             pick = self.to_target(logits.argmax(-1))
-            if sampled:
+            if probs is not None:  # some request samples
                 probs[:, k] = F.one_hot(pick, vocab).float()
                 q = filtered_probs(logits[sampled].cpu(), [params[i] for i in sampled])
                 u = torch.tensor([counter_uniform(seeds[i], draw_counter(counters[i], DRAFT_COUNTER_OFFSET + k))
@@ -356,8 +368,10 @@ def read_drafter_config(path: str) -> DsparkConfig:
 
 
 def load_drafter(path: str, target: ModelConfig, dtype: torch.dtype, device: str, max_positions: int,
-                 block_size: Optional[int] = None) -> DsparkDrafter:
-    """Read config.json + model.safetensors; `block_size` overrides the checkpoint's gamma."""
+                 block_size: Optional[int] = None, embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> DsparkDrafter:
+    """Read config.json + model.safetensors; `block_size` overrides the checkpoint's gamma. Given
+    the target's `embed` and `lm_head`, the drafter comes back attached to them, ready to draft."""
     from safetensors.torch import load_file
 
     cfg = read_drafter_config(path)
@@ -375,4 +389,6 @@ def load_drafter(path: str, target: ModelConfig, dtype: torch.dtype, device: str
         p.requires_grad_(False)
         p.data = p.data.to(dtype)
     model.use_backend(select_backend(device, dtype))
+    if embed is not None and lm_head is not None:
+        model.attach_target(embed, lm_head)
     return model.eval()

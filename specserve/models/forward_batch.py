@@ -33,7 +33,8 @@ class ForwardBatch:
         `extend_lens` tokens after `prefix_lens`: logits for every row (of all requests, or of those
         `every_row` marks), else each sampling request's last."""
         dev = input_ids.device
-        logit_rows, offset = [], 0
+        logit_rows: list[int] = []
+        offset = 0
         for i, n in enumerate(extend_lens):
             offset += n
             if every_row if isinstance(every_row, bool) else every_row[i]:

@@ -47,6 +47,7 @@ class TPContext:
             elif carried is None:
                 carried = torch.empty(shape, dtype=torch.float32)
             self.group.broadcast_(carried, "model.row_parallel_chain", src=src, on_model_group=True)
+        assert carried is not None, "size >= 1: some rank ran its share"
         return carried
 
     def shard(self, full: int) -> tuple[int, int]:
@@ -95,6 +96,9 @@ class Linear(nn.Linear):
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    cos: torch.Tensor  # buffers [max_positions, head_dim / 2]
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -204,6 +208,7 @@ class RowParallelLinear(_ParallelLinear):
         bf16 once as the kernel rounds its own output, so TP N computes what TP 1 computes."""
         flat = x.reshape(-1, x.shape[-1])
         kernel = self.kernel
+        assert kernel is not None, "forward() chains only with a kernel"
         sums = self.tp.chain(lambda init: kernel(flat, torch.float32) if init is None else kernel.continue_sums(flat, init),
                              (flat.shape[0], kernel.n))
         return round_to_bf16_like_kernels(sums).view(*x.shape[:-1], kernel.n)

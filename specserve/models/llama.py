@@ -115,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
                 captured.append(out + residual)
         if captured:  # the drafter's context: these layers' outputs for every row, concatenated
             fb.captured_hidden = torch.cat(captured, dim=-1)
+        assert out is not None, "the model has layers"
         rows = fb.logit_rows
         return self.lm_head(self.ops.add_rms_norm(out[rows].contiguous(), residual[rows].contiguous(), self.norm))
 
@@ -127,10 +128,10 @@ class LlamaForCausalLM(nn.Module):
         for linear, names in fused.items():
             if all(n in quantized for n in names):
                 linear.load_quantized([quantized[n] for n in names])
-        for linear, name in ((layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"),
-                             (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
+        for row_linear, name in ((layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"),
+                                 (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
             if name in quantized:
-                linear.load_quantized(quantized[name])
+                row_linear.load_quantized(quantized[name])
 
     def load_weights(self, weights: dict[str, torch.Tensor], quantized: Optional[dict[str, QuantWeight]] = None) -> None:
         """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard.
@@ -142,10 +143,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.load(w["model.embed_tokens.weight"])
         head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
         self.lm_head.load(w[head])
-        if head in (quantized or {}):
+        if quantized is not None and head in quantized:
             self.lm_head.load_quantized(quantized[head])
         self.norm.weight.data.copy_(w["model.norm.weight"])
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, LlamaDecoderLayer), "__init__ builds the layers"
             p = f"model.layers.{i}."
             attn = layer.self_attn
             names = ("q_proj", "k_proj", "v_proj")

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from specserve.runtime.stream import current_stream, current_submit_site
+from specserve.runtime.stream import Stream, current_stream, current_submit_site
 
 _SKIP_FRAMES = ("torch/", "specserve/runtime/sanitizer.py", "specserve/runtime/stream.py", "contextlib.py",
                 "threading.py")
@@ -60,7 +60,7 @@ class StreamSanitizer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._storages: dict[int, _StorageState] = {}
-        self._persistent: dict[int, object] = {}  # storage -> owner stream
+        self._persistent: dict[int, Stream] = {}  # storage -> owner stream
         self._tls = threading.local()
         self.accesses = 0
 
@@ -105,7 +105,7 @@ class StreamSanitizer:
                     self._access(_key(t), _Access(stream.id, stream.name, tick, site, op), is_write, stream.clock)
             self.accesses += len(reads) + len(writes)
 
-    def register_persistent(self, tensors: list[torch.Tensor], owner) -> None:
+    def register_persistent(self, tensors: list[torch.Tensor], owner: Stream) -> None:
         """Buffers a replayed step rewrites every time (the accept buffers): only their owner
         stream may touch them; anyone else must read the owned copies made on that stream."""
         with self._lock:
@@ -173,7 +173,8 @@ class _Mode(TorchDispatchMode):
 
 def _classify(func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Tensors an op reads and writes, from its schema's alias annotations (`Tensor(a!)`)."""
-    reads, writes = [], []
+    reads: list[torch.Tensor] = []
+    writes: list[torch.Tensor] = []
     schema = func._schema
     for i, arg in enumerate(schema.arguments):
         value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]

@@ -102,7 +102,7 @@ class Stream:
     def _submit_marker(self, fn: Callable[[], None]) -> None:
         """Bookkeeping work (event record / wait): runs even after an error, so nobody hangs."""
         parent = current_stream().clock.snapshot()
-        task = (fn, (), {}, parent, True, None)
+        task: tuple[Any, ...] = (fn, (), {}, parent, True, None)
         if self._queue is not None:
             self._queue.put(task)
         else:
@@ -278,14 +278,15 @@ def async_d2h(tensor: torch.Tensor, stream: Stream) -> tuple[torch.Tensor, Event
 
 def async_d2h_all(tensors: list[torch.Tensor], stream: Stream) -> tuple[list[torch.Tensor], Event]:
     """async_d2h for several tensors with one done event."""
-    pinned = stream._cuda is not None
+    cuda = stream._cuda
+    pinned = cuda is not None
     hosts = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned) for t in tensors]
 
     def copy(sources: list[torch.Tensor] = list(tensors)) -> None:  # noqa: B006  (the default keeps them alive)
         for host, src in zip(hosts, sources):
             host.copy_(src, non_blocking=pinned)
-            if pinned:
-                src.record_stream(stream._cuda)
+            if cuda is not None:  # pinned
+                src.record_stream(cuda)
 
     stream.submit(copy)
     done = Event().record(stream)

@@ -37,7 +37,7 @@ class ScheduleBatch:
     def step_input(self) -> StepInput:
         """A snapshot of this batch for the executor: values only, no scheduler objects."""
         reqs = self.reqs
-        step = StepInput(self.mode, [r.rid for r in reqs], [r.req_pool_idx for r in reqs], [r.params for r in reqs],
+        step = StepInput(self.mode, [r.rid for r in reqs], [r.row for r in reqs], [r.params for r in reqs],
                          [r.seed for r in reqs], list(self.sample),
                          width=self.extend_lens[0] if self.mode != EXTEND else 0,
                          drafters=[r.drafter for r in reqs] if self.mode == VERIFY else [])

@@ -75,6 +75,12 @@ class Req:
                 have += 1
 
     @property
+    def row(self) -> int:
+        """Its request slot (the row of the req_to_token table) while it is admitted."""
+        assert self.req_pool_idx is not None, f"request {self.rid} holds no request slot"
+        return self.req_pool_idx
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -17,7 +17,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from specserve.executor.step_io import DECODE, EXTEND, VERIFY, SampledToken, StepOutcome, VerifyOutcome
+from specserve.executor.step_io import (
+    DECODE,
+    EXTEND,
+    VERIFY,
+    SampledToken,
+    StepOutcome,
+    VerifyOutcome,
+    emitted_tokens,
+)
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.scheduler.batch import ScheduleBatch
@@ -47,8 +55,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int = 2048
     schedule_policy: str = "fcfs"
-    num_draft_tokens: int = 0  # gamma: drafts verified per step (0: plain decode)
-    speculative_disable_batch_size: Optional[int] = None  # more running requests: plain decode steps
+    num_draft_tokens: int = 0  # gamma: the window of a decode step is 1 + gamma positions (0: plain decode)
 
 
 @dataclass
@@ -157,8 +164,7 @@ class Scheduler:
                 continue
             window = token if isinstance(token, VerifyOutcome) else None
             logprobs = token.logprobs if isinstance(token, (VerifyOutcome, SampledToken)) else None
-            token = token.tokens if window is not None else token.token if isinstance(token, SampledToken) else token
-            emitted = [int(t) for t in token] if isinstance(token, (list, tuple)) else [int(token)]
+            emitted = emitted_tokens(token)
             start = req.kv_len
             reason, appended = None, 0
             for tok in emitted:  # stop conditions apply inside an accepted run: nothing past a stop
@@ -207,12 +213,12 @@ class Scheduler:
                 break  # one chunked request at a time, and it ends the batch
             if len(self.running) + len(plan) >= self.cfg.max_running_requests or self.req_to_token.available == 0:
                 break
-            n = self._try_admit(req, min(chunk_cap, budget), planned)
-            if n is None:
+            admitted = self._try_admit(req, min(chunk_cap, budget), planned)
+            if admitted is None:
                 break  # no skipping ahead: a large request is not starved by smaller ones behind it
             self.waiting.remove(req)
-            plan.append((req, n))
-            budget -= n
+            plan.append((req, admitted))
+            budget -= admitted
             planned += len(req.fill_ids) - req.kv_len + self._reserve(req)
         if not plan:
             return None
@@ -235,7 +241,7 @@ class Scheduler:
         if not req.admitted_once:
             req.cached_tokens = len(prefix_slots)
             req.admitted_once = True
-        self.req_to_token.write(req.req_pool_idx, 0, prefix_slots)
+        self.req_to_token.write(req.row, 0, prefix_slots)
         return min(len(fill) - len(prefix_slots), max_tokens)
 
     def _build_extend(self, plan: list[tuple[Req, int]]) -> ScheduleBatch:
@@ -245,7 +251,7 @@ class Scheduler:
         for req, n in plan:
             own = slots[offset:offset + n]
             offset += n
-            self.req_to_token.write(req.req_pool_idx, req.kv_len, own)
+            self.req_to_token.write(req.row, req.kv_len, own)
             req.kv_slots.extend(own)
             batch.reqs.append(req)
             batch.prefix_lens.append(req.kv_len)
@@ -269,14 +275,8 @@ class Scheduler:
             input_ids.append(req.output_ids[-1])
             input_ids.extend([req.output_ids[-1]] * (w - 1))  # draft placeholders: the executor drafts
             out_cache_loc.extend(req.kv_slots[req.kv_len:req.kv_len + w])
+        # Whether a window carries drafts is the executor's plan (speculative/speculation.py), not ours.
         mode = VERIFY if w > 1 else DECODE
-        cap = self.cfg.speculative_disable_batch_size
-        if mode == VERIFY and cap is not None and len(reqs) > cap:
-            # A large batch already fills the compute that verify windows would need: decode plainly.
-            # The slots of the unused window positions stay with the requests for later windows.
-            mode, w = DECODE, 1
-            input_ids = [r.output_ids[-1] for r in reqs]
-            out_cache_loc = [r.kv_slots[r.kv_len] for r in reqs]
         return ScheduleBatch(mode, reqs, [r.kv_len for r in reqs], [w] * len(reqs), input_ids, out_cache_loc,
                              [True] * len(reqs))
 
@@ -312,7 +312,7 @@ class Scheduler:
             n = max(0, short[id(req)])
             own = slots[offset:offset + n]
             offset += n
-            self.req_to_token.write(req.req_pool_idx, len(req.kv_slots), own)
+            self.req_to_token.write(req.row, len(req.kv_slots), own)
             req.kv_slots.extend(own)
         return w
 
@@ -395,3 +395,4 @@ class Scheduler:
     def check_integrity(self) -> None:
         """free + cached + in use == total, no slot counted twice, and locks balanced when idle."""
         check_kv_integrity(self.allocator, self.tree, self.live_requests())
+

@@ -10,6 +10,7 @@ it there, which frees its KV slots.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -43,9 +44,10 @@ def _document_vocab_bounds(app: FastAPI, vocab_size: int) -> None:
     """The OpenAPI schema states the served model's bounds on token ids and top_k."""
     build = app.openapi
 
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             bound_by_vocab(build(), vocab_size)
+        assert app.openapi_schema is not None, "build() keeps the schema it makes"
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema

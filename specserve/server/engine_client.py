@@ -55,7 +55,7 @@ class EngineUnavailable(RuntimeError):
 class Delivery(NamedTuple):
     """One event of a request, with the choice index its sink knows it by."""
 
-    index: int
+    choice: int  # not `index`: that is tuple.index
     event: Union[TokensOut, RequestDone, RequestError, RequestFailed, EngineFatal]
 
 
@@ -210,6 +210,7 @@ class EngineClient:
                 return f"engine process stopped answering (no heartbeat for {silent:.0f} s); killed it"
 
     def _call(self, fn, *args) -> None:
+        assert self._loop is not None, "attach() sets it before the reader starts"
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: the server is gone
@@ -257,6 +258,7 @@ class EngineClient:
             if tokens:
                 self.metrics.ttft.observe(now - t.submitted)
         elif tokens:
+            assert t.last_at is not None, "set with first_at"
             self.metrics.itl.observe(now - t.last_at)
         t.last_at = now
         if not tokens:
@@ -268,7 +270,7 @@ class EngineClient:
     def _fail_all(self, message: str) -> None:
         """Engine death: every open request fails now, and the server is told to stop (once)."""
         first = self.fatal is None
-        if first:
+        if self.fatal is None:
             logger.critical("engine failed: %s", message)
             self.fatal = one_line(message)
         fatal = EngineFatal(self.fatal)

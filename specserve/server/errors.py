@@ -9,7 +9,7 @@ parsing message text.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,11 +66,11 @@ class FieldError(ValueError):
         self.param = param
 
 
-def from_validation_errors(errors: list[dict]) -> APIError:
+def from_validation_errors(errors: Sequence[dict[str, Any]]) -> APIError:
     """The first pydantic error as a 400 naming the field (json_invalid: the body is not JSON)."""
     # The deepest error is the informative one: for a union field (a string or a list of strings)
     # it is the member the value got furthest into, and a wrong value beats a wrong member type.
-    err = max(errors, key=_relevance) if errors else {"msg": "invalid request", "loc": ()}
+    err: dict[str, Any] = max(errors, key=_relevance) if errors else {"msg": "invalid request", "loc": ()}
     loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     if err.get("type") == "json_invalid":
         return APIError(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",

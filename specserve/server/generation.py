@@ -63,17 +63,17 @@ class Generation:
         delivery = await self.sink.get()
         match delivery.event:
             case RequestDone():
-                self.open.discard(delivery.index)
+                self.open.discard(delivery.choice)
             case RequestError() as event:
-                self.open.discard(delivery.index)
+                self.open.discard(delivery.choice)
                 self.abort()
                 raise from_engine_rejection(event)
             case RequestFailed() as event:
-                self.open.discard(delivery.index)
+                self.open.discard(delivery.choice)
                 self.abort()
                 raise from_request_failure(event)
             case EngineFatal() as event:
-                self.open.discard(delivery.index)
+                self.open.discard(delivery.choice)
                 self.abort()
                 raise from_engine_fatal(event)
         return delivery
@@ -103,13 +103,13 @@ class Generation:
 
 async def collect(gen: Generation, request: Request) -> list[dict[str, Any]]:
     """Every choice's output dict, in choice order; a client that disconnects first aborts them."""
-    outputs: list[Optional[dict]] = [None] * len(gen.rids)
+    outputs: list[Optional[dict[str, Any]]] = [None] * len(gen.rids)
 
     async def gather() -> None:
         while gen.open:
             delivery = await gen.next_event()
             if isinstance(delivery.event, RequestDone):
-                outputs[delivery.index] = delivery.event.output
+                outputs[delivery.choice] = delivery.event.output
 
     watcher = asyncio.ensure_future(_watch_disconnect(request))
     task = asyncio.ensure_future(gather())
@@ -122,9 +122,17 @@ async def collect(gen: Generation, request: Request) -> list[dict[str, Any]]:
         watcher.cancel()
         task.cancel()
         gen.abort()
-    if any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs):
+    done = every_output(outputs)
+    if any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in done):
         raise server_error("request aborted: the server is shutting down", 503)
-    return outputs
+    return done
+
+
+def every_output(outputs: list[Optional[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The choices' output dicts, once every choice has finished (a RequestDone each)."""
+    done = [o for o in outputs if o is not None]
+    assert len(done) == len(outputs), "every choice finished: its events ended with a RequestDone"
+    return done
 
 
 async def _watch_disconnect(request: Request) -> None:

@@ -8,7 +8,7 @@ legacy parallel lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, overload
 
 from specserve.logits.logprobs import TokenLogprob
 from specserve.tokenizer.tokenizer import Tokenizer
@@ -58,6 +58,17 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob
     return {"content": [dict(_entry(tokenizer, lp.token, lp.logprob),
                              top_logprobs=[_entry(tokenizer, t, v) for t, v in lp.top]) for lp in logprobs],
             "refusal": None}
+
+
+@overload
+def completion_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    ...
+
+
+@overload
+def completion_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]],
+                        text_offset: int = 0) -> Optional[dict[str, Any]]:
+    ...
 
 
 def completion_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]],

@@ -9,7 +9,7 @@ behaviour.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, cast
 
 from pydantic import (
     ConfigDict,
@@ -67,6 +67,8 @@ class TextPart(StrictModel):
 class _Message(StrictModel):
     content: Union[StrictStr, list[TextPart], None] = None
     name: Optional[StrictStr] = None
+    if TYPE_CHECKING:
+        role: str  # each message type declares its own (a field there, so not here)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
@@ -132,6 +134,7 @@ class ResponseFormat(StrictModel):
         if self.type == "json_object":
             return json.dumps({"type": "object"})
         if self.type == "json_schema":
+            assert self.json_schema is not None, "_check_format: given with type json_schema"
             return json.dumps(self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"})
         return None
 
@@ -277,8 +280,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]
-        return list(self.prompt)
+            return [cast("list[int]", list(self.prompt))]  # the check above: token ids (mypy cannot follow all())
+        return cast("list[Union[str, list[int]]]", list(self.prompt))  # prompts as text or token ids
 
     def token_limit(self) -> Optional[int]:
         return self.max_tokens

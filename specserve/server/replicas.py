@@ -182,6 +182,7 @@ class DataParallelLauncher:
         deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
         while not self._stop.is_set() and time.monotonic() < deadline:
             for r in self.replicas:
+                assert r.proc is not None, "run() starts every replica first"
                 if r.proc.poll() is not None:
                     logger.error("replica %d exited with %s during start; stopping", r.index, r.proc.returncode)
                     return False
@@ -194,6 +195,7 @@ class DataParallelLauncher:
         return False
 
     def _supervise(self) -> int:
+        assert self.router is not None, "run() starts the router first"
         while not self._stop.wait(SUPERVISE_EVERY_S):
             if self.router.poll() is not None:
                 logger.error("router exited with %s; stopping the replicas", self.router.returncode)
@@ -205,6 +207,7 @@ class DataParallelLauncher:
     def _check(self, r: Replica) -> None:
         """Restart a replica that exited (after its backoff) or stayed unhealthy too long."""
         now = time.monotonic()
+        assert r.proc is not None, "run() starts every replica first"
         if r.proc.poll() is not None:
             if r.next_start_at == 0.0:
                 logger.error("replica %d exited with %s; restarting in %.0f s", r.index, r.proc.returncode,

@@ -51,6 +51,13 @@ def add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """The endpoints that generate: OpenAI's chat and text completions and SGLang's native /generate."""
+    _add_chat_route(app, state)
+    _add_completion_route(app, state)
+    _add_generate_route(app, state)
+
+
+def _add_chat_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
@@ -71,6 +78,8 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return chat_completion(gen.rids[0], state.model_name, await collect(gen, request), len(ids), state.tokenizer,
                                body.offered_tools())
 
+
+def _add_completion_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
@@ -92,6 +101,8 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return text_completion(gen.rids[0], state.model_name, await collect(gen, request), prompt_tokens,
                                state.tokenizer, echo if body.echo else None)
 
+
+def _add_generate_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         if body.model is not None:
@@ -99,6 +110,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if body.text is not None:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.text)
         else:
+            assert body.input_ids is not None, "GenerateRequest: exactly one of text and input_ids"
             ids = list(body.input_ids)
             _check_token_ids(state, ids, "input_ids")
         _check_context(state, ids, "text" if body.text is not None else "input_ids")
@@ -136,7 +148,7 @@ def _check_params(state: ServerState, params: dict[str, Any], names: dict[str, s
     try:
         SamplingParams.from_dict(params).validate(state.client.info["vocab_size"])
     except InvalidRequestError as exc:
-        param = names.get(exc.param, exc.param)
+        param = names.get(exc.param, exc.param) if exc.param else None
         raise APIError(str(exc).replace(exc.param, param, 1) if exc.param and param else str(exc), 400,
                        param=param, code=exc.code or DEFAULT_CODE) from exc
 
@@ -154,7 +166,8 @@ async def _check_grammar(state: ServerState, params: dict[str, Any], names: dict
         raise APIError(f"{field}: the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s", 400,
                        param=field) from None
     except InvalidRequestError as exc:
-        raise APIError(str(exc).replace(exc.param, field, 1), 400, param=field) from exc
+        message = str(exc).replace(exc.param, field, 1) if exc.param else f"{field}: {exc}"
+        raise APIError(message, 400, param=field) from exc
 
 
 def _check_context(state: ServerState, ids: list[int], field: str) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import AsyncIterator, NamedTuple, Optional, Union
+from typing import Any, AsyncIterator, NamedTuple, Optional, Union
 
 from specserve.engine.messages import RequestDone, TokensOut
 from specserve.server.engine_client import Delivery
 from specserve.server.errors import APIError, server_error
-from specserve.server.generation import Generation
+from specserve.server.generation import Generation, every_output
 from specserve.server.logprob_format import chat_logprobs, completion_logprobs, echoed_logprobs
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.responses import chat_choice, finish_reason, spec_choice, usage
@@ -26,14 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 class TextDelta(NamedTuple):
-    index: int
+    choice: int
     text: str
     logprobs: Optional[list] = None  # the TokenLogprobs of the tokens that arrived with it, if asked
     prompt_logprobs: Optional[list] = None  # with a choice's first tokens, if its prompt was scored
 
 
 class ChoiceFinished(NamedTuple):
-    index: int
+    choice: int
     output: dict
 
 
@@ -133,7 +133,7 @@ async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, fi
                        prompt_tokens: int, include_usage: bool) -> AsyncIterator[Piece]:
     """TextDelta and ChoiceFinished per choice, then StreamUsage (if asked) or, on failure, StreamFailed last."""
     streams = [TextStream(state.tokenizer, stops) for _ in gen.rids]
-    outputs: list[Optional[dict]] = [None] * len(gen.rids)
+    outputs: list[Optional[dict[str, Any]]] = [None] * len(gen.rids)
     try:
         async for index, event in gen.events(first):
             if isinstance(event, TokensOut):
@@ -153,7 +153,7 @@ async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, fi
         yield StreamFailed(_stream_failure(gen, exc).body())
         return
     if include_usage:
-        yield StreamUsage(usage(prompt_tokens, outputs))
+        yield StreamUsage(usage(prompt_tokens, every_output(outputs)))
 
 
 async def generate_stream(state: ServerState, gen: Generation, first: Delivery) -> AsyncIterator[str]:
@@ -164,7 +164,7 @@ async def generate_stream(state: ServerState, gen: Generation, first: Delivery) 
         async for _, event in gen.events(first):
             if isinstance(event, TokensOut):
                 ids += event.token_ids
-                chunk = {"text": state.tokenizer.decode(ids), "output_ids": ids}
+                chunk: dict[str, Any] = {"text": state.tokenizer.decode(ids), "output_ids": ids}
                 if event.logprobs is not None:
                     logprobs += event.logprobs
                     chunk["meta_info"] = {"output_token_logprobs": [[lp.logprob, lp.token, None] for lp in logprobs]}

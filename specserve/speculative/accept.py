@@ -15,7 +15,7 @@ row j, and row `correct_len` provides the bonus token.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ class DsparkVerifyEpilogue:
                              f"got {max_bs}, {num_verify_tokens}")
         self.max_bs = max_bs
         self.num_verify_tokens = num_verify_tokens
-        i64 = dict(dtype=torch.int64, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.correct_len_buf = torch.zeros(max_bs, **i64)
         self.bonus_buf = torch.zeros(max_bs, **i64)
         self.cap_trim_lens_buf = torch.zeros(max_bs, **i64)

@@ -18,7 +18,7 @@ is always a candidate plan, so nothing that predicts a loss is ever chosen.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from specserve.names import Algorithm
@@ -33,6 +33,7 @@ class Candidate:
 
     drafter: str
     survival: tuple[float, ...]
+    _expected: tuple[float, ...] = field(init=False, repr=False, compare=False)  # 1 + s_1 + .. + s_k by k
 
     def __post_init__(self) -> None:
         s = self.survival

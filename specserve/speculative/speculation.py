@@ -7,7 +7,8 @@ accept run once per step over all windows. See speculative/worker.py for the pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from functools import partial
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -15,6 +16,7 @@ from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
+from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import VerifyPlanner
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
 
@@ -45,10 +47,11 @@ class Speculation:
     off) each request's own drafter with every draft, verified whole or by the compact planner."""
 
     def __init__(self, workers: Sequence[DraftWorker] = (), planner: Optional[VerifyPlanner] = None,
-                 policy: Optional[AdaptivePolicy] = None):
+                 policy: Optional[AdaptivePolicy] = None, disable_batch_size: Optional[int] = None):
         self.workers = {w.name: w for w in workers}
         self.planner = planner
         self.policy = policy
+        self.disable_batch_size = disable_batch_size  # --speculative-disable-batch-size: larger steps never draft
         if policy is not None and set(policy.drafters) - set(self.workers):
             raise ValueError(f"speculation: the policy's drafters {policy.drafters} are not all in this engine "
                              f"(have {sorted(self.workers)})")
@@ -71,11 +74,17 @@ class Speculation:
     # ------------------------------------------------------------ planning and drafting
 
     def plan(self, drafters: Sequence[Optional[str]], rows: list[int], gamma: int) -> StepPlan:
-        """Each request's drafter and draft count for this step, before any drafter runs."""
+        """Each request's drafter and draft count for this step, before any drafter runs: the one
+        decision to speculate. A step of more than `disable_batch_size` requests has no drafts (its
+        rows already fill the compute verify windows would need): it runs as a plain decode step."""
+        if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
+            return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
             return StepPlan.fixed(drafters, gamma)
         ngram = self.workers.get(Algorithm.NGRAM)
-        match_lens = ngram.match_lens(rows) if ngram is not None and Algorithm.NGRAM in self.policy.drafters else None
+        match_lens = None
+        if isinstance(ngram, NgramWorker) and Algorithm.NGRAM in self.policy.drafters:
+            match_lens = ngram.match_lens(rows)
         return self.policy.plan(rows, [d is not None for d in drafters], match_lens)
 
     def start(self, row: int) -> None:
@@ -92,7 +101,7 @@ class Speculation:
         proposal, confidence = Proposal(), None
         for name, index in _groups(drafters, bs).items():
             sel = None if len(index) == bs else torch.tensor(index, device=ids.device)
-            pick = (lambda t: t) if sel is None else (lambda t, sel=sel: t[sel])
+            pick: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t) if sel is None else partial(_select, sel)
             target = slice(None) if sel is None else sel
             if name is None:
                 ids[target, 1:] = pick(ids[:, :1]).expand(-1, gamma)
@@ -129,6 +138,10 @@ class Speculation:
         for worker in self.workers.values():
             if worker.reads_tokens:
                 worker.commit_tokens(row, tokens, restart)
+
+
+def _select(sel: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return t[sel]
 
 
 def _groups(drafters: Sequence[Optional[str]], bs: int) -> dict[Optional[str], list[int]]:

@@ -62,12 +62,23 @@ class CommittedRows:
 
 
 class DraftWorker(Protocol):
-    """One drafting algorithm. Implementations: DsparkWorker, NgramWorker."""
+    """One drafting algorithm. Implementations: DsparkWorker, NgramWorker. Its attributes are read-only
+    here (properties), so a class attribute or a property of a narrower type (`Algorithm`) implements them."""
 
-    name: str
-    capture_layer_ids: tuple[int, ...]  # target layers whose outputs commit_rows carries (empty: no rows)
-    reads_tokens: bool  # wants commit_tokens
-    kv_pools: list[KVPool]  # K/V pools indexed by the target's token slots (shared by the prefix cache)
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capture_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose outputs commit_rows carries (empty: no rows)."""
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Wants commit_tokens."""
+
+    @property
+    def kv_pools(self) -> list[KVPool]:
+        """K/V pools indexed by the target's token slots (shared by the prefix cache)."""
 
     def draft(self, inp: DraftInput) -> Drafts: ...
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, overload
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -61,6 +61,18 @@ class Tokenizer:
         if token_id in self._added_ids or not all(c in table for c in piece):
             return piece.encode()
         return bytes(table[c] for c in piece)
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: Literal[True] = True) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            tokenize: Literal[False]) -> str: ...
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int] | str: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = True) -> list[int] | str:

@@ -19,6 +19,8 @@ import specserve
 
 SOURCE = os.path.dirname(os.path.abspath(specserve.__file__))
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 60  # in the core packages (bench/ and train/ are scripts, not the engine)
+NOT_CORE = ("bench", "train")
 FORBIDDEN_PACKAGE_NAMES = {"spec", "dist", "io"}
 
 # Lower layers first; each package lists every package it may import.
@@ -150,12 +152,35 @@ def size_violations(source: str) -> list[str]:
     return problems
 
 
+def long_functions(source: str) -> list[str]:
+    """Functions of the core packages longer than MAX_FUNCTION_LINES (decorators excluded)."""
+    problems = []
+    for folder, _, files in os.walk(source):
+        rel = os.path.relpath(folder, source)
+        if rel.split(os.sep)[0] in NOT_CORE:
+            continue
+        for name in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        problems.append(f"{os.path.relpath(path, source)}:{node.lineno} {node.name}: {n} lines")
+    return problems
+
+
 def test_packages_import_only_along_allowed_arrows():
     assert layering_violations(SOURCE) == []
 
 
 def test_no_large_files_and_no_ambiguous_package_names():
     assert size_violations(SOURCE) == []
+
+
+def test_no_long_functions_in_the_core_packages():
+    assert long_functions(SOURCE) == []
 
 
 @pytest.fixture
@@ -186,3 +211,15 @@ def test_mutation_oversized_file_and_old_package_name_are_reported(source_copy):
     problems = size_violations(str(source_copy))
     assert "package named 'dist': dist" in problems
     assert f"dist/__init__.py: {MAX_LINES + 1} lines > {MAX_LINES}" in problems
+
+
+def test_mutation_long_function_is_reported_outside_bench_and_train_only(source_copy):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    planted = f"\n\ndef _planted():\n{body}"  # MAX_FUNCTION_LINES lines: allowed
+    with open(source_copy / "names.py", "a") as f:
+        f.write(planted + "\n\ndef _planted_long():\n" + body + "    return x0\n")
+    with open(source_copy / "bench" / "report.py", "a") as f:
+        f.write("\n\ndef _planted_long():\n" + body + "    return x0\n")
+    problems = long_functions(str(source_copy))
+    assert [p.split(" ", 1)[1] for p in problems] == [f"_planted_long: {MAX_FUNCTION_LINES + 1} lines"], problems
+    assert problems[0].startswith("names.py:")

@@ -6,6 +6,7 @@ import pytest
 from fake_runner import FakeRunner, assert_no_leak, make_req, make_scheduler, run_to_completion
 
 from specserve.scheduler.req import FinishReason
+from specserve.speculative.speculation import Speculation
 
 EOS = 1
 
@@ -101,52 +102,16 @@ def test_verify_outcomes_feed_the_histograms_and_the_log_line():
     assert stats.accept_length == pytest.approx(1 + stats.correct_drafts / stats.verify_steps)
 
 
-class SpareSlotsRunner(FakeRunner):
-    """A plain decode step above the cap leaves each request the slots of its unused window
-    positions (for its later windows): the KV checks of a decode batch look at the slots up to
-    its sequence length, where they must hold exactly what they would without the spare ones."""
-
-    def _check_batch(self, batch) -> None:
-        if batch.mode != "decode":
-            return super()._check_batch(batch)
-        kept = [(r, r.kv_slots) for r in batch.reqs]
-        for r, prefix, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            assert prefix + n <= len(r.kv_slots) <= prefix + n + self.sched.window - 1, r.rid
-            r.kv_slots = r.kv_slots[:prefix + n]
-        try:
-            super()._check_batch(batch)
-        finally:
-            for r, slots in kept:
-                r.kv_slots = slots
-
-
 @pytest.mark.parametrize("cap", [None, 0, 2, 3])
-def test_speculative_disable_batch_size_decodes_plainly_above_the_cap(cap):
-    """--speculative-disable-batch-size: a decode step with more running requests than the cap is
-    a plain decode step (no window, no drafts); at or below it the step verifies a window. The
-    running batch shrinks from 5 to 1 as requests finish, so it crosses every cap. The outputs are
-    the plain ones either way."""
-    runner = SpareSlotsRunner()
-    sched = make_scheduler(runner=runner, num_draft_tokens=3, speculative_disable_batch_size=cap)
-    reqs = [make_req(f"r{i}", [3 + i, 7, 9 + i, 11], max_new_tokens=6 + 5 * i) for i in range(5)]
-    done = run_to_completion(sched, reqs)
-    for r in reqs:
-        assert done[r.rid].output_ids == runner.reference(r.input_ids, r.params.max_new_tokens)
-    steps = [b for b in runner.batches if b.mode != "extend"]
-    for b in steps:
-        above = cap is not None and b.size > cap
-        assert b.mode == ("decode" if above else "verify"), (cap, b.size, b.mode)
-        assert b.extend_lens == [1 if above else 4] * b.size  # no window (and no drafts) above the cap
-    sizes = {b.size for b in steps}
-    assert sizes == {1, 2, 3, 4, 5}, sizes
-    verified = [rid for b in steps if b.mode == "verify" for rid in b.rids]
-    for r in reqs:  # per request: one verify count per verify step it took part in
-        assert done[r.rid].spec_verify_ct == verified.count(r.rid)
-    assert sched.stats.verify_steps == len(verified)
-    if cap == 0:
-        assert not verified  # 0: never speculate in decode
-    else:
-        assert verified and done["r4"].spec_verify_ct > 0
-    if cap in (2, 3):
-        assert any(b.mode == "decode" for b in steps) and done["r0"].spec_verify_ct == 0
-    assert_no_leak(sched)
+def test_speculative_disable_batch_size_is_a_constraint_of_the_plan(cap):
+    """--speculative-disable-batch-size: the plan (the one decision to speculate) gives a step of
+    more requests than the cap no drafts, so the executor runs it as a plain decode step; at or
+    below the cap every request with a drafter drafts. The scheduler does not decide it: its
+    decode steps keep their windows (test_windows_give_the_plain_output covers those)."""
+    speculation = Speculation(disable_batch_size=cap)
+    for bs in range(1, 6):
+        plan = speculation.plan(["NGRAM"] * (bs - 1) + [None], list(range(bs)), 3)
+        above = cap is not None and bs > cap
+        assert plan.drafts == ([0] * bs if above else [3] * (bs - 1) + [0]), (cap, bs, plan.drafts)
+        assert plan.speculates == (not above and bs > 1)
+        assert plan.shape.verify_rows == (0 if above else 3 * (bs - 1))
