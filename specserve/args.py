@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specserve.errors import ConfigError
 from specserve.names import DRAFTERS, Algorithm
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
@@ -150,7 +151,7 @@ class ServerArgs:
         """The flag, else $SPECSERVE_RAGGED_VERIFY_MODE, else static."""
         mode = self.speculative_dspark_verify_mode or os.environ.get(VERIFY_MODE_ENV) or "static"
         if mode not in VERIFY_MODES:
-            raise ValueError(f"{VERIFY_MODE_ENV} must be one of {VERIFY_MODES}, got {mode!r}")
+            raise ConfigError(f"{VERIFY_MODE_ENV} must be one of {VERIFY_MODES}, got {mode!r}")
         return mode
 
     def replace(self, **changes: Any) -> "ServerArgs":
@@ -164,7 +165,7 @@ class ServerArgs:
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
         unknown = sorted(set(kwargs) - cls.field_names())
         if unknown:
-            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(cls.field_names())}")
+            raise ConfigError(f"unknown engine argument(s) {unknown}; known: {sorted(cls.field_names())}")
         return cls(**kwargs)
 
     @classmethod
@@ -218,30 +219,30 @@ def _check_types(args: ServerArgs) -> None:
         else:
             ok, kind = isinstance(value, str), "a string"
         if not ok:
-            raise ValueError(f"{f.name} must be {kind}, got {value!r}")
+            raise ConfigError(f"{f.name} must be {kind}, got {value!r}")
 
 
 def _check_choices(args: ServerArgs) -> None:
     if args.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {args.dtype!r}")
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {args.dtype!r}")
     if args.quantization not in ("auto", "none"):
-        raise ValueError(f"quantization must be 'auto' or 'none', got {args.quantization!r}")
+        raise ConfigError(f"quantization must be 'auto' or 'none', got {args.quantization!r}")
     if args.schedule_policy not in SCHEDULE_POLICIES:
-        raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
+        raise ConfigError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
     if args.log_level.lower() not in LOG_LEVELS:
-        raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {args.log_level!r}")
+        raise ConfigError(f"log_level must be one of {LOG_LEVELS}, got {args.log_level!r}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {args.device!r}")
+        raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {args.device!r}")
 
 
 def _at_least(name: str, value: Optional[int | float], low: int | float) -> None:
     if value is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise ConfigError(f"{name} must be >= {low}, got {value}")
 
 
 def _check_sizes(args: ServerArgs) -> None:
     if not 0.0 < args.mem_fraction_static <= 0.95:
-        raise ValueError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
+        raise ConfigError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
     _at_least("max_total_tokens", args.max_total_tokens, 16)
     _at_least("max_running_requests", args.max_running_requests, 1)
     _at_least("cuda_graph_max_bs", args.cuda_graph_max_bs, 1)
@@ -249,56 +250,56 @@ def _check_sizes(args: ServerArgs) -> None:
     _at_least("context_length", args.context_length, 2)
     _at_least("num_threads", args.num_threads, 1)
     if not 0 <= args.random_seed <= MAX_SEED:
-        raise ValueError(f"random_seed must be in [0, 2^64), got {args.random_seed}")
+        raise ConfigError(f"random_seed must be in [0, 2^64), got {args.random_seed}")
 
 
 def _check_speculative(args: ServerArgs) -> None:
     if args.speculative_algorithm not in SPEC_ALGORITHMS:
-        raise ValueError(f"speculative_algorithm must be one of DSPARK, NGRAM, NONE, got {args.speculative_algorithm!r}")
+        raise ConfigError(f"speculative_algorithm must be one of DSPARK, NGRAM, NONE, got {args.speculative_algorithm!r}")
     gamma = args.speculative_dspark_block_size
     if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
+        raise ConfigError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
     if args.speculative_algorithm == Algorithm.DSPARK and not args.speculative_draft_model_path:
-        raise ValueError("speculative_draft_model_path: DSPARK needs a drafter directory "
+        raise ConfigError("speculative_draft_model_path: DSPARK needs a drafter directory "
                          "(make a random one with `specserve init-drafter --out DIR`)")
     if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
-        raise ValueError(f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got "
+        raise ConfigError(f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got "
                          f"{args.speculative_dspark_verify_mode!r}")
     _at_least("speculative_disable_batch_size", args.speculative_disable_batch_size, 0)
     _at_least("speculative_explore_interval", args.speculative_explore_interval, 0)
     if not 0.0 <= args.speculative_min_gain <= 1.0:
-        raise ValueError(f"speculative_min_gain must be in [0, 1], got {args.speculative_min_gain}")
+        raise ConfigError(f"speculative_min_gain must be in [0, 1], got {args.speculative_min_gain}")
     if args.speculative_policy not in SPEC_POLICIES:
-        raise ValueError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
+        raise ConfigError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
     if args.speculating and args.speculative_policy == "adaptive":
         if args.speculative_dspark_verify_mode == "compact":
-            raise ValueError("speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
+            raise ConfigError("speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
                              "fixed; the adaptive policy chooses every window's length itself")
         unknown = set(args.policy_drafters()) - set(DRAFTERS)
         if unknown or not args.policy_drafters():
-            raise ValueError(f"speculative_policy_drafters: a comma-separated subset of DSPARK,NGRAM, got "
+            raise ConfigError(f"speculative_policy_drafters: a comma-separated subset of DSPARK,NGRAM, got "
                              f"{args.speculative_policy_drafters!r}")
         if Algorithm.DSPARK in args.policy_drafters() and args.speculative_algorithm != Algorithm.DSPARK:
-            raise ValueError("speculative_policy_drafters: DSPARK needs --speculative-algorithm DSPARK (its drafter)")
+            raise ConfigError("speculative_policy_drafters: DSPARK needs --speculative-algorithm DSPARK (its drafter)")
 
 
 def _check_hicache(args: ServerArgs) -> None:
     _at_least("hicache_storage_max_bytes", args.hicache_storage_max_bytes, 1)
     if args.hicache_storage_backend not in (None, "file"):
-        raise ValueError(f"hicache_storage_backend must be 'file', got {args.hicache_storage_backend!r}")
+        raise ConfigError(f"hicache_storage_backend must be 'file', got {args.hicache_storage_backend!r}")
     if not args.enable_hierarchical_cache:
         if args.hicache_storage_backend:
-            raise ValueError("hicache_storage_backend: the file tier needs --enable-hierarchical-cache")
+            raise ConfigError("hicache_storage_backend: the file tier needs --enable-hierarchical-cache")
         return
     if args.disable_radix_cache:
-        raise ValueError("enable_hierarchical_cache: needs the radix cache (drop --disable-radix-cache)")
+        raise ConfigError("enable_hierarchical_cache: needs the radix cache (drop --disable-radix-cache)")
     if args.hicache_ratio <= 0 or (args.hicache_size is not None and args.hicache_size < 1):
-        raise ValueError("hicache_ratio must be > 0 and hicache_size >= 1")
+        raise ConfigError("hicache_ratio must be > 0 and hicache_size >= 1")
     if args.hicache_write_policy not in ("write_through", "write_through_selective", "write_back"):
-        raise ValueError(f"hicache_write_policy: unknown policy {args.hicache_write_policy!r}")
+        raise ConfigError(f"hicache_write_policy: unknown policy {args.hicache_write_policy!r}")
     if args.hicache_storage_backend == "file":
         if not args.hicache_storage_dir:
-            raise ValueError("hicache_storage_dir: required with --hicache-storage-backend file")
+            raise ConfigError("hicache_storage_dir: required with --hicache-storage-backend file")
         _check_writable_dir("hicache_storage_dir", args.hicache_storage_dir)
 
 
@@ -310,30 +311,30 @@ def _check_writable_dir(name: str, path: str) -> None:
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise ValueError(f"{name}: {probe!r} is not a directory")
+        raise ConfigError(f"{name}: {probe!r} is not a directory")
     st = os.stat(probe)
     if probe == os.path.abspath(path) and st.st_mode & 0o077 and st.st_uid != os.geteuid():
-        raise ValueError(f"{name}: {path!r} is open to other users and owned by another user; "
+        raise ConfigError(f"{name}: {path!r} is open to other users and owned by another user; "
                          "use a private directory")
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as exc:
         what = "is not writable" if probe == os.path.abspath(path) else f"cannot be created in {probe!r}"
-        raise ValueError(f"{name}: {path!r} {what} ({exc.strerror or exc})") from None
+        raise ConfigError(f"{name}: {path!r} {what} ({exc.strerror or exc})") from None
 
 
 def _check_distributed(args: ServerArgs) -> None:
     _at_least("tp_size", args.tp_size, 1)
     if args.nnodes < 1 or args.tp_size % args.nnodes:
-        raise ValueError(f"nnodes must be >= 1 and divide tp_size={args.tp_size}, got {args.nnodes}")
+        raise ConfigError(f"nnodes must be >= 1 and divide tp_size={args.tp_size}, got {args.nnodes}")
     if not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"node_rank must be in [0, {args.nnodes}), got {args.node_rank}")
+        raise ConfigError(f"node_rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if args.nnodes > 1 and not args.dist_init_addr:
-        raise ValueError("dist_init_addr: required with nnodes > 1 (host:port of node 0)")
+        raise ConfigError("dist_init_addr: required with nnodes > 1 (host:port of node 0)")
     if args.dist_init_addr is not None:
         host, _, port = args.dist_init_addr.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(f"dist_init_addr must be host:port with a port in [1, 65535], got {args.dist_init_addr!r}")
+            raise ConfigError(f"dist_init_addr must be host:port with a port in [1, 65535], got {args.dist_init_addr!r}")
     if args.collective_timeout <= 0:
-        raise ValueError(f"collective_timeout must be > 0 seconds, got {args.collective_timeout}")
+        raise ConfigError(f"collective_timeout must be > 0 seconds, got {args.collective_timeout}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from specserve.args import MAX_DRAFT_TOKENS, MAX_SEED, ServerArgs
+from specserve.errors import ConfigError, InvalidRequestError
 from specserve.server.engine_process import HEARTBEAT_S
 
 # The subcommands' own numeric flags: flag -> (allowed, check). ServerArgs checks its fields itself.
@@ -59,7 +60,7 @@ def check_flag_bounds(ns: argparse.Namespace) -> None:
     for dest, (allowed, ok) in FLAG_BOUNDS.items():
         value = getattr(ns, dest, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not ok(value):
-            raise ValueError(f"--{dest.replace('_', '-')} must be {allowed}, got {value}")
+            raise ConfigError(f"--{dest.replace('_', '-')} must be {allowed}, got {value}")
 
 
 def _prog(ns: argparse.Namespace) -> str:
@@ -249,9 +250,9 @@ def _init_drafter(ns: argparse.Namespace) -> int:
     from specserve.models.loader import load_model_config
 
     if not 1 <= ns.block_size <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"--block-size must be in [1, {MAX_DRAFT_TOKENS}], got {ns.block_size}")
+        raise ConfigError(f"--block-size must be in [1, {MAX_DRAFT_TOKENS}], got {ns.block_size}")
     if ns.num_layers < 1 or ns.markov_rank < 1 or ns.num_context_layers < 1:
-        raise ValueError("--num-layers, --markov-rank and --num-context-layers must be >= 1")
+        raise ConfigError("--num-layers, --markov-rank and --num-context-layers must be >= 1")
     target = load_model_config(ns.model_path)
     cfg = DsparkConfig.for_target(target, ns.num_layers, ns.block_size, ns.markov_rank, ns.num_context_layers,
                                   ns.mask_token_id)
@@ -268,12 +269,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:  # named by the subcommand they were given to, like every other error
         print(f"{_prog(ns)}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
         return 2
+    # Two kinds of failure: a bad flag, setting or file (ConfigError; a bad sampling flag is an
+    # InvalidRequestError) is argparse's one line and exit 2, before or after the model loads;
+    # anything else during the run is a failure with its traceback and a non-zero exit.
     try:
         check_flag_bounds(ns)
         command = find_command(ns)
         run = _resolve(command.run)
         return run(ns, ServerArgs.from_cli_args(ns)) if command.engine_flags else run(ns)
-    except ValueError as exc:  # a bad flag or setting: argparse's one line, before any model loads
+    except (ConfigError, InvalidRequestError) as exc:
         print(f"{_prog(ns)}: error: {exc}", file=sys.stderr)
         return 2
 

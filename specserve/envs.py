@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from specserve.errors import ConfigError
+
 
 def env_flag(name: str) -> bool:
     """A boolean switch: 1/true/yes/on (any case) is on; unset, empty or 0/false/no/off is off."""
@@ -13,7 +15,7 @@ def env_flag(name: str) -> bool:
         return False
     if raw in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
+    raise ConfigError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
 
 
 def env_int(name: str, default: int = 0, minimum: int = 0) -> int:
@@ -23,9 +25,9 @@ def env_int(name: str, default: int = 0, minimum: int = 0) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
@@ -42,9 +44,9 @@ def env_int_set(name: str) -> Optional[frozenset[int]]:
     try:
         values = frozenset(int(part) for part in raw.split(","))
     except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, got {raw!r}") from None
+        raise ConfigError(f"{name} must be comma-separated integers, got {raw!r}") from None
     if any(v < 0 for v in values):
-        raise ValueError(f"{name} must list ranks >= 0, got {raw!r}")
+        raise ConfigError(f"{name} must list ranks >= 0, got {raw!r}")
     return values
 
 

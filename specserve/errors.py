@@ -1,9 +1,13 @@
-"""Typed errors that cross package and process boundaries.
+"""The engine's three kinds of error, typed so that each boundary can tell them apart.
 
-`InvalidRequestError` is what any layer raises for bad input from a client: it names the field
-(`param`) and, where the OpenAI API has one, a machine-readable `code`. It is a ValueError, so
-the offline API and the command line treat it as one; the server maps it to an HTTP 400 without
-looking inside the message.
+- `InvalidRequestError`: bad input from a client. It names the field (`param`) and, where the
+  OpenAI API has one, a machine-readable `code`; the server answers it with an HTTP 400.
+- `ConfigError`: a bad setting: a flag, an environment switch, or a model, drafter or table file
+  that does not fit. The command line prints it as one line and exits 2; the server does not start.
+- `InternalError`: a broken invariant of the engine itself. It is never the client's fault (never
+  a 4xx): a request that hits one fails with a 500, and the engine fails loudly.
+
+The first two are ValueErrors, so the offline API treats them as Python code expects.
 """
 
 from __future__ import annotations
@@ -21,3 +25,11 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self):  # keep param and code across pickling (engine process -> HTTP process)
         return (type(self), (str(self), self.param, self.code))
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work: the message names the flag, switch or file."""
+
+
+class InternalError(RuntimeError):
+    """A broken invariant of the engine (a bug, never bad input)."""

@@ -132,7 +132,10 @@ class FakeRunner:
         n = batch.size
         assert n > 0, "empty batch"
         assert len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.sample) == n
-        assert len(batch.input_ids) == len(batch.out_cache_loc) == sum(batch.extend_lens)
+        if batch.mode == "extend":
+            assert len(batch.input_ids) == len(batch.out_cache_loc) == sum(batch.extend_lens)
+        else:  # the executor reads anchors (its FutureMap) and window slots (the table) itself
+            assert batch.input_ids == batch.out_cache_loc == [], "a decode batch carries data no executor reads"
         assert len({id(r) for r in batch.reqs}) == n, "a request appears twice in one batch"
         if batch.mode == "decode":
             assert batch.extend_lens == [1] * n and all(batch.sample)
@@ -141,8 +144,8 @@ class FakeRunner:
         if self.check_kv:
             self._check_batch(batch)
         if batch.mode == "verify":
-            return [self._verify(req, prefix, w, batch.out_cache_loc[i * w:(i + 1) * w])
-                    for i, (req, prefix, w) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens))]
+            return [self._verify(req, prefix, w, self._window_slots(req, prefix, w))
+                    for req, prefix, w in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
         out: list[Optional[int]] = []
         for req, wanted in zip(batch.reqs, batch.sample):
             out.append(self.next_token(req.input_ids, req.output_ids) if wanted else None)
@@ -168,8 +171,25 @@ class FakeRunner:
 
     # ------------------------------------------------------------ checks
 
+    def _window_slots(self, req: Req, prefix: int, width: int) -> list[int]:
+        """A decode or verify window's slots, where the executor reads them: the req_to_token table."""
+        assert self.sched is not None and req.req_pool_idx is not None
+        return self.sched.req_to_token.table[req.req_pool_idx, prefix:prefix + width].tolist()
+
+    def _new_tokens_and_slots(self, batch: ScheduleBatch) -> list[tuple[list[int], list[int]]]:
+        """Per request: the tokens and slots this step writes KV for."""
+        if batch.mode != "extend":  # the anchor (the last token) and the window's slots
+            return [([req.fill_ids[prefix]], self._window_slots(req, prefix, w))
+                    for req, prefix, w in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+        out, offset = [], 0
+        for ext in batch.extend_lens:
+            out.append((batch.input_ids[offset:offset + ext], batch.out_cache_loc[offset:offset + ext]))
+            offset += ext
+        return out
+
     def _check_batch(self, batch: ScheduleBatch) -> None:
-        new = batch.out_cache_loc
+        per_request = self._new_tokens_and_slots(batch)
+        new = [s for _, slots in per_request for s in slots]
         assert all(s != 0 for s in new), "a new token was written to the scratch slot 0"
         assert len(set(new)) == len(new), f"out_cache_loc has duplicate slots: {new}"
         if self.sched is not None:
@@ -184,27 +204,23 @@ class FakeRunner:
         for req in batch.reqs:
             for s in req.kv_slots:
                 owner.setdefault(s, req.rid)
-        offset = 0
-        for req, prefix, ext, wanted in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+        for (req, prefix, ext, wanted), (own_tokens, own_slots) in zip(
+                zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample), per_request):
             fill = req.fill_ids
             seq = prefix + ext
             assert ext >= 1, f"{req.rid}: extend of {ext} tokens"
             assert req.req_pool_idx is not None, f"{req.rid}: no request slot"
             assert len(req.kv_slots) == seq, f"{req.rid}: {len(req.kv_slots)} kv slots for seq_len {seq}"
             assert req.kv_len == prefix, f"{req.rid}: kv_len {req.kv_len} != prefix_len {prefix}"
-            own_tokens = batch.input_ids[offset:offset + ext]
-            own_slots = batch.out_cache_loc[offset:offset + ext]
-            offset += ext
             if batch.mode == "verify":  # the anchor is the last token; the rest are drafts
                 assert wanted and len(fill) == prefix + 1, f"{req.rid}: verify window not at its last token"
-                assert own_tokens[0] == fill[prefix], f"{req.rid}: window does not start at its anchor"
-                assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: out_cache_loc differs from kv_slots"
+                assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: the table's window differs from kv_slots"
                 self._check_prefix(req, prefix, table)
                 continue
             assert seq <= len(fill), f"{req.rid}: seq_len {seq} beyond its {len(fill)} tokens"
             assert wanted == (seq == len(fill)), f"{req.rid}: sample={wanted} but seq {seq} / fill {len(fill)}"
             assert own_tokens == fill[prefix:seq], f"{req.rid}: batch input ids differ from its tokens"
-            assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: out_cache_loc differs from kv_slots"
+            assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: the step's slots differ from kv_slots"
             if table is not None:
                 row = table[req.req_pool_idx, :seq].tolist()
                 assert row == req.kv_slots[:seq], f"{req.rid}: req_to_token row differs from kv_slots"

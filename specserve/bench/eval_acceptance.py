@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from specserve.errors import ConfigError
 from specserve.args import ServerArgs
 
 
@@ -131,7 +132,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     try:
         import matplotlib
     except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

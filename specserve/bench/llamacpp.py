@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from specserve.errors import ConfigError
+
 INSTALL = ('pip install llama-cpp-python==0.3.36 (with CMAKE_ARGS turning AMX off, see '
            'specserve/bench/llamacpp.py)')
 
@@ -22,7 +24,7 @@ def open_llama(model_path: str, threads: int, n_ctx: int = 4096):
     try:
         from llama_cpp import Llama
     except ImportError:
-        raise ValueError(f"--peer llama.cpp needs llama-cpp-python: {INSTALL}") from None
+        raise ConfigError(f"--peer llama.cpp needs llama-cpp-python: {INSTALL}") from None
     return Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                  verbose=False)
 

@@ -30,6 +30,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specserve.errors import ConfigError
+
 KINDS = ("chat_stream", "completion", "generate", "disconnect", "abort", "hostile")
 IDLE_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 600.0
@@ -331,9 +333,9 @@ def _report(ns, tally: Tally, elapsed: float, m: dict[str, float], health: int, 
 def run_load_bench(ns: argparse.Namespace) -> int:
     serve_args = [a for a in ns.serve_args if a != "--"]
     if ns.rss_baseline_s >= ns.minutes * 60:  # single-flag ranges: cli.FLAG_BOUNDS
-        raise ValueError("--rss-baseline-s must fall inside the run (below --minutes * 60)")
+        raise ConfigError("--rss-baseline-s must fall inside the run (below --minutes * 60)")
     if ns.hostile_share + ns.disconnect_share + ns.abort_share >= 1:
-        raise ValueError("--hostile-share + --disconnect-share + --abort-share must leave room for valid requests")
+        raise ConfigError("--hostile-share + --disconnect-share + --abort-share must leave room for valid requests")
     log_path = ns.out + ".server.log" if ns.out else tempfile.NamedTemporaryFile(suffix=".server.log", delete=False).name
     server = LiveServer(serve_args, log_path)
     try:

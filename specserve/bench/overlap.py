@@ -15,6 +15,7 @@ import json
 import time
 from typing import Any
 
+from specserve.errors import ConfigError
 from specserve.args import ServerArgs
 from specserve.bench.offline import PROMPTS
 
@@ -100,7 +101,7 @@ def run_overlap_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
 
     algorithms = [a.strip().upper() for a in ns.algorithms.split(",") if a.strip()]
     if "DSPARK" in algorithms and not args.speculative_draft_model_path:
-        raise ValueError("speculative_draft_model_path: DSPARK needs a drafter (`specserve init-drafter --out DIR`)")
+        raise ConfigError("speculative_draft_model_path: DSPARK needs a drafter (`specserve init-drafter --out DIR`)")
     sizes = [int(b) for b in ns.batch_sizes.split(",")]
     rows = []
     for algorithm in algorithms:

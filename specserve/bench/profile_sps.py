@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.models.forward_batch import ForwardBatch
 from specserve.speculative.planner import SpsTable
 
@@ -36,7 +37,7 @@ def verify_pass(engine, total: int, width: int, prefix_len: int) -> ForwardBatch
     lens = [width] * (total // width) + ([total % width] if total % width else [])
     bs, dev = len(lens), engine.args.device
     if bs > engine.req_to_token.table.shape[0] or bs * (prefix_len + width) > engine.allocator.size:
-        raise ValueError(f"profile-sps: {total} tokens need {bs} requests of {prefix_len + width} slots; "
+        raise ConfigError(f"profile-sps: {total} tokens need {bs} requests of {prefix_len + width} slots; "
                          "raise --max-running-requests / --max-total-tokens")
     rows = list(range(bs))
     for r in rows:  # distinct slots per request; their values are whatever the pool holds
@@ -73,7 +74,7 @@ def run_profile_sps(ns: argparse.Namespace, args) -> int:
 
     tokens = sorted({int(t) for t in ns.tokens.split(",") if t.strip()})
     if not tokens or tokens[0] < 1:
-        raise ValueError("--tokens: give positive integers")
+        raise ConfigError("--tokens: give positive integers")
     bs = math.ceil(tokens[-1] / ns.window)
     size = max(args.max_total_tokens or 0, bs * (ns.prefix_len + ns.window) + 16)
     args = args.replace(speculative_algorithm="NONE", max_total_tokens=size,

@@ -22,6 +22,7 @@ import re
 import sys
 from typing import Callable, Optional
 
+from specserve.errors import ConfigError
 from specserve.bench.provenance import drafter_checksum  # noqa: F401  (re-exported for tests)
 from specserve.bench.render import drafter, engine, serving, speculation
 from specserve.bench.render.common import REPO, SHIPPED_DRAFTER, provenance  # noqa: F401
@@ -52,7 +53,7 @@ def render_readme(text: str, results: str = RESULTS) -> str:
     def replace(match: re.Match) -> str:
         name, indent = match.group("name"), match.group("indent")
         if name not in RENDERERS:
-            raise ValueError(f"README: no renderer for part {name!r} (known: {sorted(RENDERERS)})")
+            raise ConfigError(f"README: no renderer for part {name!r} (known: {sorted(RENDERERS)})")
         body = "".join(indent + line if line.strip() else line for line in RENDERERS[name](results).splitlines(True))
         return indent + match.group("open") + body + indent + "<!-- /render -->"
 

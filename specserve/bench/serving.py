@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from specserve.errors import ConfigError
+
 DEFAULT_CONCURRENCIES = "1,4,16,64"
 
 
@@ -212,7 +214,7 @@ def parse_targets(specs: Optional[list[str]]) -> list[tuple[str, str]]:
     for spec in specs or ["specserve=http://127.0.0.1:30000"]:
         name, sep, url = spec.partition("=")
         if not sep or not name or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--target must be NAME=http(s)://host:port, got {spec!r}")
+            raise ConfigError(f"--target must be NAME=http(s)://host:port, got {spec!r}")
         out.append((name, url))
     return out
 
@@ -239,7 +241,7 @@ def run_serving_bench(ns: argparse.Namespace) -> int:
 
     concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
     if not concurrencies or min(concurrencies) < 1:
-        raise ValueError("--concurrency must list integers >= 1")
+        raise ConfigError("--concurrency must list integers >= 1")
     targets_spec = parse_targets(ns.target)
     tokenizer = load_tokenizer(resolve_model_path(None))
     prompts = load_bench_prompts(ns.dataset, ns.num_prompts, ns.seed, ns.random_input_words)

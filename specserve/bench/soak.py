@@ -25,6 +25,7 @@ import random
 import time
 from typing import Any, Optional
 
+from specserve.errors import ConfigError
 from specserve.args import ServerArgs
 
 PREAMBLES = [
@@ -76,7 +77,7 @@ def soak_prompts(seed: int) -> list[str]:
 
 def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
     if ns.max_minutes is None and ns.max_tokens is None:
-        raise ValueError("soak: give --max-minutes or --max-tokens")
+        raise ConfigError("soak: give --max-minutes or --max-tokens")
     for flag, var in ((ns.copy_delay_ms, "SPECSERVE_FAULT_COPY_DELAY_MS"),
                       (ns.forward_delay_ms, "SPECSERVE_FAULT_FORWARD_DELAY_MS"),
                       (ns.copy_lag_ms, "SPECSERVE_FAULT_COPY_LAG_MS"),

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.args import ServerArgs
 from specserve.datasets import humaneval_prompts, mtbench_first_turns
 
@@ -55,7 +56,7 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     configs = [c.strip().upper() for c in ns.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or "NONE" not in configs:
-        raise ValueError(f"--configs: choose from {list(CONFIGS)}, NONE included (the baseline); got {ns.configs!r}")
+        raise ConfigError(f"--configs: choose from {list(CONFIGS)}, NONE included (the baseline); got {ns.configs!r}")
     sizes = [int(b) for b in ns.batch_sizes.split(",")]
     workloads = {"mtbench": mtbench_first_turns()[:ns.num_prompts]}
     if ns.humaneval_prompts > 0:

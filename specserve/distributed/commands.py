@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Union
 
 from specserve.distributed.group import TPGroup
 from specserve.distributed.wire import MalformedPayload, expect
+from specserve.errors import InternalError
 
 SITE = "engine.commands"
 
@@ -104,7 +105,7 @@ class CommandBroadcast:
 
     def __init__(self, group: Optional[TPGroup] = None, codec: Optional[ReqCodec] = None):
         if group is not None and codec is None:
-            raise ValueError("CommandBroadcast: a tensor-parallel group needs a ReqCodec")
+            raise InternalError("CommandBroadcast: a tensor-parallel group needs a ReqCodec")
         self.group, self.codec = group, codec
         self.pending: list[Command] = []
         self._lock = threading.Lock()  # submit/abort threads put while the step thread takes

@@ -36,6 +36,7 @@ import torch
 
 from specserve import envs
 from specserve.distributed import wire
+from specserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def _kill_round(spec: str, rank: int) -> Optional[int]:
         return None
     who, _, when = spec.partition(":")
     if not (who.strip().isdigit() and when.strip().isdigit()):
-        raise ValueError(f"{FAULT_KILL_CHECKER} must be RANK:ROUND, got {spec!r}")
+        raise ConfigError(f"{FAULT_KILL_CHECKER} must be RANK:ROUND, got {spec!r}")
     return int(when) if int(who) == rank else None
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from specserve.errors import InternalError
 from specserve.kv.pool import KVPool
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
@@ -124,7 +125,7 @@ class CapturedStep:
         """Replay for a batch: rows/prefix `[bs]`, ids `[bs, W]`; `kv_bound` >= every prefix + W."""
         bs = rows.shape[0]
         if not 1 <= bs <= self.max_bs:
-            raise ValueError(f"captured step: batch size {bs} outside 1..{self.max_bs}")
+            raise InternalError(f"captured step: batch size {bs} outside 1..{self.max_bs}")
         padded = next(b for b in self.buckets if b >= bs) if self.pad_batches else bs
         max_context = self.table.shape[1]
         kv_len = kv_bucket(kv_bound, max_context) if self.pad_batches else min(kv_bound, max_context)

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.cost_model import FEATURES
@@ -34,7 +35,7 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
     per_req = ctx + width
     batch = max(2, min(batch, runner.req_to_token.table.shape[0], (runner.kv.size - 1) // per_req))
     if batch * per_req >= runner.kv.size:
-        raise ValueError(f"speculation warm-up: the KV pool ({runner.kv.size} tokens) is too small to time "
+        raise ConfigError(f"speculation warm-up: the KV pool ({runner.kv.size} tokens) is too small to time "
                          f"steps; give --max-total-tokens >= {2 * per_req + 1} or a cost table")
     saved = table[:batch].clone()
     for r in range(batch):  # synthetic requests r: slots 1 + r * per_req ...

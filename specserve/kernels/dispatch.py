@@ -8,6 +8,7 @@ import os
 from functools import lru_cache
 
 from specserve import envs
+from specserve.errors import ConfigError
 from specserve.kernels.build import load
 
 PATHS = {"generic": 0, "avx512_bf16": 1, "avx2_fma": 2}
@@ -62,10 +63,10 @@ def path_id() -> int:
 def _path_for(raw: str) -> int:
     name = raw.strip() or best_path()
     if name not in PATHS:
-        raise ValueError(f"{envs.CPU_KERNEL_PATH} must be one of {sorted(PATHS)}, got {name!r}")
+        raise ConfigError(f"{envs.CPU_KERNEL_PATH} must be one of {sorted(PATHS)}, got {name!r}")
     if name not in available_paths():
         needs = {"avx512_bf16": "AVX512-BF16", "avx2_fma": "AVX2 and FMA"}[name]
-        raise ValueError(f"{envs.CPU_KERNEL_PATH}={name} but this CPU lacks {needs}")
+        raise ConfigError(f"{envs.CPU_KERNEL_PATH}={name} but this CPU lacks {needs}")
     return PATHS[name]
 
 

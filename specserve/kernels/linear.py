@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.kernels.build import load
 from specserve.kernels.dispatch import path_id
 
@@ -69,7 +70,7 @@ def _block_scales(values: torch.Tensor, what: str) -> torch.Tensor:
     (GGUF scales are float16)."""
     half = values.to(torch.float16)
     if not torch.equal(half.to(values.dtype), values):
-        raise ValueError(f"packing: the {what} are not float16 values (GGUF block scales are)")
+        raise ConfigError(f"packing: the {what} are not float16 values (GGUF block scales are)")
     v = _pad_rows(half, BLOCK)
     return v.view(-1, BLOCK, v.shape[1]).transpose(1, 2).contiguous()
 
@@ -79,7 +80,7 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> P
     float16 values)."""
     n, k = codes.shape
     if k % GROUP:
-        raise ValueError(f"4-bit weights need k divisible by {GROUP}, got {k}")
+        raise ConfigError(f"4-bit weights need k divisible by {GROUP}, got {k}")
     c = _pad_rows(codes.to(torch.int64), BLOCK).view(-1, BLOCK, k // GROUP, 4, 8)  # [B, lane, G, oct, 8]
     shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)  # column 2p at 4p, 2p+1 at 16+4p
     words = (c << shifts).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, oct, lane]
@@ -91,7 +92,7 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> PackedLinear:
     """w = scale * q per group of 32 (codes [n, k] int8; scale [n, k/32], float16 values)."""
     n, k = codes.shape
     if k % GROUP:
-        raise ValueError(f"8-bit weights need k divisible by {GROUP}, got {k}")
+        raise ConfigError(f"8-bit weights need k divisible by {GROUP}, got {k}")
     c = _pad_rows(codes.to(torch.int8), BLOCK).view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), _block_scales(scale, "scales"), torch.empty(0), n, k)
 

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class FileKVStorage:
                  max_bytes: int = DEFAULT_MAX_BYTES):
         """`max_bytes` caps this rank's pages (the builder gives each rank its share of the flag)."""
         if max_bytes < 1:
-            raise ValueError(f"hicache_storage_max_bytes must be >= 1, got {max_bytes}")
+            raise ConfigError(f"hicache_storage_max_bytes must be >= 1, got {max_bytes}")
         prepare_directory(directory)
         self.directory = directory
         self.fingerprint = fingerprint

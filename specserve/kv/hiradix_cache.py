@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from specserve.distributed.consensus import RankConsensusChecker
+from specserve.errors import ConfigError
 from specserve.kv.file_storage import PAGE_TOKENS, FileKVStorage
 from specserve.kv.host_pool import HostKVPool
 from specserve.kv.pool import TokenSlotAllocator
@@ -56,7 +57,7 @@ class HiRadixCache(RadixCache):
         """`allocator` holds the device token slots this tree frees on eviction and allocates for
         load-back; `agree_min(value, site)` is an all-reduce MIN across ranks (identity on one rank)."""
         if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+            raise ConfigError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         super().__init__(allocator.free, consensus=consensus)
         self.allocator = allocator
         self.host = host

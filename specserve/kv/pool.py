@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from specserve.errors import ConfigError
+
 
 class TokenSlotAllocator:
     """Free list over token slots 1..size (slot 0 is the scratch slot)."""
 
     def __init__(self, size: int):
         if size < 1:
-            raise ValueError(f"max_total_tokens: KV pool must hold at least 1 token, got {size}")
+            raise ConfigError(f"max_total_tokens: KV pool must hold at least 1 token, got {size}")
         self.size = size
         self._free: list[int] = list(range(1, size + 1))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.errors import ConfigError
+
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -30,12 +32,12 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         if not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs):
-            raise ValueError(f"model_path: architecture {archs} is not llama-family; supported: "
+            raise ConfigError(f"model_path: architecture {archs} is not llama-family; supported: "
                              f"{SUPPORTED_HF_ARCHITECTURES}")
         # transformers >= 5 writes RoPE settings under rope_parameters; older configs use top-level keys.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ValueError(f"model_path: RoPE scaling {rope} is not supported")
+            raise ConfigError(f"model_path: RoPE scaling {rope} is not supported")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         is_qwen2 = "Qwen2ForCausalLM" in archs

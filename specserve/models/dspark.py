@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_bf16
 from specserve.kv.pool import KVPool
 from specserve.models.backend import OpBackend, TorchOps, select_backend
@@ -88,7 +89,7 @@ class DsparkConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary")
         if problems:
-            raise ValueError("speculative_draft_model_path: drafter does not fit the target: " + "; ".join(problems))
+            raise ConfigError("speculative_draft_model_path: drafter does not fit the target: " + "; ".join(problems))
 
 
 def spread_layers(num_layers: int, n: int) -> list[int]:
@@ -358,11 +359,11 @@ def save_drafter(out_dir: str, cfg: DsparkConfig, state: dict[str, torch.Tensor]
 def read_drafter_config(path: str) -> DsparkConfig:
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
-        raise ValueError(f"speculative_draft_model_path: no {CONFIG_FILE} in {path!r}")
+        raise ConfigError(f"speculative_draft_model_path: no {CONFIG_FILE} in {path!r}")
     with open(file) as f:
         raw = json.load(f)
     if raw.get("architecture") != "dspark":
-        raise ValueError(f"speculative_draft_model_path: {file} is not a DSpark drafter config")
+        raise ConfigError(f"speculative_draft_model_path: {file} is not a DSpark drafter config")
     known = DsparkConfig.__dataclass_fields__
     return DsparkConfig(**{k: v for k, v in raw.items() if k in known})
 
@@ -382,7 +383,7 @@ def load_drafter(path: str, target: ModelConfig, dtype: torch.dtype, device: str
     state = load_file(os.path.join(path, WEIGHTS_FILE))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"speculative_draft_model_path: weights do not match the config: missing {missing}, "
+        raise ConfigError(f"speculative_draft_model_path: weights do not match the config: missing {missing}, "
                          f"unexpected {unexpected}")
     model.to(device)
     for p in model.parameters():  # parameters only: the RoPE tables stay float32, as the target's do

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_bf16
 from specserve.models.quant import QuantWeight
 
@@ -52,7 +53,7 @@ class TPContext:
 
     def shard(self, full: int) -> tuple[int, int]:
         if full % self.size:
-            raise ValueError(f"tp_size: {full} is not divisible by tp_size={self.size}")
+            raise ConfigError(f"tp_size: {full} is not divisible by tp_size={self.size}")
         part = full // self.size
         return self.rank * part, part
 
@@ -60,7 +61,7 @@ class TPContext:
         """(first unit, units) of this rank when `units` (e.g. KV heads) are dealt out as evenly
         as possible: SmolLM2's 3 KV heads over 2 ranks give 2 and 1."""
         if units < self.size:
-            raise ValueError(f"tp_size: {units} heads cannot be split over tp_size={self.size} ranks")
+            raise ConfigError(f"tp_size: {units} heads cannot be split over tp_size={self.size} ranks")
         base, extra = divmod(units, self.size)
         return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
 

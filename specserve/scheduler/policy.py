@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specserve.errors import ConfigError
 from specserve.kv.radix_cache import RadixCache
 from specserve.scheduler.req import Req
 
@@ -20,4 +21,4 @@ def order_waiting(waiting: list[Req], policy: str, tree: RadixCache) -> list[Req
         return sorted(by_arrival, key=lambda r: -cached[id(r)])
     if policy == "shortest-prefill-first":
         return sorted(by_arrival, key=lambda r: len(r.fill_ids) - cached[id(r)])
-    raise ValueError(f"schedule_policy: unknown policy {policy!r}")
+    raise ConfigError(f"schedule_policy: unknown policy {policy!r}")

@@ -38,6 +38,7 @@ from specserve.engine.messages import (
     Shutdown,
     TokensOut,
 )
+from specserve.errors import ConfigError
 from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S, engine_main, one_line
 from specserve.server.metrics import ServerMetrics
 
@@ -77,7 +78,7 @@ class EngineClient:
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
         if heartbeat_timeout_s <= HEARTBEAT_S:
-            raise ValueError(f"heartbeat timeout must exceed the heartbeat interval of {HEARTBEAT_S} s")
+            raise ConfigError(f"heartbeat timeout must exceed the heartbeat interval of {HEARTBEAT_S} s")
         self.engine_kwargs = engine_kwargs
         self.metrics = metrics
         self.heartbeat_timeout_s = heartbeat_timeout_s

@@ -35,7 +35,7 @@ from specserve.engine.messages import (
     Shutdown,
     TokensOut,
 )
-from specserve.errors import InvalidRequestError
+from specserve.errors import ConfigError, InvalidRequestError
 from specserve.sampling_params import GRAMMAR_FIELDS
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,11 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: fl
         from specserve.engine import Engine
 
         engine = Engine(**engine_kwargs)
-    except Exception as exc:  # a bad flag or model: report it, the server exits with the message
+    except ConfigError as exc:  # a bad flag or model: its one line, the server exits with it
+        events.put([EngineFatal(f"engine failed to start: {exc}")])
+        return
+    except Exception as exc:  # a bug while starting: the traceback to the log, the message to the server
+        logger.critical("engine failed to start", exc_info=True)
         events.put([EngineFatal(f"engine failed to start: {type(exc).__name__}: {exc}")])
         return
     events.put([EngineReady(_ready_info(engine))])
@@ -123,11 +127,9 @@ def _constrained(params: Any) -> bool:
     return isinstance(params, dict) and any(params.get(name) is not None for name in GRAMMAR_FIELDS)
 
 
-def rejection(rid: str, exc: ValueError) -> RequestError:
-    """The `RequestError` event for a request the engine refused: the field and code the exception carries."""
-    if isinstance(exc, InvalidRequestError):
-        return RequestError(rid, str(exc), exc.param, exc.code)
-    return RequestError(rid, str(exc))  # an untyped ValueError names no field: the server says invalid_value
+def rejection(rid: str, exc: InvalidRequestError) -> RequestError:
+    """The `RequestError` event (a 400) for a request the engine refused: the field and code it carries."""
+    return RequestError(rid, str(exc), exc.param, exc.code)
 
 
 class EngineServer:
@@ -208,7 +210,7 @@ class EngineServer:
                 continue
             del self._compiling[rid]
             error = future.exception()
-            if isinstance(error, ValueError):
+            if isinstance(error, InvalidRequestError):
                 out.append(rejection(rid, error))
             elif error is not None:
                 out.append(RequestFailed(rid, f"grammar failed: {type(error).__name__}: {error}"))
@@ -218,10 +220,10 @@ class EngineServer:
     def _add(self, cmd: AddRequest, out: list[Event]) -> None:
         try:
             self.engine.submit(cmd.input_ids, cmd.params, rid=cmd.rid)
-        except ValueError as exc:  # InvalidRequestError names its field; any other ValueError is still a 400
+        except InvalidRequestError as exc:  # bad input: a 400 naming its field
             out.append(rejection(cmd.rid, exc))
             return
-        except Exception as exc:  # a bug in one request's checks fails that request, not the engine
+        except Exception as exc:  # a bug (never a 400) in one request's checks fails that request, not the engine
             logger.error("request %s failed before it was queued", cmd.rid, exc_info=True)
             out.append(RequestFailed(cmd.rid, f"request failed: {type(exc).__name__}: {exc}"))
             return

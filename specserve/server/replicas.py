@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specserve.args import ServerArgs
+from specserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +67,14 @@ def check_data_parallel_args(ns: argparse.Namespace, args: ServerArgs) -> None:
     if ns.dp_size == 1:
         return
     if args.nnodes > 1 or args.node_rank > 0:
-        raise ValueError("--dp-size: replicas run on this machine; across machines start one `specserve serve` "
+        raise ConfigError("--dp-size: replicas run on this machine; across machines start one `specserve serve` "
                          "per machine and the router yourself (see the README)")
     if args.dist_init_addr is not None:
-        raise ValueError("--dist-init-addr: leave it unset with --dp-size (each replica's ranks find a free port)")
+        raise ConfigError("--dist-init-addr: leave it unset with --dp-size (each replica's ranks find a free port)")
     try:
         import sglang_router
     except ImportError:
-        raise ValueError("--dp-size needs SGLang's router: pip install 'sglang-router>=0.3'") from None
+        raise ConfigError("--dp-size needs SGLang's router: pip install 'sglang-router>=0.3'") from None
     del sglang_router  # only checked: the router runs as a process of its own
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from specserve.errors import InternalError
 from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
 
@@ -57,7 +58,7 @@ class DsparkVerifyEpilogue:
 
     def __init__(self, max_bs: int, num_verify_tokens: int, device: str | torch.device = "cpu"):
         if max_bs < 1 or num_verify_tokens < 2:
-            raise ValueError(f"DsparkVerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, "
+            raise InternalError(f"DsparkVerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, "
                              f"got {max_bs}, {num_verify_tokens}")
         self.max_bs = max_bs
         self.num_verify_tokens = num_verify_tokens
@@ -87,7 +88,7 @@ class DsparkVerifyEpilogue:
 
     def _check_bs(self, bs: int) -> None:
         if not 1 <= bs <= self.max_bs:
-            raise ValueError(f"batch size {bs} outside 1..{self.max_bs} of this verify epilogue")
+            raise InternalError(f"batch size {bs} outside 1..{self.max_bs} of this verify epilogue")
 
     # ------------------------------------------------------------ accept kernels
 

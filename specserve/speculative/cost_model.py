@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from specserve.errors import ConfigError, InternalError
+
 FEATURES = ("fixed", "requests", "verify_rows", "dspark_step", "dspark_rows", "ngram_requests", "verify_step")
 # A typical size of each feature: the prior's weight per feature is prior_steps * NOMINAL^2.
 NOMINAL = (1.0, 4.0, 4.0, 1.0, 5.0, 2.0, 1.0)
@@ -54,9 +56,9 @@ class StepCostModel:
     def __init__(self, prior: Sequence[float], prior_steps: float = 20.0, forgetting: float = 0.995,
                  floor_s: float = 1e-5):
         if len(prior) != len(FEATURES):
-            raise ValueError(f"cost model: the prior needs {len(FEATURES)} coefficients {FEATURES}, got {len(prior)}")
+            raise InternalError(f"cost model: the prior needs {len(FEATURES)} coefficients {FEATURES}, got {len(prior)}")
         if not 0.5 < forgetting <= 1.0:
-            raise ValueError(f"cost model: forgetting must be in (0.5, 1], got {forgetting}")
+            raise InternalError(f"cost model: forgetting must be in (0.5, 1], got {forgetting}")
         self.theta = torch.tensor(prior, dtype=torch.float64)
         self._coef = self.theta.tolist()  # plain floats: predict() runs many times per step
         self.prior = self.theta.clone()
@@ -120,7 +122,7 @@ class StepCostModel:
                 raw = json.load(f)["coefficients_s"]
             return cls([float(raw[name]) for name in FEATURES], **kwargs)
         except (OSError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"speculative_cost_table_path: cannot read a cost table from {path!r} (a JSON object "
+            raise ConfigError(f"speculative_cost_table_path: cannot read a cost table from {path!r} (a JSON object "
                              f"with 'coefficients_s' for {list(FEATURES)}): {exc}") from exc
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
@@ -51,7 +52,7 @@ class NgramWorker:
 
     def __init__(self, gamma: int, max_ngram: int = 4, min_ngram: int = 1):
         if gamma < 1:
-            raise ValueError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
+            raise ConfigError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
         self.gamma, self.max_ngram, self.min_ngram = gamma, max_ngram, min_ngram
         self.histories: dict[int, TokenHistory] = {}
 

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from specserve.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,11 +33,11 @@ class SpsTable:
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.steps_per_second):
-            raise ValueError("sps table: needs matching, non-empty 'tokens' and 'steps_per_second'")
+            raise ConfigError("sps table: needs matching, non-empty 'tokens' and 'steps_per_second'")
         if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
-            raise ValueError("sps table: 'tokens' must be increasing positive integers")
+            raise ConfigError("sps table: 'tokens' must be increasing positive integers")
         if any(not s > 0 for s in self.steps_per_second):
-            raise ValueError("sps table: 'steps_per_second' must be positive")
+            raise ConfigError("sps table: 'steps_per_second' must be positive")
 
     def __call__(self, tokens: int) -> float:
         xs, ys = self.tokens, self.steps_per_second
@@ -55,7 +57,7 @@ class SpsTable:
             return cls(tuple(int(t) for t in raw["tokens"]), tuple(float(s) for s in raw["steps_per_second"]),
                        raw.get("meta"))
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"speculative_dspark_sps_table_path: cannot read an SPS table from {path!r}: {exc}") from exc
+            raise ConfigError(f"speculative_dspark_sps_table_path: cannot read an SPS table from {path!r}: {exc}") from exc
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

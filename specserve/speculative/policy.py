@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from specserve.errors import InternalError
 from specserve.names import Algorithm
 from specserve.speculative.cost_model import StepCostModel
 
@@ -38,7 +39,7 @@ class Candidate:
     def __post_init__(self) -> None:
         s = self.survival
         if any(not 0.0 <= v <= 1.0 for v in s) or any(b > a for a, b in zip(s, s[1:])):
-            raise ValueError(f"policy: survival must be non-increasing probabilities, got {s}")
+            raise InternalError(f"policy: survival must be non-increasing probabilities, got {s}")
         sums, acc = [1.0], 1.0
         for v in s:
             acc += v

@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from specserve.errors import InternalError
 from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
@@ -53,11 +54,11 @@ class Speculation:
         self.policy = policy
         self.disable_batch_size = disable_batch_size  # --speculative-disable-batch-size: larger steps never draft
         if policy is not None and set(policy.drafters) - set(self.workers):
-            raise ValueError(f"speculation: the policy's drafters {policy.drafters} are not all in this engine "
+            raise InternalError(f"speculation: the policy's drafters {policy.drafters} are not all in this engine "
                              f"(have {sorted(self.workers)})")
         readers = [w for w in workers if w.capture_layer_ids]
         if len(readers) > 1:
-            raise ValueError("speculation: at most one drafter may read the target's hidden states, got "
+            raise InternalError("speculation: at most one drafter may read the target's hidden states, got "
                              f"{[w.name for w in readers]}")
         self.capture_layer_ids: tuple[int, ...] = readers[0].capture_layer_ids if readers else ()
         # Whether any drafter reads committed target rows / tokens: the executor skips gathering them otherwise.
@@ -108,7 +109,7 @@ class Speculation:
                 continue
             worker = self.workers.get(name)
             if worker is None:
-                raise ValueError(f"speculation: no drafter {name!r} in this engine (have {sorted(self.workers)})")
+                raise InternalError(f"speculation: no drafter {name!r} in this engine (have {sorted(self.workers)})")
             drafts = worker.draft(DraftInput(pick(rows), pick(ids[:, 0]), pick(prefix), pick(out_lens),
                                              [params[i] for i in index], [seeds[i] for i in index], gamma))
             ids[target, 1:] = drafts.tokens

@@ -7,11 +7,13 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from specserve.errors import InvalidRequestError
+
 _ROLES = ("system", "user", "assistant", "tool")
 
 
 def _raise(message: str):
-    raise ValueError(f"messages: {message}")
+    raise InvalidRequestError(f"messages: {message}", param="messages")
 
 
 class ChatTemplate:
@@ -27,16 +29,17 @@ class ChatTemplate:
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
         except jinja2.TemplateError as exc:
-            raise ValueError(f"messages: chat template failed: {exc}") from exc
+            raise InvalidRequestError(f"messages: chat template failed: {exc}", param="messages") from exc
 
 
 def validate_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages: must be a non-empty list of {role, content} objects")
+        raise InvalidRequestError("messages: must be a non-empty list of {role, content} objects", param="messages")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-            raise ValueError(f"messages[{i}]: must be an object with 'role' and 'content'")
+            raise InvalidRequestError(f"messages[{i}]: must be an object with 'role' and 'content'", param=f"messages[{i}]")
         if msg["role"] not in _ROLES:
-            raise ValueError(f"messages[{i}].role: must be one of {_ROLES}, got {msg['role']!r}")
+            raise InvalidRequestError(f"messages[{i}].role: must be one of {_ROLES}, got {msg['role']!r}",
+                                      param=f"messages[{i}].role")
         if not isinstance(msg["content"], str):
-            raise ValueError(f"messages[{i}].content: must be a string")
+            raise InvalidRequestError(f"messages[{i}].content: must be a string", param=f"messages[{i}].content")

@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional, Sequence, overload
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from specserve.errors import ConfigError, InvalidRequestError
 from specserve.tokenizer.chat_template import ChatTemplate
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -78,7 +79,7 @@ class Tokenizer:
                             tokenize: bool = True) -> list[int] | str:
         """Render messages with the model's template; token ids by default, as transformers does."""
         if self.chat_template is None:
-            raise ValueError("messages: this model has no chat template")
+            raise InvalidRequestError("messages: this model has no chat template", param="messages")
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -89,7 +90,7 @@ def load_tokenizer(path: str, gguf_reader: Any = None) -> Tokenizer:
         return _from_hf_dir(path)
     if path.endswith(".gguf"):
         return _from_gguf(path, gguf_reader)
-    raise ValueError(f"tokenizer_path: {path!r} is neither a .gguf file nor a directory with tokenizer.json")
+    raise ConfigError(f"tokenizer_path: {path!r} is neither a .gguf file nor a directory with tokenizer.json")
 
 
 def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
@@ -100,7 +101,7 @@ def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
     reader = reader or gguf.GGUFReader(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"tokenizer_path: GGUF tokenizer model {kind!r} is not supported (need byte-level BPE 'gpt2')")
+        raise ConfigError(f"tokenizer_path: GGUF tokenizer model {kind!r} is not supported (need byte-level BPE 'gpt2')")
     tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
@@ -134,13 +135,13 @@ def _pre_tokenizer(pre: str):
             pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
-    raise ValueError(f"tokenizer_path: GGUF pre-tokenizer {pre!r} is not supported")
+    raise ConfigError(f"tokenizer_path: GGUF pre-tokenizer {pre!r} is not supported")
 
 
 def _from_hf_dir(path: str) -> Tokenizer:
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
-        raise ValueError(f"tokenizer_path: {path!r} has no tokenizer.json")
+        raise ConfigError(f"tokenizer_path: {path!r} has no tokenizer.json")
     backend = HFTokenizer.from_file(file)
     tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
     gen_cfg = _read_json(os.path.join(path, "generation_config.json"))
@@ -161,7 +162,7 @@ def _from_hf_dir(path: str) -> Tokenizer:
     if tok_eos is not None:
         eos_ids.append(tok_eos)
     if not eos_ids:
-        raise ValueError(f"tokenizer_path: {path!r} names no eos token")
+        raise ConfigError(f"tokenizer_path: {path!r} names no eos token")
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])

@@ -25,6 +25,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from specserve.errors import ConfigError, InternalError
+
 MANIFEST = "manifest.json"
 LOCK_FILE = ".append.lock"  # held while a shard is appended
 SHARD_DIR = "shards"
@@ -101,9 +103,9 @@ class CorpusStore:
         """Write one new shard and record it; refuses to exceed the size budget. Safe against another
         process appending at the same time (a lock file; the manifest is re-read under it)."""
         if not pairs:
-            raise ValueError("append: no sequences")
+            raise InternalError("append: no sequences")
         if any(t < 0 or t > 0xFFFF for p in pairs for t in (*p.prompt_ids, *p.answer_ids)):
-            raise ValueError("append: token ids must fit uint16 (vocabulary up to 65,536)")
+            raise ConfigError("append: token ids must fit uint16 (vocabulary up to 65,536)")
         os.makedirs(os.path.join(self.root, SHARD_DIR), exist_ok=True)
         with open(os.path.join(self.root, LOCK_FILE), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -115,7 +117,7 @@ class CorpusStore:
         name = f"{SHARD_DIR}/{len(self.shards):05d}-{source}.npz"
         path = os.path.join(self.root, name)
         if os.path.exists(path):
-            raise ValueError(f"append: {path} exists but is not in the manifest (shards are append-only)")
+            raise ConfigError(f"append: {path} exists but is not in the manifest (shards are append-only)")
         tokens = np.fromiter((t for p in pairs for t in (*p.prompt_ids, *p.answer_ids)), dtype=np.uint16)
         np.savez_compressed(path + ".tmp.npz", tokens=tokens,
                             prompt_lens=np.array([len(p.prompt_ids) for p in pairs], dtype=np.int32),
@@ -124,7 +126,7 @@ class CorpusStore:
         size = os.path.getsize(path + ".tmp.npz")
         if self.total_bytes + size > self.budget_bytes:
             os.remove(path + ".tmp.npz")
-            raise ValueError(f"append: the corpus would grow to {self.total_bytes + size} bytes, over its budget of "
+            raise ConfigError(f"append: the corpus would grow to {self.total_bytes + size} bytes, over its budget of "
                              f"{self.budget_bytes} (raise budget_bytes in {MANIFEST} deliberately, or stop)")
         os.replace(path + ".tmp.npz", path)
         info = ShardInfo(file=name, source=source, sequences=len(pairs),
@@ -159,7 +161,7 @@ class CorpusStore:
     def _load(self, info: ShardInfo) -> dict[str, np.ndarray]:
         path = os.path.join(self.root, info.file)
         if _sha256(path) != info.sha256:
-            raise ValueError(f"{path}: its sha256 is not the manifest's (shards are never rewritten)")
+            raise ConfigError(f"{path}: its sha256 is not the manifest's (shards are never rewritten)")
         with np.load(path) as raw:
             return {k: raw[k] for k in raw.files}
 

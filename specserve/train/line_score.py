@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.train.model_card import STATE_FILE, read_train_state, save_train_state
 
 ANCHORS_PER_SEQ, SEED = 16, 1  # teacher_forced_accept_length's defaults, as every run used them
@@ -150,7 +151,7 @@ def rescore_line(drafter_dir: str, data: str, model_path: Optional[str], dtype: 
     rows = match_rows(state["extensions"], weight_versions(drafter_dir), worktree)
     pairs, sources = line_pairs(CorpusStore(data), state)
     if not pairs:
-        raise ValueError(f"{drafter_dir}: none of the line's held_out_keys is in the corpus at {data}")
+        raise ConfigError(f"{drafter_dir}: none of the line's held_out_keys is in the corpus at {data}")
     held_out = teacher_for(pairs, shipped_cfg["target_layer_ids"], model_path)
     teacher_s = time.perf_counter() - started
     log(f"teacher for {len(pairs)} held-out sequences: {teacher_s:.0f} s")
@@ -183,7 +184,7 @@ def record_line(drafter_dirs: list[str], records: list[Optional[dict]]) -> None:
     states = [read_train_state(d) for d in drafter_dirs]
     for d, state in zip(drafter_dirs, states):
         if [e.get("steps") for e in state["extensions"]] != [e.get("steps") for e in states[0]["extensions"]]:
-            raise ValueError(f"{os.path.join(d, STATE_FILE)}: not the same line as {drafter_dirs[0]}'s")
+            raise ConfigError(f"{os.path.join(d, STATE_FILE)}: not the same line as {drafter_dirs[0]}'s")
     for d, state in zip(drafter_dirs, states):
         for ext, rec in zip(state["extensions"], records):
             if rec is None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 
+from specserve.errors import ConfigError
+
 STATE_FILE = "train_state.json"
 
 
 def read_train_state(drafter_dir: str) -> dict:
     path = os.path.join(drafter_dir, STATE_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"{path} not found (train into --out first, or use --init-from)")
+        raise ConfigError(f"{path} not found (train into --out first, or use --init-from)")
     with open(path) as f:
         return json.load(f)
 

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.train.corpus_cli import DEFAULT_DATA_DIR
 from specserve.train.model_card import STATE_FILE, read_train_state, save_train_state
 
@@ -66,16 +67,16 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
     from specserve.train.teacher import TeacherCache, TeacherCorpus
 
     if ns.resume and ns.init_from:
-        raise ValueError("--resume continues --out's own weights; --init-from starts a new line: give one of them")
+        raise ConfigError("--resume continues --out's own weights; --init-from starts a new line: give one of them")
     if ns.promote and os.path.realpath(ns.promote) == os.path.realpath(ns.out):
-        raise ValueError("--promote must name another directory than --out (the drafter it may replace is "
+        raise ConfigError("--promote must name another directory than --out (the drafter it may replace is "
                          "measured against the new one)")
     os.makedirs(ns.out, exist_ok=True)
     torch.manual_seed(ns.seed)
     store = CorpusStore(ns.data)
     sources = [s.strip() for s in ns.sources.split(",")] if ns.sources else None
     if not store.shards:
-        raise ValueError(f"--data {ns.data}: no corpus shards (run `specserve drafter-corpus extend` first)")
+        raise ConfigError(f"--data {ns.data}: no corpus shards (run `specserve drafter-corpus extend` first)")
     loaded = load_model(ns.model_path)
     state = read_train_state(ns.out) if ns.resume else {}
     if not ns.resume and ns.init_from and os.path.isfile(os.path.join(ns.init_from, STATE_FILE)):
@@ -124,7 +125,7 @@ def select_shards(store, sources: Optional[list[str]], numbers: Optional[str]) -
     chosen = [s for s in store.shards if (sources is None or s.source in sources)
               and (wanted is None or shard_number(s) in wanted)]
     if not chosen:
-        raise ValueError(f"no corpus shard matches --sources {sources} --shards {numbers} "
+        raise ConfigError(f"no corpus shard matches --sources {sources} --shards {numbers} "
                          f"(have: {', '.join(os.path.basename(s.file) for s in store.shards)})")
     return chosen
 
@@ -142,7 +143,7 @@ def parse_shard_numbers(spec: str) -> set[int]:
         try:
             numbers.update(range(int(lo), int(hi or lo) + 1))
         except ValueError:
-            raise ValueError(f"--shards {spec!r}: expected shard numbers and ranges like 0-4,6") from None
+            raise ConfigError(f"--shards {spec!r}: expected shard numbers and ranges like 0-4,6") from None
     return numbers
 
 
@@ -219,7 +220,7 @@ def load_drafter_weights(drafter, path: str) -> None:
     missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                    for k, v in weights.items()}, strict=False)
     if [m for m in missing if not m.startswith("rope.")] or unexpected:
-        raise ValueError(f"{path}: weights do not match its config (missing {missing}, unexpected {unexpected})")
+        raise ConfigError(f"{path}: weights do not match its config (missing {missing}, unexpected {unexpected})")
 
 
 def _train(ns, drafter, loss, train_set, held_out, state: dict) -> dict:

@@ -23,6 +23,7 @@ import shlex
 import tempfile
 import time
 
+from specserve.errors import ConfigError
 from specserve.train.corpus_cli import DEFAULT_DATA_DIR
 
 DEFAULT_SHAPE_ARMS = ("base=;layers2=--num-layers 2;context1=--num-context-layers 1;context5=--num-context-layers 5;"
@@ -57,13 +58,13 @@ def parse_shape_arms(spec: str, only: str | None = None) -> list[tuple[str, list
         argv = shlex.split(flags)
         bad = [a for a in argv[::2] if a not in SHAPE_FLAGS]
         if not sep or not name or bad or len(argv) % 2:
-            raise ValueError(f"--arms: {part!r} is not NAME=FLAGS with shape flags ({', '.join(sorted(SHAPE_FLAGS))})")
+            raise ConfigError(f"--arms: {part!r} is not NAME=FLAGS with shape flags ({', '.join(sorted(SHAPE_FLAGS))})")
         arms.append((name, argv))
     if only:
         wanted = [n.strip() for n in only.split(",")]
         unknown = set(wanted) - {n for n, _ in arms}
         if unknown:
-            raise ValueError(f"--only: no arm named {', '.join(sorted(unknown))}")
+            raise ConfigError(f"--only: no arm named {', '.join(sorted(unknown))}")
         arms = [a for a in arms if a[0] in wanted]
     return arms
 

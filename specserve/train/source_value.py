@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 
+from specserve.errors import ConfigError
 from specserve.train.corpus_cli import DEFAULT_DATA_DIR
 
 DEFAULT_ARMS = "seen:sharegpt-greedy:0-4,greedy:sharegpt-greedy:6,answers:sharegpt-answers:5"
@@ -42,7 +43,7 @@ def parse_arms(spec: str) -> list[tuple[str, str, str]]:
     for part in spec.split(","):
         fields = part.strip().split(":")
         if len(fields) != 3 or not all(fields):
-            raise ValueError(f"--arms {spec!r}: each arm is NAME:SOURCE:SHARDS, e.g. greedy:sharegpt-greedy:6")
+            raise ConfigError(f"--arms {spec!r}: each arm is NAME:SOURCE:SHARDS, e.g. greedy:sharegpt-greedy:6")
         arms.append((fields[0], fields[1], fields[2]))
     return arms
 
@@ -55,7 +56,7 @@ def arm_cost_seconds(shards: list, seen: set[int], cache, train_seconds: float) 
     making = sum(float(s.seconds) for s in new)
     teacher_costs = [cache.cost(s) for s in new]
     if any(c is None for c in teacher_costs):
-        raise ValueError("a new shard's teacher cache has no recorded cost (built by an older version): "
+        raise ConfigError("a new shard's teacher cache has no recorded cost (built by an older version): "
                          "delete its entry under the cache folder so this run rebuilds and times it")
     teacher = sum(c["seconds"] for c in teacher_costs)
     return {"making_s": round(making, 1), "teacher_s": round(teacher, 1), "train_s": round(train_seconds, 1),

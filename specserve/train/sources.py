@@ -22,6 +22,7 @@ import random
 import time
 from typing import Callable, Optional
 
+from specserve.errors import ConfigError
 from specserve.datasets import humaneval_prompts, mtbench_questions, sharegpt_first_exchanges
 from specserve.kernels.dispatch import machine_description
 from specserve.train.corpus_store import CorpusStore, Pair, prompt_key
@@ -61,7 +62,7 @@ def evaluation_sets(root: str, pool: Optional[list[tuple[str, str]]] = None) -> 
     paths = {"dev": os.path.join(root, DEV_FILE), "heldout": os.path.join(root, HELDOUT_FILE)}
     present = [os.path.isfile(p) for p in paths.values()]
     if any(present) and not all(present):  # rewriting the other would unfreeze a set
-        raise ValueError(f"{root}: one of {DEV_FILE} and {HELDOUT_FILE} is missing; restore it from git")
+        raise ConfigError(f"{root}: one of {DEV_FILE} and {HELDOUT_FILE} is missing; restore it from git")
     if not any(present):
         pool = pool if pool is not None else sharegpt_pool()
         tail = [human for human, _ in pool[-2 * SET_SIZE:]]
@@ -89,7 +90,7 @@ def extend(root: str, source: str, num_prompts: int, shard_prompts: int = 512, m
            model_path: Optional[str] = None, log: Callable[[str], None] = print) -> list[dict]:
     """Append up to `num_prompts` new sequences of `source`, one shard per `shard_prompts`."""
     if source not in SOURCES:
-        raise ValueError(f"--source must be one of {', '.join(SOURCES)}, got {source!r}")
+        raise ConfigError(f"--source must be one of {', '.join(SOURCES)}, got {source!r}")
     store = CorpusStore(root)
     todo = training_prompts(root, store, source)[:num_prompts]
     if not todo:

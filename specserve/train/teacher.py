@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence as Seq
 import numpy as np
 import torch
 
+from specserve.errors import ConfigError
 from specserve.train.corpus import Corpus, Sequence, capture
 from specserve.train.corpus_store import CorpusStore, ShardInfo
 
@@ -115,7 +116,7 @@ class TeacherCache:
     def load(self, info: ShardInfo) -> ShardTeacher:
         path = self.entry_dir(info)
         if not os.path.isfile(os.path.join(path, "done")):
-            raise ValueError(f"{info.file}: no teacher cache at {path} (build it first)")
+            raise ConfigError(f"{info.file}: no teacher cache at {path} (build it first)")
 
         def arr(name: str, mmap: bool = True) -> np.ndarray:
             return np.load(os.path.join(path, name + ".npy"), mmap_mode="r" if mmap else None)

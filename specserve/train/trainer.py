@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from specserve.errors import ConfigError
 from specserve.models.dspark import DsparkConfig, DsparkDrafter
 from specserve.train.corpus import Corpus, Sequence
 from specserve.train.vocab_loss import picked_log_probs
@@ -283,11 +284,11 @@ def load_checkpoint(path: str) -> dict:
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # unpickling refused or a damaged file: one clear line for --resume
-        raise ValueError(f"--resume: cannot read {path} as a weights-only checkpoint: "
+        raise ConfigError(f"--resume: cannot read {path} as a weights-only checkpoint: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     missing = {"drafter", "optimizer", "step", "rng"} - set(state if isinstance(state, dict) else ())
     if missing:
-        raise ValueError(f"--resume: {path} is not a drafter checkpoint (missing {sorted(missing)})")
+        raise ConfigError(f"--resume: {path} is not a drafter checkpoint (missing {sorted(missing)})")
     return state
 
 

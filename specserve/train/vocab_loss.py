@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.errors import InternalError
+
 ROWS_PER_CHUNK = 32  # 32 x 16384 fp32 = 2 MiB: one chunk stays in a core's cache
 
 
@@ -68,7 +70,7 @@ def picked_log_probs(h: torch.Tensor, e: torch.Tensor, w_head: torch.Tensor, w_m
                      ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log q(ids) over the draft vocabulary and the argmax draft id; see the module docstring."""
     if ids.dtype != torch.int64 or (ids < 0).any():
-        raise ValueError("ids must be int64 draft ids >= 0 (clamp out-of-vocabulary ids and mask them)")
+        raise InternalError("ids must be int64 draft ids >= 0 (clamp out-of-vocabulary ids and mask them)")
     if w_head.requires_grad:
-        raise ValueError("w_head is the frozen target LM head: no gradient is computed for it")
+        raise InternalError("w_head is the frozen target LM head: no gradient is computed for it")
     return PickedLogProbs.apply(h, e, w_head, w_markov, ids)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import specserve.speculative.accept as accept_module
+from specserve.errors import InternalError
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.accept import DsparkVerifyEpilogue, accept_windows
 
@@ -136,8 +137,9 @@ def test_mutation_writers_writing_into_clones_is_caught(monkeypatch):
 
 
 def test_batch_size_is_checked():
+    """A batch past the epilogue's buffers is the engine's bug (an internal error), never bad input."""
     epi = DsparkVerifyEpilogue(max_bs=2, num_verify_tokens=3)
-    with pytest.raises(ValueError, match="batch size"):
+    with pytest.raises(InternalError, match="batch size"):
         epi.read_accept(3)
 
 

@@ -12,7 +12,7 @@ import torch
 from fake_runner import assert_no_leak, make_req, make_scheduler, run_to_completion
 
 from specserve.engine.messages import AddRequest, RequestDone, RequestError, RequestFailed, Shutdown
-from specserve.errors import InvalidRequestError
+from specserve.errors import InternalError, InvalidRequestError
 from specserve.sampler import sample
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import FinishReason
@@ -114,6 +114,10 @@ class _Engine:
             raise TypeError("planted submit bug")
         if params.get("invalid"):
             raise InvalidRequestError("sampling_params.top_k: bad", param="sampling_params.top_k")
+        if params.get("value_bug"):  # a ValueError that is not the client's: a broken invariant
+            raise ValueError("planted invariant")
+        if params.get("internal"):
+            raise InternalError("planted internal error")
         self.queued.append(SimpleNamespace(rid=rid, error=params.get("error"), output_fails=params.get("output_fails")))
 
     def abort(self, rid):
@@ -138,7 +142,8 @@ class _Engine:
 def test_engine_server_fails_only_the_request_whose_host_work_raised():
     commands, events = queue.Queue(), queue.Queue()
     for rid, params in [("boom", {"explode": True}), ("bad", {"invalid": True}), ("err", {"error": "stop check"}),
-                        ("detok", {"output_fails": True}), ("fine", {})]:
+                        ("detok", {"output_fails": True}), ("fine", {}), ("value_bug", {"value_bug": True}),
+                        ("internal", {"internal": True})]:
         commands.put(AddRequest(rid, [1, 2], params))
     commands.put(Shutdown())
     EngineServer(_Engine(), commands, events).run()
@@ -152,6 +157,9 @@ def test_engine_server_fails_only_the_request_whose_host_work_raised():
     assert isinstance(final["err"], RequestFailed) and final["err"].message == "stop check"
     assert isinstance(final["detok"], RequestFailed) and "planted detokenizer bug" in final["detok"].message
     assert isinstance(final["fine"], RequestDone) and final["fine"].output["text"] == "ok"
+    # Only bad input is a 400 (RequestError): any other error, a ValueError included, is the engine's (a 500).
+    assert isinstance(final["value_bug"], RequestFailed) and "planted invariant" in final["value_bug"].message
+    assert isinstance(final["internal"], RequestFailed) and "planted internal error" in final["internal"].message
 
 
 def test_one_line_reason():

@@ -612,7 +612,7 @@ def test_retraction_under_decode_pressure_resumes_correctly(disabled):
     reqs = [make_req(f"r{i}", rand_prompt(rng, 10), max_new_tokens=100) for i in range(12)]
     sched = make_scheduler(pool_size=400, disable_radix_cache=disabled)
     retracted_victims = []
-    original = sched._retract_one
+    original = sched.pressure.retract_one
 
     def spy():
         victim = max(sched.running, key=lambda r: r.arrival)
@@ -620,7 +620,7 @@ def test_retraction_under_decode_pressure_resumes_correctly(disabled):
         original()
         assert victim in sched.waiting and victim.req_pool_idx is None
 
-    sched._retract_one = spy
+    sched.pressure.retract_one = spy
     done = run_to_completion(sched, reqs)
     assert sched.num_retractions > 0 and len(retracted_victims) == sched.num_retractions
     assert sum(r.num_retractions for r in done.values()) == sched.num_retractions

@@ -11,6 +11,7 @@ import random
 import pytest
 from fake_runner import FakeRunner, assert_no_leak, check_step_invariants, make_req, make_scheduler
 
+from specserve.errors import InvalidRequestError
 from specserve.scheduler.req import FinishReason
 
 EOS = 1
@@ -59,7 +60,7 @@ def run_fuzz(seed):
         req = make_req(f"r{i}", prompt, max_new_tokens=rng.randint(0, ctx), ignore_eos=rng.random() < 0.2, **extra)
         try:
             sched.validate_request(req)
-        except ValueError:
+        except InvalidRequestError:
             need = len(prompt) + min(req.params.max_new_tokens, ctx - len(prompt)) + sched.window - 1
             assert need > sched.allocator.size
             continue

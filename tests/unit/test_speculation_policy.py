@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from specserve.errors import InternalError
 from specserve.speculative.acceptance import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import FEATURES, StepCostModel, StepShape
 from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts
@@ -45,7 +46,7 @@ def test_cost_model_learns_the_step_cost_online_and_freezing_stops_learning():
 
 
 def test_cost_model_rejects_bad_priors_and_ignores_bad_times():
-    with pytest.raises(ValueError, match="coefficients"):
+    with pytest.raises(InternalError, match="coefficients"):
         StepCostModel([1.0])
     model = StepCostModel([1e-3] * len(FEATURES))
     model.observe(StepShape(1), float("nan"))
@@ -105,9 +106,9 @@ def test_the_batch_optimum_differs_from_each_request_deciding_alone():
 
 
 def test_candidates_must_be_non_increasing_probabilities():
-    with pytest.raises(ValueError, match="non-increasing"):
+    with pytest.raises(InternalError, match="non-increasing"):
         Candidate(DSPARK, (0.5, 0.7))
-    with pytest.raises(ValueError, match="non-increasing"):
+    with pytest.raises(InternalError, match="non-increasing"):
         Candidate(NGRAM, (1.5,))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.errors import InternalError
 from specserve.train.vocab_loss import ROWS_PER_CHUNK, picked_log_probs
 
 
@@ -51,7 +52,7 @@ def test_bf16_inputs_keep_their_gradient_dtypes():
 
 
 def test_negative_ids_are_refused():
-    with pytest.raises(ValueError, match="draft ids >= 0"):
+    with pytest.raises(InternalError, match="draft ids >= 0"):
         picked_log_probs(torch.zeros(2, 4), torch.zeros(2, 2), torch.zeros(8, 4), torch.zeros(8, 2),
                          torch.tensor([[0], [-1]]))
 
@@ -74,6 +75,6 @@ def test_under_autocast_it_matches_the_autograd_path_it_replaces():
 
 
 def test_a_trainable_head_is_refused():
-    with pytest.raises(ValueError, match="frozen"):
+    with pytest.raises(InternalError, match="frozen"):
         picked_log_probs(torch.zeros(2, 4), torch.zeros(2, 2), torch.zeros(8, 4, requires_grad=True),
                          torch.zeros(8, 2), torch.zeros(2, 1, dtype=torch.int64))
