@@ -1,20 +1,21 @@
 """A deterministic stand-in for the executor (ModelRunner), plus helpers to build and drive a Scheduler.
 
-`FakeRunner.run_batch` returns, for every request that samples, a token that is a pure function of
-the request's full token history (prompt + outputs so far). Scheduling decisions (batching, chunking,
-prefix reuse, retraction) therefore must not change any output, which is what most scheduler tests
-assert.
+`FakeRunner` runs a step from its StepInput alone, as the real executor does: the prefill chunk's
+tokens and slots, the request slots (rows of the req_to_token table) and, for decode and verify
+steps, its own per-row state (the FutureMap's part: each request's tokens and KV length). Every
+sampled token is a pure function of the request's full token history (prompt + outputs so far),
+so scheduling decisions (batching, chunking, prefix reuse, retraction) must not change any
+output, which is what most scheduler tests assert.
 
-Every step it also checks the KV bookkeeping the real model depends on:
+Every step it also checks the KV bookkeeping the real model depends on, through the same table:
 
-* the batch is well formed (input ids, positions, sample flags agree with the request),
-* `req_to_token.table[req_pool_idx, :seq_len] == req.kv_slots[:seq_len]`,
-* every new slot (`out_cache_loc`) is nonzero, distinct, allocated (not on the free list), not
-  held by the radix tree and not used by any other request of the batch,
+* the step is well formed (sizes, modes, widths, kv_bound; no request slot twice),
+* every slot the step writes is nonzero, distinct, allocated (not on the free list), not held by
+  the radix tree and not read by any other request of the step,
 * a shadow map slot -> (position, token, hash of the whole prefix up to it) is written for every
-  new slot; a request's prefix slots (computed earlier or matched from the radix cache) must hold
-  exactly its own tokens at the same positions after the same prefix. That is what makes prefix
-  sharing correct: attention over those slots sees the KV this request would have computed.
+  written slot; the tokens a row's KV holds (read through its table row) must be exactly the
+  request's own, at the same positions after the same prefix. That is what makes prefix sharing
+  correct: attention over those slots sees the KV this request would have computed.
 
 Any violation raises AssertionError from inside the loop's step. `make_scheduler` returns a
 `DrivenScheduler`: the scheduler with this runner and a NormalLoop, whose `step()` runs one loop step.
@@ -86,7 +87,8 @@ class FakeRunner:
         self.check_kv = check_kv
         self.accept = accept or (lambda req, w: prefix_hashes([len(req.output_ids), len(req.input_ids)])[-1] % w)
         self.batches: list[BatchRecord] = []
-        self.shadow: dict[int, tuple[int, int, int]] = {}  # slot -> (position, token, prefix hash)
+        self.shadow: dict[int, tuple] = {}  # slot -> (position, token, prefix hash), or ("stale", position)
+        self._rows: dict[int, _Row] = {}  # request slot -> the request's state, from its last prefill
         self.sched: Optional[Scheduler] = None
 
     def attach(self, sched: Scheduler) -> None:
@@ -116,133 +118,144 @@ class FakeRunner:
     # ------------------------------------------------------------ the executor protocol
 
     def launch(self, step: StepInput) -> list[StepOutcome]:
-        """Runs at once (a loop's handle is the result): the batch is the scheduler's in-flight one."""
+        """Runs at once (a loop's handle is the result), from the StepInput alone: what the real
+        executor gets, plus the KV it can read (the req_to_token table and its own shadow KV)."""
         assert self.sched is not None, "FakeRunner.launch needs attach(scheduler)"
-        batch = next((b for b in reversed(self.sched.in_flight)
-                      if b.mode == step.mode and [r.rid for r in b.reqs] == step.rids), None)
-        assert batch is not None, f"launched a step that is not in flight: {step.mode} {step.rids}"
-        assert step.rows == [r.req_pool_idx for r in batch.reqs], "step input rows differ from the batch"
-        return self.run_batch(batch)
+        n = step.size
+        assert n > 0, "empty step"
+        assert len(step.rids) == len(step.params) == len(step.sample) == n
+        assert len(set(step.rows)) == n, "a request slot appears twice in one step"
+        if step.mode == "extend":
+            return self._extend(step)
+        assert step.mode in ("decode", "verify") and all(step.sample), step.mode
+        assert step.width == (1 if step.mode == "decode" else self.sched.window), (step.mode, step.width)
+        rows = [self._rows[r] for r in step.rows]
+        assert [r.rid for r in rows] == step.rids, "a request slot holds another request than the executor's"
+        prefixes = [r.seq_len for r in rows]
+        self.batches.append(BatchRecord(step.mode, list(step.rids), prefixes, [step.width] * n, list(step.sample)))
+        slots = [self._table(row, p, p + step.width) for row, p in zip(step.rows, prefixes)]
+        assert all(max(p + step.width, 1) <= step.kv_bound for p in prefixes), "kv_bound below a window's end"
+        if self.check_kv:
+            self._check_new_slots(step.rows, prefixes, slots)
+            for row, state in zip(step.rows, rows):
+                self._check_history(row, state)
+        return [self._window(state, p, s, step.width) for state, p, s in zip(rows, prefixes, slots)]
 
     def resolve(self, handle: list[StepOutcome]) -> list[StepOutcome]:
         return handle
 
-    def run_batch(self, batch: ScheduleBatch) -> list[Optional[int]]:
-        assert batch.mode in ("extend", "decode", "verify"), batch.mode
-        n = batch.size
-        assert n > 0, "empty batch"
-        assert len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.sample) == n
-        if batch.mode == "extend":
-            assert len(batch.input_ids) == len(batch.out_cache_loc) == sum(batch.extend_lens)
-        else:  # the executor reads anchors (its FutureMap) and window slots (the table) itself
-            assert batch.input_ids == batch.out_cache_loc == [], "a decode batch carries data no executor reads"
-        assert len({id(r) for r in batch.reqs}) == n, "a request appears twice in one batch"
-        if batch.mode == "decode":
-            assert batch.extend_lens == [1] * n and all(batch.sample)
-        self.batches.append(BatchRecord(batch.mode, [r.rid for r in batch.reqs], list(batch.prefix_lens),
-                                        list(batch.extend_lens), list(batch.sample)))
+    def run_batch(self, batch: ScheduleBatch) -> list[StepOutcome]:
+        """Launch a scheduled batch through its StepInput (what the loops do)."""
+        return self.launch(batch.step_input())
+
+    def _extend(self, step: StepInput) -> list[StepOutcome]:
+        n = step.size
+        assert len(step.prefix_lens) == len(step.extend_lens) == len(step.fills) == len(step.out_lens) == n
+        assert len(step.input_ids) == len(step.out_cache_loc) == sum(step.extend_lens)
+        self.batches.append(BatchRecord("extend", list(step.rids), list(step.prefix_lens), list(step.extend_lens),
+                                        list(step.sample)))
+        per_request, offset = [], 0
+        for ext in step.extend_lens:
+            assert ext >= 1, f"extend of {ext} tokens"
+            per_request.append((step.input_ids[offset:offset + ext], step.out_cache_loc[offset:offset + ext]))
+            offset += ext
         if self.check_kv:
-            self._check_batch(batch)
-        if batch.mode == "verify":
-            return [self._verify(req, prefix, w, self._window_slots(req, prefix, w))
-                    for req, prefix, w in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
-        out: list[Optional[int]] = []
-        for req, wanted in zip(batch.reqs, batch.sample):
-            out.append(self.next_token(req.input_ids, req.output_ids) if wanted else None)
+            self._check_new_slots(step.rows, step.prefix_lens, [slots for _, slots in per_request])
+        out: list[StepOutcome] = []
+        for i, (row, prefix, (tokens, slots)) in enumerate(zip(step.rows, step.prefix_lens, per_request)):
+            assert self._table(row, prefix, prefix + len(slots)) == slots, "the table differs from out_cache_loc"
+            history = self._kv_tokens(row, prefix) + tokens  # what attention over this row would see
+            self._write_shadow(slots, prefix, history)
+            if not step.sample[i]:
+                out.append(None)
+                continue
+            fill = step.fills[i]
+            assert fill is not None and history == fill, f"{step.rids[i]}: its KV holds other tokens than its own"
+            prompt = fill[:len(fill) - step.out_lens[i]]
+            state = _Row(step.rids[i], prompt, fill[len(prompt):], len(fill))
+            token = self.next_token(state.prompt, state.output)
+            state.output.append(token)
+            self._rows[row] = state
+            out.append(token)
         return out
 
-    def _verify(self, req: Req, prefix: int, width: int, slots: list[int]) -> VerifyOutcome:
-        """What a speculative runner commits: the true next tokens, as many as the drafts it
-        accepted plus the bonus, from a window of width - 1 drafts by the "FAKE" drafter.
-        Shadow KV: committed rows hold their tokens, the rest is stale."""
+    def _window(self, state: "_Row", prefix: int, slots: list[int], width: int) -> StepOutcome:
+        """A decode step's token, or what a speculative runner commits for a window of width - 1
+        drafts by the "FAKE" drafter: the true next tokens, as many as the drafts it accepted plus
+        the bonus. Shadow KV: the anchor and accepted rows hold their tokens, the rest is stale."""
         chain: list[int] = []
         for _ in range(width):
-            chain.append(self.next_token(req.input_ids, req.output_ids + chain))
-        accepted = self.accept(req, width)
+            chain.append(self.next_token(state.prompt, state.output + chain))
+        accepted = self.accept(state, width) if width > 1 else 0
         assert 0 <= accepted < width
         committed = chain[:accepted + 1]
-        if self.check_kv:
-            tokens = req.fill_ids + committed[:-1]  # row j holds the token at position prefix + j
-            hashes = prefix_hashes(tokens)
-            for j, slot in enumerate(slots):
-                pos = prefix + j
-                self.shadow[slot] = (pos, tokens[pos], hashes[pos]) if j <= accepted else ("stale", pos)
+        history = state.prompt + state.output + committed[:-1]  # row j holds the token at position prefix + j
+        hashes = prefix_hashes(history)
+        for j, slot in enumerate(slots):
+            pos = prefix + j
+            self.shadow[slot] = (pos, history[pos], hashes[pos]) if j <= accepted else ("stale", pos)
+        state.output += committed
+        state.seq_len += len(committed)
+        if width == 1:
+            return committed[0]
         return VerifyOutcome(committed, drafter="FAKE", drafts=width - 1)
 
-    # ------------------------------------------------------------ checks
+    # ------------------------------------------------------------ the KV it can read, and checks
 
-    def _window_slots(self, req: Req, prefix: int, width: int) -> list[int]:
-        """A decode or verify window's slots, where the executor reads them: the req_to_token table."""
-        assert self.sched is not None and req.req_pool_idx is not None
-        return self.sched.req_to_token.table[req.req_pool_idx, prefix:prefix + width].tolist()
+    def _table(self, row: int, start: int, end: int) -> list[int]:
+        assert self.sched is not None
+        return self.sched.req_to_token.table[row, start:end].tolist()
 
-    def _new_tokens_and_slots(self, batch: ScheduleBatch) -> list[tuple[list[int], list[int]]]:
-        """Per request: the tokens and slots this step writes KV for."""
-        if batch.mode != "extend":  # the anchor (the last token) and the window's slots
-            return [([req.fill_ids[prefix]], self._window_slots(req, prefix, w))
-                    for req, prefix, w in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
-        out, offset = [], 0
-        for ext in batch.extend_lens:
-            out.append((batch.input_ids[offset:offset + ext], batch.out_cache_loc[offset:offset + ext]))
-            offset += ext
-        return out
-
-    def _check_batch(self, batch: ScheduleBatch) -> None:
-        per_request = self._new_tokens_and_slots(batch)
-        new = [s for _, slots in per_request for s in slots]
-        assert all(s != 0 for s in new), "a new token was written to the scratch slot 0"
-        assert len(set(new)) == len(new), f"out_cache_loc has duplicate slots: {new}"
-        if self.sched is not None:
-            free = set(self.sched.allocator._free)
-            assert not free & set(new), "out_cache_loc uses a slot that is on the free list"
-            tree_slots = set(self.sched.tree.all_slots())
-            assert not tree_slots & set(new), "out_cache_loc overwrites a slot held by the radix cache"
-            table = self.sched.req_to_token.table
-        else:
-            table = None
-        owner: dict[int, str] = {}
-        for req in batch.reqs:
-            for s in req.kv_slots:
-                owner.setdefault(s, req.rid)
-        for (req, prefix, ext, wanted), (own_tokens, own_slots) in zip(
-                zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample), per_request):
-            fill = req.fill_ids
-            seq = prefix + ext
-            assert ext >= 1, f"{req.rid}: extend of {ext} tokens"
-            assert req.req_pool_idx is not None, f"{req.rid}: no request slot"
-            assert len(req.kv_slots) == seq, f"{req.rid}: {len(req.kv_slots)} kv slots for seq_len {seq}"
-            assert req.kv_len == prefix, f"{req.rid}: kv_len {req.kv_len} != prefix_len {prefix}"
-            if batch.mode == "verify":  # the anchor is the last token; the rest are drafts
-                assert wanted and len(fill) == prefix + 1, f"{req.rid}: verify window not at its last token"
-                assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: the table's window differs from kv_slots"
-                self._check_prefix(req, prefix, table)
-                continue
-            assert seq <= len(fill), f"{req.rid}: seq_len {seq} beyond its {len(fill)} tokens"
-            assert wanted == (seq == len(fill)), f"{req.rid}: sample={wanted} but seq {seq} / fill {len(fill)}"
-            assert own_tokens == fill[prefix:seq], f"{req.rid}: batch input ids differ from its tokens"
-            assert own_slots == req.kv_slots[prefix:seq], f"{req.rid}: the step's slots differ from kv_slots"
-            if table is not None:
-                row = table[req.req_pool_idx, :seq].tolist()
-                assert row == req.kv_slots[:seq], f"{req.rid}: req_to_token row differs from kv_slots"
-            for s in own_slots:
-                assert owner.get(s) == req.rid, f"slot {s} written by {req.rid} is also used by {owner.get(s)}"
-            self._check_prefix(req, prefix, None)
-            hashes = prefix_hashes(fill[:seq])
-            for pos in range(prefix, seq):
-                self.shadow[req.kv_slots[pos]] = (pos, fill[pos], hashes[pos])
-
-    def _check_prefix(self, req: Req, prefix: int, table) -> None:
-        """The prefix must hold exactly this request's KV."""
-        fill = req.fill_ids
-        if table is not None:
-            row = table[req.req_pool_idx, :len(req.kv_slots)].tolist()
-            assert row == req.kv_slots, f"{req.rid}: req_to_token row differs from kv_slots"
-        hashes = prefix_hashes(fill[:prefix])
-        for pos in range(prefix):
-            slot = req.kv_slots[pos]
+    def _kv_tokens(self, row: int, length: int) -> list[int]:
+        """The tokens whose K/V positions 0..length-1 of this row hold (checked against the shadow's
+        positions and prefix hashes: a slot written for another position or prefix fails here)."""
+        tokens: list[int] = []
+        for pos, slot in enumerate(self._table(row, 0, length)):
             got = self.shadow.get(slot)
-            want = (pos, fill[pos], hashes[pos])
-            assert got == want, f"{req.rid}: prefix slot {slot} at position {pos} holds {got}, expected {want}"
+            assert got is not None and got[0] == pos, f"row {row}: slot {slot} at position {pos} holds {got}"
+            tokens.append(got[1])
+            assert got[2] == prefix_hashes(tokens)[-1], f"row {row}: slot {slot} was written after another prefix"
+        return tokens
+
+    def _write_shadow(self, slots: list[int], start: int, history: list[int]) -> None:
+        hashes = prefix_hashes(history)
+        for j, slot in enumerate(slots):
+            self.shadow[slot] = (start + j, history[start + j], hashes[start + j])
+
+    def _check_history(self, row: int, state: "_Row") -> None:
+        """A decode or verify row's KV holds its own tokens before the anchor."""
+        want = (state.prompt + state.output)[:state.seq_len]
+        assert self._kv_tokens(row, state.seq_len) == want, f"{state.rid}: its KV holds other tokens"
+
+    def _check_new_slots(self, rows: list[int], prefixes: list[int], slots: list[list[int]]) -> None:
+        """Every slot this step writes is nonzero, allocated, not the cache's, and no other request's."""
+        assert self.sched is not None
+        new = [s for own in slots for s in own]
+        assert all(s != 0 for s in new), "a new token was written to the scratch slot 0"
+        assert len(set(new)) == len(new), f"the step writes a slot twice: {new}"
+        assert not set(self.sched.allocator._free) & set(new), "the step writes a slot that is on the free list"
+        assert not set(self.sched.tree.all_slots()) & set(new), "the step overwrites a slot of the radix cache"
+        for row, prefix, own in zip(rows, prefixes, slots):
+            others = {s for r, p in zip(rows, prefixes) if r != row for s in self._table(r, 0, p)}
+            assert not others & set(own), f"row {row} writes a slot another request of the step reads"
+
+
+@dataclass
+class _Row:
+    """What the fake executor knows of a request slot (the real one keeps it in its FutureMap)."""
+
+    rid: str
+    prompt: list[int]
+    output: list[int]  # every output token so far (the last is the next step's anchor)
+    seq_len: int  # positions with K/V: every token but the last output (the anchor, the next window's first row)
+
+    @property
+    def input_ids(self) -> list[int]:  # what `accept(req, width)` callables read
+        return self.prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.output
 
 
 # ---------------------------------------------------------------- building and driving a scheduler

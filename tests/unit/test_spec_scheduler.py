@@ -79,15 +79,15 @@ def test_verify_outcomes_feed_the_histograms_and_the_log_line():
     from specserve.executor.step_io import VerifyOutcome
 
     runner = FakeRunner()
-    plain = runner.run_batch
+    plain = runner.launch
 
-    def run_batch(batch):
-        out = plain(batch)
-        if batch.mode != "verify":
+    def launch(step):
+        out = plain(step)
+        if step.mode != "verify":
             return out
         return [VerifyOutcome(o.tokens, len(o.tokens) % 2, o.drafter, o.drafts) for o in out]
 
-    runner.run_batch = run_batch
+    runner.launch = launch
     sched = make_scheduler(runner=runner, num_draft_tokens=3)
     done = run_to_completion(sched, [make_req(f"r{i}", [5 + i, 6, 7], max_new_tokens=30) for i in range(3)])
     for req in done.values():
