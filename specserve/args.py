@@ -338,3 +338,11 @@ def _check_distributed(args: ServerArgs) -> None:
             raise ConfigError(f"dist_init_addr must be host:port with a port in [1, 65535], got {args.dist_init_addr!r}")
     if args.collective_timeout <= 0:
         raise ConfigError(f"collective_timeout must be > 0 seconds, got {args.collective_timeout}")
+
+
+def number_list(flag: str, text: str, kind: type = int) -> list:
+    """A comma-separated flag value as numbers (empty parts skipped); a ConfigError naming the flag otherwise."""
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None

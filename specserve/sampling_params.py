@@ -170,7 +170,8 @@ class SamplingParams:
 
 
 def _token_key(key: Any) -> Any:
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit() and len(key) <= 20:
+    digits = key.strip().lstrip("-") if isinstance(key, str) else ""
+    if digits.isascii() and digits.isdigit() and len(key) <= 20:  # "²" is a digit to isdigit(), not to int()
         return int(key)
     return key
 

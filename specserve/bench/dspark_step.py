@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
-from specserve.args import ServerArgs
+from specserve.args import ServerArgs, number_list
 from specserve.datasets import mtbench_first_turns
 
 DRAFTING = ("block_hidden", "draft_head", "markov_decode")
@@ -89,7 +89,7 @@ def run_dspark_step_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
         prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in questions]
         plain_totals, spec_totals = instrument_plain(plain), instrument(spec)
         params = {"temperature": 0, "max_new_tokens": ns.new_tokens}
-        for bs in [int(b) for b in ns.batch_sizes.split(",")]:
+        for bs in number_list("--batch-sizes", ns.batch_sizes):
             plain_totals.clear()
             spec_totals.clear()
             for i in range(0, len(prompts), bs):

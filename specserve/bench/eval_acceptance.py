@@ -20,7 +20,7 @@ from collections import Counter
 from typing import Any
 
 from specserve.errors import ConfigError
-from specserve.args import ServerArgs
+from specserve.args import ServerArgs, number_list
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def run_eval_acceptance(ns: argparse.Namespace, args: ServerArgs) -> int:
                for q in questions]
     algorithms = [a.strip().upper() for a in ns.algorithms.split(",") if a.strip()]
     results = []
-    for temperature in [float(t) for t in ns.temperatures.split(",")]:
+    for temperature in number_list("--temperatures", ns.temperatures, float):
         for algorithm in algorithms:
             modes = [m.strip() for m in ns.verify_modes.split(",")] if algorithm == "DSPARK" else ["static"]
             for mode in modes:

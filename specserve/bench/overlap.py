@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from specserve.errors import ConfigError
-from specserve.args import ServerArgs
+from specserve.args import ServerArgs, number_list
 from specserve.bench.offline import PROMPTS
 
 
@@ -102,7 +102,7 @@ def run_overlap_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     algorithms = [a.strip().upper() for a in ns.algorithms.split(",") if a.strip()]
     if "DSPARK" in algorithms and not args.speculative_draft_model_path:
         raise ConfigError("speculative_draft_model_path: DSPARK needs a drafter (`specserve init-drafter --out DIR`)")
-    sizes = [int(b) for b in ns.batch_sizes.split(",")]
+    sizes = number_list("--batch-sizes", ns.batch_sizes)
     rows = []
     for algorithm in algorithms:
         rows += bench_algorithm(args, algorithm, sizes, ns)

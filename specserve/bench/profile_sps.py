@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from specserve.args import number_list
 from specserve.errors import ConfigError
 from specserve.models.forward_batch import ForwardBatch
 from specserve.speculative.planner import SpsTable
@@ -72,7 +73,7 @@ def measure(engine, tokens: Sequence[int], width: int, prefix_len: int, repeats:
 def run_profile_sps(ns: argparse.Namespace, args) -> int:
     from specserve.engine import Engine
 
-    tokens = sorted({int(t) for t in ns.tokens.split(",") if t.strip()})
+    tokens = sorted(set(number_list("--tokens", ns.tokens)))
     if not tokens or tokens[0] < 1:
         raise ConfigError("--tokens: give positive integers")
     bs = math.ceil(tokens[-1] / ns.window)

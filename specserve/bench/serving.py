@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from specserve.args import number_list
 from specserve.errors import ConfigError
 
 DEFAULT_CONCURRENCIES = "1,4,16,64"
@@ -239,7 +240,7 @@ def run_serving_bench(ns: argparse.Namespace) -> int:
     from specserve.tokenizer.tokenizer import load_tokenizer
     from specserve.models.loader import resolve_model_path
 
-    concurrencies = [int(c) for c in ns.concurrency.split(",") if c.strip()]
+    concurrencies = number_list("--concurrency", ns.concurrency)
     if not concurrencies or min(concurrencies) < 1:
         raise ConfigError("--concurrency must list integers >= 1")
     targets_spec = parse_targets(ns.target)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from specserve.errors import ConfigError
-from specserve.args import ServerArgs
+from specserve.args import ServerArgs, number_list
 from specserve.datasets import humaneval_prompts, mtbench_first_turns
 
 CONFIGS = {
@@ -57,7 +57,7 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or "NONE" not in configs:
         raise ConfigError(f"--configs: choose from {list(CONFIGS)}, NONE included (the baseline); got {ns.configs!r}")
-    sizes = [int(b) for b in ns.batch_sizes.split(",")]
+    sizes = number_list("--batch-sizes", ns.batch_sizes)
     workloads = {"mtbench": mtbench_first_turns()[:ns.num_prompts]}
     if ns.humaneval_prompts > 0:
         workloads["humaneval"] = humaneval_prompts()[:ns.humaneval_prompts]

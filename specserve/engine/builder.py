@@ -7,6 +7,7 @@ that was built after it.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -258,7 +259,13 @@ def _cost_model(args: ServerArgs, timing_runner: Callable[[], ModelRunner], gamm
     if args.speculative_cost_table_path:
         cost = StepCostModel.load(args.speculative_cost_table_path)
     else:
-        prior = measure_cost_prior(timing_runner(), gamma)
+        runner = timing_runner()
+        try:
+            prior = measure_cost_prior(runner, gamma)
+        finally:
+            runner.discard_captured()
+            del runner
+            gc.collect()  # a captured step refers to itself (its graph's body): its memory goes now
         if args.speculative_dspark_sps_table_path:  # a recorded SPS table gives the target's part
             sps = SpsTable.load(args.speculative_dspark_sps_table_path)
             prior[:3] = StepCostModel.from_sps(sps.tokens, sps.steps_per_second).theta.tolist()[:3]

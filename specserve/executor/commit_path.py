@@ -13,6 +13,7 @@ Every step kind (a prefill chunk, a decode step, a verify step) ends by handing 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,3 +73,26 @@ class CommitPath:
                 self.speculation.start(row)
             if policy is not None:
                 policy.observe_tokens(row, toks, step.params[i], out_len)
+
+
+def verified_rows(hidden: Optional[torch.Tensor], commit_lens: torch.Tensor, prefix: torch.Tensor,
+                  window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> CommittedRows:
+    """Exactly a verify step's committed rows for the drafters: positions S..S+commit_len-1 of
+    each window (hidden: the verified rows, packed window by window).
+
+    Reads the owned `commit_lens` and the step's own `prefix`, never an accept buffer: a view of
+    one would hold the next step's values by the time a later step reads it."""
+    assert hidden is not None, "a drafter that reads rows makes the target capture them"
+    bs, width = window_slots.shape
+    col = torch.arange(width, device=window_slots.device).unsqueeze(0)
+    committed = col < commit_lens.unsqueeze(1)  # [bs, W]
+    lens = verify_lens or [width] * bs
+    packed_row = torch.tensor([0, *itertools.accumulate(lens)][:-1], device=window_slots.device).unsqueeze(1) + col
+    return CommittedRows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed], window_slots[committed])
+
+
+def tighter(lens: Optional[list[int]], limits: Optional[list[int]]) -> Optional[list[int]]:
+    """Per window the smaller of two verify lengths (None: every row of every window)."""
+    if limits is None:
+        return lens
+    return limits if lens is None else [min(a, b) for a, b in zip(lens, limits)]

@@ -15,7 +15,6 @@ to the constructor.
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,7 +22,7 @@ from typing import Optional
 import torch
 
 from specserve.executor.captured_step import CaptureConfig, CapturedStep
-from specserve.executor.commit_path import CommitPath, Committed
+from specserve.executor.commit_path import CommitPath, Committed, tighter, verified_rows
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
 from specserve.executor.step_io import (
@@ -298,9 +297,9 @@ class ModelRunner:
         proposal = self._draft(step, rows, ids, prefix, out_lens, drafters=plan.drafters)
         verify_lens = proposal.verify_lens
         if any(k < width - 1 for k in plan.drafts):  # a window with fewer drafts verifies fewer rows
-            verify_lens = _tighter(verify_lens, [1 + k for k in plan.drafts])
+            verify_lens = tighter(verify_lens, [1 + k for k in plan.drafts])
         if any(p.constrained for p in step.params):  # a draft leaving its grammar ends the window there
-            verify_lens = _tighter(verify_lens, self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist()))
+            verify_lens = tighter(verify_lens, self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist()))
         if self.tp is not None:
             lens_t = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
             ids_agreed, lens_t = self._agree([ids.cpu(), lens_t], "runner.drafts")
@@ -367,18 +366,7 @@ class ModelRunner:
 
     def _verified_rows(self, hidden: Optional[torch.Tensor], out: AcceptOuts, prefix: torch.Tensor,
                        window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> CommittedRows:
-        """Exactly the committed rows for the drafters: positions S..S+commit_len-1 of each window.
-
-        Reads the owned `out.commit_lens` and this step's own `prefix`, never an accept buffer: a
-        view of one would hold the next step's values by the time a later step reads it."""
-        assert hidden is not None, "a drafter that reads rows makes the target capture them"
-        bs, width = window_slots.shape
-        col = torch.arange(width, device=self.device).unsqueeze(0)
-        committed = col < out.commit_lens.unsqueeze(1)  # [bs, W]
-        lens = verify_lens or [width] * bs
-        packed_row = torch.tensor([0, *itertools.accumulate(lens)][:-1], device=self.device).unsqueeze(1) + col
-        return CommittedRows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed],
-                             window_slots[committed])
+        return verified_rows(hidden, out.commit_lens, prefix, window_slots, verify_lens)
 
     def _rows(self, hidden: Optional[torch.Tensor], positions: torch.Tensor,
               slots: torch.Tensor) -> Optional[CommittedRows]:
@@ -387,13 +375,18 @@ class ModelRunner:
             return None
         return CommittedRows(hidden, positions, slots)
 
+    def discard_captured(self) -> None:
+        """Drop the captured steps and the epilogue, and their sanitizer registrations: a runner
+        built only to time steps (engine/builder.py) leaves nothing persistent behind."""
+        sanitizer = self.forward.sanitizer
+        owned = [b for step in self._captured.values() for b in step.buffers()]
+        owned += self.epilogue.buffers() if self.epilogue is not None else []
+        if sanitizer is not None:
+            sanitizer.unregister_persistent(owned)
+        self._captured.clear()
+        self.epilogue = None
+
     def close(self) -> None:
         self.forward.close()
         self.copy.close()
 
-
-def _tighter(lens: Optional[list[int]], limits: Optional[list[int]]) -> Optional[list[int]]:
-    """Per window the smaller of two verify lengths (None: every row of every window)."""
-    if limits is None:
-        return lens
-    return limits if lens is None else [min(a, b) for a, b in zip(lens, limits)]

@@ -53,7 +53,7 @@ _V1_PAGE = re.compile(r"[0-9a-f]{40}\.rank(\d+)\.kv")  # the unfingerprinted for
 _MODEL_FILE_SUFFIXES = (".gguf", ".safetensors", ".json", ".bin")
 
 
-class StorageDirError(ValueError):
+class StorageDirError(ConfigError):
     """--hicache-storage-dir cannot be used (not creatable, not a directory, not private, not writable)."""
 
 

@@ -112,6 +112,12 @@ class StreamSanitizer:
             for t in tensors:
                 self._persistent[_key(t)] = owner
 
+    def unregister_persistent(self, tensors: list[torch.Tensor]) -> None:
+        """Buffers about to be freed: their storage may come back as any other tensor."""
+        with self._lock:
+            for t in tensors:
+                self._persistent.pop(_key(t), None)
+
     def fresh(self, op: str, tensors: list[torch.Tensor]) -> None:
         stream = current_stream()
         access = _Access(stream.id, stream.name, stream.clock.ticks.get(stream.id, 0), "<allocation>", op)

@@ -255,7 +255,7 @@ def check_injection(drafter_dir, prompts, reference, mutation):
     assert req.kv_len == prompt_len
     before_k = [k.clone() for k in draft_kv.k]
     batch = sched.schedule()
-    window = list(batch.out_cache_loc)
+    window = engine.req_to_token.table[req.row, prompt_len:prompt_len + sched.window].tolist()  # the executor's view
     outcomes = engine.runner.run(batch.step_input())
     sched.process_result(batch, outcomes)
     commit = len(outcomes[0].tokens)

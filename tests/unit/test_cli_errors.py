@@ -39,3 +39,9 @@ def test_a_bad_flag_is_refused_before_the_run(monkeypatch, capsys):
     _plant(monkeypatch, RuntimeError("the run must not start"))
     assert cli.main(["init-drafter", "--out", "unused", "--block-size", "0"]) == 2
     assert "block-size" in capsys.readouterr().err
+
+
+def test_a_malformed_number_list_flag_is_one_line_and_exit_2(capsys):
+    assert cli.main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
+    assert capsys.readouterr().err == "specserve bench spec: error: --batch-sizes: expected comma-separated int values, " \
+        "got '1,x'\n"

@@ -40,6 +40,7 @@ HOSTILE = [
     ("stop_token_ids", list(range(257))),
     ("stop_token_ids", [VOCAB]),
     ("stop_token_ids", [True]),
+    ("logit_bias", {"\u00b2": 1}),  # a digit to str.isdigit(), not to int()
 ]
 
 

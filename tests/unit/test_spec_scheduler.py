@@ -41,12 +41,13 @@ def test_rejected_slots_are_kept_and_overwritten_by_the_next_window():
     req = sched.running[0]
     free_before = sched.allocator.available
     first = sched.schedule()
+    first_window = sched.req_to_token.table[req.row, 3:8].tolist()  # where the executor reads it
     sched.process_result(first, runner.run_batch(first))
     assert req.kv_len == 3 + 2 and len(req.kv_slots) == 3 + 5  # 3 rejected slots stay with the request
     assert sched.allocator.available == free_before - 5
     second = sched.schedule()
-    window = second.out_cache_loc
-    assert window[:3] == first.out_cache_loc[2:]  # reused, not freed and reallocated
+    window = sched.req_to_token.table[req.row, 5:10].tolist()
+    assert len(set(window)) == 5 and window[:3] == first_window[2:]  # reused, not freed and reallocated
     assert sched.allocator.available == free_before - 7  # only the shortfall was allocated
     sched.process_result(second, runner.run_batch(second))
 
