@@ -77,15 +77,23 @@ def main() -> int:
             continue
         before = statistics.median(s[key] for s in samples["before"])
         after = statistics.median(s[key] for s in samples["after"])
+        b_runs, a_runs = [s[key] for s in samples["before"]], [s[key] for s in samples["after"]]
         report[key] = {"before_median": round(before, 3), "after_median": round(after, 3),
                        "after_over_before": round(after / before, 4) if before else None,
+                       # the runs' ranges overlap: the two sides are within noise of each other
+                       "ranges_overlap": max(b_runs) >= min(a_runs) and max(a_runs) >= min(b_runs),
                        "before_runs": [s[key] for s in samples["before"]],
                        "after_runs": [s[key] for s in samples["after"]]}
     print(json.dumps(report, indent=2))
     if ns.out:
+        from specserve.bench.provenance import machine
+
+        shas = {side: subprocess.run(["git", "-C", repo, "rev-parse", rev], capture_output=True, text=True,
+                                     check=True).stdout.strip() for side, rev in (("before", ns.before),
+                                                                                   ("after", ns.after))}
         with open(ns.out, "w") as f:
-            json.dump({"before": ns.before, "after": ns.after, "bench": bench_args, "runs": ns.runs,
-                       "report": report}, f, indent=2)
+            json.dump({"before": shas["before"], "after": shas["after"], "bench": bench_args, "runs": ns.runs,
+                       "machine": machine(), "report": report}, f, indent=2)
     return 0
 
 
