@@ -5,6 +5,7 @@ from __future__ import annotations
 from helpers import chat_prompts
 
 from specserve import Engine
+from specserve.executor.commit_path import CommitPath
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.speculation import Speculation
 
@@ -21,6 +22,8 @@ def test_one_step_mixes_dspark_ngram_and_undrafted_requests(fp32_engine, drafter
                     speculative_draft_model_path=drafter_dir, disable_overlap_schedule=True)
     runner = engine.runner
     runner.speculation = Speculation([runner.speculation.worker("DSPARK"), NgramWorker(engine.scheduler.window - 1)])
+    # The commit path tells the drafters what committed: it must know the new set of them too.
+    runner.commits = CommitPath(runner.future, runner.speculation, runner.request_logits, runner.device)
     drafters_per_step = []
     draft = runner._draft
 
