@@ -10,7 +10,7 @@ from collections import defaultdict
 from typing import Callable, Iterator
 
 import specserve.models.attention as attention_module
-import specserve.models.llama as llama_module
+import specserve.models.backend as backend_module
 from specserve.kernels.linear import BF16, Q4, Q8, PackedLinear
 
 _FORMATS = {Q4: "q4", Q8: "q8", BF16: "bf16"}
@@ -32,9 +32,9 @@ def timed_kernels() -> Iterator[dict[str, float]]:
     totals: dict[str, float] = defaultdict(float)
     patches = [
         (PackedLinear, "__call__", lambda self, *a: f"linear {_FORMATS[self.format]} {self.n}x{self.k}"),
-        (llama_module, "add_rms_norm", lambda *a: "add_rms_norm"),
-        (llama_module, "silu_mul", lambda *a: "silu_mul"),
-        (llama_module, "rope_store", lambda *a: "rope_store"),
+        (backend_module, "add_rms_norm", lambda *a: "add_rms_norm"),  # the CPU kernel ops' entry points
+        (backend_module, "silu_mul", lambda *a: "silu_mul"),
+        (backend_module, "rope_store", lambda *a: "rope_store"),
         (attention_module, "kernel_paged_attention", lambda *a: "attention"),
     ]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]

@@ -1,0 +1,25 @@
+"""bench offline's step profile on the default path (bf16, the CPU kernels): every kernel entry
+point it wraps exists and is reached by a forward step, so the README's table has every column."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve import Engine
+from specserve.bench.offline import step_shapes
+from specserve.kernels.dispatch import best_path
+
+
+@pytest.mark.skipif(best_path() == "portable", reason="the step profile is for the native kernel paths")
+def test_a_bf16_step_profile_times_every_kernel():
+    with Engine(max_total_tokens=512, speculative_algorithm="NONE") as engine:
+        assert engine.runner.model.ops.name == "cpu-kernels"
+        ns = argparse.Namespace(window=3, prefix_len=16, prefill_len=32, repeats=1)
+        shapes = step_shapes(engine, ns)
+    for name in ("decode", "verify"):
+        profile = shapes[f"{name}_profile_ms"]
+        for kernel in ("add_rms_norm", "silu_mul", "rope_store", "attention"):
+            assert profile.get(kernel, 0.0) > 0.0, (name, kernel, profile)
+        assert any(k.startswith("linear q4") for k in profile) and profile["step"] > 0, profile
