@@ -207,7 +207,8 @@ class ModelRunner:
         does not depend on whether this step drafted."""
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
-        counters = [draw_counter(n, step.width - 1) if step.mode == VERIFY else n for n in out_lens.tolist()]
+        outputs = out_lens.tolist()
+        counters = [draw_counter(n, step.width - 1) if step.mode == VERIFY else n for n in outputs]
         if self.capture.covers(step.size):
             out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
             computed = self._rows(out.hidden, out.positions, out.slots)
@@ -224,7 +225,7 @@ class ModelRunner:
         picked_list = tokens.tolist()
         self.request_logits.record_logprobs(logprobs, range(step.size), logits, step.params, picked_list)
         done = Committed(list(range(step.size)), [[t] for t in picked_list], prefix + 1,
-                         [n + 1 for n in out_lens.tolist()])
+                         [n + 1 for n in outputs])
         self.commits.commit(step, done, computed)
         return tokens
 
