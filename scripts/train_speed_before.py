@@ -68,7 +68,8 @@ def main() -> None:
     ns = p.parse_args()
 
     from specserve.assets import default_drafter_path
-    from specserve.models.dspark import DsparkDrafter, read_drafter_config
+    from specserve.models.dspark import DsparkDrafter
+    from specserve.models.dspark_checkpoint import read_drafter_config
     from specserve.models.loader import load_model
     from specserve.train.corpus_store import CorpusStore
     from specserve.train.run import build_teacher_cache, load_drafter_weights

@@ -35,13 +35,16 @@ def flag(default: Any, help: str, **metadata: Any) -> Any:
 class ServerArgs:
     """Every engine setting. CLI flag `--foo-bar` is field `foo_bar`; Engine keywords use the same names."""
 
-    model_path: Optional[str] = flag(None,
-        "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct")
+    model_path: Optional[str] = flag(
+        None, "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct"
+    )
     tokenizer_path: Optional[str] = flag(None, "tokenizer.json directory or GGUF file (default: from the model)")
     dtype: str = flag("auto", "float32 | bfloat16 | auto (bfloat16 on CPU)", choices=DTYPES)
-    quantization: str = flag("auto",
+    quantization: str = flag(
+        "auto",
         "auto: serve GGUF Q4_0/Q4_1 weights as 4-bit on CPU in bfloat16; none: dequantize to --dtype",
-        choices=("auto", "none"))
+        choices=("auto", "none"),
+    )
     device: str = flag("cpu", "cpu or cuda")
     context_length: Optional[int] = flag(None, "override the model's context window")
     mem_fraction_static: float = flag(0.1, "fraction of memory for the KV pool (CPU: of total RAM)")
@@ -51,71 +54,100 @@ class ServerArgs:
     max_prefill_tokens: int = flag(8192, "most new tokens admitted into one prefill batch")
     schedule_policy: str = flag("fcfs", "order of the waiting queue", choices=SCHEDULE_POLICIES)
     disable_radix_cache: bool = flag(False, "turn prefix sharing off")
-    speculative_algorithm: Optional[str] = flag(None,
+    speculative_algorithm: Optional[str] = flag(
+        None,
         "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt "
-        "lookup) or NONE (no speculation)", choices=SPEC_ALGORITHMS)
-    speculative_dspark_block_size: Optional[int] = flag(None,
-        "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)")
-    speculative_draft_model_path: Optional[str] = flag(None,
+        "lookup) or NONE (no speculation)",
+        choices=SPEC_ALGORITHMS,
+    )
+    speculative_dspark_block_size: Optional[int] = flag(
+        None, "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)"
+    )
+    speculative_draft_model_path: Optional[str] = flag(
+        None,
         "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default "
-        "for the embedded model: the shipped one")
-    speculative_dspark_verify_mode: Optional[str] = flag(None,
+        "for the embedded model: the shipped one",
+    )
+    speculative_dspark_verify_mode: Optional[str] = flag(
+        None,
         "with --speculative-policy fixed: static verifies every window row; compact: per-request verify "
         "lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)",
-        choices=(None,) + VERIFY_MODES)
-    speculative_dspark_sps_table_path: Optional[str] = flag(None,
+        choices=(None,) + VERIFY_MODES,
+    )
+    speculative_dspark_sps_table_path: Optional[str] = flag(
+        None,
         "JSON table of verify steps/s against batch verify tokens (`specserve profile-sps`): the compact "
-        "planner's, or the adaptive policy's starting cost of the target's rows")
-    speculative_policy: str = flag("adaptive",
+        "planner's, or the adaptive policy's starting cost of the target's rows",
+    )
+    speculative_policy: str = flag(
+        "adaptive",
         "adaptive: each step, every request gets the drafter and the number of drafts (0..gamma) that "
         "maximise the batch's expected tokens per second under a step-cost model the engine measures itself; "
         "fixed: every request drafts gamma tokens with --speculative-algorithm's drafter",
-        choices=SPEC_POLICIES)
-    speculative_policy_drafters: Optional[str] = flag(None,
-        "comma-separated drafters the adaptive policy chooses from (default: DSPARK,NGRAM with DSPARK; NGRAM "
-        "with NGRAM)")
-    speculative_cost_table_path: Optional[str] = flag(None,
-        "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up "
-        "(StepCostModel.save)")
-    speculative_freeze_cost_table: bool = flag(False,
-        "never update the step-cost table after start-up, so that runs, loop modes and ranks make identical "
-        "decisions")
-    speculative_min_gain: float = flag(0.05,
+        choices=SPEC_POLICIES,
+    )
+    speculative_policy_drafters: Optional[str] = flag(
+        None,
+        "comma-separated drafters the adaptive policy chooses from (default: DSPARK,NGRAM with DSPARK; NGRAM with NGRAM)",
+    )
+    speculative_cost_table_path: Optional[str] = flag(
+        None, "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up (StepCostModel.save)"
+    )
+    speculative_freeze_cost_table: bool = flag(
+        False, "never update the step-cost table after start-up, so that runs, loop modes and ranks make identical decisions"
+    )
+    speculative_min_gain: float = flag(
+        0.05,
         "the adaptive policy drafts only when it predicts at least this fraction more tokens per second than "
-        "plain decoding (a margin for its prediction errors)")
-    speculative_explore_interval: int = flag(64,
-        "a request tries a drafter it has not used for this many of its steps (0: never)")
-    speculative_disable_batch_size: Optional[int] = flag(None,
+        "plain decoding (a margin for its prediction errors)",
+    )
+    speculative_explore_interval: int = flag(
+        64, "a request tries a drafter it has not used for this many of its steps (0: never)"
+    )
+    speculative_disable_batch_size: Optional[int] = flag(
+        None,
         "override: decode steps with more running requests than this run without drafts; 0: never speculate "
-        "in decode; empty (default): the policy decides")
-    disable_overlap_schedule: bool = flag(False,
-        "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1")
-    disable_cuda_graph: bool = flag(False,
-        "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps"
-        " on CPU)")
+        "in decode; empty (default): the policy decides",
+    )
+    disable_overlap_schedule: bool = flag(
+        False, "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"
+    )
+    disable_cuda_graph: bool = flag(
+        False, "run decode and verify eagerly instead of as captured steps (CUDA graphs on CUDA, static-buffer steps on CPU)"
+    )
     cuda_graph_max_bs: int = flag(32, "largest batch run as a captured step; larger batches run eagerly")
-    enable_torch_compile: bool = flag(False,
+    enable_torch_compile: bool = flag(
+        False,
         "torch.compile the captured steps on CPU with stock PyTorch matmuls instead of specserve's kernels: "
-        "slower here, and bf16 output is then NOT batch-invariant (opt-in, off by default)")
+        "slower here, and bf16 output is then NOT batch-invariant (opt-in, off by default)",
+    )
     random_seed: int = flag(0, "seed for requests that give none")
     num_threads: Optional[int] = flag(None, "torch intra-op threads (default: torch's choice)")
     log_level: str = flag("warning", "logging level")
-    enable_hierarchical_cache: bool = flag(False,
-        "HiCache: keep evicted prefix-cache KV in a host-memory pool and load it back on a hit")
+    enable_hierarchical_cache: bool = flag(
+        False, "HiCache: keep evicted prefix-cache KV in a host-memory pool and load it back on a hit"
+    )
     hicache_ratio: float = flag(2.0, "host pool size as a multiple of the device KV pool")
     hicache_size: Optional[int] = flag(None, "host pool size in tokens (overrides --hicache-ratio)")
-    hicache_write_policy: str = flag("write_through",
-        "when nodes are copied to the host", choices=("write_through", "write_through_selective", "write_back"))
-    hicache_storage_backend: Optional[str] = flag(None,
-        "file: also keep full 64-token pages in --hicache-storage-dir (survives restarts; a corrupt file is a"
-        " miss)", choices=(None, "file"))
+    hicache_write_policy: str = flag(
+        "write_through",
+        "when nodes are copied to the host",
+        choices=("write_through", "write_through_selective", "write_back"),
+    )
+    hicache_storage_backend: Optional[str] = flag(
+        None,
+        "file: also keep full 64-token pages in --hicache-storage-dir (survives restarts; a corrupt file is a miss)",
+        choices=(None, "file"),
+    )
     hicache_storage_dir: Optional[str] = flag(None, "directory of the file tier (created 0700, pages 0600)")
-    hicache_storage_max_bytes: int = flag(DEFAULT_STORAGE_MAX_BYTES,
-        "cap on the file tier's pages in bytes (split between TP ranks); least recently used pages are "
-        "deleted past it")
+    hicache_storage_max_bytes: int = flag(
+        DEFAULT_STORAGE_MAX_BYTES,
+        "cap on the file tier's pages in bytes (split between TP ranks); least recently used pages are deleted past it",
+    )
     tp_size: int = flag(1, "tensor-parallel ranks (one scheduler process per rank, SPMD)")
-    dist_init_addr: Optional[str] = flag(None,
-        "host:port of the rank-0 rendezvous (default: 127.0.0.1 and a free port; required with --nnodes > 1)")
+    dist_init_addr: Optional[str] = flag(
+        None, "host:port of the rank-0 rendezvous (default: 127.0.0.1 and a free port; required with --nnodes > 1)"
+    )
     nnodes: int = flag(1, "nodes sharing the tensor-parallel ranks (tp_size / nnodes ranks per node)")
     node_rank: int = flag(0, "this node's index; node 0 hosts rank 0 and the front end")
     collective_timeout: float = flag(60.0, "seconds any cross-rank collective may wait before the rank fails loudly")
@@ -260,11 +292,14 @@ def _check_speculative(args: ServerArgs) -> None:
     if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
         raise ConfigError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
     if args.speculative_algorithm == Algorithm.DSPARK and not args.speculative_draft_model_path:
-        raise ConfigError("speculative_draft_model_path: DSPARK needs a drafter directory "
-                         "(make a random one with `specserve init-drafter --out DIR`)")
+        raise ConfigError(
+            "speculative_draft_model_path: DSPARK needs a drafter directory "
+            "(make a random one with `specserve init-drafter --out DIR`)"
+        )
     if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
-        raise ConfigError(f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got "
-                         f"{args.speculative_dspark_verify_mode!r}")
+        raise ConfigError(
+            f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got {args.speculative_dspark_verify_mode!r}"
+        )
     _at_least("speculative_disable_batch_size", args.speculative_disable_batch_size, 0)
     _at_least("speculative_explore_interval", args.speculative_explore_interval, 0)
     if not 0.0 <= args.speculative_min_gain <= 1.0:
@@ -273,12 +308,16 @@ def _check_speculative(args: ServerArgs) -> None:
         raise ConfigError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
     if args.speculating and args.speculative_policy == "adaptive":
         if args.speculative_dspark_verify_mode == "compact":
-            raise ConfigError("speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
-                             "fixed; the adaptive policy chooses every window's length itself")
+            raise ConfigError(
+                "speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
+                "fixed; the adaptive policy chooses every window's length itself"
+            )
         unknown = set(args.policy_drafters()) - set(DRAFTERS)
         if unknown or not args.policy_drafters():
-            raise ConfigError(f"speculative_policy_drafters: a comma-separated subset of DSPARK,NGRAM, got "
-                             f"{args.speculative_policy_drafters!r}")
+            raise ConfigError(
+                f"speculative_policy_drafters: a comma-separated subset of DSPARK,NGRAM, got "
+                f"{args.speculative_policy_drafters!r}"
+            )
         if Algorithm.DSPARK in args.policy_drafters() and args.speculative_algorithm != Algorithm.DSPARK:
             raise ConfigError("speculative_policy_drafters: DSPARK needs --speculative-algorithm DSPARK (its drafter)")
 
@@ -314,8 +353,7 @@ def _check_writable_dir(name: str, path: str) -> None:
         raise ConfigError(f"{name}: {probe!r} is not a directory")
     st = os.stat(probe)
     if probe == os.path.abspath(path) and st.st_mode & 0o077 and st.st_uid != os.geteuid():
-        raise ConfigError(f"{name}: {path!r} is open to other users and owned by another user; "
-                         "use a private directory")
+        raise ConfigError(f"{name}: {path!r} is open to other users and owned by another user; use a private directory")
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass

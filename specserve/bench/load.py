@@ -332,7 +332,7 @@ def _report(ns, tally: Tally, elapsed: float, m: dict[str, float], health: int, 
 
 def run_load_bench(ns: argparse.Namespace) -> int:
     serve_args = [a for a in ns.serve_args if a != "--"]
-    if ns.rss_baseline_s >= ns.minutes * 60:  # single-flag ranges: cli.FLAG_BOUNDS
+    if ns.rss_baseline_s >= ns.minutes * 60:  # single-flag ranges: flag_bounds.FLAG_BOUNDS
         raise ConfigError("--rss-baseline-s must fall inside the run (below --minutes * 60)")
     if ns.hostile_share + ns.disconnect_share + ns.abort_share >= 1:
         raise ConfigError("--hostile-share + --disconnect-share + --abort-share must leave room for valid requests")

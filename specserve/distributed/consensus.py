@@ -55,9 +55,14 @@ class ConsensusCheckerDied(RuntimeError):
 class RankConsensusChecker:
     """Records agreement events on this rank and compares them with the other ranks'."""
 
-    def __init__(self, group, interval_s: float = CHECK_INTERVAL_S,
-                 on_divergence: Optional[Callable[[str], None]] = None, plant: Optional[str] = None,
-                 kill_at_round: Optional[int] = None):
+    def __init__(
+        self,
+        group,
+        interval_s: float = CHECK_INTERVAL_S,
+        on_divergence: Optional[Callable[[str], None]] = None,
+        plant: Optional[str] = None,
+        kill_at_round: Optional[int] = None,
+    ):
         self.group = group
         self.rank = group.rank
         self.interval_s = interval_s
@@ -83,8 +88,11 @@ class RankConsensusChecker:
     def from_env(cls, group) -> Optional["RankConsensusChecker"]:
         if group is None or not envs.env_flag(envs.RANK_CONSENSUS_CHECKER):
             return None
-        return cls(group, plant=os.environ.get(envs.FAULT_DIVERGE_SITE) or None,
-                   kill_at_round=_kill_round(os.environ.get(FAULT_KILL_CHECKER, ""), group.rank))
+        return cls(
+            group,
+            plant=os.environ.get(envs.FAULT_DIVERGE_SITE) or None,
+            kill_at_round=_kill_round(os.environ.get(FAULT_KILL_CHECKER, ""), group.rank),
+        )
 
     # ------------------------------------------------------------ recording (engine thread)
 
@@ -157,11 +165,14 @@ class RankConsensusChecker:
 
     def _report(self, everyone: list[list]) -> None:
         length = max(len(events) for events in everyone)
-        differing = [i for i in range(length)
-                     if len({repr(events[i]) if i < len(events) else None for events in everyone}) > 1]
+        differing = [
+            i for i in range(length) if len({repr(events[i]) if i < len(events) else None for events in everyone}) > 1
+        ]
         first = next(events[differing[0]] for events in everyone if differing[0] < len(events))
-        lines = [f"Found rank divergence for {len(differing)} event(s)! (rank {self.rank} reporting; first at "
-                 f"site '{first[0]}' after {self.checked + differing[0]} agreed events)"]
+        lines = [
+            f"Found rank divergence for {len(differing)} event(s)! (rank {self.rank} reporting; first at "
+            f"site '{first[0]}' after {self.checked + differing[0]} agreed events)"
+        ]
         for rank, events in enumerate(everyone):
             shown = [events[i] if i < len(events) else "(none)" for i in differing[:MAX_REPORTED_EVENTS]]
             lines.append(f"  rank {rank}: " + "; ".join(e if isinstance(e, str) else f"{e[0]}{e[1]!r}" for e in shown))
@@ -207,8 +218,9 @@ class RankConsensusChecker:
         self._wake.set()
         self._thread.join(timeout_s if timeout_s is not None else self.group.cfg.timeout_s + 5)
         if self._thread.is_alive():
-            logger.error("rank consensus checker on rank %d: no last round within the timeout (a rank never "
-                         "stopped)", self.rank)
+            logger.error(
+                "rank consensus checker on rank %d: no last round within the timeout (a rank never stopped)", self.rank
+            )
 
     def abandon(self) -> None:
         """The engine is failing for another reason: let the thread end without a death report."""
@@ -218,10 +230,15 @@ class RankConsensusChecker:
     def figures(self) -> dict[str, Any]:
         """Measured totals: rounds, events recorded and checked, divergences, and whether the thread
         was alive when the engine stopped it (now, before that)."""
-        return {"checks": self.checks, "events_recorded": self.recorded, "events_checked": self.checked,
-                "divergences": self.divergences, "error": self.error,
-                "alive": self.alive if self.alive_at_stop is None else self.alive_at_stop,
-                "mean_check_ms": round(1e3 * self.check_seconds / max(1, self.checks), 3)}
+        return {
+            "checks": self.checks,
+            "events_recorded": self.recorded,
+            "events_checked": self.checked,
+            "divergences": self.divergences,
+            "error": self.error,
+            "alive": self.alive if self.alive_at_stop is None else self.alive_at_stop,
+            "mean_check_ms": round(1e3 * self.check_seconds / max(1, self.checks), 3),
+        }
 
 
 def _kill_round(spec: str, rank: int) -> Optional[int]:

@@ -92,8 +92,15 @@ class TPGroup:
             sock.bind((LOOPBACK, int(port)))
             sock.listen(128)
             listen_fd, host = sock.detach(), LOOPBACK  # the store owns (and closes) the socket
-        return dist.TCPStore(host, int(port), self.size, is_master=self.rank == 0, timeout=self.connect_timeout,
-                             wait_for_workers=False, master_listen_fd=listen_fd)
+        return dist.TCPStore(
+            host,
+            int(port),
+            self.size,
+            is_master=self.rank == 0,
+            timeout=self.connect_timeout,
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
+        )
 
     def _join(self) -> None:
         """Every rank counts itself in; wait (polling, and consulting `watch`: on rank 0, the spawned ranks)
@@ -105,9 +112,11 @@ class TPGroup:
             if failure is not None:
                 raise RankStartupError(failure)
             if time.monotonic() > deadline:
-                raise RankStartupError(f"tensor-parallel rendezvous at {self.cfg.addr}: only "
-                                       f"{int(self.store.add('joined', 0))} of {self.size} ranks joined within "
-                                       f"{self.connect_timeout.total_seconds():.0f} s")
+                raise RankStartupError(
+                    f"tensor-parallel rendezvous at {self.cfg.addr}: only "
+                    f"{int(self.store.add('joined', 0))} of {self.size} ranks joined within "
+                    f"{self.connect_timeout.total_seconds():.0f} s"
+                )
             time.sleep(JOIN_POLL_S)
 
     def _gloo(self, name: str):
@@ -148,9 +157,11 @@ class TPGroup:
         try:
             work.wait(timeout)
         except Exception as exc:  # gloo reports a timeout (or a dead peer) as a RuntimeError
-            msg = (f"collective timeout at site '{site}' on rank {self.rank}/{self.size}: waited up to "
-                   f"{timeout.total_seconds():.0f} s for {what} on the {group_name} group ({type(exc).__name__}: "
-                   f"{str(exc).splitlines()[0] if str(exc) else ''})")
+            msg = (
+                f"collective timeout at site '{site}' on rank {self.rank}/{self.size}: waited up to "
+                f"{timeout.total_seconds():.0f} s for {what} on the {group_name} group ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            )
             logger.critical(msg)
             self.timeouts += 1
             error = CollectiveTimeout(msg)
@@ -189,10 +200,10 @@ class TPGroup:
         self._wait(pg.allgather([lengths], [length]), site, "all-gather of lengths", name)
         longest = int(max(int(n) for n in lengths))
         padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:data.numel()] = data
+        padded[: data.numel()] = data
         outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
         self._wait(pg.allgather([outs], [padded]), site, "all-gather of payloads", name)
-        return [wire.decode(o[:int(n)].numpy().tobytes(), site, self.rank) for o, n in zip(outs, lengths)]
+        return [wire.decode(o[: int(n)].numpy().tobytes(), site, self.rank) for o, n in zip(outs, lengths)]
 
     def broadcast_json(self, obj: Any, site: str) -> Any:
         """Rank 0's `obj` on every rank, as JSON decodes it (others pass None; rank 0 keeps its own)."""
@@ -211,15 +222,18 @@ class TPGroup:
         self._arrive("model.all_reduce")
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs: RedOpType converts to ReduceOp
-        self._wait(self.model.allreduce([tensor], opts), "model.all_reduce", f"all-reduce of {tuple(tensor.shape)}",
-                   "model")
+        self._wait(self.model.allreduce([tensor], opts), "model.all_reduce", f"all-reduce of {tuple(tensor.shape)}", "model")
         return tensor
 
     def model_all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._arrive("model.all_gather")
         outs = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._wait(self.model.allgather([outs], [tensor.contiguous()]), "model.all_gather",
-                   f"all-gather of {tuple(tensor.shape)}", "model")
+        self._wait(
+            self.model.allgather([outs], [tensor.contiguous()]),
+            "model.all_gather",
+            f"all-gather of {tuple(tensor.shape)}",
+            "model",
+        )
         return outs
 
     def close(self) -> None:

@@ -16,9 +16,11 @@ from typing import Any, Callable, Optional
 
 from specserve.args import ServerArgs
 
-GUARD_HINT = ("the likely cause: the script that builds Engine(tp_size > 1) has no `if __name__ == \"__main__\":` "
-              "guard; each rank process is spawned and re-imports the main module, which must not build an "
-              "engine at import time")
+GUARD_HINT = (
+    'the likely cause: the script that builds Engine(tp_size > 1) has no `if __name__ == "__main__":` '
+    "guard; each rank process is spawned and re-imports the main module, which must not build an "
+    "engine at import time"
+)
 
 
 class RankStartupError(RuntimeError):
@@ -42,8 +44,10 @@ class RankProcess:
         if code < 0:
             return f"{what} was killed by signal {_signal_name(-code)} while the engine started (out of memory?)"
         if not self.started.is_set():
-            return (f"{what} exited with code {code} during spawn start-up, before its rank code ran "
-                    f"(its traceback is above); {GUARD_HINT}")
+            return (
+                f"{what} exited with code {code} during spawn start-up, before its rank code ran "
+                f"(its traceback is above); {GUARD_HINT}"
+            )
         return f"{what} exited with code {code} while the engine started (its log is above)"
 
 
@@ -80,8 +84,9 @@ def node_ranks(args: ServerArgs) -> list[int]:
     return list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
 
 
-def spawn_ranks(args: ServerArgs, addr: str, skip_rank0: bool,
-                target: Callable[[dict, int, str, Any], None]) -> list[RankProcess]:
+def spawn_ranks(
+    args: ServerArgs, addr: str, skip_rank0: bool, target: Callable[[dict, int, str, Any], None]
+) -> list[RankProcess]:
     """Start this node's ranks (but rank 0 with skip_rank0, which the caller runs) as spawned
     processes running `target(args_dict, rank, addr, started)`; the target sets `started` first."""
     ctx = mp.get_context("spawn")
@@ -90,8 +95,9 @@ def spawn_ranks(args: ServerArgs, addr: str, skip_rank0: bool,
         if rank == 0 and skip_rank0:
             continue
         started = ctx.Event()
-        proc = ctx.Process(target=target, args=(dataclasses.asdict(args), rank, addr, started),
-                           name=f"specserve-tp{rank}", daemon=False)
+        proc = ctx.Process(
+            target=target, args=(dataclasses.asdict(args), rank, addr, started), name=f"specserve-tp{rank}", daemon=False
+        )
         proc.start()
         procs.append(RankProcess(rank, proc, started))
     return procs

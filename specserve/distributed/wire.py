@@ -35,8 +35,9 @@ def decode(data: bytes, site: str, rank: int) -> Any:
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise MalformedPayload(f"malformed payload at site '{site}' on rank {rank}: not JSON ({exc}); "
-                               f"first bytes {data[:32]!r}") from None
+        raise MalformedPayload(
+            f"malformed payload at site '{site}' on rank {rank}: not JSON ({exc}); first bytes {data[:32]!r}"
+        ) from None
 
 
 def expect(ok: bool, site: str, what: str) -> None:

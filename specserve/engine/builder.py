@@ -19,6 +19,7 @@ from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
+from specserve.engine.prefix_cache import build_prefix_cache
 from specserve.executor.captured_step import CaptureConfig
 from specserve.executor.model_runner import ModelRunner
 from specserve.executor.tp_decisions import TPDecisions
@@ -28,7 +29,8 @@ from specserve.kv.radix_cache import RadixCache
 from specserve.logits.grammar import GrammarCompiler
 from specserve.models.backend import select_backend
 from specserve.models.config import ModelConfig
-from specserve.models.dspark import DraftVocabHead, DsparkDrafter, load_drafter, read_drafter_config
+from specserve.models.dspark import DraftVocabHead, DsparkDrafter
+from specserve.models.dspark_checkpoint import load_drafter, read_drafter_config
 from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaAttention, LlamaForCausalLM
 from specserve.models.loader import load_model, resolve_model_path
@@ -128,30 +130,73 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     faults = FaultConfig.from_env(rank=tp_rank)
     sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
     forward_stream, copy_stream = _make_streams(args, faults, sanitizer)
-    req_to_token = ReqToTokenPool(args.max_running_requests + 1, target.max_positions, args.device,
-                                  stream=forward_stream)
+    req_to_token = ReqToTokenPool(args.max_running_requests + 1, target.max_positions, args.device, stream=forward_stream)
     workers = _make_workers(args, drafter, gamma, size, dtype, req_to_token)
     consensus = RankConsensusChecker.from_env(dist)
-    tree = _make_tree(args, size, allocator, [kv] + [p for w in workers for p in w.kv_pools], forward_stream,
-                      copy_stream, dist, tp_rank, consensus)
+    pools = [kv] + [p for w in workers for p in w.kv_pools]
+    tree = build_prefix_cache(args, size, allocator, pools, (forward_stream, copy_stream), dist, tp_rank, consensus)
     tokenizer = target.tokenizer
-    make_runner = functools.partial(
-        ModelRunner, target.model, kv, req_to_token, args.device, max_bs=args.max_running_requests,
-        forward_stream=forward_stream, copy_stream=copy_stream, faults=faults,
-        capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs, args.enable_torch_compile),
-        tp=TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None,
-        grammars=GrammarCompiler(tokenizer.backend.to_str, cfg.vocab_size, tokenizer.eos_token_ids))
+    tp = TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None
+    make_runner = _runner_factory(args, target, kv, req_to_token, (forward_stream, copy_stream), faults, tp)
     # The adaptive policy starts from step costs timed on a runner of the drafters alone.
     cost = _cost_model(args, lambda: make_runner(speculation=Speculation(workers)), gamma)
     runner = make_runner(speculation=_make_speculation(args, workers, drafter, gamma, cost, tokenizer.eos_token_ids))
-    scheduler = Scheduler(_scheduler_config(args, target, gamma), allocator, req_to_token, tree,
-                          decode_text=tokenizer.decode, consensus=consensus)
+    sched_cfg = _scheduler_config(args, target, gamma)
+    scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
     loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)
     drafter_name = args.speculative_algorithm if args.speculating else None
     logger.debug("engine ready (rank %d/%d): %s, KV pool %d tokens", tp_rank, args.tp_size, dtype, size)
-    return RankParts(args, tp_rank, dist, cfg, tokenizer, target.context_length, dtype, kv, allocator,
-                     req_to_token, tree, faults, sanitizer, forward_stream, copy_stream, runner, scheduler, loop,
-                     consensus, drafter_name, target.summary)
+    return RankParts(
+        args,
+        tp_rank,
+        dist,
+        cfg,
+        tokenizer,
+        target.context_length,
+        dtype,
+        kv,
+        allocator,
+        req_to_token,
+        tree,
+        faults,
+        sanitizer,
+        forward_stream,
+        copy_stream,
+        runner,
+        scheduler,
+        loop,
+        consensus,
+        drafter_name,
+        target.summary,
+    )
+
+
+def _runner_factory(
+    args: ServerArgs,
+    target: _Target,
+    kv: KVPool,
+    req_to_token: ReqToTokenPool,
+    streams: tuple[Stream, Stream],
+    faults: FaultConfig,
+    tp: Optional[TPDecisions],
+) -> Callable[..., ModelRunner]:
+    """ModelRunner with everything but its Speculation (the cost model's timing runner and the
+    serving runner differ only there)."""
+    tokenizer = target.tokenizer
+    return functools.partial(
+        ModelRunner,
+        target.model,
+        kv,
+        req_to_token,
+        args.device,
+        max_bs=args.max_running_requests,
+        forward_stream=streams[0],
+        copy_stream=streams[1],
+        faults=faults,
+        capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs, args.enable_torch_compile),
+        tp=tp,
+        grammars=GrammarCompiler(tokenizer.backend.to_str, target.config.vocab_size, tokenizer.eos_token_ids),
+    )
 
 
 def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Target:
@@ -212,17 +257,24 @@ def _scheduler_config(args: ServerArgs, target: _Target, gamma: int) -> Schedule
     )
 
 
-def _make_streams(args: ServerArgs, faults: FaultConfig,
-                  sanitizer: Optional[StreamSanitizer]) -> tuple[Stream, Stream]:
+def _make_streams(args: ServerArgs, faults: FaultConfig, sanitizer: Optional[StreamSanitizer]) -> tuple[Stream, Stream]:
     """Forward and copy streams. On CPU they run inline (no worker threads, no cost) unless a
     fault delay needs real concurrency; see runtime/stream.py."""
     threaded = faults.needs_threads
-    return (Stream("forward", args.device, threaded, faults.delay_for("forward"), sanitizer),
-            Stream("copy", args.device, threaded, faults.delay_for("copy"), sanitizer))
+    return (
+        Stream("forward", args.device, threaded, faults.delay_for("forward"), sanitizer),
+        Stream("copy", args.device, threaded, faults.delay_for("copy"), sanitizer),
+    )
 
 
-def _make_workers(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma: int, size: int, dtype: torch.dtype,
-                  req_to_token: ReqToTokenPool) -> list[DraftWorker]:
+def _make_workers(
+    args: ServerArgs,
+    drafter: Optional[DsparkDrafter],
+    gamma: int,
+    size: int,
+    dtype: torch.dtype,
+    req_to_token: ReqToTokenPool,
+) -> list[DraftWorker]:
     """The drafters: the draft K/V of DSPARK share the target's token slots, so one allocator serves both."""
     workers: list[DraftWorker] = []
     adaptive = args.speculating and args.speculative_policy == "adaptive"
@@ -237,14 +289,21 @@ def _make_workers(args: ServerArgs, drafter: Optional[DsparkDrafter], gamma: int
     return workers
 
 
-def _make_speculation(args: ServerArgs, workers: list[DraftWorker], drafter: Optional[DsparkDrafter], gamma: int,
-                      cost: Optional[StepCostModel], eos_token_ids: tuple[int, ...]) -> Speculation:
+def _make_speculation(
+    args: ServerArgs,
+    workers: list[DraftWorker],
+    drafter: Optional[DsparkDrafter],
+    gamma: int,
+    cost: Optional[StepCostModel],
+    eos_token_ids: tuple[int, ...],
+) -> Speculation:
     """What decides each request's window: the adaptive policy (with its cost model), else each
     request's drafter with every draft, verified whole or by the compact planner."""
     planner, policy = None, None
     if cost is not None:
-        policy = AdaptivePolicy(args.policy_drafters(), gamma, cost, eos_token_ids,
-                                args.speculative_explore_interval, args.speculative_min_gain)
+        policy = AdaptivePolicy(
+            args.policy_drafters(), gamma, cost, eos_token_ids, args.speculative_explore_interval, args.speculative_min_gain
+        )
     elif drafter is not None and args.verify_mode() != "static":
         path = args.speculative_dspark_sps_table_path
         planner = VerifyPlanner(SpsTable.load(path) if path else None)
@@ -276,55 +335,14 @@ def _cost_model(args: ServerArgs, timing_runner: Callable[[], ModelRunner], gamm
     return cost
 
 
-def _make_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator, device_pools: list[KVPool],
-               forward_stream: Stream, copy_stream: Stream, dist: Optional[TPGroup], tp_rank: int,
-               consensus: Optional[RankConsensusChecker]) -> RadixCache:
-    """The radix cache, or with --enable-hierarchical-cache its host (and file) tiers too."""
-    if not args.enable_hierarchical_cache:
-        return RadixCache(allocator.free, disabled=args.disable_radix_cache, consensus=consensus)
-    return _make_hierarchical_tree(args, size, allocator, device_pools, forward_stream, copy_stream, dist, tp_rank,
-                                   consensus)
-
-
-def _make_hierarchical_tree(args: ServerArgs, size: int, allocator: TokenSlotAllocator,
-                            device_pools: list[KVPool], forward_stream: Stream, copy_stream: Stream,
-                            dist: Optional[TPGroup], tp_rank: int,
-                            consensus: Optional[RankConsensusChecker]) -> RadixCache:
-    """A HiRadixCache over a host pool (and with --hicache-storage-backend, the file tier)."""
-    from specserve.kv.file_storage import (
-        KV_FORMAT_VERSION,
-        FileKVStorage,
-        PageLayout,
-        StorageFingerprint,
-        path_identity,
-    )
-    from specserve.kv.hiradix_cache import HiRadixCache
-    from specserve.kv.host_pool import HostKVPool
-
-    host = HostKVPool(device_pools, args.hicache_size or max(16, int(size * args.hicache_ratio)),
-                      forward_stream, copy_stream)
-    storage = None
-    if args.hicache_storage_backend:
-        # Everything that decides the bytes of a page: a page made under any other setting is a miss.
-        drafter = args.speculative_draft_model_path if args.speculative_algorithm == Algorithm.DSPARK else None
-        fingerprint = StorageFingerprint(
-            model=path_identity(resolve_model_path(args.model_path)), drafter=path_identity(drafter),
-            kv_dtype=str(device_pools[0].k[0].dtype), tp_size=args.tp_size, tp_rank=tp_rank,
-            kernel=f"v{KV_FORMAT_VERSION}:{torch.device(args.device).type}:{args.quantization}")
-        assert args.hicache_storage_dir is not None, "args validation: the file tier needs its directory"
-        storage = FileKVStorage(args.hicache_storage_dir, fingerprint, PageLayout.of_pools(device_pools),
-                                max(1, args.hicache_storage_max_bytes // args.tp_size))  # each rank its share
-
-    def agree_min(value: int, site: str) -> int:
-        if dist is None:
-            return value
-        return int(dist.all_reduce_(torch.tensor([value]), site, op="min")[0])
-
-    return HiRadixCache(allocator, host, args.hicache_write_policy, storage, agree_min, consensus)
-
-
-def _load_drafter(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, model: LlamaForCausalLM,
-                  max_positions: int, full_head: torch.Tensor) -> Optional[DsparkDrafter]:
+def _load_drafter(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    model: LlamaForCausalLM,
+    max_positions: int,
+    full_head: torch.Tensor,
+) -> Optional[DsparkDrafter]:
     if args.speculative_algorithm != Algorithm.DSPARK:
         return None
     path = args.speculative_draft_model_path
@@ -332,8 +350,16 @@ def _load_drafter(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, model:
     head: Callable[[torch.Tensor], torch.Tensor] = model.lm_head
     if args.tp_size > 1 and read_drafter_config(path).draft_vocab_size is not None:
         head = DraftVocabHead(full_head.to(device=args.device, dtype=dtype))  # this rank's head: only its shard
-    return load_drafter(path, cfg, dtype, args.device, max_positions,
-                        args.speculative_dspark_block_size, embed=model.embed_tokens, lm_head=head)
+    return load_drafter(
+        path,
+        cfg,
+        dtype,
+        args.device,
+        max_positions,
+        args.speculative_dspark_block_size,
+        embed=model.embed_tokens,
+        lm_head=head,
+    )
 
 
 def _block_size(args: ServerArgs, drafter: Optional[DsparkDrafter]) -> int:

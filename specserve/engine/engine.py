@@ -11,15 +11,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from specserve.args import ServerArgs
-from specserve.distributed.commands import (
-    AbortRequest,
-    AddRequest,
-    Command,
-    CommandBroadcast,
-    Drain,
-    FlushCache,
-    Shutdown,
-)
+from specserve.distributed.commands import AbortRequest, AddRequest, Command, CommandBroadcast, Drain, FlushCache, Shutdown
 from specserve.distributed.group import DistConfig
 from specserve.distributed.launch import RankStartupError, first_failure
 from specserve.engine.builder import build_rank
@@ -102,8 +94,9 @@ class Engine:
 
     # ------------------------------------------------------------ API
 
-    def generate(self, prompt: Prompt = None, input_ids: Optional[list] = None,
-                 sampling_params: Union[dict, list[dict], None] = None) -> Union[dict, list[dict]]:
+    def generate(
+        self, prompt: Prompt = None, input_ids: Optional[list] = None, sampling_params: Union[dict, list[dict], None] = None
+    ) -> Union[dict, list[dict]]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
         single, token_lists = self._normalize_inputs(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(token_lists))
@@ -194,9 +187,12 @@ class Engine:
     def _figures(self) -> dict[str, Any]:
         """This rank's measured reliability figures (gathered from every rank at shutdown)."""
         lag = self.runner.copy_lag
-        return {"rank": self.tp_rank, "collective_timeouts": self.dist.timeouts if self.dist is not None else 0,
-                "consensus": self.consensus.figures() if self.consensus is not None else None,
-                "copy_lag": lag.figures() if lag is not None else None}  # SPECSERVE_FAULT_COPY_LAG_MS
+        return {
+            "rank": self.tp_rank,
+            "collective_timeouts": self.dist.timeouts if self.dist is not None else 0,
+            "consensus": self.consensus.figures() if self.consensus is not None else None,
+            "copy_lag": lag.figures() if lag is not None else None,
+        }  # SPECSERVE_FAULT_COPY_LAG_MS
 
     def follow(self) -> bool:
         """A non-zero rank's loop body: one step as rank 0 commands; False once it shuts down."""
@@ -232,9 +228,14 @@ class Engine:
         cached = self.tree.total_size
         free = self.allocator.available
         running = len(sched.running) + (sched.chunked_req is not None)
-        out: dict[str, float] = {"waiting": len(sched.waiting), "running": running,
-               "kv_total_tokens": self.allocator.size, "kv_free_tokens": free, "kv_cached_tokens": cached,
-               "kv_request_tokens": self.allocator.size - free - cached}
+        out: dict[str, float] = {
+            "waiting": len(sched.waiting),
+            "running": running,
+            "kv_total_tokens": self.allocator.size,
+            "kv_free_tokens": free,
+            "kv_cached_tokens": cached,
+            "kv_request_tokens": self.allocator.size - free - cached,
+        }
         policy = self.runner.speculation.policy
         if policy is not None and policy.cost.steps:
             out["spec_cost_residual"] = policy.cost.mean_abs_relative_residual

@@ -11,8 +11,9 @@ from specserve.tokenizer.tokenizer import Tokenizer
 Prompt = Union[str, list[str], None]
 
 
-def normalize_inputs(prompt: Prompt, input_ids: Optional[list], tokenizer: Tokenizer,
-                     vocab: int) -> tuple[bool, list[list[int]]]:
+def normalize_inputs(
+    prompt: Prompt, input_ids: Optional[list], tokenizer: Tokenizer, vocab: int
+) -> tuple[bool, list[list[int]]]:
     """(single, token lists): one prompt or a batch, as text or token ids, validated."""
     if (prompt is None) == (input_ids is None):
         raise InvalidRequestError("prompt/input_ids: give exactly one of them", param="prompt")
@@ -28,12 +29,12 @@ def normalize_inputs(prompt: Prompt, input_ids: Optional[list], tokenizer: Token
     single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
     lists = [input_ids] if single else input_ids
     if not isinstance(lists, list) or not lists:
-        raise InvalidRequestError("input_ids: must be a list of token ids or a non-empty list of such lists",
-                                  param="input_ids")
+        raise InvalidRequestError(
+            "input_ids: must be a list of token ids or a non-empty list of such lists", param="input_ids"
+        )
     for ids in lists:
         if not isinstance(ids, list) or not ids:
-            raise InvalidRequestError("input_ids: every prompt must be a non-empty list of token ids",
-                                      param="input_ids")
+            raise InvalidRequestError("input_ids: every prompt must be a non-empty list of token ids", param="input_ids")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"input_ids: token ids must be integers in [0, {vocab})", param="input_ids")
     return single, [list(ids) for ids in lists]
@@ -43,8 +44,9 @@ def normalize_params(sampling_params: Union[dict, list[dict], None], n: int, voc
     """One validated SamplingParams per prompt (a list gives each its own, a dict is shared)."""
     if isinstance(sampling_params, list):
         if len(sampling_params) != n:
-            raise InvalidRequestError(f"sampling_params: list of {len(sampling_params)} for {n} prompts",
-                                      param="sampling_params")
+            raise InvalidRequestError(
+                f"sampling_params: list of {len(sampling_params)} for {n} prompts", param="sampling_params"
+            )
         params = [SamplingParams.from_dict(p) for p in sampling_params]
     else:
         params = [SamplingParams.from_dict(sampling_params) for _ in range(n)]

@@ -122,5 +122,6 @@ class EngineFatal:
     message: str
 
 
-Event = Union[EngineReady, TokensOut, RequestDone, RequestError, RequestFailed, LoadReport, CacheFlushed, Heartbeat,
-              EngineFatal]
+Event = Union[
+    EngineReady, TokensOut, RequestDone, RequestError, RequestFailed, LoadReport, CacheFlushed, Heartbeat, EngineFatal
+]

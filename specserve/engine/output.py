@@ -63,14 +63,16 @@ def _spec_info(req: Req) -> dict[str, Any]:
         out["spec_drafter_steps"] = dict(sorted(req.spec_drafter_steps.items()))
     if req.spec_verify_ct == 0:
         return out
-    out.update({
-        "spec_verify_ct": req.spec_verify_ct,
-        "spec_num_correct_drafts": req.spec_num_correct_drafts,
-        "spec_accept_length": 1.0 + req.spec_num_correct_drafts / req.spec_verify_ct,
-        "spec_correct_drafts_histogram": dict(sorted(req.spec_correct_hist.items())),
-        "spec_cap_trim_histogram": dict(sorted(req.spec_cap_trim_hist.items())),
-        "spec_accepted_drafts_per_step": list(req.spec_emitted_trace),
-    })
+    out.update(
+        {
+            "spec_verify_ct": req.spec_verify_ct,
+            "spec_num_correct_drafts": req.spec_num_correct_drafts,
+            "spec_accept_length": 1.0 + req.spec_num_correct_drafts / req.spec_verify_ct,
+            "spec_correct_drafts_histogram": dict(sorted(req.spec_correct_hist.items())),
+            "spec_cap_trim_histogram": dict(sorted(req.spec_cap_trim_hist.items())),
+            "spec_accepted_drafts_per_step": list(req.spec_emitted_trace),
+        }
+    )
     if req.spec_predicted_sum > 0:
         out["spec_predicted_accept_length"] = req.spec_predicted_sum / req.spec_verify_ct
     return out

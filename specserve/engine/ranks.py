@@ -31,8 +31,7 @@ def spawn_rank_workers(args: ServerArgs, addr: str, skip_rank0: bool) -> list[Ra
 
 def dist_config(args: ServerArgs, rank: int, addr: str, watch=None) -> DistConfig:
     """This rank's place in the group; on one node everything listens on loopback only."""
-    return DistConfig(rank, args.tp_size, addr, args.collective_timeout, args.device, loopback=args.nnodes == 1,
-                      watch=watch)
+    return DistConfig(rank, args.tp_size, addr, args.collective_timeout, args.device, loopback=args.nnodes == 1, watch=watch)
 
 
 def rank_main(args_dict: dict, rank: int, addr: str, started) -> None:
@@ -43,8 +42,7 @@ def rank_main(args_dict: dict, rank: int, addr: str, started) -> None:
     parent = os.getppid()
 
     args = ServerArgs.from_kwargs(**args_dict)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: "
-                                                             "%(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     engine = None
     try:
         engine = Engine.for_rank(args, dist_config(args, rank, addr, watch=lambda: _orphaned(parent)))
@@ -77,15 +75,25 @@ def run_node_workers(args: ServerArgs) -> int:
 
 # ------------------------------------------------------------ a request on the wire (the command stream)
 
-REQ_FIELDS: dict[str, type | tuple[type, ...]] = {"rid": str, "input_ids": list, "params": dict, "seed": int,
-                                                   "drafter": (str, type(None))}
+REQ_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "rid": str,
+    "input_ids": list,
+    "params": dict,
+    "seed": int,
+    "drafter": (str, type(None)),
+}
 PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def encode_req(req: Req) -> dict[str, Any]:
     """What rebuilds a queued request on another rank: the fields Engine._make_req sets."""
-    return {"rid": req.rid, "input_ids": list(req.input_ids), "params": dataclasses.asdict(req.params),
-            "seed": req.seed, "drafter": req.drafter}
+    return {
+        "rid": req.rid,
+        "input_ids": list(req.input_ids),
+        "params": dataclasses.asdict(req.params),
+        "seed": req.seed,
+        "drafter": req.drafter,
+    }
 
 
 def decode_req(data: dict) -> Req:
@@ -109,4 +117,3 @@ def decode_req(data: dict) -> Req:
 
 
 REQ_CODEC = ReqCodec(encode_req, decode_req)
-

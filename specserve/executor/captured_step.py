@@ -22,18 +22,39 @@ Compact (ragged) verify and prefill run eagerly: their shapes change with every 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from specserve.errors import InternalError
+from specserve.executor.step_io import StepInput
 from specserve.kv.pool import KVPool
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.speculative.accept import DsparkVerifyEpilogue
 
 MIN_KV_BUCKET = 128
+
+
+class VerifyPath(str, enum.Enum):
+    """How a verify step runs."""
+
+    FOLDED = "captured, greedy accept folded in"
+    CAPTURED = "captured, accept after it"
+    EAGER = "eager over the verified rows, accept after it"
+
+    @staticmethod
+    def select(step: StepInput, verify_lens: Optional[list[int]], capture: "CaptureConfig") -> "VerifyPath":
+        """The one selector of how a verify step runs: captured when every row of every window is
+        verified at a captured batch size, and then with the greedy accept folded in unless some
+        request samples or shapes its logits (penalties, bias, a grammar); else eagerly."""
+        if verify_lens is not None or not capture.covers(step.size):
+            return VerifyPath.EAGER
+        if all(p.is_greedy and not p.shapes_logits for p in step.params):
+            return VerifyPath.FOLDED
+        return VerifyPath.CAPTURED
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -81,9 +102,19 @@ class CapturedStep:
     With `epilogue`, the greedy accept runs inside the step (the folded accept) and writes the
     epilogue's buffers; `run(..., accept=False)` leaves acceptance to the caller (sampling)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, req_to_token: torch.Tensor, width: int, max_bs: int,
-                 capture_layer_ids: tuple[int, ...] = (), epilogue: Optional[DsparkVerifyEpilogue] = None,
-                 use_cuda_graph: bool = False, compile: bool = False, pad_batches: Optional[bool] = None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVPool,
+        req_to_token: torch.Tensor,
+        width: int,
+        max_bs: int,
+        capture_layer_ids: tuple[int, ...] = (),
+        epilogue: Optional[DsparkVerifyEpilogue] = None,
+        use_cuda_graph: bool = False,
+        compile: bool = False,
+        pad_batches: Optional[bool] = None,
+    ):
         self.model, self.kv, self.table = model, kv, req_to_token
         self.width, self.max_bs = width, max_bs
         self.capture_layer_ids = capture_layer_ids
@@ -115,13 +146,13 @@ class CapturedStep:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a replay writes (the epilogue's buffers are registered by their owner)."""
-        out = [self.rows_in, self.prefix_in, self.ids_in, self.valid_in, self.logits_out, self.positions_out,
-               self.slots_out]
+        out = [self.rows_in, self.prefix_in, self.ids_in, self.valid_in, self.logits_out, self.positions_out, self.slots_out]
         return out + ([self.hidden_out] if self.hidden_out is not None else [])
 
     @torch.inference_mode()
-    def run(self, rows: torch.Tensor, prefix: torch.Tensor, ids: torch.Tensor, kv_bound: int,
-            accept: bool = True) -> CapturedOut:
+    def run(
+        self, rows: torch.Tensor, prefix: torch.Tensor, ids: torch.Tensor, kv_bound: int, accept: bool = True
+    ) -> CapturedOut:
         """Replay for a batch: rows/prefix `[bs]`, ids `[bs, W]`; `kv_bound` >= every prefix + W."""
         bs = rows.shape[0]
         if not 1 <= bs <= self.max_bs:
@@ -179,9 +210,14 @@ class CapturedStep:
         slots = self.table[rows.unsqueeze(1), positions].masked_fill(~valid.unsqueeze(1), 0)
         meta = self.model.ops.window_metadata(self.table, rows, prefix, valid, width, kv_len)
         n = bs * width
-        fb = ForwardBatch(input_ids=ids.reshape(-1), positions=positions.reshape(-1), out_cache_loc=slots.reshape(-1),
-                          attn=meta, logit_rows=torch.arange(n, device=prefix.device),
-                          capture_layer_ids=self.capture_layer_ids)
+        fb = ForwardBatch(
+            input_ids=ids.reshape(-1),
+            positions=positions.reshape(-1),
+            out_cache_loc=slots.reshape(-1),
+            attn=meta,
+            logit_rows=torch.arange(n, device=prefix.device),
+            capture_layer_ids=self.capture_layer_ids,
+        )
         logits = self.model(fb, self.kv)
         self.logits_out[:n].copy_(logits)
         self.positions_out[:n].copy_(fb.positions)

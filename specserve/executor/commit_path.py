@@ -56,9 +56,12 @@ class CommitPath:
         if not done.indices:
             return
         req_rows = [step.rows[i] for i in done.indices]
-        self.future.write(torch.tensor(req_rows, dtype=torch.int64, device=self.device),
-                          torch.tensor([toks[-1] for toks in done.tokens], dtype=torch.int64, device=self.device),
-                          done.seq_lens, torch.tensor(done.out_lens, dtype=torch.int64, device=self.device))
+        self.future.write(
+            torch.tensor(req_rows, dtype=torch.int64, device=self.device),
+            torch.tensor([toks[-1] for toks in done.tokens], dtype=torch.int64, device=self.device),
+            done.seq_lens,
+            torch.tensor(done.out_lens, dtype=torch.int64, device=self.device),
+        )
         policy = self.speculation.policy
         for i, row, toks, out_len in zip(done.indices, req_rows, done.tokens, done.out_lens):
             if self.speculation.reads_tokens:
@@ -75,8 +78,13 @@ class CommitPath:
                 policy.observe_tokens(row, toks, step.params[i], out_len)
 
 
-def verified_rows(hidden: Optional[torch.Tensor], commit_lens: torch.Tensor, prefix: torch.Tensor,
-                  window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> CommittedRows:
+def verified_rows(
+    hidden: Optional[torch.Tensor],
+    commit_lens: torch.Tensor,
+    prefix: torch.Tensor,
+    window_slots: torch.Tensor,
+    verify_lens: Optional[list[int]],
+) -> CommittedRows:
     """Exactly a verify step's committed rows for the drafters: positions S..S+commit_len-1 of
     each window (hidden: the verified rows, packed window by window).
 

@@ -14,26 +14,18 @@ to the constructor.
 
 from __future__ import annotations
 
-import enum
+import functools
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from specserve.executor.captured_step import CaptureConfig, CapturedStep
+from specserve.executor.captured_step import CaptureConfig, CapturedStep, VerifyPath
 from specserve.executor.commit_path import CommitPath, Committed, tighter, verified_rows
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
-from specserve.executor.step_io import (
-    EXTEND,
-    VERIFY,
-    PromptLogprobs,
-    SampledToken,
-    StepInput,
-    StepOutcome,
-    VerifyOutcome,
-)
+from specserve.executor.step_handle import StepHandle
+from specserve.executor.step_io import EXTEND, VERIFY, PromptLogprobs, StepInput, StepOutcome
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.logits.grammar import GrammarCompiler
@@ -49,36 +41,24 @@ from specserve.speculative.speculation import Proposal, Speculation
 from specserve.speculative.worker import CommittedRows
 
 
-class VerifyPath(str, enum.Enum):
-    """How a verify step runs (see ModelRunner._verify_path)."""
-
-    FOLDED = "captured, greedy accept folded in"
-    CAPTURED = "captured, accept after it"
-    EAGER = "eager over the verified rows, accept after it"
-
-
-@dataclass
-class StepHandle:
-    """One launched step: its results on the device, their host copies, and the copy's event."""
-
-    step: StepInput
-    plan: Optional[StepPlan] = None  # a verify step's decisions, set on the forward stream
-    device_out: list[torch.Tensor] = field(default_factory=list)  # set on the forward stream
-    host_out: list[torch.Tensor] = field(default_factory=list)  # set on the copy stream
-    done: Optional[Event] = None
-    lag_number: int = -1  # its number for the copy-lag fault (SPECSERVE_FAULT_COPY_LAG_MS), else -1
-    logprobs: dict[int, list] = field(default_factory=dict)  # request index -> TokenLogprobs (forward stream)
-    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # request index -> its chunk's
-
-
 class ModelRunner:
     """Owns the model, its K/V tensors and the streams; the scheduler owns which slots mean what."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, req_to_token: ReqToTokenPool, device: str = "cpu",
-                 max_bs: int = 64, speculation: Optional[Speculation] = None,
-                 forward_stream: Optional[Stream] = None, copy_stream: Optional[Stream] = None,
-                 faults: Optional[FaultConfig] = None, capture: Optional[CaptureConfig] = None,
-                 tp: Optional[TPDecisions] = None, grammars: Optional[GrammarCompiler] = None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVPool,
+        req_to_token: ReqToTokenPool,
+        device: str = "cpu",
+        max_bs: int = 64,
+        speculation: Optional[Speculation] = None,
+        forward_stream: Optional[Stream] = None,
+        copy_stream: Optional[Stream] = None,
+        faults: Optional[FaultConfig] = None,
+        capture: Optional[CaptureConfig] = None,
+        tp: Optional[TPDecisions] = None,
+        grammars: Optional[GrammarCompiler] = None,
+    ):
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token
@@ -127,20 +107,7 @@ class ModelRunner:
         assert handle.done is not None, "launch records the copy's event"
         handle.done.synchronize()
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
-        step, plan = handle.step, handle.plan
-        if plan is not None:  # a speculating engine's decode step: its windows as planned
-            if plan.speculates:
-                out = AcceptOuts(*handle.host_out)
-                commit, rows, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
-                tokens = [row[:n] for row, n in zip(rows, commit)]
-            else:  # no drafts: each request's one decoded token
-                tokens, trimmed = [[t] for t in handle.host_out[0].tolist()], [0] * step.size
-            return [VerifyOutcome(toks, cap, drafter, k, predicted, handle.logprobs.get(i))
-                    for i, (toks, cap, drafter, k, predicted)
-                    in enumerate(zip(tokens, trimmed, plan.drafters, plan.drafts, plan.predicted))]
-        tokens, lps, prompt = handle.host_out[0].tolist(), handle.logprobs, handle.prompt_logprobs
-        return [SampledToken(t if s else None, lps.get(i), prompt.get(i)) if i in lps or i in prompt
-                else t if s else None for i, (t, s) in enumerate(zip(tokens, step.sample))]
+        return handle.outcomes()
 
     def _copy_to_host(self, handle: StepHandle) -> None:
         """Copy stream: the device-to-host copy (pinned and non-blocking on CUDA)."""
@@ -174,9 +141,15 @@ class ModelRunner:
 
     def _extend(self, step: StepInput, logprobs: dict[int, list], prompt: dict[int, PromptLogprobs]) -> torch.Tensor:
         every_row = step.prompt_logprobs if any(step.prompt_logprobs) else False
-        fb = self._forward_batch(step.rows, step.prefix_lens, step.extend_lens,
-                                 torch.tensor(step.input_ids, dtype=torch.int64, device=self.device),
-                                 step.out_cache_loc, every_row=every_row, sample=step.sample)
+        fb = self._forward_batch(
+            step.rows,
+            step.prefix_lens,
+            step.extend_lens,
+            torch.tensor(step.input_ids, dtype=torch.int64, device=self.device),
+            step.out_cache_loc,
+            every_row=every_row,
+            sample=step.sample,
+        )
         logits = self.model(fb, self.kv)
         if every_row:  # score the prompt rows, keep each sampling request's last row
             logits = self.request_logits.prompt_logprobs(prompt, step, logits)
@@ -190,8 +163,9 @@ class ModelRunner:
                 assert fills is not None, "a sampling request's prefill carries its tokens"
                 self.request_logits.start(step.rows[i], step.params[i], fills, step.out_lens[i])
             logits = self.request_logits.shape(logits.cpu(), rows, params)
-            picked = torch.tensor(sample(logits, params, [step.seeds[i] for i in wanted],
-                                         [step.out_lens[i] for i in wanted]))
+            picked = torch.tensor(
+                sample(logits, params, [step.seeds[i] for i in wanted], [step.out_lens[i] for i in wanted])
+            )
             picked = self._agree([picked], "runner.extend_tokens")[0]
             firsts = picked.tolist()
             self.request_logits.record_logprobs(logprobs, wanted, logits, params, firsts)
@@ -215,8 +189,9 @@ class ModelRunner:
             logits = out.logits  # a persistent buffer: sampled right here, before the next replay
         else:
             slots = self.req_to_token.table[rows, prefix].tolist()
-            fb = self._forward_batch(step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False,
-                                     sample=step.sample)
+            fb = self._forward_batch(
+                step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False, sample=step.sample
+            )
             logits = self.model(fb, self.kv)
             computed = self._rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
         logits = self.request_logits.shape(logits.cpu(), step.rows, step.params)
@@ -224,8 +199,7 @@ class ModelRunner:
         tokens = self._agree([picked], "runner.decode_tokens")[0]
         picked_list = tokens.tolist()
         self.request_logits.record_logprobs(logprobs, range(step.size), logits, step.params, picked_list)
-        done = Committed(list(range(step.size)), [[t] for t in picked_list], prefix + 1,
-                         [n + 1 for n in outputs])
+        done = Committed(list(range(step.size)), [[t] for t in picked_list], prefix + 1, [n + 1 for n in outputs])
         self.commits.commit(step, done, computed)
         return tokens
 
@@ -234,19 +208,46 @@ class ModelRunner:
         epilogue = self.epilogue if width > 1 else None
         step = self._captured.get(width)
         if step is None or step.epilogue is not epilogue:
-            step = CapturedStep(self.model, self.kv, self.req_to_token.table, width, self.capture.max_bs,
-                                self.capture_layer_ids, epilogue, use_cuda_graph=self.forward.device.type == "cuda",
-                                compile=self.capture.compile, pad_batches=self.capture.pad_batches)
+            step = CapturedStep(
+                self.model,
+                self.kv,
+                self.req_to_token.table,
+                width,
+                self.capture.max_bs,
+                self.capture_layer_ids,
+                epilogue,
+                use_cuda_graph=self.forward.device.type == "cuda",
+                compile=self.capture.compile,
+                pad_batches=self.capture.pad_batches,
+            )
             if self.forward.sanitizer is not None:
                 self.forward.sanitizer.register_persistent(step.buffers(), self.forward)
             self._captured[width] = step
         return step
 
-    def _forward_batch(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int], input_ids: torch.Tensor,
-                       slots: list[int], every_row, sample: Optional[list[bool]] = None) -> ForwardBatch:
+    def _forward_batch(
+        self,
+        rows: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        input_ids: torch.Tensor,
+        slots: list[int],
+        every_row,
+        sample: Optional[list[bool]] = None,
+    ) -> ForwardBatch:
         """Tensors for one pass (see ForwardBatch.for_requests for which rows get logits)."""
-        return ForwardBatch.for_requests(self.req_to_token.table, rows, prefix_lens, extend_lens, input_ids, slots,
-                                         every_row, sample, self.model.ops, self.capture_layer_ids)
+        return ForwardBatch.for_requests(
+            self.req_to_token.table,
+            rows,
+            prefix_lens,
+            extend_lens,
+            input_ids,
+            slots,
+            every_row,
+            sample,
+            self.model.ops,
+            self.capture_layer_ids,
+        )
 
     # ------------------------------------------------------------ speculative verify (forward stream)
 
@@ -260,7 +261,7 @@ class ModelRunner:
         anchors, prefix, out_lens = self.future.read(rows)
         ids, proposal, verify_lens = self._draft_windows(step, plan, rows, anchors, prefix, out_lens)
         window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(width)]
-        path = self._verify_path(step, verify_lens)
+        path = VerifyPath.select(step, verify_lens, self.capture)
         if path is VerifyPath.EAGER:
             logits, hidden, keep = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
         else:
@@ -269,27 +270,36 @@ class ModelRunner:
         layout = verify_row_layout(bs, width, keep)
         logits = self.request_logits.shape_windows(logits, step.rows, step.params, ids, layout)
         if path is not VerifyPath.FOLDED:
-            accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds,
-                           lambda vocab: proposal.draft_probs(ids, vocab), verify_lens, keep)
-        if self.tp is not None:  # rank 0's accept results, into every rank's accept buffers
-            bufs = epilogue.accept_buffers(bs).tensors()
-            for buf, agreed in zip(bufs, self._agree([b.cpu() for b in bufs], "runner.accept")):
-                buf.copy_(agreed)
+            draft_probs = functools.partial(proposal.draft_probs, ids)
+            accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds, draft_probs, verify_lens, keep)
+        if self.tp is not None:
+            self.tp.agree_accept(epilogue.accept_buffers(bs))
         out = self.read_accept(bs)  # owned: nothing below reads the *_buf tensors
         commit_lens, out_tokens = out.commit_lens.tolist(), out.out_tokens.tolist()
         self.request_logits.window_logprobs(logprobs, step.params, logits, layout, commit_lens, out_tokens)
         if self.speculation.policy is not None:
             self.speculation.policy.observe_accept(step.rows, plan, out.correct_len.tolist())
-        computed = self._verified_rows(hidden, out, prefix, window_slots, verify_lens) \
-            if self.speculation.reads_rows else None
-        done = Committed(list(range(bs)), [toks[:n] for toks, n in zip(out_tokens, commit_lens)], out.new_seq_lens,
-                         [m + n for m, n in zip(out_lens.tolist(), commit_lens)])
+        computed = (
+            self._verified_rows(hidden, out, prefix, window_slots, verify_lens) if self.speculation.reads_rows else None
+        )
+        done = Committed(
+            list(range(bs)),
+            [toks[:n] for toks, n in zip(out_tokens, commit_lens)],
+            out.new_seq_lens,
+            [m + n for m, n in zip(out_lens.tolist(), commit_lens)],
+        )
         self.commits.commit(step, done, computed)
         return out
 
-    def _draft_windows(self, step: StepInput, plan: StepPlan, rows: torch.Tensor, anchors: torch.Tensor,
-                       prefix: torch.Tensor, out_lens: torch.Tensor
-                       ) -> tuple[torch.Tensor, Proposal, Optional[list[int]]]:
+    def _draft_windows(
+        self,
+        step: StepInput,
+        plan: StepPlan,
+        rows: torch.Tensor,
+        anchors: torch.Tensor,
+        prefix: torch.Tensor,
+        out_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, Proposal, Optional[list[int]]]:
         """The windows [anchor, drafts] as planned, their drafters' proposal, and the rows of each
         window to verify (None: every row), agreed across ranks."""
         bs, width = step.size, step.width
@@ -302,33 +312,13 @@ class ModelRunner:
         if any(p.constrained for p in step.params):  # a draft leaving its grammar ends the window there
             verify_lens = tighter(verify_lens, self.request_logits.draft_limits(step.rows, ids[:, 1:].tolist()))
         if self.tp is not None:
-            lens_t = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
-            ids_agreed, lens_t = self._agree([ids.cpu(), lens_t], "runner.drafts")
-            ids.copy_(ids_agreed)
-            verify_lens = lens_t.tolist() if verify_lens is not None else None
+            verify_lens = self.tp.agree_windows(ids, verify_lens)
         return ids, proposal, verify_lens
-
-    def _verify_path(self, step: StepInput, verify_lens: Optional[list[int]]) -> "VerifyPath":
-        """The one selector of how a verify step runs: captured when every row of every window is
-        verified at a captured batch size, and then with the greedy accept folded in unless some
-        request samples or shapes its logits (penalties, bias, a grammar); else eagerly."""
-        if verify_lens is not None or not self.capture.covers(step.size):
-            return VerifyPath.EAGER
-        if all(p.is_greedy and not p.shapes_logits for p in step.params):
-            return VerifyPath.FOLDED
-        return VerifyPath.CAPTURED
 
     def _plan(self, step: StepInput, gamma: int) -> StepPlan:
         """This step's drafter and draft count per request: rank 0's under tensor parallelism."""
         plan = self.speculation.plan(step.drafters, step.rows, gamma)
-        if self.tp is None:
-            return plan
-        names = sorted(self.speculation.workers)
-        codes = torch.tensor([-1 if d is None else names.index(d) for d in plan.drafters], dtype=torch.int64)
-        codes, drafts = self._agree([codes, torch.tensor(plan.drafts, dtype=torch.int64)], "runner.plan")
-        plan.drafters = [None if c < 0 else names[c] for c in codes.tolist()]
-        plan.drafts = drafts.tolist()
-        return plan
+        return plan if self.tp is None else self.tp.agree_plan(plan, sorted(self.speculation.workers))
 
     def _epilogue(self, width: int) -> DsparkVerifyEpilogue:
         if self.epilogue is None or self.epilogue.num_verify_tokens != width:
@@ -337,8 +327,15 @@ class ModelRunner:
                 self.forward.sanitizer.register_persistent(self.epilogue.buffers(), self.forward)
         return self.epilogue
 
-    def _draft(self, step: StepInput, rows: torch.Tensor, ids: torch.Tensor, prefix: torch.Tensor,
-               out_lens: torch.Tensor, drafters: list[Optional[str]]) -> Proposal:
+    def _draft(
+        self,
+        step: StepInput,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        prefix: torch.Tensor,
+        out_lens: torch.Tensor,
+        drafters: list[Optional[str]],
+    ) -> Proposal:
         """Fill ids[:, 1:] with each request's drafts by `drafters`; returns their distributions
         and verify lengths."""
         return self.speculation.propose(drafters, rows, ids, prefix, out_lens, step.params, step.seeds)
@@ -353,9 +350,14 @@ class ModelRunner:
             return self.epilogue.accept_buffers(bs)
         return self.epilogue.read_accept(bs)
 
-    def _verify_forward(self, step: StepInput, ids: torch.Tensor, prefix: torch.Tensor, window_slots: torch.Tensor,
-                        verify_lens: Optional[list[int]]
-                        ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def _verify_forward(
+        self,
+        step: StepInput,
+        ids: torch.Tensor,
+        prefix: torch.Tensor,
+        window_slots: torch.Tensor,
+        verify_lens: Optional[list[int]],
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Target logits of the computed rows, packed, the packed rows' hidden states, and which
         window rows they are ([bs, W]; None: every row, the strided [bs * W, V] layout)."""
         bs, width = ids.shape
@@ -365,12 +367,17 @@ class ModelRunner:
         packed = self.model(fb, self.kv)
         return packed, fb.captured_hidden, None if verify_lens is None else keep
 
-    def _verified_rows(self, hidden: Optional[torch.Tensor], out: AcceptOuts, prefix: torch.Tensor,
-                       window_slots: torch.Tensor, verify_lens: Optional[list[int]]) -> CommittedRows:
+    def _verified_rows(
+        self,
+        hidden: Optional[torch.Tensor],
+        out: AcceptOuts,
+        prefix: torch.Tensor,
+        window_slots: torch.Tensor,
+        verify_lens: Optional[list[int]],
+    ) -> CommittedRows:
         return verified_rows(hidden, out.commit_lens, prefix, window_slots, verify_lens)
 
-    def _rows(self, hidden: Optional[torch.Tensor], positions: torch.Tensor,
-              slots: torch.Tensor) -> Optional[CommittedRows]:
+    def _rows(self, hidden: Optional[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> Optional[CommittedRows]:
         """A pass's computed rows for the drafters that read them (None when none does)."""
         if not self.speculation.reads_rows or hidden is None:
             return None
@@ -390,4 +397,3 @@ class ModelRunner:
     def close(self) -> None:
         self.forward.close()
         self.copy.close()
-

@@ -54,11 +54,15 @@ class RequestLogits:
         """Verify length per window when a grammar ends some early (1 + the drafts it allows), else None."""
         if not any(row in self._states for row in rows):
             return None
-        return [1 + (self._states[row].valid_prefix(d) if row in self._states else len(d))
-                for row, d in zip(rows, drafts)]
+        return [1 + (self._states[row].valid_prefix(d) if row in self._states else len(d)) for row, d in zip(rows, drafts)]
 
-    def shape(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
-              windows: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
+    def shape(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        params: Sequence[SamplingParams],
+        windows: Optional[Sequence[Sequence[int]]] = None,
+    ) -> torch.Tensor:
         """logits [n, V], one row per (slot, params) -> the same logits, shaped where a request asks for it.
         `windows[r]`: tokens between the request's committed output and row r (a verify row's drafts)."""
         penalised = [r for r, p in enumerate(params) if p.penalises]
@@ -68,26 +72,35 @@ class RequestLogits:
         out = logits.clone()  # never write into a captured step's logits buffer
         if penalised:
             outputs = [self._outputs[rows[r]] + list(windows[r] if windows else ()) for r in penalised]
-            out[penalised] = shape_logits(logits[penalised], [params[r] for r in penalised],
-                                          [self._prompts[rows[r]] for r in penalised], outputs).to(logits.dtype)
+            out[penalised] = shape_logits(
+                logits[penalised], [params[r] for r in penalised], [self._prompts[rows[r]] for r in penalised], outputs
+            ).to(logits.dtype)
         for r in constrained:
             allowed = self._states[rows[r]].mask_after(windows[r] if windows else ())
             out[r].masked_fill_(~allowed.to(out.device), float("-inf"))
         return out
 
-    def shape_windows(self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
-                      ids: torch.Tensor, layout: list[tuple[int, int]]) -> torch.Tensor:
+    def shape_windows(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        params: Sequence[SamplingParams],
+        ids: torch.Tensor,
+        layout: list[tuple[int, int]],
+    ) -> torch.Tensor:
         """A verify step's logits (rows per `layout`), each row shaped after the drafts before it in its
         window `ids` [bs, W]; untouched (and no host work) when no request shapes its logits."""
         if not any(p.shapes_logits for p in params):
             return logits
         drafts = ids[:, 1:].tolist()
-        return self.shape(logits, [rows[i] for i, _ in layout], [params[i] for i, _ in layout],
-                          [drafts[i][:j] for i, j in layout])
+        return self.shape(
+            logits, [rows[i] for i, _ in layout], [params[i] for i, _ in layout], [drafts[i][:j] for i, j in layout]
+        )
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 tokens: Sequence[int]) -> list[Optional[TokenLogprob]]:
+    def logprobs(
+        logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+    ) -> list[Optional[TokenLogprob]]:
         """Per row, its token's logprob (None where the request did not ask)."""
         wanted = [r for r, p in enumerate(params) if p.logprobs]
         out: list[Optional[TokenLogprob]] = [None] * len(params)
@@ -97,25 +110,38 @@ class RequestLogits:
                 out[r] = lp
         return out
 
-    def record_logprobs(self, into: dict[int, list], indices: Sequence[int], logits: torch.Tensor,
-                        params: Sequence[SamplingParams], tokens: Sequence[int]) -> None:
+    def record_logprobs(
+        self,
+        into: dict[int, list],
+        indices: Sequence[int],
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        tokens: Sequence[int],
+    ) -> None:
         """A decode or prefill step's logprobs (one token per row), by request index, where asked."""
         for i, lp in zip(indices, self.logprobs(logits, params, tokens)):
             if lp is not None:
                 into[i] = [lp]
 
-    def window_logprobs(self, into: dict[int, list], params: Sequence[SamplingParams], logits: torch.Tensor,
-                        layout: list[tuple[int, int]], commit_lens: list[int], out_tokens: list[list[int]]) -> None:
+    def window_logprobs(
+        self,
+        into: dict[int, list],
+        params: Sequence[SamplingParams],
+        logits: torch.Tensor,
+        layout: list[tuple[int, int]],
+        commit_lens: list[int],
+        out_tokens: list[list[int]],
+    ) -> None:
         """A verify step's logprobs of each committed token, by request index: window column k's
         token (an accepted draft, or the bonus) is the one row k predicted."""
         picked = [r for r, (i, j) in enumerate(layout) if params[i].logprobs and j < commit_lens[i]]
         if not picked:
             return
-        found = self.logprobs(logits[picked], [params[layout[r][0]] for r in picked],
-                              [out_tokens[layout[r][0]][layout[r][1]] for r in picked])
+        found = self.logprobs(
+            logits[picked], [params[layout[r][0]] for r in picked], [out_tokens[layout[r][0]][layout[r][1]] for r in picked]
+        )
         for r, lp in zip(picked, found):
             into.setdefault(layout[r][0], []).append(lp)
-
 
     @staticmethod
     def prompt_logprobs(into: dict[int, PromptLogprobs], step: StepInput, logits: torch.Tensor) -> torch.Tensor:
@@ -134,8 +160,9 @@ class RequestLogits:
             scored = min(n, prompt_len - 1 - p)  # row p + k predicts token p + k + 1, while in the prompt
             if scored > 0:
                 top = step.params[i].top_logprobs
-                into[i] = PromptLogprobs(p + 1, token_logprobs(logits[offset:offset + scored], fill[p + 1:p + 1 + scored],
-                                                               [top] * scored))
+                into[i] = PromptLogprobs(
+                    p + 1, token_logprobs(logits[offset : offset + scored], fill[p + 1 : p + 1 + scored], [top] * scored)
+                )
             kept += [offset + n - 1] if sampled else []
             offset += n
         return logits[kept]

@@ -15,6 +15,8 @@ import torch
 
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import TPGroup
+from specserve.speculative.accept import AcceptOuts
+from specserve.speculative.adaptive import StepPlan
 
 
 class RankDivergence(RuntimeError):
@@ -39,9 +41,31 @@ class TPDecisions:
         self.group.broadcast_(buf, site, on_model_group=True)
         out, offset = [], 0
         for t in tensors:
-            out.append(buf[offset:offset + t.numel()].view(t.shape).clone())
+            out.append(buf[offset : offset + t.numel()].view(t.shape).clone())
             offset += t.numel()
         return out
+
+    def agree_plan(self, plan: StepPlan, drafter_names: list[str]) -> StepPlan:
+        """Rank 0's drafter and draft count per request (drafters sent as indices into the names)."""
+        codes = torch.tensor([-1 if d is None else drafter_names.index(d) for d in plan.drafters], dtype=torch.int64)
+        codes, drafts = self.agree([codes, torch.tensor(plan.drafts, dtype=torch.int64)], "runner.plan")
+        plan.drafters = [None if c < 0 else drafter_names[c] for c in codes.tolist()]
+        plan.drafts = drafts.tolist()
+        return plan
+
+    def agree_windows(self, ids: torch.Tensor, verify_lens: Optional[list[int]]) -> Optional[list[int]]:
+        """Rank 0's drafted windows (written into `ids`) and rows to verify (None: every row)."""
+        bs, width = ids.shape
+        lens = torch.tensor(verify_lens if verify_lens is not None else [width] * bs, dtype=torch.int64)
+        ids_agreed, lens = self.agree([ids.cpu(), lens], "runner.drafts")
+        ids.copy_(ids_agreed)
+        return lens.tolist() if verify_lens is not None else None
+
+    def agree_accept(self, buffers: AcceptOuts) -> None:
+        """Rank 0's accept results, written into this rank's accept buffers."""
+        bufs = buffers.tensors()
+        for buf, agreed in zip(bufs, self.agree([b.cpu() for b in bufs], "runner.accept")):
+            buf.copy_(agreed)
 
     def agree_on_batch_shape(self, rows: int, tokens: int) -> None:
         """One small all-reduce (MIN of the values and of their negations) before a forward."""
@@ -50,6 +74,8 @@ class TPDecisions:
         if int(shape[0]) != -int(shape[2]) or int(shape[1]) != -int(shape[3]):
             if self.consensus is not None:
                 self.consensus.flush()  # reports the divergent events and exits
-            raise RankDivergence(f"rank divergence at site 'engine.batch_shape' on rank {self.rank}: this rank "
-                                 f"scheduled {rows} requests / {tokens} tokens, the ranks range over requests "
-                                 f"{int(shape[0])}..{-int(shape[2])} and tokens {int(shape[1])}..{-int(shape[3])}")
+            raise RankDivergence(
+                f"rank divergence at site 'engine.batch_shape' on rank {self.rank}: this rank "
+                f"scheduled {rows} requests / {tokens} tokens, the ranks range over requests "
+                f"{int(shape[0])}..{-int(shape[2])} and tokens {int(shape[1])}..{-int(shape[3])}"
+            )

@@ -35,8 +35,10 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
     per_req = ctx + width
     batch = max(2, min(batch, runner.req_to_token.table.shape[0], (runner.kv.size - 1) // per_req))
     if batch * per_req >= runner.kv.size:
-        raise ConfigError(f"speculation warm-up: the KV pool ({runner.kv.size} tokens) is too small to time "
-                         f"steps; give --max-total-tokens >= {2 * per_req + 1} or a cost table")
+        raise ConfigError(
+            f"speculation warm-up: the KV pool ({runner.kv.size} tokens) is too small to time "
+            f"steps; give --max-total-tokens >= {2 * per_req + 1} or a cost table"
+        )
     saved = table[:batch].clone()
     for r in range(batch):  # synthetic requests r: slots 1 + r * per_req ...
         table[r, :per_req] = torch.arange(1 + r * per_req, 1 + (r + 1) * per_req, device=table.device)
@@ -44,8 +46,10 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
     try:
         step = {(bs, w): timer(partial(_forward, runner, bs, w, ctx)) for bs in (1, batch) for w in (1, width)}
         # A plain decode step runs captured where the engine captures it; a verify with drafts eagerly.
-        plain = {bs: timer(partial(_captured_decode, runner, bs, ctx)) if runner.capture.covers(bs) else step[(bs, 1)]
-                 for bs in (1, batch)}
+        plain = {
+            bs: timer(partial(_captured_decode, runner, bs, ctx)) if runner.capture.covers(bs) else step[(bs, 1)]
+            for bs in (1, batch)
+        }
         draft = {}
         dspark = runner.speculation.worker(Algorithm.DSPARK)
         if dspark is not None:
@@ -58,10 +62,14 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
 
 def _forward(runner, bs: int, width: int, ctx: int) -> None:
     rows = list(range(bs))
-    fb = runner._forward_batch(rows, [ctx] * bs, [width] * bs,
-                               torch.zeros(bs * width, dtype=torch.int64, device=runner.device),
-                               runner.req_to_token.table[rows, ctx:ctx + width].reshape(-1).tolist(),
-                               every_row=width > 1)
+    fb = runner._forward_batch(
+        rows,
+        [ctx] * bs,
+        [width] * bs,
+        torch.zeros(bs * width, dtype=torch.int64, device=runner.device),
+        runner.req_to_token.table[rows, ctx : ctx + width].reshape(-1).tolist(),
+        every_row=width > 1,
+    )
     runner.model(fb, runner.kv)
     if runner.speculation.reads_rows:  # a DSpark engine's plain pass also writes the drafter's context rows
         runner.speculation.commit_rows(CommittedRows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
@@ -70,16 +78,28 @@ def _forward(runner, bs: int, width: int, ctx: int) -> None:
 def _captured_decode(runner, bs: int, ctx: int) -> None:
     dev = runner.device
     rows = torch.arange(bs, device=dev)
-    runner._captured_step(1).run(rows, torch.full((bs,), ctx, dtype=torch.int64, device=dev),
-                                 torch.zeros(bs, 1, dtype=torch.int64, device=dev), ctx + 1)
+    runner._captured_step(1).run(
+        rows,
+        torch.full((bs,), ctx, dtype=torch.int64, device=dev),
+        torch.zeros(bs, 1, dtype=torch.int64, device=dev),
+        ctx + 1,
+    )
 
 
 def _draft(runner, worker, bs: int, gamma: int, ctx: int) -> None:
     dev = runner.device
     rows = torch.arange(bs, device=dev)
-    worker.draft(DraftInput(rows, torch.zeros(bs, dtype=torch.int64, device=dev),
-                            torch.full((bs,), ctx, dtype=torch.int64, device=dev), torch.zeros(bs, dtype=torch.int64),
-                            [SamplingParams(temperature=0.0)] * bs, [0] * bs, gamma))
+    worker.draft(
+        DraftInput(
+            rows,
+            torch.zeros(bs, dtype=torch.int64, device=dev),
+            torch.full((bs,), ctx, dtype=torch.int64, device=dev),
+            torch.zeros(bs, dtype=torch.int64),
+            [SamplingParams(temperature=0.0)] * bs,
+            [0] * bs,
+            gamma,
+        )
+    )
 
 
 def _ngram_lookup() -> None:
@@ -112,8 +132,14 @@ class _Timer:
             torch.cuda.synchronize()
 
 
-def _fit(step: dict[tuple[int, int], float], plain: dict[int, float], draft: dict[int, float], batch: int,
-         gamma: int, ngram_s: float) -> list[float]:
+def _fit(
+    step: dict[tuple[int, int], float],
+    plain: dict[int, float],
+    draft: dict[int, float],
+    batch: int,
+    gamma: int,
+    ngram_s: float,
+) -> list[float]:
     """Plain decode steps give the fixed and per-request parts; eager steps over full windows the
     part per verified row and, against plain decode, the fixed cost of taking the verify path;
     the drafter's two timings give its fixed and per-row parts."""
@@ -125,6 +151,13 @@ def _fit(step: dict[tuple[int, int], float], plain: dict[int, float], draft: dic
     if draft:
         dspark_row = max(0.0, (draft[batch] - draft[1]) / ((batch - 1) * gamma))
         dspark_step = max(0.0, draft[1] - gamma * dspark_row)
-    coefficients = dict(fixed=fixed, requests=per_request, verify_rows=max(per_row, 0.0), dspark_step=dspark_step,
-                        dspark_rows=dspark_row, ngram_requests=ngram_s, verify_step=max(verify_step, 0.0))
+    coefficients = dict(
+        fixed=fixed,
+        requests=per_request,
+        verify_rows=max(per_row, 0.0),
+        dspark_step=dspark_step,
+        dspark_rows=dspark_row,
+        ngram_requests=ngram_s,
+        verify_step=max(verify_step, 0.0),
+    )
     return [coefficients[name] for name in FEATURES]

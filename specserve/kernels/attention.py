@@ -8,7 +8,14 @@ from specserve.kernels.build import load
 from specserve.kernels.dispatch import path_id
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                    row_req: torch.Tensor, row_len: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    row_req: torch.Tensor,
+    row_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [T, H, D] bf16; row t attends to positions 0..row_len[t]-1 of table row row_req[t]."""
     return load().paged_attention(q.contiguous(), k_pool, v_pool, table, row_req, row_len, scale, path_id())

@@ -96,8 +96,10 @@ def build_lock(folder: str, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     handle.seek(0)
-                    raise TimeoutError(f"specserve kernels: another process ({handle.read().strip() or 'unknown'}) "
-                                       f"has been building in {folder} for over {wait_s:.0f} s") from None
+                    raise TimeoutError(
+                        f"specserve kernels: another process ({handle.read().strip() or 'unknown'}) "
+                        f"has been building in {folder} for over {wait_s:.0f} s"
+                    ) from None
                 time.sleep(0.2)
         try:
             handle.seek(0)
@@ -138,8 +140,9 @@ def _build(folder: str) -> ModuleType:
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + path
     try:
-        return cpp_extension.load(NAME, sources, extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                                  build_directory=folder, verbose=False)
+        return cpp_extension.load(
+            NAME, sources, extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], build_directory=folder, verbose=False
+        )
     finally:
         os.environ["PATH"] = path
 

@@ -47,14 +47,26 @@ class PackedLinear:
         continued over this weight's K: the same operations, in the same order, as one weight over
         both parts, so a chain of shards gives the unsplit layer's float32 result bit for bit."""
         flat = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
-        out = load().linear(flat, self.format, self.codes, self.scale, self.zero, self.n, self.k, False, path_id(),
-                            *self.exponents, init.reshape(-1, self.n).float())
+        out = load().linear(
+            flat,
+            self.format,
+            self.codes,
+            self.scale,
+            self.zero,
+            self.n,
+            self.k,
+            False,
+            path_id(),
+            *self.exponents,
+            init.reshape(-1, self.n).float(),
+        )
         return out.view(*x.shape[:-1], self.n)
 
     def run(self, x: torch.Tensor, out_bf16: bool, path: int) -> torch.Tensor:
         """The kernel on a contiguous bf16 [m, k] x through the given path."""
-        return load().linear(x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path,
-                             *self.exponents)
+        return load().linear(
+            x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path, *self.exponents
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))

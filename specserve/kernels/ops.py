@@ -22,8 +22,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return load().silu_mul(gate_up, path_id())
 
 
-def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               heads: int, kv_heads: int, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+) -> torch.Tensor:
     """Rotate q and k of qkv [T, (heads + 2 kv_heads) * D] at `positions` (float32 tables [P, D/2]),
     store rotated k and v at `slots` of the pools, return q [T, heads, D]."""
     return load().rope_store(qkv, cos, sin, positions, slots, heads, kv_heads, k_pool, v_pool)

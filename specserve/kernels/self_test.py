@@ -31,8 +31,7 @@ def _weights(n: int, k: int, g: torch.Generator) -> dict[str, tuple]:
 def _check(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
     if not err <= TOLERANCE[name]:
-        raise RuntimeError(f"kernel self-test: {name} is off the float64 reference by {err:.2e} (limit "
-                           f"{TOLERANCE[name]})")
+        raise RuntimeError(f"kernel self-test: {name} is off the float64 reference by {err:.2e} (limit {TOLERANCE[name]})")
     return err
 
 
@@ -45,13 +44,32 @@ def self_test(module: ModuleType) -> str:
         x = torch.randn(7, packed.k, generator=g).bfloat16()
         outs = {}
         for path in paths:
-            y = module.linear(x, packed.format, packed.codes, packed.scale, packed.zero, packed.n, packed.k,
-                              packed.format not in (Q4, Q8), PATHS[path], *packed.exponents)
-            alone = module.linear(x[3:4].contiguous(), packed.format, packed.codes, packed.scale, packed.zero,
-                                  packed.n, packed.k, packed.format not in (Q4, Q8), PATHS[path], *packed.exponents)
+            y = module.linear(
+                x,
+                packed.format,
+                packed.codes,
+                packed.scale,
+                packed.zero,
+                packed.n,
+                packed.k,
+                packed.format not in (Q4, Q8),
+                PATHS[path],
+                *packed.exponents,
+            )
+            alone = module.linear(
+                x[3:4].contiguous(),
+                packed.format,
+                packed.codes,
+                packed.scale,
+                packed.zero,
+                packed.n,
+                packed.k,
+                packed.format not in (Q4, Q8),
+                PATHS[path],
+                *packed.exponents,
+            )
             if not torch.equal(alone[0], y[3]):
-                raise RuntimeError(f"kernel self-test: {name} ({path}) gives a row a different result alone than in a "
-                                   "batch")
+                raise RuntimeError(f"kernel self-test: {name} ({path}) gives a row a different result alone than in a batch")
             worst[name] = max(worst.get(name, 0.0), _check(name, y, x.double() @ dense.T))
             outs[path] = y
         for path, y in outs.items():

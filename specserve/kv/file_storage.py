@@ -125,8 +125,10 @@ class PageLayout:
     def _match(tensors: object, expected: tuple) -> bool:
         if not isinstance(tensors, list) or len(tensors) != len(expected):
             return False
-        return all(isinstance(t, torch.Tensor) and tuple(t.shape) == (PAGE_TOKENS,) + shape and str(t.dtype) == dtype
-                   for t, (shape, dtype) in zip(tensors, expected))
+        return all(
+            isinstance(t, torch.Tensor) and tuple(t.shape) == (PAGE_TOKENS,) + shape and str(t.dtype) == dtype
+            for t, (shape, dtype) in zip(tensors, expected)
+        )
 
 
 def prepare_directory(directory: str) -> None:
@@ -145,8 +147,10 @@ def prepare_directory(directory: str) -> None:
     mode = stat.S_IMODE(st.st_mode)
     if not existed or mode & 0o077:
         if st.st_uid != os.geteuid():
-            raise StorageDirError(f"hicache_storage_dir: {directory!r} (mode {mode:o}) is open to other users and "
-                                  "owned by another user; use a private directory")
+            raise StorageDirError(
+                f"hicache_storage_dir: {directory!r} (mode {mode:o}) is open to other users and "
+                "owned by another user; use a private directory"
+            )
         # Only take away other users' access: a directory the owner made read-only stays so.
         os.chmod(directory, 0o700 if not existed else mode & 0o700)
     if not os.access(directory, os.W_OK | os.X_OK):
@@ -156,8 +160,9 @@ def prepare_directory(directory: str) -> None:
 class FileKVStorage:
     """Pages of KV in <dir>/<chain hash>.<fingerprint digest>.rank<r>.kv; see the module docstring."""
 
-    def __init__(self, directory: str, fingerprint: StorageFingerprint, layout: PageLayout,
-                 max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(
+        self, directory: str, fingerprint: StorageFingerprint, layout: PageLayout, max_bytes: int = DEFAULT_MAX_BYTES
+    ):
         """`max_bytes` caps this rank's pages (the builder gives each rank its share of the flag)."""
         if max_bytes < 1:
             raise ConfigError(f"hicache_storage_max_bytes must be >= 1, got {max_bytes}")
@@ -177,7 +182,7 @@ class FileKVStorage:
         keys, h = [], hashlib.sha256(b"specserve-kv-v1")
         for start in range(0, len(tokens) - PAGE_TOKENS + 1, PAGE_TOKENS):
             h = h.copy()
-            h.update(repr(tokens[start:start + PAGE_TOKENS]).encode())
+            h.update(repr(tokens[start : start + PAGE_TOKENS]).encode())
             keys.append(h.hexdigest()[:40])
         return keys
 
@@ -281,8 +286,14 @@ class FileKVStorage:
         buf = io.BytesIO()
         torch.save(rows, buf)
         payload = buf.getvalue()
-        header = json.dumps({"fingerprint": self.fingerprint.as_dict(), "key": key, "payload_bytes": len(payload),
-                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+        header = json.dumps(
+            {
+                "fingerprint": self.fingerprint.as_dict(),
+                "key": key,
+                "payload_bytes": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest(),
+            }
+        ).encode()
         return MAGIC + len(header).to_bytes(_HEADER_LEN_BYTES, "little") + header + payload
 
     def load(self, key: str) -> Optional[dict[str, list[torch.Tensor]]]:
@@ -312,11 +323,15 @@ class FileKVStorage:
         if len(raw) > self.max_bytes or not raw.startswith(MAGIC):
             return None
         start = len(MAGIC) + _HEADER_LEN_BYTES
-        end = start + int.from_bytes(raw[len(MAGIC):start], "little")
+        end = start + int.from_bytes(raw[len(MAGIC) : start], "little")
         header, payload = json.loads(raw[start:end]), raw[end:]
-        if (not isinstance(header, dict) or not self.fingerprint.matches(header.get("fingerprint"))
-                or header.get("key") != key or header.get("payload_bytes") != len(payload)
-                or header.get("sha256") != hashlib.sha256(payload).hexdigest()):
+        if (
+            not isinstance(header, dict)
+            or not self.fingerprint.matches(header.get("fingerprint"))
+            or header.get("key") != key
+            or header.get("payload_bytes") != len(payload)
+            or header.get("sha256") != hashlib.sha256(payload).hexdigest()
+        ):
             return None
         rows = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
         return rows if self.layout.matches(rows) else None

@@ -51,9 +51,15 @@ class HiCacheStats:
 class HiRadixCache(RadixCache):
     """RadixCache with a host tier (and optionally a file tier); see the module docstring."""
 
-    def __init__(self, allocator: TokenSlotAllocator, host: HostKVPool, write_policy: str,
-                 storage: Optional[FileKVStorage], agree_min: Callable[[int, str], int],
-                 consensus: Optional[RankConsensusChecker] = None):
+    def __init__(
+        self,
+        allocator: TokenSlotAllocator,
+        host: HostKVPool,
+        write_policy: str,
+        storage: Optional[FileKVStorage],
+        agree_min: Callable[[int, str], int],
+        consensus: Optional[RankConsensusChecker] = None,
+    ):
         """`allocator` holds the device token slots this tree frees on eviction and allocates for
         load-back; `agree_min(value, site)` is an all-reduce MIN across ranks (identity on one rank)."""
         if write_policy not in WRITE_POLICIES:
@@ -179,7 +185,7 @@ class HiRadixCache(RadixCache):
             return slots, node
         offset = 0
         for c in chain:
-            c.value = device[offset:offset + len(c.key)]
+            c.value = device[offset : offset + len(c.key)]
             offset += len(c.key)
             assert c.host_value is not None, "the chain holds host-only nodes"
             self.host.load(c.host_value, c.value)
@@ -282,16 +288,20 @@ class HiRadixCache(RadixCache):
         """Free host slots: host-only leaves first (dropped), then host copies of device nodes.
         Never `keep`, nor a node being loaded back (`self._loading`)."""
         while n > 0:
-            host_only = [x for x in self._all_nodes() if not x.value and x.host_value is not None and not x.children
-                         and x is not keep and x not in self._loading]
+            host_only = [
+                x
+                for x in self._all_nodes()
+                if not x.value and x.host_value is not None and not x.children and x is not keep and x not in self._loading
+            ]
             if host_only:
                 victim = min(host_only)
                 assert victim.host_value is not None, "host_only: nodes with a host copy"
                 n -= len(victim.host_value)
                 self._drop_subtree(victim)
                 continue
-            copies = [x for x in self._all_nodes() if x.value and x.host_value is not None and x is not keep
-                      and x.backup_confirmed]
+            copies = [
+                x for x in self._all_nodes() if x.value and x.host_value is not None and x is not keep and x.backup_confirmed
+            ]
             if not copies:
                 return
             victim = min(copies)
@@ -315,7 +325,7 @@ class HiRadixCache(RadixCache):
         for i, page in enumerate(FileKVStorage.page_keys(key)):
             if not self.storage.has(page):
                 start = i * PAGE_TOKENS
-                if self.storage.save(page, self.host.rows(value[start:start + PAGE_TOKENS])):
+                if self.storage.save(page, self.host.rows(value[start : start + PAGE_TOKENS])):
                     self.stats.storage_pages_written += 1
 
     def _load_pages(self, key: list[int], slots: list[int], node: TreeNode) -> tuple[list[int], TreeNode]:
@@ -351,8 +361,9 @@ class HiRadixCache(RadixCache):
         in_tree = [s for n in self._all_nodes() if n.host_value is not None for s in n.host_value]
         free = self.host.slots._free
         if len(free) + len(in_tree) != self.host.size:
-            raise AssertionError(f"HiCache integrity: host free {len(free)} + in tree {len(in_tree)} != "
-                                 f"host size {self.host.size}")
+            raise AssertionError(
+                f"HiCache integrity: host free {len(free)} + in tree {len(in_tree)} != host size {self.host.size}"
+            )
         everything = set(free) | set(in_tree)
         if len(everything) != self.host.size or 0 in everything:
             raise AssertionError("HiCache integrity: a host slot is both free and in use, or used twice")

@@ -73,8 +73,10 @@ class HostKVPool:
     def rows(self, device_slots: list[int]) -> dict[str, list[torch.Tensor]]:
         """These slots' K and V of every layer of every pool (for the file tier)."""
         idx = torch.tensor(device_slots)
-        return {"k": [p.k[i][idx.to(p.k[i].device)].cpu() for p in self.device_pools for i in range(len(p.k))],
-                "v": [p.v[i][idx.to(p.v[i].device)].cpu() for p in self.device_pools for i in range(len(p.v))]}
+        return {
+            "k": [p.k[i][idx.to(p.k[i].device)].cpu() for p in self.device_pools for i in range(len(p.k))],
+            "v": [p.v[i][idx.to(p.v[i].device)].cpu() for p in self.device_pools for i in range(len(p.v))],
+        }
 
     def write_rows(self, device_slots: list[int], rows: dict[str, list[torch.Tensor]]) -> None:
         """Write rows (as returned by `rows`) into these device slots on the forward stream; waited for."""

@@ -28,8 +28,8 @@ class TokenSlotAllocator:
         """n fresh slots, or None when fewer are free (the caller evicts or retracts)."""
         if n > len(self._free):
             return None
-        taken = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
         return taken
 
     def free(self, slots: list[int]) -> None:
@@ -66,12 +66,12 @@ class ReqToTokenPool:
             return
         values = torch.tensor(slots, dtype=torch.int64, device=self.table.device)
         if self.stream is None:
-            self.table[idx, start:start + len(slots)] = values
+            self.table[idx, start : start + len(slots)] = values
         else:
             self.stream.submit(self._write, idx, start, values)
 
     def _write(self, idx: int, start: int, values: torch.Tensor) -> None:
-        self.table[idx, start:start + values.shape[0]] = values
+        self.table[idx, start : start + values.shape[0]] = values
 
 
 class KVPool:

@@ -46,8 +46,12 @@ class TreeNode:
 class RadixCache:
     """Prefix cache over token slots. `free_slots` returns evicted slots to the allocator."""
 
-    def __init__(self, free_slots: Callable[[list[int]], None], disabled: bool = False,
-                 consensus: Optional[RankConsensusChecker] = None):
+    def __init__(
+        self,
+        free_slots: Callable[[list[int]], None],
+        disabled: bool = False,
+        consensus: Optional[RankConsensusChecker] = None,
+    ):
         self.free_slots = free_slots
         self.disabled = disabled
         self.root = TreeNode()

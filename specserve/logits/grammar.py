@@ -69,8 +69,10 @@ class GrammarCompiler:
                     self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), eos_token=self.eos_token_ids)
                 template = llguidance.LLMatcher(self._tokenizer, grammar_text(llguidance, spec), log_level=0)
                 if template.is_error():
-                    raise InvalidRequestError(f"sampling_params.{spec.kind}: {_one_line(template.get_error())}",
-                                              param=f"sampling_params.{spec.kind}")
+                    raise InvalidRequestError(
+                        f"sampling_params.{spec.kind}: {_one_line(template.get_error())}",
+                        param=f"sampling_params.{spec.kind}",
+                    )
                 self._templates[spec] = template
                 if len(self._templates) > MAX_CACHED_GRAMMARS:
                     self._templates.popitem(last=False)
@@ -134,8 +136,8 @@ class GrammarState:
         words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
         bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
-        flat = bits.reshape(-1).bool()[:self.vocab_size]
-        allowed[:len(flat)] = flat
+        flat = bits.reshape(-1).bool()[: self.vocab_size]
+        allowed[: len(flat)] = flat
         return allowed
 
     def _nothing_allowed(self) -> torch.Tensor:

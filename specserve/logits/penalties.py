@@ -20,8 +20,12 @@ import torch
 from specserve.sampling_params import SamplingParams
 
 
-def shape_logits(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-                 outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+def shape_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+) -> torch.Tensor:
     """logits [n, V] -> float32 [n, V] with row r's bias and penalties applied, given the prompt
     and the output tokens before that row (`prompts[r]`, `outputs[r]`)."""
     out = logits.float().clone()

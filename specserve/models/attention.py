@@ -34,15 +34,17 @@ class KernelAttentionMetadata:
     row_len: torch.Tensor  # [T]
 
     @classmethod
-    def build(cls, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int],
-              device: str) -> "KernelAttentionMetadata":
+    def build(
+        cls, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: str
+    ) -> "KernelAttentionMetadata":
         row_req = torch.tensor([r for r, e in zip(rows, extend_lens) for _ in range(e)], device=device)
         row_len = torch.tensor([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], device=device)
         return cls(table, row_req, row_len)
 
     @classmethod
-    def for_windows(cls, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, valid: torch.Tensor,
-                    width: int) -> "KernelAttentionMetadata":
+    def for_windows(
+        cls, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, valid: torch.Tensor, width: int
+    ) -> "KernelAttentionMetadata":
         q_pos = prefix_lens.unsqueeze(1) + torch.arange(width, device=rows.device).unsqueeze(0)
         row_len = (q_pos + 1).masked_fill(~valid.unsqueeze(1), 0).reshape(-1)
         return cls(table, rows.repeat_interleave(width), row_len)
@@ -65,8 +67,15 @@ class SdpaAttentionMetadata:
     mask: Optional[torch.Tensor] = None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
 
     @classmethod
-    def build(cls, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: str,
-              dtype: torch.dtype) -> "SdpaAttentionMetadata":
+    def build(
+        cls,
+        table: torch.Tensor,
+        rows: list[int],
+        seq_lens: list[int],
+        extend_lens: list[int],
+        device: str,
+        dtype: torch.dtype,
+    ) -> "SdpaAttentionMetadata":
         bs = len(seq_lens)
         max_q, max_kv = max(extend_lens), max(seq_lens)
         seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
@@ -85,14 +94,23 @@ class SdpaAttentionMetadata:
             starts = torch.cumsum(ext, 0) - ext
             flat = starts.unsqueeze(1) + torch.arange(max_q, device=device).unsqueeze(0)
             q_gather = torch.where(q_valid, flat, torch.full_like(flat, int(ext.sum())))
-            out_scatter = (torch.arange(bs, device=device).unsqueeze(1) * max_q
-                           + torch.arange(max_q, device=device).unsqueeze(0))[q_valid]
+            out_scatter = (
+                torch.arange(bs, device=device).unsqueeze(1) * max_q + torch.arange(max_q, device=device).unsqueeze(0)
+            )[q_valid]
         additive = _additive(mask, dtype) if max_q > 1 or min(seq_lens) != max_kv else None
         return cls(bs, max_q, kv_slots, q_gather, out_scatter, additive)
 
     @classmethod
-    def for_windows(cls, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, valid: torch.Tensor,
-                    width: int, kv_len: int, dtype: torch.dtype) -> "SdpaAttentionMetadata":
+    def for_windows(
+        cls,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        valid: torch.Tensor,
+        width: int,
+        kv_len: int,
+        dtype: torch.dtype,
+    ) -> "SdpaAttentionMetadata":
         """Built from device tensors with shapes fixed by (bs, width, kv_len) and no host reads, so
         a CUDA graph can capture it. Rows with `valid` False are padding: they see column 0 only."""
         bs, device = rows.shape[0], rows.device
@@ -113,8 +131,9 @@ class SdpaAttentionMetadata:
             qp = torch.cat([q, q.new_zeros(1, heads, dim)])[self.q_gather]
         k = k_pool[self.kv_slots]  # [bs, max_kv, KVH, D]
         v = v_pool[self.kv_slots]
-        out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=self.mask, scale=scale, enable_gqa=True)  # [bs, H, max_q, D]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.mask, scale=scale, enable_gqa=True
+        )  # [bs, H, max_q, D]
         out = out.transpose(1, 2).reshape(-1, heads, dim)
         return out if self.out_scatter is None else out[self.out_scatter]
 
@@ -127,8 +146,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 AttentionMetadata = KernelAttentionMetadata | SdpaAttentionMetadata
 
 
-def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: Optional[torch.Tensor]) -> torch.Tensor:
+def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """The drafter's block queries [bs, g, H, D] over keys/values [bs, C + g, KVH, D] -> [bs, g, H, D],
     bidirectional inside the block. With bs = 1 and a mask [1, 1, C + g], the masked columns are
     dropped instead, so the computation's shape is the request's own: batching another request
@@ -136,6 +154,7 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1]:  # not a training batch's 2-D mask
         keep = mask.reshape(-1) == 0
         keys, values, mask = keys[:, keep], values[:, keep], None
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
+    )
     return out.transpose(1, 2)

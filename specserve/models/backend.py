@@ -20,12 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.ops import add_rms_norm, rope_store, silu_mul
-from specserve.models.attention import (
-    AttentionMetadata,
-    KernelAttentionMetadata,
-    SdpaAttentionMetadata,
-    block_attention,
-)
+from specserve.models.attention import AttentionMetadata, KernelAttentionMetadata, SdpaAttentionMetadata, block_attention
 from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -58,8 +53,17 @@ class OpBackend:
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return self.add_rms_norm(None, x, norm)
 
-    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int,
-                   rope: RotaryEmbedding, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        rope: RotaryEmbedding,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:
         """Rotate q and k of qkv [T, (heads + 2 kv_heads) * D] at `positions`, store rotated k and v
         at `slots` of the pools; q [T, heads, D]."""
         raise NotImplementedError
@@ -68,19 +72,28 @@ class OpBackend:
         """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
         raise NotImplementedError
 
-    def attention_metadata(self, table: torch.Tensor, rows: list[int], seq_lens: list[int],
-                           extend_lens: list[int], device: "str | torch.device") -> AttentionMetadata:
+    def attention_metadata(
+        self, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: "str | torch.device"
+    ) -> AttentionMetadata:
         """For requests at table rows `rows` adding `extend_lens` tokens to reach `seq_lens`."""
         raise NotImplementedError
 
-    def window_metadata(self, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                        valid: torch.Tensor, width: int, kv_len: int) -> AttentionMetadata:
+    def window_metadata(
+        self,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        valid: torch.Tensor,
+        width: int,
+        kv_len: int,
+    ) -> AttentionMetadata:
         """Every request computes a full window of `width` rows after its prefix (device tensors
         only, no host reads: a CUDA graph can capture it)."""
         raise NotImplementedError
 
-    def block_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def block_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """The drafter's attention (see attention.block_attention)."""
         return block_attention(q, keys, values, mask)
 
@@ -98,25 +111,42 @@ class TorchOps(OpBackend):
             residual.add_(x)
         return F.rms_norm(residual, norm.weight.shape, norm.weight, norm.eps)
 
-    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int,
-                   rope: RotaryEmbedding, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        rope: RotaryEmbedding,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:
         qkv = qkv.view(qkv.shape[0], heads + 2 * kv_heads, -1)
         cos, sin = rope.cos_sin(positions, qkv.dtype)
-        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)  # q and k rotated together
+        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated together
         k_pool[slots] = qk[:, heads:]
-        v_pool[slots] = qkv[:, heads + kv_heads:]
+        v_pool[slots] = qkv[:, heads + kv_heads :]
         return qk[:, :heads]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attention_metadata(self, table: torch.Tensor, rows: list[int], seq_lens: list[int],
-                           extend_lens: list[int], device: "str | torch.device") -> AttentionMetadata:
+    def attention_metadata(
+        self, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: "str | torch.device"
+    ) -> AttentionMetadata:
         return SdpaAttentionMetadata.build(table, rows, seq_lens, extend_lens, str(device), self.dtype)
 
-    def window_metadata(self, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                        valid: torch.Tensor, width: int, kv_len: int) -> AttentionMetadata:
+    def window_metadata(
+        self,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        valid: torch.Tensor,
+        width: int,
+        kv_len: int,
+    ) -> AttentionMetadata:
         return SdpaAttentionMetadata.for_windows(table, rows, prefix_lens, valid, width, kv_len, self.dtype)
 
 
@@ -136,27 +166,49 @@ class CpuKernelOps(OpBackend):
         flat = residual.reshape(-1, residual.shape[-1]).contiguous()
         return add_rms_norm(flat, None, norm.weight, norm.eps).view(residual.shape)
 
-    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int,
-                   rope: RotaryEmbedding, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        rope: RotaryEmbedding,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:
         return rope_store(qkv, rope.cos, rope.sin, positions, slots, heads, kv_heads, k_pool, v_pool)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         return silu_mul(flat).view(*gate_up.shape[:-1], -1)
 
-    def attention_metadata(self, table: torch.Tensor, rows: list[int], seq_lens: list[int],
-                           extend_lens: list[int], device: "str | torch.device") -> AttentionMetadata:
+    def attention_metadata(
+        self, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: "str | torch.device"
+    ) -> AttentionMetadata:
         return KernelAttentionMetadata.build(table, rows, seq_lens, extend_lens, str(device))
 
-    def window_metadata(self, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                        valid: torch.Tensor, width: int, kv_len: int) -> AttentionMetadata:
+    def window_metadata(
+        self,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        valid: torch.Tensor,
+        width: int,
+        kv_len: int,
+    ) -> AttentionMetadata:
         return KernelAttentionMetadata.for_windows(table, rows, prefix_lens, valid, width)
 
-    def block_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def block_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         # Each request alone, over its own columns only.
-        return torch.cat([block_attention(q[b:b + 1], keys[b:b + 1], values[b:b + 1], None if mask is None else mask[b])
-                          for b in range(q.shape[0])])
+        return torch.cat(
+            [
+                block_attention(q[b : b + 1], keys[b : b + 1], values[b : b + 1], None if mask is None else mask[b])
+                for b in range(q.shape[0])
+            ]
+        )
 
 
 def select_backend(device: "str | torch.device", dtype: torch.dtype, stock_ops: bool = False) -> OpBackend:

@@ -32,8 +32,9 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         if not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs):
-            raise ConfigError(f"model_path: architecture {archs} is not llama-family; supported: "
-                             f"{SUPPORTED_HF_ARCHITECTURES}")
+            raise ConfigError(
+                f"model_path: architecture {archs} is not llama-family; supported: {SUPPORTED_HF_ARCHITECTURES}"
+            )
         # transformers >= 5 writes RoPE settings under rope_parameters; older configs use top-level keys.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type")) not in (None, "default"):

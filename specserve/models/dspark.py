@@ -16,9 +16,7 @@ LM head, frozen.
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence, cast
 
 import torch
@@ -28,14 +26,12 @@ from torch import nn
 from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_bf16
 from specserve.kv.pool import KVPool
-from specserve.models.backend import OpBackend, TorchOps, select_backend
+from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 # Draft sampling draws its uniforms from counters disjoint from the verify's (those use j < 32).
 DRAFT_COUNTER_OFFSET = 32
 
@@ -63,15 +59,32 @@ class DsparkConfig:
     extra: dict = field(default_factory=dict)  # free-form provenance (target, training run, ...)
 
     @classmethod
-    def for_target(cls, target: ModelConfig, num_layers: int = 1, block_size: int = 5, markov_rank: int = 64,
-                   num_context_layers: int = 3, mask_token_id: int = 0) -> "DsparkConfig":
+    def for_target(
+        cls,
+        target: ModelConfig,
+        num_layers: int = 1,
+        block_size: int = 5,
+        markov_rank: int = 64,
+        num_context_layers: int = 3,
+        mask_token_id: int = 0,
+    ) -> "DsparkConfig":
         """A drafter as wide as the target, reading `num_context_layers` layers spread over its depth."""
-        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_layers=num_layers,
-                   num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                   vocab_size=target.vocab_size, target_hidden_size=target.hidden_size,
-                   target_layer_ids=spread_layers(target.num_layers, num_context_layers), block_size=block_size,
-                   markov_rank=markov_rank, mask_token_id=mask_token_id, rms_norm_eps=target.rms_norm_eps,
-                   rope_theta=target.rope_theta)
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_layers=num_layers,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            target_hidden_size=target.hidden_size,
+            target_layer_ids=spread_layers(target.num_layers, num_context_layers),
+            block_size=block_size,
+            markov_rank=markov_rank,
+            mask_token_id=mask_token_id,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+        )
 
     def validate_for(self, target: ModelConfig) -> None:
         problems = []
@@ -80,8 +93,7 @@ class DsparkConfig:
         if self.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.vocab_size} != target {target.vocab_size}")
         if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
-            problems.append(f"target_layer_ids {self.target_layer_ids} must be increasing (fc reads them in layer "
-                            "order)")
+            problems.append(f"target_layer_ids {self.target_layer_ids} must be increasing (fc reads them in layer order)")
         if any(not 0 <= i < target.num_layers for i in self.target_layer_ids):
             problems.append(f"target_layer_ids {self.target_layer_ids} outside 0..{target.num_layers - 1}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -136,8 +148,16 @@ class DraftLayer(nn.Module):
         k = apply_rope(self.k_proj(ctx).view(ctx.shape[0], -1, self.head_dim), cos, sin)
         return k, self.v_proj(ctx).view(ctx.shape[0], -1, self.head_dim)
 
-    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: Optional[torch.Tensor],
-                cos: torch.Tensor, sin: torch.Tensor, ops: OpBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ops: OpBackend,
+    ) -> torch.Tensor:
         """x [bs, g, H]; ctx_k/ctx_v [bs, C, KVH, D]; mask additive [bs, 1, 1, C + g] or None."""
         bs, g, _ = x.shape
         h = ops.rms_norm(x, self.input_layernorm).view(bs * g, -1)
@@ -212,8 +232,9 @@ class DsparkDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def attach_target(self, embed: Callable[[torch.Tensor], torch.Tensor],
-                      lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def attach_target(
+        self, embed: Callable[[torch.Tensor], torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         """Share the target's embedding and LM head. With a reduced draft vocabulary the head is
         the target head's rows of the draft ids (`lm_head` must then have a full `.weight`)."""
         self.embed, self.lm_head = embed, lm_head
@@ -251,8 +272,16 @@ class DsparkDrafter(nn.Module):
     # ------------------------------------------------------------ drafting
 
     @torch.inference_mode()
-    def propose(self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool,
-                params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int]) -> DraftOut:
+    def propose(
+        self,
+        anchors: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        ctx_slots: torch.Tensor,
+        kv: KVPool,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+    ) -> DraftOut:
         """Draft g tokens per request.
 
         anchors [bs]; prefix_lens [bs] (S); ctx_slots [bs, C] token slots of context positions
@@ -264,8 +293,9 @@ class DsparkDrafter(nn.Module):
         base = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(hidden.shape[0], hidden.shape[1], -1)
         return self.markov_decode(anchors, hidden, base, params, seeds, counters)
 
-    def block_hidden(self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor,
-                     kv: KVPool) -> torch.Tensor:
+    def block_hidden(
+        self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool
+    ) -> torch.Tensor:
         """Final-normed hidden states of the block slots, [bs, g, H]."""
         bs, g = anchors.shape[0], self.block_size
         ids = torch.full((bs, g), self.config.mask_token_id, dtype=torch.int64, device=anchors.device)
@@ -286,8 +316,15 @@ class DsparkDrafter(nn.Module):
             x = layer(x, kv.k[i][slots], kv.v[i][slots], mask, cos, sin, self.ops)
         return self.ops.rms_norm(x, self.norm)
 
-    def markov_decode(self, anchors: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor,
-                      params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int]) -> DraftOut:
+    def markov_decode(
+        self,
+        anchors: torch.Tensor,
+        hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+    ) -> DraftOut:
         """Left to right: logits_k = U_k + W2 W1[prev_k]; pick x_k; prev_{k+1} = x_k."""
         bs, g, _ = base_logits.shape
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -304,8 +341,10 @@ class DsparkDrafter(nn.Module):
             if probs is not None:  # some request samples
                 probs[:, k] = F.one_hot(pick, vocab).float()
                 q = filtered_probs(logits[sampled].cpu(), [params[i] for i in sampled])
-                u = torch.tensor([counter_uniform(seeds[i], draw_counter(counters[i], DRAFT_COUNTER_OFFSET + k))
-                                  for i in sampled], dtype=torch.float64)
+                u = torch.tensor(
+                    [counter_uniform(seeds[i], draw_counter(counters[i], DRAFT_COUNTER_OFFSET + k)) for i in sampled],
+                    dtype=torch.float64,
+                )
                 rows = torch.tensor(sampled, device=anchors.device)
                 pick[rows] = self.to_target(inverse_cdf(q, u).to(pick.device))
                 probs[rows, k] = self.to_target_probs(q.to(probs.device))
@@ -322,74 +361,3 @@ class DsparkDrafter(nn.Module):
             return q
         full = q.new_zeros(q.shape[0], self.config.vocab_size)
         return full.index_copy_(1, self.draft_to_target, q)
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def init_drafter(cfg: DsparkConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Randomly initialised weights (normal(0, std), norms at 1), as a state dict."""
-    gen = torch.Generator().manual_seed(seed)
-    model = DsparkDrafter(cfg, max_positions=1)
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if not tensor.is_floating_point():  # the draft-to-target map: set by whoever picks the vocabulary
-            state[name] = tensor.clone()
-        elif name.endswith("norm.weight") or "layernorm" in name:
-            state[name] = torch.ones_like(tensor)
-        elif name.endswith(".bias"):
-            state[name] = torch.zeros_like(tensor)
-        else:
-            state[name] = torch.randn(tensor.shape, generator=gen) * std
-    return state
-
-
-def save_drafter(out_dir: str, cfg: DsparkConfig, state: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32) -> None:
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-        json.dump(asdict(cfg), f, indent=2)
-    tensors = {k: v.detach().contiguous().to(dtype) if v.is_floating_point() else v.detach().contiguous()
-               for k, v in state.items()}
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
-
-
-def read_drafter_config(path: str) -> DsparkConfig:
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
-        raise ConfigError(f"speculative_draft_model_path: no {CONFIG_FILE} in {path!r}")
-    with open(file) as f:
-        raw = json.load(f)
-    if raw.get("architecture") != "dspark":
-        raise ConfigError(f"speculative_draft_model_path: {file} is not a DSpark drafter config")
-    known = DsparkConfig.__dataclass_fields__
-    return DsparkConfig(**{k: v for k, v in raw.items() if k in known})
-
-
-def load_drafter(path: str, target: ModelConfig, dtype: torch.dtype, device: str, max_positions: int,
-                 block_size: Optional[int] = None, embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> DsparkDrafter:
-    """Read config.json + model.safetensors; `block_size` overrides the checkpoint's gamma. Given
-    the target's `embed` and `lm_head`, the drafter comes back attached to them, ready to draft."""
-    from safetensors.torch import load_file
-
-    cfg = read_drafter_config(path)
-    cfg.validate_for(target)
-    if block_size is not None:
-        cfg.block_size = block_size
-    model = DsparkDrafter(cfg, max_positions)
-    state = load_file(os.path.join(path, WEIGHTS_FILE))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"speculative_draft_model_path: weights do not match the config: missing {missing}, "
-                         f"unexpected {unexpected}")
-    model.to(device)
-    for p in model.parameters():  # parameters only: the RoPE tables stay float32, as the target's do
-        p.requires_grad_(False)
-        p.data = p.data.to(dtype)
-    model.use_backend(select_backend(device, dtype))
-    if embed is not None and lm_head is not None:
-        model.attach_target(embed, lm_head)
-    return model.eval()

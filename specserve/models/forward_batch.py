@@ -24,11 +24,19 @@ class ForwardBatch:
     captured_hidden: torch.Tensor | None = None  # [T, len(capture_layer_ids) * H], filled by the model
 
     @classmethod
-    def for_requests(cls, table: torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[int],
-                     extend_lens: Sequence[int], input_ids: torch.Tensor, slots: Sequence[int],
-                     every_row: "bool | Sequence[bool]",
-                     sample: Optional[Sequence[bool]], ops: OpBackend,
-                     capture_layer_ids: tuple[int, ...]) -> "ForwardBatch":
+    def for_requests(
+        cls,
+        table: torch.Tensor,
+        rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        input_ids: torch.Tensor,
+        slots: Sequence[int],
+        every_row: "bool | Sequence[bool]",
+        sample: Optional[Sequence[bool]],
+        ops: OpBackend,
+        capture_layer_ids: tuple[int, ...],
+    ) -> "ForwardBatch":
         """One pass over requests (slots `rows` of the request-to-token `table`) that each add
         `extend_lens` tokens after `prefix_lens`: logits for every row (of all requests, or of those
         `every_row` marks), else each sampling request's last."""
@@ -44,7 +52,11 @@ class ForwardBatch:
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         positions = [p + i for p, n in zip(prefix_lens, extend_lens) for i in range(n)]
         meta = ops.attention_metadata(table, list(rows), seq_lens, list(extend_lens), dev)
-        return cls(input_ids=input_ids, positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-                   out_cache_loc=torch.tensor(list(slots), dtype=torch.int64, device=dev), attn=meta,
-                   logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-                   capture_layer_ids=capture_layer_ids)
+        return cls(
+            input_ids=input_ids,
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.tensor(list(slots), dtype=torch.int64, device=dev),
+            attn=meta,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            capture_layer_ids=capture_layer_ids,
+        )

@@ -154,8 +154,15 @@ class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T with W's output rows split across ranks; the output stays sharded. `ranges`
     gives each fused part's (start, rows) on this rank (default: an even split)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext, dtype: torch.dtype,
-                 ranges: Optional[list[tuple[int, int]]] = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        tp: TPContext,
+        dtype: torch.dtype,
+        ranges: Optional[list[tuple[int, int]]] = None,
+    ):
         self.ranges = ranges or [tp.shard(n) for n in out_sizes]
         self.out_sizes = [part for _, part in self.ranges]
         super().__init__(in_features, sum(self.out_sizes), bias, tp, dtype)
@@ -175,7 +182,7 @@ class ColumnParallelLinear(_ParallelLinear):
     @staticmethod
     def _rows(w, rows: tuple[int, int]):
         start, part = rows
-        return w[start:start + part] if isinstance(w, torch.Tensor) else w.rows(slice(start, start + part))
+        return w[start : start + part] if isinstance(w, torch.Tensor) else w.rows(slice(start, start + part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
@@ -185,14 +192,21 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, dtype: torch.dtype,
-                 cols: Optional[tuple[int, int]] = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPContext,
+        dtype: torch.dtype,
+        cols: Optional[tuple[int, int]] = None,
+    ):
         self.cols = cols or tp.shard(in_features)  # (start, count) of this rank's input columns
         super().__init__(self.cols[1], out_features, bias, tp, dtype)
 
     def load(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         start, part = self.cols
-        self.weight.data.copy_(weight[:, start:start + part])
+        self.weight.data.copy_(weight[:, start : start + part])
         if self.bias is not None and bias is not None:
             self.bias.data.copy_(bias)
 
@@ -210,8 +224,10 @@ class RowParallelLinear(_ParallelLinear):
         flat = x.reshape(-1, x.shape[-1])
         kernel = self.kernel
         assert kernel is not None, "forward() chains only with a kernel"
-        sums = self.tp.chain(lambda init: kernel(flat, torch.float32) if init is None else kernel.continue_sums(flat, init),
-                             (flat.shape[0], kernel.n))
+        sums = self.tp.chain(
+            lambda init: kernel(flat, torch.float32) if init is None else kernel.continue_sums(flat, init),
+            (flat.shape[0], kernel.n),
+        )
         return round_to_bf16_like_kernels(sums).view(*x.shape[:-1], kernel.n)
 
 
@@ -231,7 +247,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(part, dim, dtype=dtype), requires_grad=False)
 
     def load(self, weight: torch.Tensor) -> None:
-        self.weight.data.copy_(weight[self.start:self.start + self.weight.shape[0]])
+        self.weight.data.copy_(weight[self.start : self.start + self.weight.shape[0]])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -251,7 +267,7 @@ class ParallelLMHead(_ParallelLinear):
         self.start = tp.rank * part
 
     def load(self, weight: torch.Tensor) -> None:
-        self.weight.data.copy_(weight[self.start:self.start + self.weight.shape[0]])
+        self.weight.data.copy_(weight[self.start : self.start + self.weight.shape[0]])
 
     def load_quantized(self, weight: QuantWeight) -> None:
         """This rank's vocabulary rows of the GGUF output (or tied embedding) codes."""

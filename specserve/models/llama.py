@@ -35,18 +35,21 @@ class LlamaAttention(nn.Module):
         group, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         self.num_heads = self.num_kv_heads * group
         self.head_dim = d
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         q_rows, kv_rows = (kv_start * group * d, self.num_heads * d), (kv_start * d, self.num_kv_heads * d)
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype,
-                                             ranges=[q_rows, kv_rows, kv_rows])
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype, ranges=[q_rows, kv_rows, kv_rows]
+        )
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype, cols=q_rows)
 
-    def forward(self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool, rope: RotaryEmbedding,
-                ops: OpBackend) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool, rope: RotaryEmbedding, ops: OpBackend
+    ) -> torch.Tensor:
         k_pool, v_pool = kv.k[self.layer_id], kv.v[self.layer_id]
-        q = ops.rope_store(self.qkv_proj(hidden), fb.positions, fb.out_cache_loc, self.num_heads, self.num_kv_heads,
-                           rope, k_pool, v_pool)
+        q = ops.rope_store(
+            self.qkv_proj(hidden), fb.positions, fb.out_cache_loc, self.num_heads, self.num_kv_heads, rope, k_pool, v_pool
+        )
         out = fb.attn.attend(q, k_pool, v_pool, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -75,8 +78,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
-    def forward(self, out: Optional[torch.Tensor], residual: torch.Tensor, fb: ForwardBatch, kv: KVPool,
-                rope: RotaryEmbedding, ops: OpBackend) -> torch.Tensor:
+    def forward(
+        self,
+        out: Optional[torch.Tensor],
+        residual: torch.Tensor,
+        fb: ForwardBatch,
+        kv: KVPool,
+        rope: RotaryEmbedding,
+        ops: OpBackend,
+    ) -> torch.Tensor:
         attn = self.self_attn(ops.add_rms_norm(out, residual, self.input_layernorm), fb, kv, rope, ops)
         return self.mlp(ops.add_rms_norm(attn, residual, self.post_attention_layernorm), ops)
 
@@ -87,8 +97,7 @@ class LlamaForCausalLM(nn.Module):
     in `fb.captured_hidden` for the DSpark drafter. Its ops run on `self.ops` (stock torch until
     `use_backend` readies the loaded weights for another backend)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext | None = None,
-                 max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext | None = None, max_positions: int | None = None):
         super().__init__()
         tp = tp or TPContext()
         self.config = cfg
@@ -128,8 +137,10 @@ class LlamaForCausalLM(nn.Module):
         for linear, names in fused.items():
             if all(n in quantized for n in names):
                 linear.load_quantized([quantized[n] for n in names])
-        for row_linear, name in ((layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"),
-                                 (layer.mlp.down_proj, f"{p}mlp.down_proj.weight")):
+        for row_linear, name in (
+            (layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"),
+            (layer.mlp.down_proj, f"{p}mlp.down_proj.weight"),
+        ):
             if name in quantized:
                 row_linear.load_quantized(quantized[name])
 

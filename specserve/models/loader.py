@@ -92,6 +92,7 @@ def load_model_config(model_path: Optional[str]) -> ModelConfig:
 
 # ---------------------------------------------------------------- GGUF
 
+
 def gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:
@@ -177,6 +178,7 @@ def _gguf_to_hf_name(name: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- Hugging Face directory
+
 
 def _load_hf_dir(path: str) -> LoadedModel:
     from safetensors.torch import load_file

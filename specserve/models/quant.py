@@ -40,7 +40,7 @@ class Q4Weight:
 
     def cols(self, start: int, count: int) -> "Q4Weight":
         g0, gn = _split_cols(start, count)
-        return Q4Weight(self.codes[:, start:start + count], self.scale[:, g0:g0 + gn], self.offset[:, g0:g0 + gn])
+        return Q4Weight(self.codes[:, start : start + count], self.scale[:, g0 : g0 + gn], self.offset[:, g0 : g0 + gn])
 
     @staticmethod
     def cat(parts: list["Q4Weight"]) -> "Q4Weight":
@@ -65,7 +65,7 @@ class Q8Weight:
 
     def cols(self, start: int, count: int) -> "Q8Weight":
         g0, gn = _split_cols(start, count)
-        return Q8Weight(self.codes[:, start:start + count], self.scale[:, g0:g0 + gn])
+        return Q8Weight(self.codes[:, start : start + count], self.scale[:, g0 : g0 + gn])
 
     @staticmethod
     def cat(parts: list["Q8Weight"]) -> "Q8Weight":

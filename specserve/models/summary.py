@@ -28,8 +28,7 @@ def model_summary(loaded: LoadedModel) -> dict[str, Any]:
                 dtype = json.load(f).get("torch_dtype") or dtype
         weights = Counter({dtype: len(loaded.weights)})
         parameters = sum(w.numel() for w in loaded.weights.values())
-    return {"architecture": loaded.config.architecture, "parameters": parameters,
-            "weights": dict(weights.most_common())}
+    return {"architecture": loaded.config.architecture, "parameters": parameters, "weights": dict(weights.most_common())}
 
 
 def describe_parameters(count: int) -> str:

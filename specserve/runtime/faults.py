@@ -47,11 +47,13 @@ class FaultConfig:
         seed = envs.env_optional_int(envs.FAULT_SEED)
         lag_ranks = envs.env_int_set(envs.FAULT_COPY_LAG_RANKS)
         lags = lag_ranks is None or rank in lag_ranks
-        return cls(copy_delay_ms=envs.env_int(envs.FAULT_COPY_DELAY_MS),
-                   forward_delay_ms=envs.env_int(envs.FAULT_FORWARD_DELAY_MS),
-                   seed=seed if seed is not None else 1000 + rank,
-                   alias_accept_buffers=envs.env_flag(envs.FAULT_ALIAS_ACCEPT_BUFFERS),
-                   copy_lag_ms=envs.env_int(envs.FAULT_COPY_LAG_MS) if lags else 0)
+        return cls(
+            copy_delay_ms=envs.env_int(envs.FAULT_COPY_DELAY_MS),
+            forward_delay_ms=envs.env_int(envs.FAULT_FORWARD_DELAY_MS),
+            seed=seed if seed is not None else 1000 + rank,
+            alias_accept_buffers=envs.env_flag(envs.FAULT_ALIAS_ACCEPT_BUFFERS),
+            copy_lag_ms=envs.env_int(envs.FAULT_COPY_LAG_MS) if lags else 0,
+        )
 
     @property
     def needs_threads(self) -> bool:
@@ -117,8 +119,7 @@ class CopyLag:
     def wait_for_next_step(self, number: int) -> None:
         """Step `number` (0-based) is followed once `number + 2` steps have finished."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._finished >= number + 2 or self._released >= number,
-                                       timeout=self.max_s):
+            if not self._cond.wait_for(lambda: self._finished >= number + 2 or self._released >= number, timeout=self.max_s):
                 self.timeouts += 1
             elif self._finished >= number + 2:
                 self.late += 1

@@ -28,8 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from specserve.runtime.stream import Stream, current_stream, current_submit_site
 
-_SKIP_FRAMES = ("torch/", "specserve/runtime/sanitizer.py", "specserve/runtime/stream.py", "contextlib.py",
-                "threading.py")
+_SKIP_FRAMES = ("torch/", "specserve/runtime/sanitizer.py", "specserve/runtime/stream.py", "contextlib.py", "threading.py")
 
 
 _LIFT_OPS = ("lift_fresh", "lift_fresh_copy", "lift")
@@ -135,7 +134,8 @@ class StreamSanitizer:
                 f"stream hazard on storage 0x{key:x}: {'write' if is_write else 'read'} ({access.op}) on stream "
                 f"{access.stream_name!r} at {access.site} touches a persistent buffer that stream {owner.name!r} "
                 f"rewrites at every replay (last written there at {last.site if last else '?'}); read the owned "
-                "copies made on that stream right after the step instead")
+                "copies made on that stream right after the step instead"
+            )
         earlier = ([state.write] if state.write else []) + (state.reads if is_write else [])
         for prev in earlier:
             if prev.stream_id != access.stream_id and not clock.covers(prev.stream_id, prev.tick):
@@ -144,7 +144,8 @@ class StreamSanitizer:
                 raise StreamHazardError(
                     f"stream hazard on storage 0x{key:x}: {kind} ({access.op}) on stream {access.stream_name!r} at "
                     f"{access.site} is not ordered after the {prev_kind} ({prev.op}) on stream {prev.stream_name!r} "
-                    f"at {prev.site}; order them with an event (record on one stream, wait on the other)")
+                    f"at {prev.site}; order them with an event (record on one stream, wait on the other)"
+                )
         if is_write:
             state.write, state.reads = access, []
         else:

@@ -64,8 +64,14 @@ class VectorClock:
 class Stream:
     """An ordered queue of work on one device. See the module docstring for the CPU arrangements."""
 
-    def __init__(self, name: str, device: str = "cpu", threaded: bool = False,
-                 delay: Optional[Callable[[], None]] = None, sanitizer: Any = None):
+    def __init__(
+        self,
+        name: str,
+        device: str = "cpu",
+        threaded: bool = False,
+        delay: Optional[Callable[[], None]] = None,
+        sanitizer: Any = None,
+    ):
         self.id = next(_ids)
         self.name = name
         self.device = torch.device(device)

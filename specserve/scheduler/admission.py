@@ -77,12 +77,12 @@ class Admission:
         batch = ScheduleBatch(EXTEND, [], [], [], [], [], [])
         offset = 0
         for req, n in plan:
-            own = slots[offset:offset + n]
+            own = slots[offset : offset + n]
             offset += n
             batch.reqs.append(req)
             batch.prefix_lens.append(req.kv_len)
             batch.extend_lens.append(n)
-            batch.input_ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
+            batch.input_ids.extend(req.fill_ids[req.kv_len : req.kv_len + n])
             batch.out_cache_loc.extend(own)
             batch.sample.append(req.kv_len + n == len(req.fill_ids))
             self.ledger.append(req, own)

@@ -37,10 +37,16 @@ class ScheduleBatch:
     def step_input(self) -> StepInput:
         """A snapshot of this batch for the executor: values only, no scheduler objects."""
         reqs = self.reqs
-        step = StepInput(self.mode, [r.rid for r in reqs], [r.row for r in reqs], [r.params for r in reqs],
-                         [r.seed for r in reqs], list(self.sample),
-                         width=self.extend_lens[0] if self.mode != EXTEND else 0,
-                         drafters=[r.drafter for r in reqs] if self.mode == VERIFY else [])
+        step = StepInput(
+            self.mode,
+            [r.rid for r in reqs],
+            [r.row for r in reqs],
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            list(self.sample),
+            width=self.extend_lens[0] if self.mode != EXTEND else 0,
+            drafters=[r.drafter for r in reqs] if self.mode == VERIFY else [],
+        )
         if self.mode == EXTEND:
             step.prefix_lens, step.extend_lens = list(self.prefix_lens), list(self.extend_lens)
             step.input_ids, step.out_cache_loc = list(self.input_ids), list(self.out_cache_loc)

@@ -18,8 +18,13 @@ from specserve.scheduler.req import Req
 class KVLedger:
     """Token slots (the allocator and the prefix cache) and request slots (the table rows)."""
 
-    def __init__(self, allocator: TokenSlotAllocator, req_to_token: ReqToTokenPool, tree: RadixCache,
-                 agree: Callable[[str, Any], None]):
+    def __init__(
+        self,
+        allocator: TokenSlotAllocator,
+        req_to_token: ReqToTokenPool,
+        tree: RadixCache,
+        agree: Callable[[str, Any], None],
+    ):
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.tree = tree
@@ -68,10 +73,10 @@ class KVLedger:
         self._agree("cache_finished_req", (req.rid, computed, req.cache_protected_len, len(req.output_ids)))
         self.allocator.free(req.kv_slots[computed:])  # allocated but never computed
         if self.tree.disabled:
-            self.allocator.free(req.kv_slots[req.cache_protected_len:computed])
+            self.allocator.free(req.kv_slots[req.cache_protected_len : computed])
         else:
             cached = self.tree.insert(req.fill_ids[:computed], req.kv_slots[:computed])
-            self.allocator.free(req.kv_slots[req.cache_protected_len:cached])
+            self.allocator.free(req.kv_slots[req.cache_protected_len : cached])
         self.tree.dec_lock_ref(req.last_node)
         self.req_to_token.free(req.req_pool_idx)
         req.req_pool_idx, req.kv_slots, req.last_node, req.cache_protected_len, req.kv_len = None, [], None, 0, 0

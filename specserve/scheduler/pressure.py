@@ -51,8 +51,10 @@ class MemoryPressure:
             if slots is not None:
                 return slots
             if not self.queues.running:
-                raise RuntimeError(f"scheduler: {n} KV slots needed, {self.ledger.available} available, nothing "
-                                   "left to retract (admission should have prevented this)")
+                raise RuntimeError(
+                    f"scheduler: {n} KV slots needed, {self.ledger.available} available, nothing "
+                    "left to retract (admission should have prevented this)"
+                )
             self.retract_one()
 
     def retract_one(self) -> None:

@@ -64,9 +64,15 @@ class StepResult:
 class Scheduler:
     """Owns the request queues and all KV bookkeeping, through its parts (see the module docstring)."""
 
-    def __init__(self, cfg: SchedulerConfig, allocator: TokenSlotAllocator, req_to_token: ReqToTokenPool,
-                 tree: RadixCache, decode_text: Optional[Callable[[list[int]], str]] = None,
-                 consensus: Any = None):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        allocator: TokenSlotAllocator,
+        req_to_token: ReqToTokenPool,
+        tree: RadixCache,
+        decode_text: Optional[Callable[[list[int]], str]] = None,
+        consensus: Any = None,
+    ):
         self.cfg = cfg
         self.decode_text = decode_text
         self.consensus = consensus  # a RankConsensusChecker under tensor parallelism
@@ -178,8 +184,9 @@ class Scheduler:
         self._agree("committed", [(r.rid, r.kv_len, len(r.output_ids)) for r in batch.reqs])
         return result
 
-    def _commit(self, req: Req, prefill: bool, n: int, outcome: StepOutcome | list[int],
-                result: StepResult) -> Optional[FinishReason]:
+    def _commit(
+        self, req: Req, prefill: bool, n: int, outcome: StepOutcome | list[int], result: StepResult
+    ) -> Optional[FinishReason]:
         """One sampling request's emitted tokens, up to a stop; returns why it finished, if it did."""
         window = outcome if isinstance(outcome, VerifyOutcome) else None
         logprobs = outcome.logprobs if isinstance(outcome, (VerifyOutcome, SampledToken)) else None

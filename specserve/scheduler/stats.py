@@ -70,16 +70,22 @@ class SchedulerStats:
         line = f"running {running}, waiting {waiting}, gen {rate:.1f} tok/s, total {self.generated_tokens} tokens"
         if self.verify_steps:
             accepted = self.correct_drafts / (self.verify_steps * self.gamma) if self.gamma else 0.0
-            line += (f", accept length {self.accept_length:.2f}, accept rate {accepted:.3f}, "
-                     f"correct drafts hist {dict(sorted(self.correct_hist.items()))}, "
-                     f"cap-trim hist {dict(sorted(self.cap_trim_hist.items()))}")
+            line += (
+                f", accept length {self.accept_length:.2f}, accept rate {accepted:.3f}, "
+                f"correct drafts hist {dict(sorted(self.correct_hist.items()))}, "
+                f"cap-trim hist {dict(sorted(self.cap_trim_hist.items()))}"
+            )
         if self.draft_len_hist:
-            line += (f", drafts hist {dict(sorted(self.draft_len_hist.items()))}, "
-                     f"drafter steps {dict(sorted(self.drafter_steps.items()))}")
+            line += (
+                f", drafts hist {dict(sorted(self.draft_len_hist.items()))}, "
+                f"drafter steps {dict(sorted(self.drafter_steps.items()))}"
+            )
         if self.predicted_windows:
             n = self.predicted_windows
-            line += (f", predicted accept length {self.predicted_sum / n:.2f} "
-                     f"(mean abs error {self.predicted_abs_error_sum / n:.2f})")
+            line += (
+                f", predicted accept length {self.predicted_sum / n:.2f} "
+                f"(mean abs error {self.predicted_abs_error_sum / n:.2f})"
+            )
         if cost_residual is not None:
             line += f", step-cost residual {100 * cost_residual:.1f}%"
         return line

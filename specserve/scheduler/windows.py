@@ -28,8 +28,9 @@ class DecodeWindows:
         self._grow()
         reqs, w = list(self.queues.running), self.window
         # The executor reads anchors, positions and slots itself (FutureMap, req_to_token).
-        return ScheduleBatch(VERIFY if w > 1 else DECODE, reqs, [r.kv_len for r in reqs], [w] * len(reqs), [], [],
-                             [True] * len(reqs))
+        return ScheduleBatch(
+            VERIFY if w > 1 else DECODE, reqs, [r.kv_len for r in reqs], [w] * len(reqs), [], [], [True] * len(reqs)
+        )
 
     def need(self, req: Req) -> int:
         """Slots req must hold for its next window. A request in an unprocessed decode step may
@@ -55,11 +56,13 @@ class DecodeWindows:
             if slots is not None:
                 break
             if len(running) <= 1:
-                raise RuntimeError(f"scheduler: decode needs {sum(short.values())} KV slots, {self.ledger.available} "
-                                   "available, nothing left to retract (admission should have prevented this)")
+                raise RuntimeError(
+                    f"scheduler: decode needs {sum(short.values())} KV slots, {self.ledger.available} "
+                    "available, nothing left to retract (admission should have prevented this)"
+                )
             self.pressure.retract_one()
         offset = 0
         for req in running:
             n = max(0, short[id(req)])
-            self.ledger.append(req, slots[offset:offset + n])
+            self.ledger.append(req, slots[offset : offset + n])
             offset += n

@@ -74,9 +74,13 @@ class Tracked:
 class EngineClient:
     """Starts the engine process and multiplexes requests over it."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+    def __init__(
+        self,
+        engine_kwargs: dict[str, Any],
+        metrics: ServerMetrics,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    ):
         if heartbeat_timeout_s <= HEARTBEAT_S:
             raise ConfigError(f"heartbeat timeout must exceed the heartbeat interval of {HEARTBEAT_S} s")
         self.engine_kwargs = engine_kwargs
@@ -94,9 +98,12 @@ class EngineClient:
         self._closing = False
         ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and locks
         self._commands, self._events = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=engine_main, args=(engine_kwargs, self._commands, self._events, HEARTBEAT_S,
-                                                          step_timeout_s),
-                                name="specserve-engine", daemon=False)  # it may spawn TP ranks
+        self.proc = ctx.Process(
+            target=engine_main,
+            args=(engine_kwargs, self._commands, self._events, HEARTBEAT_S, step_timeout_s),
+            name="specserve-engine",
+            daemon=False,
+        )  # it may spawn TP ranks
 
     # ------------------------------------------------------------ lifecycle
 
@@ -153,8 +160,7 @@ class EngineClient:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, rid: str, input_ids: list[int], params: dict[str, Any], sink: asyncio.Queue,
-               index: int = 0) -> None:
+    def submit(self, rid: str, input_ids: list[int], params: dict[str, Any], sink: asyncio.Queue, index: int = 0) -> None:
         if not self.healthy:
             raise EngineUnavailable(self.fatal or "engine process is not running")
         self.tracked[rid] = Tracked(sink, index)

@@ -45,12 +45,19 @@ HEARTBEAT_S = 1.0  # how often the engine process says it is alive
 DEFAULT_STEP_TIMEOUT_S = 300.0  # one serving-loop iteration longer than this is a stuck engine
 
 
-def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: float = HEARTBEAT_S,
-                step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
+def engine_main(
+    engine_kwargs: dict[str, Any],
+    commands,
+    events,
+    heartbeat_s: float = HEARTBEAT_S,
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+) -> None:
     """Process entry point (spawned): build the Engine, then serve commands until shutdown."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when to stop
-    logging.basicConfig(level=str(engine_kwargs.get("log_level", "info")).upper(),
-                        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=str(engine_kwargs.get("log_level", "info")).upper(),
+        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
+    )
     try:
         from specserve.engine import Engine
 
@@ -65,9 +72,12 @@ def engine_main(engine_kwargs: dict[str, Any], commands, events, heartbeat_s: fl
     events.put([EngineReady(_ready_info(engine))])
     server = EngineServer(engine, commands, events)
     beating = threading.Event()
-    heartbeat = threading.Thread(target=_beat, args=(events, heartbeat_s, beating,
-                                                     lambda: server.stalled(step_timeout_s)),
-                                 name="engine-heartbeat", daemon=True)
+    heartbeat = threading.Thread(
+        target=_beat,
+        args=(events, heartbeat_s, beating, lambda: server.stalled(step_timeout_s)),
+        name="engine-heartbeat",
+        daemon=True,
+    )
     heartbeat.start()
     try:
         with engine.sanitized():
@@ -100,7 +110,7 @@ def _beat(events, interval_s: float, stop: threading.Event, stalled: Callable[[]
 def one_line(message: str, limit: int = 300) -> str:
     """The first line of a message, cut to `limit` characters: what /health and error bodies show."""
     line = message.strip().splitlines()[0] if message.strip() else message
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _ready_info(engine) -> dict[str, Any]:
@@ -111,16 +121,25 @@ def _ready_info(engine) -> dict[str, Any]:
     from specserve.models.summary import cpu_kernel_path
 
     args = engine.args
-    return {"context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size,
-            "speculative_algorithm": args.speculative_algorithm, "num_draft_tokens": engine.scheduler.window - 1,
-            "kv_total_tokens": engine.allocator.size, "pid": os.getpid(), "model": engine.model_summary,
-            "model_path": resolve_model_path(args.model_path), "dtype": str(engine.dtype).replace("torch.", ""),
-            "device": args.device,
-            "kernel_path": cpu_kernel_path(args.device, engine.dtype), "threads": torch.get_num_threads(),
-            "tp_size": args.tp_size, "max_running_requests": args.max_running_requests,
-            "speculative_policy": args.speculative_policy if args.speculating else None,
-            "speculative_drafters": list(args.policy_drafters()) if args.speculating else [],
-            "speculative_draft_model_path": args.speculative_draft_model_path}
+    return {
+        "context_length": engine.context_length,
+        "vocab_size": engine.model_config.vocab_size,
+        "speculative_algorithm": args.speculative_algorithm,
+        "num_draft_tokens": engine.scheduler.window - 1,
+        "kv_total_tokens": engine.allocator.size,
+        "pid": os.getpid(),
+        "model": engine.model_summary,
+        "model_path": resolve_model_path(args.model_path),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "device": args.device,
+        "kernel_path": cpu_kernel_path(args.device, engine.dtype),
+        "threads": torch.get_num_threads(),
+        "tp_size": args.tp_size,
+        "max_running_requests": args.max_running_requests,
+        "speculative_policy": args.speculative_policy if args.speculating else None,
+        "speculative_drafters": list(args.policy_drafters()) if args.speculating else [],
+        "speculative_draft_model_path": args.speculative_draft_model_path,
+    }
 
 
 def _constrained(params: Any) -> bool:
@@ -236,8 +255,10 @@ class EngineServer:
         for req, token in result.tokens:
             new.setdefault(req.rid, []).append(token)
             reqs[req.rid] = req
-        out += [TokensOut(rid, ids, _last_logprobs(reqs[rid], len(ids)), _prompt_logprobs(reqs[rid], len(ids)))
-                for rid, ids in new.items()]
+        out += [
+            TokensOut(rid, ids, _last_logprobs(reqs[rid], len(ids)), _prompt_logprobs(reqs[rid], len(ids)))
+            for rid, ids in new.items()
+        ]
         for req in result.finished:
             self.live.discard(req.rid)
             out.append(self._final_event(req))

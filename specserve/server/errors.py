@@ -26,8 +26,15 @@ DEFAULT_CODE = "invalid_value"  # a 400 for a field whose value is wrong, when n
 class APIError(Exception):
     """An error answer: HTTP status, OpenAI error type and code, the offending field, extra headers."""
 
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None,
-                 err_type: str = "invalid_request_error", headers: Optional[dict[str, str]] = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        err_type: str = "invalid_request_error",
+        headers: Optional[dict[str, str]] = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.err_type = message, status, param, code, err_type
         self.headers = headers
@@ -73,11 +80,11 @@ def from_validation_errors(errors: Sequence[dict[str, Any]]) -> APIError:
     err: dict[str, Any] = max(errors, key=_relevance) if errors else {"msg": "invalid request", "loc": ()}
     loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     if err.get("type") == "json_invalid":
-        return APIError(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
-                        code="invalid_json")
+        return APIError(
+            f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json"
+        )
     if not loc and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
-        return APIError("request body: must be a JSON object (send Content-Type: application/json)",
-                        code=DEFAULT_CODE)
+        return APIError("request body: must be a JSON object (send Content-Type: application/json)", code=DEFAULT_CODE)
     param = ".".join(loc) or None
     msg = err["msg"].removeprefix("Value error, ")
     raised = err.get("ctx", {}).get("error")
@@ -94,8 +101,9 @@ def _relevance(err: dict) -> tuple[int, bool]:
 
 def _is_union_tag(part: Any) -> bool:
     """pydantic names the union member in an error's location (`int`, `list[constrained-str]`): not a field."""
-    return isinstance(part, str) and (part in ("int", "float", "str", "bool", "list", "dict", "none")
-                                      or any(c in part for c in "[-"))
+    return isinstance(part, str) and (
+        part in ("int", "float", "str", "bool", "list", "dict", "none") or any(c in part for c in "[-")
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

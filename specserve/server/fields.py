@@ -46,9 +46,15 @@ def check_fixed(model: BaseModel) -> None:
     """Every `fixed` field of a request at its one supported value, else a FieldError naming it."""
     for name, info in type(model).model_fields.items():
         extra = info.json_schema_extra
-        if isinstance(extra, dict) and extra.get("enum") == [info.default] and info.default is not None \
-                and getattr(model, name) != info.default:
+        if (
+            isinstance(extra, dict)
+            and extra.get("enum") == [info.default]
+            and info.default is not None
+            and getattr(model, name) != info.default
+        ):
             raise FieldError(name, f"only {json.dumps(info.default)} is supported by specserve")
+
+
 MAX_N = 16  # choices per request
 MAX_STOP = MAX_STOP_STRINGS  # stop strings per request
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]

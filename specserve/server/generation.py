@@ -15,13 +15,7 @@ from fastapi import Request
 
 from specserve.engine.messages import EngineFatal, RequestDone, RequestError, RequestFailed
 from specserve.server.engine_client import Delivery, EngineUnavailable
-from specserve.server.errors import (
-    APIError,
-    from_engine_fatal,
-    from_engine_rejection,
-    from_request_failure,
-    server_error,
-)
+from specserve.server.errors import APIError, from_engine_fatal, from_engine_rejection, from_request_failure, server_error
 from specserve.server.state import ServerState
 
 DISCONNECT_POLL_S = 0.25
@@ -44,13 +38,21 @@ class Generation:
         would be passed now or the engine is gone."""
         client = self.state.client
         if len(self.rids) > self.state.max_queued_requests:  # can never be queued: not worth a retry
-            raise APIError(f"n: the request needs {len(self.rids)} engine requests (prompts x n) but at most "
-                           f"{self.state.max_queued_requests} can be queued", 400, param="n",
-                           code="exceeds_queue_limit")
+            raise APIError(
+                f"n: the request needs {len(self.rids)} engine requests (prompts x n) but at most "
+                f"{self.state.max_queued_requests} can be queued",
+                400,
+                param="n",
+                code="exceeds_queue_limit",
+            )
         if client.queued + len(self.rids) > self.state.max_queued_requests:
-            raise APIError(f"server overloaded: {client.queued} requests queued (limit "
-                           f"{self.state.max_queued_requests}); retry later", 503, code="overloaded",
-                           err_type="server_error", headers={"Retry-After": "1"})
+            raise APIError(
+                f"server overloaded: {client.queued} requests queued (limit {self.state.max_queued_requests}); retry later",
+                503,
+                code="overloaded",
+                err_type="server_error",
+                headers={"Retry-After": "1"},
+            )
         try:
             for i, (rid, ids, params) in enumerate(zip(self.rids, self.prompt_ids, self.params)):
                 client.submit(rid, ids, params, self.sink, index=i)

@@ -33,15 +33,31 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API routes")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the file)")
-    p.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests waiting for their first token beyond this answer 503 with Retry-After")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests waiting for their first token beyond this answer 503 with Retry-After",
+    )
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies answer 413")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
-    p.add_argument("--engine-heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
-                   help="an engine process silent this long (stopped or wedged) is killed and the server exits")
-    p.add_argument("--engine-step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
-                   help="an engine stuck this long in one step stops its heartbeat (then the timeout above)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them",
+    )
+    p.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        help="an engine process silent this long (stopped or wedged) is killed and the server exits",
+    )
+    p.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="an engine stuck this long in one step stops its heartbeat (then the timeout above)",
+    )
 
 
 def served_model_name(model_path: str) -> str:
@@ -76,12 +92,19 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     url = f"http://{ns.host}:{ns.port}"
     startup_logger.info("%s", startup_block(name, info, url, time.monotonic() - started_at))
     settings = {**dataclasses.asdict(args), **{k: v for k, v in vars(ns).items() if k not in ("command", "func")}}
-    state = ServerState(client, tokenizer, metrics, name, path, settings, ns.api_key, ns.max_queued_requests,
-                        ns.max_request_bytes)
+    state = ServerState(
+        client, tokenizer, metrics, name, path, settings, ns.api_key, ns.max_queued_requests, ns.max_request_bytes
+    )
     # uvicorn's own start-up lines would repeat the block's address: at the default level, warnings only.
     uvicorn_level = "warning" if args.log_level.lower() == "info" else args.log_level.lower()
-    config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, log_level=uvicorn_level,
-                            timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False)
+    config = uvicorn.Config(
+        create_app(state),
+        host=ns.host,
+        port=ns.port,
+        log_level=uvicorn_level,
+        timeout_graceful_shutdown=ns.shutdown_timeout,
+        access_log=False,
+    )
     # uvicorn re-raises the signal it shut down on once it is done; with these no-op handlers
     # that re-raise is harmless and a SIGTERM'd server exits 0 after its graceful shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,8 +20,10 @@ def output_logprobs(output: dict) -> Optional[list[TokenLogprob]]:
     if "output_token_logprobs" not in meta:
         return None
     tops = meta.get("output_top_logprobs") or [[] for _ in meta["output_token_logprobs"]]
-    return [TokenLogprob(tok, lp, tuple((t, v) for v, t, _ in top))
-            for (lp, tok, _), top in zip(meta["output_token_logprobs"], tops)]
+    return [
+        TokenLogprob(tok, lp, tuple((t, v) for v, t, _ in top))
+        for (lp, tok, _), top in zip(meta["output_token_logprobs"], tops)
+    ]
 
 
 def prompt_logprobs(output: dict) -> Optional[list[TokenLogprob]]:
@@ -30,19 +32,25 @@ def prompt_logprobs(output: dict) -> Optional[list[TokenLogprob]]:
     if "input_token_logprobs" not in meta:
         return None
     tops = meta.get("input_top_logprobs") or [None] * len(meta["input_token_logprobs"])
-    return [TokenLogprob(tok, lp, tuple((t, v) for v, t, _ in top or ()))
-            for (lp, tok, _), top in list(zip(meta["input_token_logprobs"], tops))[1:]]
+    return [
+        TokenLogprob(tok, lp, tuple((t, v) for v, t, _ in top or ()))
+        for (lp, tok, _), top in list(zip(meta["input_token_logprobs"], tops))[1:]
+    ]
 
 
-def echoed_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob],
-                    completion: Optional[dict[str, Any]]) -> dict[str, Any]:
+def echoed_logprobs(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob], completion: Optional[dict[str, Any]]
+) -> dict[str, Any]:
     """Legacy completion logprobs with the prompt first (its first token has none), as `echo` returns them."""
     head = completion_logprobs(tokenizer, scored)
     first = token_text(tokenizer, prompt_ids[0])
     tokens = [first] + head["tokens"]
-    lists = {"tokens": tokens, "token_logprobs": [None] + head["token_logprobs"],
-             "top_logprobs": [None] + head["top_logprobs"],
-             "text_offset": [0] + [o + len(first) for o in head["text_offset"]]}
+    lists = {
+        "tokens": tokens,
+        "token_logprobs": [None] + head["token_logprobs"],
+        "top_logprobs": [None] + head["top_logprobs"],
+        "text_offset": [0] + [o + len(first) for o in head["text_offset"]],
+    }
     if completion:
         shift = sum(len(t) for t in tokens)
         for key in ("tokens", "token_logprobs", "top_logprobs"):
@@ -55,24 +63,28 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob
     """A chat choice's (or delta's) `logprobs` object."""
     if logprobs is None:
         return None
-    return {"content": [dict(_entry(tokenizer, lp.token, lp.logprob),
-                             top_logprobs=[_entry(tokenizer, t, v) for t, v in lp.top]) for lp in logprobs],
-            "refusal": None}
+    return {
+        "content": [
+            dict(_entry(tokenizer, lp.token, lp.logprob), top_logprobs=[_entry(tokenizer, t, v) for t, v in lp.top])
+            for lp in logprobs
+        ],
+        "refusal": None,
+    }
 
 
 @overload
-def completion_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
-    ...
+def completion_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]: ...
 
 
 @overload
-def completion_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]],
-                        text_offset: int = 0) -> Optional[dict[str, Any]]:
-    ...
+def completion_logprobs(
+    tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]], text_offset: int = 0
+) -> Optional[dict[str, Any]]: ...
 
 
-def completion_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]],
-                        text_offset: int = 0) -> Optional[dict[str, Any]]:
+def completion_logprobs(
+    tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenLogprob]], text_offset: int = 0
+) -> Optional[dict[str, Any]]:
     """A completion choice's (or chunk's) `logprobs`: parallel lists; `text_offset` of the first token."""
     if logprobs is None:
         return None
@@ -82,9 +94,12 @@ def completion_logprobs(tokenizer: Tokenizer, logprobs: Optional[Sequence[TokenL
         tokens.append(text)
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
 
 
 def token_text(tokenizer: Tokenizer, token: int) -> str:

@@ -22,55 +22,83 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        label = {"model_name": model_name}
-        self.requests = Counter("specserve_http_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.finished = Counter("specserve_request_finished", "Generation requests by finish reason",
-                                ["reason"], registry=r)
+        self._add_request_metrics(r)
+        self._add_load_gauges(r)
+        self._add_speculative_metrics(r)
+        self.info = Gauge("specserve_model_info", "Served model", ["model_name"], registry=r)
+        self.info.labels(model_name=model_name).set(1)
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "specserve_http_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.finished = Counter("specserve_request_finished", "Generation requests by finish reason", ["reason"], registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.cached_tokens = Counter("specserve_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
-                                     registry=r)
+        self.cached_tokens = Counter(
+            "specserve_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
         self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("specserve_inter_token_latency_seconds",
-                             "Time between consecutive token deliveries of a request (one delivery may carry "
-                             "several tokens with speculative decoding)", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Request latency", buckets=E2E_BUCKETS,
-                             registry=r)
-        self.queued = Gauge("specserve_num_requests_queued", "Requests accepted by HTTP and not yet producing tokens",
-                            registry=r)
+        self.ttft = Histogram(
+            "specserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "specserve_inter_token_latency_seconds",
+            "Time between consecutive token deliveries of a request (one delivery may carry "
+            "several tokens with speculative decoding)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Request latency", buckets=E2E_BUCKETS, registry=r)
+
+    def _add_load_gauges(self, r: CollectorRegistry) -> None:
+        self.queued = Gauge(
+            "specserve_num_requests_queued", "Requests accepted by HTTP and not yet producing tokens", registry=r
+        )
         self.waiting = Gauge("specserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
         self.running = Gauge("specserve_num_requests_running", "Requests in the running batch", registry=r)
         self.kv_total = Gauge("specserve_kv_total_tokens", "KV pool size in tokens", registry=r)
         self.kv_request = Gauge("specserve_kv_request_tokens", "KV slots owned by live requests", registry=r)
-        self.kv_cached = Gauge("specserve_kv_cached_tokens", "KV slots held by the prefix cache (evictable)",
-                               registry=r)
-        self.kv_usage = Gauge("specserve_kv_usage_ratio", "KV slots in use (requests + cache) / pool size",
-                              registry=r)
-        self.cache_hit_rate = Gauge("specserve_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens",
-                                    registry=r)
-        self.accept_length = Histogram("specserve_spec_accept_length", "Per request: tokens per verify step",
-                                       buckets=ACCEPT_BUCKETS, registry=r)
-        self.correct_drafts = Histogram("specserve_spec_correct_drafts", "Per verify step: drafts accepted",
-                                        buckets=COUNT_BUCKETS, registry=r)
-        self.cap_trim = Histogram("specserve_spec_cap_trim", "Per verify step: matching drafts cut by the verify "
-                                  "length", buckets=COUNT_BUCKETS, registry=r)
+        self.kv_cached = Gauge("specserve_kv_cached_tokens", "KV slots held by the prefix cache (evictable)", registry=r)
+        self.kv_usage = Gauge("specserve_kv_usage_ratio", "KV slots in use (requests + cache) / pool size", registry=r)
+        self.cache_hit_rate = Gauge("specserve_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens", registry=r)
+
+    def _add_speculative_metrics(self, r: CollectorRegistry) -> None:
+        self.accept_length = Histogram(
+            "specserve_spec_accept_length", "Per request: tokens per verify step", buckets=ACCEPT_BUCKETS, registry=r
+        )
+        self.correct_drafts = Histogram(
+            "specserve_spec_correct_drafts", "Per verify step: drafts accepted", buckets=COUNT_BUCKETS, registry=r
+        )
+        self.cap_trim = Histogram(
+            "specserve_spec_cap_trim",
+            "Per verify step: matching drafts cut by the verify length",
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
         self.verify_steps = Counter("specserve_spec_verify_steps", "Verify steps (per request)", registry=r)
         self.correct_total = Counter("specserve_spec_accepted_drafts", "Drafts accepted", registry=r)
-        self.draft_len = Histogram("specserve_spec_draft_len", "Per request-step of a speculating engine: drafts "
-                                   "the policy planned (0: one plain row)", buckets=COUNT_BUCKETS, registry=r)
-        self.drafter_steps = Counter("specserve_spec_drafter_steps", "Request-steps with drafts, by drafter",
-                                     ["drafter"], registry=r)
-        self.predicted_accept = Histogram("specserve_spec_predicted_accept_length", "Per request: the policy's "
-                                          "expected tokens per verify step (compare specserve_spec_accept_length)",
-                                          buckets=ACCEPT_BUCKETS, registry=r)
-        self.cost_residual = Gauge("specserve_spec_cost_model_residual", "Step-cost model: mean |observed - "
-                                   "predicted| / observed over recent steps", registry=r)
-        self.info = Gauge("specserve_model_info", "Served model", ["model_name"], registry=r)
-        self.info.labels(**label).set(1)
-        self._prompt_total = 0
-        self._cached_total = 0
+        self.draft_len = Histogram(
+            "specserve_spec_draft_len",
+            "Per request-step of a speculating engine: drafts the policy planned (0: one plain row)",
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
+        self.drafter_steps = Counter(
+            "specserve_spec_drafter_steps", "Request-steps with drafts, by drafter", ["drafter"], registry=r
+        )
+        self.predicted_accept = Histogram(
+            "specserve_spec_predicted_accept_length",
+            "Per request: the policy's expected tokens per verify step (compare specserve_spec_accept_length)",
+            buckets=ACCEPT_BUCKETS,
+            registry=r,
+        )
+        self.cost_residual = Gauge(
+            "specserve_spec_cost_model_residual",
+            "Step-cost model: mean |observed - predicted| / observed over recent steps",
+            registry=r,
+        )
 
     def observe_load(self, load: dict[str, int]) -> None:
         self.waiting.set(load["waiting"])

@@ -16,11 +16,33 @@ from specserve.server.errors import APIError
 from specserve.server.state import ServerState
 
 # No API key needed: health, metrics, docs, and what a router reads to register a worker and balance load.
-OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc", "/model_info", "/get_model_info",
-              "/server_info", "/get_server_info", "/get_load")
-KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/health", "/metrics",
-               "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/get_load",
-               "/flush_cache")
+OPEN_PATHS = (
+    "/health",
+    "/metrics",
+    "/docs",
+    "/openapi.json",
+    "/redoc",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
+    "/get_load",
+)
+KNOWN_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/generate",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/health_generate",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
+    "/get_load",
+    "/flush_cache",
+)
 
 
 class GuardMiddleware:
@@ -78,8 +100,12 @@ class GuardMiddleware:
             given = headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.state.api_key.encode()):
-                return APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
-                                code="invalid_api_key", err_type="authentication_error").response()
+                return APIError(
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    401,
+                    code="invalid_api_key",
+                    err_type="authentication_error",
+                ).response()
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.state.max_request_bytes:
             return _too_large(f"request body of {length} bytes exceeds the limit of {self.state.max_request_bytes}")

@@ -11,13 +11,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, cast
 
-from pydantic import (
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictStr,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from specserve.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
@@ -182,10 +176,18 @@ class SamplingFields(StrictModel):
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """specserve sampling params; OpenAI's default temperature is 1."""
-        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "stop": self.stop_list(),
-                                  "ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logit_bias"):
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+        ):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
@@ -224,8 +226,11 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         check_tools(self.tools, self.tool_choice)
-        if self.response_format is not None and self.response_format.type != "text" and call_grammar(
-                self.offered_tools(), self.tool_choice, True):
+        if (
+            self.response_format is not None
+            and self.response_format.type != "text"
+            and call_grammar(self.offered_tools(), self.tool_choice, True)
+        ):
             raise FieldError("response_format", "not with a required or named tool_choice (both constrain the output)")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_tokens, max_completion_tokens: give at most one")
@@ -332,9 +337,14 @@ class GenerateSamplingParams(StrictModel):
 class GenerateRequest(StrictModel):
     """The native endpoint: text or input_ids, specserve sampling params, the Engine's output dict."""
 
-    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of text and input_ids
-        {"required": ["text"], "properties": {"text": {"type": "string"}, "input_ids": {"type": "null"}}},
-        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}, "text": {"type": "null"}}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [  # exactly one of text and input_ids
+                {"required": ["text"], "properties": {"text": {"type": "string"}, "input_ids": {"type": "null"}}},
+                {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}, "text": {"type": "null"}}},
+            ]
+        }
+    )
 
     text: Optional[Text] = None
     input_ids: Optional[TokenIds] = None
@@ -366,6 +376,5 @@ class GenerateRequest(StrictModel):
     def engine_params(self) -> dict[str, Any]:
         params = self.sampling_params.as_dict()
         if self.return_logprob:
-            params.update(logprobs=True, top_logprobs=self.top_logprobs_num,
-                          prompt_logprobs=self.logprob_start_len == 0)
+            params.update(logprobs=True, top_logprobs=self.top_logprobs_num, prompt_logprobs=self.logprob_start_len == 0)
         return params

@@ -39,8 +39,15 @@ ROUTER_MODULE = "sglang_router.launch_router"
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 ROUTER_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error", "critical": "error"}
 # `specserve serve` flags a replica takes over from the launcher as given (host and port are its own).
-FORWARDED_SERVE_FLAGS = ("api_key", "served_model_name", "max_queued_requests", "max_request_bytes",
-                         "shutdown_timeout", "engine_heartbeat_timeout", "engine_step_timeout")
+FORWARDED_SERVE_FLAGS = (
+    "api_key",
+    "served_model_name",
+    "max_queued_requests",
+    "max_request_bytes",
+    "shutdown_timeout",
+    "engine_heartbeat_timeout",
+    "engine_step_timeout",
+)
 REPLICA_START_TIMEOUT_S = 900.0
 ROUTER_START_TIMEOUT_S = 120.0
 SUPERVISE_EVERY_S = 0.5
@@ -49,17 +56,33 @@ PROBE_TIMEOUT_S = 5.0
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dp-size", type=int, default=1,
-                   help="engine replicas behind SGLang's router (needs `pip install sglang-router`); 1: no router")
-    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
-                   help="the router's load-balancing policy (cache_aware: a conversation's turns go where its "
-                        "prefix is cached)")
-    p.add_argument("--router-health-check-interval", type=int, default=5,
-                   help="seconds between the router's health checks of each replica")
-    p.add_argument("--router-args", default="",
-                   help="more flags for the router, as one string (e.g. \"--health-failure-threshold 2\")")
-    p.add_argument("--replica-unhealthy-timeout", type=float, default=60.0,
-                   help="a replica whose /health fails this long is killed and restarted")
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="engine replicas behind SGLang's router (needs `pip install sglang-router`); 1: no router",
+    )
+    p.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        choices=ROUTER_POLICIES,
+        help="the router's load-balancing policy (cache_aware: a conversation's turns go where its prefix is cached)",
+    )
+    p.add_argument(
+        "--router-health-check-interval",
+        type=int,
+        default=5,
+        help="seconds between the router's health checks of each replica",
+    )
+    p.add_argument(
+        "--router-args", default="", help='more flags for the router, as one string (e.g. "--health-failure-threshold 2")'
+    )
+    p.add_argument(
+        "--replica-unhealthy-timeout",
+        type=float,
+        default=60.0,
+        help="a replica whose /health fails this long is killed and restarted",
+    )
 
 
 def check_data_parallel_args(ns: argparse.Namespace, args: ServerArgs) -> None:
@@ -67,8 +90,10 @@ def check_data_parallel_args(ns: argparse.Namespace, args: ServerArgs) -> None:
     if ns.dp_size == 1:
         return
     if args.nnodes > 1 or args.node_rank > 0:
-        raise ConfigError("--dp-size: replicas run on this machine; across machines start one `specserve serve` "
-                         "per machine and the router yourself (see the README)")
+        raise ConfigError(
+            "--dp-size: replicas run on this machine; across machines start one `specserve serve` "
+            "per machine and the router yourself (see the README)"
+        )
     if args.dist_init_addr is not None:
         raise ConfigError("--dist-init-addr: leave it unset with --dp-size (each replica's ranks find a free port)")
     try:
@@ -211,8 +236,7 @@ class DataParallelLauncher:
         assert r.proc is not None, "run() starts every replica first"
         if r.proc.poll() is not None:
             if r.next_start_at == 0.0:
-                logger.error("replica %d exited with %s; restarting in %.0f s", r.index, r.proc.returncode,
-                             r.backoff_s)
+                logger.error("replica %d exited with %s; restarting in %.0f s", r.index, r.proc.returncode, r.backoff_s)
                 r.next_start_at = now + r.backoff_s
                 r.backoff_s = min(2 * r.backoff_s, MAX_RESTART_BACKOFF_S)
             elif now >= r.next_start_at:
@@ -245,12 +269,28 @@ def run_data_parallel(ns: argparse.Namespace, args: ServerArgs) -> int:
     replicas = [Replica(i, [], free_loopback_port()) for i in range(ns.dp_size)]
     for r in replicas:
         r.argv = replica_argv(ns, r.port, threads)
-    router_argv = [sys.executable, "-m", ROUTER_MODULE, "--host", ns.host, "--port", str(ns.port),
-                   "--policy", ns.router_policy, "--health-check-interval-secs", str(ns.router_health_check_interval),
-                   # its Prometheus exporter binds a fixed port by default: two routers on a machine would clash
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_loopback_port()),
-                   "--log-level", ROUTER_LOG_LEVELS.get(args.log_level, "warn"),
-                   "--worker-urls", *[r.url for r in replicas]]
+    router_argv = [
+        sys.executable,
+        "-m",
+        ROUTER_MODULE,
+        "--host",
+        ns.host,
+        "--port",
+        str(ns.port),
+        "--policy",
+        ns.router_policy,
+        "--health-check-interval-secs",
+        str(ns.router_health_check_interval),
+        # its Prometheus exporter binds a fixed port by default: two routers on a machine would clash
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_loopback_port()),
+        "--log-level",
+        ROUTER_LOG_LEVELS.get(args.log_level, "warn"),
+        "--worker-urls",
+        *[r.url for r in replicas],
+    ]
     if ns.api_key:
         router_argv += ["--api-key", ns.api_key]
     router_argv += shlex.split(ns.router_args)

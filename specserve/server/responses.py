@@ -15,9 +15,16 @@ from specserve.server.logprob_format import (
 from specserve.server.tools import ToolDef, parse_calls
 from specserve.tokenizer.tokenizer import Tokenizer
 
-SPEC_KEYS = ("spec_verify_ct", "spec_num_correct_drafts", "spec_accept_length", "spec_correct_drafts_histogram",
-             "spec_cap_trim_histogram", "spec_draft_len_histogram", "spec_drafter_steps",
-             "spec_predicted_accept_length")
+SPEC_KEYS = (
+    "spec_verify_ct",
+    "spec_num_correct_drafts",
+    "spec_accept_length",
+    "spec_correct_drafts_histogram",
+    "spec_cap_trim_histogram",
+    "spec_draft_len_histogram",
+    "spec_drafter_steps",
+    "spec_predicted_accept_length",
+)
 
 
 def finish_reason(output: dict) -> str:
@@ -40,20 +47,32 @@ def usage(prompt_tokens: int, outputs: list[dict]) -> dict[str, Any]:
     accepted = sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outputs)
     cached = max(o["meta_info"]["cached_tokens"] for o in outputs)
     # reasoning_tokens is 0 by definition: these models have no separate reasoning channel.
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "completion_tokens_details": {"accepted_prediction_tokens": accepted, "reasoning_tokens": 0}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"accepted_prediction_tokens": accepted, "reasoning_tokens": 0},
+    }
 
 
-def chat_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int,
-                    tokenizer: Tokenizer, tools: list[ToolDef]) -> dict[str, Any]:
-    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [chat_choice(i, o, tokenizer, tools) for i, o in enumerate(outputs)],
-            "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}
+def chat_completion(
+    request_id: str, model: str, outputs: list[dict], prompt_tokens: int, tokenizer: Tokenizer, tools: list[ToolDef]
+) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [chat_choice(i, o, tokenizer, tools) for i, o in enumerate(outputs)],
+        "usage": usage(prompt_tokens, outputs),
+        "specserve": spec_extension(outputs),
+    }
 
 
-def completion_choice(index: int, output: dict, tokenizer: Tokenizer,
-                      echo: Optional[tuple[str, list[int]]]) -> dict[str, Any]:
+def completion_choice(
+    index: int, output: dict, tokenizer: Tokenizer, echo: Optional[tuple[str, list[int]]]
+) -> dict[str, Any]:
     logprobs = completion_logprobs(tokenizer, output_logprobs(output))
     text = output["text"]
     if echo is not None:
@@ -71,13 +90,29 @@ def chat_choice(index: int, output: dict, tokenizer: Tokenizer, tools: list[Tool
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
-    return {"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, output_logprobs(output)),
-            "finish_reason": "tool_calls" if calls and finish_reason(output) == "stop" else finish_reason(output)}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": chat_logprobs(tokenizer, output_logprobs(output)),
+        "finish_reason": "tool_calls" if calls and finish_reason(output) == "stop" else finish_reason(output),
+    }
 
 
-def text_completion(request_id: str, model: str, outputs: list[dict], prompt_tokens: int,
-                    tokenizer: Tokenizer, echo: Optional[list[tuple[str, list[int]]]] = None) -> dict[str, Any]:
+def text_completion(
+    request_id: str,
+    model: str,
+    outputs: list[dict],
+    prompt_tokens: int,
+    tokenizer: Tokenizer,
+    echo: Optional[list[tuple[str, list[int]]]] = None,
+) -> dict[str, Any]:
     """`echo`: per choice its prompt's text and ids, put before the completion (and its logprobs)."""
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [completion_choice(i, o, tokenizer, echo[i] if echo else None) for i, o in enumerate(outputs)],
-            "usage": usage(prompt_tokens, outputs), "specserve": spec_extension(outputs)}
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [completion_choice(i, o, tokenizer, echo[i] if echo else None) for i, o in enumerate(outputs)],
+        "usage": usage(prompt_tokens, outputs),
+        "specserve": spec_extension(outputs),
+    }

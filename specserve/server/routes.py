@@ -27,9 +27,24 @@ from specserve.server.state import ServerState
 SSE = "text/event-stream"
 GRAMMAR_TIMEOUT_S = 10.0
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
-OPENAI_PARAM_NAMES = {f"sampling_params.{name}": name for name in (
-    "temperature", "top_p", "top_k", "min_p", "stop", "seed", "ignore_eos", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "logprobs", "top_logprobs")}
+OPENAI_PARAM_NAMES = {
+    f"sampling_params.{name}": name
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "seed",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+    )
+}
 OPENAI_PARAM_NAMES["sampling_params.max_new_tokens"] = "max_tokens"
 
 
@@ -46,8 +61,18 @@ def add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.started_at,
-                                             "owned_by": "specserve", "max_model_len": state.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.started_at,
+                    "owned_by": "specserve",
+                    "max_model_len": state.context_length,
+                }
+            ],
+        }
 
 
 def add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -75,16 +100,16 @@ def _add_chat_route(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             first = await gen.first_event()
             return StreamingResponse(chat_stream(state, body, gen, first, len(ids)), media_type=SSE)
-        return chat_completion(gen.rids[0], state.model_name, await collect(gen, request), len(ids), state.tokenizer,
-                               body.offered_tools())
+        return chat_completion(
+            gen.rids[0], state.model_name, await collect(gen, request), len(ids), state.tokenizer, body.offered_tools()
+        )
 
 
 def _add_completion_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
-        prompts = [await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else p
-                   for p in body.prompts()]
+        prompts = [await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else p for p in body.prompts()]
         for ids in prompts:
             _check_token_ids(state, ids, "prompt")
             _check_context(state, ids, "prompt")
@@ -98,8 +123,14 @@ def _add_completion_route(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             first = await gen.first_event()
             return StreamingResponse(completion_stream(state, body, gen, first, prompt_tokens, echo), media_type=SSE)
-        return text_completion(gen.rids[0], state.model_name, await collect(gen, request), prompt_tokens,
-                               state.tokenizer, echo if body.echo else None)
+        return text_completion(
+            gen.rids[0],
+            state.model_name,
+            await collect(gen, request),
+            prompt_tokens,
+            state.tokenizer,
+            echo if body.echo else None,
+        )
 
 
 def _add_generate_route(app: FastAPI, state: ServerState) -> None:
@@ -132,8 +163,12 @@ def _prompt_text(state: ServerState, prompt: "str | list[int]") -> str:
 
 def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
-        raise APIError(f"model: '{model}' is not served here (available: '{state.model_name}')", 404,
-                       param="model", code="model_not_found")
+        raise APIError(
+            f"model: '{model}' is not served here (available: '{state.model_name}')",
+            404,
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _check_token_ids(state: ServerState, ids: list[int], field: str) -> None:
@@ -149,8 +184,12 @@ def _check_params(state: ServerState, params: dict[str, Any], names: dict[str, s
         SamplingParams.from_dict(params).validate(state.client.info["vocab_size"])
     except InvalidRequestError as exc:
         param = names.get(exc.param, exc.param) if exc.param else None
-        raise APIError(str(exc).replace(exc.param, param, 1) if exc.param and param else str(exc), 400,
-                       param=param, code=exc.code or DEFAULT_CODE) from exc
+        raise APIError(
+            str(exc).replace(exc.param, param, 1) if exc.param and param else str(exc),
+            400,
+            param=param,
+            code=exc.code or DEFAULT_CODE,
+        ) from exc
 
 
 async def _check_grammar(state: ServerState, params: dict[str, Any], names: dict[str, str]) -> None:
@@ -163,8 +202,7 @@ async def _check_grammar(state: ServerState, params: dict[str, Any], names: dict
     try:
         await asyncio.wait_for(asyncio.to_thread(state.grammars.check, spec), GRAMMAR_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise APIError(f"{field}: the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s", 400,
-                       param=field) from None
+        raise APIError(f"{field}: the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s", 400, param=field) from None
     except InvalidRequestError as exc:
         message = str(exc).replace(exc.param, field, 1) if exc.param else f"{field}: {exc}"
         raise APIError(message, 400, param=field) from exc
@@ -172,8 +210,12 @@ async def _check_grammar(state: ServerState, params: dict[str, Any], names: dict
 
 def _check_context(state: ServerState, ids: list[int], field: str) -> None:
     if len(ids) >= state.context_length:
-        raise APIError(f"{field}: {len(ids)} tokens do not fit the context window of {state.context_length} "
-                       "tokens", 400, param=field, code="context_length_exceeded")
+        raise APIError(
+            f"{field}: {len(ids)} tokens do not fit the context window of {state.context_length} tokens",
+            400,
+            param=field,
+            code="context_length_exceeded",
+        )
 
 
 def _engine_params(state: ServerState, body: SamplingFields, n_ids: int, seed_offset: int) -> dict[str, Any]:

@@ -52,15 +52,21 @@ def sse(obj: Union[dict, str]) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def chat_stream(state: ServerState, body: ChatCompletionRequest, gen: Generation, first: Delivery,
-                      prompt_tokens: int) -> AsyncIterator[str]:
+async def chat_stream(
+    state: ServerState, body: ChatCompletionRequest, gen: Generation, first: Delivery, prompt_tokens: int
+) -> AsyncIterator[str]:
     """Chat chunks: a role delta per choice, content deltas, a finish chunk per choice, usage if asked."""
-    head = {"id": f"chatcmpl-{gen.rids[0]}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": state.model_name}
+    head = {
+        "id": f"chatcmpl-{gen.rids[0]}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": state.model_name,
+    }
 
     def chunk(index: int, delta: dict, finish: Optional[str] = None, logprobs: Optional[dict] = None, **extra) -> str:
-        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish}], **extra})
+        return sse(
+            {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra}
+        )
 
     # With tools offered the reply's text is held back to its end: only then is it known which part
     # is content and which are calls (each call then comes whole, in one tool_calls delta).
@@ -71,8 +77,7 @@ async def chat_stream(state: ServerState, body: ChatCompletionRequest, gen: Gene
         match piece:
             case TextDelta(index, text, logprobs):
                 if text and not tools or logprobs:
-                    yield chunk(index, {"content": "" if tools else text},
-                                logprobs=chat_logprobs(state.tokenizer, logprobs))
+                    yield chunk(index, {"content": "" if tools else text}, logprobs=chat_logprobs(state.tokenizer, logprobs))
             case ChoiceFinished(index, output):
                 choice = chat_choice(index, output, state.tokenizer, tools)
                 if tools and choice["message"]["content"]:
@@ -87,16 +92,22 @@ async def chat_stream(state: ServerState, body: ChatCompletionRequest, gen: Gene
     yield sse("[DONE]")
 
 
-async def completion_stream(state: ServerState, body: CompletionRequest, gen: Generation, first: Delivery,
-                            prompt_tokens: int, echo: list[tuple[str, list[int]]]) -> AsyncIterator[str]:
+async def completion_stream(
+    state: ServerState,
+    body: CompletionRequest,
+    gen: Generation,
+    first: Delivery,
+    prompt_tokens: int,
+    echo: list[tuple[str, list[int]]],
+) -> AsyncIterator[str]:
     """Completion chunks: text deltas, a finish chunk per choice, usage if asked. With `echo` (per
     choice its prompt's text and ids) a choice's first chunk starts with its prompt (and its logprobs)."""
-    head = {"id": f"cmpl-{gen.rids[0]}", "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name}
+    head = {"id": f"cmpl-{gen.rids[0]}", "object": "text_completion", "created": int(time.time()), "model": state.model_name}
 
     def chunk(index: int, text: str, finish: Optional[str] = None, logprobs: Optional[dict] = None, **extra) -> str:
-        return sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-                    **extra})
+        return sse(
+            {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], **extra}
+        )
 
     offsets = [0] * len(gen.rids)  # text_offset of each choice's next token
     pending = set(range(len(gen.rids))) if body.echo else set()  # choices whose prompt is not sent yet
@@ -129,8 +140,9 @@ async def completion_stream(state: ServerState, body: CompletionRequest, gen: Ge
     yield sse("[DONE]")
 
 
-async def _text_pieces(state: ServerState, stops: list[str], gen: Generation, first: Delivery,
-                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[Piece]:
+async def _text_pieces(
+    state: ServerState, stops: list[str], gen: Generation, first: Delivery, prompt_tokens: int, include_usage: bool
+) -> AsyncIterator[Piece]:
     """TextDelta and ChoiceFinished per choice, then StreamUsage (if asked) or, on failure, StreamFailed last."""
     streams = [TextStream(state.tokenizer, stops) for _ in gen.rids]
     outputs: list[Optional[dict[str, Any]]] = [None] * len(gen.rids)

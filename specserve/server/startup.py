@@ -29,8 +29,7 @@ def startup_block(name: str, info: dict[str, Any], url: str, seconds: float) -> 
         f"serving {name}",
         f"  model        {os.path.basename(info['model_path'])}: {model['architecture']}, "
         f"{describe_parameters(model['parameters'])} parameters; weights {weights}",
-        f"  compute      {info['dtype']} on {info['device']}, {kernels}, {info['threads']} threads, TP "
-        f"{info['tp_size']}",
+        f"  compute      {info['dtype']} on {info['device']}, {kernels}, {info['threads']} threads, TP {info['tp_size']}",
         f"  KV cache     {info['kv_total_tokens']:,} tokens; context {info['context_length']:,}; "
         f"up to {info['max_running_requests']} running requests",
         f"  speculation  {_speculation(info)}",
@@ -48,8 +47,7 @@ def _speculation(info: dict[str, Any]) -> str:
         if drafter == Algorithm.DSPARK and info["speculative_draft_model_path"]:
             drafter += f" ({os.path.basename(os.path.normpath(info['speculative_draft_model_path']))})"
         drafters.append(drafter)
-    return (f"{info['speculative_policy']} policy over {', '.join(drafters)}, "
-            f"up to {info['num_draft_tokens']} drafts a step")
+    return f"{info['speculative_policy']} policy over {', '.join(drafters)}, up to {info['num_draft_tokens']} drafts a step"
 
 
 class ReadyAnnouncer:
@@ -76,5 +74,6 @@ class ReadyAnnouncer:
         except OSError as exc:  # an unhealthy engine answers 503: say so instead of "ready"
             logger.warning("the server started but /health failed: %s", exc)
             return
-        logger.info("ready: %s answers (/health %d), %.1f s after start", self._url, status,
-                    time.monotonic() - self._started_at)
+        logger.info(
+            "ready: %s answers (/health %d), %.1f s after start", self._url, status, time.monotonic() - self._started_at
+        )

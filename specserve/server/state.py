@@ -35,5 +35,4 @@ class ServerState:
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
         """The server's own compiler: grammars are checked (and refused with a 400) before queueing."""
-        return GrammarCompiler(self.tokenizer.backend.to_str, self.client.info["vocab_size"],
-                               self.tokenizer.eos_token_ids)
+        return GrammarCompiler(self.tokenizer.backend.to_str, self.client.info["vocab_size"], self.tokenizer.eos_token_ids)

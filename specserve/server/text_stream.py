@@ -45,6 +45,6 @@ class TextStream:
 
     def _emit(self, end: int, text: str | None = None) -> str:
         text = self.detok.text if text is None else text
-        delta = text[len(self.sent):end]
+        delta = text[len(self.sent) : end]
         self.sent += delta
         return delta

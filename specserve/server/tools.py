@@ -89,12 +89,15 @@ def offered(tools: Optional[list[ToolDef]], choice: Optional[ToolChoice]) -> lis
 
 def system_prompt(tools: list[ToolDef]) -> str:
     """The Hermes-style tool description, put before (or into) the conversation's system message."""
-    signatures = "\n".join(json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)})
-                           for t in tools)
-    return ("You are a function calling AI model. You may call one or more functions to assist with the user "
-            f"query. Here are the available tools:\n<tools>\n{signatures}\n</tools>\nFor each function call, "
-            f"return a JSON object with the function name and arguments within {CALL_OPEN}{CALL_CLOSE} tags:\n"
-            f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_CLOSE}')
+    signatures = "\n".join(
+        json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)}) for t in tools
+    )
+    return (
+        "You are a function calling AI model. You may call one or more functions to assist with the user "
+        f"query. Here are the available tools:\n<tools>\n{signatures}\n</tools>\nFor each function call, "
+        f"return a JSON object with the function name and arguments within {CALL_OPEN}{CALL_CLOSE} tags:\n"
+        f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_CLOSE}'
+    )
 
 
 def with_tools(messages: list[dict[str, str]], tools: list[ToolDef]) -> list[dict[str, str]]:
@@ -116,15 +119,17 @@ def call_grammar(tools: list[ToolDef], choice: Optional[ToolChoice], parallel: b
         return None
     schema = {"anyOf": [_call_schema(t) for t in allowed], "x-guidance": _JSON_STYLE}
     repeat = ' ("\\n" call)*' if parallel else ""
-    return (f"start: call{repeat}\n"
-            f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n'
-            f"body: %json {json.dumps(schema)}\n")
+    return f'start: call{repeat}\ncall: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\nbody: %json {json.dumps(schema)}\n'
 
 
 def _call_schema(tool: ToolDef) -> dict[str, Any]:
     params = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def parse_calls(text: str, tools: list[ToolDef]) -> tuple[Optional[str], list[dict[str, Any]]]:
@@ -138,8 +143,13 @@ def parse_calls(text: str, tools: list[ToolDef]) -> tuple[Optional[str], list[di
         except json.JSONDecodeError:
             continue
         if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict):
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))},
+                }
+            )
     if not calls:
         return text, []
     content = _CALL.sub("", text).strip()
@@ -148,8 +158,9 @@ def parse_calls(text: str, tools: list[ToolDef]) -> tuple[Optional[str], list[di
 
 def render_call_history(content: str, calls: list[ToolCall]) -> str:
     """An earlier assistant turn with calls, as the model would have written it."""
-    blocks = [f'{CALL_OPEN}\n{json.dumps({"name": c.function.name, "arguments": _arguments(c)})}\n{CALL_CLOSE}'
-              for c in calls]
+    blocks = [
+        f"{CALL_OPEN}\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c)})}\n{CALL_CLOSE}" for c in calls
+    ]
     return "\n".join(([content] if content else []) + blocks)
 
 

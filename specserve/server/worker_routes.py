@@ -30,8 +30,18 @@ from specserve.server.state import ServerState
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's bound for its own /health_generate
 HEALTH_GENERATE_FRESH_S = 5.0  # a token event this recent already shows the engine generating
 FLUSH_TIMEOUT_S = 30.0
-UNSUPPORTED_ENDPOINTS = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v1/responses", "/v1/score", "/v1/classify",
-                         "/classify", "/encode", "/v1/tokenize", "/v1/detokenize")
+UNSUPPORTED_ENDPOINTS = (
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/rerank",
+    "/v1/responses",
+    "/v1/score",
+    "/v1/classify",
+    "/classify",
+    "/encode",
+    "/v1/tokenize",
+    "/v1/detokenize",
+)
 
 
 def add_worker_routes(app: FastAPI, state: ServerState) -> None:
@@ -45,8 +55,7 @@ def add_worker_routes(app: FastAPI, state: ServerState) -> None:
         try:
             await asyncio.wait_for(_one_token(state, request), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            return JSONResponse({"status": "error", "message": f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"},
-                                503)
+            return JSONResponse({"status": "error", "message": f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"}, 503)
         except APIError as exc:
             return JSONResponse({"status": "error", "message": exc.message}, 503)
         return JSONResponse({"status": "ok", "checked": "one-token generation"})
@@ -60,8 +69,14 @@ def add_worker_routes(app: FastAPI, state: ServerState) -> None:
     async def get_load() -> list[dict[str, int]]:
         load, queued = state.client.load, state.client.queued
         waiting = load.get("waiting", 0) + queued
-        return [{"dp_rank": 0, "num_reqs": load.get("running", 0) + waiting, "num_waiting_reqs": waiting,
-                 "num_tokens": load.get("kv_request_tokens", 0)}]
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": load.get("running", 0) + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": load.get("kv_request_tokens", 0),
+            }
+        ]
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict[str, Any]:
@@ -74,9 +89,12 @@ def add_worker_routes(app: FastAPI, state: ServerState) -> None:
         return {"status": "ok", "flushed_tokens": freed}
 
     async def unsupported(request: Request) -> JSONResponse:
-        return APIError(f"{request.url.path}: not supported by specserve, which serves text generation "
-                        "(/v1/chat/completions, /v1/completions, /generate)", 404,
-                        code="unsupported_endpoint").response()
+        return APIError(
+            f"{request.url.path}: not supported by specserve, which serves text generation "
+            "(/v1/chat/completions, /v1/completions, /generate)",
+            404,
+            code="unsupported_endpoint",
+        ).response()
 
     for path in UNSUPPORTED_ENDPOINTS:
         app.add_api_route(path, unsupported, methods=["GET", "POST"], include_in_schema=False)
@@ -92,19 +110,31 @@ async def _one_token(state: ServerState, request: Request) -> None:
 
 def model_info(state: ServerState) -> dict[str, Any]:
     """SGLang's model info: the router names the worker's model by `served_model_name`."""
-    return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
-            "served_model_name": state.model_name, "context_length": state.context_length,
-            "vocab_size": state.client.info["vocab_size"]}
+    return {
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path,
+        "is_generation": True,
+        "served_model_name": state.model_name,
+        "context_length": state.context_length,
+        "vocab_size": state.client.info["vocab_size"],
+    }
 
 
 def server_info(state: ServerState) -> dict[str, Any]:
     """The server's settings (never the API key) and its live state: one data-parallel rank."""
     info = {name: value for name, value in state.settings.items() if name != "api_key"}
-    info.update(model_path=state.model_path, served_model_name=state.model_name, dp_size=1,
-                version=_version(), pid=os.getpid(), engine_pid=state.client.info.get("pid"),
-                context_length=state.context_length, max_total_num_tokens=state.client.info["kv_total_tokens"],
-                speculative_algorithm=state.client.info["speculative_algorithm"],
-                internal_states=[dict(state.client.load, queued=state.client.queued)])
+    info.update(
+        model_path=state.model_path,
+        served_model_name=state.model_name,
+        dp_size=1,
+        version=_version(),
+        pid=os.getpid(),
+        engine_pid=state.client.info.get("pid"),
+        context_length=state.context_length,
+        max_total_num_tokens=state.client.info["kv_total_tokens"],
+        speculative_algorithm=state.client.info["speculative_algorithm"],
+        internal_states=[dict(state.client.load, queued=state.client.queued)],
+    )
     return info
 
 

@@ -58,8 +58,9 @@ class DsparkVerifyEpilogue:
 
     def __init__(self, max_bs: int, num_verify_tokens: int, device: str | torch.device = "cpu"):
         if max_bs < 1 or num_verify_tokens < 2:
-            raise InternalError(f"DsparkVerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, "
-                             f"got {max_bs}, {num_verify_tokens}")
+            raise InternalError(
+                f"DsparkVerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, got {max_bs}, {num_verify_tokens}"
+            )
         self.max_bs = max_bs
         self.num_verify_tokens = num_verify_tokens
         i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
@@ -92,23 +93,43 @@ class DsparkVerifyEpilogue:
 
     # ------------------------------------------------------------ accept kernels
 
-    def accept_greedy(self, bs: int, verify_ids: torch.Tensor, target_logits: torch.Tensor,
-                      prefix_lens: torch.Tensor, verify_lens: Optional[torch.Tensor] = None) -> None:
+    def accept_greedy(
+        self,
+        bs: int,
+        verify_ids: torch.Tensor,
+        target_logits: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        verify_lens: Optional[torch.Tensor] = None,
+    ) -> None:
         """Greedy accept: a draft survives while it equals the target's argmax at the row before it."""
-        self.accept_greedy_ids(bs, verify_ids, target_logits.view(bs, self.num_verify_tokens, -1).argmax(-1),
-                               prefix_lens, verify_lens)
+        self.accept_greedy_ids(
+            bs, verify_ids, target_logits.view(bs, self.num_verify_tokens, -1).argmax(-1), prefix_lens, verify_lens
+        )
 
-    def accept_greedy_ids(self, bs: int, verify_ids: torch.Tensor, target: torch.Tensor,
-                          prefix_lens: torch.Tensor, verify_lens: Optional[torch.Tensor] = None) -> None:
+    def accept_greedy_ids(
+        self,
+        bs: int,
+        verify_ids: torch.Tensor,
+        target: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        verify_lens: Optional[torch.Tensor] = None,
+    ) -> None:
         """Greedy accept from the target's argmax ids [bs, W] (rows past a verify length unread)."""
         width = self.num_verify_tokens
         ids = verify_ids.view(bs, width).long()
         matches = ids[:, 1:] == target[:, :-1]
         self._commit(bs, ids, matches, prefix_lens, verify_lens, lambda correct, cap: target.gather(1, correct))
 
-    def accept_sampling(self, bs: int, verify_ids: torch.Tensor, target_probs: torch.Tensor,
-                        draft_probs: torch.Tensor, uniforms: torch.Tensor, prefix_lens: torch.Tensor,
-                        verify_lens: Optional[torch.Tensor] = None) -> None:
+    def accept_sampling(
+        self,
+        bs: int,
+        verify_ids: torch.Tensor,
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor,
+        uniforms: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        verify_lens: Optional[torch.Tensor] = None,
+    ) -> None:
         """Exact chain rejection sampling.
 
         target_probs `[bs, W, V]`: the target's distribution p at each row, after each request's
@@ -153,8 +174,15 @@ class DsparkVerifyEpilogue:
             return torch.full((bs,), gamma, dtype=torch.int64, device=device)
         return (verify_lens.long() - 1).clamp(0, gamma)
 
-    def _commit(self, bs: int, ids: torch.Tensor, accepted: torch.Tensor, prefix_lens: torch.Tensor,
-                verify_lens: Optional[torch.Tensor], bonus_fn) -> None:
+    def _commit(
+        self,
+        bs: int,
+        ids: torch.Tensor,
+        accepted: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        verify_lens: Optional[torch.Tensor],
+        bonus_fn,
+    ) -> None:
         """Write all six buffers, through accept_buffers only."""
         out = self.accept_buffers(bs)
         gamma = self.num_verify_tokens - 1
@@ -170,11 +198,18 @@ class DsparkVerifyEpilogue:
         out.out_tokens.scatter_(1, out.correct_len.unsqueeze(1), out.bonus.unsqueeze(1))
 
 
-
-def accept_windows(epilogue: DsparkVerifyEpilogue, ids: torch.Tensor, logits: torch.Tensor, prefix: torch.Tensor,
-                   out_lens: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                   draft_probs: Callable[[int], torch.Tensor], verify_lens: Optional[list[int]],
-                   keep: Optional[torch.Tensor] = None) -> None:
+def accept_windows(
+    epilogue: DsparkVerifyEpilogue,
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    prefix: torch.Tensor,
+    out_lens: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    draft_probs: Callable[[int], torch.Tensor],
+    verify_lens: Optional[list[int]],
+    keep: Optional[torch.Tensor] = None,
+) -> None:
     """Accept every window of a step into the epilogue's buffers: greedy when every request is,
     else exact rejection sampling (a greedy request's target distribution is one-hot).
 
@@ -198,8 +233,10 @@ def accept_windows(epilogue: DsparkVerifyEpilogue, ids: torch.Tensor, logits: to
         full[keep.reshape(-1)] = logits
         logits = full
     target = verify_target_probs(logits.view(bs, width, -1), params)
-    uniforms = torch.tensor([[counter_uniform(seed, draw_counter(n, j)) for j in range(width)]
-                             for seed, n in zip(seeds, out_lens.tolist())], dtype=torch.float64)
+    uniforms = torch.tensor(
+        [[counter_uniform(seed, draw_counter(n, j)) for j in range(width)] for seed, n in zip(seeds, out_lens.tolist())],
+        dtype=torch.float64,
+    )
     epilogue.accept_sampling(bs, ids, target, draft_probs(target.shape[-1]), uniforms, prefix, lens)
 
 

@@ -51,8 +51,13 @@ class StepPlan:
     def fixed(cls, drafters: Sequence[Optional[str]], gamma: int) -> "StepPlan":
         """Every request with a drafter verifies all gamma drafts (the policy turned off)."""
         drafts = [gamma if d is not None else 0 for d in drafters]
-        shape = StepShape(len(drafters), sum(drafts), sum(d == DSPARK for d in drafters),
-                          gamma * sum(d == DSPARK for d in drafters), sum(d == NGRAM for d in drafters))
+        shape = StepShape(
+            len(drafters),
+            sum(drafts),
+            sum(d == DSPARK for d in drafters),
+            gamma * sum(d == DSPARK for d in drafters),
+            sum(d == NGRAM for d in drafters),
+        )
         return cls(list(drafters), drafts, [0.0] * len(drafts), shape)
 
 
@@ -70,8 +75,15 @@ class _Row:
 class AdaptivePolicy:
     """Plans each verify step and learns from it; one per engine rank (rank 0's plan is used)."""
 
-    def __init__(self, drafters: Sequence[str], gamma: int, cost: StepCostModel,
-                 eos_token_ids: Sequence[int] = (), explore_every: int = 64, min_gain: float = 0.0):
+    def __init__(
+        self,
+        drafters: Sequence[str],
+        gamma: int,
+        cost: StepCostModel,
+        eos_token_ids: Sequence[int] = (),
+        explore_every: int = 64,
+        min_gain: float = 0.0,
+    ):
         self.drafters = tuple(drafters)
         self.gamma = gamma
         self.cost = cost
@@ -112,8 +124,11 @@ class AdaptivePolicy:
         live = [i for i, row in enumerate(rows) if not self._row(row).done]
         match = [match_lens[i] if match_lens else 0 for i in range(bs)]
         if self._plain_wins(rows, live, speculating, match):  # most large-batch steps: no survival curves
-            candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live] \
-                if self._stale(rows, live) else [[] for _ in live]
+            candidates = (
+                [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
+                if self._stale(rows, live)
+                else [[] for _ in live]
+            )
             decisions = [Decision() for _ in live]
         else:
             candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
@@ -128,8 +143,7 @@ class AdaptivePolicy:
         self._match_lens = dict(zip(rows, match_lens or [0] * bs))
         return StepPlan(drafters, drafts, predicted, shape)
 
-    def _plain_wins(self, rows: Sequence[int], live: list[int], speculating: Sequence[bool],
-                    match: Sequence[int]) -> bool:
+    def _plain_wins(self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], match: Sequence[int]) -> bool:
         """No plan beats plain decoding, judged from each request's first-draft survival alone."""
         best_first = 0.0
         for i in live:
@@ -146,8 +160,11 @@ class AdaptivePolicy:
         """Some live request is due to explore a drafter (it then needs its candidates)."""
         if self.explore_every <= 0:
             return False
-        return any(self._row(rows[i]).steps - min(self._row(rows[i]).last_try.get(n, 0) for n in self.drafters)
-                   >= self.explore_every for i in live)
+        return any(
+            self._row(rows[i]).steps - min(self._row(rows[i]).last_try.get(n, 0) for n in self.drafters)
+            >= self.explore_every
+            for i in live
+        )
 
     def _row(self, row: int) -> _Row:
         if row not in self.rows:
@@ -161,8 +178,9 @@ class AdaptivePolicy:
         state = self._row(row)
         return [Candidate(name, state.own[name].survival(self._global(name, match_len).rates)) for name in self.drafters]
 
-    def _explore(self, rows: Sequence[int], live: list[int], candidates: list[list[Candidate]],
-                 decisions: list[Decision]) -> list[Decision]:
+    def _explore(
+        self, rows: Sequence[int], live: list[int], candidates: list[list[Candidate]], decisions: list[Decision]
+    ) -> list[Decision]:
         """At most one window per step tries a drafter its request has not used for explore_every steps."""
         if self.explore_every <= 0:
             return decisions

@@ -42,8 +42,15 @@ class StepShape:
     ngram_requests: int = 0  # requests whose drafts come from NGRAM lookups
 
     def features(self) -> tuple[float, ...]:
-        return (1.0, float(self.requests), float(self.verify_rows), float(self.dspark_requests > 0),
-                float(self.dspark_rows), float(self.ngram_requests), float(self.verify_rows > 0))
+        return (
+            1.0,
+            float(self.requests),
+            float(self.verify_rows),
+            float(self.dspark_requests > 0),
+            float(self.dspark_rows),
+            float(self.ngram_requests),
+            float(self.verify_rows > 0),
+        )
 
 
 class StepCostModel:
@@ -53,8 +60,7 @@ class StepCostModel:
     `prior` gives theta before any step (from a warm-up or an SPS table); `prior_steps` says how
     many steps of nominal shape it is worth. Predictions never go below `floor_s`."""
 
-    def __init__(self, prior: Sequence[float], prior_steps: float = 20.0, forgetting: float = 0.995,
-                 floor_s: float = 1e-5):
+    def __init__(self, prior: Sequence[float], prior_steps: float = 20.0, forgetting: float = 0.995, floor_s: float = 1e-5):
         if len(prior) != len(FEATURES):
             raise InternalError(f"cost model: the prior needs {len(FEATURES)} coefficients {FEATURES}, got {len(prior)}")
         if not 0.5 < forgetting <= 1.0:
@@ -72,15 +78,24 @@ class StepCostModel:
         self._abs_rel_residual = 0.0  # running mean of |observed - predicted| / observed
 
     def predict(self, shape: StepShape) -> float:
-        return self.predict_totals(shape.requests, shape.verify_rows, shape.dspark_requests, shape.dspark_rows,
-                                   shape.ngram_requests)
+        return self.predict_totals(
+            shape.requests, shape.verify_rows, shape.dspark_requests, shape.dspark_rows, shape.ngram_requests
+        )
 
-    def predict_totals(self, requests: int, verify_rows: float, dspark_requests: float, dspark_rows: float,
-                       ngram_requests: float) -> float:
+    def predict_totals(
+        self, requests: int, verify_rows: float, dspark_requests: float, dspark_rows: float, ngram_requests: float
+    ) -> float:
         """predict() without building a StepShape: the policy's search calls this thousands of times."""
         c = self._coef
-        t = (c[0] + c[1] * requests + c[2] * verify_rows + c[3] * (dspark_requests > 0) + c[4] * dspark_rows
-             + c[5] * ngram_requests + c[6] * (verify_rows > 0))
+        t = (
+            c[0]
+            + c[1] * requests
+            + c[2] * verify_rows
+            + c[3] * (dspark_requests > 0)
+            + c[4] * dspark_rows
+            + c[5] * ngram_requests
+            + c[6] * (verify_rows > 0)
+        )
         return max(t, self.floor_s)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
@@ -122,12 +137,15 @@ class StepCostModel:
                 raw = json.load(f)["coefficients_s"]
             return cls([float(raw[name]) for name in FEATURES], **kwargs)
         except (OSError, KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"speculative_cost_table_path: cannot read a cost table from {path!r} (a JSON object "
-                             f"with 'coefficients_s' for {list(FEATURES)}): {exc}") from exc
+            raise ConfigError(
+                f"speculative_cost_table_path: cannot read a cost table from {path!r} (a JSON object "
+                f"with 'coefficients_s' for {list(FEATURES)}): {exc}"
+            ) from exc
 
     @classmethod
-    def from_sps(cls, tokens: Sequence[int], steps_per_second: Sequence[float],
-                 drafting: Optional[dict[str, float]] = None, **kwargs) -> "StepCostModel":
+    def from_sps(
+        cls, tokens: Sequence[int], steps_per_second: Sequence[float], drafting: Optional[dict[str, float]] = None, **kwargs
+    ) -> "StepCostModel":
         """A prior from a verify SPS table (rows -> steps/s): the line through its first and last
         points for the target; drafting coefficients from `drafting` (default 0)."""
         t0, t1 = 1.0 / steps_per_second[0], 1.0 / steps_per_second[-1]

@@ -56,9 +56,10 @@ class DsparkWorker:
 
     def draft(self, inp: DraftInput) -> Drafts:
         self.flush()
-        ctx_slots = self.table[inp.rows, :int(inp.prefix_lens.max())]
-        out = self.drafter.propose(inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds,
-                                   inp.out_lens.tolist())
+        ctx_slots = self.table[inp.rows, : int(inp.prefix_lens.max())]
+        out = self.drafter.propose(
+            inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds, inp.out_lens.tolist()
+        )
         return Drafts(out.tokens, out.probs, out.confidence)
 
     def commit_rows(self, rows: CommittedRows) -> None:

@@ -28,15 +28,15 @@ class TokenHistory:
             end = len(toks) - 1  # the n-grams ending just before the new token now have a continuation
             for n, index in self.index.items():
                 if end >= n:
-                    index[tuple(toks[end - n:end])] = end - n
+                    index[tuple(toks[end - n : end])] = end - n
 
     def match(self, gamma: int) -> tuple[int, list[int]]:
         """(matched suffix length, 0 when none; the gamma proposed tokens)."""
         toks = self.tokens
         for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
-            start = self.index[n].get(tuple(toks[len(toks) - n:]))
+            start = self.index[n].get(tuple(toks[len(toks) - n :]))
             if start is not None:
-                follow = toks[start + n:start + n + gamma]
+                follow = toks[start + n : start + n + gamma]
                 return n, follow + [follow[-1]] * (gamma - len(follow))
         return 0, [toks[-1]] * gamma
 

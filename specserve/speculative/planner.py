@@ -54,15 +54,19 @@ class SpsTable:
         try:
             with open(path) as f:
                 raw = json.load(f)
-            return cls(tuple(int(t) for t in raw["tokens"]), tuple(float(s) for s in raw["steps_per_second"]),
-                       raw.get("meta"))
+            return cls(
+                tuple(int(t) for t in raw["tokens"]), tuple(float(s) for s in raw["steps_per_second"]), raw.get("meta")
+            )
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"speculative_dspark_sps_table_path: cannot read an SPS table from {path!r}: {exc}") from exc
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump({"tokens": list(self.tokens), "steps_per_second": list(self.steps_per_second),
-                       "meta": self.meta or {}}, f, indent=2)
+            json.dump(
+                {"tokens": list(self.tokens), "steps_per_second": list(self.steps_per_second), "meta": self.meta or {}},
+                f,
+                indent=2,
+            )
 
 
 def plan_verify_lens(confidence: torch.Tensor, sps: SpsTable) -> list[int]:
@@ -92,9 +96,10 @@ class VerifyPlanner:
     def verify_lens(self, confidence: torch.Tensor) -> Optional[list[int]]:
         if self.sps is None:
             if not self._warned:
-                logger.warning("compact verify without an SPS table (--speculative-dspark-sps-table-path): "
-                               "verifying every window row; record one with `specserve profile-sps`")
+                logger.warning(
+                    "compact verify without an SPS table (--speculative-dspark-sps-table-path): "
+                    "verifying every window row; record one with `specserve profile-sps`"
+                )
                 self._warned = True
             return None
         return plan_verify_lens(confidence.float().cpu(), self.sps)
-

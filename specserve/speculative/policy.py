@@ -82,8 +82,13 @@ class _Plan:
         return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark * self.block, ngram)
 
 
-def choose_drafts(requests: Sequence[Sequence[Candidate]], cost: StepCostModel, dspark_block: int,
-                  min_gain: float = 0.0, max_iterations: int = 20) -> list[Decision]:
+def choose_drafts(
+    requests: Sequence[Sequence[Candidate]],
+    cost: StepCostModel,
+    dspark_block: int,
+    min_gain: float = 0.0,
+    max_iterations: int = 20,
+) -> list[Decision]:
     """The batch's decisions: plain decoding unless a plan is predicted to commit tokens at least
     (1 + min_gain) times as fast (a margin for the predictions' own errors)."""
     plan = _Plan(requests, cost, dspark_block)
@@ -109,8 +114,9 @@ def choose_drafts(requests: Sequence[Sequence[Candidate]], cost: StepCostModel, 
     return best if best_rate >= plain_rate * (1 + min_gain) else plain
 
 
-def _priced_options(candidates: Sequence[Candidate], coef: dict[str, float], dspark_block: int,
-                    dspark_runs: bool) -> list[tuple[float, float, Decision]]:
+def _priced_options(
+    candidates: Sequence[Candidate], coef: dict[str, float], dspark_block: int, dspark_runs: bool
+) -> list[tuple[float, float, Decision]]:
     """(expected tokens, seconds this request adds, decision) for each of its options; DSpark
     options only when the drafter runs (its fixed cost is the batch's, not the request's)."""
     out = [(1.0, 0.0, Decision())]
@@ -118,8 +124,10 @@ def _priced_options(candidates: Sequence[Candidate], coef: dict[str, float], dsp
         if c.drafter == DSPARK and not dspark_runs:
             continue
         extra = coef["dspark_rows"] * dspark_block if c.drafter == DSPARK else coef["ngram_requests"]
-        out += [(c.expected_tokens(k), coef["verify_rows"] * k + extra, Decision(c.drafter, k))
-                for k in range(1, len(c.survival) + 1)]
+        out += [
+            (c.expected_tokens(k), coef["verify_rows"] * k + extra, Decision(c.drafter, k))
+            for k in range(1, len(c.survival) + 1)
+        ]
     return out
 
 

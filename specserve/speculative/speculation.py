@@ -47,19 +47,27 @@ class Speculation:
     """Named draft workers and what decides each request's window: the adaptive policy, or (turned
     off) each request's own drafter with every draft, verified whole or by the compact planner."""
 
-    def __init__(self, workers: Sequence[DraftWorker] = (), planner: Optional[VerifyPlanner] = None,
-                 policy: Optional[AdaptivePolicy] = None, disable_batch_size: Optional[int] = None):
+    def __init__(
+        self,
+        workers: Sequence[DraftWorker] = (),
+        planner: Optional[VerifyPlanner] = None,
+        policy: Optional[AdaptivePolicy] = None,
+        disable_batch_size: Optional[int] = None,
+    ):
         self.workers = {w.name: w for w in workers}
         self.planner = planner
         self.policy = policy
         self.disable_batch_size = disable_batch_size  # --speculative-disable-batch-size: larger steps never draft
         if policy is not None and set(policy.drafters) - set(self.workers):
-            raise InternalError(f"speculation: the policy's drafters {policy.drafters} are not all in this engine "
-                             f"(have {sorted(self.workers)})")
+            raise InternalError(
+                f"speculation: the policy's drafters {policy.drafters} are not all in this engine "
+                f"(have {sorted(self.workers)})"
+            )
         readers = [w for w in workers if w.capture_layer_ids]
         if len(readers) > 1:
-            raise InternalError("speculation: at most one drafter may read the target's hidden states, got "
-                             f"{[w.name for w in readers]}")
+            raise InternalError(
+                f"speculation: at most one drafter may read the target's hidden states, got {[w.name for w in readers]}"
+            )
         self.capture_layer_ids: tuple[int, ...] = readers[0].capture_layer_ids if readers else ()
         # Whether any drafter reads committed target rows / tokens: the executor skips gathering them otherwise.
         self.reads_rows = bool(readers)
@@ -93,9 +101,16 @@ class Speculation:
         if self.policy is not None:
             self.policy.start(row)
 
-    def propose(self, drafters: Sequence[Optional[str]], rows: torch.Tensor, ids: torch.Tensor,
-                prefix: torch.Tensor, out_lens: torch.Tensor, params: Sequence[SamplingParams],
-                seeds: Sequence[int]) -> Proposal:
+    def propose(
+        self,
+        drafters: Sequence[Optional[str]],
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        prefix: torch.Tensor,
+        out_lens: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+    ) -> Proposal:
         """Fill ids[:, 1:] (ids[:, 0] holds the anchors): each request's drafter proposes its window;
         a request without a drafter repeats its anchor (the verify still yields its bonus token)."""
         bs, gamma = ids.shape[0], ids.shape[1] - 1
@@ -110,8 +125,17 @@ class Speculation:
             worker = self.workers.get(name)
             if worker is None:
                 raise InternalError(f"speculation: no drafter {name!r} in this engine (have {sorted(self.workers)})")
-            drafts = worker.draft(DraftInput(pick(rows), pick(ids[:, 0]), pick(prefix), pick(out_lens),
-                                             [params[i] for i in index], [seeds[i] for i in index], gamma))
+            drafts = worker.draft(
+                DraftInput(
+                    pick(rows),
+                    pick(ids[:, 0]),
+                    pick(prefix),
+                    pick(out_lens),
+                    [params[i] for i in index],
+                    [seeds[i] for i in index],
+                    gamma,
+                )
+            )
             ids[target, 1:] = drafts.tokens
             if drafts.probs is not None:
                 proposal.probs.append((sel, drafts.probs))

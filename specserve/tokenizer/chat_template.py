@@ -39,7 +39,8 @@ def validate_messages(messages: Any) -> None:
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
             raise InvalidRequestError(f"messages[{i}]: must be an object with 'role' and 'content'", param=f"messages[{i}]")
         if msg["role"] not in _ROLES:
-            raise InvalidRequestError(f"messages[{i}].role: must be one of {_ROLES}, got {msg['role']!r}",
-                                      param=f"messages[{i}].role")
+            raise InvalidRequestError(
+                f"messages[{i}].role: must be one of {_ROLES}, got {msg['role']!r}", param=f"messages[{i}].role"
+            )
         if not isinstance(msg["content"], str):
             raise InvalidRequestError(f"messages[{i}].content: must be a string", param=f"messages[{i}].content")

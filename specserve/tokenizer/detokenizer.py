@@ -23,11 +23,11 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""
         self.ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         self.text += delta
@@ -35,9 +35,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a stream: emit whatever is held back, replacement characters included."""
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        delta = full[len(prefix):] if full.startswith(prefix) else ""
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        delta = full[len(prefix) :] if full.startswith(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta

@@ -24,8 +24,14 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 class Tokenizer:
     """Encode, decode and render chat prompts; one object for GGUF and Hugging Face models."""
 
-    def __init__(self, backend: HFTokenizer, eos_token_ids: Sequence[int], bos_token_id: Optional[int],
-                 chat_template: Optional[str], add_bos: bool = False):
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        eos_token_ids: Sequence[int],
+        bos_token_id: Optional[int],
+        chat_template: Optional[str],
+        add_bos: bool = False,
+    ):
         self.backend = backend
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.bos_token_id = bos_token_id
@@ -64,19 +70,23 @@ class Tokenizer:
         return bytes(table[c] for c in piece)
 
     @overload
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: Literal[True] = True) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: Literal[True] = True
+    ) -> list[int]: ...
 
     @overload
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                            tokenize: Literal[False]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *, tokenize: Literal[False]
+    ) -> str: ...
 
     @overload
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int] | str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = True
+    ) -> list[int] | str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int] | str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = True
+    ) -> list[int] | str:
         """Render messages with the model's template; token ids by default, as transformers does."""
         if self.chat_template is None:
             raise InvalidRequestError("messages: this model has no chat template", param="messages")
@@ -109,16 +119,23 @@ def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
-    added = [AddedToken(tokens[i], special=types[i] == _TOKEN_CONTROL, normalized=False)
-             for i in range(len(tokens)) if types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
+    added = [
+        AddedToken(tokens[i], special=types[i] == _TOKEN_CONTROL, normalized=False)
+        for i in range(len(tokens))
+        if types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
     backend.add_tokens(added)
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    return Tokenizer(backend, eos_ids, None if bos is None else int(bos),
-                     gguf_field(reader, "tokenizer.chat_template"),
-                     add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)))
+    return Tokenizer(
+        backend,
+        eos_ids,
+        None if bos is None else int(bos),
+        gguf_field(reader, "tokenizer.chat_template"),
+        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
 
 
 def _pre_tokenizer(pre: str):
@@ -129,12 +146,16 @@ def _pre_tokenizer(pre: str):
     if pre in ("default", "gpt2", "gpt-2"):
         return byte_level
     if pre == "llama-bpe":
-        llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        llama3 = (
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+            r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     raise ConfigError(f"tokenizer_path: GGUF pre-tokenizer {pre!r} is not supported")
 
 
@@ -166,8 +187,9 @@ def _from_hf_dir(path: str) -> Tokenizer:
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-    return Tokenizer(backend, eos_ids, token_id(tok_cfg.get("bos_token")), template,
-                     add_bos=bool(tok_cfg.get("add_bos_token", False)))
+    return Tokenizer(
+        backend, eos_ids, token_id(tok_cfg.get("bos_token")), template, add_bos=bool(tok_cfg.get("add_bos_token", False))
+    )
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -180,8 +202,11 @@ def _read_json(path: str) -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: each of the 256 bytes has one printable character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -112,7 +112,8 @@ def teacher_for(pairs: list, layer_ids: list[int], model_path: Optional[str]):
 
 def score_weights(folder: str, held_out, loaded, dtype: torch.dtype) -> dict:
     """Teacher-forced accept length of the drafter in `folder` on `held_out`, as `_train` scores it."""
-    from specserve.models.dspark import DsparkDrafter, read_drafter_config
+    from specserve.models.dspark import DsparkDrafter
+    from specserve.models.dspark_checkpoint import read_drafter_config
     from specserve.train.run import load_drafter_weights
     from specserve.train.trainer import DrafterLoss, teacher_forced_accept_length
 

@@ -102,7 +102,7 @@ def run_train_drafter(ns: argparse.Namespace) -> int:
 
 
 def _drafter_config(ns: argparse.Namespace, target_cfg, state: dict):
-    from specserve.models.dspark import read_drafter_config
+    from specserve.models.dspark_checkpoint import read_drafter_config
     from specserve.train.trainer import drafter_config_for
 
     source = ns.out if ns.resume else ns.init_from
@@ -198,7 +198,7 @@ def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
     if start is not None:
         load_drafter_weights(drafter, start)
     else:
-        from specserve.models.dspark import init_drafter
+        from specserve.models.dspark_checkpoint import init_drafter
 
         drafter.load_state_dict(init_drafter(cfg, seed=ns.seed), strict=False)
         if ns.draft_vocab_size:
@@ -214,7 +214,7 @@ def load_drafter_weights(drafter, path: str) -> None:
     """Load a drafter directory's (bf16) weights into `drafter` as fp32 for training."""
     from safetensors.torch import load_file
 
-    from specserve.models.dspark import WEIGHTS_FILE
+    from specserve.models.dspark_checkpoint import WEIGHTS_FILE
 
     weights = load_file(os.path.join(path, WEIGHTS_FILE))
     missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
@@ -286,7 +286,7 @@ def _resumable_checkpoint(out: str, committed_steps: int) -> Optional[dict]:
 
 
 def _save(out: str, drafter, state: dict, summary: dict, model_name: str) -> None:
-    from specserve.models.dspark import save_drafter
+    from specserve.models.dspark_checkpoint import save_drafter
 
     history = summary.pop("history")
     cfg = drafter.config

@@ -65,7 +65,7 @@ def arm_cost_seconds(shards: list, seen: set[int], cache, train_seconds: float) 
 
 def run_source_value(ns: argparse.Namespace) -> int:
     from specserve.assets import default_drafter_path
-    from specserve.models.dspark import read_drafter_config
+    from specserve.models.dspark_checkpoint import read_drafter_config
     from specserve.train.arms import dev_score, train_arm
     from specserve.train.corpus_store import CorpusStore
     from specserve.train.run import DEFAULT_TOPK, parse_shard_numbers, select_shards, target_model_name

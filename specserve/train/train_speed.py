@@ -36,7 +36,8 @@ def run_train_speed(ns: argparse.Namespace) -> int:
     from specserve.train.corpus_store import CorpusStore
     from specserve.train.run import build_teacher_cache, load_drafter_weights, select_shards
     from specserve.train.teacher import TeacherCache, TeacherCorpus
-    from specserve.models.dspark import DsparkDrafter, read_drafter_config
+    from specserve.models.dspark import DsparkDrafter
+    from specserve.models.dspark_checkpoint import read_drafter_config
     from specserve.kernels.dispatch import machine_description
     from specserve.train.trainer import DrafterLoss, training_dtype
 

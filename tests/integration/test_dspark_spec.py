@@ -19,7 +19,7 @@ from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.args import MAX_DRAFT_TOKENS
-from specserve.models.dspark import read_drafter_config
+from specserve.models.dspark_checkpoint import read_drafter_config
 from specserve.scheduler.loops import NormalLoop
 
 CONTENTS = ["What is the capital of France?", "Count from 1 to 20, separated by commas.",

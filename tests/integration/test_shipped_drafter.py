@@ -13,7 +13,7 @@ from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.assets import default_drafter_path
-from specserve.models.dspark import read_drafter_config
+from specserve.models.dspark_checkpoint import read_drafter_config
 
 CONTENTS = ["Explain what a CPU does.", "Write a short story about a cat who learns to swim.",
             "List five tips for staying healthy.", "Describe how a bicycle works."]

@@ -6,8 +6,8 @@ import torch
 
 from specserve.kv.pool import KVPool
 from specserve.models.config import ModelConfig
-from specserve.models.dspark import (DsparkConfig, DsparkDrafter, init_drafter, load_drafter, read_drafter_config,
-                                     save_drafter, spread_layers)
+from specserve.models.dspark import DsparkConfig, DsparkDrafter, spread_layers
+from specserve.models.dspark_checkpoint import init_drafter, load_drafter, read_drafter_config, save_drafter
 from specserve.sampling_params import SamplingParams
 
 V, H = 40, 32

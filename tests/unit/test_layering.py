@@ -53,7 +53,8 @@ ALLOWED: dict[str, set[str]] = {
     # bench -> server: the router bench starts and waits for replicas with server/replicas.py's helpers
     "bench": {"names", "engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
               "sampling_params", "logits", "server", "envs", "errors"},
-    "cli": {"names", "args", "bench", "engine", "models", "sampling_params", "server", "train", "errors"},
+    "flag_bounds": {"args", "server", "errors"},  # the heartbeat bound is the server's interval
+    "cli": {"names", "args", "bench", "engine", "models", "sampling_params", "server", "train", "errors", "flag_bounds"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
 }
 # The layer the issue names explicitly: models/ holds nn.Modules and what they read, nothing above.

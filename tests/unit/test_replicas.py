@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from specserve.args import ServerArgs
-from specserve.cli import build_parser, check_flag_bounds
+from specserve.cli import build_parser
+from specserve.flag_bounds import check_flag_bounds
 from specserve.server.errors import from_validation_errors
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from specserve.server.replicas import check_data_parallel_args, replica_argv
