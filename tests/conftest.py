@@ -14,6 +14,9 @@ import os
 import pytest
 import torch
 
+from specserve.models.loader import default_model_path
+
+PARSED: dict = {}  # (path, mtime) -> the LoadedModel parsed from it (parse_each_gguf_once)
 UNIT_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
 
 
@@ -53,6 +56,9 @@ def return_freed_memory_after_each_module(request):
     """The same once a module's own fixtures (shared engines) are torn down: autouse, so it is set
     up before them and torn down after them."""
     yield
+    keep = {key: parsed for key, parsed in PARSED.items() if key[0] == os.path.abspath(default_model_path())}
+    PARSED.clear()
+    PARSED.update(keep)  # a module's other models (a larger real file) go with it
     if GLIBC is not None:
         gc.collect()
         GLIBC.malloc_trim(0)
@@ -61,16 +67,17 @@ def return_freed_memory_after_each_module(request):
 @pytest.fixture(scope="session", autouse=True)
 def parse_each_gguf_once():
     """Engines built in this process share one parse of each GGUF file (reading and dequantizing
-    it is most of an engine build); every engine still loads, shards and packs its own weights."""
+    it is most of an engine build); every engine still loads, shards and packs its own weights.
+    The default model's parse stays for the session, another file's for its test module."""
     import specserve.models.loader as loader
 
-    original, parsed = loader._load_gguf, {}
+    original = loader._load_gguf
 
     def load_once(path: str):
         key = (os.path.abspath(path), os.path.getmtime(path))
-        if key not in parsed:
-            parsed[key] = original(path)
-        return parsed[key]
+        if key not in PARSED:
+            PARSED[key] = original(path)
+        return PARSED[key]
 
     loader._load_gguf = load_once
     yield

@@ -7,12 +7,12 @@ from typing import Any
 
 from specserve.errors import ConfigError
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a llama-family decoder (llama, qwen2, mistral without sliding window)."""
+    """Hyper-parameters of a llama-family decoder (llama, qwen2, qwen3, mistral without sliding window)."""
 
     hidden_size: int
     intermediate_size: int
@@ -26,6 +26,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (qwen3)
     architecture: str = "llama"
 
     @classmethod
@@ -41,7 +42,7 @@ class ModelConfig:
             raise ConfigError(f"model_path: RoPE scaling {rope} is not supported")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
-        is_qwen2 = "Qwen2ForCausalLM" in archs
+        is_qwen2, is_qwen3 = "Qwen2ForCausalLM" in archs, "Qwen3ForCausalLM" in archs
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -55,5 +56,6 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
-            architecture="qwen2" if is_qwen2 else "llama",
+            qk_norm=is_qwen3,
+            architecture="qwen2" if is_qwen2 else "qwen3" if is_qwen3 else "llama",
         )

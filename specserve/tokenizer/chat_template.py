@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 from typing import Any
 
 import jinja2
@@ -16,18 +18,33 @@ def _raise(message: str):
     raise InvalidRequestError(f"messages: {message}", param="messages")
 
 
-class ChatTemplate:
-    """A compiled chat template (sandboxed, trim_blocks and lstrip_blocks as in transformers)."""
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+    """transformers' `tojson`: plain json.dumps (jinja2's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def __init__(self, source: str):
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A compiled chat template (sandboxed, trim_blocks and lstrip_blocks as in transformers), with
+    the globals transformers gives it: raise_exception, strftime_now, tojson, bos_token, eos_token."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         self.template = env.from_string(source)
+        self.special = {"bos_token": bos_token, "eos_token": eos_token}
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         validate_messages(messages)
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+            return self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special, **extra
+            )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"messages: chat template failed: {exc}", param="messages") from exc
 

