@@ -41,6 +41,8 @@ class TinySpec:
     tied: bool = True  # no output.weight: the head is the embedding
     head_dim: int = 0  # 0: hidden // heads (qwen3 sets its own, with per-head q/k norms)
     qk_norm: bool = False
+    sandwich: bool = False  # gemma3: norms after attention and after the MLP too
+    window: int = 0  # gemma3: the sliding window of its local layers
 
     @property
     def vocab(self) -> int:
@@ -99,6 +101,8 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
     writer.add_head_count_kv(spec.kv_heads)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_layer_norm_rms_eps(1e-6)
+    if spec.window:
+        writer.add_sliding_window(spec.window)
     _add_tokenizer(writer, pre)
 
     def weight(name: str, short: str, rows: int, cols: int, std: float = 0.08) -> None:
@@ -120,6 +124,9 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
             norm(f"blk.{i}.attn_k_norm.weight", head_dim)
         weight(f"blk.{i}.attn_output.weight", "attn_output", spec.hidden, spec.heads * head_dim)
         norm(f"blk.{i}.ffn_norm.weight", spec.hidden)
+        if spec.sandwich:
+            norm(f"blk.{i}.post_attention_norm.weight", spec.hidden)
+            norm(f"blk.{i}.post_ffw_norm.weight", spec.hidden)
         weight(f"blk.{i}.ffn_gate.weight", "ffn_gate", spec.intermediate, spec.hidden)
         weight(f"blk.{i}.ffn_up.weight", "ffn_up", spec.intermediate, spec.hidden)
         weight(f"blk.{i}.ffn_down.weight", "ffn_down", spec.hidden, spec.intermediate)

@@ -16,6 +16,8 @@ def paged_attention(
     row_req: torch.Tensor,
     row_len: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [T, H, D] bf16; row t attends to positions 0..row_len[t]-1 of table row row_req[t]."""
-    return load().paged_attention(q.contiguous(), k_pool, v_pool, table, row_req, row_len, scale, path_id())
+    """q [T, H, D] bf16; row t attends to positions 0..row_len[t]-1 of table row row_req[t], or with a
+    sliding `window` > 0 to the last `window` of them."""
+    return load().paged_attention(q.contiguous(), k_pool, v_pool, table, row_req, row_len, scale, window, path_id())

@@ -15,7 +15,7 @@ The backend (models/backend.py) builds one or the other and runs the matching at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -49,9 +49,12 @@ class KernelAttentionMetadata:
         row_len = (q_pos + 1).masked_fill(~valid.unsqueeze(1), 0).reshape(-1)
         return cls(table, rows.repeat_interleave(width), row_len)
 
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
-        return kernel_paged_attention(q, k_pool, v_pool, self.table, self.row_req, self.row_len, scale)
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int = 0
+    ) -> torch.Tensor:
+        """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool. With a
+        sliding `window`, each row sees only its last `window` positions."""
+        return kernel_paged_attention(q, k_pool, v_pool, self.table, self.row_req, self.row_len, scale, window)
 
 
 @dataclass
@@ -65,6 +68,12 @@ class SdpaAttentionMetadata:
     q_gather: Optional[torch.Tensor] = None
     out_scatter: Optional[torch.Tensor] = None  # [T] row of the padded [bs*max_q] output for each flat token
     mask: Optional[torch.Tensor] = None  # [bs, 1, max_q, max_kv] additive (0 or -inf); None when nothing is masked
+    # For sliding-window layers: the boolean mask, each query row's position and whether it is a
+    # real row (padding rows keep their column 0); masks per window, made on first use.
+    allowed: Optional[torch.Tensor] = None  # [bs, max_q, max_kv]
+    q_pos: Optional[torch.Tensor] = None  # [bs, max_q]
+    q_real: Optional[torch.Tensor] = None  # [bs, max_q]
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -98,7 +107,7 @@ class SdpaAttentionMetadata:
                 torch.arange(bs, device=device).unsqueeze(1) * max_q + torch.arange(max_q, device=device).unsqueeze(0)
             )[q_valid]
         additive = _additive(mask, dtype) if max_q > 1 or min(seq_lens) != max_kv else None
-        return cls(bs, max_q, kv_slots, q_gather, out_scatter, additive)
+        return cls(bs, max_q, kv_slots, q_gather, out_scatter, additive, mask, q_pos, q_valid)
 
     @classmethod
     def for_windows(
@@ -120,11 +129,16 @@ class SdpaAttentionMetadata:
         kv_slots = table[rows, :kv_len].masked_fill(~kv_valid, 0)
         mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
         mask = mask | ((~valid).view(bs, 1, 1) & (cols.view(1, 1, -1) == 0))
-        return cls(bs, width, kv_slots, mask=_additive(mask, dtype))
+        real = valid.unsqueeze(1).expand(bs, width)
+        return cls(bs, width, kv_slots, mask=_additive(mask, dtype), allowed=mask, q_pos=q_pos, q_real=real)
 
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool."""
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int = 0
+    ) -> torch.Tensor:
+        """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool. With a
+        sliding `window`, a query at position p sees the keys at positions above p - window."""
         heads, dim = q.shape[1], q.shape[2]
+        mask = self._window_mask(window, q.dtype) if window and self.kv_slots.shape[1] > window else self.mask
         if self.q_gather is None:
             qp = q.view(self.bs, self.max_q, heads, dim)
         else:
@@ -132,10 +146,18 @@ class SdpaAttentionMetadata:
         k = k_pool[self.kv_slots]  # [bs, max_kv, KVH, D]
         v = v_pool[self.kv_slots]
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.mask, scale=scale, enable_gqa=True
+            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
         )  # [bs, H, max_q, D]
         out = out.transpose(1, 2).reshape(-1, heads, dim)
         return out if self.out_scatter is None else out[self.out_scatter]
+
+    def _window_mask(self, window: int, dtype: torch.dtype) -> torch.Tensor:
+        if window not in self.window_masks:
+            assert self.allowed is not None and self.q_pos is not None and self.q_real is not None, "built with them"
+            cols = torch.arange(self.allowed.shape[-1], device=self.allowed.device).view(1, 1, -1)
+            recent = cols > self.q_pos.unsqueeze(-1) - window
+            self.window_masks[window] = _additive(self.allowed & (recent | ~self.q_real.unsqueeze(-1)), dtype)
+        return self.window_masks[window]
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -72,6 +72,12 @@ class OpBackend:
         """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
         raise NotImplementedError
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up (gemma3), in the model dtype as the reference computes it: elementwise,
+        so every row's result is its own on every backend."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def attention_metadata(
         self, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: "str | torch.device"
     ) -> AttentionMetadata:

@@ -12,7 +12,8 @@ SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForC
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a llama-family decoder (llama, qwen2, qwen3, mistral without sliding window)."""
+    """Hyper-parameters of a llama-family decoder (llama, qwen2, qwen3, mistral without sliding
+    window, gemma3)."""
 
     hidden_size: int
     intermediate_size: int
@@ -26,8 +27,19 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
-    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (qwen3)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (qwen3, gemma3)
     architecture: str = "llama"
+    # gemma3: norms after attention and after the MLP too, GELU (tanh), embeddings scaled by
+    # sqrt(hidden), and sliding-window layers with a RoPE base of their own between global ones.
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh"
+    embed_scale: float = 1.0
+    layer_windows: tuple[int, ...] = ()  # per layer: the sliding window (0: global); (): every layer global
+    rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window in positions (0: it sees the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":

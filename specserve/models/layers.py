@@ -240,22 +240,26 @@ def round_to_bf16_like_kernels(x: torch.Tensor) -> torch.Tensor:
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split across ranks; lookups are all-reduced."""
 
-    def __init__(self, vocab_size: int, dim: int, tp: TPContext, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, dim: int, tp: TPContext, dtype: torch.dtype, scale: float = 1.0):
         super().__init__()
         self.tp = tp
         self.start, part = tp.shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(part, dim, dtype=dtype), requires_grad=False)
+        self.scale = scale  # gemma3 scales its embeddings by sqrt(hidden), in the model dtype
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[self.start : self.start + self.weight.shape[0]])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._scaled(F.embedding(ids, self.weight))
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+        return self._scaled(self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0)))
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.scale == 1.0 else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
 
 class ParallelLMHead(_ParallelLinear):

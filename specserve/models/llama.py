@@ -1,4 +1,4 @@
-"""A llama-family decoder (llama, qwen2, qwen3, SmolLM) over the paged KV pool."""
+"""A llama-family decoder (llama, qwen2, qwen3, gemma3, SmolLM) over the paged KV pool."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.num_kv_heads * group
         self.head_dim = d
         self.scale = d**-0.5
+        self.window = cfg.window(layer_id)  # 0: global attention
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         q_rows, kv_rows = (kv_start * group * d, self.num_heads * d), (kv_start * d, self.num_kv_heads * d)
         self.qkv_proj = ColumnParallelLinear(
@@ -53,7 +54,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qkv = self._norm_heads(qkv, self.q_norm, self.k_norm, ops)
         q = ops.rope_store(qkv, fb.positions, fb.out_cache_loc, self.num_heads, self.num_kv_heads, rope, k_pool, v_pool)
-        out = fb.attn.attend(q, k_pool, v_pool, self.scale)
+        out = fb.attn.attend(q, k_pool, v_pool, self.scale, self.window)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, ops: OpBackend) -> torch.Tensor:
@@ -67,21 +68,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP: fused column-parallel gate/up, row-parallel down."""
+    """Gated MLP (SwiGLU, or GELU-tanh for gemma3): fused column-parallel gate/up, row-parallel down."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, ops: OpBackend) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks over a residual stream kept apart from each block's output:
     the layer adds its input `out` into `residual` (in place) in its first norm and returns its MLP
-    output, which the next layer (or the final norm) adds in turn."""
+    output, which the next layer (or the final norm) adds in turn. With sandwich norms (gemma3) each
+    block's output is normalised too before it joins the residual stream; `post_attention_layernorm`
+    is then that norm after attention, and `pre_feedforward_layernorm` the one before the MLP."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext, dtype: torch.dtype):
         super().__init__()
@@ -89,6 +94,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_id, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
+        sandwich = cfg.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if sandwich else None
 
     def forward(
         self,
@@ -100,7 +108,11 @@ class LlamaDecoderLayer(nn.Module):
         ops: OpBackend,
     ) -> torch.Tensor:
         attn = self.self_attn(ops.add_rms_norm(out, residual, self.input_layernorm), fb, kv, rope, ops)
-        return self.mlp(ops.add_rms_norm(attn, residual, self.post_attention_layernorm), ops)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            return self.mlp(ops.add_rms_norm(attn, residual, self.post_attention_layernorm), ops)
+        attn = ops.rms_norm(attn, self.post_attention_layernorm)
+        mlp = self.mlp(ops.add_rms_norm(attn, residual, self.pre_feedforward_layernorm), ops)
+        return ops.rms_norm(mlp, self.post_feedforward_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,11 +126,14 @@ class LlamaForCausalLM(nn.Module):
         tp = tp or TPContext()
         self.config = cfg
         self.dtype = dtype
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, cfg.embed_scale)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta)
+        positions = max_positions or cfg.max_position_embeddings
+        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta)
+        windowed = any(cfg.window(i) for i in range(cfg.num_layers))
+        self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta) if windowed else self.rope
         self.ops: OpBackend = TorchOps(dtype)
 
     def use_backend(self, ops: OpBackend) -> None:
@@ -131,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         residual, out = self.embed_tokens(fb.input_ids), None
         captured = []
         for i, layer in enumerate(self.layers):
-            out = layer(out, residual, fb, kv, self.rope, self.ops)
+            out = layer(out, residual, fb, kv, self.rope_local if self.config.window(i) else self.rope, self.ops)
             if i in fb.capture_layer_ids:  # the layer's output: its MLP's plus the residual stream
                 captured.append(out + residual)
         if captured:  # the drafter's context: these layers' outputs for every row, concatenated
@@ -185,3 +200,10 @@ class LlamaForCausalLM(nn.Module):
                 attn.k_norm.weight.data.copy_(w[f"{p}self_attn.k_norm.weight"])
             layer.input_layernorm.weight.data.copy_(w[f"{p}input_layernorm.weight"])
             layer.post_attention_layernorm.weight.data.copy_(w[f"{p}post_attention_layernorm.weight"])
+            for norm in (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm):
+                if norm is not None:
+                    norm.weight.data.copy_(w[f"{p}{_child_name(layer, norm)}.weight"])
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(name for name, module in parent.named_children() if module is child)

@@ -1,4 +1,4 @@
-"""Load weights and config from a GGUF file (llama, qwen2, qwen3) or a Hugging Face directory.
+"""Load weights and config from a GGUF file (llama, qwen2, qwen3, gemma3) or a Hugging Face directory.
 
 Both paths produce the same thing: a ModelConfig and a dict of float32 tensors under
 Hugging Face parameter names, with Q/K in the rotate-half RoPE layout.
@@ -6,11 +6,12 @@ Hugging Face parameter names, with Q/K in the rotate-half RoPE layout.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -37,10 +38,18 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # GGUF architectures the engine runs. llama.cpp's converter permutes the Q/K rows of `llama` models
-# (interleaved RoPE pairs); `qwen2` and `qwen3` are stored as Hugging Face has them (rotate-half,
-# "NEOX" in llama.cpp).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# (interleaved RoPE pairs); `qwen2`, `qwen3` and `gemma3` are stored as Hugging Face has them
+# (rotate-half, "NEOX" in llama.cpp).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+GEMMA3_GLOBAL_EVERY = 6
 _ROPE_PERMUTED = ("llama",)
+# Gemma 3's norms: `ffn_norm` comes before the MLP, the other two after attention and after the MLP.
+_GGUF_SANDWICH_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -128,7 +137,7 @@ def gguf_config(reader) -> ModelConfig:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
-    return ModelConfig(
+    config = ModelConfig(
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),
@@ -143,6 +152,27 @@ def gguf_config(reader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         architecture=arch,
+    )
+    return _gemma3_config(config, get) if arch == "gemma3" else config
+
+
+def _gemma3_config(config: ModelConfig, get: Callable[..., Any]) -> ModelConfig:
+    """Gemma 3 as llama.cpp runs it: every GEMMA3_GLOBAL_EVERY-th layer global, the others a
+    sliding window with RoPE base 10,000; GELU (tanh); embeddings times sqrt(hidden); norm weights
+    stored with their +1 folded in by the converter, so they act as plain RMSNorm weights."""
+    window = int(get("attention.sliding_window"))
+    every = get("attention.sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+    if isinstance(every, list):  # a per-layer flag (True: sliding window)
+        windows = tuple(window if flag else 0 for flag in every)
+    else:
+        windows = tuple(0 if (i + 1) % int(every) == 0 else window for i in range(config.num_layers))
+    return dataclasses.replace(
+        config,
+        sandwich_norms=True,
+        hidden_act="gelu_tanh",
+        embed_scale=config.hidden_size**0.5,
+        layer_windows=windows,
+        rope_local_theta=10000.0,
     )
 
 
@@ -167,7 +197,7 @@ def _load_gguf(path: str) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantWeight] = {}
     for tensor in reader.tensors:
-        name = _gguf_to_hf_name(tensor.name)
+        name = _gguf_to_hf_name(tensor.name, _GGUF_SANDWICH_NAMES if config.sandwich_norms else _GGUF_LAYER_NAMES)
         if name is None:
             continue
         heads = _rope_heads(name, config) if config.architecture in _ROPE_PERMUTED else 0
@@ -193,10 +223,10 @@ def _rope_heads(name: str, config: ModelConfig) -> int:
     return 0
 
 
-def _gguf_to_hf_name(name: str) -> Optional[str]:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> Optional[str]:
     parts = name.split(".")
     if parts[0] == "blk":
-        mapped = _GGUF_LAYER_NAMES.get(parts[2])
+        mapped = layer_names.get(parts[2])
         return None if mapped is None else f"model.layers.{parts[1]}.{mapped}.{parts[-1]}"
     mapped = _GGUF_TOP_NAMES.get(parts[0])
     return None if mapped is None else f"{mapped}.{parts[-1]}"

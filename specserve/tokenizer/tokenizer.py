@@ -1,4 +1,4 @@
-"""Tokenizer: byte-level BPE from GGUF metadata or a tokenizer.json, plus the chat template."""
+"""Tokenizer: from GGUF metadata (tokenizer/gguf_vocab.py) or a tokenizer.json, plus the chat template."""
 
 from __future__ import annotations
 
@@ -7,22 +7,15 @@ import json
 import os
 from typing import Any, Literal, Optional, Sequence, overload
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.tokenizer.chat_template import ChatTemplate
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
+from specserve.tokenizer.gguf_vocab import SPACE, TOKEN_CONTROL, backend_from_gguf
 
 # Control tokens that end a chat turn (ChatML, Llama 3, Gemma): a stop token wherever the file has one,
 # as llama.cpp treats them, even when the file's eos_token_id names another.
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
-
-# GPT-2's pre-tokenizer split, as used by byte-level BPE models.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
 class Tokenizer:
@@ -35,11 +28,13 @@ class Tokenizer:
         bos_token_id: Optional[int],
         chat_template: Optional[str],
         add_bos: bool = False,
+        sentencepiece: bool = False,
     ):
         self.backend = backend
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
+        self.sentencepiece = sentencepiece  # pieces spell spaces "▁" and bytes "<0xAB>" (else byte-level BPE)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         bos, eos = (
             backend.id_to_token(bos_token_id) if bos_token_id is not None else None,
@@ -69,11 +64,17 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for: a byte-level BPE symbol mapped back to its bytes (a token
-        may hold part of a UTF-8 character); an added token's own text."""
+        """The bytes one token stands for: a byte-level BPE symbol mapped back to its bytes, or a
+        SentencePiece byte token's byte (a token may hold part of a UTF-8 character); an added
+        token's own text."""
         piece = self.backend.id_to_token(token_id) or ""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self.sentencepiece:
+            is_byte = len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+            return bytes([int(piece[3:5], 16)]) if is_byte else piece.replace(SPACE, " ").encode()
         table = _byte_decoder()
-        if token_id in self._added_ids or not all(c in table for c in piece):
+        if not all(c in table for c in piece):
             return piece.encode()
         return bytes(table[c] for c in piece)
 
@@ -117,25 +118,17 @@ def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
     from specserve.models.loader import gguf_field
 
     reader = reader or gguf.GGUFReader(path)
-    kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ConfigError(f"tokenizer_path: GGUF tokenizer model {kind!r} is not supported (need byte-level BPE 'gpt2')")
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-    types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+
+    def field(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, key, default)
+
+    backend, kind = backend_from_gguf(field, field("general.architecture", ""))
+    tokens = field("tokenizer.ggml.tokens")
+    types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "default"))
-    backend.decoder = decoders.ByteLevel()
-    added = [
-        AddedToken(tokens[i], special=types[i] == _TOKEN_CONTROL, normalized=False)
-        for i in range(len(tokens))
-        if types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
-    ]
-    backend.add_tokens(added)
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
-    turn_ends = [vocab[t] for t in TURN_END_TOKENS if t in vocab and types[vocab[t]] == _TOKEN_CONTROL]
+    turn_ends = [vocab[t] for t in TURN_END_TOKENS if t in vocab and types[vocab[t]] == TOKEN_CONTROL]
     eos_ids = [int(x) for x in (eos, eot) if x is not None] + turn_ends
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     return Tokenizer(
@@ -143,40 +136,9 @@ def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
         eos_ids,
         None if bos is None else int(bos),
         gguf_field(reader, "tokenizer.chat_template"),
-        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", kind == "llama")),
+        sentencepiece=kind == "llama",
     )
-
-
-# The split regexes of the BPE pre-tokenizers a GGUF names (`tokenizer.ggml.pre`), as llama.cpp
-# and the models' tokenizer.json files have them: Llama 3 groups up to three digits, Qwen2 splits
-# every digit; both keep a leading non-letter with the word that follows it.
-_WORD_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|{digits}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_REGEXES = {
-    "llama-bpe": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
-    "llama3": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
-    "qwen2": _WORD_SPLIT.format(digits=r"\p{N}"),
-}
-
-
-def _pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        # SmolLM splits every digit off first, then applies the GPT-2 regex.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("default", "gpt2", "gpt-2"):
-        return byte_level
-    if pre in _SPLIT_REGEXES:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_SPLIT_REGEXES[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    supported = ", ".join(["default", "gpt2", "smollm", *_SPLIT_REGEXES])
-    raise ConfigError(f"tokenizer_path: GGUF pre-tokenizer {pre!r} is not supported (supported: {supported})")
 
 
 def _from_hf_dir(path: str) -> Tokenizer:

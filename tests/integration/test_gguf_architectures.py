@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from helpers import prefill_logits
 from tiny_gguf import TinySpec, write_tiny_gguf
 
 from specserve.engine import Engine
@@ -26,9 +27,13 @@ MODELS = {
     "qwen2-f32-untied": (TinySpec("qwen2", bias=True, tied=False), {}, "qwen2"),
     "llama-legacy-quants": (TinySpec("llama", tied=False), LEGACY, "llama-bpe"),
     "qwen3-kquants": (TinySpec("qwen3", head_dim=128, qk_norm=True, rope_base=1e6), K_MIX, "qwen2"),
+    # Six layers: five with a sliding window shorter than the prompts, then a global one.
+    "gemma3-kquants": (TinySpec("gemma3", layers=6, heads=2, kv_heads=1, head_dim=256, qk_norm=True, sandwich=True,
+                                window=6, rope_base=1e6), K_MIX, "default"),
 }
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 98, 200, 17, 5, 250, 33, 101, 99, 1, 2, 3, 4], [100] * 5]
 NEW_TOKENS = 24
+LOGITS_ATOL = 1e-3  # float32 rounding only (the embedded model's parity test sees 6e-5)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -39,12 +44,17 @@ def tiny_model(request, tmp_path_factory) -> str:
     return str(path)
 
 
-def _transformers_greedy(path: str) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """transformers' model from the same file, float32."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(tiny_model), gguf_file=os.path.basename(tiny_model), dtype=torch.float32
     ).eval()
+
+
+def _transformers_greedy(model) -> list[list[int]]:
     out = []
     with torch.no_grad():
         for ids in PROMPTS:
@@ -59,11 +69,16 @@ def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
 
-def test_fp32_greedy_tokens_identical_to_transformers(tiny_model):
+def test_fp32_greedy_tokens_and_logits_identical_to_transformers(tiny_model, reference):
+    long_prompt = [(7 * i + 3) % 256 for i in range(40)]  # longer than the gemma3 model's sliding window
     with Engine(model_path=tiny_model, dtype="float32", speculative_algorithm="NONE", max_total_tokens=2048) as engine:
         ours = _greedy(engine, PROMPTS)
-    assert ours == _transformers_greedy(tiny_model)
+        logits = prefill_logits(engine.runner.model, long_prompt)
+    assert ours == _transformers_greedy(reference)
     assert len({tuple(t) for t in ours}) == len(PROMPTS), "the prompts must not all give one output"
+    with torch.no_grad():
+        ref = reference(torch.tensor([long_prompt])).logits[0]
+    assert (logits - ref).abs().max().item() < LOGITS_ATOL
 
 
 def test_bf16_output_independent_of_batch_cache_and_speculation(tiny_model):
@@ -77,9 +92,9 @@ def test_bf16_output_independent_of_batch_cache_and_speculation(tiny_model):
 
 
 def test_unsupported_architecture_is_one_error_before_weights_load(tmp_path):
-    path = str(tmp_path / "gemma.gguf")
-    write_tiny_gguf(path, TinySpec("gemma3"), {})
-    with pytest.raises(ConfigError, match="GGUF architecture 'gemma3' is not supported"):
+    path = str(tmp_path / "phi.gguf")
+    write_tiny_gguf(path, TinySpec("phi3"), {})
+    with pytest.raises(ConfigError, match="GGUF architecture 'phi3' is not supported"):
         load_model_config(path)
 
 

@@ -179,14 +179,14 @@ def attention_case(seed: int = 0, dim: int = 64):
     return q, k_pool, v_pool, table, row_req, row_len, dim ** -0.5
 
 
-def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale):
+def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale, window=0):
     group = q.shape[1] // k_pool.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
         n = int(row_len[t])
         if n == 0:
             continue
-        slots = table[row_req[t], :n]
+        slots = table[row_req[t], max(0, n - window) if window else 0:n]
         k = k_pool[slots].double().repeat_interleave(group, 1)
         v = v_pool[slots].double().repeat_interleave(group, 1)
         weights = (torch.einsum("hd,lhd->hl", q[t].double(), k) * scale).softmax(-1)
@@ -194,7 +194,7 @@ def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale):
     return out
 
 
-@pytest.mark.parametrize("dim", [64, 48, 128, 32])
+@pytest.mark.parametrize("dim", [64, 48, 128, 32, 256])
 @pytest.mark.parametrize("path", PATHS)
 def test_paged_attention_matches_float64_and_rows_are_independent(path, dim, monkeypatch):
     monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
@@ -211,14 +211,32 @@ def test_paged_attention_matches_float64_and_rows_are_independent(path, dim, mon
     assert torch.equal(paged_attention(q[pick], k_pool, v_pool, table, row_req[pick], row_len[pick], scale), out[pick])
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_sliding_window_attention_sees_the_last_window_positions(path, monkeypatch):
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+    q, k_pool, v_pool, table, row_req, row_len, scale = attention_case(seed=3)
+    window = 37
+    out = paged_attention(q, k_pool, v_pool, table, row_req, row_len, scale, window)
+    err = (out.double() - attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale, window)).abs().max()
+    assert err.item() <= 1.6e-2, f"windowed attention {path}: error {err.item():.2e}"
+    short = row_len <= window  # a row shorter than the window sees everything, as without one
+    assert torch.equal(out[short], paged_attention(q, k_pool, v_pool, table, row_req, row_len, scale)[short])
+    assert not torch.equal(out[~short], paged_attention(q, k_pool, v_pool, table, row_req, row_len, scale)[~short])
+    for t in (0, 5, 17):  # alone, as in the batch
+        alone = paged_attention(q[t:t + 1], k_pool, v_pool, table, row_req[t:t + 1], row_len[t:t + 1], scale, window)
+        assert torch.equal(alone[0], out[t])
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        paged_attention(q, k_pool, v_pool, table, row_req, row_len, scale, -1)
+
+
 @NO_VECTOR
-@pytest.mark.parametrize("dim", [64, 128, 32])
+@pytest.mark.parametrize("dim", [64, 128, 32, 256])
 def test_attention_paths_agree_bitwise(dim, monkeypatch):
     case = attention_case(seed=5, dim=dim)
     results = {}
     for path in PATHS:
         monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
-        results[path] = (paged_attention(*case),)
+        results[path] = (paged_attention(*case), paged_attention(*case, 37))  # and with a sliding window
     assert_every_pair_equal(results)
 
 

@@ -24,7 +24,9 @@ struct Task {
 Task task_of(const PagedAttentionArgs& a, int64_t task) {
   const int64_t row = task / a.heads, head = task % a.heads;
   const int64_t group = a.heads / a.kv_heads;
-  return Task{a.q + (row * a.heads + head) * a.dim, a.table + a.row_req[row] * a.table_stride, a.row_len[row],
+  const int64_t len = a.row_len[row];
+  const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;  // the window's first position
+  return Task{a.q + (row * a.heads + head) * a.dim, a.table + a.row_req[row] * a.table_stride + first, len - first,
               (head / group) * a.dim, a.kv_heads * a.dim, a.out + (row * a.heads + head) * a.dim};
 }
 
@@ -226,9 +228,11 @@ void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin
     if (path == Path::Avx512Bf16 && a.dim == 64) group_avx512<4>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx512Bf16 && a.dim == 128) group_avx512<8>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx512Bf16 && a.dim == 32) group_avx512<2>(a, tasks.data(), group, scratch);
+    else if (path == Path::Avx512Bf16 && a.dim == 256) group_avx512<16>(a, tasks.data(), group, scratch);  // gemma3
     else if (path == Path::Avx2Fma && a.dim == 64) group_avx2<4>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx2Fma && a.dim == 128) group_avx2<8>(a, tasks.data(), group, scratch);
     else if (path == Path::Avx2Fma && a.dim == 32) group_avx2<2>(a, tasks.data(), group, scratch);
+    else if (path == Path::Avx2Fma && a.dim == 256) group_avx2<16>(a, tasks.data(), group, scratch);
     else
 #endif
       for (int64_t h = 0; h < group; ++h) task_generic(a, tasks[h], scratch);

@@ -24,6 +24,7 @@ struct PagedAttentionArgs {
   int64_t heads, kv_heads, dim;
   float scale;
   uint16_t* out;            // [T, heads, dim] bf16
+  int64_t window;           // > 0: a row sees only the last `window` of its positions (a sliding-window layer)
 };
 
 // Tasks [begin, end) of T * kv_heads (task = row * kv_heads + kv head: the query heads of one

@@ -105,7 +105,8 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor table,
-                              torch::Tensor row_req, torch::Tensor row_len, double scale, int64_t path) {
+                              torch::Tensor row_req, torch::Tensor row_len, double scale, int64_t window,
+                              int64_t path) {
   for (const auto* t : {&q, &k_pool, &v_pool})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous(),
                 "specserve attention: q and the K/V pools must be contiguous bf16 on CPU");
@@ -116,6 +117,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
   TORCH_CHECK(k_pool.size(2) == dim && heads % kv_heads == 0, "specserve attention: head shapes do not match");
   TORCH_CHECK(row_req.numel() == rows && row_len.numel() == rows, "specserve attention: one request and length per row");
+  TORCH_CHECK(window >= 0, "specserve attention: window must be >= 0 (0: none)");
   auto out = torch::empty_like(q);
   if (rows == 0) return out;
   const int64_t *req = row_req.data_ptr<int64_t>(), *len = row_len.data_ptr<int64_t>();
@@ -142,7 +144,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   const Path p = checked_path(path);
   PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), table.data_ptr<int64_t>(), table.stride(0),
                        row_req.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(), heads, kv_heads, dim, float(scale),
-                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), window};
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(4 * ((longest + 15) / 16 * 16 + 16));
     paged_attention_tasks(p, a, begin, end, scratch.data());
