@@ -39,6 +39,7 @@ class ServerArgs:
         None, "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct"
     )
     tokenizer_path: Optional[str] = flag(None, "tokenizer.json directory or GGUF file (default: from the model)")
+    chat_template: Optional[str] = flag(None, "Jinja chat template file, in place of the model's own (or for one without)")
     dtype: str = flag("auto", "float32 | bfloat16 | auto (bfloat16 on CPU)", choices=DTYPES)
     quantization: str = flag(
         "auto",
@@ -231,6 +232,8 @@ def validate_server_args(args: ServerArgs) -> None:
     _check_choices(args)
     _check_sizes(args)
     _check_speculative(args)
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise ConfigError(f"chat_template: {args.chat_template!r} is not a file")
     _check_hicache(args)
     _check_distributed(args)
 

@@ -60,8 +60,8 @@ def random_k_quant(rows: int, cols: int, qtype: QType, rng: np.random.Generator)
 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, value: np.ndarray, qtype: QType, rng: np.random.Generator) -> None:
-    if qtype == QType.F32:
-        writer.add_tensor(name, value.astype(np.float32))
+    if qtype in (QType.F32, QType.F16):
+        writer.add_tensor(name, value.astype(np.float32 if qtype == QType.F32 else np.float16))
     elif qtype in K_QUANT_SCALES:
         rows, cols = value.shape
         writer.add_tensor(name, random_k_quant(rows, cols, qtype, rng), raw_dtype=qtype)

@@ -204,7 +204,8 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     path = resolve_model_path(args.model_path)
     loaded = load_model(path)
     cfg = loaded.config
-    tokenizer = load_tokenizer(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(path, loaded.gguf_reader)
+    reader = None if args.tokenizer_path else loaded.gguf_reader
+    tokenizer = load_tokenizer(args.tokenizer_path or path, reader, args.chat_template)
     context_length = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
     dtype = resolve_dtype(args.dtype)
     # A verify window may reach gamma positions past the last token that can be emitted.

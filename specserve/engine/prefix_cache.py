@@ -3,7 +3,7 @@ over a host pool (and the file tier)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -16,6 +16,9 @@ from specserve.models.loader import resolve_model_path
 from specserve.names import Algorithm
 from specserve.runtime.stream import Stream
 
+if TYPE_CHECKING:
+    from specserve.kv.file_storage import FileKVStorage
+
 
 def build_prefix_cache(
     args: ServerArgs,
@@ -27,51 +30,38 @@ def build_prefix_cache(
     tp_rank: int,
     consensus: Optional[RankConsensusChecker],
 ) -> RadixCache:
-    """The radix cache, or with --enable-hierarchical-cache its host (and file) tiers too."""
+    """The radix cache, or with --enable-hierarchical-cache a HiRadixCache over a host pool (and
+    with --hicache-storage-backend, the file tier)."""
     if not args.enable_hierarchical_cache:
         return RadixCache(allocator.free, disabled=args.disable_radix_cache, consensus=consensus)
-    return _make_hierarchical_tree(args, size, allocator, device_pools, streams, dist, tp_rank, consensus)
-
-
-def _make_hierarchical_tree(
-    args: ServerArgs,
-    size: int,
-    allocator: TokenSlotAllocator,
-    device_pools: list[KVPool],
-    streams: tuple[Stream, Stream],
-    dist: Optional[TPGroup],
-    tp_rank: int,
-    consensus: Optional[RankConsensusChecker],
-) -> RadixCache:
-    """A HiRadixCache over a host pool (and with --hicache-storage-backend, the file tier)."""
-    from specserve.kv.file_storage import KV_FORMAT_VERSION, FileKVStorage, PageLayout, StorageFingerprint, path_identity
     from specserve.kv.hiradix_cache import HiRadixCache
     from specserve.kv.host_pool import HostKVPool
 
     host = HostKVPool(device_pools, args.hicache_size or max(16, int(size * args.hicache_ratio)), *streams)
-    storage = None
-    if args.hicache_storage_backend:
-        # Everything that decides the bytes of a page: a page made under any other setting is a miss.
-        drafter = args.speculative_draft_model_path if args.speculative_algorithm == Algorithm.DSPARK else None
-        fingerprint = StorageFingerprint(
-            model=path_identity(resolve_model_path(args.model_path)),
-            drafter=path_identity(drafter),
-            kv_dtype=str(device_pools[0].k[0].dtype),
-            tp_size=args.tp_size,
-            tp_rank=tp_rank,
-            kernel=f"v{KV_FORMAT_VERSION}:{torch.device(args.device).type}:{args.quantization}",
-        )
-        assert args.hicache_storage_dir is not None, "args validation: the file tier needs its directory"
-        storage = FileKVStorage(
-            args.hicache_storage_dir,
-            fingerprint,
-            PageLayout.of_pools(device_pools),
-            max(1, args.hicache_storage_max_bytes // args.tp_size),
-        )  # each rank its share
 
     def agree_min(value: int, site: str) -> int:
         if dist is None:
             return value
         return int(dist.all_reduce_(torch.tensor([value]), site, op="min")[0])
 
+    storage = _file_tier(args, device_pools, tp_rank) if args.hicache_storage_backend else None
     return HiRadixCache(allocator, host, args.hicache_write_policy, storage, agree_min, consensus)
+
+
+def _file_tier(args: ServerArgs, device_pools: list[KVPool], tp_rank: int) -> "FileKVStorage":
+    """This rank's file tier (its share of --hicache-storage-max-bytes), keyed by everything that
+    decides the bytes of a page: a page made under any other setting is a miss."""
+    from specserve.kv.file_storage import KV_FORMAT_VERSION, FileKVStorage, PageLayout, StorageFingerprint, path_identity
+
+    drafter = args.speculative_draft_model_path if args.speculative_algorithm == Algorithm.DSPARK else None
+    fingerprint = StorageFingerprint(
+        model=path_identity(resolve_model_path(args.model_path)),
+        drafter=path_identity(drafter),
+        kv_dtype=str(device_pools[0].k[0].dtype),
+        tp_size=args.tp_size,
+        tp_rank=tp_rank,
+        kernel=f"v{KV_FORMAT_VERSION}:{torch.device(args.device).type}:{args.quantization}",
+    )
+    assert args.hicache_storage_dir is not None, "args validation: the file tier needs its directory"
+    budget = max(1, args.hicache_storage_max_bytes // args.tp_size)
+    return FileKVStorage(args.hicache_storage_dir, fingerprint, PageLayout.of_pools(device_pools), budget)

@@ -18,6 +18,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.models.config import ModelConfig
+from specserve.models.gguf_file import GGUFFile
 from specserve.models.packaged import PACKAGED_MODELS, packaged_model_path
 from specserve.models.quant import QuantWeight, is_quantized, parse_quantized
 
@@ -60,7 +61,7 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     path: str
-    gguf_reader: Any = None  # kept so the tokenizer need not parse the file again (about 4 s here)
+    gguf_reader: Optional[GGUFFile] = None  # kept so the tokenizer need not read the header again
     quantized: dict[str, QuantWeight] = field(default_factory=dict)  # GGUF Q4/Q8 weights, kept as codes + scales
 
 
@@ -105,22 +106,17 @@ def load_model_config(model_path: Optional[str]) -> ModelConfig:
     if os.path.isdir(path):
         with open(os.path.join(path, "config.json")) as f:
             return ModelConfig.from_hf_config(json.load(f))
-    import gguf
-
-    return gguf_config(gguf.GGUFReader(path))
+    return gguf_config(GGUFFile(path))
 
 
 # ---------------------------------------------------------------- GGUF
 
 
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def gguf_config(reader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """The model's shape from the file's metadata (keys under the architecture's name); an
     architecture or RoPE variant the engine does not run is a one-line error, before any weights load."""
     arch = gguf_field(reader, "general.architecture")
@@ -192,7 +188,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _load_gguf(path: str) -> LoadedModel:
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)
     config = gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantWeight] = {}

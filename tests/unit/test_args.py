@@ -145,3 +145,11 @@ def test_a_fixed_policy_soak_without_verify_steps_is_a_problem():
     assert speculation_problems(fixed, verify_steps=5) == []
     adaptive = ServerArgs(**{**SOAK_DEFAULTS, "speculative_policy": "adaptive"})
     assert speculation_problems(adaptive, verify_steps=0) == []  # NONE throughout is the policy's choice
+
+
+def test_a_chat_template_must_be_a_file(tmp_path):
+    with pytest.raises(ValueError, match="chat_template: .* is not a file"):
+        ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert ServerArgs(chat_template=str(template)).chat_template == str(template)
