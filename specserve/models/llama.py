@@ -200,10 +200,7 @@ class LlamaForCausalLM(nn.Module):
                 attn.k_norm.weight.data.copy_(w[f"{p}self_attn.k_norm.weight"])
             layer.input_layernorm.weight.data.copy_(w[f"{p}input_layernorm.weight"])
             layer.post_attention_layernorm.weight.data.copy_(w[f"{p}post_attention_layernorm.weight"])
-            for norm in (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm):
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # sandwich norms only
+                norm = getattr(layer, name)
                 if norm is not None:
-                    norm.weight.data.copy_(w[f"{p}{_child_name(layer, norm)}.weight"])
-
-
-def _child_name(parent: nn.Module, child: nn.Module) -> str:
-    return next(name for name, module in parent.named_children() if module is child)
+                    norm.weight.data.copy_(w[f"{p}{name}.weight"])

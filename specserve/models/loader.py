@@ -192,8 +192,9 @@ def _load_gguf(path: str) -> LoadedModel:
     config = gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantWeight] = {}
+    layer_names = _GGUF_SANDWICH_NAMES if config.sandwich_norms else _GGUF_LAYER_NAMES
     for tensor in reader.tensors:
-        name = _gguf_to_hf_name(tensor.name, _GGUF_SANDWICH_NAMES if config.sandwich_norms else _GGUF_LAYER_NAMES)
+        name = _gguf_to_hf_name(tensor.name, layer_names)
         if name is None:
             continue
         heads = _rope_heads(name, config) if config.architecture in _ROPE_PERMUTED else 0
