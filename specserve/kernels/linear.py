@@ -1,8 +1,10 @@
 """Weights packed for the CPU linear kernels, and y = x W^T through them.
 
-Three weight formats share one kernel family (see csrc/linear.h): GGUF Q4_0/Q4_1 codes with
-per-32 scale and offset, GGUF Q8_0 codes with per-32 scale, and plain bf16. Packing keeps the
-GGUF codes exactly; only the layout changes.
+Three weight layouts share one kernel family (see csrc/linear.h): 4-bit codes with a scale and
+an offset per 32 columns (GGUF Q4_0, Q4_1, Q4_K), 8-bit codes with a scale (and optionally an
+offset) per 32 or 16 columns (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K), and plain bf16. Packing
+keeps the GGUF's codes and scales exactly; only the layout changes (models/quant.py maps each GGUF
+type onto a layout).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ class PackedLinear:
 
     format: int
     codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
+    scale: torch.Tensor  # float16, or float32 where some scale is not a float16 value
+    zero: torch.Tensor  # offsets in the scales' dtype; empty for BF16 and for Q8 without offsets
     n: int
     k: int
     # Biased exponent bounds of a BF16 weight's nonzero values, (-1, -1) if it has a subnormal,
     # infinite or NaN value: they tell the AVX2 path when FMAs are exact (csrc/linear_avx2.cpp).
     exponents: tuple[int, int] = (-1, -1)
+    group: int = GROUP  # input columns per scale: 32, or 16 (Q8 only)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [..., k] bf16 -> [..., n] in out_dtype (bf16 or float32)."""
@@ -59,13 +62,14 @@ class PackedLinear:
             path_id(),
             *self.exponents,
             init.reshape(-1, self.n).float(),
+            self.group,
         )
         return out.view(*x.shape[:-1], self.n)
 
     def run(self, x: torch.Tensor, out_bf16: bool, path: int) -> torch.Tensor:
         """The kernel on a contiguous bf16 [m, k] x through the given path."""
         return load().linear(
-            x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path, *self.exponents
+            x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path, *self.exponents, None, self.group
         )
 
     def nbytes(self) -> int:
@@ -77,19 +81,28 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return t if extra == 0 else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
 
-def _block_scales(values: torch.Tensor, what: str) -> torch.Tensor:
-    """[n, G] per-column group values -> [blocks, G, 16] float16, which must hold them exactly
-    (GGUF scales are float16)."""
-    half = values.to(torch.float16)
-    if not torch.equal(half.to(values.dtype), values):
-        raise ConfigError(f"packing: the {what} are not float16 values (GGUF block scales are)")
-    v = _pad_rows(half, BLOCK)
+def _scale_dtype(*values: torch.Tensor | None) -> torch.dtype:
+    """float16 if every scale and offset is a float16 value (GGUF block scales are), else float32
+    (K-quant scales: a float16 times a 6- or 8-bit integer, exact in float32)."""
+    for v in values:
+        if v is None:
+            continue
+        if not torch.equal(v.to(torch.float32), v):
+            raise ConfigError("packing: scales and offsets must be float32 values")
+        if not torch.equal(v.half().float(), v.float()):
+            return torch.float32
+    return torch.float16
+
+
+def _block_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, G] per-column group values -> [blocks, G, 16] in dtype (which holds them exactly)."""
+    v = _pad_rows(values.to(dtype), BLOCK)
     return v.view(-1, BLOCK, v.shape[1]).transpose(1, 2).contiguous()
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> PackedLinear:
     """w = scale * q + offset per group of 32 (codes [n, k] in 0..15; scale/offset [n, k/32],
-    float16 values)."""
+    float32 tensors)."""
     n, k = codes.shape
     if k % GROUP:
         raise ConfigError(f"4-bit weights need k divisible by {GROUP}, got {k}")
@@ -97,16 +110,22 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> P
     shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)  # column 2p at 4p, 2p+1 at 16+4p
     words = (c << shifts).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, oct, lane]
     packed = words.to(torch.uint32).view(torch.uint8).reshape(-1)
-    return PackedLinear(Q4, packed, _block_scales(scale, "scales"), _block_scales(offset, "offsets"), n, k)
+    dtype = _scale_dtype(scale, offset)
+    return PackedLinear(Q4, packed, _block_scales(scale, dtype), _block_scales(offset, dtype), n, k)
 
 
-def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> PackedLinear:
-    """w = scale * q per group of 32 (codes [n, k] int8; scale [n, k/32], float16 values)."""
+def pack_q8(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None, group: int = GROUP
+) -> PackedLinear:
+    """w = scale * q (+ offset) per group of `group` (32 or 16) columns (codes [n, k] int8;
+    scale/offset [n, k/group], float32 tensors)."""
     n, k = codes.shape
-    if k % GROUP:
-        raise ConfigError(f"8-bit weights need k divisible by {GROUP}, got {k}")
+    if group not in (16, 32) or k % group:
+        raise ConfigError(f"8-bit weights need groups of 16 or 32 columns dividing k, got {group} and k={k}")
     c = _pad_rows(codes.to(torch.int8), BLOCK).view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), _block_scales(scale, "scales"), torch.empty(0), n, k)
+    dtype = _scale_dtype(scale, offset)
+    zero = torch.empty(0, dtype=dtype) if offset is None else _block_scales(offset, dtype)
+    return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), _block_scales(scale, dtype), zero, n, k, group=group)
 
 
 def pack_bf16(weight: torch.Tensor) -> PackedLinear:

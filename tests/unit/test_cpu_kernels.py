@@ -22,24 +22,45 @@ PATHS = ["generic", *VECTOR_PATHS]
 NO_VECTOR = pytest.mark.skipif(not VECTOR_PATHS, reason="this CPU has neither AVX512-BF16 nor AVX2: only the generic path")
 # Largest error relative to the largest reference output: fp32 sums of exact bf16 products for
 # the quantized formats; bf16 output rounding (2^-8) for the dense one.
-BOUND = {"q4": 1e-5, "q8": 1e-5, "bf16": 8e-3}
+# The quantized layouts: 4-bit codes with float16 or float32 (K-quant) scales and offsets; 8-bit
+# codes with float16 scales, with offsets (Q5_1, Q5_K), and in groups of 16 (Q6_K, Q2_K).
+QUANTIZED = ["q4", "q4_f32", "q8", "q8_offset", "q8_g16"]
+KINDS = [*QUANTIZED, "bf16"]
+BOUND = {**{kind: 1e-5 for kind in QUANTIZED}, "bf16": 8e-3}
 
 
-def expand(t: torch.Tensor) -> torch.Tensor:
-    return t.double().repeat_interleave(32, 1)
+def expand(t: torch.Tensor, group: int = 32) -> torch.Tensor:
+    return t.double().repeat_interleave(group, 1)
+
+
+def k_quant_scales(n: int, groups: int, g: torch.Generator) -> torch.Tensor:
+    """A float16 super-block scale times 6-bit sub-scales: values float16 cannot hold."""
+    return (torch.rand(n, 1, generator=g) * 1e-3).half().float() * torch.randint(1, 64, (n, groups), generator=g).float()
 
 
 def make_weight(kind: str, n: int, k: int, seed: int = 0):
     """(packed, float64 dense reference) of an [n, k] weight."""
     g = torch.Generator().manual_seed(seed)
     scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
-    if kind == "q4":
+    if kind.startswith("q4"):
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         offset = (-8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3).half().float()
-        return pack_q4(codes, scale, offset), codes.double() * expand(scale) + expand(offset)
+        if kind == "q4_f32":
+            scale, offset = k_quant_scales(n, k // 32, g), -k_quant_scales(n, k // 32, g)
+        packed = pack_q4(codes, scale, offset)
+        assert packed.scale.dtype == (torch.float32 if kind == "q4_f32" else torch.float16)
+        return packed, codes.double() * expand(scale) + expand(offset)
     if kind == "q8":
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
         return pack_q8(codes, scale), codes.double() * expand(scale)
+    if kind == "q8_offset":
+        codes = torch.randint(0, 32, (n, k), dtype=torch.int8, generator=g)
+        offset = -k_quant_scales(n, k // 32, g)
+        return pack_q8(codes, scale, offset), codes.double() * expand(scale) + expand(offset)
+    if kind == "q8_g16":
+        codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+        scale16 = k_quant_scales(n, k // 16, g) * torch.randint(-2, 2, (n, k // 16), generator=g).float()
+        return pack_q8(codes, scale16, group=16), codes.double() * expand(scale16, 16)
     dense = torch.randn(n, k, generator=g).bfloat16()
     return pack_bf16(dense), dense.double()
 
@@ -49,11 +70,11 @@ def run(packed, x: torch.Tensor, path: str) -> torch.Tensor:
 
 
 # N = 40 leaves a partial column block; K = 160 is 5 groups; K = 77 is odd (dense only).
-SHAPES = {"q4": (40, 160), "q8": (40, 160), "bf16": (40, 77)}
+SHAPES = {**{kind: (40, 160) for kind in QUANTIZED}, "bf16": (40, 77)}
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_linear_matches_float64_and_every_row_count_gives_the_same_rows(kind, path):
     packed, dense = make_weight(kind, *SHAPES[kind])
     x = torch.randn(70, packed.k, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -69,7 +90,7 @@ def test_linear_matches_float64_and_every_row_count_gives_the_same_rows(kind, pa
 
 
 @NO_VECTOR
-@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_pair_of_paths_agrees_bitwise(kind):
     packed, _ = make_weight(kind, 100, 192 if kind != "bf16" else 191, seed=3)
     x = torch.randn(33, packed.k, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -88,7 +109,7 @@ def assert_every_pair_equal(results: dict[str, tuple[torch.Tensor, ...]]) -> Non
 
 
 @NO_VECTOR
-@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_paths_agree_where_fused_multiply_adds_would_not_be_exact(kind):
     """The AVX2 path sums by plain FMA only for rows whose exponents make that exact; these rows sit
     on both sides of its bounds (tiny values whose sums go subnormal, huge ones, inf and NaN)."""
@@ -271,8 +292,10 @@ def test_bad_arguments_get_clear_errors():
         load().linear(torch.randn(2, 64).bfloat16(), Q8, packed.codes[:-1], packed.scale, packed.zero, 32, 64, False, 0)
     with pytest.raises(ValueError, match="divisible by 32"):
         pack_q4(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1))
-    with pytest.raises(ValueError, match="not float16 values"):
-        pack_q8(torch.zeros(16, 32, dtype=torch.int8), torch.full((16, 1), 1e-9))
+    with pytest.raises(ValueError, match="must be float32 values"):
+        pack_q8(torch.zeros(16, 32, dtype=torch.int8), torch.full((16, 1), 0.1, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="16 for Q8"):
+        load().linear(torch.randn(2, 64).bfloat16(), Q4, packed.codes, packed.scale, packed.zero, 32, 64, False, 0, group=16)
 
 
 def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):

@@ -50,12 +50,13 @@ const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<cons
 
 torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
                      int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi,
-                     c10::optional<torch::Tensor> init) {
+                     c10::optional<torch::Tensor> init, int64_t group) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, "specserve linear: x must be bf16 on CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "specserve linear: x must be [M, ", k, "] with contiguous rows");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
   const auto fmt = static_cast<WeightFormat>(format);
-  TORCH_CHECK(fmt == WeightFormat::BF16 || k % kGroup == 0, "specserve linear: quantized K must be a multiple of 32");
+  TORCH_CHECK(group == 32 || (group == 16 && fmt == WeightFormat::Q8), "specserve linear: groups are 32 columns, or 16 for Q8");
+  TORCH_CHECK(fmt == WeightFormat::BF16 || k % group == 0, "specserve linear: quantized K must be a multiple of ", group);
   const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
   TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k), "specserve linear: packed codes have the wrong size");
   const int64_t m = x.size(0);
@@ -67,23 +68,26 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
                         : torch::empty({m, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
   if (m == 0) return out;
   const Path p = checked_path(path);
+  const bool quantized = fmt != WeightFormat::BF16;
+  const bool offsets = fmt == WeightFormat::Q4 || (fmt == WeightFormat::Q8 && zero.numel() > 0);
+  const int64_t scales = blocks * (k / group) * kBlockCols;
+  const auto scale_type = scale.scalar_type();
+  if (quantized)
+    TORCH_CHECK((scale_type == torch::kFloat16 || scale_type == torch::kFloat32) && scale.is_contiguous() &&
+                    scale.numel() == scales,
+                "specserve linear: scales must be contiguous float16 or float32 [blocks, K/group, 16]");
+  if (offsets)
+    TORCH_CHECK(zero.scalar_type() == scale_type && zero.is_contiguous() && zero.numel() == scales,
+                "specserve linear: offsets must be contiguous [blocks, K/group, 16] in the scales' dtype");
   std::vector<float> sums;
-  if (fmt == WeightFormat::Q4) {
-    sums.resize(m * (k / kGroup));
-    group_sums(bf16_data(x), x.stride(0), m, k, sums.data());
+  if (offsets) {
+    sums.resize(m * (k / group));
+    group_sums(bf16_data(x), x.stride(0), m, k, group, sums.data());
   }
-  const int64_t scales = blocks * (k / kGroup) * kBlockCols;
-  if (fmt != WeightFormat::BF16)
-    TORCH_CHECK(scale.scalar_type() == torch::kFloat16 && scale.is_contiguous() && scale.numel() == scales,
-                "specserve linear: scales must be contiguous float16 [blocks, K/32, 16]");
-  if (fmt == WeightFormat::Q4)
-    TORCH_CHECK(zero.scalar_type() == torch::kFloat16 && zero.is_contiguous() && zero.numel() == scales,
-                "specserve linear: offsets must be contiguous float16 [blocks, K/32, 16]");
-  auto half_data = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   // BF16 weights' exponent bounds come from packing (w_exp_lo < 0: not all finite and normal).
   const ExponentRange exps{int(w_exp_lo), int(w_exp_hi), w_exp_lo >= 0};
-  PackedWeight w{fmt, codes.data_ptr<uint8_t>(), fmt == WeightFormat::BF16 ? nullptr : half_data(scale),
-                 fmt == WeightFormat::Q4 ? half_data(zero) : nullptr, n, k, exps};
+  PackedWeight w{fmt, codes.data_ptr<uint8_t>(), quantized ? scale.data_ptr() : nullptr,
+                 offsets ? zero.data_ptr() : nullptr, n, k, exps, scale_type == torch::kFloat32, group};
   const uint16_t* xd = bf16_data(x);
   std::vector<uint8_t> exact;
   std::vector<float> xf;
@@ -227,7 +231,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2_fma", &specserve::cpu_has_avx2_fma, "CPU supports AVX2 and FMA");
   m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight", py::arg("x"), py::arg("format"),
         py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"), py::arg("out_bf16"),
-        py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1, py::arg("init") = py::none());
+        py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1, py::arg("init") = py::none(),
+        py::arg("group") = 32);
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
   m.def("silu_mul", &specserve::silu_mul, "silu(gate) * up of [rows, 2f] gate_up");

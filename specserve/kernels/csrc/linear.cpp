@@ -13,7 +13,7 @@ namespace {
 constexpr uint32_t kQ4Magic = 0x43004300u;  // bf16 128.0 in both halves
 constexpr uint32_t kQ4Mask = 0x000F000Fu;
 
-int64_t groups(const PackedWeight& w) { return w.k / kGroup; }
+int64_t groups(const PackedWeight& w) { return w.k / w.group; }
 int64_t pairs(const PackedWeight& w) { return (w.k + 1) / 2; }
 
 // The (x[2p], x[2p+1]) word of a row; past an odd K the high half is +0.
@@ -48,10 +48,19 @@ inline uint32_t weight_word(const PackedWeight& w, const uint8_t* block, int64_t
   }
 }
 
+// acc + d * part (+ m * s0) for one (row, column) and group `at` of a Q4 or Q8 weight, where part is
+// the group's dot product and s0 the row's sum over the group (see linear.h for the order).
+inline float apply_group(const PackedWeight& w, int64_t at, float part, float s0, float acc) {
+  const float d = scale_value(w, w.scale, at);
+  if (w.format == WeightFormat::Q4) part = std::fma(-128.0f, s0, part);
+  acc = std::fma(d, part, acc);
+  return w.zero ? std::fma(scale_value(w, w.zero, at), s0, acc) : acc;
+}
+
 void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t ldx, int64_t m,
                    const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const uint8_t* block = w.codes + b * block_bytes(w.format, w.k);
-  const int64_t G = groups(w);
+  const int64_t G = groups(w), per = w.group / 2;  // pairs per group
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* row = x + r * ldx;
     float acc[kBlockCols] = {0};
@@ -66,21 +75,13 @@ void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t 
     } else {
       for (int64_t g = 0; g < G; ++g) {
         float part[kBlockCols] = {0};
-        for (int64_t pair = g * 16; pair < g * 16 + 16; ++pair) {
+        for (int64_t pair = g * per; pair < g * per + per; ++pair) {
           uint32_t xw = x_pair(row, w.k, pair);
           for (int lane = 0; lane < kBlockCols; ++lane) part[lane] = dot_pair(part[lane], weight_word(w, block, pair, lane), xw);
         }
-        const uint16_t* d = w.scale + (b * G + g) * kBlockCols;
-        if (w.format == WeightFormat::Q4) {
-          const uint16_t* m = w.zero + (b * G + g) * kBlockCols;
-          const float s0 = gs[r * G + g];
-          for (int lane = 0; lane < kBlockCols; ++lane) {
-            acc[lane] = std::fma(f16_to_f32(d[lane]), std::fma(-128.0f, s0, part[lane]), acc[lane]);
-            acc[lane] = std::fma(f16_to_f32(m[lane]), s0, acc[lane]);
-          }
-        } else {
-          for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = std::fma(f16_to_f32(d[lane]), part[lane], acc[lane]);
-        }
+        const float s0 = w.zero ? gs[r * G + g] : 0.0f;
+        for (int lane = 0; lane < kBlockCols; ++lane)
+          acc[lane] = apply_group(w, (b * G + g) * kBlockCols + lane, part[lane], s0, acc[lane]);
       }
     }
     for (int lane = 0; lane < kBlockCols; ++lane) {
@@ -106,8 +107,26 @@ SPECSERVE_AVX512 inline __m512i q8_or_bf16_word(const uint8_t* block, int64_t pa
   }
 }
 
+// 16 scales or offsets of one group of a column block, as float (exact).
+SPECSERVE_AVX512 inline __m512 scales16(const PackedWeight& w, const void* values, int64_t at) {
+  if (w.scale_f32) return _mm512_loadu_ps(static_cast<const float*>(values) + at);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + at)));
+}
+
 SPECSERVE_AVX512 inline __m512i x_word(const uint16_t* row, int64_t k, int64_t pair) {
   return _mm512_set1_epi32(int32_t(x_pair(row, k, pair)));
+}
+
+// part[r][j] += the pair's weight words wv[j] times row r's pair (K % 16 == 0 for quantized
+// weights, so every pair is whole: a broadcast load of its word).
+template <int R, int NBT>
+SPECSERVE_AVX512 inline void dot_rows(const uint16_t* const* rows, int64_t pair, const __m512i* wv, __m512 (*part)[NBT]) {
+  for (int r = 0; r < R; ++r) {
+    int32_t word;
+    std::memcpy(&word, rows[r] + 2 * pair, 4);
+    const __m512i xb = _mm512_set1_epi32(word);
+    for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], (__m512bh)wv[j], (__m512bh)xb);
+  }
 }
 
 // R rows x NBT column blocks; every (row, column) sees the same operation sequence whatever R and NBT are.
@@ -140,43 +159,40 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
     }
   } else {
     const __m512i magic = _mm512_set1_epi32(int32_t(kQ4Magic)), mask = _mm512_set1_epi32(int32_t(kQ4Mask));
+    const int64_t per = w.group / 2;  // pairs per group (Q4: always 16)
     for (int64_t g = 0; g < G; ++g) {
       __m512 part[R][NBT];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_setzero_ps();
-      for (int oct = 0; oct < 4; ++oct) {
-        __m512i packed[NBT];
-        if constexpr (F == WeightFormat::Q4)
+      if constexpr (F == WeightFormat::Q4) {
+        for (int oct = 0; oct < 4; ++oct) {
+          __m512i packed[NBT];
           for (int j = 0; j < NBT; ++j) packed[j] = _mm512_loadu_si512(blocks[j] + (g * 4 + oct) * 64);
-        for (int p = 0; p < 4; ++p) {
-          const int64_t pair = g * 16 + oct * 4 + p;
+          for (int p = 0; p < 4; ++p) {
+            __m512i wv[NBT];
+            for (int j = 0; j < NBT; ++j) wv[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * p), mask, magic, 0xEA);
+            dot_rows<R, NBT>(rows, g * 16 + oct * 4 + p, wv, part);
+          }
+        }
+      } else {
+        for (int64_t pair = g * per; pair < g * per + per; ++pair) {
           __m512i wv[NBT];
-          for (int j = 0; j < NBT; ++j) {
-            if constexpr (F == WeightFormat::Q4)
-              wv[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * p), mask, magic, 0xEA);
-            else
-              wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
-          }
-          for (int r = 0; r < R; ++r) {  // K % 32 == 0 here, so the pair is whole: a broadcast load
-            int32_t word;
-            std::memcpy(&word, rows[r] + 2 * pair, 4);
-            const __m512i xb = _mm512_set1_epi32(word);
-            for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], (__m512bh)wv[j], (__m512bh)xb);
-          }
+          for (int j = 0; j < NBT; ++j) wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
+          dot_rows<R, NBT>(rows, pair, wv, part);
         }
       }
       for (int j = 0; j < NBT; ++j) {
         const int64_t at = ((b0 + j) * G + g) * kBlockCols;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scale + at)));
-        if constexpr (F == WeightFormat::Q4) {
-          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zero + at)));
-          for (int r = 0; r < R; ++r) {
-            const __m512 s0 = _mm512_set1_ps(gs[r * G + g]);
-            acc[r][j] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s0, part[r][j]), acc[r][j]);
-            acc[r][j] = _mm512_fmadd_ps(m, s0, acc[r][j]);
-          }
-        } else {
-          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(d, part[r][j], acc[r][j]);
+        const __m512 d = scales16(w, w.scale, at);
+        for (int r = 0; r < R; ++r) {
+          const __m512 s0 = _mm512_set1_ps(w.zero ? gs[r * G + g] : 0.0f);
+          __m512 sum = part[r][j];
+          if constexpr (F == WeightFormat::Q4) sum = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s0, sum);
+          acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
+        }
+        if (w.zero) {
+          const __m512 m = scales16(w, w.zero, at);
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
         }
       }
     }
@@ -238,12 +254,12 @@ int64_t block_bytes(WeightFormat format, int64_t k) {
   }
 }
 
-void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out) {
-  const int64_t G = k / kGroup;
+void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t group, float* out) {
+  const int64_t G = k / group;
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.0f;
-      for (int i = 0; i < kGroup; ++i) s += bf16_to_f32(x[r * ldx + g * kGroup + i]);
+      for (int i = 0; i < group; ++i) s += bf16_to_f32(x[r * ldx + g * group + i]);
       out[r * G + g] = s;
     }
 }

@@ -7,12 +7,17 @@
 //       nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. = column 2p+1); per group and column the
 //       GGUF's float16 scale d and offset m, w = d * q + m (Q4_0: m = -8 d). The kernel multiplies
 //       x by 128 + q, which is exact in bf16 (bits 0x4300 | q), so codes become bf16 with one OR.
-//   Q8: codes as K/2 pairs x 16 lanes x 2 int8 (32 bytes), per group and column the float16
-//       scale d (GGUF Q8_0: w = d * q).
+//   Q8: codes as K/2 pairs x 16 lanes x 2 int8 (32 bytes), per group and column the scale d and,
+//       if the weight has offsets, the offset m: w = d * q (+ m). Groups are 32 or 16 columns (the
+//       K-quants Q6_K, Q3_K and Q2_K scale every 16). GGUF Q8_0 and Q5_0 (codes q - 16) have no
+//       offset; Q5_1 and Q5_K do (and Q4 weights whose fused neighbours are Q8, see quant.py).
 //   BF16: K/2 pairs x 16 lanes x 2 bf16 (64 bytes), no scales (K is padded to even with zeros).
+// Scales and offsets are float16 where every value of the weight is one (the GGUF's own block
+// scales), else float32 (K-quants: a float16 super-block scale times a 6- or 8-bit sub-scale,
+// exact in float32).
 // Per output (row, column) the sum runs over groups in order; within a group over pairs in order,
 // then acc = fma(d, group_sum, acc); for Q4 the group sum is of x * (128 + q), so it first becomes
-// fma(-128, sum_x(group), group_sum) and acc = fma(m, sum_x(group), acc) follows.
+// fma(-128, sum_x(group), group_sum); with offsets acc = fma(m, sum_x(group), acc) follows.
 #pragma once
 
 #include <cstdint>
@@ -33,12 +38,19 @@ struct ExponentRange {
 struct PackedWeight {
   WeightFormat format;
   const uint8_t* codes;  // [blocks][...] as above
-  const uint16_t* scale;  // [blocks][G][16] float16 (Q4, Q8)
-  const uint16_t* zero;   // [blocks][G][16] float16 (Q4)
+  const void* scale;     // [blocks][K/group][16] float16 or float32 (Q4, Q8)
+  const void* zero;      // offsets, shaped as scale (Q4 always; Q8 when it has them, else null)
   int64_t n;             // output columns
   int64_t k;             // input columns
   ExponentRange exponents;  // of the values (BF16 only; quantized codes have fixed bounds)
+  bool scale_f32 = false;   // scale and zero hold float32 (else float16)
+  int64_t group = 32;       // input columns per scale: 32, or 16 (Q8 only)
 };
+
+// Scale or offset i of a weight, as float (exact).
+inline float scale_value(const PackedWeight& w, const void* values, int64_t i) {
+  return w.scale_f32 ? static_cast<const float*>(values)[i] : f16_to_f32(static_cast<const uint16_t*>(values)[i]);
+}
 
 constexpr int kBlockCols = 16;
 constexpr int kGroup = 32;
@@ -49,7 +61,8 @@ int64_t block_bytes(WeightFormat format, int64_t k);
 // Rows [0, m) of x (bf16, row stride ldx) times columns of blocks [block_begin, block_end).
 // out is float32 or bf16 (row stride ldo); with accumulate (float32 out only) every sum starts from
 // the value already in out instead of zero, so a K split across ranks can run as one chain whose
-// operations are exactly those of the unsplit layer. group_sums[m][K/32] = sum of x per group (Q4 only).
+// operations are exactly those of the unsplit layer. group_sums[m][K/group] = sum of x per group
+// (weights with offsets only).
 // avx2 (AVX2 path only): the rows prepared by prepare_avx2_row.
 struct Avx2Rows {
   const float* x;        // [m][ldx] x as float, subnormals flushed, zero-padded to an even length
@@ -68,7 +81,7 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& x, int64_t m, con
 // exactly the flushing dot products of the generic path with w (the returned flag).
 bool prepare_avx2_row(const PackedWeight& w, const uint16_t* row, float* out);
 
-// Per-row, per-group sums of x (sequential order), for the Q4 offset term.
-void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, float* out);
+// Per-row sums of x over each group of `group` columns (sequential order), for the offset term.
+void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t group, float* out);
 
 }  // namespace specserve

@@ -74,10 +74,28 @@ SPECSERVE_AVX2 inline void x_pair8(const float* row, int64_t pair, __m256& hi, _
   lo = _mm256_broadcast_ss(row + 2 * pair);
 }
 
+// part[r][j][h] += one pair's weights (wh, wl per block half) times row r's pair.
+template <int R, int NBT, bool Flush>
+SPECSERVE_AVX2 inline void dot_rows(const float* x, int64_t ldx, int64_t pair, const __m256 (*wh)[2], const __m256 (*wl)[2],
+                                    __m256 (*part)[NBT][2]) {
+  for (int r = 0; r < R; ++r) {
+    __m256 xh, xl;
+    x_pair8(x + r * ldx, pair, xh, xl);
+    for (int j = 0; j < NBT; ++j)
+      for (int h = 0; h < 2; ++h) part[r][j][h] = dot_pair8<Flush>(part[r][j][h], wh[j][h], wl[j][h], xh, xl);
+  }
+}
+
+// 8 scales or offsets of one group of a block half, as float (exact).
+SPECSERVE_AVX2 inline __m256 scales8(const PackedWeight& w, const void* values, int64_t at) {
+  if (w.scale_f32) return _mm256_loadu_ps(static_cast<const float*>(values) + at);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)));
+}
+
 template <WeightFormat F, int R, int NBT, bool Flush>
 SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x, int64_t ldx, const float* gs,
                               void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  const int64_t bytes = block_bytes(F, w.k), G = w.k / kGroup;
+  const int64_t bytes = block_bytes(F, w.k), G = w.k / w.group;
   const uint8_t* blocks[NBT];
   for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
   __m256 acc[R][NBT][2];
@@ -107,53 +125,52 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
       }
     }
   } else {
+    const int64_t per = w.group / 2;  // pairs per group (Q4: always 16)
     for (int64_t g = 0; g < G; ++g) {
       __m256 part[R][NBT][2];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NBT; ++j) part[r][j][0] = part[r][j][1] = _mm256_setzero_ps();
       {  // the dot products only: the scale FMAs below are plain IEEE ones
         FlushDenormalsScope flush(Flush);
-        for (int oct = 0; oct < 4; ++oct) {
-          __m256i packed[NBT][2];
-          if constexpr (F == WeightFormat::Q4)
+        if constexpr (F == WeightFormat::Q4) {
+          for (int oct = 0; oct < 4; ++oct) {
+            __m256i packed[NBT][2];
             for (int j = 0; j < NBT; ++j)
               for (int h = 0; h < 2; ++h)
                 packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + (g * 4 + oct) * 64 + h * 32));
-          for (int p = 0; p < 4; ++p) {
-            const int64_t pair = g * 16 + oct * 4 + p;
+            for (int p = 0; p < 4; ++p) {
+              __m256 wh[NBT][2], wl[NBT][2];
+              for (int j = 0; j < NBT; ++j)
+                for (int h = 0; h < 2; ++h) {
+                  const __m256i word = _mm256_or_si256(
+                      _mm256_and_si256(_mm256_srli_epi32(packed[j][h], 4 * p), _mm256_set1_epi32(kQ4Mask)), _mm256_set1_epi32(kQ4Magic));
+                  split_pair<F>(word, wh[j][h], wl[j][h]);
+                }
+              dot_rows<R, NBT, Flush>(x, ldx, g * 16 + oct * 4 + p, wh, wl, part);
+            }
+          }
+        } else {
+          for (int64_t pair = g * per; pair < g * per + per; ++pair) {
             __m256 wh[NBT][2], wl[NBT][2];
             for (int j = 0; j < NBT; ++j)
-              for (int h = 0; h < 2; ++h) {
-                __m256i word;
-                if constexpr (F == WeightFormat::Q4)
-                  word = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(packed[j][h], 4 * p), _mm256_set1_epi32(kQ4Mask)),
-                                         _mm256_set1_epi32(kQ4Magic));
-                else
-                  word = pair_word<F>(blocks[j], pair, h);
-                split_pair<F>(word, wh[j][h], wl[j][h]);
-              }
-            for (int r = 0; r < R; ++r) {
-              __m256 xh, xl;
-              x_pair8(x + r * ldx, pair, xh, xl);
-              for (int j = 0; j < NBT; ++j)
-                for (int h = 0; h < 2; ++h) part[r][j][h] = dot_pair8<Flush>(part[r][j][h], wh[j][h], wl[j][h], xh, xl);
-            }
+              for (int h = 0; h < 2; ++h) split_pair<F>(pair_word<F>(blocks[j], pair, h), wh[j][h], wl[j][h]);
+            dot_rows<R, NBT, Flush>(x, ldx, pair, wh, wl, part);
           }
         }
       }
       for (int j = 0; j < NBT; ++j)
         for (int h = 0; h < 2; ++h) {
           const int64_t at = ((b0 + j) * G + g) * kBlockCols + h * 8;
-          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scale + at)));
-          if constexpr (F == WeightFormat::Q4) {
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zero + at)));
-            for (int r = 0; r < R; ++r) {
-              const __m256 s0 = _mm256_set1_ps(gs[r * G + g]);
-              acc[r][j][h] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(_mm256_set1_ps(-128.0f), s0, part[r][j][h]), acc[r][j][h]);
-              acc[r][j][h] = _mm256_fmadd_ps(m, s0, acc[r][j][h]);
-            }
-          } else {
-            for (int r = 0; r < R; ++r) acc[r][j][h] = _mm256_fmadd_ps(d, part[r][j][h], acc[r][j][h]);
+          const __m256 d = scales8(w, w.scale, at);
+          for (int r = 0; r < R; ++r) {
+            const __m256 s0 = _mm256_set1_ps(w.zero ? gs[r * G + g] : 0.0f);
+            __m256 sum = part[r][j][h];
+            if constexpr (F == WeightFormat::Q4) sum = _mm256_fmadd_ps(_mm256_set1_ps(-128.0f), s0, sum);
+            acc[r][j][h] = _mm256_fmadd_ps(d, sum, acc[r][j][h]);
+          }
+          if (w.zero) {
+            const __m256 m = scales8(w, w.zero, at);
+            for (int r = 0; r < R; ++r) acc[r][j][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(gs[r * G + g]), acc[r][j][h]);
           }
         }
     }
@@ -223,7 +240,7 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t 
   const float* x = rows_in.x;
   const int64_t ldx = rows_in.ldx;
   const uint8_t* row_exact = rows_in.exact;
-  const int64_t G = w.format == WeightFormat::BF16 ? 0 : w.k / kGroup;
+  const int64_t G = w.format == WeightFormat::BF16 ? 0 : w.k / w.group;
   const size_t elem = out_bf16 ? 2 : 4;
   constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk stays in cache
   for (int64_t c = block_begin; c < block_end; c += kChunk) {
