@@ -6,6 +6,7 @@ that was built after it.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import logging
@@ -121,6 +122,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     dist = TPGroup(dist_cfg) if dist_cfg is not None else None
     tp_rank = dist_cfg.rank if dist_cfg is not None else 0
     target = _load_target(args, dist, tp_rank)
+    return_freed_memory()  # the checkpoint's float copies are gone: give their pages back
     dtype, drafter = target.dtype, target.drafter
     gamma = _block_size(args, drafter)
     size = _kv_pool_size(args, target, dist)
@@ -197,6 +199,18 @@ def _runner_factory(
         tp=tp,
         grammars=GrammarCompiler(tokenizer.backend.to_str, target.config.vocab_size, tokenizer.eos_token_ids),
     )
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS. Loading frees many tensors of a few MB (each
+    checkpoint tensor's float copy) that glibc keeps in its arenas once its mmap threshold has
+    grown: about 0.8 GB of a 250 MB Gemma file's resident memory until trimmed. Elsewhere
+    (not glibc) a no-op."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Target:

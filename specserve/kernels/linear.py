@@ -20,6 +20,7 @@ from specserve.kernels.dispatch import path_id
 GROUP = 32
 BLOCK = 16  # output columns per packed block
 Q4, Q8, BF16 = 0, 1, 2
+_Q4_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])  # column 2p of an oct at bit 4p, 2p + 1 at 16 + 4p
 
 
 @dataclass
@@ -72,6 +73,25 @@ class PackedLinear:
             x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path, *self.exponents, None, self.group
         )
 
+    def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of the weight [len(index), k] as float32, read from the packed layout (an
+        embedding lookup in a tied head's codes): the values the kernel multiplies, which for GGUF
+        codes are the `gguf` package's dequantized ones."""
+        block, lane = index // BLOCK, index % BLOCK
+        if self.format == BF16:
+            words = self.codes.view(torch.bfloat16).view(-1, (self.k + 1) // 2, BLOCK, 2)
+            return words[block, :, lane].reshape(len(index), -1)[:, : self.k].float()
+        if self.format == Q8:
+            codes = self.codes.view(torch.int8).view(-1, self.k // 2, BLOCK, 2)[block, :, lane].reshape(len(index), -1)
+        else:  # Q4 words [blocks, groups, oct, lane]: column 2p of an oct at bits 4p, 2p + 1 at 16 + 4p
+            words = self.codes.view(torch.int32).view(-1, self.k // GROUP, 4, BLOCK)[block, :, :, lane]
+            codes = (words.unsqueeze(-1) >> _Q4_SHIFTS) & 0xF
+            codes = codes.reshape(len(index), -1)
+        w = codes.float() * self.scale[block, :, lane].float().repeat_interleave(self.group, dim=1)
+        if self.zero.numel():
+            w = w + self.zero[block, :, lane].float().repeat_interleave(self.group, dim=1)
+        return w
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
@@ -107,8 +127,7 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> P
     if k % GROUP:
         raise ConfigError(f"4-bit weights need k divisible by {GROUP}, got {k}")
     c = _pad_rows(codes.to(torch.int64), BLOCK).view(-1, BLOCK, k // GROUP, 4, 8)  # [B, lane, G, oct, 8]
-    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)  # column 2p at 4p, 2p+1 at 16+4p
-    words = (c << shifts).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, oct, lane]
+    words = (c << _Q4_SHIFTS).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, oct, lane]
     packed = words.to(torch.uint32).view(torch.uint8).reshape(-1)
     dtype = _scale_dtype(scale, offset)
     return PackedLinear(Q4, packed, _block_scales(scale, dtype), _block_scales(offset, dtype), n, k)

@@ -189,8 +189,8 @@ class DraftVocabHead(nn.Module):
         return F.linear(hidden.to(self.weight.dtype), self.weight).float()
 
 
-class _WeightedHead(Protocol):  # an LM head that shows its weight [V, H] (reduced draft vocabularies read it)
-    weight: torch.Tensor
+class _WeightedHead(Protocol):  # an LM head that shows its weight's rows (reduced draft vocabularies read them)
+    def rows(self, index: torch.Tensor) -> torch.Tensor: ...
 
 
 class DsparkDrafter(nn.Module):
@@ -236,11 +236,11 @@ class DsparkDrafter(nn.Module):
         self, embed: Callable[[torch.Tensor], torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
         """Share the target's embedding and LM head. With a reduced draft vocabulary the head is
-        the target head's rows of the draft ids (`lm_head` must then have a full `.weight`)."""
+        the target head's rows of the draft ids (`lm_head` must then give them: `.rows(ids)`)."""
         self.embed, self.lm_head = embed, lm_head
         if self.reduced_vocab:
-            weight = cast(_WeightedHead, lm_head).weight  # the contract above
-            self.lm_head = DraftVocabHead(weight.detach()[self.draft_to_target].contiguous())
+            rows = cast(_WeightedHead, lm_head).rows(self.draft_to_target)  # the contract above
+            self.lm_head = DraftVocabHead(rows.contiguous())
             self.ops.prepare(self.lm_head)
 
     def use_backend(self, ops: OpBackend) -> None:

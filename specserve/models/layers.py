@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_bf16
-from specserve.models.quant import QuantWeight
+from specserve.models.quant import QuantWeight, concat_rows
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,13 @@ class _ParallelLinear(nn.Module):
         self._quant: Optional[QuantWeight] = None  # this rank's GGUF codes, until pack_for_cpu packs them
 
     def pack_for_cpu(self) -> None:
-        """Pack for the CPU kernels after load() (the CPU kernel backend calls it)."""
-        self.kernel = self._quant.packed() if self._quant is not None else pack_bf16(self.weight)
+        """Pack for the CPU kernels after load() (the CPU kernel backend calls it). A layer packed
+        from GGUF codes drops its dequantized weight: the kernels compute from the codes."""
+        if self._quant is not None:
+            self.kernel = self._quant.packed()
+            self.weight = release(self.weight)
+        else:
+            self.kernel = pack_bf16(self.weight)
         self._quant = None
 
     def matmul(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -174,10 +179,9 @@ class ColumnParallelLinear(_ParallelLinear):
             self.bias.data.copy_(torch.cat([self._rows(b, r) for b, r in zip(biases, self.ranges)]))
 
     def load_quantized(self, parts: list[QuantWeight]) -> None:
-        """Keep this rank's rows of each fused part's GGUF codes (used if the layer is packed for CPU)."""
-        if len({type(p) for p in parts}) != 1:
-            return  # parts in different GGUF formats: the layer computes from its bf16 weight instead
-        self._quant = type(parts[0]).cat([self._rows(p, r) for p, r in zip(parts, self.ranges)])
+        """Keep this rank's rows of each fused part's GGUF codes (used if the layer is packed for CPU);
+        parts of different GGUF types share the layout that holds them all (quant.concat_rows)."""
+        self._quant = concat_rows([self._rows(p, r) for p, r in zip(parts, self.ranges)])
 
     @staticmethod
     def _rows(w, rows: tuple[int, int]):
@@ -231,6 +235,11 @@ class RowParallelLinear(_ParallelLinear):
         return round_to_bf16_like_kernels(sums).view(*x.shape[:-1], kernel.n)
 
 
+def release(weight: nn.Parameter) -> nn.Parameter:
+    """An empty stand-in (same dtype and device) for a weight whose packed form replaces it."""
+    return nn.Parameter(weight.new_empty(0), requires_grad=False)
+
+
 def round_to_bf16_like_kernels(x: torch.Tensor) -> torch.Tensor:
     """float32 -> bf16 as the kernels store it (csrc/simd.h f32_to_bf16): round to nearest even,
     with float32 subnormals flushed to signed zero first."""
@@ -238,7 +247,9 @@ def round_to_bf16_like_kernels(x: torch.Tensor) -> torch.Tensor:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose vocabulary rows are split across ranks; lookups are all-reduced."""
+    """Embedding whose vocabulary rows are split across ranks; lookups are all-reduced. On the CPU
+    kernels a GGUF-quantized table is read from its codes (`table`: its own packed codes, or the
+    tied LM head's), so no dequantized copy stays in memory."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TPContext, dtype: torch.dtype, scale: float = 1.0):
         super().__init__()
@@ -246,17 +257,41 @@ class VocabParallelEmbedding(nn.Module):
         self.start, part = tp.shard(vocab_size)
         self.weight = nn.Parameter(torch.empty(part, dim, dtype=dtype), requires_grad=False)
         self.scale = scale  # gemma3 scales its embeddings by sqrt(hidden), in the model dtype
+        self.table: Optional[PackedLinear] = None
+        self._quant: Optional[QuantWeight] = None
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[self.start : self.start + self.weight.shape[0]])
 
+    def load_quantized(self, weight: QuantWeight) -> None:
+        """This rank's rows of the GGUF codes (read from them once packed for CPU)."""
+        self._quant = weight.rows(slice(self.start, self.start + self.weight.shape[0]))
+
+    def pack_for_cpu(self) -> None:
+        if self._quant is not None:
+            self.read_from(self._quant.packed())
+            self._quant = None
+
+    def read_from(self, table: PackedLinear) -> None:
+        """Look rows up in a packed weight of this rank's rows (e.g. the tied head's) from now on."""
+        self.table, self.weight = table, release(self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self._scaled(F.embedding(ids, self.weight))
+            return self._scaled(self._rows(ids))
         local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self._part)
+        out = self._rows(local.masked_fill(outside, 0))
         return self._scaled(self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0)))
+
+    @property
+    def _part(self) -> int:
+        return self.table.n if self.table is not None else self.weight.shape[0]
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            return F.embedding(ids, self.weight)
+        return self.table.dense_rows(ids.reshape(-1)).to(self.weight.dtype).view(*ids.shape, self.table.k)
 
     def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.scale == 1.0 else rows * torch.tensor(self.scale, dtype=rows.dtype)
@@ -276,6 +311,13 @@ class ParallelLMHead(_ParallelLinear):
     def load_quantized(self, weight: QuantWeight) -> None:
         """This rank's vocabulary rows of the GGUF output (or tied embedding) codes."""
         self._quant = weight.rows(slice(self.start, self.start + self.weight.shape[0]))
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of this rank's head weight [len(index), H] in the model dtype (from the
+        packed codes once the dequantized weight is dropped)."""
+        if self.weight.numel() or self.kernel is None:
+            return self.weight.detach()[index]
+        return self.kernel.dense_rows(index).to(self.weight.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden, torch.float32)

@@ -135,10 +135,13 @@ class LlamaForCausalLM(nn.Module):
         windowed = any(cfg.window(i) for i in range(cfg.num_layers))
         self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta) if windowed else self.rope
         self.ops: OpBackend = TorchOps(dtype)
+        self._tied_head = False  # the head is the embedding (set by load_weights)
 
     def use_backend(self, ops: OpBackend) -> None:
         """Run on `ops` from now on (after load_weights: it packs the weights it needs)."""
         ops.prepare(self)
+        if self._tied_head and self.lm_head.kernel is not None:  # one copy of the codes: the head's
+            self.embed_tokens.read_from(self.lm_head.kernel)
         self.ops = ops
 
     @torch.inference_mode()
@@ -180,9 +183,12 @@ class LlamaForCausalLM(nn.Module):
         w = weights
         self.embed_tokens.load(w["model.embed_tokens.weight"])
         head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
+        self._tied_head = head == "model.embed_tokens.weight"
         self.lm_head.load(w[head])
         if quantized is not None and head in quantized:
             self.lm_head.load_quantized(quantized[head])
+        if quantized is not None and not self._tied_head and "model.embed_tokens.weight" in quantized:
+            self.embed_tokens.load_quantized(quantized["model.embed_tokens.weight"])
         self.norm.weight.data.copy_(w["model.norm.weight"])
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer), "__init__ builds the layers"

@@ -1,14 +1,20 @@
-"""GGUF quantized weights kept as their exact codes: Q4_0 / Q4_1 (4-bit) and Q8_0 (8-bit).
+"""GGUF quantized weights kept as their exact codes and scales, in the two layouts of the CPU
+kernels (specserve/kernels/linear.py):
 
-All three store blocks of 32 weights with a per-block float16 scale d: Q4_1 means w = d*q + m
-(q in 0..15), Q4_0 means w = d*(q - 8), Q8_0 means w = d*q (q in -128..127). The codes go to the
-CPU kernels unchanged (specserve/kernels/linear.py), so serving computes with the GGUF's own
-weights; only the float (dequantized) copies are used by fp32 and non-CPU paths.
+- 4-bit codes q in 0..15 with a scale and an offset per 32 weights, w = d*q + m: Q4_0 (m = -8d),
+  Q4_1, Q4_K (d = super-block scale x 6-bit sub-scale, m = -(super-block min x 6-bit sub-min)).
+- 8-bit codes with a scale, and optionally an offset, per 32 or 16 weights: Q8_0; Q5_0 (codes
+  q - 16); Q5_1 and Q5_K (q in 0..31 with an offset); Q6_K (codes q - 32, a scale per 16).
+
+Every scale and offset is an exact float32 value and every dequantized weight equals the `gguf`
+package's (tests/unit/test_quant_formats.py). Other GGUF types (Q2_K, Q3_K, IQ*) are dequantized
+at load and computed in bf16.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -17,13 +23,14 @@ from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_q4, pack_q8
 
 GROUP = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+SUPER = 256  # weights per K-quant super-block
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
-def _split_cols(start: int, count: int) -> tuple[int, int]:
+def _split_cols(start: int, count: int, group: int) -> tuple[int, int]:
     if start % GROUP or count % GROUP:
         raise ConfigError(f"tp_size: a quantized weight can only be split at multiples of {GROUP} input columns")
-    return start // GROUP, count // GROUP
+    return start // group, count // group
 
 
 @dataclass
@@ -39,12 +46,8 @@ class Q4Weight:
         return Q4Weight(self.codes[index], self.scale[index], self.offset[index])
 
     def cols(self, start: int, count: int) -> "Q4Weight":
-        g0, gn = _split_cols(start, count)
+        g0, gn = _split_cols(start, count, GROUP)
         return Q4Weight(self.codes[:, start : start + count], self.scale[:, g0 : g0 + gn], self.offset[:, g0 : g0 + gn])
-
-    @staticmethod
-    def cat(parts: list["Q4Weight"]) -> "Q4Weight":
-        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
 
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scale.repeat_interleave(GROUP, dim=1) + self.offset.repeat_interleave(GROUP, dim=1)
@@ -52,52 +55,148 @@ class Q4Weight:
     def packed(self) -> PackedLinear:
         return pack_q4(self.codes, self.scale, self.offset)
 
+    def as_q8(self) -> "Q8Weight":
+        """The same weights in the 8-bit layout (to fuse with 8-bit neighbours)."""
+        return Q8Weight(self.codes.to(torch.int8), self.scale, self.offset)
+
 
 @dataclass
 class Q8Weight:
-    """8-bit codes [out, in] (int8) and per-group scale [out, in / 32] (float32): w = scale * q."""
+    """8-bit codes [out, in] (int8), per-group scale and optional offset [out, in / group] (float32):
+    w = scale * q (+ offset), in groups of 32 or 16 input columns."""
 
     codes: torch.Tensor
     scale: torch.Tensor
+    offset: Optional[torch.Tensor] = None
+    group: int = GROUP
 
     def rows(self, index) -> "Q8Weight":
-        return Q8Weight(self.codes[index], self.scale[index])
+        offset = None if self.offset is None else self.offset[index]
+        return Q8Weight(self.codes[index], self.scale[index], offset, self.group)
 
     def cols(self, start: int, count: int) -> "Q8Weight":
-        g0, gn = _split_cols(start, count)
-        return Q8Weight(self.codes[:, start : start + count], self.scale[:, g0 : g0 + gn])
-
-    @staticmethod
-    def cat(parts: list["Q8Weight"]) -> "Q8Weight":
-        return Q8Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale")))
+        g0, gn = _split_cols(start, count, self.group)
+        offset = None if self.offset is None else self.offset[:, g0 : g0 + gn]
+        return Q8Weight(self.codes[:, start : start + count], self.scale[:, g0 : g0 + gn], offset, self.group)
 
     def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scale.repeat_interleave(GROUP, dim=1)
+        w = self.codes.float() * self.scale.repeat_interleave(self.group, dim=1)
+        return w if self.offset is None else w + self.offset.repeat_interleave(self.group, dim=1)
 
     def packed(self) -> PackedLinear:
-        return pack_q8(self.codes, self.scale)
+        return pack_q8(self.codes, self.scale, self.offset, self.group)
+
+    def regrouped(self, group: int) -> "Q8Weight":
+        """The same weights with a scale (and offset) per `group` columns, a divisor of this one's."""
+        if group == self.group:
+            return self
+        rep = self.group // group
+        offset = None if self.offset is None else self.offset.repeat_interleave(rep, dim=1)
+        return Q8Weight(self.codes, self.scale.repeat_interleave(rep, dim=1), offset, group)
+
+    def with_offset(self) -> "Q8Weight":
+        return self if self.offset is not None else Q8Weight(self.codes, self.scale, torch.zeros_like(self.scale), self.group)
 
 
 QuantWeight = Q4Weight | Q8Weight
 
 
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Fused parts (e.g. q, k, v) stacked by rows in one layout: all 4-bit stay 4-bit; otherwise
+    all become 8-bit, in the finest group, with offsets if any part has them."""
+    if all(isinstance(p, Q4Weight) for p in parts):
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
+    q8 = [p.as_q8() if isinstance(p, Q4Weight) else p for p in parts]
+    group = min(p.group for p in q8)
+    q8 = [p.regrouped(group) for p in q8]
+    if any(p.offset is not None for p in q8):
+        q8 = [p.with_offset() for p in q8]
+    offset = None if q8[0].offset is None else torch.cat([p.offset for p in q8 if p.offset is not None])
+    return Q8Weight(torch.cat([p.codes for p in q8]), torch.cat([p.scale for p in q8]), offset, group)
+
+
 def is_quantized(type_name: str) -> bool:
+    """Whether a GGUF tensor type is kept as codes (else it is dequantized at load)."""
     return type_name in _BLOCK_BYTES
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of every block, as float32 [rows, blocks]."""
+    return blocks[:, :, at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 16 bytes] -> [..., 32] codes: low nibbles are elements 0..15, high ones 16..31."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 high bits: [rows, blocks, 4 bytes] -> [rows, blocks, 32] (bit j of the word)."""
+    word = qh.copy().view(np.uint32)  # [rows, blocks, 1]
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _parse_legacy(blocks: np.ndarray, type_name: str) -> QuantWeight:
+    out = blocks.shape[0]
+    d = _f16(blocks, 0)
+    if type_name == "Q8_0":
+        return Q8Weight(_tensor(blocks[:, :, 2:].copy().view(np.int8).reshape(out, -1)), _tensor(d))
+    if type_name in ("Q5_0", "Q5_1"):
+        start = 2 if type_name == "Q5_0" else 4
+        q = _nibbles(blocks[:, :, start + 4 :]) | (_fifth_bits(blocks[:, :, start : start + 4]) << 4)
+        if type_name == "Q5_0":
+            return Q8Weight(_tensor((q.astype(np.int8) - 16).reshape(out, -1)), _tensor(d))
+        return Q8Weight(_tensor(q.astype(np.int8).reshape(out, -1)), _tensor(d), _tensor(_f16(blocks, 2)))
+    if type_name == "Q4_1":
+        packed, offset = blocks[:, :, 4:], _f16(blocks, 2)
+    else:
+        packed, offset = blocks[:, :, 2:], -8 * d
+    codes = _nibbles(packed).reshape(out, -1)
+    return Q4Weight(_tensor(codes.astype(np.uint8)), _tensor(d), _tensor(offset))
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K per-32 scale d*sc and offset -(dmin*m), float32 [rows, super-blocks * 8]."""
+    import gguf
+
+    out, n = blocks.shape[:2]
+    sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, :, 4:16].reshape(out * n, 12))
+    d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
+    scale = d * sc.reshape(out, n, 8).astype(np.float32)
+    offset = -(dmin * mn.reshape(out, n, 8).astype(np.float32))
+    return scale.reshape(out, -1), offset.reshape(out, -1)
+
+
+def _low_nibble_rows(qs: np.ndarray) -> np.ndarray:
+    """K-quant 4-bit codes: [rows, super-blocks, 128] -> [rows, super-blocks, 8, 32]; each 32
+    bytes give the low nibbles (sub-block 2j) and then the high ones (sub-block 2j + 1)."""
+    chunks = qs.reshape(*qs.shape[:2], 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    return (chunks & 0x0F).reshape(*qs.shape[:2], 8, 32)
+
+
+def _parse_k(blocks: np.ndarray, type_name: str) -> QuantWeight:
+    out, n = blocks.shape[:2]
+    if type_name == "Q6_K":
+        ql = blocks[:, :, :128].reshape(out, n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        qh = blocks[:, :, 128:192].reshape(out, n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        q = (ql & 0x0F).reshape(out, n, 8, 32) | ((qh & 0x03).reshape(out, n, 8, 32) << 4)
+        sub = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
+        scale = _f16(blocks, 208)[..., None] * sub
+        return Q8Weight(_tensor((q.astype(np.int8) - 32).reshape(out, -1)), _tensor(scale.reshape(out, -1)), None, 16)
+    scale, offset = _k_scales(blocks)
+    if type_name == "Q4_K":
+        codes = _low_nibble_rows(blocks[:, :, 16:])
+        return Q4Weight(_tensor(codes.reshape(out, -1)), _tensor(scale), _tensor(offset))
+    qh = blocks[:, :, 16:48].reshape(out, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    q = _low_nibble_rows(blocks[:, :, 48:]) | ((qh & 1) << 4)
+    return Q8Weight(_tensor(q.astype(np.int8).reshape(out, -1)), _tensor(scale), _tensor(offset))
 
 
 def parse_quantized(raw: np.ndarray, type_name: str) -> QuantWeight:
     """Split GGUF blocks (raw uint8 [out, blocks * block_bytes]) into codes and scales."""
-    out = raw.shape[0]
-    blocks = np.asarray(raw).reshape(out, -1, _BLOCK_BYTES[type_name])
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q8_0":
-        codes = blocks[:, :, 2:].copy().view(np.int8).reshape(out, -1)
-        return Q8Weight(torch.from_numpy(codes), torch.from_numpy(d))
-    if type_name == "Q4_1":
-        packed = blocks[:, :, 4:]
-        offset = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    else:
-        packed, offset = blocks[:, :, 2:], -8 * d
-    # Low nibbles hold elements 0..15 of a block, high nibbles 16..31.
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(out, -1)
-    return Q4Weight(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(offset))
+    blocks = np.asarray(raw).reshape(raw.shape[0], -1, _BLOCK_BYTES[type_name])
+    return _parse_k(blocks, type_name) if type_name.endswith("_K") else _parse_legacy(blocks, type_name)

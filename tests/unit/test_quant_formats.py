@@ -1,0 +1,94 @@
+"""Every GGUF type the engine keeps as codes (models/quant.py): parsed codes and scales give exactly
+the `gguf` package's dequantized weights; the kernels compute with them (float64 reference, every
+path bitwise equal, a row alone equals it in a batch); fused parts of different types share one
+layout; TP shards split them at 32 columns."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from specserve.kernels import dispatch
+from specserve.kernels.linear import pack_bf16
+from specserve.models.quant import Q4Weight, Q8Weight, concat_rows, is_quantized, parse_quantized
+from tests.tiny_gguf import random_k_quant
+
+PATHS = ["generic", *(p for p in dispatch.available_paths() if p != "generic")]
+LEGACY = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"]  # the gguf package quantizes to these
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+LAYOUT = {"Q4_0": Q4Weight, "Q4_1": Q4Weight, "Q4_K": Q4Weight}  # the rest: Q8Weight
+
+
+def raw_tensor(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """GGUF blocks [rows, bytes] of a random weight: quantized by the gguf package, or random
+    K-quant codes with small scales."""
+    rng = np.random.default_rng(seed)
+    qtype = QType[type_name]
+    if type_name in K_QUANTS:
+        return random_k_quant(rows, cols, qtype, rng)
+    return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
+
+
+def reference(raw: np.ndarray, type_name: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, QType[type_name]).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS)
+def test_parsed_codes_dequantize_to_the_gguf_packages_weights_exactly(type_name):
+    raw = raw_tensor(type_name, 24, 512)
+    parsed = parse_quantized(raw, type_name)
+    assert is_quantized(type_name)
+    assert isinstance(parsed, LAYOUT.get(type_name, Q8Weight))
+    assert torch.equal(parsed.dequantize(), reference(raw, type_name))
+
+
+@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS)
+def test_kernels_compute_every_type_from_its_codes(type_name):
+    raw = raw_tensor(type_name, 40, 512, seed=1)
+    weight = reference(raw, type_name).double()
+    packed = parse_quantized(raw, type_name).packed()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
+    want = x.double() @ weight.T
+    outs = {}
+    for path in PATHS:
+        outs[path] = packed.run(x, False, dispatch.PATHS[path])
+        err = ((outs[path].double() - want).abs().max() / want.abs().max()).item()
+        assert err <= 1e-5, f"{type_name} {path}: relative error {err:.2e}"
+        assert torch.equal(packed.run(x[4:5].contiguous(), False, dispatch.PATHS[path])[0], outs[path][4])
+    for path, out in outs.items():
+        assert torch.equal(out, outs["generic"]), f"{type_name}: {path} differs from generic"
+
+
+def test_fused_parts_of_different_types_share_one_layout():
+    """q (Q4_K), k (Q6_K, scales per 16) and v (Q5_0): one 8-bit weight, per 16, with offsets."""
+    types = ["Q4_K", "Q6_K", "Q5_0"]
+    parts = [parse_quantized(raw_tensor(t, 16, 256, seed=i), t) for i, t in enumerate(types)]
+    fused = concat_rows(parts)
+    assert isinstance(fused, Q8Weight) and fused.group == 16 and fused.offset is not None
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    same = concat_rows([parts[0], parts[0]])
+    assert isinstance(same, Q4Weight) and torch.equal(same.dequantize(), parts[0].dequantize().repeat(2, 1))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_1"])
+def test_tp_column_shards_are_the_weights_columns(type_name):
+    parsed = parse_quantized(raw_tensor(type_name, 16, 512, seed=3), type_name)
+    assert torch.equal(parsed.cols(224, 288).dequantize(), parsed.dequantize()[:, 224:])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        parsed.cols(16, 496)
+
+
+@pytest.mark.parametrize("type_name", [*LEGACY, *K_QUANTS, "F16"])
+def test_rows_read_from_the_packed_layout_are_the_weights_rows(type_name):
+    """An embedding lookup in a (tied) head's packed codes gives the dequantized rows exactly."""
+    if type_name == "F16":
+        dense = torch.randn(40, 77, generator=torch.Generator().manual_seed(4)).bfloat16()
+        packed, want = pack_bf16(dense), dense.float()
+    else:
+        parsed = parse_quantized(raw_tensor(type_name, 40, 256, seed=4), type_name)
+        packed, want = parsed.packed(), parsed.dequantize()
+    ids = torch.tensor([0, 39, 17, 17, 16, 15, 31])
+    assert torch.equal(packed.dense_rows(ids), want[ids])
