@@ -49,7 +49,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _chat_ids(tokenizer, n: int) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]) for i in range(n)]
+    """The prompts as chats, or as plain text for a base model without a chat template (Gemma 3 270M)."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    if getattr(tokenizer, "chat_template", True) is None:
+        return [tokenizer.encode(p) for p in prompts]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
 
 
 def _long_ids(tokenizer, n: int) -> list[int]:

@@ -15,6 +15,8 @@ from tiny_gguf import TinySpec, write_tiny_gguf
 
 from specserve.engine import Engine
 from specserve.errors import ConfigError
+from specserve.kernels.linear import Q4, Q8
+from specserve.models.layers import _ParallelLinear
 from specserve.models.loader import load_model_config
 
 # A Q4_K_M-like mix: the types llama.cpp's Q4_K_M and Q5_K_M files hold.
@@ -89,6 +91,21 @@ def test_bf16_output_independent_of_batch_cache_and_speculation(tiny_model):
     with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NGRAM", max_total_tokens=2048) as engine:
         speculated = _greedy(engine, PROMPTS)
     assert alone == batched == cached == speculated
+
+
+def test_quantized_tensors_stay_codes_on_the_cpu_kernels(tiny_model):
+    """Every K-quant and legacy type is computed from its codes: no layer keeps a dequantized weight,
+    and the embedding reads its rows from packed codes (the tied head's, or its own)."""
+    if "kquants" not in tiny_model and "legacy" not in tiny_model:
+        pytest.skip("a float model: nothing quantized")
+    with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=256) as engine:
+        model = engine.runner.model
+        linears = [m for m in model.modules() if isinstance(m, _ParallelLinear) and m is not model.lm_head]
+        assert linears and all(m.kernel is not None and m.kernel.format in (Q4, Q8) for m in linears)
+        assert all(m.weight.numel() == 0 for m in linears)
+        assert model.embed_tokens.table is not None and model.embed_tokens.weight.numel() == 0
+        if model._tied_head:
+            assert model.embed_tokens.table is model.lm_head.kernel
 
 
 def test_unsupported_architecture_is_one_error_before_weights_load(tmp_path):
