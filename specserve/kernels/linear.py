@@ -70,7 +70,18 @@ class PackedLinear:
     def run(self, x: torch.Tensor, out_bf16: bool, path: int) -> torch.Tensor:
         """The kernel on a contiguous bf16 [m, k] x through the given path."""
         return load().linear(
-            x, self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path, *self.exponents, None, self.group
+            x,
+            self.format,
+            self.codes,
+            self.scale,
+            self.zero,
+            self.n,
+            self.k,
+            out_bf16,
+            path,
+            *self.exponents,
+            None,
+            self.group,
         )
 
     def dense_rows(self, index: torch.Tensor) -> torch.Tensor:

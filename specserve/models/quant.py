@@ -95,7 +95,9 @@ class Q8Weight:
         return Q8Weight(self.codes, self.scale.repeat_interleave(rep, dim=1), offset, group)
 
     def with_offset(self) -> "Q8Weight":
-        return self if self.offset is not None else Q8Weight(self.codes, self.scale, torch.zeros_like(self.scale), self.group)
+        return (
+            self if self.offset is not None else Q8Weight(self.codes, self.scale, torch.zeros_like(self.scale), self.group)
+        )
 
 
 QuantWeight = Q4Weight | Q8Weight
