@@ -21,6 +21,17 @@ GROUP = 32
 BLOCK = 16  # output columns per packed block
 Q4, Q8, BF16 = 0, 1, 2
 _Q4_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])  # column 2p of an oct at bit 4p, 2p + 1 at 16 + 4p
+# The high-bit plane of 5- and 6-bit codes (csrc/linear.h): per oct and lane a byte (bit p: column
+# 2p, bit 4 + p: column 2p + 1) or a uint16 (bits 2p, 2p + 1: column 2p; 8 + 2p, 9 + 2p: 2p + 1).
+_HIGH_SHIFTS = {5: torch.tensor([0, 4, 1, 5, 2, 6, 3, 7]), 6: torch.tensor([0, 8, 2, 10, 4, 12, 6, 14])}
+_HIGH_BYTES = {5: 1, 6: 2}
+
+
+def block_bytes(fmt: int, k: int, bits: int = 4) -> int:
+    """Bytes of one packed block of 16 columns (csrc/linear.cpp block_bytes)."""
+    if fmt == Q4:
+        return k // 2 * BLOCK + k // 8 * BLOCK * _HIGH_BYTES.get(bits, 0)
+    return k * BLOCK if fmt == Q8 else (k + 1) // 2 * 4 * BLOCK
 
 
 @dataclass
@@ -36,7 +47,8 @@ class PackedLinear:
     # Biased exponent bounds of a BF16 weight's nonzero values, (-1, -1) if it has a subnormal,
     # infinite or NaN value: they tell the AVX2 path when FMAs are exact (csrc/linear_avx2.cpp).
     exponents: tuple[int, int] = (-1, -1)
-    group: int = GROUP  # input columns per scale: 32, or 16 (Q8 only)
+    group: int = GROUP  # input columns per scale: 32 or 16
+    bits: int = 4  # Q4 layout: bits per code (4, 5 or 6)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [..., k] bf16 -> [..., n] in out_dtype (bf16 or float32)."""
@@ -51,24 +63,14 @@ class PackedLinear:
         continued over this weight's K: the same operations, in the same order, as one weight over
         both parts, so a chain of shards gives the unsplit layer's float32 result bit for bit."""
         flat = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
-        out = load().linear(
-            flat,
-            self.format,
-            self.codes,
-            self.scale,
-            self.zero,
-            self.n,
-            self.k,
-            False,
-            path_id(),
-            *self.exponents,
-            init.reshape(-1, self.n).float(),
-            self.group,
-        )
+        out = self._kernel(flat, False, path_id(), init.reshape(-1, self.n).float())
         return out.view(*x.shape[:-1], self.n)
 
     def run(self, x: torch.Tensor, out_bf16: bool, path: int) -> torch.Tensor:
         """The kernel on a contiguous bf16 [m, k] x through the given path."""
+        return self._kernel(x, out_bf16, path, None)
+
+    def _kernel(self, x: torch.Tensor, out_bf16: bool, path: int, init: torch.Tensor | None) -> torch.Tensor:
         return load().linear(
             x,
             self.format,
@@ -80,28 +82,39 @@ class PackedLinear:
             out_bf16,
             path,
             *self.exponents,
-            None,
+            init,
             self.group,
+            self.bits,
         )
 
     def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight [len(index), k] as float32, read from the packed layout (an
-        embedding lookup in a tied head's codes): the values the kernel multiplies, which for GGUF
-        codes are the `gguf` package's dequantized ones."""
+        embedding lookup in a tied head's codes): the values the kernel multiplies, rounded once to
+        float32 (computed in float64), which for GGUF codes are the `gguf` package's dequantized ones."""
         block, lane = index // BLOCK, index % BLOCK
         if self.format == BF16:
             words = self.codes.view(torch.bfloat16).view(-1, (self.k + 1) // 2, BLOCK, 2)
             return words[block, :, lane].reshape(len(index), -1)[:, : self.k].float()
         if self.format == Q8:
             codes = self.codes.view(torch.int8).view(-1, self.k // 2, BLOCK, 2)[block, :, lane].reshape(len(index), -1)
-        else:  # Q4 words [blocks, groups, oct, lane]: column 2p of an oct at bits 4p, 2p + 1 at 16 + 4p
-            words = self.codes.view(torch.int32).view(-1, self.k // GROUP, 4, BLOCK)[block, :, :, lane]
-            codes = (words.unsqueeze(-1) >> _Q4_SHIFTS) & 0xF
-            codes = codes.reshape(len(index), -1)
-        w = codes.float() * self.scale[block, :, lane].float().repeat_interleave(self.group, dim=1)
+        else:
+            codes = self._q4_codes(block, lane)
+        w = codes.double() * self.scale[block, :, lane].double().repeat_interleave(self.group, dim=1)
         if self.zero.numel():
-            w = w + self.zero[block, :, lane].float().repeat_interleave(self.group, dim=1)
-        return w
+            w = w + self.zero[block, :, lane].double().repeat_interleave(self.group, dim=1)
+        return w.float()
+
+    def _q4_codes(self, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+        """Codes [len(block), k] of Q4-layout rows: octs of nibble words [oct, lane], then the high bits."""
+        octs = self.k // 8
+        blocks = self.codes.view(-1, block_bytes(Q4, self.k, self.bits))
+        words = blocks[:, : octs * 64].view(torch.int32).view(-1, octs, BLOCK)[block, :, lane]
+        codes = (words.unsqueeze(-1).long() >> _Q4_SHIFTS) & 0xF  # [T, oct, 8 columns]
+        if self.bits > 4:
+            plane = blocks[:, octs * 64 :].view(-1, octs, BLOCK, _HIGH_BYTES[self.bits])[block, :, lane]
+            high = plane[..., 0].long() | (plane[..., -1].long() << 8 if self.bits == 6 else 0)
+            codes |= ((high.unsqueeze(-1) >> _HIGH_SHIFTS[self.bits]) & ((1 << (self.bits - 4)) - 1)) << 4
+        return codes.reshape(len(block), -1)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
@@ -131,17 +144,26 @@ def _block_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return v.view(-1, BLOCK, v.shape[1]).transpose(1, 2).contiguous()
 
 
-def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> PackedLinear:
-    """w = scale * q + offset per group of 32 (codes [n, k] in 0..15; scale/offset [n, k/32],
-    float32 tensors)."""
+def pack_q4(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int = GROUP, bits: int = 4
+) -> PackedLinear:
+    """w = scale * q + offset per group of `group` (32 or 16) columns (codes [n, k] of `bits` (4, 5
+    or 6) bits; scale/offset [n, k/group], float32 tensors)."""
     n, k = codes.shape
-    if k % GROUP:
-        raise ConfigError(f"4-bit weights need k divisible by {GROUP}, got {k}")
-    c = _pad_rows(codes.to(torch.int64), BLOCK).view(-1, BLOCK, k // GROUP, 4, 8)  # [B, lane, G, oct, 8]
-    words = (c << _Q4_SHIFTS).sum(-1).permute(0, 2, 3, 1).contiguous()  # [B, G, oct, lane]
-    packed = words.to(torch.uint32).view(torch.uint8).reshape(-1)
+    if group not in (16, 32) or k % group:
+        raise ConfigError(f"4-bit weights need k divisible by {group}, got {k}")
+    if bits not in (4, 5, 6) or (codes.numel() and int(codes.max()) >= 1 << bits):
+        raise ConfigError(f"packing: codes must be {bits}-bit (4, 5 or 6)")
+    c = _pad_rows(codes.to(torch.int64), BLOCK).view(-1, BLOCK, k // 8, 8)  # [B, lane, oct, 8 columns]
+    words = ((c & 0xF) << _Q4_SHIFTS).sum(-1).transpose(1, 2).contiguous()  # [B, oct, lane]
+    parts = [words.to(torch.uint32).view(torch.uint8).view(words.shape[0], -1)]
+    if bits > 4:
+        high = ((c >> 4) << _HIGH_SHIFTS[bits]).sum(-1).transpose(1, 2).contiguous()
+        plane = high.to(torch.uint8) if bits == 5 else high.to(torch.int32).to(torch.int16).view(torch.uint8)
+        parts.append(plane.reshape(words.shape[0], -1))
     dtype = _scale_dtype(scale, offset)
-    return PackedLinear(Q4, packed, _block_scales(scale, dtype), _block_scales(offset, dtype), n, k)
+    packed = torch.cat(parts, dim=1).reshape(-1)
+    return PackedLinear(Q4, packed, _block_scales(scale, dtype), _block_scales(offset, dtype), n, k, group=group, bits=bits)
 
 
 def pack_q8(

@@ -1,10 +1,12 @@
 """GGUF quantized weights kept as their exact codes and scales, in the two layouts of the CPU
 kernels (specserve/kernels/linear.py):
 
-- 4-bit codes q in 0..15 with a scale and an offset per 32 weights, w = d*q + m: Q4_0 (m = -8d),
-  Q4_1, Q4_K (d = super-block scale x 6-bit sub-scale, m = -(super-block min x 6-bit sub-min)).
-- 8-bit codes with a scale, and optionally an offset, per 32 or 16 weights: Q8_0; Q5_0 (codes
-  q - 16); Q5_1 and Q5_K (q in 0..31 with an offset); Q6_K (codes q - 32, a scale per 16).
+- Unsigned 4-, 5- or 6-bit codes q with a scale and an offset per 32 (or 16) weights, w = d*q + m:
+  Q4_0 (m = -8d), Q4_1, Q4_K (d = super-block scale x 6-bit sub-scale, m = -(super-block min x
+  6-bit sub-min)); Q5_0 (m = -16d), Q5_1, Q5_K; Q6_K (d = scale x 8-bit sub-scale per 16 weights,
+  m = -32d).
+- Signed 8-bit codes with a scale per 32 weights: Q8_0 (and, with offsets, any of the above fused
+  with a Q8_0 neighbour, e.g. q and k in Q5_0 with v in Q8_0).
 
 Every scale and offset is an exact float32 value and every dequantized weight equals the `gguf`
 package's (tests/unit/test_quant_formats.py). Other GGUF types (Q2_K, Q3_K, IQ*) are dequantized
@@ -33,31 +35,46 @@ def _split_cols(start: int, count: int, group: int) -> tuple[int, int]:
     return start // group, count // group
 
 
+def _groups(t: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-group values [out, in / group] spread over their columns, in float64."""
+    return t.double().repeat_interleave(group, dim=1)
+
+
 @dataclass
 class Q4Weight:
-    """4-bit codes [out, in] (uint8 0..15), per-group scale and offset [out, in / 32] (float32):
-    w = scale * q + offset."""
+    """Unsigned codes [out, in] (uint8, `bits` = 4, 5 or 6 bits), per-group scale and offset
+    [out, in / group] (float32): w = scale * q + offset, in groups of 32 or 16 input columns."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    group: int = GROUP
+    bits: int = 4
 
     def rows(self, index) -> "Q4Weight":
-        return Q4Weight(self.codes[index], self.scale[index], self.offset[index])
+        return Q4Weight(self.codes[index], self.scale[index], self.offset[index], self.group, self.bits)
 
     def cols(self, start: int, count: int) -> "Q4Weight":
-        g0, gn = _split_cols(start, count, GROUP)
-        return Q4Weight(self.codes[:, start : start + count], self.scale[:, g0 : g0 + gn], self.offset[:, g0 : g0 + gn])
+        g0, gn = _split_cols(start, count, self.group)
+        cut = slice(g0, g0 + gn)
+        return Q4Weight(self.codes[:, start : start + count], self.scale[:, cut], self.offset[:, cut], self.group, self.bits)
 
     def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scale.repeat_interleave(GROUP, dim=1) + self.offset.repeat_interleave(GROUP, dim=1)
+        """float32 weights, each rounded once from the exact value (as the gguf package's are)."""
+        return (self.codes.double() * _groups(self.scale, self.group) + _groups(self.offset, self.group)).float()
 
     def packed(self) -> PackedLinear:
-        return pack_q4(self.codes, self.scale, self.offset)
+        return pack_q4(self.codes, self.scale, self.offset, self.group, self.bits)
 
     def as_q8(self) -> "Q8Weight":
         """The same weights in the 8-bit layout (to fuse with 8-bit neighbours)."""
-        return Q8Weight(self.codes.to(torch.int8), self.scale, self.offset)
+        return Q8Weight(self.codes.to(torch.int8), self.scale, self.offset, self.group)
+
+    def regrouped(self, group: int, bits: int) -> "Q4Weight":
+        """The same weights with a scale per `group` columns (a divisor of this one's) and wider codes."""
+        rep = self.group // group
+        scale, offset = (t.repeat_interleave(rep, dim=1) for t in (self.scale, self.offset))
+        return Q4Weight(self.codes, scale, offset, group, max(bits, self.bits))
 
 
 @dataclass
@@ -80,8 +97,9 @@ class Q8Weight:
         return Q8Weight(self.codes[:, start : start + count], self.scale[:, g0 : g0 + gn], offset, self.group)
 
     def dequantize(self) -> torch.Tensor:
-        w = self.codes.float() * self.scale.repeat_interleave(self.group, dim=1)
-        return w if self.offset is None else w + self.offset.repeat_interleave(self.group, dim=1)
+        """float32 weights, each rounded once from the exact value (as the gguf package's are)."""
+        w = self.codes.double() * _groups(self.scale, self.group)
+        return (w if self.offset is None else w + _groups(self.offset, self.group)).float()
 
     def packed(self) -> PackedLinear:
         return pack_q8(self.codes, self.scale, self.offset, self.group)
@@ -107,7 +125,9 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Fused parts (e.g. q, k, v) stacked by rows in one layout: all 4-bit stay 4-bit; otherwise
     all become 8-bit, in the finest group, with offsets if any part has them."""
     if all(isinstance(p, Q4Weight) for p in parts):
-        return Q4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
+        group, bits = min(p.group for p in parts), max(p.bits for p in parts)
+        q4 = [p.regrouped(group, bits) for p in parts if isinstance(p, Q4Weight)]
+        return Q4Weight(*(torch.cat([getattr(p, f) for p in q4]) for f in ("codes", "scale", "offset")), group, bits)
     q8 = [p.as_q8() if isinstance(p, Q4Weight) else p for p in parts]
     group = min(p.group for p in q8)
     q8 = [p.regrouped(group) for p in q8]
@@ -133,9 +153,9 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
-    """Q5_0/Q5_1 high bits: [rows, blocks, 4 bytes] -> [rows, blocks, 32] (bit j of the word)."""
-    word = qh.copy().view(np.uint32)  # [rows, blocks, 1]
-    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    """Q5_0/Q5_1 high bits: [rows, blocks, 4 bytes] -> [rows, blocks, 32] (bit j of the
+    little-endian word)."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -150,9 +170,8 @@ def _parse_legacy(blocks: np.ndarray, type_name: str) -> QuantWeight:
     if type_name in ("Q5_0", "Q5_1"):
         start = 2 if type_name == "Q5_0" else 4
         q = _nibbles(blocks[:, :, start + 4 :]) | (_fifth_bits(blocks[:, :, start : start + 4]) << 4)
-        if type_name == "Q5_0":
-            return Q8Weight(_tensor((q.astype(np.int8) - 16).reshape(out, -1)), _tensor(d))
-        return Q8Weight(_tensor(q.astype(np.int8).reshape(out, -1)), _tensor(d), _tensor(_f16(blocks, 2)))
+        offset = -16 * d if type_name == "Q5_0" else _f16(blocks, 2)
+        return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(d), _tensor(offset), GROUP, 5)
     if type_name == "Q4_1":
         packed, offset = blocks[:, :, 4:], _f16(blocks, 2)
     else:
@@ -187,15 +206,15 @@ def _parse_k(blocks: np.ndarray, type_name: str) -> QuantWeight:
         qh = blocks[:, :, 128:192].reshape(out, n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
         q = (ql & 0x0F).reshape(out, n, 8, 32) | ((qh & 0x03).reshape(out, n, 8, 32) << 4)
         sub = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
-        scale = _f16(blocks, 208)[..., None] * sub
-        return Q8Weight(_tensor((q.astype(np.int8) - 32).reshape(out, -1)), _tensor(scale.reshape(out, -1)), None, 16)
+        scale = (_f16(blocks, 208)[..., None] * sub).reshape(out, -1)
+        return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(-32 * scale), 16, 6)
     scale, offset = _k_scales(blocks)
     if type_name == "Q4_K":
         codes = _low_nibble_rows(blocks[:, :, 16:])
         return Q4Weight(_tensor(codes.reshape(out, -1)), _tensor(scale), _tensor(offset))
     qh = blocks[:, :, 16:48].reshape(out, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     q = _low_nibble_rows(blocks[:, :, 48:]) | ((qh & 1) << 4)
-    return Q8Weight(_tensor(q.astype(np.int8).reshape(out, -1)), _tensor(scale), _tensor(offset))
+    return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(offset), GROUP, 5)
 
 
 def parse_quantized(raw: np.ndarray, type_name: str) -> QuantWeight:

@@ -22,9 +22,10 @@ PATHS = ["generic", *VECTOR_PATHS]
 NO_VECTOR = pytest.mark.skipif(not VECTOR_PATHS, reason="this CPU has neither AVX512-BF16 nor AVX2: only the generic path")
 # Largest error relative to the largest reference output: fp32 sums of exact bf16 products for
 # the quantized formats; bf16 output rounding (2^-8) for the dense one.
-# The quantized layouts: 4-bit codes with float16 or float32 (K-quant) scales and offsets; 8-bit
-# codes with float16 scales, with offsets (Q5_1, Q5_K), and in groups of 16 (Q6_K, Q2_K).
-QUANTIZED = ["q4", "q4_f32", "q8", "q8_offset", "q8_g16"]
+# The quantized layouts: 4-bit codes with float16 or float32 (K-quant) scales and offsets, 5-bit
+# codes (Q5_0, Q5_1, Q5_K), 6-bit codes in groups of 16 (Q6_K); 8-bit codes with float16 scales,
+# with offsets (8-bit fusions of the others), and in groups of 16.
+QUANTIZED = ["q4", "q4_f32", "q5", "q6_g16", "q8", "q8_offset", "q8_g16"]
 KINDS = [*QUANTIZED, "bf16"]
 BOUND = {**{kind: 1e-5 for kind in QUANTIZED}, "bf16": 8e-3}
 
@@ -42,6 +43,13 @@ def make_weight(kind: str, n: int, k: int, seed: int = 0):
     """(packed, float64 dense reference) of an [n, k] weight."""
     g = torch.Generator().manual_seed(seed)
     scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    if kind in ("q5", "q6_g16"):
+        bits, group = (5, 32) if kind == "q5" else (6, 16)
+        codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+        scale = k_quant_scales(n, k // group, g)
+        offset = -(1 << (bits - 1)) * scale
+        packed = pack_q4(codes, scale, offset, group, bits)
+        return packed, codes.double() * expand(scale, group) + expand(offset, group)
     if kind.startswith("q4"):
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         offset = (-8 * scale + torch.randn(n, k // 32, generator=g) * 1e-3).half().float()
@@ -294,8 +302,10 @@ def test_bad_arguments_get_clear_errors():
         pack_q4(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1))
     with pytest.raises(ValueError, match="must be float32 values"):
         pack_q8(torch.zeros(16, 32, dtype=torch.int8), torch.full((16, 1), 0.1, dtype=torch.float64))
-    with pytest.raises(RuntimeError, match="16 for Q8"):
-        load().linear(torch.randn(2, 64).bfloat16(), Q4, packed.codes, packed.scale, packed.zero, 32, 64, False, 0, group=16)
+    with pytest.raises(RuntimeError, match="4, 5 or 6 bits"):
+        load().linear(torch.randn(2, 64).bfloat16(), Q8, packed.codes, packed.scale, packed.zero, 32, 64, False, 0, bits=5)
+    with pytest.raises(ValueError, match="must be 5-bit"):
+        pack_q4(torch.full((16, 32), 40, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), bits=5)
 
 
 def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):

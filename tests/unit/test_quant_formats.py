@@ -19,7 +19,7 @@ from tests.tiny_gguf import random_k_quant
 PATHS = ["generic", *(p for p in dispatch.available_paths() if p != "generic")]
 LEGACY = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"]  # the gguf package quantizes to these
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
-LAYOUT = {"Q4_0": Q4Weight, "Q4_1": Q4Weight, "Q4_K": Q4Weight}  # the rest: Q8Weight
+LAYOUT = {"Q8_0": Q8Weight}  # the rest: unsigned codes with offsets (Q4Weight)
 
 
 def raw_tensor(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -41,7 +41,7 @@ def test_parsed_codes_dequantize_to_the_gguf_packages_weights_exactly(type_name)
     raw = raw_tensor(type_name, 24, 512)
     parsed = parse_quantized(raw, type_name)
     assert is_quantized(type_name)
-    assert isinstance(parsed, LAYOUT.get(type_name, Q8Weight))
+    assert isinstance(parsed, LAYOUT.get(type_name, Q4Weight))
     assert torch.equal(parsed.dequantize(), reference(raw, type_name))
 
 
@@ -62,13 +62,21 @@ def test_kernels_compute_every_type_from_its_codes(type_name):
         assert torch.equal(out, outs["generic"]), f"{type_name}: {path} differs from generic"
 
 
-def test_fused_parts_of_different_types_share_one_layout():
-    """q (Q4_K), k (Q6_K, scales per 16) and v (Q5_0): one 8-bit weight, per 16, with offsets."""
-    types = ["Q4_K", "Q6_K", "Q5_0"]
+@pytest.mark.parametrize("types", [["Q4_K", "Q6_K", "Q5_0"], ["Q4_K", "Q6_K", "Q8_0"]])
+def test_fused_parts_of_different_types_share_one_layout(types):
+    """q (Q4_K), k (Q6_K, scales per 16) and v (Q5_0): 6-bit codes, per 16; with v in Q8_0 (signed
+    8-bit codes): an 8-bit weight, per 16, with offsets."""
     parts = [parse_quantized(raw_tensor(t, 16, 256, seed=i), t) for i, t in enumerate(types)]
     fused = concat_rows(parts)
-    assert isinstance(fused, Q8Weight) and fused.group == 16 and fused.offset is not None
+    if "Q8_0" in types:
+        assert isinstance(fused, Q8Weight) and fused.group == 16 and fused.offset is not None
+    else:
+        assert isinstance(fused, Q4Weight) and fused.group == 16 and fused.bits == 6
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    want = x.double() @ fused.dequantize().double().T
+    got = fused.packed().run(x, False, dispatch.PATHS[PATHS[-1]])
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
     same = concat_rows([parts[0], parts[0]])
     assert isinstance(same, Q4Weight) and torch.equal(same.dequantize(), parts[0].dequantize().repeat(2, 1))
 

@@ -50,15 +50,16 @@ const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<cons
 
 torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
                      int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi,
-                     c10::optional<torch::Tensor> init, int64_t group) {
+                     c10::optional<torch::Tensor> init, int64_t group, int64_t bits) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, "specserve linear: x must be bf16 on CPU");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "specserve linear: x must be [M, ", k, "] with contiguous rows");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
   const auto fmt = static_cast<WeightFormat>(format);
-  TORCH_CHECK(group == 32 || (group == 16 && fmt == WeightFormat::Q8), "specserve linear: groups are 32 columns, or 16 for Q8");
+  TORCH_CHECK(group == 32 || (group == 16 && fmt != WeightFormat::BF16), "specserve linear: groups are 32 or 16 columns");
+  TORCH_CHECK(bits == 4 || (fmt == WeightFormat::Q4 && (bits == 5 || bits == 6)), "specserve linear: codes of 4, 5 or 6 bits");
   TORCH_CHECK(fmt == WeightFormat::BF16 || k % group == 0, "specserve linear: quantized K must be a multiple of ", group);
   const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
-  TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k), "specserve linear: packed codes have the wrong size");
+  TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k, int(bits)), "specserve linear: packed codes have the wrong size");
   const int64_t m = x.size(0);
   const bool accumulate = init.has_value();
   TORCH_CHECK(!accumulate || (!out_bf16 && init->scalar_type() == torch::kFloat32 && init->dim() == 2 &&
@@ -87,7 +88,7 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
   // BF16 weights' exponent bounds come from packing (w_exp_lo < 0: not all finite and normal).
   const ExponentRange exps{int(w_exp_lo), int(w_exp_hi), w_exp_lo >= 0};
   PackedWeight w{fmt, codes.data_ptr<uint8_t>(), quantized ? scale.data_ptr() : nullptr,
-                 offsets ? zero.data_ptr() : nullptr, n, k, exps, scale_type == torch::kFloat32, group};
+                 offsets ? zero.data_ptr() : nullptr, n, k, exps, scale_type == torch::kFloat32, group, int(bits)};
   const uint16_t* xd = bf16_data(x);
   std::vector<uint8_t> exact;
   std::vector<float> xf;
@@ -232,7 +233,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight", py::arg("x"), py::arg("format"),
         py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"), py::arg("out_bf16"),
         py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1, py::arg("init") = py::none(),
-        py::arg("group") = 32);
+        py::arg("group") = 32, py::arg("bits") = 4);
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
   m.def("silu_mul", &specserve::silu_mul, "silu(gate) * up of [rows, 2f] gate_up");

@@ -31,10 +31,17 @@ inline uint32_t x_pair(const uint16_t* row, int64_t k, int64_t pair) {
 inline uint32_t weight_word(const PackedWeight& w, const uint8_t* block, int64_t pair, int lane) {
   switch (w.format) {
     case WeightFormat::Q4: {
-      int64_t g = pair / 16, within = pair % 16, oct = within / 4, p = within % 4;
+      const int64_t oct = pair / 4;
+      const int p = int(pair % 4);
       uint32_t v;
-      std::memcpy(&v, block + (g * 4 + oct) * 64 + lane * 4, 4);
-      return kQ4Magic | ((v >> (4 * p)) & kQ4Mask);
+      std::memcpy(&v, block + oct * 64 + lane * 4, 4);
+      uint32_t word = kQ4Magic | ((v >> (4 * p)) & kQ4Mask);
+      if (w.bits > 4) {
+        const uint8_t* plane = block + w.k / 8 * 64 + oct * high_plane_bytes(w.bits);
+        const uint32_t h = w.bits == 5 ? plane[lane] : uint32_t(plane[2 * lane]) | (uint32_t(plane[2 * lane + 1]) << 8);
+        word |= high_of_pair(spread_high(h, w.bits), w.bits, p);
+      }
+      return word;
     }
     case WeightFormat::Q8: {
       const int8_t* c = reinterpret_cast<const int8_t*>(block + pair * 32 + lane * 2);
@@ -59,7 +66,7 @@ inline float apply_group(const PackedWeight& w, int64_t at, float part, float s0
 
 void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t ldx, int64_t m,
                    const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  const uint8_t* block = w.codes + b * block_bytes(w.format, w.k);
+  const uint8_t* block = w.codes + b * block_bytes(w.format, w.k, w.bits);
   const int64_t G = groups(w), per = w.group / 2;  // pairs per group
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* row = x + r * ldx;
@@ -107,6 +114,18 @@ SPECSERVE_AVX512 inline __m512i q8_or_bf16_word(const uint8_t* block, int64_t pa
   }
 }
 
+// spread_high (linear.h) of the 16 lanes of one oct's high-bit plane.
+template <int Bits>
+SPECSERVE_AVX512 inline __m512i spread_high16(const uint8_t* plane) {
+  if constexpr (Bits == 5) {
+    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi32(h, 4), _mm512_slli_epi32(h, 16), _mm512_set1_epi32(0x00F000F0), 0xA8);
+  } else {  // (a | b) & c
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)));
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi32(h, 4), _mm512_slli_epi32(h, 12), _mm512_set1_epi32(0x0FF00FF0), 0xA8);
+  }
+}
+
 // 16 scales or offsets of one group of a column block, as float (exact).
 SPECSERVE_AVX512 inline __m512 scales16(const PackedWeight& w, const void* values, int64_t at) {
   if (w.scale_f32) return _mm512_loadu_ps(static_cast<const float*>(values) + at);
@@ -130,10 +149,10 @@ SPECSERVE_AVX512 inline void dot_rows(const uint16_t* const* rows, int64_t pair,
 }
 
 // R rows x NBT column blocks; every (row, column) sees the same operation sequence whatever R and NBT are.
-template <WeightFormat F, int R, int NBT>
+template <WeightFormat F, int Bits, int R, int NBT>
 SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx,
                                   const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  const int64_t bytes = block_bytes(F, w.k), G = groups(w);
+  const int64_t bytes = block_bytes(F, w.k, Bits == 0 ? 4 : Bits), G = groups(w);
   const uint8_t* blocks[NBT];
   for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
   const uint16_t* rows[R];
@@ -159,19 +178,29 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
     }
   } else {
     const __m512i magic = _mm512_set1_epi32(int32_t(kQ4Magic)), mask = _mm512_set1_epi32(int32_t(kQ4Mask));
-    const int64_t per = w.group / 2;  // pairs per group (Q4: always 16)
+    const int64_t per = w.group / 2;  // pairs per group
     for (int64_t g = 0; g < G; ++g) {
       __m512 part[R][NBT];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_setzero_ps();
       if constexpr (F == WeightFormat::Q4) {
-        for (int oct = 0; oct < 4; ++oct) {
-          __m512i packed[NBT];
-          for (int j = 0; j < NBT; ++j) packed[j] = _mm512_loadu_si512(blocks[j] + (g * 4 + oct) * 64);
+        const int64_t octs = w.group / 8, plane = w.k / 8 * 64;  // octs per group; where the high bits start
+        for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
+          __m512i packed[NBT], high[NBT];
+          for (int j = 0; j < NBT; ++j) {
+            packed[j] = _mm512_loadu_si512(blocks[j] + oct * 64);
+            if constexpr (Bits > 4) high[j] = spread_high16<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits));
+          }
           for (int p = 0; p < 4; ++p) {
             __m512i wv[NBT];
-            for (int j = 0; j < NBT; ++j) wv[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * p), mask, magic, 0xEA);
-            dot_rows<R, NBT>(rows, g * 16 + oct * 4 + p, wv, part);
+            for (int j = 0; j < NBT; ++j) {
+              wv[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * p), mask, magic, 0xEA);  // (a & b) | c
+              if constexpr (Bits == 5)
+                wv[j] = _mm512_ternarylogic_epi32(wv[j], _mm512_srli_epi32(high[j], p), _mm512_set1_epi32(0x00100010), 0xF8);
+              if constexpr (Bits == 6)  // a | (b & c)
+                wv[j] = _mm512_ternarylogic_epi32(wv[j], _mm512_srli_epi32(high[j], 2 * p), _mm512_set1_epi32(0x00300030), 0xF8);
+            }
+            dot_rows<R, NBT>(rows, oct * 4 + p, wv, part);
           }
         }
       } else {
@@ -212,15 +241,15 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
   }
 }
 
-template <WeightFormat F, int R>
+template <WeightFormat F, int Bits, int R>
 SPECSERVE_AVX512 void rows_avx512(const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x, int64_t ldx,
                                   const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int kWide = R <= 2 ? 4 : 2;  // keep 2 * R * NBT accumulators within the 32 registers
-  for (; b + kWide <= b_end; b += kWide) tile_avx512<F, R, kWide>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
-  for (; b < b_end; ++b) tile_avx512<F, R, 1>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b + kWide <= b_end; b += kWide) tile_avx512<F, Bits, R, kWide>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_avx512<F, Bits, R, 1>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
 
-template <WeightFormat F>
+template <WeightFormat F, int Bits>
 SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int64_t b_end, const uint16_t* x,
                                     int64_t ldx, int64_t m, const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t G = w.format == WeightFormat::BF16 ? 0 : groups(w);
@@ -231,12 +260,12 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
     int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
     for (; r + 4 <= m; r += 4)
-      rows_avx512<F, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
+      rows_avx512<F, Bits, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
     void* o = static_cast<char*>(out) + r * ldo * elem;
     switch (m - r) {
-      case 3: rows_avx512<F, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 2: rows_avx512<F, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 1: rows_avx512<F, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 3: rows_avx512<F, Bits, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 2: rows_avx512<F, Bits, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 1: rows_avx512<F, Bits, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
       default: break;
     }
   }
@@ -246,9 +275,9 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
 
 }  // namespace
 
-int64_t block_bytes(WeightFormat format, int64_t k) {
+int64_t block_bytes(WeightFormat format, int64_t k, int bits) {
   switch (format) {
-    case WeightFormat::Q4: return k / 2 * kBlockCols;  // 16 columns x k nibbles
+    case WeightFormat::Q4: return k / 2 * kBlockCols + k / 8 * high_plane_bytes(bits);  // nibbles, then high bits
     case WeightFormat::Q8: return k * kBlockCols;
     default: return (k + 1) / 2 * 4 * kBlockCols;
   }
@@ -274,9 +303,13 @@ void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t 
   }
   if (path == Path::Avx512Bf16) {
     switch (w.format) {
-      case WeightFormat::Q4: blocks_avx512<WeightFormat::Q4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
-      case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
-      default: blocks_avx512<WeightFormat::BF16>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+      case WeightFormat::Q4:
+        if (w.bits == 5) blocks_avx512<WeightFormat::Q4, 5>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+        else if (w.bits == 6) blocks_avx512<WeightFormat::Q4, 6>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+        else blocks_avx512<WeightFormat::Q4, 4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+        break;
+      case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8, 0>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+      default: blocks_avx512<WeightFormat::BF16, 0>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
     }
     return;
   }

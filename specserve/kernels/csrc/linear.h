@@ -3,10 +3,14 @@
 // pairs so one 32-bit lane holds the two weights VDPBF16PS multiplies with an (x[k], x[k+1]) pair.
 //
 // Formats (per block of 16 columns, K input columns):
-//   Q4: G = K/32 groups; codes as 4 "octs" of 8 columns per group, 64 bytes each (16 lanes x 8
-//       nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. = column 2p+1); per group and column the
-//       GGUF's float16 scale d and offset m, w = d * q + m (Q4_0: m = -8 d). The kernel multiplies
-//       x by 128 + q, which is exact in bf16 (bits 0x4300 | q), so codes become bf16 with one OR.
+//   Q4: codes q of 4, 5 or 6 bits (`bits`) as "octs" of 8 input columns, 64 bytes each (16 lanes
+//       x 8 nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. = column 2p+1), K/8 octs in order;
+//       for 5- and 6-bit codes a plane of their high bits follows the octs: per oct and lane one
+//       byte (5 bits: bit p = column 2p, bit 4+p = column 2p+1) or one uint16 (6 bits: bits
+//       2p..2p+1 = column 2p, bits 8+2p.. = column 2p+1). Per group (32 columns, or 16) and column
+//       a scale d and offset m, w = d * q + m (Q4_0: m = -8 d; Q5_0: m = -16 d; Q6_K: m = -32 d).
+//       The kernel multiplies x by 128 + q, which is exact in bf16 (bits 0x4300 | q, q < 128), so
+//       codes become bf16 with an OR or two.
 //   Q8: codes as K/2 pairs x 16 lanes x 2 int8 (32 bytes), per group and column the scale d and,
 //       if the weight has offsets, the offset m: w = d * q (+ m). Groups are 32 or 16 columns (the
 //       K-quants Q6_K, Q3_K and Q2_K scale every 16). GGUF Q8_0 and Q5_0 (codes q - 16) have no
@@ -44,8 +48,23 @@ struct PackedWeight {
   int64_t k;             // input columns
   ExponentRange exponents;  // of the values (BF16 only; quantized codes have fixed bounds)
   bool scale_f32 = false;   // scale and zero hold float32 (else float16)
-  int64_t group = 32;       // input columns per scale: 32, or 16 (Q8 only)
+  int64_t group = 32;       // input columns per scale: 32 or 16
+  int bits = 4;             // Q4: bits per code (4, 5 or 6)
 };
+
+// Bytes of the high-bit plane per oct of a Q4 weight with `bits`-bit codes (16 lanes).
+constexpr int64_t high_plane_bytes(int bits) { return bits == 4 ? 0 : (bits == 5 ? 16 : 32); }
+
+// A plane entry h (one lane of one oct) spread so that the high bits of pair p's two columns sit
+// at bit 4 (+1) and bit 20 (+1) after a right shift by p (5 bits) or 2p (6 bits).
+inline uint32_t spread_high(uint32_t h, int bits) {
+  return bits == 5 ? ((h << 4) | (h << 16)) & 0x00F000F0u : ((h << 4) | (h << 12)) & 0x0FF00FF0u;
+}
+
+// Pair p's high bits of a spread plane entry, in place above the nibbles.
+inline uint32_t high_of_pair(uint32_t spread, int bits, int p) {
+  return bits == 5 ? (spread >> p) & 0x00100010u : (spread >> (2 * p)) & 0x00300030u;
+}
 
 // Scale or offset i of a weight, as float (exact).
 inline float scale_value(const PackedWeight& w, const void* values, int64_t i) {
@@ -56,7 +75,7 @@ constexpr int kBlockCols = 16;
 constexpr int kGroup = 32;
 
 // Bytes of one 16-column block.
-int64_t block_bytes(WeightFormat format, int64_t k);
+int64_t block_bytes(WeightFormat format, int64_t k, int bits = 4);
 
 // Rows [0, m) of x (bf16, row stride ldx) times columns of blocks [block_begin, block_end).
 // out is float32 or bf16 (row stride ldo); with accumulate (float32 out only) every sum starts from

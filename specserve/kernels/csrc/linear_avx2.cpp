@@ -86,6 +86,16 @@ SPECSERVE_AVX2 inline void dot_rows(const float* x, int64_t ldx, int64_t pair, c
   }
 }
 
+// spread_high (linear.h) of 8 lanes (half h of the block) of one oct's high-bit plane.
+SPECSERVE_AVX2 inline __m256i spread_high8(const uint8_t* plane, int half, int bits) {
+  if (bits == 5) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(plane + half * 8)));
+    return _mm256_and_si256(_mm256_or_si256(_mm256_slli_epi32(v, 4), _mm256_slli_epi32(v, 16)), _mm256_set1_epi32(0x00F000F0));
+  }
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane + half * 16)));
+  return _mm256_and_si256(_mm256_or_si256(_mm256_slli_epi32(v, 4), _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0FF00FF0));
+}
+
 // 8 scales or offsets of one group of a block half, as float (exact).
 SPECSERVE_AVX2 inline __m256 scales8(const PackedWeight& w, const void* values, int64_t at) {
   if (w.scale_f32) return _mm256_loadu_ps(static_cast<const float*>(values) + at);
@@ -95,7 +105,7 @@ SPECSERVE_AVX2 inline __m256 scales8(const PackedWeight& w, const void* values, 
 template <WeightFormat F, int R, int NBT, bool Flush>
 SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x, int64_t ldx, const float* gs,
                               void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  const int64_t bytes = block_bytes(F, w.k), G = w.k / w.group;
+  const int64_t bytes = block_bytes(F, w.k, w.bits), G = w.k / w.group;
   const uint8_t* blocks[NBT];
   for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
   __m256 acc[R][NBT][2];
@@ -125,7 +135,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
       }
     }
   } else {
-    const int64_t per = w.group / 2;  // pairs per group (Q4: always 16)
+    const int64_t per = w.group / 2;  // pairs per group
     for (int64_t g = 0; g < G; ++g) {
       __m256 part[R][NBT][2];
       for (int r = 0; r < R; ++r)
@@ -133,20 +143,27 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
       {  // the dot products only: the scale FMAs below are plain IEEE ones
         FlushDenormalsScope flush(Flush);
         if constexpr (F == WeightFormat::Q4) {
-          for (int oct = 0; oct < 4; ++oct) {
-            __m256i packed[NBT][2];
+          const int64_t octs = w.group / 8, plane = w.k / 8 * 64;  // octs per group; where the high bits start
+          for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
+            __m256i packed[NBT][2], high[NBT][2];
             for (int j = 0; j < NBT; ++j)
-              for (int h = 0; h < 2; ++h)
-                packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + (g * 4 + oct) * 64 + h * 32));
+              for (int h = 0; h < 2; ++h) {
+                packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + oct * 64 + h * 32));
+                if (w.bits > 4) high[j][h] = spread_high8(blocks[j] + plane + oct * high_plane_bytes(w.bits), h, w.bits);
+              }
             for (int p = 0; p < 4; ++p) {
               __m256 wh[NBT][2], wl[NBT][2];
               for (int j = 0; j < NBT; ++j)
                 for (int h = 0; h < 2; ++h) {
-                  const __m256i word = _mm256_or_si256(
+                  __m256i word = _mm256_or_si256(
                       _mm256_and_si256(_mm256_srli_epi32(packed[j][h], 4 * p), _mm256_set1_epi32(kQ4Mask)), _mm256_set1_epi32(kQ4Magic));
+                  if (w.bits == 5)
+                    word = _mm256_or_si256(word, _mm256_and_si256(_mm256_srli_epi32(high[j][h], p), _mm256_set1_epi32(0x00100010)));
+                  else if (w.bits == 6)
+                    word = _mm256_or_si256(word, _mm256_and_si256(_mm256_srli_epi32(high[j][h], 2 * p), _mm256_set1_epi32(0x00300030)));
                   split_pair<F>(word, wh[j][h], wl[j][h]);
                 }
-              dot_rows<R, NBT, Flush>(x, ldx, g * 16 + oct * 4 + p, wh, wl, part);
+              dot_rows<R, NBT, Flush>(x, ldx, oct * 4 + p, wh, wl, part);
             }
           }
         } else {
