@@ -190,6 +190,13 @@ COMMANDS: tuple[Command, ...] = (
         engine_flags=True,
     ),
     Command(
+        "bench models",
+        "every model the engine serves against llama.cpp on the same file: decode, prefill, "
+        "batch, resident memory and load time, interleaved runs",
+        "specserve.bench.models:add_models_bench_args",
+        "specserve.bench.models:run_models_bench",
+    ),
+    Command(
         "bench kernel-paths",
         "decode and prefill tokens/s through each CPU kernel path this machine runs "
         "(AVX512-BF16, AVX2, generic), same tokens required",

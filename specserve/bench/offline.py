@@ -109,11 +109,14 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     from specserve.engine import Engine
     from specserve.kernels.dispatch import path_name
 
+    start = time.perf_counter()
     engine = Engine(**vars(args))
+    load_s = time.perf_counter() - start
     one = _chat_ids(engine.tokenizer, 1)
     batch = _chat_ids(engine.tokenizer, ns.batch_size)
     params = {"temperature": 0, "max_new_tokens": ns.new_tokens, "ignore_eos": True}
     engine.generate(input_ids=one[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    memory = memory_mib(engine)  # loaded and warm, before the peers load anything
     engine.tree.reset()
     t = time.perf_counter()
     out = engine.generate(input_ids=one[0], sampling_params=params)
@@ -126,7 +129,20 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     shapes = step_shapes(engine, ns)
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
     engine.shutdown()
-    return {"batch1_tok_s": b1, f"batch{ns.batch_size}_tok_s": bn, **shapes, "cpu_kernel_path": kernel_path}
+    return {"batch1_tok_s": b1, f"batch{ns.batch_size}_tok_s": bn, **shapes, "cpu_kernel_path": kernel_path,
+            "load_s": load_s, **memory}
+
+
+def memory_mib(engine) -> dict[str, float]:
+    """This process's resident memory, the model file's size and the KV pool's, in MiB."""
+    with open("/proc/self/status") as f:
+        rss_kib = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+    from specserve.models.loader import resolve_model_path
+
+    kv = sum(t.numel() * t.element_size() for t in (*engine.kv.k, *engine.kv.v))
+    path = resolve_model_path(engine.args.model_path)
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    return {"rss_mib": rss_kib / 1024, "file_mib": size / 2**20, "kv_mib": kv / 2**20}
 
 
 def bench_llama_cpp_peer(args: ServerArgs, ns: argparse.Namespace, path: str) -> dict[str, Any]:

@@ -131,3 +131,37 @@ def render_tp_cost(results: str) -> str:
             f"and every layer's two row-parallel linears run as a chain across the ranks (a gloo broadcast per "
             f"rank), so no TP gain is possible here; TP is for machines with a device per rank. "
             f"{provenance(data, 'tp_cost.json')}\n")
+
+
+def _median_range(figure: dict[str, float], fmt: str, unit: str = "") -> str:
+    """'median (min-max)' of one summarized figure."""
+    return f"{figure['median']:{fmt}}{unit} ({figure['min']:{fmt}}-{figure['max']:{fmt}})"
+
+
+def _ratio(figure: dict[str, float]) -> str:
+    """A ratio's median and range; called within noise when the range spans 1."""
+    text = _median_range(figure, ".2f", "x")
+    return text + (", within noise" if figure["min"] <= 1.0 <= figure["max"] else "")
+
+
+def render_models(results: str) -> str:
+    data = load(results, "models.json")
+    rows = []
+    native = all("decode_vs_native" in m["summary"] for m in data["models"].values())
+    for name, model in data["models"].items():
+        s = model["summary"]
+        row = [f"{name} (`{model['path']}`)", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"])]
+        row += [_ratio(s["decode_vs_native"]), _ratio(s["prefill_vs_native"])] if native else []
+        row += [_ratio(s["prefill_vs_llama_cpp_python"]), _median_range(s["verify_over_decode"], ".2f", "x"),
+                _median_range(s["batch_over_batch1"], ".1f", "x"),
+                f"{s['rss_mib']['median']:.0f} MiB = file {s['file_mib']['median']:.0f} + KV {s['kv_mib']['median']:.0f}"
+                f" + {s['rss_over_file_and_kv_mib']['median']:.0f}", _median_range(s["load_s"], ".1f", " s")]
+        rows.append(row)
+    header = ["model", "decode, batch 1 (tok/s)", "vs llama-cpp-python"]
+    header += ["vs native llama.cpp (tg128)", "prefill vs native (pp512)"] if native else []
+    header += ["prefill (512) vs llama-cpp-python", "6-row verify / decode step", f"batch {data['batch_size']} / batch 1",
+               "resident memory", "load"]
+    return table(header, rows) + (
+        f"\n\nbf16, NONE, {data['new_tokens']} new tokens, {data['threads']} threads; median (lowest-highest) of "
+        f"{data['runs']} interleaved runs, each ratio formed within its run; llama-cpp-python "
+        f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n")

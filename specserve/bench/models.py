@@ -1,0 +1,120 @@
+"""`specserve bench models`: every model the engine serves, against llama.cpp on the same file and
+threads, in one run. Each run measures every model in turn (interleaved), each in a fresh process:
+`specserve bench offline --peer llama.cpp` (batch-1 decode, the 1-row decode and 6-row verify
+steps, 512-token prefill, batch N, resident memory and load time, then llama-cpp-python on the
+same token ids) and, with `--llama-bench`, native llama.cpp's `llama-bench` (tg128 and pp512; build
+it with scripts/llama_bench.sh). The summary gives each figure's median and range over the runs;
+a ratio is formed within each run (same machine state) before its median is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from specserve.errors import ConfigError
+
+DEFAULT_MODELS = ("default", "qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
+RUN_TIMEOUT_S = 1800
+
+
+def add_models_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated model files or packaged names ('default': the embedded model)")
+    p.add_argument("--runs", type=int, default=3, help="interleaved runs over all models")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32, help="the batch compared with batch 1")
+    p.add_argument("--llama-bench", default=None, help="a native llama-bench binary (scripts/llama_bench.sh builds one)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _offline(model: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    out = os.path.join(folder, "offline.json")
+    cmd = [sys.executable, "-m", "specserve.cli", "bench", "offline", "--skip-hf", "--peer", "llama.cpp",
+           "--new-tokens", str(ns.new_tokens), "--batch-size", str(ns.batch_size), "--num-threads", str(ns.threads),
+           "--out", out]
+    if model != "default":
+        cmd += ["--model-path", model]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench offline on {model} failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _native(binary: str, path: str, threads: int) -> dict[str, float]:
+    """llama-bench's tg128 and pp512 tokens/s (mean of its 3 repetitions)."""
+    proc = subprocess.run([binary, "-m", path, "-t", str(threads), "-n", "128", "-p", "512", "-r", "3", "-o", "json"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench on {path} failed:\n{proc.stderr[-2000:]}")
+    result = {}
+    for test in json.loads(proc.stdout):
+        name = "tg128_tok_s" if test["n_gen"] else "pp512_tok_s"
+        result[name] = float(test["avg_ts"])
+    return result
+
+
+def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
+    """One run's figures of one model, ratios formed within the run."""
+    ours, peer = run["specserve"], run["llama.cpp"]
+    figures = {
+        "decode_tok_s": ours["batch1_tok_s"], "llama_cpp_python_tok_s": peer["batch1_tok_s"],
+        "decode_vs_llama_cpp_python": ours["batch1_tok_s"] / peer["batch1_tok_s"],
+        "decode_step_ms": ours["decode_1_row_ms"], "llama_cpp_decode_step_ms": peer["decode_1_row_ms"],
+        "decode_step_speedup": peer["decode_1_row_ms"] / ours["decode_1_row_ms"],
+        "verify_over_decode": ours["verify_over_decode"],
+        "prefill_tok_s": ours["prefill_tok_s"], "prefill_vs_llama_cpp_python": ours["prefill_tok_s"] / peer["prefill_tok_s"],
+        "batch_over_batch1": ours[f"batch{batch_size}_tok_s"] / ours["batch1_tok_s"],
+        "rss_mib": ours["rss_mib"], "file_mib": ours["file_mib"], "kv_mib": ours["kv_mib"],
+        "rss_over_file_and_kv_mib": ours["rss_mib"] - ours["file_mib"] - ours["kv_mib"], "load_s": ours["load_s"],
+    }
+    native = run.get("native")
+    if native:
+        figures |= {"native_tg128_tok_s": native["tg128_tok_s"], "native_pp512_tok_s": native["pp512_tok_s"],
+                    "decode_vs_native": ours["batch1_tok_s"] / native["tg128_tok_s"],
+                    "prefill_vs_native": ours["prefill_tok_s"] / native["pp512_tok_s"]}
+    return figures
+
+
+def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Median, lowest and highest of each figure over the runs."""
+    return {key: {"median": statistics.median(r[key] for r in runs), "min": min(r[key] for r in runs),
+                  "max": max(r[key] for r in runs)} for key in runs[0]}
+
+
+def run_models_bench(ns: argparse.Namespace) -> int:
+    from specserve.bench.provenance import provenance
+    from specserve.models.loader import resolve_model_path
+
+    models = [m.strip() for m in ns.models.split(",") if m.strip()]
+    paths = {m: resolve_model_path(None if m == "default" else m) for m in models}
+    if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
+        raise ConfigError(f"--llama-bench: {ns.llama_bench!r} is not an executable (scripts/llama_bench.sh builds one)")
+    raw: dict[str, list[dict[str, Any]]] = {m: [] for m in models}
+    for run in range(ns.runs):
+        for model in models:
+            with tempfile.TemporaryDirectory() as folder:
+                result = _offline(model, ns, folder)
+            if ns.llama_bench:
+                result["native"] = _native(ns.llama_bench, paths[model], ns.threads)
+            raw[model].append(result)
+            print(f"run {run + 1}/{ns.runs} {model}: " + json.dumps(_figures(result, ns.batch_size)), flush=True)
+    report: dict[str, Any] = {"runs": ns.runs, "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
+                              "threads": ns.threads, **provenance(None)}
+    report["llama_cpp_python"] = raw[models[0]][0]["llama.cpp"].get("version", "?")
+    report["models"] = {m: {"path": os.path.basename(paths[m]), "summary": summarize([_figures(r, ns.batch_size) for r in raw[m]]),
+                            "runs": raw[m]} for m in models}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text + "\n")
+    return 0

@@ -1,0 +1,38 @@
+"""`specserve bench models`: each run's ratios are formed within the run, the summary is the
+median and range over runs, and the rendered table calls a ratio whose range spans 1 within noise."""
+
+from __future__ import annotations
+
+import json
+
+from specserve.bench.models import _figures, summarize
+from specserve.bench.render.engine import render_models
+
+
+def offline_run(ours_tok_s: float, peer_tok_s: float) -> dict:
+    ours = {"batch1_tok_s": ours_tok_s, "batch32_tok_s": 8 * ours_tok_s, "decode_1_row_ms": 1000 / ours_tok_s,
+            "verify_over_decode": 2.0, "prefill_tok_s": 300.0, "rss_mib": 700.0, "file_mib": 240.0, "kv_mib": 60.0,
+            "load_s": 9.0}
+    peer = {"batch1_tok_s": peer_tok_s, "decode_1_row_ms": 1000 / peer_tok_s, "prefill_tok_s": 200.0}
+    return {"specserve": ours, "llama.cpp": peer, "native": {"tg128_tok_s": 50.0, "pp512_tok_s": 500.0}}
+
+
+def test_ratios_are_paired_within_runs_and_summarized_by_median_and_range():
+    runs = [_figures(offline_run(o, p), 32) for o, p in ((40, 50), (60, 50), (45, 30))]
+    summary = summarize(runs)
+    assert summary["decode_vs_llama_cpp_python"] == {"median": 1.2, "min": 0.8, "max": 1.5}
+    assert summary["rss_over_file_and_kv_mib"]["median"] == 400.0
+    assert summary["batch_over_batch1"]["median"] == 8.0
+    assert summary["decode_vs_native"]["median"] == 0.9
+
+
+def test_rendered_table_marks_a_ratio_whose_runs_span_one(tmp_path):
+    runs = [offline_run(o, p) for o, p in ((40, 50), (60, 50), (45, 30))]
+    data = {"runs": 3, "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36",
+            "commit": "abc", "date": "2026-12-03", "machine": "a test machine",
+            "models": {"default": {"path": "m.gguf", "summary": summarize([_figures(r, 32) for r in runs])}}}
+    (tmp_path / "models.json").write_text(json.dumps(data))
+    text = render_models(str(tmp_path))
+    assert "1.20x (0.80-1.50), within noise" in text
+    assert "700 MiB = file 240 + KV 60 + 400" in text
+    assert "vs native llama.cpp (tg128)" in text and "From `bench_results/models.json` (a test machine" in text
