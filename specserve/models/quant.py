@@ -124,17 +124,21 @@ QuantWeight = Q4Weight | Q8Weight
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Fused parts (e.g. q, k, v) stacked by rows in one layout: all 4-bit stay 4-bit; otherwise
     all become 8-bit, in the finest group, with offsets if any part has them."""
-    if all(isinstance(p, Q4Weight) for p in parts):
-        group, bits = min(p.group for p in parts), max(p.bits for p in parts)
-        q4 = [p.regrouped(group, bits) for p in parts if isinstance(p, Q4Weight)]
-        return Q4Weight(*(torch.cat([getattr(p, f) for p in q4]) for f in ("codes", "scale", "offset")), group, bits)
+    q4 = [p for p in parts if isinstance(p, Q4Weight)]
+    if len(q4) == len(parts):
+        group, bits = min(p.group for p in q4), max(p.bits for p in q4)
+        q4 = [p.regrouped(group, bits) for p in q4]
+        codes, scale, offset = (torch.cat([getattr(p, f) for p in q4]) for f in ("codes", "scale", "offset"))
+        return Q4Weight(codes, scale, offset, group, bits)
     q8 = [p.as_q8() if isinstance(p, Q4Weight) else p for p in parts]
     group = min(p.group for p in q8)
     q8 = [p.regrouped(group) for p in q8]
     if any(p.offset is not None for p in q8):
         q8 = [p.with_offset() for p in q8]
-    offset = None if q8[0].offset is None else torch.cat([p.offset for p in q8 if p.offset is not None])
-    return Q8Weight(torch.cat([p.codes for p in q8]), torch.cat([p.scale for p in q8]), offset, group)
+    offsets = [p.offset for p in q8 if p.offset is not None]
+    return Q8Weight(
+        torch.cat([p.codes for p in q8]), torch.cat([p.scale for p in q8]), torch.cat(offsets) if offsets else None, group
+    )
 
 
 def is_quantized(type_name: str) -> bool:
