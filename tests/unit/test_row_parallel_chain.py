@@ -25,6 +25,9 @@ def weight(kind: str, seed: int = 0):
         return Q4Weight(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), scale, offset)
     if kind == "q8":
         return Q8Weight(torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g), scale)
+    if kind == "q6_k":  # 6-bit codes, float32 scales per 16 columns (GGUF Q6_K)
+        scale16 = scale.repeat_interleave(2, dim=1) * torch.randint(1, 64, (N, K // 16), generator=g).float()
+        return Q4Weight(torch.randint(0, 64, (N, K), dtype=torch.uint8, generator=g), scale16, -32 * scale16, 16, 6)
     return torch.randn(N, K, generator=g).bfloat16()
 
 
@@ -59,7 +62,7 @@ def chained(w, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("kind", ["q4", "q6_k", "q8", "bf16"])
 @pytest.mark.parametrize("cuts", [[0, 128, K], [0, 64, 128, K], [0, 32, 64, 160, K]], ids=["tp2", "tp3", "tp4-uneven"])
 def test_a_chain_of_shards_is_the_unsplit_layer_bit_for_bit(monkeypatch, kind, path, cuts):
     monkeypatch.setenv("SPECSERVE_CPU_KERNEL_PATH", path)
