@@ -30,9 +30,9 @@ def test_rendered_table_marks_a_ratio_whose_runs_span_one(tmp_path):
     runs = [offline_run(o, p) for o, p in ((40, 50), (60, 50), (45, 30))]
     data = {"runs": 3, "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36",
             "commit": "abc", "date": "2026-12-03", "machine": "a test machine",
-            "models": {"default": {"path": "m.gguf", "summary": summarize([_figures(r, 32) for r in runs])}}}
+            "models": {"default": {"path": "m.gguf", "summary": summarize([_figures(r, 32) for r in runs]), "runs": runs}}}
     (tmp_path / "models.json").write_text(json.dumps(data))
     text = render_models(str(tmp_path))
     assert "1.20x (0.80-1.50), within noise" in text
     assert "700 MiB = file 240 + KV 60 + 400" in text
-    assert "vs native llama.cpp (tg128)" in text and "From `bench_results/models.json` (a test machine" in text
+    assert "speculation: none" in text and "vs native llama.cpp (tg128)" in text and "From `bench_results/models.json` (a test machine" in text

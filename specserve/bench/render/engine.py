@@ -150,18 +150,22 @@ def render_models(results: str) -> str:
     native = all("decode_vs_native" in m["summary"] for m in data["models"].values())
     for name, model in data["models"].items():
         s = model["summary"]
-        row = [f"{name} (`{model['path']}`)", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"])]
+        speculation = "adaptive, shipped drafter" if model["runs"][0].get("drafter") else "none"
+        row = [f"{name} (`{model['path']}`; speculation: {speculation})", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"]),
+               _ratio(s["decode_step_speedup"])]
         row += [_ratio(s["decode_vs_native"]), _ratio(s["prefill_vs_native"])] if native else []
         row += [_ratio(s["prefill_vs_llama_cpp_python"]), _median_range(s["verify_over_decode"], ".2f", "x"),
                 _median_range(s["batch_over_batch1"], ".1f", "x"),
                 f"{s['rss_mib']['median']:.0f} MiB = file {s['file_mib']['median']:.0f} + KV {s['kv_mib']['median']:.0f}"
                 f" + {s['rss_over_file_and_kv_mib']['median']:.0f}", _median_range(s["load_s"], ".1f", " s")]
         rows.append(row)
-    header = ["model", "decode, batch 1 (tok/s)", "vs llama-cpp-python"]
+    header = ["model", "decode, batch 1 (tok/s)", "vs llama-cpp-python", "decode step, speed vs llama-cpp-python"]
     header += ["vs native llama.cpp (tg128)", "prefill vs native (pp512)"] if native else []
     header += ["prefill (512) vs llama-cpp-python", "6-row verify / decode step", f"batch {data['batch_size']} / batch 1",
                "resident memory", "load"]
     return table(header, rows) + (
-        f"\n\nbf16, NONE, {data['new_tokens']} new tokens, {data['threads']} threads; median (lowest-highest) of "
+        f"\n\nbf16, each model with its default speculation, {data['new_tokens']} new tokens after a chat prompt (plain text for a base model) whose "
+        "prefill counts in the batch-1 time (llama-bench's tg128 has no prompt); the decode step is one row "
+        f"after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "
         f"{data['runs']} interleaved runs, each ratio formed within its run; llama-cpp-python "
         f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n")
