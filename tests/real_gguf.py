@@ -54,3 +54,25 @@ def transformers_greedy(path: str, prompts: list[list[int]], new_tokens: int) ->
             ].tolist()
             for ids in prompts
         ]
+
+
+def perplexity_text() -> str:
+    """Held-out prose and code (ShareGPT turns the tokenizer tests do not use, and a HumanEval prompt)."""
+    return "\n\n".join(sharegpt_first_turns(160, seed=7)[150:156]) + "\n\n" + humaneval_prompts()[120]["prompt"]
+
+
+def bf16_perplexity_ratio(path: str, fp32_model, max_tokens: int = 384) -> float:
+    """Perplexity of the model in bf16 (CPU kernels, the GGUF's codes) over that of `fp32_model`
+    (dequantized weights) on the same held-out tokens, each computed in one prefill."""
+    from helpers import prefill_logits
+
+    from specserve.engine import Engine
+
+    def perplexity(model, ids: list[int]) -> float:
+        logits = prefill_logits(model, ids)[:-1].float()
+        return torch.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))).item()
+
+    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=1024) as engine:
+        ids = engine.tokenizer.encode(perplexity_text())[:max_tokens]
+        bf16 = perplexity(engine.runner.model, ids)
+    return bf16 / perplexity(fp32_model, ids)

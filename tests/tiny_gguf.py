@@ -43,6 +43,7 @@ class TinySpec:
     qk_norm: bool = False
     sandwich: bool = False  # gemma3: norms after attention and after the MLP too
     window: int = 0  # gemma3: the sliding window of its local layers
+    rope_freqs: tuple[float, ...] = ()  # llama: RoPE frequency factors (Llama 3.1's scaling), as `rope_freqs.weight`
 
     @property
     def vocab(self) -> int:
@@ -131,6 +132,8 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
         weight(f"blk.{i}.ffn_up.weight", "ffn_up", spec.intermediate, spec.hidden)
         weight(f"blk.{i}.ffn_down.weight", "ffn_down", spec.hidden, spec.intermediate)
     norm("output_norm.weight", spec.hidden)
+    if spec.rope_freqs:
+        writer.add_tensor("rope_freqs.weight", np.array(spec.rope_freqs, dtype=np.float32))
     if not spec.tied:
         weight("output.weight", "output", spec.vocab, spec.hidden, std=0.5)
     writer.write_header_to_file()

@@ -66,7 +66,8 @@ class GrammarCompiler:
             template = self._templates.get(spec)
             if template is None:
                 if self._tokenizer is None:
-                    self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), eos_token=self.eos_token_ids)
+                    text = plain_added_tokens_as_vocabulary(self._tokenizer_json())
+                    self._tokenizer = llguidance.LLTokenizer(text, eos_token=self.eos_token_ids)
                 template = llguidance.LLMatcher(self._tokenizer, grammar_text(llguidance, spec), log_level=0)
                 if template.is_error():
                     raise InvalidRequestError(
@@ -78,6 +79,31 @@ class GrammarCompiler:
                     self._templates.popitem(last=False)
             self._templates.move_to_end(spec)
             return template
+
+
+def plain_added_tokens_as_vocabulary(tokenizer_json: str) -> str:
+    """The tokenizer for llguidance with every added token that is not special (Qwen's
+    `<tool_call>`, `</tool_call>`) moved into the BPE vocabulary. llguidance takes added tokens
+    for special ones: its mask then offers `<tool_call>` as the token but consuming that token
+    fails the grammar's "<tool_call>" text; as a vocabulary entry only it is that text."""
+    data = json.loads(tokenizer_json)
+    vocab = data.get("model", {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return tokenizer_json
+    kept = []
+    for token in data.get("added_tokens", []):
+        text = token["content"]
+        if (
+            not token.get("special")
+            and text.isprintable()
+            and " " not in text
+            and vocab.get(text, token["id"]) == token["id"]
+        ):
+            vocab[text] = token["id"]
+        else:
+            kept.append(token)
+    data["added_tokens"] = kept
+    return json.dumps(data)
 
 
 def grammar_text(llg: Any, spec: GrammarSpec) -> str:

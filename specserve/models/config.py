@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from specserve.errors import ConfigError
+from specserve.models import rope_scaling
 
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -36,6 +37,7 @@ class ModelConfig:
     embed_scale: float = 1.0
     layer_windows: tuple[int, ...] = ()  # per layer: the sliding window (0: global); (): every layer global
     rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers
+    rope_freq_factors: Optional[tuple[float, ...]] = None  # RoPE scaling (models/rope_scaling.py)
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions (0: it sees the whole context)."""
@@ -50,10 +52,9 @@ class ModelConfig:
             )
         # transformers >= 5 writes RoPE settings under rope_parameters; older configs use top-level keys.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ConfigError(f"model_path: RoPE scaling {rope} is not supported")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         is_qwen2, is_qwen3 = "Qwen2ForCausalLM" in archs, "Qwen3ForCausalLM" in archs
         return cls(
             hidden_size=cfg["hidden_size"],
@@ -61,7 +62,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             vocab_size=cfg["vocab_size"],
             rope_theta=float(rope_theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -70,4 +71,5 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
             qk_norm=is_qwen3,
             architecture="qwen2" if is_qwen2 else "qwen3" if is_qwen3 else "llama",
+            rope_freq_factors=rope_scaling.from_hf(rope, float(rope_theta), head_dim),
         )

@@ -96,14 +96,17 @@ class Linear(nn.Linear):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position; frequency i
+    divided by freq_factors[i] when the model scales its RoPE."""
 
     cos: torch.Tensor  # buffers [max_positions, head_dim / 2]
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, freq_factors: Optional[tuple[float, ...]] = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if freq_factors is not None:  # RoPE scaling (models/rope_scaling.py)
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)

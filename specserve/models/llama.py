@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         positions = max_positions or cfg.max_position_embeddings
-        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors)
         windowed = any(cfg.window(i) for i in range(cfg.num_layers))
         self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta) if windowed else self.rope
         self.ops: OpBackend = TorchOps(dtype)

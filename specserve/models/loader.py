@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specserve.errors import ConfigError
+from specserve.models import rope_scaling
 from specserve.models.config import ModelConfig
 from specserve.models.gguf_file import GGUFFile
 from specserve.models.packaged import PACKAGED_MODELS, packaged_model_path
@@ -129,9 +130,12 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         return gguf_field(reader, f"{arch}.{name}", default)
 
     names = {t.name for t in reader.tensors}
-    _check_rope(get("rope.scaling.type"), "rope_freqs.weight" in names)
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+    freqs = next(
+        (t.data.astype(np.float32).reshape(-1).tolist() for t in reader.tensors if t.name == "rope_freqs.weight"), None
+    )
     vocab = get("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
     config = ModelConfig(
         hidden_size=hidden,
@@ -139,7 +143,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
+        head_dim=head_dim,
         vocab_size=int(vocab),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -148,6 +152,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         architecture=arch,
+        rope_freq_factors=rope_scaling.from_gguf(get, freqs, head_dim),
     )
     return _gemma3_config(config, get) if arch == "gemma3" else config
 
@@ -170,13 +175,6 @@ def _gemma3_config(config: ModelConfig, get: Callable[..., Any]) -> ModelConfig:
         layer_windows=windows,
         rope_local_theta=10000.0,
     )
-
-
-def _check_rope(scaling: Optional[str], has_freq_factors: bool) -> None:
-    if scaling not in (None, "none"):
-        raise ConfigError(f"model_path: GGUF RoPE scaling {scaling!r} is not supported")
-    if has_freq_factors:
-        raise ConfigError("model_path: GGUF RoPE frequency factors (rope_freqs, Llama 3.1+) are not supported")
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -9,7 +9,7 @@ transformers reads the file independently (its own GGUF parser, dequantization a
 from __future__ import annotations
 
 import pytest
-from real_gguf import held_out_texts, transformers_greedy, transformers_tokenizer
+from real_gguf import bf16_perplexity_ratio, held_out_texts, transformers_greedy, transformers_tokenizer
 
 from specserve.datasets import sharegpt_first_turns
 from specserve.engine import Engine
@@ -84,3 +84,10 @@ def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, tmp_path):
                 assert ids == engine.tokenizer.encode("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
                 assert ids[0] == engine.tokenizer.bos_token_id
     assert outputs["NGRAM"] == outputs["NONE"]
+
+
+def test_bf16_perplexity_within_one_percent_of_fp32(path, fp32_engine):
+    """bf16 on the kernels (activations rounded to bf16, the GGUF's codes) against fp32 on the
+    dequantized weights, on held-out text."""
+    ratio = bf16_perplexity_ratio(path, fp32_engine.runner.model)
+    assert abs(ratio - 1.0) <= 0.01, f"bf16 perplexity is {ratio:.4f}x fp32's"

@@ -18,16 +18,22 @@ from specserve.errors import ConfigError
 from specserve.kernels.linear import Q4, Q8
 from specserve.models.layers import _ParallelLinear
 from specserve.models.loader import load_model_config
+from specserve.models.rope_scaling import llama3_factors
 
 # A Q4_K_M-like mix: the types llama.cpp's Q4_K_M and Q5_K_M files hold.
 K_MIX = {"attn_q": Q.Q5_0, "attn_k": Q.Q8_0, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
          "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0, "output": Q.Q6_K}
 LEGACY = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q4_0,
           "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1, "token_embd": Q.Q8_0}
+# Llama 3.1's RoPE scaling with an original context short enough for the prompts to reach it.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
 MODELS = {
     "qwen2-kquants": (TinySpec("qwen2", bias=True, rope_base=1e6), K_MIX, "qwen2"),
     "qwen2-f32-untied": (TinySpec("qwen2", bias=True, tied=False), {}, "qwen2"),
     "llama-legacy-quants": (TinySpec("llama", tied=False), LEGACY, "llama-bpe"),
+    "llama3-rope-freqs-kquants": (TinySpec("llama", rope_freqs=llama3_factors(1e4, 64, 8.0, 1.0, 4.0, 16)), K_MIX,
+                                  "llama-bpe"),
     "qwen3-kquants": (TinySpec("qwen3", head_dim=128, qk_norm=True, rope_base=1e6), K_MIX, "qwen2"),
     # Six layers: five with a sliding window shorter than the prompts, then a global one.
     "gemma3-kquants": (TinySpec("gemma3", layers=6, heads=2, kv_heads=1, head_dim=256, qk_norm=True, sandwich=True,
@@ -48,12 +54,17 @@ def tiny_model(request, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    """transformers' model from the same file, float32."""
+    """transformers' model from the same file, float32 (its GGUF reader skips `rope_freqs`: the
+    scaling those factors stand for is set on its config)."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(tiny_model), gguf_file=os.path.basename(tiny_model), dtype=torch.float32
     ).eval()
+    if "rope-freqs" in tiny_model:
+        model.config.rope_parameters = {**LLAMA3_ROPE, "rope_theta": model.config.rope_parameters["rope_theta"]}
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model
 
 
 def _transformers_greedy(model) -> list[list[int]]:

@@ -11,12 +11,24 @@ from specserve import Engine
 
 
 
+# RoPE scalings, with an original context short enough that the test's positions reach the
+# scaled frequencies (llama3: long wavelengths divided by the factor, the middle smoothed).
+SCALINGS = {
+    "llama": None,
+    "llama-rope-llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 32},
+    "llama-rope-linear": {"rope_type": "linear", "factor": 4.0},
+}
+
+
 def _tiny_dir(tmp_path, hf_tokenizer, arch: str):
     common = dict(vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   eos_token_id=2, bos_token_id=1)
-    if arch == "llama":
-        config = transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    if arch.startswith("llama"):
+        scaling = SCALINGS[arch]
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0,
+                                          **({"rope_scaling": {**scaling, "rope_theta": 10000.0}} if scaling else {}))
         model_cls = transformers.LlamaForCausalLM
     else:
         config = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6)
@@ -31,7 +43,7 @@ def _tiny_dir(tmp_path, hf_tokenizer, arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", [*SCALINGS, "qwen2"])
 def test_hf_directory_logits_match_transformers(tmp_path, hf_tokenizer, arch):
     model = _tiny_dir(tmp_path, hf_tokenizer, arch)
     engine = Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024)

@@ -8,7 +8,7 @@ both loads are shared by the module's tests, which keep it to a few minutes."""
 from __future__ import annotations
 
 import pytest
-from real_gguf import held_out_texts, transformers_greedy, transformers_tokenizer
+from real_gguf import bf16_perplexity_ratio, held_out_texts, transformers_greedy, transformers_tokenizer
 
 from specserve.engine import Engine
 from specserve.models.packaged import packaged_model_path
@@ -79,3 +79,10 @@ def test_bf16_ngram_lossless(path):
             params = {"temperature": 0, "max_new_tokens": 32}
             outputs[algorithm] = [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=params)]
     assert outputs["NGRAM"] == outputs["NONE"]
+
+
+def test_bf16_perplexity_within_one_percent_of_fp32(path, fp32_engine):
+    """bf16 on the kernels (activations rounded to bf16, the GGUF's codes) against fp32 on the
+    dequantized weights, on held-out text."""
+    ratio = bf16_perplexity_ratio(path, fp32_engine.runner.model)
+    assert abs(ratio - 1.0) <= 0.01, f"bf16 perplexity is {ratio:.4f}x fp32's"

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QType
 from specserve.kernels import dispatch
 from specserve.kernels.linear import pack_bf16
 from specserve.models.quant import Q4Weight, Q8Weight, concat_rows, is_quantized, parse_quantized
-from tests.tiny_gguf import random_k_quant
+from tiny_gguf import random_k_quant
 
 PATHS = ["generic", *(p for p in dispatch.available_paths() if p != "generic")]
 LEGACY = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"]  # the gguf package quantizes to these
