@@ -183,6 +183,10 @@ class DraftVocabHead(nn.Module):
     def pack_for_cpu(self) -> None:
         self.kernel = pack_bf16(self.weight)
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of the head weight (a drafter's reduced vocabulary reads them)."""
+        return self.weight.detach()[index]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(hidden.to(torch.bfloat16), torch.float32)
