@@ -53,7 +53,7 @@ void linears(Draw& d) {
       for (int64_t i = 0; i < k; ++i) x[r * k + i] = d.bf16_near(centre, 6);
     }
     std::vector<float> sums(m * groups);
-    group_sums(x.data(), k, m, k, sums.data());
+    group_sums(x.data(), k, m, k, 32, sums.data());
     const PackedWeight w{fmt, codes.data(), scale.data(), zero.data(), n, k, ExponentRange{-1, -1, false}};
     std::vector<float> out(m * n);
     linear_blocks(Path::Generic, w, x.data(), k, m, sums.data(), nullptr, 0, blocks, out.data(), n, false, false);
