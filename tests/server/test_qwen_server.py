@@ -10,16 +10,10 @@ import jsonschema
 import pytest
 
 from helpers import API_KEY, ServerProcess
+from tests.server.test_openai_structured import PERSON, WEATHER
 from specserve.models.packaged import packaged_model_path
 
 NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m"
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string", "maxLength": 24}},
-                                                "required": ["city"], "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
