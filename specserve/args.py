@@ -46,6 +46,12 @@ class ServerArgs:
         "auto: serve GGUF Q4_0/Q4_1 weights as 4-bit on CPU in bfloat16; none: dequantize to --dtype",
         choices=("auto", "none"),
     )
+    cpu_activations: str = flag(
+        "bf16",
+        "activations of the CPU kernels' quantized linears: bf16, or int8 (each row quantized per 32 columns and "
+        "integer dot products, as llama.cpp computes)",
+        choices=("bf16", "int8"),
+    )
     device: str = flag("cpu", "cpu or cuda")
     context_length: Optional[int] = flag(None, "override the model's context window")
     mem_fraction_static: float = flag(0.1, "fraction of memory for the KV pool (CPU: of total RAM)")

@@ -3,6 +3,7 @@ model over a private KV pool, and live `specserve serve` processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -39,6 +40,20 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     meta = model.ops.attention_metadata(table.table, [0], [n], [n], "cpu")
     fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.tensor(slots), meta, torch.arange(n))
     return model(fb, kv)
+
+
+@contextlib.contextmanager
+def int8_activations(model):
+    """The model's quantized linears with integer activations (as --cpu-activations int8 sets them)
+    while inside; yields how many linears switched."""
+    from specserve.kernels.linear import PackedLinear
+
+    kernels = [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), PackedLinear)]
+    try:
+        yield sum(k.quantize_activations() for k in kernels)
+    finally:
+        for k in kernels:
+            k.quantize_activations(False)
 
 
 def windowed_logits(model, prompts: list[list[int]], window: int) -> list[torch.Tensor]:

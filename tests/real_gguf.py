@@ -3,8 +3,11 @@ transformers references loaded from the same file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
+import pytest
 import torch
 
 from specserve.datasets import humaneval_prompts, sharegpt_first_turns
@@ -29,6 +32,27 @@ def held_out_texts(specials: list[str]) -> list[str]:
         + EDGE_TEXTS
         + ["".join(specials) + " and text around " + " ".join(specials)]
     )
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF with the `gguf` package's GGUFReader for its config, again for its
+    weights and again for its tokenizer, each time from scratch (about 20 s per parse of these
+    files' vocabularies, element by element); within this context each file is parsed once and
+    its reader handed out again. transformers still reads the file with its own parser."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        yield
 
 
 def transformers_tokenizer(path: str):
@@ -61,18 +85,14 @@ def perplexity_text() -> str:
     return "\n\n".join(sharegpt_first_turns(160, seed=7)[150:156]) + "\n\n" + humaneval_prompts()[120]["prompt"]
 
 
-def bf16_perplexity_ratio(path: str, fp32_model, max_tokens: int = 384) -> float:
+def bf16_perplexity_ratio(bf16_engine, fp32_model, max_tokens: int = 384) -> float:
     """Perplexity of the model in bf16 (CPU kernels, the GGUF's codes) over that of `fp32_model`
     (dequantized weights) on the same held-out tokens, each computed in one prefill."""
     from helpers import prefill_logits
-
-    from specserve.engine import Engine
 
     def perplexity(model, ids: list[int]) -> float:
         logits = prefill_logits(model, ids)[:-1].float()
         return torch.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))).item()
 
-    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=1024) as engine:
-        ids = engine.tokenizer.encode(perplexity_text())[:max_tokens]
-        bf16 = perplexity(engine.runner.model, ids)
-    return bf16 / perplexity(fp32_model, ids)
+    ids = bf16_engine.tokenizer.encode(perplexity_text())[:max_tokens]
+    return perplexity(bf16_engine.runner.model, ids) / perplexity(fp32_model, ids)

@@ -32,14 +32,16 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="the batch compared with batch 1")
     p.add_argument("--llama-bench", default=None, help="a native llama-bench binary (scripts/llama_bench.sh builds one)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--activations", default="bf16",
+                   help="comma-separated --cpu-activations modes, each model measured in each (e.g. bf16,int8)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
-def _offline(model: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     out = os.path.join(folder, "offline.json")
     cmd = [sys.executable, "-m", "specserve.cli", "bench", "offline", "--skip-hf", "--peer", "llama.cpp",
            "--new-tokens", str(ns.new_tokens), "--batch-size", str(ns.batch_size), "--num-threads", str(ns.threads),
-           "--out", out]
+           "--cpu-activations", activations, "--out", out]
     if model != "default":
         cmd += ["--model-path", model]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -98,20 +100,27 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     paths = {m: resolve_model_path(None if m == "default" else m) for m in models}
     if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
         raise ConfigError(f"--llama-bench: {ns.llama_bench!r} is not an executable (scripts/llama_bench.sh builds one)")
-    raw: dict[str, list[dict[str, Any]]] = {m: [] for m in models}
+    modes = [a.strip() for a in ns.activations.split(",") if a.strip()]
+    if not modes or any(a not in ("bf16", "int8") for a in modes):
+        raise ConfigError(f"--activations: a comma-separated list of bf16 and int8, got {ns.activations!r}")
+    entries = {(m, a): m if a == "bf16" else f"{m}, int8 activations" for m in models for a in modes}
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in entries.values()}
     for run in range(ns.runs):
         for model in models:
-            with tempfile.TemporaryDirectory() as folder:
-                result = _offline(model, ns, folder)
-            if ns.llama_bench:
-                result["native"] = _native(ns.llama_bench, paths[model], ns.threads)
-            raw[model].append(result)
-            print(f"run {run + 1}/{ns.runs} {model}: " + json.dumps(_figures(result, ns.batch_size)), flush=True)
+            native = _native(ns.llama_bench, paths[model], ns.threads) if ns.llama_bench else None
+            for activations in modes:
+                with tempfile.TemporaryDirectory() as folder:
+                    result = _offline(model, activations, ns, folder)
+                result |= {"activations": activations} | ({"native": native} if native else {})
+                raw[entries[model, activations]].append(result)
+                print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
+                      + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
                               "threads": ns.threads, **provenance(None)}
-    report["llama_cpp_python"] = raw[models[0]][0]["llama.cpp"].get("version", "?")
-    report["models"] = {m: {"path": os.path.basename(paths[m]), "summary": summarize([_figures(r, ns.batch_size) for r in raw[m]]),
-                            "runs": raw[m]} for m in models}
+    report["llama_cpp_python"] = next(iter(raw.values()))[0]["llama.cpp"].get("version", "?")
+    report["models"] = {name: {"path": os.path.basename(paths[m]), "activations": a,
+                               "summary": summarize([_figures(r, ns.batch_size) for r in raw[name]]), "runs": raw[name]}
+                        for (m, a), name in entries.items()}
     text = json.dumps(report, indent=2)
     print(text)
     if ns.out:

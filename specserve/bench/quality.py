@@ -1,4 +1,5 @@
-"""`specserve bench quality`: the bf16 kernels' quality gate against the fp32 reference.
+"""`specserve bench quality`: the bf16 kernels' quality gate against the fp32 reference, with bf16
+and with int8 activations.
 
 On the same GGUF weights: perplexity of real assistant answers (ShareGPT exchanges from the end
 of the file, chat-templated, scored on the answer tokens only) in fp32 and in bf16, and the
@@ -70,26 +71,33 @@ def match_rate(reference: list[list[int]], other: list[list[int]]) -> dict[str, 
             "mean_matching_prefix": sum(prefix) / len(prefix)}
 
 
+# The variants compared with float32 (the reference): bf16 activations, and int8 activations
+# (--cpu-activations int8), both on the same packed weights.
+VARIANTS = {"bfloat16": {"dtype": "bfloat16", "cpu_activations": "bf16"},
+            "int8_activations": {"dtype": "bfloat16", "cpu_activations": "int8"}}
+
+
 def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.engine import Engine
 
     from specserve.bench.provenance import provenance
 
     report: dict[str, Any] = {**provenance(), "threads": torch.get_num_threads(), "num_prompts": ns.num_prompts,
-                              "new_tokens": ns.new_tokens}
+                              "new_tokens": ns.new_tokens, "model": args.model_path or "embedded default"}
     greedy = {"temperature": 0, "max_new_tokens": ns.new_tokens}
     outputs = {}
-    for dtype in ("float32", "bfloat16"):
-        with Engine(**vars(args.replace(dtype=dtype, speculative_algorithm="NONE"))) as engine:
+    for name, settings in {"float32": {"dtype": "float32"}, **VARIANTS}.items():
+        with Engine(**vars(args.replace(**settings, speculative_algorithm="NONE"))) as engine:
             texts = scored_texts(engine.tokenizer, ns.num_texts, ns.max_tokens)
             prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}])
                        for q in mtbench_first_turns()[:ns.num_prompts]]
             ppl = perplexity(engine.runner.model, texts)
-            outputs[dtype] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
-            report[dtype] = {"perplexity": ppl, "scored_tokens": sum(len(i) - s for i, s in texts)}
-        print(f"{dtype}: perplexity {ppl:.4f}", flush=True)
-    report["bf16_over_fp32_perplexity"] = report["bfloat16"]["perplexity"] / report["float32"]["perplexity"]
-    report["bf16_greedy_vs_fp32"] = match_rate(outputs["float32"], outputs["bfloat16"])
+            outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+            report[name] = {"perplexity": ppl, "scored_tokens": sum(len(i) - s for i, s in texts)}
+        print(f"{name}: perplexity {ppl:.4f}", flush=True)
+    for name in VARIANTS:
+        report[name]["over_fp32_perplexity"] = report[name]["perplexity"] / report["float32"]["perplexity"]
+        report[name]["greedy_vs_fp32"] = match_rate(outputs["float32"], outputs[name])
     print(json.dumps(report, indent=2))
     if ns.out:
         with open(ns.out, "w") as f:

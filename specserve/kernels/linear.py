@@ -49,6 +49,18 @@ class PackedLinear:
     exponents: tuple[int, int] = (-1, -1)
     group: int = GROUP  # input columns per scale: 32 or 16
     bits: int = 4  # Q4 layout: bits per code (4, 5 or 6)
+    # c > 0 where every offset is -c * scale (GGUF Q4_0, Q5_0, Q6_K): the integer kernels fold it
+    # into their exact sums (csrc/linear_int8.h).
+    code_offset: int = 0
+    # Activations quantized to int8 per row (blocks of 32) and integer dot products, instead of bf16
+    # activations (set by quantize_activations; Q4 and Q8 layouts only).
+    int8_activations: bool = False
+
+    def quantize_activations(self, enabled: bool = True) -> bool:
+        """Run through the integer-activation kernels from now on where this weight's layout has
+        them (quantized codes, K a multiple of 32); returns whether it does."""
+        self.int8_activations = enabled and self.format != BF16 and self.k % GROUP == 0
+        return self.int8_activations
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [..., k] bf16 -> [..., n] in out_dtype (bf16 or float32)."""
@@ -71,6 +83,22 @@ class PackedLinear:
         return self._kernel(x, out_bf16, path, None)
 
     def _kernel(self, x: torch.Tensor, out_bf16: bool, path: int, init: torch.Tensor | None) -> torch.Tensor:
+        if self.int8_activations:
+            return load().linear_int8(
+                x,
+                self.format,
+                self.codes,
+                self.scale,
+                self.zero,
+                self.n,
+                self.k,
+                out_bf16,
+                path,
+                init,
+                self.group,
+                self.bits,
+                self.code_offset,
+            )
         return load().linear(
             x,
             self.format,
@@ -163,7 +191,19 @@ def pack_q4(
         parts.append(plane.reshape(words.shape[0], -1))
     dtype = _scale_dtype(scale, offset)
     packed = torch.cat(parts, dim=1).reshape(-1)
-    return PackedLinear(Q4, packed, _block_scales(scale, dtype), _block_scales(offset, dtype), n, k, group=group, bits=bits)
+    centre = 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
+    code_offset = centre if torch.equal(offset.float(), -centre * scale.float()) else 0
+    return PackedLinear(
+        Q4,
+        packed,
+        _block_scales(scale, dtype),
+        _block_scales(offset, dtype),
+        n,
+        k,
+        group=group,
+        bits=bits,
+        code_offset=code_offset,
+    )
 
 
 def pack_q8(

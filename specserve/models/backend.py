@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.linear import PackedLinear
 from specserve.kernels.ops import add_rms_norm, rope_store, silu_mul
 from specserve.models.attention import AttentionMetadata, KernelAttentionMetadata, SdpaAttentionMetadata, block_attention
 from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
@@ -157,14 +158,22 @@ class TorchOps(OpBackend):
 
 
 class CpuKernelOps(OpBackend):
-    """specserve's bf16 CPU kernels: Q4/Q8/bf16 linears, the fused small ops and paged attention."""
+    """specserve's bf16 CPU kernels: Q4/Q8/bf16 linears, the fused small ops and paged attention.
+    With `int8_activations`, the linears over quantized weights quantize their input rows to int8
+    and compute integer dot products (kernels/csrc/linear_int8.h)."""
 
     name = "cpu-kernels"
+
+    def __init__(self, int8_activations: bool = False):
+        self.int8_activations = int8_activations
 
     def prepare(self, module: nn.Module) -> None:
         for part in module.modules():
             if isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
+            kernel = getattr(part, "kernel", None)
+            if isinstance(kernel, PackedLinear):
+                kernel.quantize_activations(self.int8_activations)
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if x is not None:
@@ -217,7 +226,11 @@ class CpuKernelOps(OpBackend):
         )
 
 
-def select_backend(device: "str | torch.device", dtype: torch.dtype, stock_ops: bool = False) -> OpBackend:
+def select_backend(
+    device: "str | torch.device", dtype: torch.dtype, stock_ops: bool = False, int8_activations: bool = False
+) -> OpBackend:
     """The backend a model built on `device` in `dtype` runs (`stock_ops`: torch.compile, which
-    traces stock ops only)."""
-    return CpuKernelOps() if cpu_kernels_apply(device, dtype) and not stock_ops else TorchOps(dtype)
+    traces stock ops only; `int8_activations`: see CpuKernelOps)."""
+    if cpu_kernels_apply(device, dtype) and not stock_ops:
+        return CpuKernelOps(int8_activations)
+    return TorchOps(dtype)

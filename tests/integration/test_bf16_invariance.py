@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import chat_prompts, policy_args
+from helpers import chat_prompts, int8_activations, policy_args
 
 from specserve import Engine
 from specserve.kv.pool import KVPool, ReqToTokenPool
@@ -85,6 +85,17 @@ def test_a_tokens_logits_do_not_depend_on_the_step_shape(bf16_engine):
     assert shape_mismatches(bf16_engine.runner.model, tokens) == []
 
 
+def test_int8_activations_keep_a_tokens_logits_independent_of_the_step_shape(bf16_engine):
+    """--cpu-activations int8: each row is quantized alone, so the invariance holds as it is."""
+    tokens = chat_prompts(bf16_engine, CONTENTS[:1])[0] + bf16_engine.tokenizer.encode(" Red, green and blue.")
+    model = bf16_engine.runner.model
+    bf16_logits = Steps(model, 1, 128).run([(0, tokens, 0)])[0]
+    with int8_activations(model) as switched:
+        assert switched >= 4 * model.config.num_layers  # every projection
+        assert not torch.equal(Steps(model, 1, 128).run([(0, tokens, 0)])[0], bf16_logits)  # int8 is really on
+        assert shape_mismatches(model, tokens) == []
+
+
 def test_mutation_routing_some_row_counts_elsewhere_breaks_invariance(bf16_engine, monkeypatch):
     original = layers._ParallelLinear.matmul
     dense: dict[int, torch.Tensor] = {}  # a layer packed from GGUF codes keeps no weight: read it from them
@@ -151,3 +162,26 @@ def test_greedy_output_is_identical_alone_batched_cold_and_warm(name, greedy_ref
         accepted = [[o["meta_info"]["spec_correct_drafts_histogram"] for o in outs] for outs in (cold, batched)]
         assert accepted[0] == accepted[1], f"{name}: accepted drafts differ alone and batched"
         assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in cold) > 0, f"{name}: nothing was accepted"
+
+
+INT8 = dict(cpu_activations="int8", dtype="bfloat16", max_total_tokens=8192)
+INT8_CONFIGS = {"NGRAM": dict(speculative_algorithm="NGRAM", **FIXED),
+                "DSPARK compact": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="compact", **FIXED)}
+
+
+@pytest.fixture(scope="module")
+def int8_reference(bf16_engine):
+    prompts = chat_prompts(bf16_engine, CONTENTS)
+    with Engine(speculative_algorithm="NONE", **INT8) as engine:
+        return prompts, [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+
+
+@pytest.mark.parametrize("name", list(INT8_CONFIGS))
+def test_int8_activations_greedy_output_is_lossless_alone_batched_and_warm(name, int8_reference):
+    prompts, reference = int8_reference
+    with Engine(**INT8, **INT8_CONFIGS[name]) as engine:
+        alone = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
+        batched = engine.generate(input_ids=prompts, sampling_params=GREEDY)  # warm cache
+    assert [o["output_ids"] for o in alone] == reference, f"int8 {name}: one at a time"
+    assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in alone) > 0, f"int8 {name}: nothing was accepted"
+    assert [o["output_ids"] for o in batched] == reference, f"int8 {name}: batched, warm cache"

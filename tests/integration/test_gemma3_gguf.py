@@ -9,7 +9,14 @@ transformers reads the file independently (its own GGUF parser, dequantization a
 from __future__ import annotations
 
 import pytest
-from real_gguf import bf16_perplexity_ratio, held_out_texts, transformers_greedy, transformers_tokenizer
+from helpers import int8_activations
+from real_gguf import (
+    bf16_perplexity_ratio,
+    gguf_parsed_once,
+    held_out_texts,
+    transformers_greedy,
+    transformers_tokenizer,
+)
 
 from specserve.datasets import sharegpt_first_turns
 from specserve.engine import Engine
@@ -30,6 +37,12 @@ NEW_TOKENS = 16
 SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<eos>", "<bos>"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _parse_once():
+    with gguf_parsed_once():
+        yield
+
+
 @pytest.fixture(scope="module")
 def path() -> str:
     return packaged_model_path(NAME)
@@ -38,6 +51,12 @@ def path() -> str:
 @pytest.fixture(scope="module")
 def fp32_engine(path):
     with Engine(model_path=path, dtype="float32", speculative_algorithm="NONE", max_total_tokens=4096) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(path):
+    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=4096) as engine:
         yield engine
 
 
@@ -63,31 +82,29 @@ def test_fp32_greedy_tokens_identical_to_transformers(path, fp32_engine):
     assert ours == transformers_greedy(path, prompts, NEW_TOKENS)
 
 
-def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, tmp_path):
+def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, bf16_engine, tmp_path):
     template = tmp_path / "turns.jinja"
     template.write_text(
         "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
         "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
     )
-    outputs = {}
-    for algorithm, chat_template in (("NONE", None), ("NGRAM", str(template))):
-        engine = Engine(model_path=path, speculative_algorithm=algorithm, max_total_tokens=4096, chat_template=chat_template)
-        with engine:
-            prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]] + [_long_prompt(engine)]
-            params = {"temperature": 0, "max_new_tokens": 32}
-            outputs[algorithm] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
-            if chat_template is None:  # a base model: no template of its own
-                with pytest.raises(InvalidRequestError, match="this model has no chat template"):
-                    engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-            else:
-                ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-                assert ids == engine.tokenizer.encode("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
-                assert ids[0] == engine.tokenizer.bos_token_id
-    assert outputs["NGRAM"] == outputs["NONE"]
+    prompts = [bf16_engine.tokenizer.encode(p) for p in PROMPTS[:3]] + [_long_prompt(bf16_engine)]
+    params = {"temperature": 0, "max_new_tokens": 32}
+    plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
+    with pytest.raises(InvalidRequestError, match="this model has no chat template"):  # a base model: none of its own
+        bf16_engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096, chat_template=str(template)) as engine:
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert ids == engine.tokenizer.encode("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
+        assert ids[0] == engine.tokenizer.bos_token_id
 
 
-def test_bf16_perplexity_within_one_percent_of_fp32(path, fp32_engine):
+def test_bf16_perplexity_within_one_percent_of_fp32(bf16_engine, fp32_engine):
     """bf16 on the kernels (activations rounded to bf16, the GGUF's codes) against fp32 on the
     dequantized weights, on held-out text."""
-    ratio = bf16_perplexity_ratio(path, fp32_engine.runner.model)
+    ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
     assert abs(ratio - 1.0) <= 0.01, f"bf16 perplexity is {ratio:.4f}x fp32's"
+    with int8_activations(bf16_engine.runner.model):  # --cpu-activations int8 (opt-in: it costs more, see README)
+        ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
+    assert abs(ratio - 1.0) <= 0.02, f"with int8 activations, perplexity is {ratio:.4f}x fp32's"

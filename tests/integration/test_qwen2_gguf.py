@@ -8,7 +8,14 @@ both loads are shared by the module's tests, which keep it to a few minutes."""
 from __future__ import annotations
 
 import pytest
-from real_gguf import bf16_perplexity_ratio, held_out_texts, transformers_greedy, transformers_tokenizer
+from helpers import int8_activations
+from real_gguf import (
+    bf16_perplexity_ratio,
+    gguf_parsed_once,
+    held_out_texts,
+    transformers_greedy,
+    transformers_tokenizer,
+)
 
 from specserve.engine import Engine
 from specserve.models.packaged import packaged_model_path
@@ -28,6 +35,12 @@ NEW_TOKENS = 16
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _parse_once():
+    with gguf_parsed_once():
+        yield
+
+
 @pytest.fixture(scope="module")
 def path() -> str:
     return packaged_model_path(NAME)
@@ -41,6 +54,12 @@ def hf_tokenizer(path):
 @pytest.fixture(scope="module")
 def fp32_engine(path):
     with Engine(model_path=path, dtype="float32", speculative_algorithm="NONE", max_total_tokens=4096) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(path):
+    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=4096) as engine:
         yield engine
 
 
@@ -70,19 +89,19 @@ def test_fp32_greedy_tokens_identical_to_transformers(path, fp32_engine):
     assert ours == transformers_greedy(path, prompts, NEW_TOKENS)
 
 
-def test_bf16_ngram_lossless(path):
-    prompts = [{"role": "user", "content": c} for c in CHAT[:4]]
-    outputs = {}
-    for algorithm in ("NONE", "NGRAM"):
-        with Engine(model_path=path, speculative_algorithm=algorithm, max_total_tokens=4096) as engine:
-            ids = [engine.tokenizer.apply_chat_template([m]) for m in prompts]
-            params = {"temperature": 0, "max_new_tokens": 32}
-            outputs[algorithm] = [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=params)]
-    assert outputs["NGRAM"] == outputs["NONE"]
+def test_bf16_ngram_lossless(path, bf16_engine):
+    prompts = [bf16_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[:4]]
+    params = {"temperature": 0, "max_new_tokens": 32}
+    plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096) as engine:
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
 
 
-def test_bf16_perplexity_within_one_percent_of_fp32(path, fp32_engine):
+def test_bf16_perplexity_within_one_percent_of_fp32(bf16_engine, fp32_engine):
     """bf16 on the kernels (activations rounded to bf16, the GGUF's codes) against fp32 on the
     dequantized weights, on held-out text."""
-    ratio = bf16_perplexity_ratio(path, fp32_engine.runner.model)
+    ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
     assert abs(ratio - 1.0) <= 0.01, f"bf16 perplexity is {ratio:.4f}x fp32's"
+    with int8_activations(bf16_engine.runner.model):  # --cpu-activations int8 (opt-in: it costs more, see README)
+        ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
+    assert abs(ratio - 1.0) <= 0.02, f"with int8 activations, perplexity is {ratio:.4f}x fp32's"

@@ -9,6 +9,7 @@
 
 #include "attention.h"
 #include "linear.h"
+#include "linear_int8.h"
 #include "ops.h"
 
 namespace {
@@ -34,6 +35,22 @@ struct Draw {  // xorshift64: the same stream on every machine
 
 void emit(const void* data, size_t bytes) { fwrite(data, 1, bytes, stdout); }
 
+// The same weight with integer activations (linear_int8.h); Q4 also as w = d (q - 8).
+void linears_int8(PackedWeight w, const std::vector<uint16_t>& x, int64_t m, std::vector<float>& out) {
+  const int64_t k = w.k, blocks = (w.n + kBlockCols - 1) / kBlockCols;
+  std::vector<int8_t> q(m * k);
+  std::vector<float> d(m * (k / 32));
+  std::vector<int32_t> s16(m * (k / 16));
+  quantize_rows(x.data(), k, k, int8_layout(Path::Generic, w.format), 0, m, q.data(), d.data(), s16.data());
+  for (int c : {0, 8}) {
+    if (c && w.format != WeightFormat::Q4) break;
+    w.code_offset = c;
+    linear_int8_blocks(Path::Generic, w, Int8Rows{q.data(), d.data(), s16.data(), k}, m, 0, blocks, out.data(), w.n,
+                       false, false);
+    emit(out.data(), out.size() * sizeof(float));
+  }
+}
+
 void linears(Draw& d) {
   const int64_t n = 40, k = 96, m = 9;
   for (WeightFormat fmt : {WeightFormat::Q4, WeightFormat::Q8, WeightFormat::BF16}) {
@@ -58,6 +75,7 @@ void linears(Draw& d) {
     std::vector<float> out(m * n);
     linear_blocks(Path::Generic, w, x.data(), k, m, sums.data(), nullptr, 0, blocks, out.data(), n, false, false);
     emit(out.data(), out.size() * sizeof(float));
+    if (fmt != WeightFormat::BF16) linears_int8(w, x, m, out);
   }
 }
 

@@ -31,13 +31,21 @@ def weight(kind: str, seed: int = 0):
     return torch.randn(N, K, generator=g).bfloat16()
 
 
-def shard(w, start: int, count: int):
-    """One rank's input columns, packed as RowParallelLinear packs them."""
-    return pack_bf16(w[:, start:start + count].contiguous()) if isinstance(w, torch.Tensor) else w.cols(start, count).packed()
+def shard(w, start: int, count: int, int8: bool = False):
+    """One rank's input columns, packed as RowParallelLinear packs them (int8: with integer activations)."""
+    if isinstance(w, torch.Tensor):
+        return pack_bf16(w[:, start:start + count].contiguous())
+    packed = w.cols(start, count).packed()
+    assert packed.quantize_activations(int8) == int8
+    return packed
 
 
-def whole(w):
-    return pack_bf16(w) if isinstance(w, torch.Tensor) else w.packed()
+def whole(w, int8: bool = False):
+    if isinstance(w, torch.Tensor):
+        return pack_bf16(w)
+    packed = w.packed()
+    assert packed.quantize_activations(int8) == int8
+    return packed
 
 
 class _Broadcasts:
@@ -52,25 +60,28 @@ class _Broadcasts:
         self.last = tensor.clone()
 
 
-def chained(w, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+def chained(w, x: torch.Tensor, cuts: list[int], int8: bool = False) -> torch.Tensor:
     """What every rank of len(cuts) - 1 ranks ends with, the ranks' shards being [cuts[r], cuts[r+1])."""
     carried = None
     for r in range(len(cuts) - 1):
-        kernel, cols = shard(w, cuts[r], cuts[r + 1] - cuts[r]), x[:, cuts[r]:cuts[r + 1]].contiguous()
+        kernel, cols = shard(w, cuts[r], cuts[r + 1] - cuts[r], int8), x[:, cuts[r]:cuts[r + 1]].contiguous()
         carried = kernel(cols, torch.float32) if carried is None else kernel.continue_sums(cols, carried)
     return carried
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", ["q4", "q6_k", "q8", "bf16"])
+@pytest.mark.parametrize("kind", ["q4", "q6_k", "q8", "bf16", "q4-int8", "q6_k-int8", "q8-int8"])
 @pytest.mark.parametrize("cuts", [[0, 128, K], [0, 64, 128, K], [0, 32, 64, 160, K]], ids=["tp2", "tp3", "tp4-uneven"])
 def test_a_chain_of_shards_is_the_unsplit_layer_bit_for_bit(monkeypatch, kind, path, cuts):
+    """Also with integer activations: each 32-column block of a row is quantized alone, so a shard
+    quantizes its columns as the unsplit layer does."""
     monkeypatch.setenv("SPECSERVE_CPU_KERNEL_PATH", path)
-    w = weight(kind)
+    kind, _, activations = kind.partition("-")
+    w, int8 = weight(kind), activations == "int8"
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(1)).bfloat16()
-    full = whole(w)(x, torch.float32)
-    assert torch.equal(chained(w, x, cuts), full)
-    assert torch.equal(round_to_bf16_like_kernels(full), whole(w)(x, torch.bfloat16))
+    full = whole(w, int8)(x, torch.float32)
+    assert torch.equal(chained(w, x, cuts, int8), full)
+    assert torch.equal(round_to_bf16_like_kernels(full), whole(w, int8)(x, torch.bfloat16))
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])

@@ -28,8 +28,11 @@ def test_core_packages_pass_mypy():
 def test_planted_type_error_fails_the_check(tmp_path):
     shutil.copytree(SOURCE, tmp_path / "specserve", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path / "pyproject.toml")
-    with open(tmp_path / "specserve" / "names.py", "a") as f:
+    cache = os.path.join(REPO, ".mypy_cache")
+    if os.path.isdir(cache):  # the check above left it: mypy rechecks only what the plant changes (by hash)
+        shutil.copytree(cache, tmp_path / ".mypy_cache")
+    with open(tmp_path / "specserve" / "cli.py", "a") as f:  # a module few others import
         f.write('\n\ndef _planted() -> int:\n    return "x"\n')
     proc = mypy("--cache-dir", str(tmp_path / ".mypy_cache"), cwd=str(tmp_path))
     assert proc.returncode == 1 and "[return-value]" in proc.stdout, proc.stdout + proc.stderr
-    assert "specserve/names.py" in proc.stdout
+    assert "specserve/cli.py" in proc.stdout

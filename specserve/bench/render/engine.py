@@ -61,13 +61,15 @@ def render_step_profile(results: str) -> str:
 
 def render_quality(results: str) -> str:
     data = load(results, "quality_bf16_vs_fp32.json")
-    fp32, bf16, greedy = data["float32"], data["bfloat16"], data["bf16_greedy_vs_fp32"]
+    fp32, variants = data["float32"], [data["bfloat16"], data["int8_activations"]]
     rows = [["perplexity", f"{fp32['perplexity']:.4f}",
-             f"{bf16['perplexity']:.4f} ({data['bf16_over_fp32_perplexity'] - 1:+.3%})"],
-            ["greedy outputs identical to fp32", "-", f"{greedy['identical_outputs']:.1%}"],
-            ["mean share of tokens before the first difference", "-", f"{greedy['mean_matching_prefix']:.1%}"]]
+             *(f"{v['perplexity']:.4f} ({v['over_fp32_perplexity'] - 1:+.3%})" for v in variants)],
+            ["greedy outputs identical to fp32", "-", *(f"{v['greedy_vs_fp32']['identical_outputs']:.1%}" for v in variants)],
+            ["mean share of tokens before the first difference", "-",
+             *(f"{v['greedy_vs_fp32']['mean_matching_prefix']:.1%}" for v in variants)]]
     prompts = data.get("num_prompts", "?")
-    return table(["", "fp32", "bf16 (specserve's kernels)"], rows) + (
+    head = ["", "fp32", "bf16 (specserve's kernels)", "bf16, int8 activations (`--cpu-activations int8`)"]
+    return table(head, rows) + (
         f"\n\n{fp32['scored_tokens']:,} scored ShareGPT tokens; {prompts} MT-Bench first turns for the greedy "
         f"comparison. {provenance(data, 'quality_bf16_vs_fp32.json')}\n")
 
@@ -164,7 +166,7 @@ def render_models(results: str) -> str:
     header += ["prefill (512) vs llama-cpp-python", "6-row verify / decode step", f"batch {data['batch_size']} / batch 1",
                "resident memory", "load"]
     return table(header, rows) + (
-        f"\n\nbf16, each model with its default speculation, {data['new_tokens']} new tokens after a chat prompt (plain text for a base model) whose "
+        f"\n\nbf16 (int8 activations where the row says so: `--cpu-activations int8`), each model with its default speculation, {data['new_tokens']} new tokens after a chat prompt (plain text for a base model) whose "
         "prefill counts in the batch-1 time (llama-bench's tg128 has no prompt); the decode step is one row "
         f"after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "
         f"{data['runs']} interleaved runs, each ratio formed within its run; llama-cpp-python "

@@ -8,6 +8,7 @@
 
 #include "attention.h"
 #include "linear.h"
+#include "linear_int8.h"
 #include "ops.h"
 
 namespace specserve {
@@ -18,7 +19,7 @@ bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
@@ -48,11 +49,10 @@ Path checked_path(int64_t path) {
 
 const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
-                     int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi,
-                     c10::optional<torch::Tensor> init, int64_t group, int64_t bits) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, "specserve linear: x must be bf16 on CPU");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "specserve linear: x must be [M, ", k, "] with contiguous rows");
+// The packed weight's tensors, checked, as the kernels' view of them.
+PackedWeight packed_weight(int64_t format, const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor& zero, int64_t n, int64_t k, int64_t group, int64_t bits,
+                           int64_t w_exp_lo, int64_t w_exp_hi) {
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
   const auto fmt = static_cast<WeightFormat>(format);
   TORCH_CHECK(group == 32 || (group == 16 && fmt != WeightFormat::BF16), "specserve linear: groups are 32 or 16 columns");
@@ -60,15 +60,6 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
   TORCH_CHECK(fmt == WeightFormat::BF16 || k % group == 0, "specserve linear: quantized K must be a multiple of ", group);
   const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
   TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k, int(bits)), "specserve linear: packed codes have the wrong size");
-  const int64_t m = x.size(0);
-  const bool accumulate = init.has_value();
-  TORCH_CHECK(!accumulate || (!out_bf16 && init->scalar_type() == torch::kFloat32 && init->dim() == 2 &&
-                              init->size(0) == x.size(0) && init->size(1) == n),
-              "specserve linear: init must be float32 [M, ", n, "] and the output float32");
-  auto out = accumulate ? init->contiguous().clone()
-                        : torch::empty({m, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
-  if (m == 0) return out;
-  const Path p = checked_path(path);
   const bool quantized = fmt != WeightFormat::BF16;
   const bool offsets = fmt == WeightFormat::Q4 || (fmt == WeightFormat::Q8 && zero.numel() > 0);
   const int64_t scales = blocks * (k / group) * kBlockCols;
@@ -80,15 +71,37 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
   if (offsets)
     TORCH_CHECK(zero.scalar_type() == scale_type && zero.is_contiguous() && zero.numel() == scales,
                 "specserve linear: offsets must be contiguous [blocks, K/group, 16] in the scales' dtype");
+  // BF16 weights' exponent bounds come from packing (w_exp_lo < 0: not all finite and normal).
+  const ExponentRange exps{int(w_exp_lo), int(w_exp_hi), w_exp_lo >= 0};
+  return PackedWeight{fmt, codes.data_ptr<uint8_t>(), quantized ? scale.data_ptr() : nullptr,
+                      offsets ? zero.data_ptr() : nullptr, n, k, exps, scale_type == torch::kFloat32, group, int(bits)};
+}
+
+// The output of an [M, k] x [n, k] linear: a fresh tensor, or a copy of init to continue its sums.
+torch::Tensor linear_output(const torch::Tensor& x, int64_t n, int64_t k, bool out_bf16,
+                            const c10::optional<torch::Tensor>& init) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16, "specserve linear: x must be bf16 on CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "specserve linear: x must be [M, ", k, "] with contiguous rows");
+  if (!init.has_value()) return torch::empty({x.size(0), n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  TORCH_CHECK(!out_bf16 && init->scalar_type() == torch::kFloat32 && init->dim() == 2 && init->size(0) == x.size(0) &&
+                  init->size(1) == n,
+              "specserve linear: init must be float32 [M, ", n, "] and the output float32");
+  return init->contiguous().clone();
+}
+
+torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
+                     int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi,
+                     c10::optional<torch::Tensor> init, int64_t group, int64_t bits) {
+  auto out = linear_output(x, n, k, out_bf16, init);
+  const PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, w_exp_lo, w_exp_hi);
+  const int64_t m = x.size(0);
+  if (m == 0) return out;
+  const Path p = checked_path(path);
   std::vector<float> sums;
-  if (offsets) {
+  if (w.zero != nullptr) {
     sums.resize(m * (k / group));
     group_sums(bf16_data(x), x.stride(0), m, k, group, sums.data());
   }
-  // BF16 weights' exponent bounds come from packing (w_exp_lo < 0: not all finite and normal).
-  const ExponentRange exps{int(w_exp_lo), int(w_exp_hi), w_exp_lo >= 0};
-  PackedWeight w{fmt, codes.data_ptr<uint8_t>(), quantized ? scale.data_ptr() : nullptr,
-                 offsets ? zero.data_ptr() : nullptr, n, k, exps, scale_type == torch::kFloat32, group, int(bits)};
   const uint16_t* xd = bf16_data(x);
   std::vector<uint8_t> exact;
   std::vector<float> xf;
@@ -103,8 +116,36 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
     avx2.exact = exact.data();
   }
   void* od = out.data_ptr();
+  const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), &avx2, begin, end, od, n, out_bf16, accumulate);
+    linear_blocks(p, w, xd, x.stride(0), m, sums.data(), &avx2, begin, end, od, n, out_bf16, init.has_value());
+  });
+  return out;
+}
+
+// y = x W^T with x quantized to int8 per row (linear_int8.h); Q4 and Q8 weights only.
+torch::Tensor linear_int8(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
+                          int64_t n, int64_t k, bool out_bf16, int64_t path, c10::optional<torch::Tensor> init,
+                          int64_t group, int64_t bits, int64_t code_offset) {
+  auto out = linear_output(x, n, k, out_bf16, init);
+  PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, -1, -1);
+  TORCH_CHECK(w.format != WeightFormat::BF16 && k % 32 == 0, "specserve linear_int8: Q4 or Q8 weights with K a multiple of 32");
+  TORCH_CHECK(code_offset >= 0 && code_offset <= 128, "specserve linear_int8: code offset out of range");
+  w.code_offset = int(code_offset);
+  const int64_t m = x.size(0);
+  if (m == 0) return out;
+  const Path p = checked_path(path);
+  std::vector<int8_t> q(m * k);
+  std::vector<float> d(m * (k / 32));
+  std::vector<int32_t> s16(m * (k / 16));
+  const Int8Layout layout = int8_layout(p, w.format);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    quantize_rows(bf16_data(x), x.stride(0), k, layout, begin, end, q.data(), d.data(), s16.data());
+  });
+  const Int8Rows rows{q.data(), d.data(), s16.data(), k};
+  void* od = out.data_ptr();
+  at::parallel_for(0, (n + kBlockCols - 1) / kBlockCols, 4, [&](int64_t begin, int64_t end) {
+    linear_int8_blocks(p, w, rows, m, begin, end, od, n, out_bf16, init.has_value());
   });
   return out;
 }
@@ -234,6 +275,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"), py::arg("out_bf16"),
         py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1, py::arg("init") = py::none(),
         py::arg("group") = 32, py::arg("bits") = 4);
+  m.def("linear_int8", &specserve::linear_int8, "y = x W^T with x quantized to int8 per row (Q4 / Q8 weights)",
+        py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"),
+        py::arg("out_bf16"), py::arg("path"), py::arg("init") = py::none(), py::arg("group") = 32, py::arg("bits") = 4,
+        py::arg("code_offset") = 0);
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
   m.def("silu_mul", &specserve::silu_mul, "silu(gate) * up of [rows, 2f] gate_up");

@@ -126,12 +126,6 @@ SPECSERVE_AVX512 inline __m512i spread_high16(const uint8_t* plane) {
   }
 }
 
-// 16 scales or offsets of one group of a column block, as float (exact).
-SPECSERVE_AVX512 inline __m512 scales16(const PackedWeight& w, const void* values, int64_t at) {
-  if (w.scale_f32) return _mm512_loadu_ps(static_cast<const float*>(values) + at);
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + at)));
-}
-
 SPECSERVE_AVX512 inline __m512i x_word(const uint16_t* row, int64_t k, int64_t pair) {
   return _mm512_set1_epi32(int32_t(x_pair(row, k, pair)));
 }

@@ -27,6 +27,8 @@
 #include <cstdint>
 
 #include "simd.h"
+#include "simd_avx2.h"
+#include "simd_avx512.h"
 
 namespace specserve {
 
@@ -50,6 +52,7 @@ struct PackedWeight {
   bool scale_f32 = false;   // scale and zero hold float32 (else float16)
   int64_t group = 32;       // input columns per scale: 32 or 16
   int bits = 4;             // Q4: bits per code (4, 5 or 6)
+  int code_offset = 0;      // c > 0: every offset is -c * scale, w = scale * (q - c) (linear_int8.h)
 };
 
 // Bytes of the high-bit plane per oct of a Q4 weight with `bits`-bit codes (16 lanes).
@@ -70,6 +73,35 @@ inline uint32_t high_of_pair(uint32_t spread, int bits, int p) {
 inline float scale_value(const PackedWeight& w, const void* values, int64_t i) {
   return w.scale_f32 ? static_cast<const float*>(values)[i] : f16_to_f32(static_cast<const uint16_t*>(values)[i]);
 }
+
+#if SPECSERVE_X86
+// 16 scales or offsets of one group of a column block, as float (exact).
+SPECSERVE_AVX512 inline __m512 scales16(const PackedWeight& w, const void* values, int64_t at) {
+  if (w.scale_f32) return _mm512_loadu_ps(static_cast<const float*>(values) + at);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + at)));
+}
+
+// 8 scales or offsets of one group of a block half, as float (exact).
+SPECSERVE_AVX2 inline __m256 scales8(const PackedWeight& w, const void* values, int64_t at) {
+  if (w.scale_f32) return _mm256_loadu_ps(static_cast<const float*>(values) + at);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)));
+}
+
+// The first `valid` of 16 lanes (lo: 0-7, hi: 8-15) at element `at` of out (float32 or bf16).
+SPECSERVE_AVX2 inline void store_lanes16(__m256 lo, __m256 hi, void* out, int64_t at, int64_t valid, bool out_bf16) {
+  if (out_bf16) {
+    alignas(16) uint16_t h[16];
+    store_bf16x8(h, lo);
+    store_bf16x8(h + 8, hi);
+    std::memcpy(static_cast<uint16_t*>(out) + at, h, valid * 2);
+  } else {
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, lo);
+    _mm256_store_ps(lanes + 8, hi);
+    std::memcpy(static_cast<float*>(out) + at, lanes, valid * 4);
+  }
+}
+#endif
 
 constexpr int kBlockCols = 16;
 constexpr int kGroup = 32;

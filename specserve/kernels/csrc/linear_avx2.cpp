@@ -96,12 +96,6 @@ SPECSERVE_AVX2 inline __m256i spread_high8(const uint8_t* plane, int half, int b
   return _mm256_and_si256(_mm256_or_si256(_mm256_slli_epi32(v, 4), _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0FF00FF0));
 }
 
-// 8 scales or offsets of one group of a block half, as float (exact).
-SPECSERVE_AVX2 inline __m256 scales8(const PackedWeight& w, const void* values, int64_t at) {
-  if (w.scale_f32) return _mm256_loadu_ps(static_cast<const float*>(values) + at);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)));
-}
-
 template <WeightFormat F, int R, int NBT, bool Flush>
 SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x, int64_t ldx, const float* gs,
                               void* out, int64_t ldo, bool out_bf16, bool accumulate) {
@@ -194,19 +188,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
   }
   for (int j = 0; j < NBT; ++j) {
     const int64_t col = (b0 + j) * kBlockCols, valid = std::min<int64_t>(kBlockCols, w.n - col);
-    for (int r = 0; r < R; ++r) {
-      if (out_bf16) {
-        alignas(16) uint16_t h[kBlockCols];
-        store_bf16x8(h, acc[r][j][0]);
-        store_bf16x8(h + 8, acc[r][j][1]);
-        std::memcpy(static_cast<uint16_t*>(out) + r * ldo + col, h, valid * 2);
-      } else {
-        alignas(32) float lanes[kBlockCols];
-        _mm256_store_ps(lanes, acc[r][j][0]);
-        _mm256_store_ps(lanes + 8, acc[r][j][1]);
-        std::memcpy(static_cast<float*>(out) + r * ldo + col, lanes, valid * 4);
-      }
-    }
+    for (int r = 0; r < R; ++r) store_lanes16(acc[r][j][0], acc[r][j][1], out, r * ldo + col, valid, out_bf16);
   }
 }
 

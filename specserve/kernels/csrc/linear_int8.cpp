@@ -1,0 +1,293 @@
+// Integer-activation linear layers (see linear_int8.h): the row quantization, the generic path and
+// the AVX-512 VNNI path; the AVX2 path is in linear_int8_avx2.cpp.
+#include "linear_int8.h"
+
+#include "simd_avx512.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+namespace specserve {
+
+namespace {
+
+// Where column c of an oct sits in the oct order (0, 4, 1, 5, 2, 6, 3, 7).
+inline int oct_position(int c) { return (c % 4) * 2 + c / 4; }
+
+// ------------------------------------------------------------------ generic path
+
+// The code of input column `col` of `lane` in a packed block (see linear.h for the layouts).
+int code_at(const PackedWeight& w, const uint8_t* block, int64_t col, int lane) {
+  if (w.format == WeightFormat::Q8) return reinterpret_cast<const int8_t*>(block)[col / 2 * 32 + lane * 2 + col % 2];
+  const int64_t oct = col / 8;
+  const int p = int(col % 8) / 2, h = int(col % 2);
+  uint32_t v;
+  std::memcpy(&v, block + oct * 64 + lane * 4, 4);
+  int code = int((v >> (4 * p + 16 * h)) & 0xF);
+  const uint8_t* plane = block + w.k / 8 * 64 + oct * high_plane_bytes(w.bits);
+  if (w.bits == 5) code |= ((plane[lane] >> (p + 4 * h)) & 1) << 4;
+  if (w.bits == 6) {
+    const uint32_t e = uint32_t(plane[2 * lane]) | (uint32_t(plane[2 * lane + 1]) << 8);
+    code |= int((e >> (2 * p + 8 * h)) & 3) << 4;
+  }
+  return code;
+}
+
+// The sum of a row's codes over group g (of 16 or 32 columns).
+inline int32_t group_code_sum(const Int8Rows& x, int64_t r, int64_t g, int64_t group) {
+  const int32_t* s = x.s16 + r * (x.k / 16) + g * group / 16;
+  return group == 32 ? s[0] + s[1] : s[0];
+}
+
+inline float block_scale(const Int8Rows& x, int64_t r, int64_t g, int64_t group) {
+  return x.d[r * (x.k / 32) + g * group / 32];
+}
+
+void store_row(const float* acc, int64_t b, int64_t n, void* out, int64_t ldo, int64_t r, bool out_bf16) {
+  for (int lane = 0; lane < kBlockCols && b * kBlockCols + lane < n; ++lane) {
+    const int64_t col = b * kBlockCols + lane;
+    if (out_bf16) static_cast<uint16_t*>(out)[r * ldo + col] = f32_to_bf16(acc[lane]);
+    else static_cast<float*>(out)[r * ldo + col] = acc[lane];
+  }
+}
+
+void block_generic(const PackedWeight& w, int64_t b, const Int8Rows& x, int64_t m, void* out, int64_t ldo,
+                   bool out_bf16, bool accumulate) {
+  const uint8_t* block = w.codes + b * block_bytes(w.format, w.k, w.bits);
+  const int64_t G = w.k / w.group;
+  const bool general = w.zero != nullptr && w.code_offset == 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const int8_t* q = x.q + r * x.k;  // column order, unbiased (int8_layout)
+    float acc[kBlockCols] = {0};
+    for (int lane = 0; accumulate && lane < kBlockCols && b * kBlockCols + lane < w.n; ++lane)
+      acc[lane] = static_cast<const float*>(out)[r * ldo + b * kBlockCols + lane];
+    for (int64_t g = 0; g < G; ++g) {
+      const int32_t sx = group_code_sum(x, r, g, w.group);
+      const float dx = block_scale(x, r, g, w.group);
+      for (int lane = 0; lane < kBlockCols; ++lane) {
+        int32_t isum = 0;
+        for (int64_t c = g * w.group; c < (g + 1) * w.group; ++c) isum += int32_t(q[c]) * code_at(w, block, c, lane);
+        const int64_t at = (b * G + g) * kBlockCols + lane;
+        const float mv = general ? scale_value(w, w.zero, at) : 0.0f;
+        acc[lane] = combine_group(acc[lane], isum, sx, scale_value(w, w.scale, at), mv, general, w.code_offset, dx);
+      }
+    }
+    store_row(acc, b, w.n, out, ldo, r, out_bf16);
+  }
+}
+
+// ------------------------------------------------------------------ AVX-512 VNNI path
+#if SPECSERVE_X86
+
+// Per 32-bit lane, the plane byte of that lane (5-bit codes) in all four bytes.
+SPECSERVE_AVX512 inline __m512i lane_bytes_x4(const uint8_t* plane) {
+  const __m512i idx = _mm512_set_epi32(0x0F0F0F0F, 0x0E0E0E0E, 0x0D0D0D0D, 0x0C0C0C0C, 0x0B0B0B0B, 0x0A0A0A0A,
+                                       0x09090909, 0x08080808, 0x07070707, 0x06060606, 0x05050505, 0x04040404,
+                                       0x03030303, 0x02020202, 0x01010101, 0x00000000);
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane))), idx);
+}
+
+// Adds the high bits of one oct's codes to its two nibble words: wa holds columns (0, 4, 1, 5), wb
+// (2, 6, 3, 7), one byte each; a code's bits 4 and 5 come from the plane (linear.h).
+template <int Bits>
+SPECSERVE_AVX512 inline void add_high_bits(const uint8_t* plane, __m512i& wa, __m512i& wb) {
+  if constexpr (Bits == 5) {  // plane byte: bit p = column 2p, bit 4 + p = column 2p + 1
+    const __m512i h = lane_bytes_x4(plane), sixteen = _mm512_set1_epi8(16);
+    wa = _mm512_mask_add_epi8(wa, _mm512_test_epi8_mask(h, _mm512_set1_epi32(0x40100401)), wa, sixteen);
+    wb = _mm512_mask_add_epi8(wb, _mm512_test_epi8_mask(h, _mm512_set1_epi32(int32_t(0x80200802u))), wb, sixteen);
+  } else if constexpr (Bits == 6) {  // plane uint16: bits 2p.. = column 2p, bits 8 + 2p.. = column 2p + 1
+    // per lane the plane's (low, low, high, high) bytes: each byte's 2-bit fields are its columns'
+    const __m512i dup = _mm512_set_epi32(0x0D0D0C0C, 0x09090808, 0x05050404, 0x01010000, 0x0D0D0C0C, 0x09090808,
+                                         0x05050404, 0x01010000, 0x0D0D0C0C, 0x09090808, 0x05050404, 0x01010000,
+                                         0x0D0D0C0C, 0x09090808, 0x05050404, 0x01010000);
+    const __m512i t = _mm512_shuffle_epi8(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane))), dup);
+    // bytes 0 and 2 take their field from a shifted copy, bytes 1 and 3 from another (c ? a : b)
+    const __m512i even = _mm512_set1_epi32(0x00300030), high = _mm512_set1_epi32(0x30303030);
+    const __m512i ha = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 4), t, even, 0xE4);
+    const __m512i hb = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 2), _mm512_srli_epi32(t, 2), even, 0xE4);
+    wa = _mm512_ternarylogic_epi32(wa, ha, high, 0xF8);  // a | (b & c)
+    wb = _mm512_ternarylogic_epi32(wb, hb, high, 0xF8);
+  }
+}
+
+// part[r][j] += the group's integer dot products for a Q4-layout weight (codes unsigned, x signed).
+template <int Bits, int R, int NBT>
+SPECSERVE_AVX512 inline void q4_group(const PackedWeight& w, const uint8_t* const* blocks, const int8_t* const* rows,
+                                      int64_t g, __m512i (*part)[NBT]) {
+  const int64_t octs = w.group / 8, plane = w.k / 8 * 64;
+  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
+    __m512i wa[NBT], wb[NBT];
+    for (int j = 0; j < NBT; ++j) {
+      const __m512i packed = _mm512_loadu_si512(blocks[j] + oct * 64);
+      wa[j] = _mm512_and_si512(packed, nibbles);
+      wb[j] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), nibbles);
+      if constexpr (Bits > 4) add_high_bits<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits), wa[j], wb[j]);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t xa, xb;
+      std::memcpy(&xa, rows[r] + oct * 8, 4);
+      std::memcpy(&xb, rows[r] + oct * 8 + 4, 4);
+      const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
+      for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[r][j], wa[j], va), wb[j], vb);
+    }
+  }
+}
+
+// The same for a Q8-layout weight (codes signed, x biased to unsigned: the bias is taken off with
+// 128 times the weights' sum).
+template <int R, int NBT>
+SPECSERVE_AVX512 inline void q8_group(const PackedWeight& w, const uint8_t* const* blocks, const int8_t* const* rows,
+                                      int64_t g, __m512i (*part)[NBT]) {
+  // dword l of two pairs' 64 bytes: lane l's codes of pair 2t (word l) and pair 2t + 1 (word 16 + l)
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i wsum[NBT];
+  for (int j = 0; j < NBT; ++j) wsum[j] = _mm512_setzero_si512();
+  for (int64_t t = g * w.group / 4; t < (g + 1) * w.group / 4; ++t) {  // 4 columns (two pairs) at a time
+    __m512i wv[NBT];
+    for (int j = 0; j < NBT; ++j) {
+      wv[j] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(blocks[j] + t * 64));
+      wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, wv[j]);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t xw;
+      std::memcpy(&xw, rows[r] + t * 4, 4);
+      const __m512i xv = _mm512_set1_epi32(xw);
+      for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_dpbusd_epi32(part[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_sub_epi32(part[r][j], _mm512_slli_epi32(wsum[j], 7));
+}
+
+// R rows (from r0) x NBT column blocks (from b0); every (row, column) sees the generic path's
+// operations in its order whatever R and NBT are.
+template <WeightFormat F, int Bits, int R, int NBT>
+SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, void* out,
+                                int64_t ldo, bool out_bf16, bool accumulate) {
+  const int64_t bytes = block_bytes(F, w.k, Bits == 0 ? 4 : Bits), G = w.k / w.group;
+  const bool general = w.zero != nullptr && w.code_offset == 0;
+  const uint8_t* blocks[NBT];
+  for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
+  const int8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = x.q + (r0 + r) * x.k;
+  __m512 acc[R][NBT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) {
+      const int64_t col = (b0 + j) * kBlockCols;
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(tail_mask(w.n - col), static_cast<const float*>(out) + (r0 + r) * ldo + col)
+                             : _mm512_setzero_ps();
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i part[R][NBT];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_setzero_si512();
+    if constexpr (F == WeightFormat::Q4) q4_group<Bits, R, NBT>(w, blocks, rows, g, part);
+    else q8_group<R, NBT>(w, blocks, rows, g, part);
+    for (int j = 0; j < NBT; ++j) {
+      const int64_t at = ((b0 + j) * G + g) * kBlockCols;
+      const __m512 d = scales16(w, w.scale, at), mv = general ? scales16(w, w.zero, at) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int32_t sx = group_code_sum(x, r0 + r, g, w.group);
+        const __m512 dx = _mm512_set1_ps(block_scale(x, r0 + r, g, w.group));
+        const __m512i isum = _mm512_sub_epi32(part[r][j], _mm512_set1_epi32(w.code_offset * sx));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc[r][j]);
+        if (general) acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(mv, dx), _mm512_set1_ps(float(sx)), acc[r][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NBT; ++j) {
+    const int64_t col = (b0 + j) * kBlockCols;
+    const __mmask16 keep = tail_mask(w.n - col);
+    for (int r = 0; r < R; ++r) {
+      if (out_bf16) store_bf16(static_cast<uint16_t*>(out) + (r0 + r) * ldo + col, acc[r][j], keep);
+      else _mm512_mask_storeu_ps(static_cast<float*>(out) + (r0 + r) * ldo + col, keep, acc[r][j]);
+    }
+  }
+}
+
+template <WeightFormat F, int Bits, int R>
+SPECSERVE_AVX512 void rows_int8(const PackedWeight& w, int64_t b, int64_t b_end, const Int8Rows& x, int64_t r0,
+                                void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+  constexpr int kWide = R <= 2 ? 4 : 2;  // part, acc and weights within the 32 registers
+  for (; b + kWide <= b_end; b += kWide) tile_int8<F, Bits, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_int8<F, Bits, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+}
+
+template <WeightFormat F, int Bits>
+SPECSERVE_AVX512 void blocks_int8(const PackedWeight& w, int64_t b_begin, int64_t b_end, const Int8Rows& x, int64_t m,
+                                  void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+  constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk's codes stay in cache
+  for (int64_t c = b_begin; c < b_end; c += kChunk) {
+    const int64_t c_end = std::min(b_end, c + kChunk);
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) rows_int8<F, Bits, 4>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    switch (m - r) {
+      case 3: rows_int8<F, Bits, 3>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 2: rows_int8<F, Bits, 2>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 1: rows_int8<F, Bits, 1>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      default: break;
+    }
+  }
+}
+
+#endif  // SPECSERVE_X86
+
+}  // namespace
+
+Int8Layout int8_layout(Path path, WeightFormat format) {
+  if (path == Path::Generic) return {};
+  if (format == WeightFormat::Q4) return {true, false};
+  return {false, path == Path::Avx512Bf16};
+}
+
+void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
+                   int8_t* q, float* d, int32_t* s16) {
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t blk = 0; blk < k / 32; ++blk) {
+      float v[32], amax = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < 32; ++i) {
+        v[i] = bf16_to_f32(x[r * ldx + blk * 32 + i]);
+        finite = finite && std::isfinite(v[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      float dx = finite ? amax / 127.0f : NAN;  // a block with inf or NaN makes its outputs NaN
+      float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
+      if (!(inv <= FLT_MAX)) dx = 0.0f, inv = 0.0f;  // a block of tiny subnormals counts as zero
+      int32_t sums[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        const int32_t qi = int32_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv))));
+        sums[i / 16] += qi;
+        const int pos = layout.oct_order ? i / 8 * 8 + oct_position(i % 8) : i;
+        q[r * k + blk * 32 + pos] = layout.biased ? int8_t(uint8_t(qi + 128)) : int8_t(qi);
+      }
+      d[r * (k / 32) + blk] = dx;
+      s16[r * (k / 16) + 2 * blk] = sums[0];
+      s16[r * (k / 16) + 2 * blk + 1] = sums[1];
+    }
+  }
+}
+
+void linear_int8_blocks(Path path, const PackedWeight& w, const Int8Rows& x, int64_t m, int64_t block_begin,
+                        int64_t block_end, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+#if SPECSERVE_X86
+  if (path == Path::Avx2Fma) {
+    linear_int8_blocks_avx2(w, x, m, block_begin, block_end, out, ldo, out_bf16, accumulate);
+    return;
+  }
+  if (path == Path::Avx512Bf16) {
+    if (w.format == WeightFormat::Q8) blocks_int8<WeightFormat::Q8, 0>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (w.bits == 5) blocks_int8<WeightFormat::Q4, 5>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (w.bits == 6) blocks_int8<WeightFormat::Q4, 6>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else blocks_int8<WeightFormat::Q4, 4>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    return;
+  }
+#endif
+  for (int64_t b = block_begin; b < block_end; ++b) block_generic(w, b, x, m, out, ldo, out_bf16, accumulate);
+}
+
+}  // namespace specserve

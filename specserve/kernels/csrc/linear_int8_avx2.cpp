@@ -1,0 +1,184 @@
+// The AVX2 path of the integer-activation linear layers (see linear_int8.h), for x86 CPUs without
+// AVX-512. A block's 16 columns are two 8-lane halves. VPMADDUBSW multiplies unsigned by signed
+// bytes and adds adjacent pairs into int16 (saturating), so every operand is kept where no pair sum
+// can saturate: Q4-layout codes are at most 63 (the two nibble words' pair sums of an oct add up to
+// at most 2 * 2 * 63 * 127 < 2^15), and for signed 8-bit codes the weight's sign moves onto x
+// (|w| * sign(w) x, |w| <= 128). The int32 sums are then exact, as on every path.
+#include "linear_int8.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace specserve {
+
+namespace {
+
+#if SPECSERVE_X86
+
+// Adds the high bits of one oct's codes (lanes 8h..8h+7) to its nibble words wa (columns 0, 4, 1,
+// 5) and wb (2, 6, 3, 7), as add_high_bits in linear_int8.cpp does for 16 lanes.
+template <int Bits>
+SPECSERVE_AVX2 inline void add_high_bits8(const uint8_t* plane, int half, __m256i& wa, __m256i& wb) {
+  if constexpr (Bits == 5) {  // each lane's plane byte in all four of its bytes, then one bit per byte
+    const __m256i idx = _mm256_setr_epi32(0x00000000, 0x01010101, 0x02020202, 0x03030303, 0x04040404, 0x05050505,
+                                          0x06060606, 0x07070707);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(plane + half * 8));
+    const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), idx);
+    const __m256i bit_a = _mm256_set1_epi32(0x40100401), bit_b = _mm256_set1_epi32(int32_t(0x80200802u));
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    wa = _mm256_or_si256(wa, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit_a), bit_a), sixteen));
+    wb = _mm256_or_si256(wb, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit_b), bit_b), sixteen));
+  } else if constexpr (Bits == 6) {  // per lane the plane's (low, low, high, high) bytes
+    const __m256i dup = _mm256_setr_epi32(0x01010000, 0x05050404, 0x09090808, 0x0D0D0C0C, 0x01010000, 0x05050404,
+                                          0x09090808, 0x0D0D0C0C);
+    const __m256i t = _mm256_shuffle_epi8(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane + half * 16))), dup);
+    const __m256i even = _mm256_set1_epi32(0x00300030), odd = _mm256_set1_epi32(0x30003000);
+    wa = _mm256_or_si256(wa, _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(t, 4), even), _mm256_and_si256(t, odd)));
+    wb = _mm256_or_si256(wb, _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(t, 2), even),
+                                             _mm256_and_si256(_mm256_srli_epi32(t, 2), odd)));
+  }
+}
+
+// part[r][j][h] += the group's integer dot products, Q4 layout (codes unsigned, x signed).
+template <int Bits, int R, int NBT>
+SPECSERVE_AVX2 inline void q4_group8(const PackedWeight& w, const uint8_t* const* blocks, const int8_t* const* rows,
+                                     int64_t g, __m256i (*part)[NBT][2]) {
+  const int64_t octs = w.group / 8, plane = w.k / 8 * 64;
+  const __m256i nibbles = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+  for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
+    __m256i wa[NBT][2], wb[NBT][2];
+    for (int j = 0; j < NBT; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + oct * 64 + h * 32));
+        wa[j][h] = _mm256_and_si256(packed, nibbles);
+        wb[j][h] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), nibbles);
+        if constexpr (Bits > 4) add_high_bits8<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits), h, wa[j][h], wb[j][h]);
+      }
+    for (int r = 0; r < R; ++r) {
+      int32_t xa, xb;
+      std::memcpy(&xa, rows[r] + oct * 8, 4);
+      std::memcpy(&xb, rows[r] + oct * 8 + 4, 4);
+      const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
+      for (int j = 0; j < NBT; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wa[j][h], va), _mm256_maddubs_epi16(wb[j][h], vb));
+          part[r][j][h] = _mm256_add_epi32(part[r][j][h], _mm256_madd_epi16(pairs, ones));
+        }
+    }
+  }
+}
+
+// The same for the Q8 layout (codes signed): |w| times x with w's sign.
+template <int R, int NBT>
+SPECSERVE_AVX2 inline void q8_group8(const PackedWeight& w, const uint8_t* const* blocks, const int8_t* const* rows,
+                                     int64_t g, __m256i (*part)[NBT][2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t t = g * w.group / 4; t < (g + 1) * w.group / 4; ++t) {  // 4 columns (pairs 2t, 2t + 1)
+    __m256i wv[NBT][2], wabs[NBT][2];
+    for (int j = 0; j < NBT; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[j] + 2 * t * 32 + h * 16));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[j] + (2 * t + 1) * 32 + h * 16));
+        wv[j][h] = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+        wabs[j][h] = _mm256_abs_epi8(wv[j][h]);
+      }
+    for (int r = 0; r < R; ++r) {
+      int32_t xw;
+      std::memcpy(&xw, rows[r] + t * 4, 4);
+      const __m256i xv = _mm256_set1_epi32(xw);
+      for (int j = 0; j < NBT; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs = _mm256_maddubs_epi16(wabs[j][h], _mm256_sign_epi8(xv, wv[j][h]));
+          part[r][j][h] = _mm256_add_epi32(part[r][j][h], _mm256_madd_epi16(pairs, ones));
+        }
+    }
+  }
+}
+
+// acc + the group's result for 8 lanes (linear_int8.h's arithmetic).
+SPECSERVE_AVX2 inline __m256 combine8(__m256 acc, __m256i part, const PackedWeight& w, int64_t at, bool general,
+                                      int32_t sx, float dx) {
+  const __m256 vdx = _mm256_set1_ps(dx);
+  const __m256i isum = _mm256_sub_epi32(part, _mm256_set1_epi32(w.code_offset * sx));
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(scales8(w, w.scale, at), vdx), _mm256_cvtepi32_ps(isum), acc);
+  if (general) acc = _mm256_fmadd_ps(_mm256_mul_ps(scales8(w, w.zero, at), vdx), _mm256_set1_ps(float(sx)), acc);
+  return acc;
+}
+
+template <WeightFormat F, int Bits, int R, int NBT>
+SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, void* out,
+                                   int64_t ldo, bool out_bf16, bool accumulate) {
+  const int64_t bytes = block_bytes(F, w.k, Bits == 0 ? 4 : Bits), G = w.k / w.group;
+  const bool general = w.zero != nullptr && w.code_offset == 0;
+  const uint8_t* blocks[NBT];
+  for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
+  const int8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = x.q + (r0 + r) * x.k;
+  __m256 acc[R][NBT][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) {
+      alignas(32) float lanes[kBlockCols] = {0};
+      const int64_t col = (b0 + j) * kBlockCols, valid = std::min<int64_t>(kBlockCols, w.n - col);
+      if (accumulate) std::memcpy(lanes, static_cast<const float*>(out) + (r0 + r) * ldo + col, valid * 4);
+      acc[r][j][0] = _mm256_load_ps(lanes);
+      acc[r][j][1] = _mm256_load_ps(lanes + 8);
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i part[R][NBT][2];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NBT; ++j) part[r][j][0] = part[r][j][1] = _mm256_setzero_si256();
+    if constexpr (F == WeightFormat::Q4) q4_group8<Bits, R, NBT>(w, blocks, rows, g, part);
+    else q8_group8<R, NBT>(w, blocks, rows, g, part);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* s = x.s16 + (r0 + r) * (x.k / 16) + g * w.group / 16;
+      const int32_t sx = w.group == 32 ? s[0] + s[1] : s[0];
+      const float dx = x.d[(r0 + r) * (x.k / 32) + g * w.group / 32];
+      for (int j = 0; j < NBT; ++j)
+        for (int h = 0; h < 2; ++h)
+          acc[r][j][h] = combine8(acc[r][j][h], part[r][j][h], w, ((b0 + j) * G + g) * kBlockCols + 8 * h, general, sx, dx);
+    }
+  }
+  for (int j = 0; j < NBT; ++j) {
+    const int64_t col = (b0 + j) * kBlockCols, valid = std::min<int64_t>(kBlockCols, w.n - col);
+    for (int r = 0; r < R; ++r) store_lanes16(acc[r][j][0], acc[r][j][1], out, (r0 + r) * ldo + col, valid, out_bf16);
+  }
+}
+
+template <WeightFormat F, int Bits, int R>
+SPECSERVE_AVX2 void rows_int8_avx2(const PackedWeight& w, int64_t b, int64_t b_end, const Int8Rows& x, int64_t r0,
+                                   void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+  constexpr int kWide = R == 1 ? 2 : 1;  // 16 registers: part and acc per (row, block half), then the weights
+  for (; b + kWide <= b_end; b += kWide) tile_int8_avx2<F, Bits, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_int8_avx2<F, Bits, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+}
+
+template <WeightFormat F, int Bits>
+SPECSERVE_AVX2 void blocks_int8_avx2(const PackedWeight& w, int64_t b_begin, int64_t b_end, const Int8Rows& x,
+                                     int64_t m, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+  constexpr int64_t kChunk = 8;
+  for (int64_t c = b_begin; c < b_end; c += kChunk) {
+    const int64_t c_end = std::min(b_end, c + kChunk);
+    int64_t r = 0;
+    for (; r + 2 <= m; r += 2) rows_int8_avx2<F, Bits, 2>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    if (r < m) rows_int8_avx2<F, Bits, 1>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+  }
+}
+
+#endif  // SPECSERVE_X86
+
+}  // namespace
+
+void linear_int8_blocks_avx2(const PackedWeight& w, const Int8Rows& x, int64_t m, int64_t block_begin,
+                             int64_t block_end, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+#if SPECSERVE_X86
+  if (w.format == WeightFormat::Q8) blocks_int8_avx2<WeightFormat::Q8, 0>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == 5) blocks_int8_avx2<WeightFormat::Q4, 5>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == 6) blocks_int8_avx2<WeightFormat::Q4, 6>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else blocks_int8_avx2<WeightFormat::Q4, 4>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+#else
+  (void)w, (void)x, (void)m, (void)block_begin, (void)block_end, (void)out, (void)ldo, (void)out_bf16, (void)accumulate;
+#endif
+}
+
+}  // namespace specserve
