@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import int8_activations
-from real_gguf import (
-    bf16_perplexity_ratio,
-    gguf_parsed_once,
-    held_out_texts,
-    transformers_greedy,
-    transformers_tokenizer,
-)
+from real_gguf import bf16_perplexity_ratio, gguf_parsed_once, held_out_texts, transformers_greedy, transformers_tokenizer
 
 from specserve.datasets import sharegpt_first_turns
 from specserve.engine import Engine
@@ -93,7 +87,8 @@ def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, bf16_engine
     plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
     with pytest.raises(InvalidRequestError, match="this model has no chat template"):  # a base model: none of its own
         bf16_engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096, chat_template=str(template)) as engine:
+    ngram = Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096, chat_template=str(template))
+    with ngram as engine:
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         assert ids == engine.tokenizer.encode("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")

@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import int8_activations
-from real_gguf import (
-    bf16_perplexity_ratio,
-    gguf_parsed_once,
-    held_out_texts,
-    transformers_greedy,
-    transformers_tokenizer,
-)
+from real_gguf import bf16_perplexity_ratio, gguf_parsed_once, held_out_texts, transformers_greedy, transformers_tokenizer
 
 from specserve.engine import Engine
 from specserve.models.packaged import packaged_model_path

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 import torch
-from test_cpu_kernels import QUANTIZED, assert_every_pair_equal, make_weight
+from test_cpu_kernels import NO_VECTOR, QUANTIZED, assert_every_pair_equal, k_quant_scales, make_weight
 
 from specserve.kernels import dispatch
-from specserve.kernels.linear import BLOCK, GROUP, Q4, pack_q4
+from specserve.kernels.linear import BLOCK, GROUP, Q4, pack_q4, pack_q8
 
 PATHS = list(dispatch.available_paths())
 KINDS = [*QUANTIZED, "q4_0"]  # q4_0: offsets of exactly -8 scale, folded into the integer sums
@@ -45,7 +45,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     v = x.float().view(x.shape[0], -1, 32)
     amax = v.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
-    dx = torch.where(inv.isinf(), 0.0, amax / 127.0)  # a block of tiny subnormals counts as zero
+    dx = torch.where(inv.isinf(), 0.0, amax / 127.0)  # amax below about 2^-121: the block counts as zero
     inv = torch.where(inv.isinf(), 0.0, inv)
     codes = torch.round(v * inv).clamp(-127, 127)  # round: to nearest, ties to even
     return codes.view(x.shape[0], -1).long(), dx.squeeze(-1)
@@ -113,6 +113,7 @@ def test_int8_linear_is_the_promised_arithmetic_and_every_row_count_gives_the_sa
     assert torch.equal(run(packed, x, path, out_bf16=True), full.bfloat16())
 
 
+@NO_VECTOR
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_paths_agree_bitwise_on_ordinary_and_edge_rows(kind):
     packed, _ = int8_weight(kind, 100, 256, seed=3)
@@ -129,6 +130,33 @@ def test_int8_paths_agree_bitwise_on_ordinary_and_edge_rows(kind):
     out = results["generic"][0]
     assert torch.equal(out[0], torch.zeros(packed.n)) and torch.equal(out[1], torch.zeros(packed.n))
     assert out[4].isnan().all() and out[5].isnan().all() and out[[2, 3, 6]].isfinite().all()
+
+
+@pytest.mark.parametrize("kind", ["q6_g16", "q8"])
+def test_wide_weights_few_rows_and_extreme_codes(kind):
+    """What the shapes above leave out: more than 8 column blocks (several column chunks) with a
+    partial last one, 1 to 5 rows (every row tile), and the integer sums at their extremes: codes at
+    their largest magnitude (6-bit 63, 8-bit -128) times rows whose codes are all +-127."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 300, 256
+    if kind == "q6_g16":
+        codes = torch.full((n, k), 63, dtype=torch.uint8)
+        codes[::2] = torch.randint(0, 64, (n // 2, k), dtype=torch.uint8, generator=g)
+        scale = k_quant_scales(n, k // 16, g)
+        packed = pack_q4(codes, scale, -32 * scale, 16, 6)
+    else:
+        codes = torch.full((n, k), -128, dtype=torch.int8)
+        codes[::2] = torch.randint(-128, 128, (n // 2, k), dtype=torch.int8, generator=g)
+        packed = pack_q8(codes, (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float())
+    assert packed.quantize_activations()
+    x = torch.randn(5, k, generator=g)
+    x[0], x[1] = 1.0, -1.0  # every code +127, then -127
+    x[2] = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)
+    x = x.bfloat16()
+    for m in range(1, 6):
+        want = reference(packed, x[:m])
+        for path in PATHS:
+            assert torch.equal(run(packed, x[:m], path).view(torch.int32), want.view(torch.int32)), (kind, path, m)
 
 
 @pytest.mark.parametrize("kind", ["q4", "q4_0", "q6_g16", "q8"])

@@ -34,16 +34,6 @@ int code_at(const PackedWeight& w, const uint8_t* block, int64_t col, int lane) 
   return code;
 }
 
-// The sum of a row's codes over group g (of 16 or 32 columns).
-inline int32_t group_code_sum(const Int8Rows& x, int64_t r, int64_t g, int64_t group) {
-  const int32_t* s = x.s16 + r * (x.k / 16) + g * group / 16;
-  return group == 32 ? s[0] + s[1] : s[0];
-}
-
-inline float block_scale(const Int8Rows& x, int64_t r, int64_t g, int64_t group) {
-  return x.d[r * (x.k / 32) + g * group / 32];
-}
-
 void store_row(const float* acc, int64_t b, int64_t n, void* out, int64_t ldo, int64_t r, bool out_bf16) {
   for (int lane = 0; lane < kBlockCols && b * kBlockCols + lane < n; ++lane) {
     const int64_t col = b * kBlockCols + lane;
@@ -257,7 +247,7 @@ void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout,
       }
       float dx = finite ? amax / 127.0f : NAN;  // a block with inf or NaN makes its outputs NaN
       float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
-      if (!(inv <= FLT_MAX)) dx = 0.0f, inv = 0.0f;  // a block of tiny subnormals counts as zero
+      if (!(inv <= FLT_MAX)) dx = 0.0f, inv = 0.0f;  // amax below about 2^-121: the block counts as zero
       int32_t sums[2] = {0, 0};
       for (int i = 0; i < 32; ++i) {
         const int32_t qi = int32_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv))));

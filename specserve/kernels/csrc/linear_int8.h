@@ -1,9 +1,12 @@
 // Integer-activation linear layers for the quantized weight layouts of linear.h (Q4 and Q8), as
 // llama.cpp computes its quantized matmuls: each activation row is quantized on its own, in blocks
-// of 32 columns, to int8 codes qx with one float scale dx per block (dx = amax / 127, qx = the
-// nearest integer, ties to even, of x * (1 / dx)); a weight group's dot product with the row is then
-// an exact integer sum, so every path (AVX-512 VNNI, AVX2 maddubs, portable C++) gets the same
-// integers whatever instructions form them, and one fixed float sequence turns them into outputs.
+// of 32 columns, to int8 codes qx with one float scale dx per block: with amax the block's largest
+// |x| (float32), dx = amax / 127 and qx = x * (127 / amax) rounded to the nearest integer (ties to
+// even) and clamped to [-127, 127]. A block whose 127 / amax overflows (amax below about 2^-121) is
+// all zero (dx = 0); a block holding inf or NaN has dx = NaN, so its row's outputs are NaN. A weight
+// group's dot product with the row is then an exact integer sum, so every path (AVX-512 VNNI, AVX2
+// maddubs, portable C++) gets the same integers whatever instructions form them, and one fixed
+// float sequence turns them into outputs.
 //
 // Per output (row, column), over the weight's groups in order (a group of 16 or 32 columns lies in
 // one activation block; dx is that block's scale):
@@ -55,7 +58,18 @@ void linear_int8_blocks(Path path, const PackedWeight& w, const Int8Rows& x, int
 void linear_int8_blocks_avx2(const PackedWeight& w, const Int8Rows& x, int64_t m, int64_t block_begin,
                              int64_t block_end, void* out, int64_t ldo, bool out_bf16, bool accumulate);
 
-// The group-end arithmetic of the header comment for one (row, column), shared by the scalar paths.
+// The sum of a row's codes over weight group g (of 16 or 32 columns), and the scale of the
+// activation block holding that group.
+inline int32_t group_code_sum(const Int8Rows& x, int64_t r, int64_t g, int64_t group) {
+  const int32_t* s = x.s16 + r * (x.k / 16) + g * group / 16;
+  return group == 32 ? s[0] + s[1] : s[0];
+}
+
+inline float block_scale(const Int8Rows& x, int64_t r, int64_t g, int64_t group) {
+  return x.d[r * (x.k / 32) + g * group / 32];
+}
+
+// The group-end arithmetic of the header comment for one (row, column), as the generic path spells it.
 inline float combine_group(float acc, int32_t isum, int32_t sx, float d, float m, bool general_offsets, int c, float dx) {
   const float dd = d * dx;
   acc = std::fma(dd, float(isum - c * sx), acc);

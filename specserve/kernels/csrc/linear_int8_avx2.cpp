@@ -131,9 +131,8 @@ SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8
     if constexpr (F == WeightFormat::Q4) q4_group8<Bits, R, NBT>(w, blocks, rows, g, part);
     else q8_group8<R, NBT>(w, blocks, rows, g, part);
     for (int r = 0; r < R; ++r) {
-      const int32_t* s = x.s16 + (r0 + r) * (x.k / 16) + g * w.group / 16;
-      const int32_t sx = w.group == 32 ? s[0] + s[1] : s[0];
-      const float dx = x.d[(r0 + r) * (x.k / 32) + g * w.group / 32];
+      const int32_t sx = group_code_sum(x, r0 + r, g, w.group);
+      const float dx = block_scale(x, r0 + r, g, w.group);
       for (int j = 0; j < NBT; ++j)
         for (int h = 0; h < 2; ++h)
           acc[r][j][h] = combine8(acc[r][j][h], part[r][j][h], w, ((b0 + j) * G + g) * kBlockCols + 8 * h, general, sx, dx);

@@ -12,8 +12,8 @@
 
 #include "simd.h"
 
-// Vector code is compiled for AVX512-BF16 (and VNNI, which every CPU with it has) function by function, so the library still loads (and
-// runs the generic path) on CPUs without it.
+// Vector code is compiled for AVX512-BF16 (and VNNI, which every CPU with it has) function by
+// function, so the library still loads (and runs the generic path) on CPUs without it.
 #define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni")))
 
 namespace specserve {
