@@ -83,37 +83,10 @@ class PackedLinear:
         return self._kernel(x, out_bf16, path, None)
 
     def _kernel(self, x: torch.Tensor, out_bf16: bool, path: int, init: torch.Tensor | None) -> torch.Tensor:
+        weight = (self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path)
         if self.int8_activations:
-            return load().linear_int8(
-                x,
-                self.format,
-                self.codes,
-                self.scale,
-                self.zero,
-                self.n,
-                self.k,
-                out_bf16,
-                path,
-                init,
-                self.group,
-                self.bits,
-                self.code_offset,
-            )
-        return load().linear(
-            x,
-            self.format,
-            self.codes,
-            self.scale,
-            self.zero,
-            self.n,
-            self.k,
-            out_bf16,
-            path,
-            *self.exponents,
-            init,
-            self.group,
-            self.bits,
-        )
+            return load().linear_int8(x, *weight, init, self.group, self.bits, self.code_offset)
+        return load().linear(x, *weight, *self.exponents, init, self.group, self.bits)
 
     def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight [len(index), k] as float32, read from the packed layout (an
