@@ -46,7 +46,7 @@ void block_generic(const PackedWeight& w, int64_t b, const Int8Rows& x, int64_t 
                    bool out_bf16, bool accumulate) {
   const uint8_t* block = w.codes + b * block_bytes(w.format, w.k, w.bits);
   const int64_t G = w.k / w.group;
-  const bool general = w.zero != nullptr && w.code_offset == 0;
+  const bool general = general_offsets(w);
   for (int64_t r = 0; r < m; ++r) {
     const int8_t* q = x.q + r * x.k;  // column order, unbiased (int8_layout)
     float acc[kBlockCols] = {0};
@@ -158,12 +158,11 @@ SPECSERVE_AVX512 inline void q8_group(const PackedWeight& w, const uint8_t* cons
 template <WeightFormat F, int Bits, int R, int NBT>
 SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, void* out,
                                 int64_t ldo, bool out_bf16, bool accumulate) {
-  const int64_t bytes = block_bytes(F, w.k, Bits == 0 ? 4 : Bits), G = w.k / w.group;
-  const bool general = w.zero != nullptr && w.code_offset == 0;
+  const int64_t G = w.k / w.group;
+  const bool general = general_offsets(w);
   const uint8_t* blocks[NBT];
-  for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
   const int8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = x.q + (r0 + r) * x.k;
+  tile_sources<R, NBT>(w, b0, x, r0, blocks, rows);
   __m512 acc[R][NBT];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NBT; ++j) {

@@ -69,6 +69,18 @@ inline float block_scale(const Int8Rows& x, int64_t r, int64_t g, int64_t group)
   return x.d[r * (x.k / 32) + g * group / 32];
 }
 
+// Whether w's offsets need their own float term (general offsets, not folded into the integer sums).
+inline bool general_offsets(const PackedWeight& w) { return w.zero != nullptr && w.code_offset == 0; }
+
+// The code blocks (from b0) and quantized rows (from r0) a tile of NBT blocks x R rows reads.
+template <int R, int NBT>
+inline void tile_sources(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, const uint8_t* (&blocks)[NBT],
+                         const int8_t* (&rows)[R]) {
+  const int64_t bytes = block_bytes(w.format, w.k, w.bits);
+  for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
+  for (int r = 0; r < R; ++r) rows[r] = x.q + (r0 + r) * x.k;
+}
+
 // The group-end arithmetic of the header comment for one (row, column), as the generic path spells it.
 inline float combine_group(float acc, int32_t isum, int32_t sx, float d, float m, bool general_offsets, int c, float dx) {
   const float dd = d * dx;

@@ -109,12 +109,11 @@ SPECSERVE_AVX2 inline __m256 combine8(__m256 acc, __m256i part, const PackedWeig
 template <WeightFormat F, int Bits, int R, int NBT>
 SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, void* out,
                                    int64_t ldo, bool out_bf16, bool accumulate) {
-  const int64_t bytes = block_bytes(F, w.k, Bits == 0 ? 4 : Bits), G = w.k / w.group;
-  const bool general = w.zero != nullptr && w.code_offset == 0;
+  const int64_t G = w.k / w.group;
+  const bool general = general_offsets(w);
   const uint8_t* blocks[NBT];
-  for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
   const int8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = x.q + (r0 + r) * x.k;
+  tile_sources<R, NBT>(w, b0, x, r0, blocks, rows);
   __m256 acc[R][NBT][2];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NBT; ++j) {
