@@ -35,9 +35,7 @@ def flag(default: Any, help: str, **metadata: Any) -> Any:
 class ServerArgs:
     """Every engine setting. CLI flag `--foo-bar` is field `foo_bar`; Engine keywords use the same names."""
 
-    model_path: Optional[str] = flag(
-        None, "GGUF file or Hugging Face llama/qwen2 directory; default: the embedded SmolLM2-135M-Instruct"
-    )
+    model_path: Optional[str] = flag(None, "GGUF file or HF llama/qwen2 directory (default: the embedded SmolLM2-135M)")
     tokenizer_path: Optional[str] = flag(None, "tokenizer.json directory or GGUF file (default: from the model)")
     chat_template: Optional[str] = flag(None, "Jinja chat template file, in place of the model's own (or for one without)")
     dtype: str = flag("auto", "float32 | bfloat16 | auto (bfloat16 on CPU)", choices=DTYPES)
@@ -64,7 +62,7 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = flag(
         None,
         "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt "
-        "lookup) or NONE (no speculation)",
+        "lookup; the default for any other model) or NONE (no speculation)",
         choices=SPEC_ALGORITHMS,
     )
     speculative_dspark_block_size: Optional[int] = flag(
@@ -74,6 +72,9 @@ class ServerArgs:
         None,
         "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default "
         "for the embedded model: the shipped one",
+    )
+    speculative_draft_weights: str = flag(
+        "q8", "the DSpark drafter's linears and reduced head on CPU: q8 (ggml Q8_0 codes), or bf16", choices=("bf16", "q8")
     )
     speculative_dspark_verify_mode: Optional[str] = flag(
         None,
@@ -108,9 +109,7 @@ class ServerArgs:
         "the adaptive policy drafts only when it predicts at least this fraction more tokens per second than "
         "plain decoding (a margin for its prediction errors)",
     )
-    speculative_explore_interval: int = flag(
-        64, "a request tries a drafter it has not used for this many of its steps (0: never)"
-    )
+    speculative_explore_interval: int = flag(64, "a request tries a drafter unused for this many of its steps (0: never)")
     speculative_disable_batch_size: Optional[int] = flag(
         None,
         "override: decode steps with more running requests than this run without drafts; 0: never speculate "
@@ -160,18 +159,23 @@ class ServerArgs:
     collective_timeout: float = flag(60.0, "seconds any cross-rank collective may wait before the rank fails loudly")
 
     def __post_init__(self) -> None:
-        self._default_to_shipped_drafter()
+        self._default_speculation()
         validate_server_args(self)
 
-    def _default_to_shipped_drafter(self) -> None:
-        """The embedded model speculates with its shipped DSpark drafter unless told otherwise
-        (`--speculative-algorithm NONE` or NGRAM, or another drafter path)."""
-        if self.model_path is not None or self.speculative_algorithm not in (None, Algorithm.DSPARK):
+    def _default_speculation(self) -> None:
+        """Unless told otherwise, speculate under the adaptive policy (which drafts only where it
+        pays): the embedded model with its shipped DSpark drafter (and NGRAM), any other model
+        with NGRAM, since no drafter ships for it."""
+        if self.speculative_algorithm not in (None, Algorithm.DSPARK):
+            return
+        if self.model_path is not None:
+            if self.speculative_algorithm is None and self.speculative_draft_model_path is None:
+                object.__setattr__(self, "speculative_algorithm", Algorithm.NGRAM)  # frozen: set once, here
             return
         from specserve.assets import default_drafter_path
 
         path = self.speculative_draft_model_path or default_drafter_path()
-        if path is not None:  # frozen: set once, while constructing
+        if path is not None:
             object.__setattr__(self, "speculative_algorithm", Algorithm.DSPARK)
             object.__setattr__(self, "speculative_draft_model_path", path)
 

@@ -26,6 +26,8 @@ def add_dspark_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--num-prompts", type=int, default=8, help="MT-Bench first turns per batch size")
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--draft-weights", default="bf16,q8",
+                   help="comma-separated --speculative-draft-weights modes, one DSPARK engine each, same run")
     p.add_argument("--out", default=None, help="write the breakdown as JSON here")
 
 
@@ -75,33 +77,47 @@ def instrument_plain(engine) -> dict[str, float]:
 
 
 def run_dspark_step_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
+    from specserve.bench.offline import prompt_ids
+    from specserve.bench.provenance import provenance
     from specserve.engine import Engine
 
     base = {k: v for k, v in vars(args).items() if not k.startswith("speculative_")}
+    modes = [m.strip() for m in ns.draft_weights.split(",") if m.strip()]
     questions = mtbench_first_turns()[:ns.num_prompts]
-    from specserve.bench.provenance import provenance
-
     report: dict[str, Any] = {**provenance(args.speculative_draft_model_path), "new_tokens": ns.new_tokens,
-                              "num_prompts": len(questions), "batch_sizes": {}}
-    with Engine(**base, speculative_algorithm="NONE") as plain, \
-            Engine(**base, speculative_algorithm="DSPARK", speculative_policy="fixed",
-                   speculative_draft_model_path=args.speculative_draft_model_path) as spec:
-        prompts = [plain.tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in questions]
-        plain_totals, spec_totals = instrument_plain(plain), instrument(spec)
-        params = {"temperature": 0, "max_new_tokens": ns.new_tokens}
-        for bs in number_list("--batch-sizes", ns.batch_sizes):
-            plain_totals.clear()
-            spec_totals.clear()
-            for i in range(0, len(prompts), bs):
-                for engine in (plain, spec):
-                    engine.tree.reset()
-                    engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
-            report["batch_sizes"][bs] = breakdown(dict(plain_totals), dict(spec_totals))
-            print(json.dumps({bs: report["batch_sizes"][bs]}, indent=2), flush=True)
+                              "num_prompts": len(questions), "draft_weights": {m: {"batch_sizes": {}} for m in modes}}
+    plain = Engine(**base, speculative_algorithm="NONE")
+    specs = {m: Engine(**base, speculative_algorithm="DSPARK", speculative_policy="fixed", speculative_draft_weights=m,
+                       speculative_draft_model_path=args.speculative_draft_model_path) for m in modes}
+    prompts = prompt_ids(plain.tokenizer, [q["prompt"] for q in questions])
+    plain_totals, spec_totals = instrument_plain(plain), {m: instrument(e) for m, e in specs.items()}
+    params = {"temperature": 0, "max_new_tokens": ns.new_tokens}
+    for bs in number_list("--batch-sizes", ns.batch_sizes):
+        for totals in (plain_totals, *spec_totals.values()):
+            totals.clear()
+        metas: dict[str, list[dict]] = {m: [] for m in modes}
+        for i in range(0, len(prompts), bs):  # interleaved: each chunk through every engine in turn
+            plain.tree.reset()
+            plain.generate(input_ids=prompts[i:i + bs], sampling_params=params)
+            for m, engine in specs.items():
+                engine.tree.reset()
+                metas[m] += [o["meta_info"] for o in engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)]
+        for m in modes:
+            report["draft_weights"][m]["batch_sizes"][bs] = breakdown(dict(plain_totals), dict(spec_totals[m]))
+            report["draft_weights"][m]["batch_sizes"][bs]["accept_length"] = accept_length(metas[m])
+        print(json.dumps({bs: {m: report["draft_weights"][m]["batch_sizes"][bs] for m in modes}}, indent=2), flush=True)
+    for engine in (plain, *specs.values()):
+        engine.shutdown()
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def accept_length(metas: list[dict]) -> float:
+    """1 + accepted drafts per verify step, over every request (the fixed policy drafts every step)."""
+    steps = sum(m["spec_verify_ct"] for m in metas)
+    return round(1 + sum(m["spec_num_correct_drafts"] for m in metas) / max(steps, 1), 4)
 
 
 def breakdown(plain: dict[str, float], spec: dict[str, float]) -> dict[str, Any]:

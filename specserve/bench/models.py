@@ -2,8 +2,10 @@
 threads, in one run. Each run measures every model in turn (interleaved), each in a fresh process:
 `specserve bench offline --peer llama.cpp` (batch-1 decode, the 1-row decode and 6-row verify
 steps, 512-token prefill, batch N, resident memory and load time, then llama-cpp-python on the
-same token ids) and, with `--llama-bench`, native llama.cpp's `llama-bench` (tg128 and pp512; build
-it with scripts/llama_bench.sh). The summary gives each figure's median and range over the runs;
+same token ids), `specserve bench spec` (the model's default speculation against NONE on MT-Bench
+first turns and HumanEval, greedy, at batch 1 and 16; skipped with --spec-prompts 0) and, with
+`--llama-bench`, native llama.cpp's `llama-bench` (tg128 and pp512; build it with
+scripts/llama_bench.sh). The summary gives each figure's median and range over the runs;
 a ratio is formed within each run (same machine state) before its median is taken.
 """
 
@@ -34,6 +36,9 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--activations", default="bf16",
                    help="comma-separated --cpu-activations modes, each model measured in each (e.g. bf16,int8)")
+    p.add_argument("--spec-prompts", type=int, default=16,
+                   help="MT-Bench first turns and as many HumanEval problems for default speculation vs NONE (0: skip)")
+    p.add_argument("--spec-batch-sizes", default="1,16", help="batch sizes of the speculation comparison")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -49,6 +54,34 @@ def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) 
         raise RuntimeError(f"bench offline on {model} failed:\n{proc.stderr[-3000:]}")
     with open(out) as f:
         return json.load(f)
+
+
+def _spec(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
+    """`bench spec` with NONE and DEFAULT only: one repeat, the configurations in one process."""
+    out = os.path.join(folder, "spec.json")
+    cmd = [sys.executable, "-m", "specserve.cli", "bench", "spec", "--configs", "NONE,DEFAULT", "--repeats", "1",
+           "--batch-sizes", ns.spec_batch_sizes, "--num-prompts", str(ns.spec_prompts),
+           "--humaneval-prompts", str(ns.spec_prompts), "--new-tokens", str(ns.new_tokens), "--hf-prompts", "0",
+           "--num-threads", str(ns.threads), "--cpu-activations", activations, "--out", out]
+    if model != "default":
+        cmd += ["--model-path", model]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench spec on {model} failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        report = json.load(f)
+    return {"table": [{k: row[k] for k in ("workload", "batch_size", "config", "tokens_per_s", "ratio_to_none",
+                                           "accept_length", "identical_to_none", "drafter_steps")}
+                      for row in report["table"]]}
+
+
+def spec_figures(spec: dict[str, Any]) -> dict[str, float]:
+    """The default's speed over NONE per workload and batch size, and whether its tokens were NONE's
+    (1.0 or 0.0, so that the summary's lowest says whether any run differed)."""
+    rows = [r for r in spec["table"] if r["config"] == "DEFAULT"]
+    figures = {f"default_vs_none@{r['workload']}/bs{r['batch_size']}": r["ratio_to_none"] for r in rows}
+    figures["default_identical_to_none"] = float(all(r["identical_to_none"] for r in rows))
+    return figures
 
 
 def _native(binary: str, path: str, threads: int) -> dict[str, float]:
@@ -83,6 +116,8 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
         figures |= {"native_tg128_tok_s": native["tg128_tok_s"], "native_pp512_tok_s": native["pp512_tok_s"],
                     "decode_vs_native": ours["batch1_tok_s"] / native["tg128_tok_s"],
                     "prefill_vs_native": ours["prefill_tok_s"] / native["pp512_tok_s"]}
+    if run.get("spec"):
+        figures |= spec_figures(run["spec"])
     return figures
 
 
@@ -111,12 +146,14 @@ def run_models_bench(ns: argparse.Namespace) -> int:
             for activations in modes:
                 with tempfile.TemporaryDirectory() as folder:
                     result = _offline(model, activations, ns, folder)
+                    if ns.spec_prompts > 0:
+                        result["spec"] = _spec(model, activations, ns, folder)
                 result |= {"activations": activations} | ({"native": native} if native else {})
                 raw[entries[model, activations]].append(result)
                 print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
-                              "threads": ns.threads, **provenance(None)}
+                              "threads": ns.threads, "spec_prompts": ns.spec_prompts, **provenance(None)}
     report["llama_cpp_python"] = next(iter(raw.values()))[0]["llama.cpp"].get("version", "?")
     report["models"] = {name: {"path": os.path.basename(paths[m]), "activations": a,
                                "summary": summarize([_figures(r, ns.batch_size) for r in raw[name]]), "runs": raw[name]}

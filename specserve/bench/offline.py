@@ -49,11 +49,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _chat_ids(tokenizer, n: int) -> list[list[int]]:
-    """The prompts as chats, or as plain text for a base model without a chat template (Gemma 3 270M)."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    return prompt_ids(tokenizer, [PROMPTS[i % len(PROMPTS)] for i in range(n)])
+
+
+def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as a user's chat turn, or as plain text for a base model without a chat template
+    (Gemma 3 270M)."""
     if getattr(tokenizer, "chat_template", True) is None:
-        return [tokenizer.encode(p) for p in prompts]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        return [tokenizer.encode(t) for t in texts]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
 def _long_ids(tokenizer, n: int) -> list[int]:
@@ -203,6 +207,14 @@ def cpu_description() -> dict[str, Any]:
             "threads": torch.get_num_threads()}
 
 
+def speculation_label(args: ServerArgs) -> str:
+    """What the engine speculates with, as a table says it: 'none', or the policy and its drafters."""
+    if not args.speculating:
+        return "none"
+    drafters = args.policy_drafters() if args.speculative_policy == "adaptive" else (args.speculative_algorithm,)
+    return f"{args.speculative_policy} over {', '.join(str(d) for d in drafters)}"
+
+
 def run_offline_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.engine.builder import resolve_dtype
     from specserve.models.loader import resolve_model_path
@@ -215,6 +227,7 @@ def run_offline_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.bench.provenance import provenance
 
     report.update(provenance(args.speculative_draft_model_path if args.speculating else None))
+    report["speculation"] = speculation_label(args)
     report["specserve"] = bench_specserve(args, ns)
     print("specserve:", json.dumps(report["specserve"]))
     peers = [] if ns.skip_hf and not ns.peer else (ns.peer or ["transformers"])

@@ -26,6 +26,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.args import ServerArgs, number_list
+from specserve.bench.offline import prompt_ids
 from specserve.datasets import humaneval_prompts, mtbench_first_turns
 
 CONFIGS = {
@@ -67,7 +68,7 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
         tokenizer = engines["NONE"].tokenizer
         for repeat in range(ns.repeats):
             for workload, items in workloads.items():
-                prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}]) for q in items]
+                prompts = prompt_ids(tokenizer, [q["prompt"] for q in items])
                 categories = [q["category"] for q in items]
                 for name in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
                     run = run_once(engines[name], prompts, categories, bs, ns.new_tokens)

@@ -375,6 +375,7 @@ def _load_drafter(
         args.speculative_dspark_block_size,
         embed=model.embed_tokens,
         lm_head=head,
+        q8_weights=args.speculative_draft_weights == "q8",
     )
 
 

@@ -60,7 +60,8 @@ def _file_tier(args: ServerArgs, device_pools: list[KVPool], tp_rank: int) -> "F
         kv_dtype=str(device_pools[0].k[0].dtype),
         tp_size=args.tp_size,
         tp_rank=tp_rank,
-        kernel=f"v{KV_FORMAT_VERSION}:{torch.device(args.device).type}:{args.quantization}:{args.cpu_activations}",
+        kernel=f"v{KV_FORMAT_VERSION}:{torch.device(args.device).type}:{args.quantization}:{args.cpu_activations}"
+        + (f":drafter-{args.speculative_draft_weights}" if drafter else ""),
     )
     assert args.hicache_storage_dir is not None, "args validation: the file tier needs its directory"
     budget = max(1, args.hicache_storage_max_bytes // args.tp_size)

@@ -29,6 +29,7 @@ from specserve.kv.pool import KVPool
 from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from specserve.models.quant import Q8Weight
 from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
 
@@ -175,17 +176,18 @@ class DraftVocabHead(nn.Module):
 
     weight: torch.Tensor  # a buffer [V_draft, H]
 
-    def __init__(self, rows: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, q8: bool = False):
         super().__init__()
         self.register_buffer("weight", rows, persistent=False)
         self.kernel: Optional[PackedLinear] = None
+        self.q8 = q8  # packed as ggml Q8_0 codes (of float32 rows: a Q8_0 target head's own codes)
 
     def pack_for_cpu(self) -> None:
-        self.kernel = pack_bf16(self.weight)
+        self.kernel = Q8Weight.from_dense(self.weight).packed() if self.q8 else pack_bf16(self.weight)
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
+    def rows(self, index: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Rows `index` of the head weight (a drafter's reduced vocabulary reads them)."""
-        return self.weight.detach()[index]
+        return self.weight.detach()[index].to(dtype or self.weight.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -194,7 +196,7 @@ class DraftVocabHead(nn.Module):
 
 
 class _WeightedHead(Protocol):  # an LM head that shows its weight's rows (reduced draft vocabularies read them)
-    def rows(self, index: torch.Tensor) -> torch.Tensor: ...
+    def rows(self, index: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor: ...
 
 
 class DsparkDrafter(nn.Module):
@@ -219,6 +221,7 @@ class DsparkDrafter(nn.Module):
         self.embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.ops: OpBackend = TorchOps(torch.float32)  # stock torch (training) until use_backend
+        self.q8_weights = False
 
     @property
     def block_size(self) -> int:
@@ -243,9 +246,20 @@ class DsparkDrafter(nn.Module):
         the target head's rows of the draft ids (`lm_head` must then give them: `.rows(ids)`)."""
         self.embed, self.lm_head = embed, lm_head
         if self.reduced_vocab:
-            rows = cast(_WeightedHead, lm_head).rows(self.draft_to_target)  # the contract above
-            self.lm_head = DraftVocabHead(rows.contiguous())
+            dtype = torch.float32 if self.q8_weights else None  # exact rows to quantize
+            rows = cast(_WeightedHead, lm_head).rows(self.draft_to_target, dtype)  # the contract above
+            self.lm_head = DraftVocabHead(rows.contiguous(), q8=self.q8_weights)
             self.ops.prepare(self.lm_head)
+            if self.lm_head.kernel is not None and self.q8_weights:  # the kernel computes from the codes
+                self.lm_head.weight = self.lm_head.weight.new_empty(0)
+
+    def quantize_weights(self) -> None:
+        """Compute the linears and the reduced-vocabulary head from ggml Q8_0 codes of their weights
+        (half the bytes a step reads); call before use_backend and attach_target."""
+        self.q8_weights = True
+        for part in self.modules():
+            if isinstance(part, Linear):
+                part.q8_weights = True
 
     def use_backend(self, ops: OpBackend) -> None:
         """Run on `ops` from now on (after the weights are loaded: it packs the ones it needs)."""
@@ -335,12 +349,11 @@ class DsparkDrafter(nn.Module):
         tokens = torch.empty(bs, g, dtype=torch.int64, device=anchors.device)
         vocab = self.config.vocab_size
         probs = base_logits.new_zeros(bs, g, vocab) if sampled else None
-        conf = torch.empty(bs, g, dtype=torch.float32, device=anchors.device)
-        prev = anchors.long()
+        prev, embedded = anchors.long(), []
         for k in range(g):
             e = self.markov_w1(prev)
+            embedded.append(e)
             logits = base_logits[:, k] + self.markov_w2(e).float()
-            conf[:, k] = torch.sigmoid(self.confidence(torch.cat([hidden[:, k], e], -1)).float().squeeze(-1))
             pick = self.to_target(logits.argmax(-1))
             if probs is not None:  # some request samples
                 probs[:, k] = F.one_hot(pick, vocab).float()
@@ -354,6 +367,9 @@ class DsparkDrafter(nn.Module):
                 probs[rows, k] = self.to_target_probs(q.to(probs.device))
             tokens[:, k] = pick
             prev = pick
+        # Every slot's confidence in one call after the loop (a linear's rows do not depend on each other).
+        features = torch.cat([hidden, torch.stack(embedded, 1)], -1)
+        conf = torch.sigmoid(self.confidence(features).float().squeeze(-1))
         return DraftOut(tokens, probs, conf)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

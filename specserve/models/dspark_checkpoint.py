@@ -70,9 +70,11 @@ def load_drafter(
     block_size: Optional[int] = None,
     embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    q8_weights: bool = False,
 ) -> DsparkDrafter:
     """Read config.json + model.safetensors; `block_size` overrides the checkpoint's gamma. Given
-    the target's `embed` and `lm_head`, the drafter comes back attached to them, ready to draft."""
+    the target's `embed` and `lm_head`, the drafter comes back attached to them, ready to draft.
+    `q8_weights`: its linears and reduced head computed from Q8_0 codes (CPU kernels)."""
     from safetensors.torch import load_file
 
     cfg = read_drafter_config(path)
@@ -90,6 +92,8 @@ def load_drafter(
     for p in model.parameters():  # parameters only: the RoPE tables stay float32, as the target's do
         p.requires_grad_(False)
         p.data = p.data.to(dtype)
+    if q8_weights:
+        model.quantize_weights()
     model.use_backend(select_backend(device, dtype))
     if embed is not None and lm_head is not None:
         model.attach_target(embed, lm_head)

@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_bf16
-from specserve.models.quant import QuantWeight, concat_rows
+from specserve.models.quant import Q8Weight, QuantWeight, concat_rows
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,16 @@ class Linear(nn.Linear):
     kernel of specserve/kernels, whose per-row result does not depend on the row count (the drafter's)."""
 
     kernel: Optional[PackedLinear] = None
+    q8_weights: bool = False  # packed as ggml Q8_0 codes rather than bf16 (DsparkDrafter.quantize_weights)
 
     def pack_for_cpu(self) -> None:
-        self.kernel = pack_bf16(self.weight)
+        if self.weight.numel() == 0:  # packed before, its weight released
+            return
+        if self.q8_weights and self.in_features % 32 == 0:
+            self.kernel = Q8Weight.from_dense(self.weight).packed()
+            self.weight = release(self.weight)
+        else:
+            self.kernel = pack_bf16(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -238,7 +245,7 @@ class RowParallelLinear(_ParallelLinear):
         return round_to_bf16_like_kernels(sums).view(*x.shape[:-1], kernel.n)
 
 
-def release(weight: nn.Parameter) -> nn.Parameter:
+def release(weight: torch.Tensor) -> nn.Parameter:
     """An empty stand-in (same dtype and device) for a weight whose packed form replaces it."""
     return nn.Parameter(weight.new_empty(0), requires_grad=False)
 
@@ -315,12 +322,12 @@ class ParallelLMHead(_ParallelLinear):
         """This rank's vocabulary rows of the GGUF output (or tied embedding) codes."""
         self._quant = weight.rows(slice(self.start, self.start + self.weight.shape[0]))
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` of this rank's head weight [len(index), H] in the model dtype (from the
-        packed codes once the dequantized weight is dropped)."""
+    def rows(self, index: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Rows `index` of this rank's head weight [len(index), H] in `dtype` (default: the model's;
+        from the packed codes once the dequantized weight is dropped, where float32 is exact)."""
         if self.weight.numel() or self.kernel is None:
-            return self.weight.detach()[index]
-        return self.kernel.dense_rows(index).to(self.weight.dtype)
+            return self.weight.detach()[index].to(dtype or self.weight.dtype)
+        return self.kernel.dense_rows(index).to(dtype or self.weight.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden, torch.float32)

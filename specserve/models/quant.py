@@ -87,6 +87,21 @@ class Q8Weight:
     offset: Optional[torch.Tensor] = None
     group: int = GROUP
 
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> "Q8Weight":
+        """ggml's Q8_0 of a float weight [out, in] (in a multiple of 32), bit for bit: per 32 columns
+        d = amax / 127 and q = w / d rounded half away from zero, both in float32; d stored as a
+        float16 (so the weights are float16(d) * q)."""
+        w = weight.detach().float()
+        if w.dim() != 2 or w.shape[1] % GROUP:
+            raise ConfigError(f"Q8_0 needs a 2-D weight with a multiple of {GROUP} columns, got {tuple(w.shape)}")
+        blocks = w.view(w.shape[0], -1, GROUP)
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        scaled = blocks * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        whole = scaled.abs().floor()
+        codes = scaled.sign() * (whole + (2 * (scaled.abs() - whole)).floor())
+        return cls(codes.to(torch.int8).view_as(w), d.squeeze(-1).half().float())
+
     def rows(self, index) -> "Q8Weight":
         offset = None if self.offset is None else self.offset[index]
         return Q8Weight(self.codes[index], self.scale[index], offset, self.group)

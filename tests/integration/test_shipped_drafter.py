@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from helpers import chat_prompts, policy_args
 
@@ -108,4 +109,24 @@ def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, fp32
     # Deterministic (fp32, fixed prompts). With this weakly context-bound drafter the drop is small
     # (extension 2: 1.418 -> 1.392); the exact positions are checked by the oracle tests.
     assert bad < good, (good, bad)
+    engine.shutdown()
+
+
+def test_q8_drafter_weights_stay_lossless_accepted_and_take_the_target_heads_codes(prompts):
+    """--speculative-draft-weights q8: the drafter's linears and reduced head computed from Q8_0
+    codes (the head's are the target's own Q8_0 codes); bf16 output still the target's alone."""
+    from specserve.kernels.linear import Q8
+
+    plain = Engine(max_total_tokens=4096, speculative_algorithm="NONE")
+    reference = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
+    plain.shutdown()
+    engine = Engine(max_total_tokens=4096, speculative_draft_weights="q8", speculative_policy="fixed")
+    drafter = engine.runner.speculation.workers["DSPARK"].drafter
+    linears = [m for m in drafter.modules() if getattr(m, "kernel", None) is not None]
+    assert linears and all(m.kernel.format == Q8 and m.weight.numel() == 0 for m in linears)
+    target_rows = engine.runner.model.lm_head.rows(drafter.draft_to_target, torch.float32)
+    assert torch.equal(drafter.lm_head.kernel.dense_rows(torch.arange(drafter.draft_vocab_size)), target_rows)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    assert accept_length(outs) > 1.15
     engine.shutdown()

@@ -28,7 +28,7 @@ def test_bad_speculative_settings_name_their_field(kwargs, field):
         ServerArgs(**kwargs)
 
 
-def test_embedded_model_speculates_with_its_shipped_drafter():
+def test_embedded_model_speculates_with_its_shipped_drafter_and_any_other_with_ngram():
     from specserve.assets import default_drafter_path
 
     shipped = default_drafter_path()
@@ -39,8 +39,12 @@ def test_embedded_model_speculates_with_its_shipped_drafter():
     assert not ServerArgs(speculative_algorithm="NONE").speculating
     assert ServerArgs(speculative_algorithm="NGRAM").speculative_draft_model_path is None
     assert ServerArgs(speculative_draft_model_path="/x").speculative_draft_model_path == "/x"
-    other = ServerArgs(model_path="other.gguf")  # another target: no drafter is assumed
-    assert other.speculative_algorithm is None and not other.speculating
+    other = ServerArgs(model_path="other.gguf")  # another target: no drafter is assumed, NGRAM is
+    assert other.speculative_algorithm == "NGRAM" and other.speculative_policy == "adaptive"
+    assert other.policy_drafters() == ("NGRAM",) and other.speculative_draft_model_path is None
+    assert not ServerArgs(model_path="other.gguf", speculative_algorithm="NONE").speculating
+    drafted = ServerArgs(model_path="other.gguf", speculative_algorithm="DSPARK", speculative_draft_model_path="/x")
+    assert drafted.speculative_algorithm == "DSPARK" and drafted.speculative_draft_model_path == "/x"
 
 
 # ---------------------------------------------------------------- ranges and types of every field

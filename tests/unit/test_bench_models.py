@@ -36,3 +36,36 @@ def test_rendered_table_marks_a_ratio_whose_runs_span_one(tmp_path):
     assert "1.20x (0.80-1.50), within noise" in text
     assert "700 MiB = file 240 + KV 60 + 400" in text
     assert "speculation: none" in text and "vs native llama.cpp (tg128)" in text and "From `bench_results/models.json` (a test machine" in text
+
+
+def spec_table(ratios: dict[tuple[str, int], float], identical: bool = True) -> dict:
+    rows = []
+    for (workload, bs), ratio in ratios.items():
+        for config, r in (("NONE", 1.0), ("DEFAULT", ratio)):
+            rows.append({"workload": workload, "batch_size": bs, "config": config, "tokens_per_s": 10 * r,
+                         "ratio_to_none": r, "accept_length": None, "identical_to_none": identical or config == "NONE",
+                         "drafter_steps": {}})
+    return {"table": rows}
+
+
+def test_speculation_figures_are_the_default_over_none_and_any_differing_run_shows():
+    cells = {("mtbench", 1): 1.4, ("mtbench", 16): 1.1, ("humaneval", 1): 0.9}
+    runs = [offline_run(40, 50) | {"spec": spec_table(cells, identical)} for identical in (True, False, True)]
+    summary = summarize([_figures(r, 32) for r in runs])
+    assert summary["default_vs_none@mtbench/bs1"]["median"] == 1.4
+    assert summary["default_vs_none@humaneval/bs1"]["median"] == 0.9
+    assert summary["default_identical_to_none"] == {"median": 1.0, "min": 0.0, "max": 1.0}
+
+
+def test_rendered_speculation_table_orders_cells_and_flags_differing_tokens(tmp_path):
+    cells = {("mtbench", 16): 1.1, ("mtbench", 1): 1.4, ("humaneval", 1): 0.9}
+    runs = [offline_run(40, 50) | {"spec": spec_table(cells, identical), "speculation": "adaptive over NGRAM"}
+            for identical in (True, False)]
+    data = {"runs": 2, "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36", "spec_prompts": 16,
+            "commit": "abc", "date": "2026-12-03", "machine": "a test machine",
+            "models": {"q": {"path": "q.gguf", "summary": summarize([_figures(r, 32) for r in runs]), "runs": runs}}}
+    (tmp_path / "models.json").write_text(json.dumps(data))
+    text = render_models(str(tmp_path))
+    assert "| model (default speculation) | humaneval, batch 1 | mtbench, batch 1 | mtbench, batch 16 | tokens identical to NONE |" in text
+    assert "| q (adaptive over NGRAM) | 0.90x (0.90-0.90) | 1.40x (1.40-1.40) | 1.10x (1.10-1.10) | **no** |" in text
+    assert "speculation: adaptive over NGRAM)" in text

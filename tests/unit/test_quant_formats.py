@@ -100,3 +100,23 @@ def test_rows_read_from_the_packed_layout_are_the_weights_rows(type_name):
         packed, want = parsed.packed(), parsed.dequantize()
     ids = torch.tensor([0, 39, 17, 17, 16, 15, 31])
     assert torch.equal(packed.dense_rows(ids), want[ids])
+
+
+def test_q8_of_a_dense_weight_is_ggml_q8_0_bit_for_bit():
+    """Q8Weight.from_dense (the drafter's --speculative-draft-weights q8) against the gguf
+    package's Q8_0: random rows at several magnitudes, an all-zero block, values halfway between
+    two codes and a block of one sign."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((6, 96)) * np.array([[1e-3], [0.05], [1.0], [30.0], [1.0], [1.0]])).astype(np.float32)
+    w[4, :32] = 0.0
+    w[4, 32:64] = np.arange(32) - 15.5  # d = 1 with the 127 below: every code a tie between two integers
+    w[4, 32] = 127.0
+    w[5, 64:] = np.abs(w[5, 64:])
+    ours = Q8Weight.from_dense(torch.from_numpy(w))
+    raw = gguf.quants.quantize(w, QType.Q8_0).reshape(6, 3, 34)
+    scales = raw[..., :2].copy().view(np.float16).astype(np.float32).reshape(6, 3)
+    codes = raw[..., 2:].copy().view(np.int8).reshape(6, 96)
+    assert torch.equal(ours.codes, torch.from_numpy(codes)) and torch.equal(ours.scale, torch.from_numpy(scales))
+    assert torch.equal(ours.dequantize(), reference(raw.reshape(6, -1), "Q8_0"))
+    halves_to_even = torch.from_numpy(w[4, 32:64]).round().to(torch.int8)  # the rule this test tells apart
+    assert not torch.equal(halves_to_even, ours.codes[4, 32:64])

@@ -146,14 +146,38 @@ def _ratio(figure: dict[str, float]) -> str:
     return text + (", within noise" if figure["min"] <= 1.0 <= figure["max"] else "")
 
 
+def _models_spec_table(data: dict[str, Any]) -> str:
+    """Each model's default speculation against NONE, where the runs measured it."""
+    models = {name: m for name, m in data["models"].items() if "default_identical_to_none" in m["summary"]}
+    if not models:
+        return ""
+    cells = sorted({k for m in models.values() for k in m["summary"] if k.startswith("default_vs_none@")},
+                   key=lambda k: (k.split("@")[1].split("/")[0], int(k.split("/bs")[1])))
+    rows = []
+    for name, model in models.items():
+        s = model["summary"]
+        identical = "yes" if s["default_identical_to_none"]["min"] == 1.0 else "**no**"
+        rows.append([f"{name} ({_speculation(model)})"] + [_ratio(s[k]) if k in s else "" for k in cells] + [identical])
+    header = ["model (default speculation)"] + [k.split("@")[1].replace("/bs", ", batch ") for k in cells]
+    return (f"\n\nThe default speculation's tokens/s over NONE's ({data['spec_prompts']} MT-Bench first turns and "
+            f"{data['spec_prompts']} HumanEval problems, greedy, {data['new_tokens']} new tokens, same run):\n\n"
+            + table(header + ["tokens identical to NONE"], rows) + "\n")
+
+
+def _speculation(model: dict[str, Any]) -> str:
+    run = model["runs"][0]
+    if "speculation" in run:
+        return run["speculation"] + (", shipped drafter" if run.get("drafter") else "")
+    return "adaptive, shipped drafter" if run.get("drafter") else "none"
+
+
 def render_models(results: str) -> str:
     data = load(results, "models.json")
     rows = []
     native = all("decode_vs_native" in m["summary"] for m in data["models"].values())
     for name, model in data["models"].items():
         s = model["summary"]
-        speculation = "adaptive, shipped drafter" if model["runs"][0].get("drafter") else "none"
-        row = [f"{name} (`{model['path']}`; speculation: {speculation})", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"]),
+        row = [f"{name} (`{model['path']}`; speculation: {_speculation(model)})", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"]),
                _ratio(s["decode_step_speedup"])]
         row += [_ratio(s["decode_vs_native"]), _ratio(s["prefill_vs_native"])] if native else []
         row += [_ratio(s["prefill_vs_llama_cpp_python"]), _median_range(s["verify_over_decode"], ".2f", "x"),
@@ -170,4 +194,4 @@ def render_models(results: str) -> str:
         "prefill counts in the batch-1 time (llama-bench's tg128 has no prompt); the decode step is one row "
         f"after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "
         f"{data['runs']} interleaved runs, each ratio formed within its run; llama-cpp-python "
-        f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n")
+        f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n") + _models_spec_table(data)

@@ -66,16 +66,21 @@ def render_spec_policy_notes(results: str) -> str:
 
 def render_dspark_step(results: str) -> str:
     data = load(results, "dspark_step.json")
-    parts = []
-    for bs, b in sorted(data["batch_sizes"].items(), key=lambda kv: int(kv[0])):
-        v = b["verify_step_parts_ms"]
-        parts.append(f"at batch {bs} a DSPARK verify step (fixed policy, every window whole) takes "
-                     f"{v['verify_step']:.2f} ms against a {b['plain_decode_step_ms']:.2f} ms decode step "
-                     f"({b['verify_step_vs_decode_step']:.2f}x), of which drafting {b['drafting_ms']:.2f} ms "
-                     f"({b['drafting_share_of_decode_step']:.0%} of a decode step) and the target's verify and "
-                     f"accept {v['target_verify_and_accept']:.2f} ms")
-    return (f"`bench dspark-step` ({data.get('num_prompts', '?')} MT-Bench prompts, {data.get('new_tokens', '?')} new "
-            f"tokens): {'; '.join(parts)}. {provenance(data, 'dspark_step.json')}\n")
+    sentences = []
+    for mode, runs in data["draft_weights"].items():
+        parts = []
+        for bs, b in sorted(runs["batch_sizes"].items(), key=lambda kv: int(kv[0])):
+            v = b["verify_step_parts_ms"]
+            parts.append(f"at batch {bs} a DSPARK verify step takes {v['verify_step']:.2f} ms against a "
+                         f"{b['plain_decode_step_ms']:.2f} ms decode step ({b['verify_step_vs_decode_step']:.2f}x), of "
+                         f"which drafting {b['drafting_ms']:.2f} ms ({b['drafting_share_of_decode_step']:.0%} of a decode "
+                         f"step: block {v['block_hidden']:.2f}, head {v['draft_head']:.2f}, Markov head "
+                         f"{v['markov_decode']:.2f}) and the target's verify and accept {v['target_verify_and_accept']:.2f} ms"
+                         + (f"; accept length {b['accept_length']:.3f}" if "accept_length" in b else ""))
+        sentences.append(f"- drafter weights {mode}: {'; '.join(parts)}.")
+    return (f"`bench dspark-step` ({data['num_prompts']} MT-Bench prompts, {data['new_tokens']} new tokens, fixed "
+            f"policy: every window drafted and verified whole; the engines interleaved in one run):\n\n"
+            + "\n".join(sentences) + f"\n\n{provenance(data, 'dspark_step.json')}\n")
 
 
 def render_overlap(results: str) -> str:
