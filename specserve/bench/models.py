@@ -43,36 +43,32 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
-    out = os.path.join(folder, "offline.json")
-    cmd = [sys.executable, "-m", "specserve.cli", "bench", "offline", "--skip-hf", "--peer", "llama.cpp",
-           "--new-tokens", str(ns.new_tokens), "--batch-size", str(ns.batch_size), "--num-threads", str(ns.threads),
-           "--cpu-activations", activations, "--out", out]
-    if model != "default":
-        cmd += ["--model-path", model]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench offline on {model} failed:\n{proc.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return _bench_subcommand(["offline", "--skip-hf", "--peer", "llama.cpp", "--batch-size", str(ns.batch_size)],
+                             model, activations, ns, folder)
 
 
 def _spec(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     """`bench spec` with NONE and DEFAULT only: one repeat, the configurations in one process."""
-    out = os.path.join(folder, "spec.json")
-    cmd = [sys.executable, "-m", "specserve.cli", "bench", "spec", "--configs", "NONE,DEFAULT", "--repeats", "1",
-           "--batch-sizes", ns.spec_batch_sizes, "--num-prompts", str(ns.spec_prompts),
-           "--humaneval-prompts", str(ns.spec_prompts), "--new-tokens", str(ns.new_tokens), "--hf-prompts", "0",
+    report = _bench_subcommand(["spec", "--configs", "NONE,DEFAULT", "--repeats", "1", "--batch-sizes",
+                                ns.spec_batch_sizes, "--num-prompts", str(ns.spec_prompts), "--humaneval-prompts",
+                                str(ns.spec_prompts), "--hf-prompts", "0"], model, activations, ns, folder)
+    return {"table": [{k: row[k] for k in ("workload", "batch_size", "config", "tokens_per_s", "ratio_to_none",
+                                           "accept_length", "identical_to_none", "drafter_steps")}
+                      for row in report["table"]]}
+
+
+def _bench_subcommand(args: list[str], model: str, activations: str, ns: argparse.Namespace, folder: str) -> Any:
+    """`specserve bench <args>` on one model in a fresh process; its JSON report."""
+    out = os.path.join(folder, f"{args[0]}.json")
+    cmd = [sys.executable, "-m", "specserve.cli", "bench", *args, "--new-tokens", str(ns.new_tokens),
            "--num-threads", str(ns.threads), "--cpu-activations", activations, "--out", out]
     if model != "default":
         cmd += ["--model-path", model]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench spec on {model} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"bench {args[0]} on {model} failed:\n{proc.stderr[-3000:]}")
     with open(out) as f:
-        report = json.load(f)
-    return {"table": [{k: row[k] for k in ("workload", "batch_size", "config", "tokens_per_s", "ratio_to_none",
-                                           "accept_length", "identical_to_none", "drafter_steps")}
-                      for row in report["table"]]}
+        return json.load(f)
 
 
 def spec_figures(spec: dict[str, Any]) -> dict[str, float]:

@@ -26,13 +26,17 @@ def test_ratios_are_paired_within_runs_and_summarized_by_median_and_range():
     assert summary["decode_vs_native"]["median"] == 0.9
 
 
-def test_rendered_table_marks_a_ratio_whose_runs_span_one(tmp_path):
-    runs = [offline_run(o, p) for o, p in ((40, 50), (60, 50), (45, 30))]
-    data = {"runs": 3, "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36",
-            "commit": "abc", "date": "2026-12-03", "machine": "a test machine",
-            "models": {"default": {"path": "m.gguf", "summary": summarize([_figures(r, 32) for r in runs]), "runs": runs}}}
+def rendered(tmp_path, name: str, runs: list[dict]) -> str:
+    """The README part of a models.json holding one model's runs."""
+    data = {"runs": len(runs), "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36",
+            "spec_prompts": 16, "commit": "abc", "date": "2026-12-03", "machine": "a test machine",
+            "models": {name: {"path": f"{name}.gguf", "summary": summarize([_figures(r, 32) for r in runs]), "runs": runs}}}
     (tmp_path / "models.json").write_text(json.dumps(data))
-    text = render_models(str(tmp_path))
+    return render_models(str(tmp_path))
+
+
+def test_rendered_table_marks_a_ratio_whose_runs_span_one(tmp_path):
+    text = rendered(tmp_path, "default", [offline_run(o, p) for o, p in ((40, 50), (60, 50), (45, 30))])
     assert "1.20x (0.80-1.50), within noise" in text
     assert "700 MiB = file 240 + KV 60 + 400" in text
     assert "speculation: none" in text and "vs native llama.cpp (tg128)" in text and "From `bench_results/models.json` (a test machine" in text
@@ -61,11 +65,7 @@ def test_rendered_speculation_table_orders_cells_and_flags_differing_tokens(tmp_
     cells = {("mtbench", 16): 1.1, ("mtbench", 1): 1.4, ("humaneval", 1): 0.9}
     runs = [offline_run(40, 50) | {"spec": spec_table(cells, identical), "speculation": "adaptive over NGRAM"}
             for identical in (True, False)]
-    data = {"runs": 2, "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36", "spec_prompts": 16,
-            "commit": "abc", "date": "2026-12-03", "machine": "a test machine",
-            "models": {"q": {"path": "q.gguf", "summary": summarize([_figures(r, 32) for r in runs]), "runs": runs}}}
-    (tmp_path / "models.json").write_text(json.dumps(data))
-    text = render_models(str(tmp_path))
+    text = rendered(tmp_path, "q", runs)
     assert "| model (default speculation) | humaneval, batch 1 | mtbench, batch 1 | mtbench, batch 16 | tokens identical to NONE |" in text
     assert "| q (adaptive over NGRAM) | 0.90x (0.90-0.90) | 1.40x (1.40-1.40) | 1.10x (1.10-1.10) | **no** |" in text
     assert "speculation: adaptive over NGRAM)" in text
