@@ -183,7 +183,11 @@ class DraftVocabHead(nn.Module):
         self.q8 = q8  # packed as ggml Q8_0 codes (of float32 rows: a Q8_0 target head's own codes)
 
     def pack_for_cpu(self) -> None:
-        self.kernel = Q8Weight.from_dense(self.weight).packed() if self.q8 else pack_bf16(self.weight)
+        if self.q8:  # the kernel computes from the codes: the rows go
+            self.kernel = Q8Weight.from_dense(self.weight).packed()
+            self.weight = self.weight.new_empty(0)
+        else:
+            self.kernel = pack_bf16(self.weight)
 
     def rows(self, index: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Rows `index` of the head weight (a drafter's reduced vocabulary reads them)."""
@@ -250,8 +254,6 @@ class DsparkDrafter(nn.Module):
             rows = cast(_WeightedHead, lm_head).rows(self.draft_to_target, dtype)  # the contract above
             self.lm_head = DraftVocabHead(rows.contiguous(), q8=self.q8_weights)
             self.ops.prepare(self.lm_head)
-            if self.lm_head.kernel is not None and self.q8_weights:  # the kernel computes from the codes
-                self.lm_head.weight = self.lm_head.weight.new_empty(0)
 
     def quantize_weights(self) -> None:
         """Compute the linears and the reduced-vocabulary head from ggml Q8_0 codes of their weights
