@@ -9,7 +9,7 @@ type onto a layout).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from specserve.kernels.build import load
 from specserve.kernels.dispatch import path_id
 
 GROUP = 32
+SUPER = 256  # input columns per super-value of int8 scale tables (a K-quant super-block)
 BLOCK = 16  # output columns per packed block
 Q4, Q8, BF16 = 0, 1, 2
 _Q4_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])  # column 2p of an oct at bit 4p, 2p + 1 at 16 + 4p
@@ -40,8 +41,12 @@ class PackedLinear:
 
     format: int
     codes: torch.Tensor
-    scale: torch.Tensor  # float16, or float32 where some scale is not a float16 value
-    zero: torch.Tensor  # offsets in the scales' dtype; empty for BF16 and for Q8 without offsets
+    # Per group and column [blocks, k / group, 16]: float16; for K-quants int8 sub-values times the
+    # float16 super-values in scale_super [blocks, k / 256, 16]; float32 otherwise (_group_tables).
+    scale: torch.Tensor
+    # Offsets in the scales' dtype; empty for BF16, for Q8 without offsets and where every offset is
+    # -code_offset * scale (the kernels compute them so).
+    zero: torch.Tensor
     n: int
     k: int
     # Biased exponent bounds of a BF16 weight's nonzero values, (-1, -1) if it has a subnormal,
@@ -55,6 +60,8 @@ class PackedLinear:
     # Activations quantized to int8 per row (blocks of 32) and integer dot products, instead of bf16
     # activations (set by quantize_activations; Q4 and Q8 layouts only).
     int8_activations: bool = False
+    scale_super: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float16))
+    zero_super: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float16))
 
     def quantize_activations(self, enabled: bool = True) -> bool:
         """Run through the integer-activation kernels from now on where this weight's layout has
@@ -85,8 +92,27 @@ class PackedLinear:
     def _kernel(self, x: torch.Tensor, out_bf16: bool, path: int, init: torch.Tensor | None) -> torch.Tensor:
         weight = (self.format, self.codes, self.scale, self.zero, self.n, self.k, out_bf16, path)
         if self.int8_activations:
-            return load().linear_int8(x, *weight, init, self.group, self.bits, self.code_offset)
-        return load().linear(x, *weight, *self.exponents, init, self.group, self.bits)
+            return load().linear_int8(x, *weight, init, self.group, self.bits, *self.table_args())
+        return load().linear(x, *weight, *self.exponents, init, self.group, self.bits, *self.table_args())
+
+    def table_args(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """The kernels' code_offset, scale_super and zero_super arguments."""
+        return (
+            self.code_offset,
+            self.scale_super if self.scale_super.numel() else None,
+            self.zero_super if self.zero_super.numel() else None,
+        )
+
+    def group_values(self, offsets: bool = False) -> torch.Tensor:
+        """The scales (or offsets) [blocks, k / group, 16] as float64, exactly; offsets not stored
+        are -code_offset * scale; a weight without offsets gives an empty tensor."""
+        table, super_values = (self.zero, self.zero_super) if offsets else (self.scale, self.scale_super)
+        if offsets and not table.numel():
+            return -self.code_offset * self.group_values() if self.code_offset else table.double()
+        if table.dtype != torch.int8:
+            return table.double()
+        per = SUPER // self.group
+        return table.double() * super_values.double().repeat_interleave(per, dim=1)
 
     def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight [len(index), k] as float32, read from the packed layout (an
@@ -100,10 +126,13 @@ class PackedLinear:
             codes = self.codes.view(torch.int8).view(-1, self.k // 2, BLOCK, 2)[block, :, lane].reshape(len(index), -1)
         else:
             codes = self._q4_codes(block, lane)
-        w = codes.double() * self.scale[block, :, lane].double().repeat_interleave(self.group, dim=1)
-        if self.zero.numel():
-            w = w + self.zero[block, :, lane].double().repeat_interleave(self.group, dim=1)
-        return w.float()
+        w = codes.double() * self._rows_of(self.group_values(), block, lane)
+        offsets = self.group_values(offsets=True)
+        return (w + self._rows_of(offsets, block, lane) if offsets.numel() else w).float()
+
+    def _rows_of(self, table: torch.Tensor, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+        """Per-group values of rows (block, lane) spread over their columns [len(block), k]."""
+        return table[block, :, lane].repeat_interleave(self.group, dim=1)
 
     def _q4_codes(self, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
         """Codes [len(block), k] of Q4-layout rows: octs of nibble words [oct, lane], then the high bits."""
@@ -118,7 +147,8 @@ class PackedLinear:
         return codes.reshape(len(block), -1)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+        tensors = (self.codes, self.scale, self.zero, self.scale_super, self.zero_super)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -127,8 +157,7 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _scale_dtype(*values: torch.Tensor | None) -> torch.dtype:
-    """float16 if every scale and offset is a float16 value (GGUF block scales are), else float32
-    (K-quant scales: a float16 times a 6- or 8-bit integer, exact in float32)."""
+    """float16 if every scale and offset is a float16 value (GGUF block scales are), else float32."""
     for v in values:
         if v is None:
             continue
@@ -145,11 +174,53 @@ def _block_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return v.view(-1, BLOCK, v.shape[1]).transpose(1, 2).contiguous()
 
 
+def _sub_values(values: torch.Tensor, super_values: torch.Tensor, group: int) -> torch.Tensor | None:
+    """values [n, k / group] as int8 sub-values of float16 super_values [n, k / 256], if every
+    value is exactly one times its super-value (as a K-quant's scales are), else None."""
+    if not torch.equal(super_values.half().float(), super_values.float()):
+        return None
+    top = super_values.float().repeat_interleave(SUPER // group, dim=1)
+    if top.shape != values.shape:
+        return None
+    sub = torch.where(top == 0, torch.zeros_like(values), values.float() / torch.where(top == 0, 1.0, top))
+    ok = torch.equal(sub.round(), sub) and bool(((sub >= -128) & (sub <= 127)).all()) and torch.equal(sub * top, values.float())
+    return sub.to(torch.int8) if ok else None
+
+
+# The per-group tables of a quantized weight: scale, offset (None: -code_offset * scale or none),
+# and the two super-value tables (empty unless the first two are int8).
+Supers = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _group_tables(
+    scale: torch.Tensor, offset: torch.Tensor | None, group: int, supers: Supers | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' tables: int8 sub-values with float16 super-values where the weight's scales
+    (and offsets) factor so per 256 columns (K-quants: 1 byte per group and column), else float16
+    or float32 values. supers: the super-values [n, k / 256] of scale and offset."""
+    empty = torch.empty(0, dtype=torch.float16)
+    if supers is not None:
+        scale_sub = _sub_values(scale, supers[0], group)
+        zero_sub = None if offset is None or supers[1] is None else _sub_values(offset, supers[1], group)
+        if scale_sub is not None and (offset is None or zero_sub is not None):
+            tops = [_block_scales(t, torch.float16) for t in (supers[0], supers[1]) if t is not None]
+            zero = empty.to(torch.int8) if zero_sub is None else _block_scales(zero_sub, torch.int8)
+            return _block_scales(scale_sub, torch.int8), zero, tops[0], tops[1] if zero_sub is not None else empty
+    dtype = _scale_dtype(scale, offset)
+    zero = torch.empty(0, dtype=dtype) if offset is None else _block_scales(offset, dtype)
+    return _block_scales(scale, dtype), zero, empty, empty
+
+
 def pack_q4(
-    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int = GROUP, bits: int = 4
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    group: int = GROUP,
+    bits: int = 4,
+    supers: Supers | None = None,
 ) -> PackedLinear:
     """w = scale * q + offset per group of `group` (32 or 16) columns (codes [n, k] of `bits` (4, 5
-    or 6) bits; scale/offset [n, k/group], float32 tensors)."""
+    or 6) bits; scale/offset [n, k/group], float32 tensors; supers as for _group_tables)."""
     n, k = codes.shape
     if group not in (16, 32) or k % group:
         raise ConfigError(f"4-bit weights need k divisible by {group}, got {k}")
@@ -162,20 +233,22 @@ def pack_q4(
         high = ((c >> 4) << _HIGH_SHIFTS[bits]).sum(-1).transpose(1, 2).contiguous()
         plane = high.to(torch.uint8) if bits == 5 else high.to(torch.int32).to(torch.int16).view(torch.uint8)
         parts.append(plane.reshape(words.shape[0], -1))
-    dtype = _scale_dtype(scale, offset)
     packed = torch.cat(parts, dim=1).reshape(-1)
     centre = 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
     code_offset = centre if torch.equal(offset.float(), -centre * scale.float()) else 0
+    tables = _group_tables(scale, None if code_offset else offset, group, supers)
     return PackedLinear(
         Q4,
         packed,
-        _block_scales(scale, dtype),
-        _block_scales(offset, dtype),
+        tables[0],
+        tables[1],
         n,
         k,
         group=group,
         bits=bits,
         code_offset=code_offset,
+        scale_super=tables[2],
+        zero_super=tables[3],
     )
 
 
@@ -188,9 +261,8 @@ def pack_q8(
     if group not in (16, 32) or k % group:
         raise ConfigError(f"8-bit weights need groups of 16 or 32 columns dividing k, got {group} and k={k}")
     c = _pad_rows(codes.to(torch.int8), BLOCK).view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    dtype = _scale_dtype(scale, offset)
-    zero = torch.empty(0, dtype=dtype) if offset is None else _block_scales(offset, dtype)
-    return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), _block_scales(scale, dtype), zero, n, k, group=group)
+    scale_table, zero, _, _ = _group_tables(scale, offset, group, None)
+    return PackedLinear(Q8, c.view(torch.uint8).reshape(-1), scale_table, zero, n, k, group=group)
 
 
 def pack_bf16(weight: torch.Tensor) -> PackedLinear:

@@ -11,7 +11,7 @@ from specserve.kernels.dispatch import PATHS, vector_paths
 from specserve.kernels.linear import Q4, Q8, pack_bf16, pack_q4, pack_q8
 
 # Relative to the largest reference output: bf16 outputs carry 2^-8 rounding, fp32 sums far less.
-TOLERANCE = {"q4": 1e-5, "q8": 1e-5, "bf16": 1e-2, "attention": 1e-2}
+TOLERANCE = {"q4": 1e-5, "q6_k": 1e-5, "q8": 1e-5, "bf16": 1e-2, "attention": 1e-2}
 
 
 def _weights(n: int, k: int, g: torch.Generator) -> dict[str, tuple]:
@@ -21,8 +21,15 @@ def _weights(n: int, k: int, g: torch.Generator) -> dict[str, tuple]:
     codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     dense = torch.randn(n, k + 1, generator=g).bfloat16()  # odd K
     expand = lambda t: t.double().repeat_interleave(32, 1)  # noqa: E731
+    # K-quant-like: int8 sub-scales times float16 super-scales per 256 columns, offsets -32 * scale
+    top = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()
+    scale_k = top.repeat_interleave(8, 1) * torch.randint(-127, 128, (n, k // 32), generator=g).float()
     return {
         "q4": (pack_q4(codes4, scale, offset), codes4.double() * expand(scale) + expand(offset)),
+        "q6_k": (
+            pack_q4(codes4 * 4, scale_k, -32 * scale_k, bits=6, supers=(top, -32 * top)),
+            (codes4.double() * 4 - 32) * expand(scale_k),
+        ),
         "q8": (pack_q8(codes8, scale), codes8.double() * expand(scale)),
         "bf16": (pack_bf16(dense), dense.double()),
     }
@@ -40,9 +47,11 @@ def self_test(module: ModuleType) -> str:
     g = torch.Generator().manual_seed(0)
     paths = ["generic", *vector_paths(module)]
     worst: dict[str, float] = {}
-    for name, (packed, dense) in _weights(48, 96, g).items():
+    for name, (packed, dense) in _weights(48, 256, g).items():
         x = torch.randn(7, packed.k, generator=g).bfloat16()
         outs = {}
+        tables = dict(zip(("code_offset", "scale_super", "zero_super"), packed.table_args()))
+        tables.update(group=packed.group, bits=packed.bits)
         for path in paths:
             y = module.linear(
                 x,
@@ -55,6 +64,7 @@ def self_test(module: ModuleType) -> str:
                 packed.format not in (Q4, Q8),
                 PATHS[path],
                 *packed.exponents,
+                **tables,
             )
             alone = module.linear(
                 x[3:4].contiguous(),
@@ -67,6 +77,7 @@ def self_test(module: ModuleType) -> str:
                 packed.format not in (Q4, Q8),
                 PATHS[path],
                 *packed.exponents,
+                **tables,
             )
             if not torch.equal(alone[0], y[3]):
                 raise RuntimeError(f"kernel self-test: {name} ({path}) gives a row a different result alone than in a batch")

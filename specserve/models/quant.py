@@ -22,10 +22,9 @@ import numpy as np
 import torch
 
 from specserve.errors import ConfigError
-from specserve.kernels.linear import PackedLinear, pack_q4, pack_q8
+from specserve.kernels.linear import SUPER, PackedLinear, Supers, pack_q4, pack_q8
 
 GROUP = 32
-SUPER = 256  # weights per K-quant super-block
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
@@ -50,21 +49,29 @@ class Q4Weight:
     offset: torch.Tensor
     group: int = GROUP
     bits: int = 4
+    # K-quants: the float16 super-block values [out, in / 256] that scale and offset are integer
+    # multiples of (the kernels then store the multiples in a byte, kernels/linear.py _group_tables)
+    supers: Optional[Supers] = None
 
     def rows(self, index) -> "Q4Weight":
-        return Q4Weight(self.codes[index], self.scale[index], self.offset[index], self.group, self.bits)
+        supers = None if self.supers is None else _super_rows(self.supers, index)
+        return Q4Weight(self.codes[index], self.scale[index], self.offset[index], self.group, self.bits, supers)
 
     def cols(self, start: int, count: int) -> "Q4Weight":
         g0, gn = _split_cols(start, count, self.group)
         cut = slice(g0, g0 + gn)
-        return Q4Weight(self.codes[:, start : start + count], self.scale[:, cut], self.offset[:, cut], self.group, self.bits)
+        supers = None
+        if self.supers is not None and start % SUPER == 0 and count % SUPER == 0:  # else float32 tables
+            supers = _super_rows(self.supers, (slice(None), slice(start // SUPER, (start + count) // SUPER)))
+        codes = self.codes[:, start : start + count]
+        return Q4Weight(codes, self.scale[:, cut], self.offset[:, cut], self.group, self.bits, supers)
 
     def dequantize(self) -> torch.Tensor:
         """float32 weights, each rounded once from the exact value (as the gguf package's are)."""
         return (self.codes.double() * _groups(self.scale, self.group) + _groups(self.offset, self.group)).float()
 
     def packed(self) -> PackedLinear:
-        return pack_q4(self.codes, self.scale, self.offset, self.group, self.bits)
+        return pack_q4(self.codes, self.scale, self.offset, self.group, self.bits, self.supers)
 
     def as_q8(self) -> "Q8Weight":
         """The same weights in the 8-bit layout (to fuse with 8-bit neighbours)."""
@@ -74,7 +81,7 @@ class Q4Weight:
         """The same weights with a scale per `group` columns (a divisor of this one's) and wider codes."""
         rep = self.group // group
         scale, offset = (t.repeat_interleave(rep, dim=1) for t in (self.scale, self.offset))
-        return Q4Weight(self.codes, scale, offset, group, max(bits, self.bits))
+        return Q4Weight(self.codes, scale, offset, group, max(bits, self.bits), self.supers)
 
 
 @dataclass
@@ -144,7 +151,7 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
         group, bits = min(p.group for p in q4), max(p.bits for p in q4)
         q4 = [p.regrouped(group, bits) for p in q4]
         codes, scale, offset = (torch.cat([getattr(p, f) for p in q4]) for f in ("codes", "scale", "offset"))
-        return Q4Weight(codes, scale, offset, group, bits)
+        return Q4Weight(codes, scale, offset, group, bits, _concat_supers([p.supers for p in q4]))
     q8 = [p.as_q8() if isinstance(p, Q4Weight) else p for p in parts]
     group = min(p.group for p in q8)
     q8 = [p.regrouped(group) for p in q8]
@@ -154,6 +161,18 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     return Q8Weight(
         torch.cat([p.codes for p in q8]), torch.cat([p.scale for p in q8]), torch.cat(offsets) if offsets else None, group
     )
+
+
+def _super_rows(supers: Supers, index) -> Supers:
+    return supers[0][index], None if supers[1] is None else supers[1][index]
+
+
+def _concat_supers(parts: list[Optional[Supers]]) -> Optional[Supers]:
+    """The stacked parts' super-values, if every part has them (else the tables stay float32)."""
+    if any(p is None or (p[1] is None) != (parts[0][1] is None) for p in parts):  # type: ignore[index]
+        return None
+    scale = torch.cat([p[0] for p in parts])  # type: ignore[index]
+    return scale, None if parts[0][1] is None else torch.cat([p[1] for p in parts])  # type: ignore[index,misc]
 
 
 def is_quantized(type_name: str) -> bool:
@@ -199,8 +218,9 @@ def _parse_legacy(blocks: np.ndarray, type_name: str) -> QuantWeight:
     return Q4Weight(_tensor(codes.astype(np.uint8)), _tensor(d), _tensor(offset))
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K per-32 scale d*sc and offset -(dmin*m), float32 [rows, super-blocks * 8]."""
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, Supers]:
+    """Q4_K/Q5_K per-32 scale d*sc and offset -(dmin*m), float32 [rows, super-blocks * 8], and
+    their super-values d and -dmin [rows, super-blocks]."""
     import gguf
 
     out, n = blocks.shape[:2]
@@ -208,7 +228,7 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
     scale = d * sc.reshape(out, n, 8).astype(np.float32)
     offset = -(dmin * mn.reshape(out, n, 8).astype(np.float32))
-    return scale.reshape(out, -1), offset.reshape(out, -1)
+    return scale.reshape(out, -1), offset.reshape(out, -1), (_tensor(d[..., 0]), _tensor(-dmin[..., 0]))
 
 
 def _low_nibble_rows(qs: np.ndarray) -> np.ndarray:
@@ -225,15 +245,17 @@ def _parse_k(blocks: np.ndarray, type_name: str) -> QuantWeight:
         qh = blocks[:, :, 128:192].reshape(out, n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
         q = (ql & 0x0F).reshape(out, n, 8, 32) | ((qh & 0x03).reshape(out, n, 8, 32) << 4)
         sub = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
-        scale = (_f16(blocks, 208)[..., None] * sub).reshape(out, -1)
-        return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(-32 * scale), 16, 6)
-    scale, offset = _k_scales(blocks)
+        d = _f16(blocks, 208)
+        scale = (d[..., None] * sub).reshape(out, -1)
+        supers = (_tensor(d), _tensor(-32 * d))
+        return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(-32 * scale), 16, 6, supers)
+    scale, offset, supers = _k_scales(blocks)
     if type_name == "Q4_K":
         codes = _low_nibble_rows(blocks[:, :, 16:])
-        return Q4Weight(_tensor(codes.reshape(out, -1)), _tensor(scale), _tensor(offset))
+        return Q4Weight(_tensor(codes.reshape(out, -1)), _tensor(scale), _tensor(offset), supers=supers)
     qh = blocks[:, :, 16:48].reshape(out, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     q = _low_nibble_rows(blocks[:, :, 48:]) | ((qh & 1) << 4)
-    return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(offset), GROUP, 5)
+    return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(offset), GROUP, 5, supers)
 
 
 def parse_quantized(raw: np.ndarray, type_name: str) -> QuantWeight:

@@ -79,6 +79,34 @@ void linears(Draw& d) {
   }
 }
 
+// A Q4 weight with K-quant tables (int8 sub-values times float16 super-values per 256 columns):
+// offsets stored so, then none stored (-8 * scale), then the stored ones with integer activations.
+void linears_k_quant(Draw& d) {
+  const int64_t n = 40, k = 512, m = 9, blocks = (n + kBlockCols - 1) / kBlockCols, groups = k / kGroup;
+  std::vector<uint8_t> codes(blocks * block_bytes(WeightFormat::Q4, k));
+  for (auto& c : codes) c = uint8_t(d.next());
+  std::vector<int8_t> scale(blocks * groups * kBlockCols), zero(scale.size());
+  for (auto& v : scale) v = int8_t(d.next() % 64);
+  for (auto& v : zero) v = int8_t(d.next() % 64);
+  std::vector<uint16_t> supers(2 * blocks * (k / kSuperCols) * kBlockCols), x(m * k);
+  for (size_t i = 0; i < supers.size(); ++i) supers[i] = uint16_t((d.f16_scale() - (6 << 10)) | (i % 2 ? 0x8000 : 0));
+  for (auto& v : x) v = d.bf16_near(124, 6);
+  std::vector<float> sums(m * groups), out(m * n);
+  group_sums(x.data(), k, m, k, 32, sums.data());
+  PackedWeight w{WeightFormat::Q4, codes.data(), scale.data(), zero.data(), n, k, ExponentRange{-1, -1, false}};
+  w.scale_type = ScaleType::I8;
+  w.scale_super = supers.data();
+  w.zero_super = supers.data() + supers.size() / 2;
+  for (int stored : {1, 0}) {
+    w.zero = stored ? zero.data() : nullptr;
+    w.code_offset = stored ? 0 : 8;
+    linear_blocks(Path::Generic, w, x.data(), k, m, sums.data(), nullptr, 0, blocks, out.data(), n, false, false);
+    emit(out.data(), out.size() * sizeof(float));
+  }
+  w.zero = zero.data();
+  linears_int8(w, x, m, out);
+}
+
 void attention(Draw& d) {
   const int64_t heads = 6, kv_heads = 2, dim = 32, slots = 64, rows = 5, stride = 48;
   std::vector<uint16_t> q(rows * heads * dim), k(slots * kv_heads * dim), v(k.size()), out(q.size());
@@ -111,6 +139,7 @@ void small_ops(Draw& d) {
 int main() {
   Draw d;
   linears(d);
+  linears_k_quant(d);
   attention(d);
   small_ops(d);
   return 0;

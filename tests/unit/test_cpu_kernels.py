@@ -5,6 +5,7 @@ for bit, and the dispatched path follows the CPU's flags and SPECSERVE_CPU_KERNE
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -22,10 +23,11 @@ PATHS = ["generic", *VECTOR_PATHS]
 NO_VECTOR = pytest.mark.skipif(not VECTOR_PATHS, reason="this CPU has neither AVX512-BF16 nor AVX2: only the generic path")
 # Largest error relative to the largest reference output: fp32 sums of exact bf16 products for
 # the quantized formats; bf16 output rounding (2^-8) for the dense one.
-# The quantized layouts: 4-bit codes with float16 or float32 (K-quant) scales and offsets, 5-bit
-# codes (Q5_0, Q5_1, Q5_K), 6-bit codes in groups of 16 (Q6_K); 8-bit codes with float16 scales,
-# with offsets (8-bit fusions of the others), and in groups of 16.
-QUANTIZED = ["q4", "q4_f32", "q5", "q6_g16", "q8", "q8_offset", "q8_g16"]
+# The quantized layouts: 4-bit codes with float16 or float32 scales and offsets, 5-bit codes
+# (Q5_0, Q5_1, Q5_K), 6-bit codes in groups of 16 (Q6_K); 8-bit codes with float16 scales, with
+# offsets (8-bit fusions of the others), and in groups of 16; K-quant tables (int8 sub-values times
+# float16 super-values per 256 columns) with stored offsets (Q4_K) and with -32 * scale (Q6_K).
+QUANTIZED = ["q4", "q4_f32", "q5", "q6_g16", "q8", "q8_offset", "q8_g16", "q4_k", "q6_k"]
 KINDS = [*QUANTIZED, "bf16"]
 BOUND = {**{kind: 1e-5 for kind in QUANTIZED}, "bf16": 8e-3}
 
@@ -39,9 +41,30 @@ def k_quant_scales(n: int, groups: int, g: torch.Generator) -> torch.Tensor:
     return (torch.rand(n, 1, generator=g) * 1e-3).half().float() * torch.randint(1, 64, (n, groups), generator=g).float()
 
 
+def k_quant_tables(kind: str, n: int, k: int, g: torch.Generator):
+    """(codes, scale, offset, group, bits, supers) of a K-quant weight as the GGUF parser gives it:
+    scales (and Q4_K's offsets) integer multiples of float16 super-values per 256 columns."""
+    bits, group, low, high = (4, 32, 0, 64) if kind == "q4_k" else (6, 16, -128, 128)
+    tops = [(torch.rand(n, -(-k // 256), generator=g) * 1e-3 + 1e-5).half().float() for _ in range(2)]
+    subs = [torch.randint(low, high, (n, k // group), generator=g).float() for _ in range(2)]
+    spread = [t.repeat_interleave(256 // group, 1)[:, : k // group] for t in tops]  # a partial last super-block
+    scale = spread[0] * subs[0]
+    if kind == "q4_k":
+        offset, supers = -spread[1] * subs[1], (tops[0], -tops[1])
+    else:
+        offset, supers = -32 * scale, (tops[0], -32 * tops[0])
+    codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    return codes, scale, offset, group, bits, supers
+
+
 def make_weight(kind: str, n: int, k: int, seed: int = 0):
     """(packed, float64 dense reference) of an [n, k] weight."""
     g = torch.Generator().manual_seed(seed)
+    if kind in ("q4_k", "q6_k"):
+        codes, scale, offset, group, bits, supers = k_quant_tables(kind, n, k, g)
+        packed = pack_q4(codes, scale, offset, group, bits, supers)
+        assert (packed.scale.dtype == torch.int8) == (k % 256 == 0)  # K-quant tables where super-blocks are whole
+        return packed, codes.double() * expand(scale, group) + expand(offset, group)
     scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
     if kind in ("q5", "q6_g16"):
         bits, group = (5, 32) if kind == "q5" else (6, 16)
@@ -78,7 +101,7 @@ def run(packed, x: torch.Tensor, path: str) -> torch.Tensor:
 
 
 # N = 40 leaves a partial column block; K = 160 is 5 groups; K = 77 is odd (dense only).
-SHAPES = {**{kind: (40, 160) for kind in QUANTIZED}, "bf16": (40, 77)}
+SHAPES = {**{kind: (40, 160) for kind in QUANTIZED}, "q4_k": (40, 512), "q6_k": (40, 512), "bf16": (40, 77)}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -100,7 +123,7 @@ def test_linear_matches_float64_and_every_row_count_gives_the_same_rows(kind, pa
 @NO_VECTOR
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_pair_of_paths_agrees_bitwise(kind):
-    packed, _ = make_weight(kind, 100, 192 if kind != "bf16" else 191, seed=3)
+    packed, _ = make_weight(kind, 100, {"bf16": 191, "q4_k": 512, "q6_k": 768}.get(kind, 192), seed=3)
     x = torch.randn(33, packed.k, generator=torch.Generator().manual_seed(4)).bfloat16()
     assert_every_pair_equal({path: (run(packed, x, path),) for path in PATHS})
 
@@ -381,3 +404,22 @@ def test_attention_refuses_a_table_slot_outside_the_pool():
     bad[int(row_req[0]), 0] = k_pool.shape[0]
     with pytest.raises(RuntimeError, match="outside the K/V pool"):
         paged_attention(q, k_pool, v_pool, bad, row_req, row_len, scale)
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_compact_tables_give_the_bits_of_float32_tables(kind):
+    """K-quant tables (int8 x float16 super-values) and offsets computed as -c * scale are storage
+    only: every path gives the bits it gives with plain float32 scales and stored offsets, with bf16
+    and with integer activations."""
+    codes, scale, offset, group, bits, supers = k_quant_tables(kind, 40, 512, torch.Generator().manual_seed(8))
+    compact = pack_q4(codes, scale, offset, group, bits, supers)
+    plain = pack_q4(codes, scale, offset, group, bits)
+    stored = dataclasses.replace(plain, zero=plain.group_values(offsets=True).float(), code_offset=0)
+    assert compact.scale.dtype == torch.int8 and plain.scale.dtype == stored.zero.dtype == torch.float32
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(9)).bfloat16()
+    for path in PATHS:
+        outs = [run(p, x, path) for p in (compact, plain, stored)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), path
+        int8 = [dataclasses.replace(p) for p in (compact, plain)]
+        assert all(p.quantize_activations() for p in int8)
+        assert torch.equal(run(int8[0], x, path), run(int8[1], x, path)), path

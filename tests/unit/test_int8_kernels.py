@@ -30,7 +30,7 @@ def int8_weight(kind: str, n: int = 40, k: int = 160, seed: int = 0):
         packed, dense = pack_q4(codes, scale, -8 * scale), (codes.double() - 8) * scale.double().repeat_interleave(32, 1)
         assert packed.code_offset == 8
     else:
-        packed, dense = make_weight(kind, n, k, seed)
+        packed, dense = make_weight(kind, n, max(k, 256) if kind in ("q4_k", "q6_k") else k, seed)
     packed = dataclasses.replace(packed)
     assert packed.quantize_activations()
     return packed, dense
@@ -71,9 +71,9 @@ def unpacked(packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         codes = packed._q4_codes(block, lane).long()
     else:
         codes = packed.codes.view(torch.int8).view(-1, packed.k // 2, BLOCK, 2)[block, :, lane].reshape(packed.n, -1).long()
-    scale = packed.scale[block, :, lane].float()
+    scale = packed.group_values()[block, :, lane].float()
     general = packed.zero.numel() > 0 and packed.code_offset == 0
-    return codes, scale, packed.zero[block, :, lane].float() if general else None
+    return codes, scale, packed.group_values(offsets=True)[block, :, lane].float() if general else None
 
 
 def reference(packed, x: torch.Tensor, group_order=None) -> torch.Tensor:
@@ -159,7 +159,7 @@ def test_wide_weights_few_rows_and_extreme_codes(kind):
             assert torch.equal(run(packed, x[:m], path).view(torch.int32), want.view(torch.int32)), (kind, path, m)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q4_0", "q6_g16", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q4_0", "q6_g16", "q8", "q4_k"])
 def test_planted_group_order_differs_from_every_path(kind):
     """The mutation the equality above exists to catch: the same integer sums combined in reverse
     group order (or with the groups' last two swapped) give other bits than every path."""

@@ -120,3 +120,21 @@ def test_q8_of_a_dense_weight_is_ggml_q8_0_bit_for_bit():
     assert torch.equal(ours.dequantize(), reference(raw.reshape(6, -1), "Q8_0"))
     halves_to_even = torch.from_numpy(w[4, 32:64]).round().to(torch.int8)  # the rule this test tells apart
     assert not torch.equal(halves_to_even, ours.codes[4, 32:64])
+
+
+@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS)
+def test_packed_weights_take_no_more_memory_than_the_files_blocks(type_name):
+    """The layout keeps the file's bytes per weight: K-quant scales and offsets as int8 multiples of
+    float16 super-values per 256 columns (not float32 values), offsets of -c * scale not stored."""
+    raw = raw_tensor(type_name, 32, 1024, seed=6)
+    parsed = parse_quantized(raw, type_name)
+    packed = parsed.packed()
+    assert packed.nbytes() <= raw.nbytes * 1.03, f"{type_name}: {packed.nbytes()} bytes packed for {raw.nbytes} in the file"
+    if type_name in K_QUANTS:
+        assert packed.scale.dtype == torch.int8 and packed.scale_super.dtype == torch.float16
+    if type_name in ("Q4_0", "Q5_0", "Q6_K"):
+        assert packed.zero.numel() == 0 and packed.code_offset == 1 << (parsed.bits - 1)
+    # the TP shards and fused parts that keep whole super-blocks keep the int8 tables
+    shard, fused = parsed.cols(256, 512).packed(), concat_rows([parsed, parsed.rows(slice(0, 16))]).packed()
+    assert torch.equal(shard.dense_rows(torch.arange(32)), parsed.dequantize()[:, 256:768])
+    assert shard.scale.dtype == fused.scale.dtype == packed.scale.dtype

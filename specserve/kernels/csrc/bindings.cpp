@@ -49,32 +49,68 @@ Path checked_path(int64_t path) {
 
 const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-// The packed weight's tensors, checked, as the kernels' view of them.
-PackedWeight packed_weight(int64_t format, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& zero, int64_t n, int64_t k, int64_t group, int64_t bits,
-                           int64_t w_exp_lo, int64_t w_exp_hi) {
+// What a weight's scale and offset tables need besides themselves (linear.h).
+struct GroupTables {
+  int64_t code_offset;                       // c > 0: offsets not stored are -c * scale
+  c10::optional<torch::Tensor> scale_super;  // int8 tables: their float16 super-values
+  c10::optional<torch::Tensor> zero_super;
+};
+
+// A float16 super-value table [blocks, K/256, 16] of an I8 scale or offset table (else null).
+const uint16_t* super_values(const c10::optional<torch::Tensor>& super, bool needed, int64_t count, const char* what) {
+  if (!needed) return nullptr;
+  TORCH_CHECK(super.has_value() && super->scalar_type() == torch::kFloat16 && super->is_contiguous() && super->numel() == count,
+              "specserve linear: int8 ", what, " need contiguous float16 super-values [blocks, K/256, 16]");
+  return reinterpret_cast<const uint16_t*>(super->data_ptr<at::Half>());
+}
+
+ScaleType scale_type_of(const torch::Tensor& scale) {
+  switch (scale.scalar_type()) {
+    case torch::kFloat16: return ScaleType::F16;
+    case torch::kFloat32: return ScaleType::F32;
+    case torch::kInt8: return ScaleType::I8;
+    default: TORCH_CHECK(false, "specserve linear: scales must be float16, float32 or int8 (times float16 super-values)");
+  }
+}
+
+// The packed weight's tensors, checked, as the kernels' view of them. Offsets: Q4 weights have them
+// stored or, with code_offset c > 0 and none stored, as -c * scale; Q8 weights where stored.
+PackedWeight packed_weight(int64_t format, const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& zero,
+                           int64_t n, int64_t k, int64_t group, int64_t bits, int64_t w_exp_lo, int64_t w_exp_hi,
+                           const GroupTables& tables) {
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
   const auto fmt = static_cast<WeightFormat>(format);
   TORCH_CHECK(group == 32 || (group == 16 && fmt != WeightFormat::BF16), "specserve linear: groups are 32 or 16 columns");
   TORCH_CHECK(bits == 4 || (fmt == WeightFormat::Q4 && (bits == 5 || bits == 6)), "specserve linear: codes of 4, 5 or 6 bits");
   TORCH_CHECK(fmt == WeightFormat::BF16 || k % group == 0, "specserve linear: quantized K must be a multiple of ", group);
+  TORCH_CHECK(tables.code_offset >= 0 && tables.code_offset <= 128 && (tables.code_offset & (tables.code_offset - 1)) == 0,
+              "specserve linear: the code offset must be 0 or a power of two up to 128");
   const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
   TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k, int(bits)), "specserve linear: packed codes have the wrong size");
   const bool quantized = fmt != WeightFormat::BF16;
-  const bool offsets = fmt == WeightFormat::Q4 || (fmt == WeightFormat::Q8 && zero.numel() > 0);
+  const bool offsets = quantized && zero.numel() > 0;
+  TORCH_CHECK(!(fmt == WeightFormat::Q4 && !offsets && tables.code_offset == 0),
+              "specserve linear: Q4 weights need offsets, stored or as a code offset");
   const int64_t scales = blocks * (k / group) * kBlockCols;
-  const auto scale_type = scale.scalar_type();
-  if (quantized)
-    TORCH_CHECK((scale_type == torch::kFloat16 || scale_type == torch::kFloat32) && scale.is_contiguous() &&
-                    scale.numel() == scales,
-                "specserve linear: scales must be contiguous float16 or float32 [blocks, K/group, 16]");
-  if (offsets)
-    TORCH_CHECK(zero.scalar_type() == scale_type && zero.is_contiguous() && zero.numel() == scales,
+  PackedWeight w{fmt, codes.data_ptr<uint8_t>(), nullptr, nullptr, n, k, ExponentRange{int(w_exp_lo), int(w_exp_hi), w_exp_lo >= 0}};
+  w.group = group;
+  w.bits = int(bits);
+  w.code_offset = int(tables.code_offset);
+  if (!quantized) return w;  // BF16 weights' exponent bounds come from packing (w_exp_lo < 0: not all finite and normal)
+  w.scale_type = scale_type_of(scale);
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == scales, "specserve linear: scales must be contiguous [blocks, K/group, 16]");
+  const bool i8 = w.scale_type == ScaleType::I8;
+  TORCH_CHECK(!i8 || k % kSuperCols == 0, "specserve linear: int8 scales need K a multiple of ", kSuperCols);
+  const int64_t supers = blocks * (k / kSuperCols) * kBlockCols;
+  w.scale = scale.data_ptr();
+  w.scale_super = super_values(tables.scale_super, i8, supers, "scales");
+  if (offsets) {
+    TORCH_CHECK(zero.scalar_type() == scale.scalar_type() && zero.is_contiguous() && zero.numel() == scales,
                 "specserve linear: offsets must be contiguous [blocks, K/group, 16] in the scales' dtype");
-  // BF16 weights' exponent bounds come from packing (w_exp_lo < 0: not all finite and normal).
-  const ExponentRange exps{int(w_exp_lo), int(w_exp_hi), w_exp_lo >= 0};
-  return PackedWeight{fmt, codes.data_ptr<uint8_t>(), quantized ? scale.data_ptr() : nullptr,
-                      offsets ? zero.data_ptr() : nullptr, n, k, exps, scale_type == torch::kFloat32, group, int(bits)};
+    w.zero = zero.data_ptr();
+    w.zero_super = super_values(tables.zero_super, i8, supers, "offsets");
+  }
+  return w;
 }
 
 // The output of an [M, k] x [n, k] linear: a fresh tensor, or a copy of init to continue its sums.
@@ -91,14 +127,16 @@ torch::Tensor linear_output(const torch::Tensor& x, int64_t n, int64_t k, bool o
 
 torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
                      int64_t n, int64_t k, bool out_bf16, int64_t path, int64_t w_exp_lo, int64_t w_exp_hi,
-                     c10::optional<torch::Tensor> init, int64_t group, int64_t bits) {
+                     c10::optional<torch::Tensor> init, int64_t group, int64_t bits, int64_t code_offset,
+                     c10::optional<torch::Tensor> scale_super, c10::optional<torch::Tensor> zero_super) {
   auto out = linear_output(x, n, k, out_bf16, init);
-  const PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, w_exp_lo, w_exp_hi);
+  const PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, w_exp_lo, w_exp_hi,
+                                       GroupTables{code_offset, scale_super, zero_super});
   const int64_t m = x.size(0);
   if (m == 0) return out;
   const Path p = checked_path(path);
   std::vector<float> sums;
-  if (w.zero != nullptr) {
+  if (has_offsets(w)) {
     sums.resize(m * (k / group));
     group_sums(bf16_data(x), x.stride(0), m, k, group, sums.data());
   }
@@ -126,12 +164,12 @@ torch::Tensor linear(torch::Tensor x, int64_t format, torch::Tensor codes, torch
 // y = x W^T with x quantized to int8 per row (linear_int8.h); Q4 and Q8 weights only.
 torch::Tensor linear_int8(torch::Tensor x, int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero,
                           int64_t n, int64_t k, bool out_bf16, int64_t path, c10::optional<torch::Tensor> init,
-                          int64_t group, int64_t bits, int64_t code_offset) {
+                          int64_t group, int64_t bits, int64_t code_offset, c10::optional<torch::Tensor> scale_super,
+                          c10::optional<torch::Tensor> zero_super) {
   auto out = linear_output(x, n, k, out_bf16, init);
-  PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, -1, -1);
+  const PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, -1, -1,
+                                       GroupTables{code_offset, scale_super, zero_super});
   TORCH_CHECK(w.format != WeightFormat::BF16 && k % 32 == 0, "specserve linear_int8: Q4 or Q8 weights with K a multiple of 32");
-  TORCH_CHECK(code_offset >= 0 && code_offset <= 128, "specserve linear_int8: code offset out of range");
-  w.code_offset = int(code_offset);
   const int64_t m = x.size(0);
   if (m == 0) return out;
   const Path p = checked_path(path);
@@ -274,11 +312,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &specserve::linear, "y = x W^T through a packed Q4 / Q8 / BF16 weight", py::arg("x"), py::arg("format"),
         py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"), py::arg("out_bf16"),
         py::arg("path"), py::arg("w_exp_lo") = -1, py::arg("w_exp_hi") = -1, py::arg("init") = py::none(),
-        py::arg("group") = 32, py::arg("bits") = 4);
+        py::arg("group") = 32, py::arg("bits") = 4, py::arg("code_offset") = 0, py::arg("scale_super") = py::none(),
+        py::arg("zero_super") = py::none());
   m.def("linear_int8", &specserve::linear_int8, "y = x W^T with x quantized to int8 per row (Q4 / Q8 weights)",
         py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"),
         py::arg("out_bf16"), py::arg("path"), py::arg("init") = py::none(), py::arg("group") = 32, py::arg("bits") = 4,
-        py::arg("code_offset") = 0);
+        py::arg("code_offset") = 0, py::arg("scale_super") = py::none(), py::arg("zero_super") = py::none());
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
   m.def("silu_mul", &specserve::silu_mul, "silu(gate) * up of [rows, 2f] gate_up");

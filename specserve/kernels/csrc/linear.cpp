@@ -57,11 +57,11 @@ inline uint32_t weight_word(const PackedWeight& w, const uint8_t* block, int64_t
 
 // acc + d * part (+ m * s0) for one (row, column) and group `at` of a Q4 or Q8 weight, where part is
 // the group's dot product and s0 the row's sum over the group (see linear.h for the order).
-inline float apply_group(const PackedWeight& w, int64_t at, float part, float s0, float acc) {
-  const float d = scale_value(w, w.scale, at);
+inline float apply_group(const PackedWeight& w, int64_t b, int64_t g, int lane, float part, float s0, float acc) {
+  const float d = scale_at(w, b, g, lane);
   if (w.format == WeightFormat::Q4) part = std::fma(-128.0f, s0, part);
   acc = std::fma(d, part, acc);
-  return w.zero ? std::fma(scale_value(w, w.zero, at), s0, acc) : acc;
+  return has_offsets(w) ? std::fma(offset_at(w, b, g, lane), s0, acc) : acc;
 }
 
 void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t ldx, int64_t m,
@@ -86,9 +86,8 @@ void block_generic(const PackedWeight& w, int64_t b, const uint16_t* x, int64_t 
           uint32_t xw = x_pair(row, w.k, pair);
           for (int lane = 0; lane < kBlockCols; ++lane) part[lane] = dot_pair(part[lane], weight_word(w, block, pair, lane), xw);
         }
-        const float s0 = w.zero ? gs[r * G + g] : 0.0f;
-        for (int lane = 0; lane < kBlockCols; ++lane)
-          acc[lane] = apply_group(w, (b * G + g) * kBlockCols + lane, part[lane], s0, acc[lane]);
+        const float s0 = has_offsets(w) ? gs[r * G + g] : 0.0f;
+        for (int lane = 0; lane < kBlockCols; ++lane) acc[lane] = apply_group(w, b, g, lane, part[lane], s0, acc[lane]);
       }
     }
     for (int lane = 0; lane < kBlockCols; ++lane) {
@@ -173,6 +172,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
   } else {
     const __m512i magic = _mm512_set1_epi32(int32_t(kQ4Magic)), mask = _mm512_set1_epi32(int32_t(kQ4Mask));
     const int64_t per = w.group / 2;  // pairs per group
+    const bool offsets = has_offsets(w);
     for (int64_t g = 0; g < G; ++g) {
       __m512 part[R][NBT];
       for (int r = 0; r < R; ++r)
@@ -205,16 +205,15 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
         }
       }
       for (int j = 0; j < NBT; ++j) {
-        const int64_t at = ((b0 + j) * G + g) * kBlockCols;
-        const __m512 d = scales16(w, w.scale, at);
+        const __m512 d = scales16(w, b0 + j, g);
         for (int r = 0; r < R; ++r) {
-          const __m512 s0 = _mm512_set1_ps(w.zero ? gs[r * G + g] : 0.0f);
+          const __m512 s0 = _mm512_set1_ps(offsets ? gs[r * G + g] : 0.0f);
           __m512 sum = part[r][j];
           if constexpr (F == WeightFormat::Q4) sum = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s0, sum);
           acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
         }
-        if (w.zero) {
-          const __m512 m = scales16(w, w.zero, at);
+        if (offsets) {
+          const __m512 m = offsets16(w, b0 + j, g, d);
           for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
         }
       }

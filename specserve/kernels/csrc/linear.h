@@ -16,9 +16,12 @@
 //       K-quants Q6_K, Q3_K and Q2_K scale every 16). GGUF Q8_0 and Q5_0 (codes q - 16) have no
 //       offset; Q5_1 and Q5_K do (and Q4 weights whose fused neighbours are Q8, see quant.py).
 //   BF16: K/2 pairs x 16 lanes x 2 bf16 (64 bytes), no scales (K is padded to even with zeros).
-// Scales and offsets are float16 where every value of the weight is one (the GGUF's own block
-// scales), else float32 (K-quants: a float16 super-block scale times a 6- or 8-bit sub-scale,
-// exact in float32).
+// Scales and offsets (ScaleType) are float16 where every value of the weight is one (the GGUF's
+// own block scales); for K-quants, an int8 sub-value per group times a float16 super-value per 256
+// input columns and column, as the file stores them (the product is exact in float32), so the
+// tables take 1 byte per group and column, not 4; float32 otherwise. A weight whose offsets are all
+// -c * scale (code_offset c > 0, a power of two: GGUF Q4_0, Q5_0, Q6_K) stores none: the kernels
+// compute them so, exactly.
 // Per output (row, column) the sum runs over groups in order; within a group over pairs in order,
 // then acc = fma(d, group_sum, acc); for Q4 the group sum is of x * (128 + q), so it first becomes
 // fma(-128, sum_x(group), group_sum); with offsets acc = fma(m, sum_x(group), acc) follows.
@@ -34,6 +37,13 @@ namespace specserve {
 
 enum class WeightFormat : int { Q4 = 0, Q8 = 1, BF16 = 2 };
 
+constexpr int kBlockCols = 16;
+constexpr int kGroup = 32;
+
+// How a weight's per-group scales and offsets are stored (see above).
+enum class ScaleType : int { F16 = 0, F32 = 1, I8 = 2 };
+constexpr int64_t kSuperCols = 256;  // input columns per super-value of an I8 table
+
 // Biased exponent bounds of the nonzero values of a row or weight (lo > hi: all zero), and whether
 // every value is zero or normal (no subnormal, infinity or NaN).
 struct ExponentRange {
@@ -44,16 +54,49 @@ struct ExponentRange {
 struct PackedWeight {
   WeightFormat format;
   const uint8_t* codes;  // [blocks][...] as above
-  const void* scale;     // [blocks][K/group][16] float16 or float32 (Q4, Q8)
-  const void* zero;      // offsets, shaped as scale (Q4 always; Q8 when it has them, else null)
+  const void* scale;     // [blocks][K/group][16] of scale_type (Q4, Q8)
+  const void* zero;      // offsets, shaped as scale; null where there are none or they are -c * scale
   int64_t n;             // output columns
   int64_t k;             // input columns
   ExponentRange exponents;  // of the values (BF16 only; quantized codes have fixed bounds)
-  bool scale_f32 = false;   // scale and zero hold float32 (else float16)
+  ScaleType scale_type = ScaleType::F16;  // of scale and zero
   int64_t group = 32;       // input columns per scale: 32 or 16
   int bits = 4;             // Q4: bits per code (4, 5 or 6)
   int code_offset = 0;      // c > 0: every offset is -c * scale, w = scale * (q - c) (linear_int8.h)
+  const uint16_t* scale_super = nullptr;  // I8: float16 [blocks][K/256][16]
+  const uint16_t* zero_super = nullptr;   // I8 with stored offsets: likewise
 };
+
+// Whether the weight has offsets (stored, or -c * scale).
+inline bool has_offsets(const PackedWeight& w) { return w.zero != nullptr || w.code_offset > 0; }
+
+// Element index of group g's 16 values for column block b in a [blocks][K/group][16] table, and of
+// their super-values in an I8 table's [blocks][K/256][16] (groups are 32 or 16 columns: shifts).
+inline int64_t group_at(const PackedWeight& w, int64_t b, int64_t g) {
+  return (b * (w.k >> (w.group == 32 ? 5 : 4)) + g) * kBlockCols;
+}
+inline int64_t super_at(const PackedWeight& w, int64_t b, int64_t g) {
+  return (b * (w.k >> 8) + (g >> (w.group == 32 ? 3 : 4))) * kBlockCols;
+}
+
+// One scale or offset (lane of group g of block b) from a table, as float (exact).
+inline float table_value(const PackedWeight& w, const void* values, const uint16_t* super, int64_t b, int64_t g, int lane) {
+  const int64_t at = group_at(w, b, g) + lane;
+  switch (w.scale_type) {
+    case ScaleType::F32: return static_cast<const float*>(values)[at];
+    case ScaleType::I8: return f16_to_f32(super[super_at(w, b, g) + lane]) * float(static_cast<const int8_t*>(values)[at]);
+    default: return f16_to_f32(static_cast<const uint16_t*>(values)[at]);
+  }
+}
+
+inline float scale_at(const PackedWeight& w, int64_t b, int64_t g, int lane) {
+  return table_value(w, w.scale, w.scale_super, b, g, lane);
+}
+
+// The offset; -c * scale where none are stored (exact: c is a power of two).
+inline float offset_at(const PackedWeight& w, int64_t b, int64_t g, int lane) {
+  return w.zero ? table_value(w, w.zero, w.zero_super, b, g, lane) : float(-w.code_offset) * scale_at(w, b, g, lane);
+}
 
 // Bytes of the high-bit plane per oct of a Q4 weight with `bits`-bit codes (16 lanes).
 constexpr int64_t high_plane_bytes(int bits) { return bits == 4 ? 0 : (bits == 5 ? 16 : 32); }
@@ -69,22 +112,52 @@ inline uint32_t high_of_pair(uint32_t spread, int bits, int p) {
   return bits == 5 ? (spread >> p) & 0x00100010u : (spread >> (2 * p)) & 0x00300030u;
 }
 
-// Scale or offset i of a weight, as float (exact).
-inline float scale_value(const PackedWeight& w, const void* values, int64_t i) {
-  return w.scale_f32 ? static_cast<const float*>(values)[i] : f16_to_f32(static_cast<const uint16_t*>(values)[i]);
-}
-
 #if SPECSERVE_X86
-// 16 scales or offsets of one group of a column block, as float (exact).
-SPECSERVE_AVX512 inline __m512 scales16(const PackedWeight& w, const void* values, int64_t at) {
-  if (w.scale_f32) return _mm512_loadu_ps(static_cast<const float*>(values) + at);
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + at)));
+// The 16 values of group g of block b in a table, as float (exact).
+SPECSERVE_AVX512 inline __m512 table16(const PackedWeight& w, const void* values, const uint16_t* super, int64_t b, int64_t g) {
+  const int64_t at = group_at(w, b, g);
+  switch (w.scale_type) {
+    case ScaleType::F32: return _mm512_loadu_ps(static_cast<const float*>(values) + at);
+    case ScaleType::I8: {
+      const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values) + at));
+      const __m512 top = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + super_at(w, b, g))));
+      return _mm512_mul_ps(top, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)));
+    }
+    default:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(values) + at)));
+  }
 }
 
-// 8 scales or offsets of one group of a block half, as float (exact).
-SPECSERVE_AVX2 inline __m256 scales8(const PackedWeight& w, const void* values, int64_t at) {
-  if (w.scale_f32) return _mm256_loadu_ps(static_cast<const float*>(values) + at);
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)));
+SPECSERVE_AVX512 inline __m512 scales16(const PackedWeight& w, int64_t b, int64_t g) {
+  return table16(w, w.scale, w.scale_super, b, g);
+}
+
+// The offsets of the same lanes, given their scales d.
+SPECSERVE_AVX512 inline __m512 offsets16(const PackedWeight& w, int64_t b, int64_t g, __m512 d) {
+  return w.zero ? table16(w, w.zero, w.zero_super, b, g) : _mm512_mul_ps(d, _mm512_set1_ps(float(-w.code_offset)));
+}
+
+// Lanes 8h..8h+7 of group g of block b in a table, as float (exact).
+SPECSERVE_AVX2 inline __m256 table8(const PackedWeight& w, const void* values, const uint16_t* super, int64_t b, int64_t g, int h) {
+  const int64_t at = group_at(w, b, g) + 8 * h;
+  switch (w.scale_type) {
+    case ScaleType::F32: return _mm256_loadu_ps(static_cast<const float*>(values) + at);
+    case ScaleType::I8: {
+      const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(values) + at));
+      const __m256 top = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + super_at(w, b, g) + 8 * h)));
+      return _mm256_mul_ps(top, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)));
+    }
+    default:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(values) + at)));
+  }
+}
+
+SPECSERVE_AVX2 inline __m256 scales8(const PackedWeight& w, int64_t b, int64_t g, int h) {
+  return table8(w, w.scale, w.scale_super, b, g, h);
+}
+
+SPECSERVE_AVX2 inline __m256 offsets8(const PackedWeight& w, int64_t b, int64_t g, int h, __m256 d) {
+  return w.zero ? table8(w, w.zero, w.zero_super, b, g, h) : _mm256_mul_ps(d, _mm256_set1_ps(float(-w.code_offset)));
 }
 
 // The first `valid` of 16 lanes (lo: 0-7, hi: 8-15) at element `at` of out (float32 or bf16).
@@ -103,8 +176,6 @@ SPECSERVE_AVX2 inline void store_lanes16(__m256 lo, __m256 hi, void* out, int64_
 }
 #endif
 
-constexpr int kBlockCols = 16;
-constexpr int kGroup = 32;
 
 // Bytes of one 16-column block.
 int64_t block_bytes(WeightFormat format, int64_t k, int bits = 4);

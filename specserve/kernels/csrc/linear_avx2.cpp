@@ -171,16 +171,15 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
       }
       for (int j = 0; j < NBT; ++j)
         for (int h = 0; h < 2; ++h) {
-          const int64_t at = ((b0 + j) * G + g) * kBlockCols + h * 8;
-          const __m256 d = scales8(w, w.scale, at);
+          const __m256 d = scales8(w, b0 + j, g, h);
           for (int r = 0; r < R; ++r) {
-            const __m256 s0 = _mm256_set1_ps(w.zero ? gs[r * G + g] : 0.0f);
+            const __m256 s0 = _mm256_set1_ps(has_offsets(w) ? gs[r * G + g] : 0.0f);
             __m256 sum = part[r][j][h];
             if constexpr (F == WeightFormat::Q4) sum = _mm256_fmadd_ps(_mm256_set1_ps(-128.0f), s0, sum);
             acc[r][j][h] = _mm256_fmadd_ps(d, sum, acc[r][j][h]);
           }
-          if (w.zero) {
-            const __m256 m = scales8(w, w.zero, at);
+          if (has_offsets(w)) {
+            const __m256 m = offsets8(w, b0 + j, g, h, d);
             for (int r = 0; r < R; ++r) acc[r][j][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(gs[r * G + g]), acc[r][j][h]);
           }
         }

@@ -58,9 +58,8 @@ void block_generic(const PackedWeight& w, int64_t b, const Int8Rows& x, int64_t 
       for (int lane = 0; lane < kBlockCols; ++lane) {
         int32_t isum = 0;
         for (int64_t c = g * w.group; c < (g + 1) * w.group; ++c) isum += int32_t(q[c]) * code_at(w, block, c, lane);
-        const int64_t at = (b * G + g) * kBlockCols + lane;
-        const float mv = general ? scale_value(w, w.zero, at) : 0.0f;
-        acc[lane] = combine_group(acc[lane], isum, sx, scale_value(w, w.scale, at), mv, general, w.code_offset, dx);
+        const float mv = general ? offset_at(w, b, g, lane) : 0.0f;
+        acc[lane] = combine_group(acc[lane], isum, sx, scale_at(w, b, g, lane), mv, general, w.code_offset, dx);
       }
     }
     store_row(acc, b, w.n, out, ldo, r, out_bf16);
@@ -177,8 +176,7 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
     if constexpr (F == WeightFormat::Q4) q4_group<Bits, R, NBT>(w, blocks, rows, g, part);
     else q8_group<R, NBT>(w, blocks, rows, g, part);
     for (int j = 0; j < NBT; ++j) {
-      const int64_t at = ((b0 + j) * G + g) * kBlockCols;
-      const __m512 d = scales16(w, w.scale, at), mv = general ? scales16(w, w.zero, at) : _mm512_setzero_ps();
+      const __m512 d = scales16(w, b0 + j, g), mv = general ? offsets16(w, b0 + j, g, d) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const int32_t sx = group_code_sum(x, r0 + r, g, w.group);
         const __m512 dx = _mm512_set1_ps(block_scale(x, r0 + r, g, w.group));

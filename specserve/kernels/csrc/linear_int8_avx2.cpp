@@ -97,12 +97,12 @@ SPECSERVE_AVX2 inline void q8_group8(const PackedWeight& w, const uint8_t* const
 }
 
 // acc + the group's result for 8 lanes (linear_int8.h's arithmetic).
-SPECSERVE_AVX2 inline __m256 combine8(__m256 acc, __m256i part, const PackedWeight& w, int64_t at, bool general,
-                                      int32_t sx, float dx) {
-  const __m256 vdx = _mm256_set1_ps(dx);
+SPECSERVE_AVX2 inline __m256 combine8(__m256 acc, __m256i part, const PackedWeight& w, int64_t b, int64_t g, int h,
+                                      bool general, int32_t sx, float dx) {
+  const __m256 vdx = _mm256_set1_ps(dx), d = scales8(w, b, g, h);
   const __m256i isum = _mm256_sub_epi32(part, _mm256_set1_epi32(w.code_offset * sx));
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(scales8(w, w.scale, at), vdx), _mm256_cvtepi32_ps(isum), acc);
-  if (general) acc = _mm256_fmadd_ps(_mm256_mul_ps(scales8(w, w.zero, at), vdx), _mm256_set1_ps(float(sx)), acc);
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, vdx), _mm256_cvtepi32_ps(isum), acc);
+  if (general) acc = _mm256_fmadd_ps(_mm256_mul_ps(offsets8(w, b, g, h, d), vdx), _mm256_set1_ps(float(sx)), acc);
   return acc;
 }
 
@@ -134,7 +134,7 @@ SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8
       const float dx = block_scale(x, r0 + r, g, w.group);
       for (int j = 0; j < NBT; ++j)
         for (int h = 0; h < 2; ++h)
-          acc[r][j][h] = combine8(acc[r][j][h], part[r][j][h], w, ((b0 + j) * G + g) * kBlockCols + 8 * h, general, sx, dx);
+          acc[r][j][h] = combine8(acc[r][j][h], part[r][j][h], w, b0 + j, g, h, general, sx, dx);
     }
   }
   for (int j = 0; j < NBT; ++j) {
