@@ -142,7 +142,7 @@ SPECSERVE_AVX512 inline void dot_rows(const uint16_t* const* rows, int64_t pair,
 }
 
 // R rows x NBT column blocks; every (row, column) sees the same operation sequence whatever R and NBT are.
-template <WeightFormat F, int Bits, int R, int NBT>
+template <WeightFormat F, int Bits, ScaleType S, int R, int NBT>
 SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx,
                                   const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t bytes = block_bytes(F, w.k, Bits == 0 ? 4 : Bits), G = groups(w);
@@ -205,7 +205,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
         }
       }
       for (int j = 0; j < NBT; ++j) {
-        const __m512 d = scales16(w, b0 + j, g);
+        const __m512 d = scales16<S>(w, b0 + j, g);
         for (int r = 0; r < R; ++r) {
           const __m512 s0 = _mm512_set1_ps(offsets ? gs[r * G + g] : 0.0f);
           __m512 sum = part[r][j];
@@ -213,7 +213,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
           acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
         }
         if (offsets) {
-          const __m512 m = offsets16(w, b0 + j, g, d);
+          const __m512 m = offsets16<S>(w, b0 + j, g, d);
           for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
         }
       }
@@ -234,15 +234,15 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
   }
 }
 
-template <WeightFormat F, int Bits, int R>
+template <WeightFormat F, int Bits, ScaleType S, int R>
 SPECSERVE_AVX512 void rows_avx512(const PackedWeight& w, int64_t b, int64_t b_end, const uint16_t* x, int64_t ldx,
                                   const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int kWide = R <= 2 ? 4 : 2;  // keep 2 * R * NBT accumulators within the 32 registers
-  for (; b + kWide <= b_end; b += kWide) tile_avx512<F, Bits, R, kWide>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
-  for (; b < b_end; ++b) tile_avx512<F, Bits, R, 1>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b + kWide <= b_end; b += kWide) tile_avx512<F, Bits, S, R, kWide>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_avx512<F, Bits, S, R, 1>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
 
-template <WeightFormat F, int Bits>
+template <WeightFormat F, int Bits, ScaleType S>
 SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int64_t b_end, const uint16_t* x,
                                     int64_t ldx, int64_t m, const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t G = w.format == WeightFormat::BF16 ? 0 : groups(w);
@@ -253,14 +253,33 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
     int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
     for (; r + 4 <= m; r += 4)
-      rows_avx512<F, Bits, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
+      rows_avx512<F, Bits, S, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
     void* o = static_cast<char*>(out) + r * ldo * elem;
     switch (m - r) {
-      case 3: rows_avx512<F, Bits, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 2: rows_avx512<F, Bits, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 1: rows_avx512<F, Bits, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 3: rows_avx512<F, Bits, S, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 2: rows_avx512<F, Bits, S, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 1: rows_avx512<F, Bits, S, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
       default: break;
     }
+  }
+}
+
+// The blocks for w's format and code width, its tables of type S (BF16 weights have none).
+template <ScaleType S>
+SPECSERVE_AVX512 void blocks_avx512_format(const PackedWeight& w, int64_t b_begin, int64_t b_end, const uint16_t* x,
+                                           int64_t ldx, int64_t m, const float* gs, void* out, int64_t ldo, bool out_bf16,
+                                           bool accumulate) {
+  switch (w.format) {
+    case WeightFormat::Q4:
+      if (w.bits == 5) blocks_avx512<WeightFormat::Q4, 5, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+      else if (w.bits == 6) blocks_avx512<WeightFormat::Q4, 6, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+      else blocks_avx512<WeightFormat::Q4, 4, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+      break;
+    case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8, 0, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+    default:
+      if constexpr (S == ScaleType::F16)  // BF16 weights: one instance
+        blocks_avx512<WeightFormat::BF16, 0, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+      break;
   }
 }
 
@@ -295,14 +314,10 @@ void linear_blocks(Path path, const PackedWeight& w, const uint16_t* x, int64_t 
     return;
   }
   if (path == Path::Avx512Bf16) {
-    switch (w.format) {
-      case WeightFormat::Q4:
-        if (w.bits == 5) blocks_avx512<WeightFormat::Q4, 5>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
-        else if (w.bits == 6) blocks_avx512<WeightFormat::Q4, 6>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
-        else blocks_avx512<WeightFormat::Q4, 4>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
-        break;
-      case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8, 0>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
-      default: blocks_avx512<WeightFormat::BF16, 0>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+    switch (w.scale_type) {
+      case ScaleType::F32: blocks_avx512_format<ScaleType::F32>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+      case ScaleType::I8: blocks_avx512_format<ScaleType::I8>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
+      default: blocks_avx512_format<ScaleType::F16>(w, block_begin, block_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;
     }
     return;
   }

@@ -96,7 +96,7 @@ SPECSERVE_AVX2 inline __m256i spread_high8(const uint8_t* plane, int half, int b
   return _mm256_and_si256(_mm256_or_si256(_mm256_slli_epi32(v, 4), _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0FF00FF0));
 }
 
-template <WeightFormat F, int R, int NBT, bool Flush>
+template <WeightFormat F, ScaleType S, int R, int NBT, bool Flush>
 SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x, int64_t ldx, const float* gs,
                               void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t bytes = block_bytes(F, w.k, w.bits), G = w.k / w.group;
@@ -171,7 +171,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
       }
       for (int j = 0; j < NBT; ++j)
         for (int h = 0; h < 2; ++h) {
-          const __m256 d = scales8(w, b0 + j, g, h);
+          const __m256 d = scales8<S>(w, b0 + j, g, h);
           for (int r = 0; r < R; ++r) {
             const __m256 s0 = _mm256_set1_ps(has_offsets(w) ? gs[r * G + g] : 0.0f);
             __m256 sum = part[r][j][h];
@@ -179,7 +179,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
             acc[r][j][h] = _mm256_fmadd_ps(d, sum, acc[r][j][h]);
           }
           if (has_offsets(w)) {
-            const __m256 m = offsets8(w, b0 + j, g, h, d);
+            const __m256 m = offsets8<S>(w, b0 + j, g, h, d);
             for (int r = 0; r < R; ++r) acc[r][j][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(gs[r * G + g]), acc[r][j][h]);
           }
         }
@@ -191,19 +191,19 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
   }
 }
 
-template <WeightFormat F, int R, bool Flush>
+template <WeightFormat F, ScaleType S, int R, bool Flush>
 SPECSERVE_AVX2 void rows_avx2(const PackedWeight& w, int64_t b, int64_t b_end, const float* x, int64_t ldx,
                               const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int kWide = R <= 2 ? 2 : 1;  // keep the 2 * R * NBT partial sums within the 16 registers
-  for (; b + kWide <= b_end; b += kWide) tile_avx2<F, R, kWide, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
-  for (; b < b_end; ++b) tile_avx2<F, R, 1, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b + kWide <= b_end; b += kWide) tile_avx2<F, S, R, kWide, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_avx2<F, S, R, 1, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
 
-template <WeightFormat F, int R>
+template <WeightFormat F, ScaleType S, int R>
 SPECSERVE_AVX2 void rows_either(bool exact, const PackedWeight& w, int64_t b, int64_t b_end, const float* x,
                                 int64_t ldx, const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  if (exact) rows_avx2<F, R, false>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16, accumulate);
-  else rows_avx2<F, R, true>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  if (exact) rows_avx2<F, S, R, false>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16, accumulate);
+  else rows_avx2<F, S, R, true>(w, b, b_end, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
 
 #endif  // SPECSERVE_X86
@@ -249,19 +249,29 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t 
       const float* xr = x + r * ldx;
       const float* g = gs + r * G;
       void* o = static_cast<char*>(out) + r * ldo * elem;
-      auto run = [&](auto fmt) {
+      auto run = [&](auto fmt, auto scales) {
         constexpr WeightFormat F = decltype(fmt)::value;
+        constexpr ScaleType S = decltype(scales)::value;
         switch (rows) {
-          case 4: rows_either<F, 4>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-          case 3: rows_either<F, 3>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-          case 2: rows_either<F, 2>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-          default: rows_either<F, 1>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 4: rows_either<F, S, 4>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 3: rows_either<F, S, 3>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 2: rows_either<F, S, 2>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          default: rows_either<F, S, 1>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+        }
+      };
+      auto quantized = [&](auto fmt) {  // the table type as a template argument (linear.h table16)
+        switch (w.scale_type) {
+          case ScaleType::F32: run(fmt, std::integral_constant<ScaleType, ScaleType::F32>{}); break;
+          case ScaleType::I8: run(fmt, std::integral_constant<ScaleType, ScaleType::I8>{}); break;
+          default: run(fmt, std::integral_constant<ScaleType, ScaleType::F16>{}); break;
         }
       };
       switch (w.format) {
-        case WeightFormat::Q4: run(std::integral_constant<WeightFormat, WeightFormat::Q4>{}); break;
-        case WeightFormat::Q8: run(std::integral_constant<WeightFormat, WeightFormat::Q8>{}); break;
-        default: run(std::integral_constant<WeightFormat, WeightFormat::BF16>{}); break;
+        case WeightFormat::Q4: quantized(std::integral_constant<WeightFormat, WeightFormat::Q4>{}); break;
+        case WeightFormat::Q8: quantized(std::integral_constant<WeightFormat, WeightFormat::Q8>{}); break;
+        default:
+          run(std::integral_constant<WeightFormat, WeightFormat::BF16>{}, std::integral_constant<ScaleType, ScaleType::F16>{});
+          break;
       }
       r += rows;
     }
