@@ -103,16 +103,19 @@ class PackedLinear:
             self.zero_super if self.zero_super.numel() else None,
         )
 
-    def group_values(self, offsets: bool = False) -> torch.Tensor:
-        """The scales (or offsets) [blocks, k / group, 16] as float64, exactly; offsets not stored
-        are -code_offset * scale; a weight without offsets gives an empty tensor."""
+    def group_values(
+        self, offsets: bool = False, block: torch.Tensor | None = None, lane: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The scales (or offsets) as float64, exactly: [blocks, k / group, 16], or [len(block),
+        k / group] for the rows at (block, lane) only; offsets not stored are -code_offset * scale;
+        a weight without offsets gives an empty tensor."""
         table, super_values = (self.zero, self.zero_super) if offsets else (self.scale, self.scale_super)
         if offsets and not table.numel():
-            return -self.code_offset * self.group_values() if self.code_offset else table.double()
+            return -self.code_offset * self.group_values(False, block, lane) if self.code_offset else table.double()
+        pick = (lambda t: t) if block is None else (lambda t: t[block, :, lane])
         if table.dtype != torch.int8:
-            return table.double()
-        per = SUPER // self.group
-        return table.double() * super_values.double().repeat_interleave(per, dim=1)
+            return pick(table).double()
+        return pick(table).double() * pick(super_values).double().repeat_interleave(SUPER // self.group, dim=1)
 
     def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight [len(index), k] as float32, read from the packed layout (an
@@ -126,13 +129,9 @@ class PackedLinear:
             codes = self.codes.view(torch.int8).view(-1, self.k // 2, BLOCK, 2)[block, :, lane].reshape(len(index), -1)
         else:
             codes = self._q4_codes(block, lane)
-        w = codes.double() * self._rows_of(self.group_values(), block, lane)
-        offsets = self.group_values(offsets=True)
-        return (w + self._rows_of(offsets, block, lane) if offsets.numel() else w).float()
-
-    def _rows_of(self, table: torch.Tensor, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
-        """Per-group values of rows (block, lane) spread over their columns [len(block), k]."""
-        return table[block, :, lane].repeat_interleave(self.group, dim=1)
+        w = codes.double() * self.group_values(False, block, lane).repeat_interleave(self.group, dim=1)
+        offsets = self.group_values(True, block, lane)
+        return (w + offsets.repeat_interleave(self.group, dim=1) if offsets.numel() else w).float()
 
     def _q4_codes(self, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
         """Codes [len(block), k] of Q4-layout rows: octs of nibble words [oct, lane], then the high bits."""
@@ -183,7 +182,11 @@ def _sub_values(values: torch.Tensor, super_values: torch.Tensor, group: int) ->
     if top.shape != values.shape:
         return None
     sub = torch.where(top == 0, torch.zeros_like(values), values.float() / torch.where(top == 0, 1.0, top))
-    ok = torch.equal(sub.round(), sub) and bool(((sub >= -128) & (sub <= 127)).all()) and torch.equal(sub * top, values.float())
+    ok = (
+        torch.equal(sub.round(), sub)
+        and bool(((sub >= -128) & (sub <= 127)).all())
+        and torch.equal(sub * top, values.float())
+    )
     return sub.to(torch.int8) if ok else None
 
 
