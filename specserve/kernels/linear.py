@@ -1,10 +1,12 @@
 """Weights packed for the CPU linear kernels, and y = x W^T through them.
 
-Three weight layouts share one kernel family (see csrc/linear.h): 4-bit codes with a scale and
-an offset per 32 columns (GGUF Q4_0, Q4_1, Q4_K), 8-bit codes with a scale (and optionally an
-offset) per 32 or 16 columns (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K), and plain bf16. Packing
-keeps the GGUF's codes and scales exactly; only the layout changes (models/quant.py maps each GGUF
-type onto a layout).
+Three weight layouts share one kernel family (see csrc/linear.h): unsigned 4-, 5- or 6-bit codes
+with a scale and an offset per 32 or 16 columns (GGUF Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K),
+signed 8-bit codes with a scale (and optionally an offset) per 32 or 16 columns (Q8_0, and the
+others' 8-bit fusions), and plain bf16. Packing keeps the GGUF's codes and scales exactly; only
+the layout changes (models/quant.py maps each GGUF type onto a layout). The scale tables take the
+file's bytes: float16 values, or for K-quants int8 multiples of float16 super-values per 256
+columns; offsets that are -c * scale are not stored.
 """
 
 from __future__ import annotations

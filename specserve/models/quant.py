@@ -9,8 +9,10 @@ kernels (specserve/kernels/linear.py):
   with a Q8_0 neighbour, e.g. q and k in Q5_0 with v in Q8_0).
 
 Every scale and offset is an exact float32 value and every dequantized weight equals the `gguf`
-package's (tests/unit/test_quant_formats.py). Other GGUF types (Q2_K, Q3_K, IQ*) are dequantized
-at load and computed in bf16.
+package's (tests/unit/test_quant_formats.py). K-quants also keep their float16 super-block values
+(`supers`), so the kernels store each scale and offset as the file does, an int8 multiple of one
+(kernels/linear.py _group_tables). Other GGUF types (Q2_K, Q3_K, IQ*) are dequantized at load and
+computed in bf16.
 """
 
 from __future__ import annotations
