@@ -249,8 +249,8 @@ def _parse_k(blocks: np.ndarray, type_name: str) -> QuantWeight:
         sub = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
         d = _f16(blocks, 208)
         scale = (d[..., None] * sub).reshape(out, -1)
-        supers = (_tensor(d), _tensor(-32 * d))
-        return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(-32 * scale), 16, 6, supers)
+        q6_supers: Supers = (_tensor(d), _tensor(-32 * d))
+        return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(-32 * scale), 16, 6, q6_supers)
     scale, offset, supers = _k_scales(blocks)
     if type_name == "Q4_K":
         codes = _low_nibble_rows(blocks[:, :, 16:])
