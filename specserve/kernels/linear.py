@@ -205,12 +205,14 @@ def _group_tables(
     or float32 values. supers: the super-values [n, k / 256] of scale and offset."""
     empty = torch.empty(0, dtype=torch.float16)
     if supers is not None:
-        scale_sub = _sub_values(scale, supers[0], group)
-        zero_sub = None if offset is None or supers[1] is None else _sub_values(offset, supers[1], group)
-        if scale_sub is not None and (offset is None or zero_sub is not None):
-            tops = [_block_scales(t, torch.float16) for t in (supers[0], supers[1]) if t is not None]
-            zero = empty.to(torch.int8) if zero_sub is None else _block_scales(zero_sub, torch.int8)
-            return _block_scales(scale_sub, torch.int8), zero, tops[0], tops[1] if zero_sub is not None else empty
+        scale_top, zero_top = supers
+        scale_sub = _sub_values(scale, scale_top, group)
+        zero_sub = None if offset is None or zero_top is None else _sub_values(offset, zero_top, group)
+        if scale_sub is not None and offset is None:
+            return _block_scales(scale_sub, torch.int8), empty.to(torch.int8), _block_scales(scale_top, torch.float16), empty
+        if scale_sub is not None and zero_sub is not None and zero_top is not None:
+            tops = [_block_scales(t, torch.float16) for t in (scale_top, zero_top)]
+            return _block_scales(scale_sub, torch.int8), _block_scales(zero_sub, torch.int8), tops[0], tops[1]
     dtype = _scale_dtype(scale, offset)
     zero = torch.empty(0, dtype=dtype) if offset is None else _block_scales(offset, dtype)
     return _block_scales(scale, dtype), zero, empty, empty
