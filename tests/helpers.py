@@ -45,15 +45,25 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
 @contextlib.contextmanager
 def int8_activations(model):
     """The model's quantized linears with integer activations (as --cpu-activations int8 sets them)
-    while inside; yields how many linears switched."""
+    while inside; yields how many linears switched. Native layers (which read the setting when
+    built) are rebuilt on the way in and out."""
     from specserve.kernels.linear import PackedLinear
+    from specserve.models.native_layer import NativeLayers
 
     kernels = [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), PackedLinear)]
+
+    def rebuild_native() -> None:
+        if getattr(model, "native", None) is not None:
+            model.native = NativeLayers.build(list(model.layers))
+
     try:
-        yield sum(k.quantize_activations() for k in kernels)
+        switched = sum(k.quantize_activations() for k in kernels)
+        rebuild_native()
+        yield switched
     finally:
         for k in kernels:
             k.quantize_activations(False)
+        rebuild_native()
 
 
 def windowed_logits(model, prompts: list[list[int]], window: int) -> list[torch.Tensor]:
@@ -86,6 +96,59 @@ def windowed_logits(model, prompts: list[list[int]], window: int) -> list[torch.
     run([0] * len(prompts), cut, all_rows=False)
     logits = run(cut, [len(p) for p in prompts], all_rows=True)
     return list(logits.split(window))
+
+def _staged_passes(model, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Every prompt in stages over one private KV pool, all requests batched in each pass: a
+    prefill chunk (the first half), an extend to two tokens short, those two as a verify-shaped
+    window, then one decode row each. Returns every pass's logits (all rows), the captured layer
+    outputs of the first pass, and the K/V pools."""
+    cfg = model.config
+    kv = KVPool(sum(len(p) + 1 for p in prompts), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    seqs = [p + [p[0]] for p in prompts]  # the decode row feeds the prompt's first token again
+    table = ReqToTokenPool(len(seqs), max(len(s) for s in seqs))
+    slots, next_slot = [], 1
+    for r, seq in enumerate(seqs):
+        slots.append(list(range(next_slot, next_slot + len(seq))))
+        next_slot += len(seq)
+        table.write(r, 0, slots[-1])
+    out: dict[str, torch.Tensor] = {}
+    stages = [[len(p) // 2 for p in prompts], [len(p) - 2 for p in prompts], [len(p) for p in prompts],
+              [len(s) for s in seqs]]
+    starts = [0] * len(seqs)
+    for n, ends in enumerate(stages):
+        ids = [t for s, a, b in zip(seqs, starts, ends) for t in s[a:b]]
+        ext = [b - a for a, b in zip(starts, ends)]
+        meta = model.ops.attention_metadata(table.table, list(range(len(seqs))), ends, ext, "cpu")
+        fb = ForwardBatch(torch.tensor(ids), torch.tensor([i for a, b in zip(starts, ends) for i in range(a, b)]),
+                          torch.tensor([x for sl, a, b in zip(slots, starts, ends) for x in sl[a:b]]), meta,
+                          torch.arange(len(ids)), capture_layer_ids=(0, cfg.num_layers - 1) if n == 0 else ())
+        out[f"logits{n}"] = model(fb, kv)
+        if n == 0:
+            out["captured"] = fb.captured_hidden
+        starts = ends
+    for i in range(cfg.num_layers):
+        out[f"k{i}"], out[f"v{i}"] = kv.k[i], kv.v[i]
+    return out
+
+
+def layer_path_mismatches(model, prompts: list[list[int]]) -> list[str]:
+    """The tensors of `_staged_passes` whose bits differ between the model's native decoder layers
+    (models/native_layer.py) and its layers run op by op; [] when every one is bitwise equal."""
+    native = model.native
+    assert native is not None, "the model has native layers (CPU kernels, TP size 1)"
+    try:
+        with_native = _staged_passes(model, prompts)
+        model.native = None
+        per_op = _staged_passes(model, prompts)
+    finally:
+        model.native = native
+    assert with_native.keys() == per_op.keys()
+    return [name for name, t in with_native.items() if not torch.equal(_bits(t), _bits(per_op[name]))]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
+
 
 STARTUP_TIMEOUT_S = 300
 MODEL = "SmolLM2-135M-Instruct"

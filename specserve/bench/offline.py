@@ -99,12 +99,17 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
     prefill = _median_pass_s(engine, _long_ids(engine.tokenizer, ns.prefill_len), 0, max(2, ns.repeats // 3), True)
     result = {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
               "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill}
-    if engine.runner.model.ops.name == "cpu-kernels":  # where the step goes, kernel by kernel
+    model = engine.runner.model
+    if model.ops.name == "cpu-kernels":  # where the step goes, kernel by kernel: the layers op by op
         from specserve.bench.step_profile import profile_step
 
-        for name, ids in (("decode", window[:1]), ("verify", window)):
-            fb = _pass(engine, ids, ns.prefix_len, False)
-            result[f"{name}_profile_ms"] = profile_step(lambda: engine.runner.model(fb, engine.kv), ns.repeats)
+        native, model.native = model.native, None
+        try:
+            for name, ids in (("decode", window[:1]), ("verify", window)):
+                fb = _pass(engine, ids, ns.prefix_len, False)
+                result[f"{name}_profile_ms"] = profile_step(lambda: model(fb, engine.kv), ns.repeats)
+        finally:
+            model.native = native
         engine.req_to_token.table.zero_()
     return result
 

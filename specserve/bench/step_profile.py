@@ -34,6 +34,7 @@ def timed_kernels() -> Iterator[dict[str, float]]:
         (PackedLinear, "__call__", lambda self, *a: f"linear {_FORMATS[self.format]} {self.n}x{self.k}"),
         (backend_module, "add_rms_norm", lambda *a: "add_rms_norm"),  # the CPU kernel ops' entry points
         (backend_module, "silu_mul", lambda *a: "silu_mul"),
+        (backend_module, "gelu_tanh_mul", lambda *a: "gelu_tanh_mul"),
         (backend_module, "rope_store", lambda *a: "rope_store"),
         (attention_module, "kernel_paged_attention", lambda *a: "attention"),
     ]

@@ -228,8 +228,8 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     model = model.to(args.device)
     model.load_weights(loaded.weights, loaded.quantized if args.quantization == "auto" else None)
     # Inductor packs weights itself and cannot trace specserve's kernels: torch.compile runs stock ops.
-    int8 = args.cpu_activations == "int8"
-    model.use_backend(select_backend(args.device, dtype, stock_ops=args.enable_torch_compile, int8_activations=int8))
+    int8, per_op = args.cpu_activations == "int8", envs.env_flag(envs.PER_OP_LAYERS)
+    model.use_backend(select_backend(args.device, dtype, args.enable_torch_compile, int8, per_op))
     model.eval()
     # The drafter is replicated on every rank (see models/dspark.py); a reduced draft vocabulary
     # takes its rows from the full (unsharded) head weight.

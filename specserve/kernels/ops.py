@@ -1,5 +1,5 @@
 """Fused small ops of a decoder layer in bf16 (see csrc/ops.h): residual add + RMSNorm, SiLU x
-up, and RoPE with the K/V store. Each replaces several PyTorch ops (and their dispatch) with one
+up and GELU-tanh x up, and RoPE with the K/V store. Each replaces several PyTorch ops (and their dispatch) with one
 call whose per-row result does not depend on the number of rows."""
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] of shape [rows, 2f]."""
     return load().silu_mul(gate_up, path_id())
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate | up] of shape [rows, 2f] (gemma3's MLP)."""
+    return load().gelu_tanh_mul(gate_up, path_id())
 
 
 def rope_store(

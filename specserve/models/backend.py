@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.linear import PackedLinear
-from specserve.kernels.ops import add_rms_norm, rope_store, silu_mul
+from specserve.kernels.ops import add_rms_norm, gelu_tanh_mul, rope_store, silu_mul
 from specserve.models.attention import AttentionMetadata, KernelAttentionMetadata, SdpaAttentionMetadata, block_attention
 from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from specserve.models.native_layer import NativeLayers
 
 
 def cpu_kernels_apply(device: "str | torch.device", dtype: torch.dtype) -> bool:
@@ -104,6 +105,11 @@ class OpBackend:
         """The drafter's attention (see attention.block_attention)."""
         return block_attention(q, keys, values, mask)
 
+    def native_layers(self, layers: list[nn.Module]) -> Optional[NativeLayers]:
+        """The decoder layers (prepared, TP size 1) as one native call each, where this backend has
+        them; None: the model runs them op by op."""
+        return None
+
 
 class TorchOps(OpBackend):
     """Stock torch ops in the model's dtype (the reference models' numerics)."""
@@ -160,12 +166,14 @@ class TorchOps(OpBackend):
 class CpuKernelOps(OpBackend):
     """specserve's bf16 CPU kernels: Q4/Q8/bf16 linears, the fused small ops and paged attention.
     With `int8_activations`, the linears over quantized weights quantize their input rows to int8
-    and compute integer dot products (kernels/csrc/linear_int8.h)."""
+    and compute integer dot products (kernels/csrc/linear_int8.h). A model at TP size 1 runs each
+    decoder layer as one native call (models/native_layer.py) unless `per_op_layers`."""
 
     name = "cpu-kernels"
 
-    def __init__(self, int8_activations: bool = False):
+    def __init__(self, int8_activations: bool = False, per_op_layers: bool = False):
         self.int8_activations = int8_activations
+        self.per_op_layers = per_op_layers  # run the decoder layers op by op (the native layers' reference)
 
     def prepare(self, module: nn.Module) -> None:
         for part in module.modules():
@@ -198,6 +206,13 @@ class CpuKernelOps(OpBackend):
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         return silu_mul(flat).view(*gate_up.shape[:-1], -1)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        return gelu_tanh_mul(flat).view(*gate_up.shape[:-1], -1)
+
+    def native_layers(self, layers: list[nn.Module]) -> Optional[NativeLayers]:
+        return None if self.per_op_layers else NativeLayers.build(layers)
+
     def attention_metadata(
         self, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: "str | torch.device"
     ) -> AttentionMetadata:
@@ -227,10 +242,14 @@ class CpuKernelOps(OpBackend):
 
 
 def select_backend(
-    device: "str | torch.device", dtype: torch.dtype, stock_ops: bool = False, int8_activations: bool = False
+    device: "str | torch.device",
+    dtype: torch.dtype,
+    stock_ops: bool = False,
+    int8_activations: bool = False,
+    per_op_layers: bool = False,
 ) -> OpBackend:
     """The backend a model built on `device` in `dtype` runs (`stock_ops`: torch.compile, which
-    traces stock ops only; `int8_activations`: see CpuKernelOps)."""
+    traces stock ops only; `int8_activations`, `per_op_layers`: see CpuKernelOps)."""
     if cpu_kernels_apply(device, dtype) and not stock_ops:
-        return CpuKernelOps(int8_activations)
+        return CpuKernelOps(int8_activations, per_op_layers)
     return TorchOps(dtype)

@@ -20,6 +20,7 @@ from specserve.models.layers import (
     TPContext,
     VocabParallelEmbedding,
 )
+from specserve.models.native_layer import NativeLayers
 from specserve.models.quant import QuantWeight
 
 
@@ -135,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
         windowed = any(cfg.window(i) for i in range(cfg.num_layers))
         self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta) if windowed else self.rope
         self.ops: OpBackend = TorchOps(dtype)
+        self.tp_size = tp.size
+        self.native: Optional[NativeLayers] = None  # the layers as one C++ call each (use_backend)
         self._tied_head = False  # the head is the embedding (set by load_weights)
 
     def use_backend(self, ops: OpBackend) -> None:
@@ -143,13 +146,20 @@ class LlamaForCausalLM(nn.Module):
         if self._tied_head and self.lm_head.kernel is not None:  # one copy of the codes: the head's
             self.embed_tokens.read_from(self.lm_head.kernel)
         self.ops = ops
+        self.native = ops.native_layers(list(self.layers)) if self.tp_size == 1 else None
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
         residual, out = self.embed_tokens(fb.input_ids), None
         captured = []
+        native = self.native if self.native is not None and self.native.applies(fb) else None
+        step = native.step(fb, kv) if native is not None else None
         for i, layer in enumerate(self.layers):
-            out = layer(out, residual, fb, kv, self.rope_local if self.config.window(i) else self.rope, self.ops)
+            rope = self.rope_local if self.config.window(i) else self.rope
+            if native is not None:
+                out = native.run(i, step, out, residual, kv, rope)
+            else:
+                out = layer(out, residual, fb, kv, rope, self.ops)
             if i in fb.capture_layer_ids:  # the layer's output: its MLP's plus the residual stream
                 captured.append(out + residual)
         if captured:  # the drafter's context: these layers' outputs for every row, concatenated

@@ -115,6 +115,7 @@ def test_mutation_routing_some_row_counts_elsewhere_breaks_invariance(bf16_engin
         return original(self, x, out_dtype)
 
     monkeypatch.setattr(layers._ParallelLinear, "matmul", oneDNN_for_mid_row_counts)
+    monkeypatch.setattr(bf16_engine.runner.model, "native", None)  # the per-op layers, where the matmul is planted
     tokens = chat_prompts(bf16_engine, CONTENTS[:1])[0] + bf16_engine.tokenizer.encode(" Red, green and blue.")
     bad = shape_mismatches(bf16_engine.runner.model, tokens)
     assert "6-row verify window" in bad and "decode in a batch of 8" in bad, bad

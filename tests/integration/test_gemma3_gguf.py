@@ -9,7 +9,7 @@ transformers reads the file independently (its own GGUF parser, dequantization a
 from __future__ import annotations
 
 import pytest
-from helpers import int8_activations
+from helpers import int8_activations, layer_path_mismatches
 from real_gguf import bf16_perplexity_ratio, gguf_parsed_once, held_out_texts, transformers_greedy, transformers_tokenizer
 
 from specserve.datasets import sharegpt_first_turns
@@ -93,6 +93,13 @@ def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, bf16_engine
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         assert ids == engine.tokenizer.encode("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
         assert ids[0] == engine.tokenizer.bos_token_id
+
+
+def test_native_layers_give_the_per_op_layers_bits(bf16_engine):
+    """Each decoder layer as one C++ call (models/native_layer.py) against the layer op by op:
+    logits, captured layer outputs and K/V bitwise equal (prefill past the 512-position sliding window, extend, verify window, decode)."""
+    prompts = [bf16_engine.tokenizer.encode(p) for p in PROMPTS[:3]] + [_long_prompt(bf16_engine)]
+    assert layer_path_mismatches(bf16_engine.runner.model, prompts) == []
 
 
 def test_bf16_perplexity_within_one_percent_of_fp32(bf16_engine, fp32_engine):

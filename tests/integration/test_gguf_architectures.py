@@ -10,14 +10,17 @@ import os
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from helpers import prefill_logits
+from helpers import int8_activations, layer_path_mismatches, prefill_logits
 from tiny_gguf import TinySpec, write_tiny_gguf
 
+from specserve import envs
 from specserve.engine import Engine
 from specserve.errors import ConfigError
+from specserve.kernels.dispatch import available_paths
 from specserve.kernels.linear import Q4, Q8
 from specserve.models.layers import _ParallelLinear
 from specserve.models.loader import load_model_config
+from specserve.models.native_layer import NativeLayers
 from specserve.models.rope_scaling import llama3_factors
 
 # A Q4_K_M-like mix: the types llama.cpp's Q4_K_M and Q5_K_M files hold.
@@ -117,6 +120,32 @@ def test_quantized_tensors_stay_codes_on_the_cpu_kernels(tiny_model):
         assert model.embed_tokens.table is not None and model.embed_tokens.weight.numel() == 0
         if model._tied_head:
             assert model.embed_tokens.table is model.lm_head.kernel
+
+
+def test_native_layers_give_the_per_op_layers_bits(tiny_model, monkeypatch):
+    """Each decoder layer as one C++ call against the same layer op by op: logits, captured layer
+    outputs and K/V bitwise equal on prefill chunks, extends, verify windows and decode rows, on
+    every kernel path, with bf16 and with integer activations. A native layer built with the other
+    MLP activation must differ: the comparison can fail."""
+    with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=256) as engine:
+        model = engine.runner.model
+        assert model.native is not None and len(model.native.layers) == model.config.num_layers
+        for path in available_paths():
+            monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+            assert layer_path_mismatches(model, PROMPTS) == [], path
+        monkeypatch.delenv(envs.CPU_KERNEL_PATH)
+        native = model.native
+        with int8_activations(model) as switched:
+            assert switched == 0 or layer_path_mismatches(model, PROMPTS) == []
+        mlp = model.layers[0].mlp
+        mlp.gelu = not mlp.gelu
+        try:
+            model.native = NativeLayers.build(list(model.layers))
+        finally:
+            mlp.gelu = not mlp.gelu
+        planted = layer_path_mismatches(model, PROMPTS)
+        model.native = native
+    assert "logits0" in planted and "k1" in planted, planted
 
 
 def test_unsupported_architecture_is_one_error_before_weights_load(tmp_path):

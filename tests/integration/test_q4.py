@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import prefill_logits
+from helpers import layer_path_mismatches, prefill_logits
 
 from specserve.kernels.linear import BF16, Q4, Q8
 from specserve.models.backend import CpuKernelOps
@@ -52,3 +52,6 @@ def test_int4_model_agrees_with_dequantized_bf16(loaded):
     assert agree >= 0.85, f"top-1 agreement {agree}"
     corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
     assert corr > 0.99, corr
+    # Each decoder layer as one native call gives the bits of the layer op by op (models/native_layer.py).
+    prompts = [ids, ids[:7], tok.encode("Hello, world! How are you today?")]
+    assert layer_path_mismatches(int4, prompts) == layer_path_mismatches(bf16, prompts) == []

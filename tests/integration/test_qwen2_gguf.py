@@ -8,7 +8,7 @@ both loads are shared by the module's tests, which keep it to a few minutes."""
 from __future__ import annotations
 
 import pytest
-from helpers import int8_activations
+from helpers import int8_activations, layer_path_mismatches
 from real_gguf import bf16_perplexity_ratio, gguf_parsed_once, held_out_texts, transformers_greedy, transformers_tokenizer
 
 from specserve.engine import Engine
@@ -89,6 +89,13 @@ def test_bf16_ngram_lossless(path, bf16_engine):
     plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
     with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096) as engine:
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
+
+
+def test_native_layers_give_the_per_op_layers_bits(bf16_engine):
+    """Each decoder layer as one C++ call (models/native_layer.py) against the layer op by op:
+    logits, captured layer outputs and K/V bitwise equal (extend, verify window, decode)."""
+    prompts = [bf16_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[:3]]
+    assert layer_path_mismatches(bf16_engine.runner.model, prompts) == []
 
 
 def test_bf16_perplexity_within_one_percent_of_fp32(bf16_engine, fp32_engine):

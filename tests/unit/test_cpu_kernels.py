@@ -345,18 +345,20 @@ def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):
         monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
         res = residual.clone()
         results[path] = (ops.add_rms_norm(x, res, weight, 1e-5), res, ops.add_rms_norm(x, None, weight, 1e-5),
-                         ops.silu_mul(gate_up))
-        normed, res, plain, act = results[path]
+                         ops.silu_mul(gate_up), ops.gelu_tanh_mul(gate_up))
+        normed, res, plain, act, gelu = results[path]
         assert torch.equal(res, x + residual)  # the residual add rounds to bf16 like torch's
         for got, base in ((normed, (x + residual)), (plain, x)):
             want = torch.nn.functional.rms_norm(base.double(), (200,), weight.double(), 1e-5)
             assert ((got.double() - want).abs() / (want.abs() + 1e-2)).max() < 2e-2
         gate, up = gate_up.double().chunk(2, dim=-1)
-        want = torch.nn.functional.silu(gate) * up
-        assert ((act.double() - want).abs() / (want.abs() + 1e-2)).max() < 2e-2
+        for got, want in ((act, torch.nn.functional.silu(gate) * up),
+                          (gelu, torch.nn.functional.gelu(gate, approximate="tanh") * up)):
+            assert ((got.double() - want).abs() / (want.abs() + 1e-2)).max() < 2e-2
         for t in (0, 4, 8):  # one row alone gives the same result
             assert torch.equal(ops.add_rms_norm(x[t:t + 1], None, weight, 1e-5)[0], plain[t])
             assert torch.equal(ops.silu_mul(gate_up[t:t + 1])[0], act[t])
+            assert torch.equal(ops.gelu_tanh_mul(gate_up[t:t + 1])[0], gelu[t])
     assert_every_pair_equal(results)
 
 

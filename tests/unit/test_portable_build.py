@@ -18,8 +18,9 @@ from specserve.kernels.build import CFLAGS, SOURCE_DIR, source_files
 HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native", "portable_kernels.cpp")
 CROSS, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 EM_AARCH64 = 183  # the ELF header's e_machine
-# The torch bindings need torch's headers; the harness replaces them.
-KERNEL_SOURCES = [os.path.join(SOURCE_DIR, f) for f in source_files() if f.endswith(".cpp") and f != "bindings.cpp"]
+# The torch-facing files need torch's headers; the harness replaces them.
+TORCH_FILES = {"bindings.cpp", "torch_glue.cpp", "decoder_layer.cpp"}
+KERNEL_SOURCES = [os.path.join(SOURCE_DIR, f) for f in source_files() if f.endswith(".cpp") and f not in TORCH_FILES]
 
 
 def require(tool: str) -> str:

@@ -1,21 +1,34 @@
 // Fused small ops (see ops.h). RoPE has no reduction and no transcendental, so one scalar
-// version serves every path; the other two have AVX-512 and AVX2 versions with the same order.
+// version serves every path; the others have AVX-512 and AVX2 versions with the same order.
 #include "ops.h"
 
 #include "simd_avx2.h"
 #include "simd_avx512.h"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace specserve {
 
 namespace {
 
-inline float silu(float g) {
-  const float e = exp_nonpositive(g >= 0.0f ? -g : g);  // exp(-|g|) <= 1
-  const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-  return g * sig;
+inline float sigmoid(float z) {
+  const float e = exp_nonpositive(z >= 0.0f ? -z : z);  // exp(-|z|) <= 1
+  return z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
+
+// gelu_tanh(g) = g / 2 * (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2 / pi) * (g + 0.044715 g^3).
+constexpr float kGeluA = 1.5957691216057308f;             // 2 sqrt(2 / pi)
+constexpr float kGeluB = float(1.5957691216057308 * 0.044715);
+
+inline float gelu_arg(float g) { return std::fma(kGeluB, g * g, kGeluA) * g; }  // 2u
+
+struct Silu {
+  static float apply(float g) { return g * sigmoid(g); }
+};
+struct GeluTanh {
+  static float apply(float g) { return g * sigmoid(gelu_arg(g)); }
+};
 
 void add_rms_norm_generic(const uint16_t* x, uint16_t* residual, const uint16_t* w, int64_t h, float eps, uint16_t* out) {
   float lanes[16] = {0};
@@ -57,17 +70,22 @@ SPECSERVE_AVX512 void add_rms_norm_avx(const uint16_t* x, uint16_t* residual, co
   }
 }
 
-SPECSERVE_AVX512 void silu_mul_avx(const uint16_t* gate, const uint16_t* up, int64_t f, uint16_t* out) {
+SPECSERVE_AVX512 inline __m512 sigmoid_avx(__m512 z) {
   const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  const __mmask16 pos = _mm512_cmp_ps_mask(z, zero, _CMP_GE_OQ);
+  const __m512 e = exp_nonpositive_avx(_mm512_mask_sub_ps(z, pos, zero, z));  // z >= 0 ? -z : z
+  return _mm512_div_ps(_mm512_mask_mov_ps(e, pos, one), _mm512_add_ps(one, e));
+}
+
+template <class Act>
+SPECSERVE_AVX512 void gated_avx(const uint16_t* gate, const uint16_t* up, int64_t f, uint16_t* out) {
   for (int64_t i = 0; i < f; i += 16) {
     const __mmask16 m = tail_mask(f - i);
     const __m512 g = load_bf16(gate + i, m);
-    const __mmask16 pos = _mm512_cmp_ps_mask(g, zero, _CMP_GE_OQ);
-    const __m512 neg_abs = _mm512_mask_sub_ps(g, pos, zero, g);  // g >= 0 ? -g : g
-    const __m512 e = exp_nonpositive_avx(neg_abs);
-    const __m512 denom = _mm512_add_ps(one, e);
-    const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(e, pos, one), denom);
-    store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), load_bf16(up + i, m)), m);
+    __m512 z = g;
+    if constexpr (std::is_same_v<Act, GeluTanh>)
+      z = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(kGeluB), _mm512_mul_ps(g, g), _mm512_set1_ps(kGeluA)), g);
+    store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid_avx(z)), load_bf16(up + i, m)), m);
   }
 }
 
@@ -111,18 +129,24 @@ SPECSERVE_AVX2 void add_rms_norm_avx2(const uint16_t* x, uint16_t* residual, con
   }
 }
 
-SPECSERVE_AVX2 void silu_mul_avx2(const uint16_t* gate, const uint16_t* up, int64_t f, uint16_t* out) {
+SPECSERVE_AVX2 inline __m256 sigmoid_avx2(__m256 z) {
   const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  const __m256 pos = _mm256_cmp_ps(z, zero, _CMP_GE_OQ);
+  const __m256 e = exp_nonpositive_avx2(_mm256_blendv_ps(z, _mm256_sub_ps(zero, z), pos));  // z >= 0 ? -z : z
+  return _mm256_div_ps(_mm256_blendv_ps(e, one, pos), _mm256_add_ps(one, e));
+}
+
+template <class Act>
+SPECSERVE_AVX2 void gated_avx2(const uint16_t* gate, const uint16_t* up, int64_t f, uint16_t* out) {
   int64_t i = 0;
   for (; i + 8 <= f; i += 8) {
     const __m256 g = load_bf16x8(gate + i);
-    const __m256 pos = _mm256_cmp_ps(g, zero, _CMP_GE_OQ);
-    const __m256 neg_abs = _mm256_blendv_ps(g, _mm256_sub_ps(zero, g), pos);  // g >= 0 ? -g : g
-    const __m256 e = exp_nonpositive_avx2(neg_abs);
-    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), _mm256_add_ps(one, e));
-    store_bf16x8(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), load_bf16x8(up + i)));
+    __m256 z = g;
+    if constexpr (std::is_same_v<Act, GeluTanh>)
+      z = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_set1_ps(kGeluB), _mm256_mul_ps(g, g), _mm256_set1_ps(kGeluA)), g);
+    store_bf16x8(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid_avx2(z)), load_bf16x8(up + i)));
   }
-  for (; i < f; ++i) out[i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(up[i]));
+  for (; i < f; ++i) out[i] = f32_to_bf16(Act::apply(bf16_to_f32(gate[i])) * bf16_to_f32(up[i]));
 }
 
 #endif  // SPECSERVE_X86
@@ -142,21 +166,34 @@ void add_rms_norm_rows(Path path, const uint16_t* x, uint16_t* residual, const u
   }
 }
 
-void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end) {
+namespace {
+
+template <class Act>
+void gated_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const uint16_t* gate = gate_up + r * 2 * f;
 #if SPECSERVE_X86
     if (path == Path::Avx512Bf16) {
-      silu_mul_avx(gate, gate + f, f, out + r * f);
+      gated_avx<Act>(gate, gate + f, f, out + r * f);
       continue;
     }
     if (path == Path::Avx2Fma) {
-      silu_mul_avx2(gate, gate + f, f, out + r * f);
+      gated_avx2<Act>(gate, gate + f, f, out + r * f);
       continue;
     }
 #endif
-    for (int64_t i = 0; i < f; ++i) out[r * f + i] = f32_to_bf16(silu(bf16_to_f32(gate[i])) * bf16_to_f32(gate[f + i]));
+    for (int64_t i = 0; i < f; ++i) out[r * f + i] = f32_to_bf16(Act::apply(bf16_to_f32(gate[i])) * bf16_to_f32(gate[f + i]));
   }
+}
+
+}  // namespace
+
+void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end) {
+  gated_rows<Silu>(path, gate_up, f, out, begin, end);
+}
+
+void gelu_tanh_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end) {
+  gated_rows<GeluTanh>(path, gate_up, f, out, begin, end);
 }
 
 void rope_store_rows(const RopeStoreArgs& a, int64_t begin, int64_t end) {

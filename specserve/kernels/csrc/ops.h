@@ -2,6 +2,9 @@
 //   add_rms_norm: residual = bf16(x + residual); out = bf16((residual * inv_rms) * weight), with
 //                 inv_rms = 1 / sqrt(sum(residual^2) / H + eps), the sum in 16 lanes then a tree;
 //   silu_mul:     out = bf16(silu(gate) * up), silu(g) = g * sigmoid(g) from exp of -|g|;
+//   gelu_tanh_mul: out = bf16(gelu_tanh(gate) * up), gelu_tanh(g) = g * sigmoid(2u) (which is
+//                 g / 2 * (1 + tanh(u))), 2u = fma(B, g * g, A) * g with A = 2 sqrt(2 / pi),
+//                 B = 0.044715 A; the sigmoid as silu's;
 //   rope_store:   rotate-half RoPE of q and k (fp32 tables), rotated k and v stored to their slots.
 #pragma once
 
@@ -17,6 +20,7 @@ void add_rms_norm_rows(Path path, const uint16_t* x, uint16_t* residual, const u
 
 // Rows [begin, end) of gate_up [rows, 2f] -> out [rows, f].
 void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end);
+void gelu_tanh_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end);
 
 struct RopeStoreArgs {
   const uint16_t* qkv;   // [T, (heads + 2 kv_heads) * dim]

@@ -1,0 +1,86 @@
+"""The decoder layers as one C++ call each (kernels/csrc/decoder_layer.cpp), for the CPU kernels at
+TP size 1: the kernels the per-op path (models/llama.py on CpuKernelOps) calls, in its order and on
+the same values, so tokens and K/V are bitwise the per-op path's, without Python dispatching about
+ten calls per layer. A pass's rows are checked once for every layer (`LayerStep`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from specserve.kernels.build import load
+from specserve.kernels.dispatch import path_id
+from specserve.kernels.linear import PackedLinear
+from specserve.kv.pool import KVPool
+from specserve.models.attention import KernelAttentionMetadata
+from specserve.models.layers import RMSNorm, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from specserve.models.forward_batch import ForwardBatch
+    from specserve.models.llama import LlamaDecoderLayer
+
+
+def native_linear(kernel: Optional[PackedLinear]) -> Any:
+    """The kernels' view of a packed weight (its tensors shared, not copied)."""
+    assert kernel is not None, "native layers are built from packed linears"
+    k = kernel
+    scale_super, zero_super = k.table_args()[1:]
+    return load().NativeLinear(
+        k.format, k.codes, k.scale, k.zero, k.n, k.k, *k.exponents, k.group, k.bits, k.code_offset,
+        scale_super, zero_super, k.int8_activations,
+    )  # fmt: skip
+
+
+def _weight(norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:
+    return None if norm is None else norm.weight.detach()
+
+
+def native_layer(layer: "LlamaDecoderLayer") -> Any:
+    """The C++ twin of one decoder layer (packed for the CPU kernels)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [
+        layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
+    ]  # fmt: skip
+    eps = {n.eps for n in norms if n is not None}
+    assert len(eps) == 1, f"one epsilon for every norm of a layer, got {sorted(eps)}"
+    bias = attn.qkv_proj.bias
+    return load().DecoderLayer(
+        native_linear(attn.qkv_proj.kernel), None if bias is None else bias.detach(), native_linear(attn.o_proj.kernel),
+        native_linear(mlp.gate_up_proj.kernel), native_linear(mlp.down_proj.kernel), [_weight(n) for n in norms],
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.window, mlp.gelu, eps.pop(),
+    )  # fmt: skip
+
+
+class NativeLayers:
+    """A model's decoder layers as C++ calls; `run` runs one pass through them."""
+
+    def __init__(self, layers: list[Any]):
+        self.layers = layers
+
+    @classmethod
+    def build(cls, decoder_layers: list[Any]) -> "NativeLayers":
+        """From the LlamaDecoderLayer modules of a model packed for the CPU kernels."""
+        return cls([native_layer(layer) for layer in decoder_layers])
+
+    @staticmethod
+    def applies(fb: "ForwardBatch") -> bool:
+        """Whether a pass can run natively (the kernels' attention metadata)."""
+        return isinstance(fb.attn, KernelAttentionMetadata)
+
+    def step(self, fb: "ForwardBatch", kv: KVPool) -> Any:
+        """The pass's rows, checked once for every layer."""
+        meta = fb.attn
+        assert isinstance(meta, KernelAttentionMetadata), "applies(fb) first"
+        return load().LayerStep(
+            fb.positions.contiguous(), fb.out_cache_loc.contiguous(), meta.table, meta.row_req.contiguous(),
+            meta.row_len.contiguous(), kv.k[0].shape[0], path_id(),
+        )  # fmt: skip
+
+    def run(
+        self, i: int, step: Any, out: Optional[torch.Tensor], residual: torch.Tensor, kv: KVPool, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        """Layer i on the pass: residual updated in place, the layer's MLP output returned (as
+        LlamaDecoderLayer.forward)."""
+        return self.layers[i].forward(out, residual, step, kv.k[i], kv.v[i], rope.cos, rope.sin)
