@@ -124,6 +124,7 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def run_models_bench(ns: argparse.Namespace) -> int:
+    from specserve.bench.llamacpp import BATCH1_RUNS
     from specserve.bench.provenance import provenance
     from specserve.models.loader import resolve_model_path
 
@@ -149,7 +150,8 @@ def run_models_bench(ns: argparse.Namespace) -> int:
                 print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
-                              "threads": ns.threads, "spec_prompts": ns.spec_prompts, **provenance(None)}
+                              "threads": ns.threads, "spec_prompts": ns.spec_prompts,
+                              "batch1_generations": BATCH1_RUNS, **provenance(None)}
     report["llama_cpp_python"] = next(iter(raw.values()))[0]["llama.cpp"].get("version", "?")
     report["models"] = {name: {"path": os.path.basename(paths[m]), "activations": a,
                                "summary": summarize([_figures(r, ns.batch_size) for r in raw[name]]), "runs": raw[name]}

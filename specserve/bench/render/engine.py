@@ -194,7 +194,8 @@ def render_models(results: str) -> str:
                "resident memory", "load"]
     return table(header, rows) + (
         f"\n\nbf16 (int8 activations where the row says so: `--cpu-activations int8`), each model with its default speculation, {data['new_tokens']} new tokens after a chat prompt (plain text for a base model) whose "
-        "prefill counts in the batch-1 time (llama-bench's tg128 has no prompt); the decode step is one row "
-        f"after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "
+        "prefill counts in the batch-1 time (llama-bench's tg128 has no prompt"
+        + (f"; the median of {data['batch1_generations']} generations, ours and llama-cpp-python's" if "batch1_generations" in data else "")
+        + f"); the decode step is one row after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "
         f"{data['runs']} interleaved runs, each ratio formed within its run; llama-cpp-python "
         f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n") + _models_spec_table(data)
