@@ -141,9 +141,10 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     engine.tree.reset()
     shapes = step_shapes(engine, ns)
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
+    layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
     engine.shutdown()
-    return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, f"batch{ns.batch_size}_tok_s": bn, **shapes, "cpu_kernel_path": kernel_path,
-            "load_s": load_s, **memory}
+    return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, f"batch{ns.batch_size}_tok_s": bn, **shapes,
+            "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory}
 
 
 def memory_mib(engine) -> dict[str, float]:

@@ -53,12 +53,13 @@ def render_step_profile(results: str) -> str:
     data = load(results, "offline_bf16_kernels.json")
     ours = data["specserve"]
     rows = []
+    native = ours.get("decoder_layers") == "native"  # files before the native layers have no such step
     for label, key, step in (("decode, 1 row", "decode_profile_ms", "decode_1_row_ms"),
                              ("verify, 6 rows", "verify_profile_ms", "verify_6_rows_ms")):
         prof: dict[str, float] = ours[key]
         rows.append([label] + [f"{sum(v for k, v in prof.items() if pick(k)):.2f}" for _, pick in PROFILE_GROUPS]
-                    + [f"{ours[step]:.2f}"])
-    header = [""] + [g for g, _ in PROFILE_GROUPS] + ["step (as served)"]
+                    + ([f"{ours[step]:.2f}"] if native else []))
+    header = [""] + [g for g, _ in PROFILE_GROUPS] + (["step, one native call per layer (as served)"] if native else [])
     return table(header, rows) + f"\n\n{provenance(data, 'offline_bf16_kernels.json')}\n"
 
 
