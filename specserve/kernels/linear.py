@@ -12,6 +12,7 @@ columns; offsets that are -c * scale are not stored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -96,6 +97,14 @@ class PackedLinear:
         if self.int8_activations:
             return load().linear_int8(x, *weight, init, self.group, self.bits, *self.table_args())
         return load().linear(x, *weight, *self.exponents, init, self.group, self.bits, *self.table_args())
+
+    def native(self) -> Any:
+        """This weight as the native decoder layer holds it (csrc/decoder_layer.cpp NativeLinear):
+        the arguments `_kernel` passes, its tensors shared, not copied."""
+        return load().NativeLinear(
+            self.format, self.codes, self.scale, self.zero, self.n, self.k, *self.exponents, self.group, self.bits,
+            *self.table_args(), self.int8_activations,
+        )  # fmt: skip
 
     def table_args(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """The kernels' code_offset, scale_super and zero_super arguments."""

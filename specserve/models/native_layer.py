@@ -22,14 +22,9 @@ if TYPE_CHECKING:
 
 
 def native_linear(kernel: Optional[PackedLinear]) -> Any:
-    """The kernels' view of a packed weight (its tensors shared, not copied)."""
+    """The kernels' view of a layer's packed weight (PackedLinear.native)."""
     assert kernel is not None, "native layers are built from packed linears"
-    k = kernel
-    scale_super, zero_super = k.table_args()[1:]
-    return load().NativeLinear(
-        k.format, k.codes, k.scale, k.zero, k.n, k.k, *k.exponents, k.group, k.bits, k.code_offset,
-        scale_super, zero_super, k.int8_activations,
-    )  # fmt: skip
+    return kernel.native()
 
 
 def _weight(norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:

@@ -3,9 +3,6 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <vector>
-
 #include "attention.h"
 #include "linear.h"
 #include "ops.h"
@@ -71,10 +68,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), table.data_ptr<int64_t>(), table.stride(0),
                        row_req.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(), heads, kv_heads, dim, float(scale),
                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), window};
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(4 * ((longest + 15) / 16 * 16 + 16));
-    paged_attention_tasks(p, a, begin, end, scratch.data());
-  });
+  run_paged_attention(p, a, rows, longest);
   return out;
 }
 

@@ -178,11 +178,7 @@ class DecoderLayer {
     PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), step.table.data_ptr<int64_t>(), step.table.stride(0),
                          step.row_req.data_ptr<int64_t>(), step.row_len.data_ptr<int64_t>(), heads_, kv_heads_, dim_, scale_,
                          bf16_out(att), window_};
-    const int64_t longest = step.longest;
-    at::parallel_for(0, rows * kv_heads_, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scratch(4 * ((longest + 15) / 16 * 16 + 16));
-      paged_attention_tasks(p, a, b, e, scratch.data());
-    });
+    run_paged_attention(p, a, rows, step.longest);
     return o_(att.view({rows, heads_ * dim_}), p);
   }
 

@@ -151,6 +151,13 @@ void run_linear(Path path, const PackedWeight& w, bool int8, const uint16_t* x, 
   else run_linear_bf16(path, w, x, ldx, m, out, out_bf16, accumulate);
 }
 
+void run_paged_attention(Path path, const PagedAttentionArgs& a, int64_t rows, int64_t longest) {
+  at::parallel_for(0, rows * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(4 * ((longest + 15) / 16 * 16 + 16));
+    paged_attention_tasks(path, a, begin, end, scratch.data());
+  });
+}
+
 int64_t check_table_slots(const torch::Tensor& table, const int64_t* row_req, const int64_t* row_len, int64_t rows,
                           int64_t pool_slots) {
   TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.stride(1) == 1,

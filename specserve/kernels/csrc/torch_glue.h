@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include "attention.h"
 #include "linear.h"
 
 namespace specserve {
@@ -38,6 +39,10 @@ PackedWeight packed_weight(int64_t format, const torch::Tensor& codes, const tor
 // row (linear_int8.h; Q4 and Q8 weights with K a multiple of 32).
 void run_linear(Path path, const PackedWeight& w, bool int8, const uint16_t* x, int64_t ldx, int64_t m, void* out,
                 bool out_bf16, bool accumulate);
+
+// Tasks [0, rows * kv_heads) of a paged attention, split across threads, each with its scratch
+// sized for rows of up to `longest` positions (attention.h).
+void run_paged_attention(Path path, const PagedAttentionArgs& a, int64_t rows, int64_t longest);
 
 // Checks that every slot rows [0, rows) of a paged attention read (table row row_req[t], its first
 // row_len[t] positions) is in a pool of `pool_slots`; returns the longest row_len.
