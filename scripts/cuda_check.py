@@ -1,0 +1,313 @@
+"""The engine's CUDA paths on a real GPU, in one short run: CUDA-graph replays, CUDA streams under the
+overlap loop, the stream sanitizer, the seed's fault, pinned-host HiCache, and the speed of each.
+
+CPU-only CI never reaches these paths (the machines have no GPU); run this where a GPU is lent:
+
+    python scripts/cuda_check.py --out cuda_check.json [--commit HASH]
+
+The model is a tiny random llama written to a GGUF here (the repository's embedded model does not
+fit the device tool's transfer limit), with a random DSpark drafter for it: these checks are about
+streams, graphs and buffers, which do not depend on what the weights say. Greedy fp32 tokens must
+be identical across every loop (overlap, sync), every step kind (captured graphs, eager) and every
+algorithm (NONE, NGRAM, DSPARK); the sanitizer must stay silent on the real run and fire on the
+planted alias fault; HiCache must bring an evicted prefix back from pinned host memory with the
+same tokens. Every failed check is recorded and the script exits 1; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+import torch  # noqa: E402
+
+FAULT_VARS = ("SPECSERVE_STREAM_SANITIZER", "SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS", "SPECSERVE_FAULT_COPY_LAG_MS",
+              "SPECSERVE_FAULT_COPY_DELAY_MS", "SPECSERVE_FAULT_FORWARD_DELAY_MS")
+TEXTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
+         "List the days of the week, then the months of the year.", "ab ab ab ab ab ab ab ab ab ab",
+         "Write a haiku about rain.", "the cat the cat the cat sat", "Name three primary colours.", "x"]
+
+
+def tiny_model(folder: str) -> tuple[str, str]:
+    """A random 4-layer llama (fp32 weights, 4096 context) and a random DSpark drafter for it."""
+    from tiny_gguf import TinySpec, write_tiny_gguf
+
+    from specserve.cli import main as cli_main
+
+    path = os.path.join(folder, "tiny-llama.gguf")
+    write_tiny_gguf(path, TinySpec("llama", hidden=256, intermediate=512, layers=4, context=4096), {}, seed=1)
+    drafter = os.path.join(folder, "drafter")
+    assert cli_main(["init-drafter", "--out", drafter, "--model-path", path, "--block-size", "4", "--seed", "3"]) == 0
+    return path, drafter
+
+
+class Checks:
+    """Runs named checks, keeping going after a failure: one run reports everything."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+        self.failed: list[str] = []
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            value = fn()
+            self.results[name] = {"ok": True, "seconds": round(time.perf_counter() - start, 2), "value": value}
+            print(f"[ok]   {name}: {json.dumps(value)[:300]}", flush=True)
+            return value
+        except Exception as exc:  # noqa: BLE001: record every failure, run the rest
+            self.failed.append(name)
+            self.results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                  "trace": traceback.format_exc()[-3000:]}
+            print(f"[FAIL] {name}: {type(exc).__name__}: {exc}", flush=True)
+            return None
+
+
+@contextmanager
+def env(**values: str):
+    saved = {k: os.environ.get(k) for k in FAULT_VARS}
+    for k in FAULT_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+class Setup:
+    """The model, drafter, prompts and the engine arguments of every configuration."""
+
+    def __init__(self, model: str, drafter: str, device: str) -> None:
+        self.model, self.drafter, self.device = model, drafter, device
+        from specserve import Engine
+
+        with Engine(model_path=model, device="cpu", dtype="float32", speculative_algorithm="NONE") as probe:
+            self.prompts = [probe.tokenizer.encode(t) for t in TEXTS]
+
+    def engine(self, algorithm: str = "NONE", overlap: bool = True, graphs: bool = True, dtype: str = "float32",
+               device: str = "", **kw: Any):
+        from specserve import Engine
+
+        spec: dict[str, Any] = {"speculative_algorithm": algorithm}
+        if algorithm == "DSPARK":
+            spec.update(speculative_draft_model_path=self.drafter, speculative_policy="fixed")
+        if algorithm == "NGRAM":
+            spec.update(speculative_policy="fixed", speculative_dspark_block_size=3)
+        kw.setdefault("max_total_tokens", 8192)
+        return Engine(model_path=self.model, device=device or self.device, dtype=dtype,
+                      disable_overlap_schedule=not overlap, disable_cuda_graph=not graphs, **spec, **kw)
+
+
+def greedy(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[list[int]]:
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    engine.accepted_drafts = sum(o["meta_info"].get("spec_num_correct_drafts") or 0 for o in outs)
+    return [o["output_ids"] for o in outs]
+
+
+def graphs_captured(engine) -> int:
+    return sum(len(step._graphs) for step in engine.runner._captured.values())
+
+
+def loops_and_graphs(setup: Setup, reference: list[list[int]]) -> Callable[[], dict]:
+    """Every (algorithm, loop, step kind) gives the reference's greedy fp32 tokens."""
+    def check() -> dict:
+        out: dict[str, Any] = {}
+        for algorithm in ("NONE", "NGRAM", "DSPARK"):
+            for overlap in (True, False):
+                for graphs in (True, False):
+                    name = f"{algorithm} {'overlap' if overlap else 'sync'} {'graphs' if graphs else 'eager'}"
+                    with setup.engine(algorithm, overlap, graphs) as engine:
+                        tokens = greedy(engine, setup.prompts)
+                        captured = graphs_captured(engine)
+                        stats = engine.scheduler.stats
+                        out[name] = {"identical": tokens == reference, "graphs": captured,
+                                     "verify_steps": stats.verify_steps, "accepted_drafts": engine.accepted_drafts}
+                    assert tokens == reference, f"{name}: tokens differ from NONE sync eager"
+                    if graphs and setup.device.startswith("cuda"):
+                        assert captured > 0, f"{name}: no CUDA graph was captured"
+        return out
+    return check
+
+
+def sanitizer_silent(setup: Setup, reference: list[list[int]]) -> dict:
+    with env(SPECSERVE_STREAM_SANITIZER="1"):
+        with setup.engine("DSPARK") as engine:
+            tokens = greedy(engine, setup.prompts)
+            steps = engine.scheduler.stats.verify_steps
+    assert tokens == reference, "tokens differ with the sanitizer on"
+    return {"verify_steps": steps}
+
+
+def sanitizer_catches_alias(setup: Setup) -> dict:
+    """The seed's fault planted (read_accept hands out views): the sanitizer must fire on CUDA too."""
+    from specserve.runtime.sanitizer import StreamHazardError
+    from specserve.runtime.stream import StreamError
+
+    with env(SPECSERVE_STREAM_SANITIZER="1", SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS="1"):
+        engine = setup.engine("DSPARK")
+        try:
+            greedy(engine, setup.prompts[:2])
+        except (StreamHazardError, StreamError) as exc:
+            assert "stream hazard" in str(exc), f"not a stream hazard: {exc!r}"
+            return {"caught": str(exc)[:240], "verify_steps_before": engine.scheduler.stats.verify_steps}
+        finally:
+            engine.shutdown()
+    raise AssertionError("the planted alias fault ran to the end without a stream hazard")
+
+
+def alias_with_late_copies(setup: Setup, reference: list[list[int]]) -> dict:
+    """The seed's symptom on real CUDA streams (recorded, not asserted: whether a late copy reads the
+    next step's values depends on the GPU's timing), and the same lag without the fault (asserted
+    harmless)."""
+    out = {}
+    for alias in ("1", "0"):
+        with env(SPECSERVE_FAULT_COPY_LAG_MS="20", SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=alias):
+            with setup.engine("NGRAM") as engine:
+                tokens = greedy(engine, setup.prompts)
+                lag = engine.runner.copy_lag
+                out[f"alias={alias}"] = {"requests_differing": sum(a != b for a, b in zip(tokens, reference)),
+                                         "overlapped_steps": engine.loop.overlapped_steps,
+                                         "lag_timeouts": None if lag is None else lag.timeouts}
+        if alias == "0":
+            assert tokens == reference, "the copy lag alone changed tokens"
+    return out
+
+
+def hicache_reload(setup: Setup) -> dict:
+    """An evicted prefix comes back from (pinned) host memory with the same tokens."""
+    out = {}
+    long_prompt = setup.prompts[2] * 6
+    fillers = [setup.prompts[i] * 5 + [i] for i in range(len(setup.prompts))]
+    for algorithm in ("NONE", "DSPARK"):
+        with setup.engine(algorithm, max_total_tokens=480, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                          max_running_requests=4) as engine:
+            first = greedy(engine, [long_prompt], 16)
+            for filler in fillers:
+                greedy(engine, [filler], 16)
+            again = engine.generate(input_ids=long_prompt, sampling_params={"temperature": 0, "max_new_tokens": 16,
+                                                                          "ignore_eos": True})
+            stats = engine.tree.stats
+            pinned = engine.tree.host.k[0][0].is_pinned()
+            engine.tree.check_host_integrity()
+            engine.scheduler.check_integrity()
+            out[algorithm] = {"evicted_to_host": stats.device_evicted_to_host, "host_hit_tokens": stats.host_hit_tokens,
+                              "cached_tokens": again["meta_info"]["cached_tokens"], "host_pinned": pinned}
+            assert stats.device_evicted_to_host > 0 and stats.host_hit_tokens > 0, f"{algorithm}: no host reload"
+            assert again["output_ids"] == first[0], f"{algorithm}: reloaded prefix gave other tokens"
+    return out
+
+
+def bf16_consistency(setup: Setup) -> dict:
+    """bf16 on CUDA runs torch's (cuBLAS) matmuls, which are not batch-invariant: recorded only."""
+    tokens = {}
+    for overlap, graphs in ((True, True), (False, False)):
+        with setup.engine("NONE", overlap, graphs, dtype="bfloat16") as engine:
+            tokens[(overlap, graphs)] = greedy(engine, setup.prompts)
+        with setup.engine("NONE", overlap, graphs, dtype="bfloat16") as engine:
+            alone = [greedy(engine, [p])[0] for p in setup.prompts]
+        tokens[("alone", overlap, graphs)] = alone
+    a, b = tokens[(True, True)], tokens[(False, False)]
+    return {"overlap_graphs_vs_sync_eager_identical_requests": sum(x == y for x, y in zip(a, b)),
+            "batched_vs_alone_identical_requests": sum(x == y for x, y in zip(a, tokens[("alone", True, True)])),
+            "requests": len(a)}
+
+
+def cpu_agreement(setup: Setup, reference: list[list[int]]) -> dict:
+    """fp32 CUDA against fp32 CPU: different matmul kernels, so agreement is recorded, not required."""
+    with setup.engine("NONE", False, False, device="cpu") as engine:
+        cpu = greedy(engine, setup.prompts)
+    same = sum(a == b for a, b in zip(cpu, reference))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cpu, reference)]
+    return {"identical_requests": same, "requests": len(cpu), "first_difference": prefix}
+
+
+def speed(setup: Setup, runs: int) -> dict:
+    """Decode tokens/s (fp32, NONE and DSPARK, 128 new tokens) per loop and step kind, median of
+    `runs` interleaved generations with the range, and the ratios against sync + eager."""
+    out: dict[str, Any] = {}
+    for algorithm in ("NONE", "DSPARK"):
+        for batch in (1, 16):
+            prompts = [setup.prompts[i % len(setup.prompts)] + [i] for i in range(batch)]
+            configs = {"overlap+graphs": (True, True), "sync+graphs": (False, True), "overlap+eager": (True, False),
+                       "sync+eager": (False, False)}
+            engines = {name: setup.engine(algorithm, o, g, disable_radix_cache=True) for name, (o, g) in configs.items()}
+            samples: dict[str, list[float]] = {name: [] for name in configs}
+            for eng in engines.values():
+                greedy(eng, prompts, 16)  # warm: graphs captured, allocator settled
+            for _ in range(runs):
+                for name, eng in engines.items():
+                    start = time.perf_counter()
+                    tokens = greedy(eng, prompts, 128)
+                    samples[name].append(sum(map(len, tokens)) / (time.perf_counter() - start))
+            for eng in engines.values():
+                eng.shutdown()
+            base = statistics.median(samples["sync+eager"])
+            out[f"{algorithm} batch {batch}"] = {
+                name: {"tok_s": round(statistics.median(s), 1), "range": [round(min(s), 1), round(max(s), 1)],
+                       "vs_sync_eager": round(statistics.median(s) / base, 2)} for name, s in samples.items()}
+    return out
+
+
+def write(path: str, record: dict[str, Any], checks: Checks) -> None:
+    record.update(checks=checks.results, failed=checks.failed)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--commit", default=None, help="the commit checked (the device's copy has no .git)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--skip", default="", help="comma-separated checks to leave out (named in the record)")
+    ns = p.parse_args()
+    skip = set(filter(None, ns.skip.split(",")))
+    from specserve.bench.provenance import commit
+
+    record: dict[str, Any] = {
+        "commit": ns.commit or commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if ns.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "skipped": sorted(skip)}
+    checks = Checks()
+    with tempfile.TemporaryDirectory() as folder:
+        setup = Setup(*tiny_model(folder), ns.device)
+        with setup.engine("NONE", overlap=False, graphs=False) as engine:
+            reference = greedy(engine, setup.prompts)
+        record["reference_tokens"] = reference
+        plan: list[tuple[str, Callable[[], Any]]] = [
+            ("loops_and_graphs", loops_and_graphs(setup, reference)),
+            ("sanitizer_silent", lambda: sanitizer_silent(setup, reference)),
+            ("sanitizer_catches_alias", lambda: sanitizer_catches_alias(setup)),
+            ("alias_with_late_copies", lambda: alias_with_late_copies(setup, reference)),
+            ("hicache_reload", lambda: hicache_reload(setup)),
+            ("bf16_consistency", lambda: bf16_consistency(setup)),
+            ("cpu_agreement", lambda: cpu_agreement(setup, reference)),
+            ("speed", lambda: speed(setup, ns.runs)),
+        ]
+        for name, fn in plan:
+            if name not in skip:
+                checks.run(name, fn)
+                write(ns.out, record, checks)  # after each check: a run cut short keeps what it did
+    print(f"{len(checks.results) - len(checks.failed)} of {len(checks.results)} checks passed; record: {ns.out}")
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
