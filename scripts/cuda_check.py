@@ -68,7 +68,7 @@ class Checks:
             self.results[name] = {"ok": True, "seconds": round(time.perf_counter() - start, 2), "value": value}
             print(f"[ok]   {name}: {json.dumps(value)[:300]}", flush=True)
             return value
-        except Exception as exc:  # noqa: BLE001: record every failure, run the rest
+        except Exception as exc:  # noqa: BLE001 (record every failure, run the rest)
             self.failed.append(name)
             self.results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                   "trace": traceback.format_exc()[-3000:]}
@@ -120,27 +120,50 @@ def greedy(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[list[
     return [o["output_ids"] for o in outs]
 
 
+def mixed(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[Any]:
+    """Greedy requests beside a seeded sampled one, one with logprobs and one with penalties (the
+    host-side sampling, logprob and logit-shaping paths on a device's logits): tokens and logprobs."""
+    params: list[dict[str, Any]] = [{"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+                                    for _ in prompts]
+    params[1].update(temperature=0.8, top_p=0.9, seed=7)
+    params[3].update(logprobs=True, top_logprobs=2)
+    params[5].update(repetition_penalty=1.3, frequency_penalty=0.2)
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    engine.accepted_drafts = sum(o["meta_info"].get("spec_num_correct_drafts") or 0 for o in outs)
+    logprobs = outs[3]["meta_info"].get("output_token_logprobs")
+    return [o["output_ids"] for o in outs] + [logprobs]
+
+
 def graphs_captured(engine) -> int:
     return sum(len(step._graphs) for step in engine.runner._captured.values())
 
 
-def loops_and_graphs(setup: Setup, reference: list[list[int]]) -> Callable[[], dict]:
-    """Every (algorithm, loop, step kind) gives the reference's greedy fp32 tokens."""
+def greedy_rows(out: list[Any]) -> list[Any]:
+    """The greedy requests' tokens of a `mixed` output (sampled tokens and logprobs left out): these
+    must not depend on the algorithm."""
+    return [out[i] for i in range(len(TEXTS)) if i != 1]
+
+
+def loops_and_graphs(setup: Setup, reference: list[Any]) -> Callable[[], dict]:
+    """Every (algorithm, loop, step kind) gives that algorithm's sync+eager output exactly (tokens,
+    sampled tokens, logprobs), and every algorithm gives NONE's greedy tokens."""
     def check() -> dict:
         out: dict[str, Any] = {}
         for algorithm in ("NONE", "NGRAM", "DSPARK"):
-            for overlap in (True, False):
-                for graphs in (True, False):
-                    name = f"{algorithm} {'overlap' if overlap else 'sync'} {'graphs' if graphs else 'eager'}"
-                    with setup.engine(algorithm, overlap, graphs) as engine:
-                        tokens = greedy(engine, setup.prompts)
-                        captured = graphs_captured(engine)
-                        stats = engine.scheduler.stats
-                        out[name] = {"identical": tokens == reference, "graphs": captured,
-                                     "verify_steps": stats.verify_steps, "accepted_drafts": engine.accepted_drafts}
-                    assert tokens == reference, f"{name}: tokens differ from NONE sync eager"
-                    if graphs and setup.device.startswith("cuda"):
-                        assert captured > 0, f"{name}: no CUDA graph was captured"
+            own = None
+            for overlap, graphs in ((False, False), (True, True), (True, False), (False, True)):
+                name = f"{algorithm} {'overlap' if overlap else 'sync'} {'graphs' if graphs else 'eager'}"
+                with setup.engine(algorithm, overlap, graphs) as engine:
+                    tokens = mixed(engine, setup.prompts)
+                    own = tokens if own is None else own
+                    out[name] = {"same_as_sync_eager": tokens == own, "greedy_as_none": greedy_rows(tokens) ==
+                                 greedy_rows(reference), "graphs": graphs_captured(engine),
+                                 "verify_steps": engine.scheduler.stats.verify_steps,
+                                 "accepted_drafts": engine.accepted_drafts}
+                assert tokens == own, f"{name}: output differs from {algorithm} sync eager"
+                assert greedy_rows(tokens) == greedy_rows(reference), f"{name}: greedy tokens differ from NONE"
+                if graphs and setup.device.startswith("cuda"):
+                    assert out[name]["graphs"] > 0, f"{name}: no CUDA graph was captured"
         return out
     return check
 
@@ -148,9 +171,9 @@ def loops_and_graphs(setup: Setup, reference: list[list[int]]) -> Callable[[], d
 def sanitizer_silent(setup: Setup, reference: list[list[int]]) -> dict:
     with env(SPECSERVE_STREAM_SANITIZER="1"):
         with setup.engine("DSPARK") as engine:
-            tokens = greedy(engine, setup.prompts)
+            tokens = mixed(engine, setup.prompts)
             steps = engine.scheduler.stats.verify_steps
-    assert tokens == reference, "tokens differ with the sanitizer on"
+    assert greedy_rows(tokens) == greedy_rows(reference), "greedy tokens differ with the sanitizer on"
     return {"verify_steps": steps}
 
 
@@ -179,13 +202,14 @@ def alias_with_late_copies(setup: Setup, reference: list[list[int]]) -> dict:
     for alias in ("1", "0"):
         with env(SPECSERVE_FAULT_COPY_LAG_MS="20", SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=alias):
             with setup.engine("NGRAM") as engine:
-                tokens = greedy(engine, setup.prompts)
+                tokens = mixed(engine, setup.prompts)
                 lag = engine.runner.copy_lag
-                out[f"alias={alias}"] = {"requests_differing": sum(a != b for a, b in zip(tokens, reference)),
+                diff = sum(a != b for a, b in zip(greedy_rows(tokens), greedy_rows(reference)))
+                out[f"alias={alias}"] = {"greedy_requests_differing": diff,
                                          "overlapped_steps": engine.loop.overlapped_steps,
                                          "lag_timeouts": None if lag is None else lag.timeouts}
         if alias == "0":
-            assert tokens == reference, "the copy lag alone changed tokens"
+            assert diff == 0, "the copy lag alone changed tokens"
     return out
 
 
@@ -231,9 +255,10 @@ def bf16_consistency(setup: Setup) -> dict:
 def cpu_agreement(setup: Setup, reference: list[list[int]]) -> dict:
     """fp32 CUDA against fp32 CPU: different matmul kernels, so agreement is recorded, not required."""
     with setup.engine("NONE", False, False, device="cpu") as engine:
-        cpu = greedy(engine, setup.prompts)
-    same = sum(a == b for a, b in zip(cpu, reference))
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cpu, reference)]
+        cpu = greedy_rows(mixed(engine, setup.prompts))
+    cuda = greedy_rows(reference)
+    same = sum(a == b for a, b in zip(cpu, cuda))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cpu, cuda)]
     return {"identical_requests": same, "requests": len(cpu), "first_difference": prefix}
 
 
@@ -289,7 +314,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         setup = Setup(*tiny_model(folder), ns.device)
         with setup.engine("NONE", overlap=False, graphs=False) as engine:
-            reference = greedy(engine, setup.prompts)
+            reference = mixed(engine, setup.prompts)
         record["reference_tokens"] = reference
         plan: list[tuple[str, Callable[[], Any]]] = [
             ("loops_and_graphs", loops_and_graphs(setup, reference)),

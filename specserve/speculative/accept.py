@@ -236,6 +236,7 @@ def accept_windows(
     uniforms = torch.tensor(
         [[counter_uniform(seed, draw_counter(n, j)) for j in range(width)] for seed, n in zip(seeds, out_lens.tolist())],
         dtype=torch.float64,
+        device=logits.device,
     )
     epilogue.accept_sampling(bs, ids, target, draft_probs(target.shape[-1]), uniforms, prefix, lens)
 

@@ -140,8 +140,8 @@ class Speculation:
             if drafts.probs is not None:
                 proposal.probs.append((sel, drafts.probs))
             if drafts.confidence is not None:
-                confidence = torch.ones(bs, gamma) if confidence is None else confidence
-                confidence[target] = drafts.confidence.float().cpu()
+                confidence = torch.ones(bs, gamma, device=ids.device) if confidence is None else confidence
+                confidence[target] = drafts.confidence.float()
         if self.planner is not None and confidence is not None:
             proposal.verify_lens = self.planner.verify_lens(confidence)
         return proposal
