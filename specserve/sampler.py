@@ -34,7 +34,7 @@ def sample(
         return greedy.tolist()
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     probs = filtered_probs(logits[rows], [params[i] for i in rows])
-    u = torch.tensor([counter_uniform(seeds[i], counters[i]) for i in rows], dtype=torch.float64)
+    u = torch.tensor([counter_uniform(seeds[i], counters[i]) for i in rows], dtype=torch.float64, device=logits.device)
     picked = inverse_cdf(probs, u)
     out = greedy.tolist()
     for i, tok in zip(rows, picked.tolist()):
@@ -43,15 +43,17 @@ def sample(
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The distribution each request samples from: temperature, then top-k, top-p, min-p."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+    """The distribution each request samples from: temperature, then top-k, top-p, min-p (on the
+    logits' device)."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above this token
     drop |= before >= top_p.unsqueeze(1)
