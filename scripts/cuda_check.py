@@ -26,7 +26,7 @@ import tempfile
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -41,17 +41,41 @@ TEXTS = ["Count from 1 to 20, separated by commas.", "What is the capital of Fra
          "Write a haiku about rain.", "the cat the cat the cat sat", "Name three primary colours.", "x"]
 
 
-def tiny_model(folder: str) -> tuple[str, str]:
-    """A random 4-layer llama (fp32 weights, 4096 context) and a random DSpark drafter for it."""
+def tiny_model(folder: str, size: str = "tiny") -> tuple[str, str]:
+    """A random llama and a random DSpark drafter for it: "tiny" (4 layers of 256, fp32 weights),
+    or "medium" (16 layers of 2048, 0.7B parameters in f16) where a decode step's device time is
+    no longer negligible next to the host's."""
+    from gguf import GGMLQuantizationType as QType
     from tiny_gguf import TinySpec, write_tiny_gguf
 
     from specserve.cli import main as cli_main
 
-    path = os.path.join(folder, "tiny-llama.gguf")
-    write_tiny_gguf(path, TinySpec("llama", hidden=256, intermediate=512, layers=4, context=4096), {}, seed=1)
-    drafter = os.path.join(folder, "drafter")
+    path = os.path.join(folder, f"{size}-llama.gguf")
+    if size == "tiny":
+        write_tiny_gguf(path, TinySpec("llama", hidden=256, intermediate=512, layers=4, context=4096), {}, seed=1)
+    else:
+        spec = TinySpec("llama", hidden=2048, intermediate=5632, layers=16, heads=16, kv_heads=4, context=4096)
+        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        write_tiny_gguf(path, spec, {name: QType.F16 for name in names}, seed=1)
+    drafter = os.path.join(folder, f"{size}-drafter")
     assert cli_main(["init-drafter", "--out", drafter, "--model-path", path, "--block-size", "4", "--seed", "3"]) == 0
     return path, drafter
+
+
+def parse_each_gguf_once() -> None:
+    """Engines of one model share one parse of its file (as the test suite's engines do): the
+    medium model's dequantization is most of an engine build, and the speed check builds eight."""
+    import specserve.models.loader as loader
+
+    parsed: dict[str, Any] = {}
+    original = loader._load_gguf
+
+    def load_once(path: str):
+        if path not in parsed:
+            parsed[path] = original(path)
+        return parsed[path]
+
+    loader._load_gguf = load_once
 
 
 class Checks:
@@ -92,12 +116,14 @@ def env(**values: str):
 class Setup:
     """The model, drafter, prompts and the engine arguments of every configuration."""
 
-    def __init__(self, model: str, drafter: str, device: str) -> None:
+    def __init__(self, model: str, drafter: str, device: str, prompts: Optional[list[list[int]]] = None) -> None:
         self.model, self.drafter, self.device = model, drafter, device
         from specserve import Engine
 
-        with Engine(model_path=model, device="cpu", dtype="float32", speculative_algorithm="NONE") as probe:
-            self.prompts = [probe.tokenizer.encode(t) for t in TEXTS]
+        if prompts is None:  # every model here has the tiny models' vocabulary
+            with Engine(model_path=model, device="cpu", dtype="float32", speculative_algorithm="NONE") as probe:
+                prompts = [probe.tokenizer.encode(t) for t in TEXTS]
+        self.prompts = prompts
 
     def engine(self, algorithm: str = "NONE", overlap: bool = True, graphs: bool = True, dtype: str = "float32",
                device: str = "", **kw: Any):
@@ -159,6 +185,7 @@ def loops_and_graphs(setup: Setup, reference: list[Any]) -> Callable[[], dict]:
                     out[name] = {"same_as_sync_eager": tokens == own, "greedy_as_none": greedy_rows(tokens) ==
                                  greedy_rows(reference), "graphs": graphs_captured(engine),
                                  "verify_steps": engine.scheduler.stats.verify_steps,
+                                 "threaded_streams": engine.runner.forward.threaded,
                                  "accepted_drafts": engine.accepted_drafts}
                 assert tokens == own, f"{name}: output differs from {algorithm} sync eager"
                 assert greedy_rows(tokens) == greedy_rows(reference), f"{name}: greedy tokens differ from NONE"
@@ -265,13 +292,14 @@ def cpu_agreement(setup: Setup, reference: list[list[int]]) -> dict:
 def speed(setup: Setup, runs: int) -> dict:
     """Decode tokens/s (fp32, NONE and DSPARK, 128 new tokens) per loop and step kind, median of
     `runs` interleaved generations with the range, and the ratios against sync + eager."""
+    print(f"speed on {os.path.basename(setup.model)}", flush=True)
     out: dict[str, Any] = {}
+    configs = {"overlap+graphs": (True, True), "sync+graphs": (False, True), "overlap+eager": (True, False),
+               "sync+eager": (False, False)}
     for algorithm in ("NONE", "DSPARK"):
+        engines = {name: setup.engine(algorithm, o, g, disable_radix_cache=True) for name, (o, g) in configs.items()}
         for batch in (1, 16):
             prompts = [setup.prompts[i % len(setup.prompts)] + [i] for i in range(batch)]
-            configs = {"overlap+graphs": (True, True), "sync+graphs": (False, True), "overlap+eager": (True, False),
-                       "sync+eager": (False, False)}
-            engines = {name: setup.engine(algorithm, o, g, disable_radix_cache=True) for name, (o, g) in configs.items()}
             samples: dict[str, list[float]] = {name: [] for name in configs}
             for eng in engines.values():
                 greedy(eng, prompts, 16)  # warm: graphs captured, allocator settled
@@ -280,12 +308,12 @@ def speed(setup: Setup, runs: int) -> dict:
                     start = time.perf_counter()
                     tokens = greedy(eng, prompts, 128)
                     samples[name].append(sum(map(len, tokens)) / (time.perf_counter() - start))
-            for eng in engines.values():
-                eng.shutdown()
             base = statistics.median(samples["sync+eager"])
             out[f"{algorithm} batch {batch}"] = {
                 name: {"tok_s": round(statistics.median(s), 1), "range": [round(min(s), 1), round(max(s), 1)],
                        "vs_sync_eager": round(statistics.median(s) / base, 2)} for name, s in samples.items()}
+        for eng in engines.values():
+            eng.shutdown()
     return out
 
 
@@ -301,6 +329,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--commit", default=None, help="the commit checked (the device's copy has no .git)")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--speed-models", default="tiny,medium", help="models the speed check runs on")
     p.add_argument("--skip", default="", help="comma-separated checks to leave out (named in the record)")
     ns = p.parse_args()
     skip = set(filter(None, ns.skip.split(",")))
@@ -311,6 +340,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name() if ns.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "skipped": sorted(skip)}
     checks = Checks()
+    parse_each_gguf_once()
     with tempfile.TemporaryDirectory() as folder:
         setup = Setup(*tiny_model(folder), ns.device)
         with setup.engine("NONE", overlap=False, graphs=False) as engine:
@@ -324,8 +354,10 @@ def main() -> int:
             ("hicache_reload", lambda: hicache_reload(setup)),
             ("bf16_consistency", lambda: bf16_consistency(setup)),
             ("cpu_agreement", lambda: cpu_agreement(setup, reference)),
-            ("speed", lambda: speed(setup, ns.runs)),
         ]
+        for size in filter(None, ns.speed_models.split(",")):
+            plan.append((f"speed_{size}", lambda size=size: speed(
+                setup if size == "tiny" else Setup(*tiny_model(folder, size), ns.device, setup.prompts), ns.runs)))
         for name, fn in plan:
             if name not in skip:
                 checks.run(name, fn)

@@ -260,7 +260,8 @@ class ModelRunner:
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
         ids, proposal, verify_lens = self._draft_windows(step, plan, rows, anchors, prefix, out_lens)
-        window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(width, device=prefix.device)]
+        columns = torch.arange(width, device=prefix.device)
+        window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + columns]
         path = VerifyPath.select(step, verify_lens, self.capture)
         if path is VerifyPath.EAGER:
             logits, hidden, keep = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
