@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 from specserve.errors import ConfigError
 from specserve.bench.provenance import drafter_checksum  # noqa: F401  (re-exported for tests)
-from specserve.bench.render import drafter, engine, serving, speculation
+from specserve.bench.render import cuda, drafter, engine, serving, speculation
 from specserve.bench.render.common import REPO, SHIPPED_DRAFTER, provenance  # noqa: F401
 
 README = os.path.join(REPO, "README.md")
@@ -44,7 +44,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "kernel-paths-avx512": lambda r: engine.kernel_paths_table(r, "kernel_paths_avx512.json"),
     "offline": engine.render_offline, "models": engine.render_models, "step-profile": engine.render_step_profile, "quality": engine.render_quality,
     "seed-failure": engine.render_seed_failure, "soak": engine.render_soak, "tp-cost": engine.render_tp_cost,
-    "drafter-line": drafter.render_drafter_line, "drafter-shapes": drafter.render_drafter_shapes,
+    "cuda-check": cuda.render_cuda_check, "drafter-line": drafter.render_drafter_line, "drafter-shapes": drafter.render_drafter_shapes,
     "train-speed": drafter.render_train_speed, "corpus-costs": drafter.render_corpus_costs}
 
 

@@ -207,3 +207,12 @@ def test_sampled_token_never_has_zero_probability():
     sp = SamplingParams(temperature=1.0)
     drawn = {sample(logits, [sp], [1], [c])[0] for c in range(300)}
     assert drawn == {17, 40}
+
+
+def test_filtered_probs_stays_on_the_logits_device():
+    """Every tensor the filters build is on the logits' device: on an H200 the verify step's
+    sampling accept failed with temperatures built on the host. The meta device stands in for a
+    GPU here: it refuses host tensors the same way."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.01), SamplingParams(temperature=1.0)]
+    probs = filtered_probs(torch.randn(2, 10, device="meta"), params)
+    assert probs.device.type == "meta" and probs.shape == (2, 10)

@@ -1,0 +1,70 @@
+"""The CUDA-path check run on a lent GPU (`scripts/cuda_check.py` -> bench_results/cuda_check.json)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.bench.render.common import load, provenance, table
+
+CONFIGS = ("overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager")
+
+
+def _compare(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """a's median over b's, a gain or a loss only when their ranges do not overlap."""
+    ratio = a["tok_s"] / b["tok_s"]
+    if a["range"][0] > b["range"][1]:
+        return f"**{ratio:.2f}x**"
+    if a["range"][1] < b["range"][0]:
+        return f"{ratio:.2f}x (a loss)"
+    return f"{ratio:.2f}x, within noise"
+
+
+def _speed(data: dict[str, Any]) -> dict[str, Any]:
+    speed = [v for k, v in data["checks"].items() if k == "speed" or k.startswith("speed_")]
+    return speed[0]["value"] if speed and speed[0]["ok"] else {}
+
+
+def render_cuda_check(results: str) -> str:
+    data = load(results, "cuda_check.json")
+    checks = data["checks"]
+    passed = [name for name, c in checks.items() if c["ok"]]
+    loops = checks["loops_and_graphs"]["value"] if checks["loops_and_graphs"]["ok"] else {}
+    graphs = {name.split()[0]: v["graphs"] for name, v in loops.items() if "graphs" in name.split()[2:]}
+    hi = checks["hicache_reload"]["value"]["NONE"] if checks["hicache_reload"]["ok"] else None
+    bf16 = checks["bf16_consistency"]["value"] if checks["bf16_consistency"]["ok"] else None
+    machine = {**data, "machine": f"{data['device']}, torch {data['torch']}, CUDA {data['cuda']}"}
+    lines = [f"- {len(passed)} of {len(checks)} checks passed ({', '.join(f'`{n}`' for n in checks)}), "
+             f"failed: {', '.join(data['failed']) or 'none'}."]
+    if loops:
+        lines.append(f"- Every algorithm under the overlap and the sync loop, with CUDA graphs and eager "
+                     f"({len(loops)} engines): the same fp32 output as that algorithm's sync + eager run "
+                     f"(greedy, seeded sampling, logprobs, penalties) in "
+                     f"{sum(v['same_as_sync_eager'] for v in loops.values())} of {len(loops)}, NONE's greedy tokens in "
+                     f"{sum(v['greedy_as_none'] for v in loops.values())} of {len(loops)}; graphs captured per engine: "
+                     f"{', '.join(f'{k} {v}' for k, v in graphs.items())}.")
+    if checks["sanitizer_silent"]["ok"] and checks["sanitizer_catches_alias"]["ok"]:
+        lines.append(f"- The stream sanitizer: silent over {checks['sanitizer_silent']['value']['verify_steps']} "
+                     f"DSPARK verify steps (overlap, graphs); with `read_accept` planted to hand out views, it "
+                     f"stopped the run at the first verify step's host copy (verify results processed before: "
+                     f"{checks['sanitizer_catches_alias']['value']['verify_steps_before']}).")
+    if hi:
+        lines.append(f"- HiCache: {hi['evicted_to_host']} tokens evicted to host memory (pinned: {hi['host_pinned']}), "
+                     f"{hi['host_hit_tokens']} reloaded, the same tokens as before the eviction.")
+    if bf16:
+        lines.append(f"- bf16 (torch's cuBLAS matmuls, not claimed batch-invariant on CUDA): "
+                     f"{bf16['batched_vs_alone_identical_requests']} of {bf16['requests']} requests identical "
+                     f"batched and alone on this tiny model.")
+    return "\n".join(lines) + "\n" + _speed_table(data) + "\n" + provenance(machine, "cuda_check.json") + "\n"
+
+
+def _speed_table(data: dict[str, Any]) -> str:
+    speed = _speed(data)
+    if not speed:
+        return "\n(no speed figures in this record)\n"
+    header = ["decode, fp32 (tokens/s, median of 3 (min-max))", *speed]
+    rows = [[name, *(f"{s[name]['tok_s']:g} ({s[name]['range'][0]:g}-{s[name]['range'][1]:g})"
+                     for s in speed.values())] for name in CONFIGS]
+    rows.append(["CUDA graphs vs eager (sync loop)", *(_compare(s["sync+graphs"], s["sync+eager"]) for s in speed.values())])
+    rows.append(["overlap vs sync loop (graphs)", *(_compare(s["overlap+graphs"], s["sync+graphs"])
+                                                   for s in speed.values())])
+    return "\n" + table(header, rows) + "\n"
