@@ -23,6 +23,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -78,15 +79,35 @@ def parse_each_gguf_once() -> None:
     loader._load_gguf = load_once
 
 
-class Checks:
-    """Runs named checks, keeping going after a failure: one run reports everything."""
+def thread_stacks() -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"--- thread {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                     for ident, frame in sys._current_frames().items())
 
-    def __init__(self) -> None:
+
+class Checks:
+    """Runs named checks, keeping going after a failure: one run reports everything. A check that
+    outlives `limit_s` is a hang: every thread's stack goes into the record, which is written, and
+    the process exits 1 (a hang must not eat the device time of the checks after it)."""
+
+    def __init__(self, limit_s: float, on_hang: Callable[[], None]) -> None:
         self.results: dict[str, Any] = {}
         self.failed: list[str] = []
+        self.limit_s, self.on_hang = limit_s, on_hang
+
+    def _hung(self, name: str) -> None:
+        self.failed.append(name)
+        self.results[name] = {"ok": False, "error": f"hung: still running after {self.limit_s:g} s",
+                              "trace": thread_stacks()[-12000:]}
+        print(f"[HANG] {name}: still running after {self.limit_s:g} s; stacks in the record", flush=True)
+        self.on_hang()
+        os._exit(1)
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
+        watchdog = threading.Timer(self.limit_s, self._hung, args=(name,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             value = fn()
             self.results[name] = {"ok": True, "seconds": round(time.perf_counter() - start, 2), "value": value}
@@ -98,6 +119,8 @@ class Checks:
                                   "trace": traceback.format_exc()[-3000:]}
             print(f"[FAIL] {name}: {type(exc).__name__}: {exc}", flush=True)
             return None
+        finally:
+            watchdog.cancel()
 
 
 @contextmanager
@@ -331,7 +354,11 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--speed-models", default="tiny,medium", help="models the speed check runs on")
     p.add_argument("--skip", default="", help="comma-separated checks to leave out (named in the record)")
+    p.add_argument("--check-limit", type=float, default=150.0, help="seconds after which a check counts as hung")
     ns = p.parse_args()
+    import specserve.runtime.stream as stream
+
+    stream.EVENT_TIMEOUT_S = min(stream.EVENT_TIMEOUT_S, ns.check_limit / 2)  # a stuck stream raises inside the limit
     skip = set(filter(None, ns.skip.split(",")))
     from specserve.bench.provenance import commit
 
@@ -339,7 +366,7 @@ def main() -> int:
         "commit": ns.commit or commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if ns.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "skipped": sorted(skip)}
-    checks = Checks()
+    checks = Checks(ns.check_limit, lambda: write(ns.out, record, checks))
     parse_each_gguf_once()
     with tempfile.TemporaryDirectory() as folder:
         setup = Setup(*tiny_model(folder), ns.device)
