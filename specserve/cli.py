@@ -197,6 +197,13 @@ COMMANDS: tuple[Command, ...] = (
         "specserve.bench.models:run_models_bench",
     ),
     Command(
+        "bench linear-rows",
+        "time per linear against its row count, bf16 against int8 activations (what a verify row costs)",
+        "specserve.bench.linear_rows:add_linear_rows_bench_args",
+        "specserve.bench.linear_rows:run_linear_rows_bench",
+        engine_flags=True,
+    ),
+    Command(
         "bench kernel-paths",
         "decode and prefill tokens/s through each CPU kernel path this machine runs "
         "(AVX512-BF16, AVX2, generic), same tokens required",

@@ -43,6 +43,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "kernel-paths-avx2": lambda r: engine.kernel_paths_table(r, "kernel_paths.json"),
     "kernel-paths-avx512": lambda r: engine.kernel_paths_table(r, "kernel_paths_avx512.json"),
     "offline": engine.render_offline, "models": engine.render_models, "step-profile": engine.render_step_profile, "quality": engine.render_quality,
+    "linear-rows": engine.render_linear_rows,
     "seed-failure": engine.render_seed_failure, "soak": engine.render_soak, "tp-cost": engine.render_tp_cost,
     "cuda-check": cuda.render_cuda_check, "drafter-line": drafter.render_drafter_line, "drafter-shapes": drafter.render_drafter_shapes,
     "train-speed": drafter.render_train_speed, "corpus-costs": drafter.render_corpus_costs}

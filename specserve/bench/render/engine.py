@@ -200,3 +200,26 @@ def render_models(results: str) -> str:
         + f"); the decode step is one row after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "
         f"{data['runs']} interleaved runs, each ratio formed within its run; llama-cpp-python "
         f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n") + _models_spec_table(data)
+
+
+def render_linear_rows(results: str) -> str:
+    """Per linear: µs per call at each row count, bf16 and int8 activations, and bf16's GMAC/s."""
+    data = load(results, "linear_rows.json")
+    rows = [str(m) for m in data["rows"]]
+    body = []
+    for role, linear in data["linears"].items():
+        for mode in ("bf16", "int8"):
+            cells = [linear["by_rows"][m].get(mode) for m in rows]
+            if all(c is None for c in cells):
+                continue
+            body.append([f"{role} [{linear['n']}x{linear['k']}, {linear['format']}] {mode}",
+                         *("-" if c is None else f"{c['median_us']:.0f} ({c['min_us']:.0f}-{c['max_us']:.0f})"
+                           for c in cells)])
+        body.append([f"{role} bf16 GMAC/s", *(f"{linear['by_rows'][m]['bf16_gmac_s']:.0f}" for m in rows)])
+    head = ["linear (µs per call, median (min-max) of " + str(data["calls"]) + ")", *(f"M = {m}" for m in rows)]
+    cells = [c for linear in data["linears"].values() for c in linear["by_rows"].values() if "int8" in c]
+    faster = sum(c["int8"]["max_us"] < c["bf16"]["min_us"] for c in cells)
+    slower = sum(c["int8"]["min_us"] > c["bf16"]["max_us"] for c in cells)
+    verdict = (f"int8 activations against bf16, (linear, M) cells: faster beyond the ranges in {faster}, slower "
+               f"beyond them in {slower}, within noise in {len(cells) - faster - slower} of {len(cells)}.")
+    return table(head, body) + f"\n\n{verdict} {provenance(data, 'linear_rows.json')}\n"
