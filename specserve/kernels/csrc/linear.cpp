@@ -247,15 +247,19 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
                                     int64_t ldx, int64_t m, const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t G = w.format == WeightFormat::BF16 ? 0 : groups(w);
   const size_t elem = out_bf16 ? 2 : 4;
-  // Column chunks outside, row tiles inside: a chunk's weights stay in cache across the rows.
+  // Column chunks outside, row tiles inside: a chunk's weights stay in cache across the rows. Tiles
+  // of 6 rows: a weight word is decoded once per tile, and decoding (Q8: three conversions per 16
+  // weights) costs as much as the dot products, so a 6-row verify window pays it once, not twice.
   constexpr int64_t kChunk = 8;
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4)
-      rows_avx512<F, Bits, S, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
+    for (; r + 6 <= m; r += 6)
+      rows_avx512<F, Bits, S, 6>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
     void* o = static_cast<char*>(out) + r * ldo * elem;
     switch (m - r) {
+      case 5: rows_avx512<F, Bits, S, 5>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 4: rows_avx512<F, Bits, S, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
       case 3: rows_avx512<F, Bits, S, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
       case 2: rows_avx512<F, Bits, S, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
       case 1: rows_avx512<F, Bits, S, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
