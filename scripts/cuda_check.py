@@ -152,14 +152,29 @@ class Setup:
                device: str = "", **kw: Any):
         from specserve import Engine
 
-        spec: dict[str, Any] = {"speculative_algorithm": algorithm}
+        spec: dict[str, Any] = {"speculative_algorithm": algorithm.split("-")[0]}
         if algorithm == "DSPARK":
             spec.update(speculative_draft_model_path=self.drafter, speculative_policy="fixed")
         if algorithm == "NGRAM":
             spec.update(speculative_policy="fixed", speculative_dspark_block_size=3)
+        if algorithm == "DSPARK-policy":  # DSPARK and NGRAM under the adaptive policy, its decisions frozen
+            from helpers import policy_args
+
+            spec.update(speculative_draft_model_path=self.drafter, **policy_args())
+        if algorithm == "DSPARK-compact":  # every window drafted, verified as long as the planner says
+            spec.update(speculative_draft_model_path=self.drafter, speculative_policy="fixed",
+                        speculative_dspark_verify_mode="compact", speculative_dspark_sps_table_path=self.sps_table())
         kw.setdefault("max_total_tokens", 8192)
         return Engine(model_path=self.model, device=device or self.device, dtype=dtype,
                       disable_overlap_schedule=not overlap, disable_cuda_graph=not graphs, **spec, **kw)
+
+
+    def sps_table(self) -> str:
+        """Steps/s against verified tokens on which short verify windows pay (compact verify plans)."""
+        path = os.path.join(os.path.dirname(self.model), "sps.json")
+        with open(path, "w") as f:
+            json.dump({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}, f)
+        return path
 
 
 def greedy(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[list[int]]:
@@ -198,7 +213,7 @@ def loops_and_graphs(setup: Setup, reference: list[Any]) -> Callable[[], dict]:
     sampled tokens, logprobs), and every algorithm gives NONE's greedy tokens."""
     def check() -> dict:
         out: dict[str, Any] = {}
-        for algorithm in ("NONE", "NGRAM", "DSPARK"):
+        for algorithm in ("NONE", "NGRAM", "DSPARK", "DSPARK-policy", "DSPARK-compact"):
             own = None
             for overlap, graphs in ((False, False), (True, True), (True, False), (False, True)):
                 name = f"{algorithm} {'overlap' if overlap else 'sync'} {'graphs' if graphs else 'eager'}"

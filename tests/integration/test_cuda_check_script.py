@@ -23,7 +23,7 @@ def test_checks_pass_on_cpu(tmp_path):
     assert set(record["checks"]) == {"loops_and_graphs", "sanitizer_silent", "sanitizer_catches_alias",
                                      "alias_with_late_copies", "hicache_reload"}
     loops = record["checks"]["loops_and_graphs"]["value"]
-    assert len(loops) == 12 and all(v["same_as_sync_eager"] and v["greedy_as_none"] for v in loops.values())
+    assert len(loops) == 20 and all(v["same_as_sync_eager"] and v["greedy_as_none"] for v in loops.values())
     assert any(v["accepted_drafts"] for k, v in loops.items() if k.startswith("NGRAM"))  # acceptance was exercised
     # The planted alias fault with late copies corrupts the CPU overlap loop (threaded streams).
     assert record["checks"]["alias_with_late_copies"]["value"]["alias=1"]["greedy_requests_differing"] > 0
