@@ -24,14 +24,21 @@ def _speed(data: dict[str, Any]) -> dict[str, Any]:
     return speed[0]["value"] if speed and speed[0]["ok"] else {}
 
 
+def _value(checks: dict[str, Any], name: str) -> Any:
+    """A check's value, or None where it failed or was skipped."""
+    check = checks.get(name)
+    return check["value"] if check and check["ok"] else None
+
+
 def render_cuda_check(results: str) -> str:
     data = load(results, "cuda_check.json")
     checks = data["checks"]
     passed = [name for name, c in checks.items() if c["ok"]]
-    loops = checks["loops_and_graphs"]["value"] if checks["loops_and_graphs"]["ok"] else {}
+    loops = _value(checks, "loops_and_graphs") or {}
     graphs = {name.split()[0]: v["graphs"] for name, v in loops.items() if "graphs" in name.split()[2:]}
-    hi = checks["hicache_reload"]["value"]["NONE"] if checks["hicache_reload"]["ok"] else None
-    bf16 = checks["bf16_consistency"]["value"] if checks["bf16_consistency"]["ok"] else None
+    hi = (_value(checks, "hicache_reload") or {}).get("NONE")
+    bf16 = _value(checks, "bf16_consistency")
+    silent, caught = _value(checks, "sanitizer_silent"), _value(checks, "sanitizer_catches_alias")
     machine = {**data, "machine": f"{data['device']}, torch {data['torch']}, CUDA {data['cuda']}"}
     lines = [f"- {len(passed)} of {len(checks)} checks passed ({', '.join(f'`{n}`' for n in checks)}), "
              f"failed: {', '.join(data['failed']) or 'none'}."]
@@ -42,11 +49,11 @@ def render_cuda_check(results: str) -> str:
                      f"{sum(v['same_as_sync_eager'] for v in loops.values())} of {len(loops)}, NONE's greedy tokens in "
                      f"{sum(v['greedy_as_none'] for v in loops.values())} of {len(loops)}; graphs captured per engine: "
                      f"{', '.join(f'{k} {v}' for k, v in graphs.items())}.")
-    if checks["sanitizer_silent"]["ok"] and checks["sanitizer_catches_alias"]["ok"]:
-        lines.append(f"- The stream sanitizer: silent over {checks['sanitizer_silent']['value']['verify_steps']} "
+    if silent and caught:
+        lines.append(f"- The stream sanitizer: silent over {silent['verify_steps']} "
                      f"DSPARK verify steps (overlap, graphs); with `read_accept` planted to hand out views, it "
                      f"stopped the run at the first verify step's host copy (verify results processed before: "
-                     f"{checks['sanitizer_catches_alias']['value']['verify_steps_before']}).")
+                     f"{caught['verify_steps_before']}).")
     if hi:
         lines.append(f"- HiCache: {hi['evicted_to_host']} tokens evicted to host memory (pinned: {hi['host_pinned']}), "
                      f"{hi['host_hit_tokens']} reloaded, the same tokens as before the eviction.")
