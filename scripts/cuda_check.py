@@ -177,11 +177,16 @@ class Setup:
         return path
 
 
-def greedy(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[list[int]]:
-    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+def generate(engine, prompts: list[list[int]], params: Any) -> list[dict[str, Any]]:
+    """engine.generate, keeping the drafts accepted on the engine (`accepted_drafts`) for the record."""
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     engine.accepted_drafts = sum(o["meta_info"].get("spec_num_correct_drafts") or 0 for o in outs)
-    return [o["output_ids"] for o in outs]
+    return outs
+
+
+def greedy(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[list[int]]:
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    return [o["output_ids"] for o in generate(engine, prompts, params)]
 
 
 def mixed(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[Any]:
@@ -192,8 +197,7 @@ def mixed(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[Any]:
     params[1].update(temperature=0.8, top_p=0.9, seed=7)
     params[3].update(logprobs=True, top_logprobs=2)
     params[5].update(repetition_penalty=1.3, frequency_penalty=0.2)
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    engine.accepted_drafts = sum(o["meta_info"].get("spec_num_correct_drafts") or 0 for o in outs)
+    outs = generate(engine, prompts, params)
     logprobs = outs[3]["meta_info"].get("output_token_logprobs")
     return [o["output_ids"] for o in outs] + [logprobs]
 
@@ -380,7 +384,8 @@ def main() -> int:
     record: dict[str, Any] = {
         "commit": ns.commit or commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if ns.device.startswith("cuda") else platform.processor(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "skipped": sorted(skip)}
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "runs": ns.runs,
+        "skipped": sorted(skip)}
     checks = Checks(ns.check_limit, lambda: write(ns.out, record, checks))
     parse_each_gguf_once()
     with tempfile.TemporaryDirectory() as folder:

@@ -22,3 +22,15 @@ def test_failed_and_skipped_checks_are_named_not_rendered(tmp_path):
     assert "failed: hicache_reload." in text
     assert "HiCache:" not in text and "stream sanitizer" not in text
     assert "| overlap vs sync loop (graphs) |" in text  # the speed table still renders
+
+
+def test_every_speed_check_is_a_column_set_named_by_its_model(tmp_path):
+    with open(os.path.join(REPO, "bench_results", "cuda_check.json")) as f:
+        record = json.load(f)
+    speed = record["checks"].pop("speed")
+    record["checks"].update(speed_tiny=speed, speed_medium=speed)
+    record["runs"] = 5
+    (tmp_path / "cuda_check.json").write_text(json.dumps(record))
+    text = render_cuda_check(str(tmp_path))
+    assert "median (min-max) of 5 runs" in text
+    assert "| tiny NONE batch 1 |" in text and "| medium DSPARK batch 16 |" in text

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.bench.render.common import load, provenance, table
+from specserve.bench.render.common import load, provenance, table, versus
 
 CONFIGS = ("overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager")
 
 
 def _compare(a: dict[str, Any], b: dict[str, Any]) -> str:
-    """a's median over b's, a gain or a loss only when their ranges do not overlap."""
-    ratio = a["tok_s"] / b["tok_s"]
-    if a["range"][0] > b["range"][1]:
-        return f"**{ratio:.2f}x**"
-    if a["range"][1] < b["range"][0]:
-        return f"{ratio:.2f}x (a loss)"
-    return f"{ratio:.2f}x, within noise"
+    """a's median over b's, a gain or a loss only when their (min, max) ranges do not overlap."""
+    return versus(a["tok_s"] / b["tok_s"], a["range"], b["range"])
 
 
 def _speed(data: dict[str, Any]) -> dict[str, Any]:
-    speed = [v for k, v in data["checks"].items() if k == "speed" or k.startswith("speed_")]
-    return speed[0]["value"] if speed and speed[0]["ok"] else {}
+    """Every passed speed check's columns ("speed" in older records, "speed_<model>" since), each
+    column named after its model where the record has more than one."""
+    found = {k.removeprefix("speed").lstrip("_"): v["value"] for k, v in data["checks"].items()
+             if (k == "speed" or k.startswith("speed_")) and v["ok"]}
+    return {f"{model} {column}" if len(found) > 1 else column: cells
+            for model, value in found.items() for column, cells in value.items()}
 
 
 def _value(checks: dict[str, Any], name: str) -> Any:
@@ -68,7 +67,8 @@ def _speed_table(data: dict[str, Any]) -> str:
     speed = _speed(data)
     if not speed:
         return "\n(no speed figures in this record)\n"
-    header = ["decode, fp32 (tokens/s, median of 3 (min-max))", *speed]
+    runs = f"{data['runs']} runs" if "runs" in data else "the runs"
+    header = [f"decode, fp32 (tokens/s, median (min-max) of {runs})", *speed]
     rows = [[name, *(f"{s[name]['tok_s']:g} ({s[name]['range'][0]:g}-{s[name]['range'][1]:g})"
                      for s in speed.values())] for name in CONFIGS]
     rows.append(["CUDA graphs vs eager (sync loop)", *(_compare(s["sync+graphs"], s["sync+eager"]) for s in speed.values())])
