@@ -231,7 +231,9 @@ def loops_and_graphs(setup: Setup, reference: list[Any]) -> Callable[[], dict]:
                                  "accepted_drafts": engine.accepted_drafts}
                 assert tokens == own, f"{name}: output differs from {algorithm} sync eager"
                 assert greedy_rows(tokens) == greedy_rows(reference), f"{name}: greedy tokens differ from NONE"
-                if graphs and setup.device.startswith("cuda"):
+                # Per-request windows (the adaptive policy) and compact verify run eagerly by design; the
+                # policy's steps without drafts are captured decodes, but whether any occur is its timing.
+                if graphs and setup.device.startswith("cuda") and algorithm in ("NONE", "NGRAM", "DSPARK"):
                     assert out[name]["graphs"] > 0, f"{name}: no CUDA graph was captured"
         return out
     return check

@@ -275,11 +275,8 @@ def _scheduler_config(args: ServerArgs, target: _Target, gamma: int) -> Schedule
 
 def _make_streams(args: ServerArgs, faults: FaultConfig, sanitizer: Optional[StreamSanitizer]) -> tuple[Stream, Stream]:
     """Forward and copy streams. On CPU they run inline (no worker threads, no cost) unless a
-    fault delay needs real concurrency; see runtime/stream.py. Under the overlap loop on CUDA
-    they run threaded: a step's host syncs (reading lengths, sampling on the host) then block the
-    forward stream's worker while the scheduler processes the previous step's results; inline,
-    they blocked the scheduler itself and the loop overlapped nothing (measured on an H200)."""
-    threaded = faults.needs_threads or (args.device.startswith("cuda") and not args.disable_overlap_schedule)
+    fault delay needs real concurrency; see runtime/stream.py."""
+    threaded = faults.needs_threads
     return (
         Stream("forward", args.device, threaded, faults.delay_for("forward"), sanitizer),
         Stream("copy", args.device, threaded, faults.delay_for("copy"), sanitizer),

@@ -197,8 +197,7 @@ class CapturedStep:
             self._step(padded, kv_len, fold)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the copy stream's worker may enqueue copies while this thread captures.
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             self._step(padded, kv_len, fold)
         self._graph_pool = graph.pool()
         return graph

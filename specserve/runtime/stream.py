@@ -2,9 +2,7 @@
 
 On CUDA a Stream wraps `torch.cuda.Stream`: work submitted to it is enqueued under that stream and
 runs asynchronously on the device. On CPU PyTorch has no streams, so a Stream is an ordered
-executor: `submit(fn)` runs fn after everything submitted before it. Two arrangements (on CUDA
-too: there a threaded stream's worker enqueues the device work, so the host syncs inside a step,
-reading a length or sampling on the host, block that worker and not the scheduler):
+executor: `submit(fn)` runs fn after everything submitted before it. Two arrangements:
 
 - threaded: a worker thread runs the stream's queue, so work really runs concurrently with the
   caller and with other streams, and a missing event wait is a real race. Fault injection (random
@@ -83,7 +81,7 @@ class Stream:
         self._error: Optional[BaseException] = None
         self._cuda = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._queue: Optional[queue.SimpleQueue] = None
-        if threaded:
+        if threaded and self._cuda is None:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._worker, args=(self._queue,), name=f"stream-{name}", daemon=True).start()
 
@@ -118,19 +116,11 @@ class Stream:
 
     def _worker(self, tasks: queue.SimpleQueue) -> None:
         _tls.stream = self
-        try:
-            self._bind_worker_thread()
-        except BaseException as exc:  # a worker that cannot start fails its work, never hangs it
-            self._error = exc
         while True:
             task = tasks.get()
             if task is None:
                 return
             self._run(task)
-
-    def _bind_worker_thread(self) -> None:
-        if self._cuda is not None:  # the current device is per thread; the stream's has an index
-            torch.cuda.set_device(self._cuda.device)
 
     def _run(self, task) -> None:
         fn, args, kwargs, parent, marker, site = task
@@ -232,11 +222,11 @@ class Event:
     def record(self, stream: Optional[Stream] = None) -> "Event":
         stream = stream or current_stream()
         rec = _Record(threading.Event(), stream)
+        if stream._cuda is not None:
+            rec.cuda_event = torch.cuda.Event()
+            rec.cuda_event.record(stream._cuda)
 
-        def mark() -> None:  # in the stream's order: after the device work enqueued before it
-            if stream._cuda is not None:
-                rec.cuda_event = torch.cuda.Event()
-                rec.cuda_event.record(stream._cuda)
+        def mark() -> None:
             rec.clock = stream.clock.snapshot()
             rec.flag.set()
 
@@ -249,11 +239,11 @@ class Event:
         rec, stream = self._record, stream or current_stream()
         if rec is None:
             return
+        if rec.cuda_event is not None and stream._cuda is not None:
+            stream._cuda.wait_event(rec.cuda_event)
 
-        def merge() -> None:  # in the waiting stream's order, once the event's mark has run
+        def merge() -> None:
             _wait_flag(rec, stream)
-            if rec.cuda_event is not None and stream._cuda is not None:
-                stream._cuda.wait_event(rec.cuda_event)
             stream.clock.merge(rec.clock)
 
         stream._submit_marker(merge)
