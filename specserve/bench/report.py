@@ -45,7 +45,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "offline": engine.render_offline, "models": engine.render_models, "step-profile": engine.render_step_profile, "quality": engine.render_quality,
     "linear-rows": engine.render_linear_rows,
     "seed-failure": engine.render_seed_failure, "soak": engine.render_soak, "tp-cost": engine.render_tp_cost,
-    "cuda-check": cuda.render_cuda_check, "drafter-line": drafter.render_drafter_line, "drafter-shapes": drafter.render_drafter_shapes,
+    "cuda-check": cuda.render_cuda_check, "cuda-threaded": cuda.render_cuda_threaded, "drafter-line": drafter.render_drafter_line, "drafter-shapes": drafter.render_drafter_shapes,
     "train-speed": drafter.render_train_speed, "corpus-costs": drafter.render_corpus_costs}
 
 

@@ -7,7 +7,7 @@ import json
 import os
 
 from specserve.bench.render.common import REPO
-from specserve.bench.render.cuda import render_cuda_check
+from specserve.bench.render.cuda import render_cuda_check, render_cuda_threaded
 
 
 def test_failed_and_skipped_checks_are_named_not_rendered(tmp_path):
@@ -27,10 +27,34 @@ def test_failed_and_skipped_checks_are_named_not_rendered(tmp_path):
 def test_every_speed_check_is_a_column_set_named_by_its_model(tmp_path):
     with open(os.path.join(REPO, "bench_results", "cuda_check.json")) as f:
         record = json.load(f)
-    speed = record["checks"].pop("speed")
-    record["checks"].update(speed_tiny=speed, speed_medium=speed)
+    speed = record["checks"].pop("speed_tiny")
+    record["checks"].update(speed_small=speed, speed_medium=speed)
     record["runs"] = 5
     (tmp_path / "cuda_check.json").write_text(json.dumps(record))
     text = render_cuda_check(str(tmp_path))
     assert "median (min-max) of 5 runs" in text
-    assert "| tiny NONE batch 1 |" in text and "| medium DSPARK batch 16 |" in text
+    assert "| small NONE batch 1 |" in text and "| medium DSPARK batch 16 |" in text
+
+
+def test_a_record_with_one_speed_check_names_no_model(tmp_path):
+    with open(os.path.join(REPO, "bench_results", "cuda_check.json")) as f:
+        record = json.load(f)
+    record["checks"] = {"speed": record["checks"]["speed_tiny"]}
+    record["failed"] = []
+    (tmp_path / "cuda_check.json").write_text(json.dumps(record))
+    text = render_cuda_check(str(tmp_path))
+    assert "| NONE batch 1 |" in text and "tiny" not in text
+
+
+def test_the_threaded_streams_table_sets_both_records_side_by_side(tmp_path):
+    for name in ("cuda_check.json", "cuda_check_threaded.json"):
+        with open(os.path.join(REPO, "bench_results", name)) as f:
+            record = json.load(f)
+        if name == "cuda_check_threaded.json":  # overlap made clearly faster: the ratio must say so
+            cells = record["checks"]["speed_medium"]["value"]["NONE batch 16"]
+            cells["overlap+graphs"] = {**cells["sync+graphs"], "tok_s": 9000.0, "range": [8900.0, 9100.0]}
+        (tmp_path / name).write_text(json.dumps(record))
+    text = render_cuda_threaded(str(tmp_path))
+    threaded = next(line for line in text.splitlines() if line.startswith("| threaded streams"))
+    assert "**" in threaded and text.count("| inline streams") == 1
+    assert "`loops_and_graphs`: AssertionError" in text and "cuda_check_threaded.json" in text

@@ -34,7 +34,10 @@ def render_cuda_check(results: str) -> str:
     checks = data["checks"]
     passed = [name for name, c in checks.items() if c["ok"]]
     loops = _value(checks, "loops_and_graphs") or {}
-    graphs = {name.split()[0]: v["graphs"] for name, v in loops.items() if "graphs" in name.split()[2:]}
+    graphs: dict[str, list[str]] = {}
+    for name, v in loops.items():  # "<algorithm> <loop> <graphs|eager>": the counts of the captured runs
+        if name.endswith(" graphs"):
+            graphs.setdefault(name.split()[0], []).append(f"{v['graphs']} ({name.split()[1]})")
     hi = (_value(checks, "hicache_reload") or {}).get("NONE")
     bf16 = _value(checks, "bf16_consistency")
     silent, caught = _value(checks, "sanitizer_silent"), _value(checks, "sanitizer_catches_alias")
@@ -47,7 +50,7 @@ def render_cuda_check(results: str) -> str:
                      f"(greedy, seeded sampling, logprobs, penalties) in "
                      f"{sum(v['same_as_sync_eager'] for v in loops.values())} of {len(loops)}, NONE's greedy tokens in "
                      f"{sum(v['greedy_as_none'] for v in loops.values())} of {len(loops)}; graphs captured per engine: "
-                     f"{', '.join(f'{k} {v}' for k, v in graphs.items())}.")
+                     f"{'; '.join(f'{k} ' + ', '.join(v) for k, v in graphs.items())}.")
     if silent and caught:
         lines.append(f"- The stream sanitizer: silent over {silent['verify_steps']} "
                      f"DSPARK verify steps (overlap, graphs); with `read_accept` planted to hand out views, it "
@@ -75,3 +78,18 @@ def _speed_table(data: dict[str, Any]) -> str:
     rows.append(["overlap vs sync loop (graphs)", *(_compare(s["overlap+graphs"], s["sync+graphs"])
                                                    for s in speed.values())])
     return "\n" + table(header, rows) + "\n"
+
+
+def render_cuda_threaded(results: str) -> str:
+    """The overlap loop with the CUDA streams on worker threads (bench_results/cuda_check_threaded.json)
+    beside the inline streams of the last full run (cuda_check.json): overlap over sync, graphs."""
+    inline, threaded = _speed(load(results, "cuda_check.json")), _speed(load(results, "cuda_check_threaded.json"))
+    data = load(results, "cuda_check_threaded.json")
+    columns = [c for c in inline if c in threaded]
+    rows = [[f"{label} ({file})", *(_compare(s[c]["overlap+graphs"], s[c]["sync+graphs"]) for c in columns)]
+            for label, file, s in (("inline streams", "cuda_check.json", inline),
+                                   ("threaded streams", "cuda_check_threaded.json", threaded))]
+    failed = "; ".join(f"`{n}`: {data['checks'][n]['error']}" for n in data["failed"]) or "none"
+    machine = {**data, "machine": f"{data['device']}, torch {data['torch']}, CUDA {data['cuda']}"}
+    return (table(["overlap vs sync loop, CUDA graphs (median tokens/s ratio)", *columns], rows) +
+            f"\n\nChecks the threaded run failed: {failed}.\n\n" + provenance(machine, "cuda_check_threaded.json") + "\n")
