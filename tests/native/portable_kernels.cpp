@@ -41,7 +41,7 @@ void linears_int8(PackedWeight w, const std::vector<uint16_t>& x, int64_t m, std
   std::vector<int8_t> q(m * k);
   std::vector<float> d(m * (k / 32));
   std::vector<int32_t> s16(m * (k / 16));
-  quantize_rows(x.data(), k, k, int8_layout(Path::Generic, w.format), 0, m, q.data(), d.data(), s16.data());
+  quantize_rows(Path::Generic, x.data(), k, k, int8_layout(Path::Generic, w.format), 0, m, q.data(), d.data(), s16.data());
   for (int c : {0, 8}) {
     if (c && w.format != WeightFormat::Q4) break;
     w.code_offset = c;

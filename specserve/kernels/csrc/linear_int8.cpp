@@ -106,6 +106,9 @@ SPECSERVE_AVX512 inline void q4_group(const PackedWeight& w, const uint8_t* cons
                                       int64_t g, __m512i (*part)[NBT]) {
   const int64_t octs = w.group / 8, plane = w.k / 8 * 64;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512i part_b[R][NBT];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) part_b[r][j] = _mm512_setzero_si512();
   for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
     __m512i wa[NBT], wb[NBT];
     for (int j = 0; j < NBT; ++j) {
@@ -119,9 +122,14 @@ SPECSERVE_AVX512 inline void q4_group(const PackedWeight& w, const uint8_t* cons
       std::memcpy(&xa, rows[r] + oct * 8, 4);
       std::memcpy(&xb, rows[r] + oct * 8 + 4, 4);
       const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
-      for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[r][j], wa[j], va), wb[j], vb);
+      for (int j = 0; j < NBT; ++j) {  // two chains, not one twice as long: VPDPBUSD's latency is several cycles
+        part[r][j] = _mm512_dpbusd_epi32(part[r][j], wa[j], va);
+        part_b[r][j] = _mm512_dpbusd_epi32(part_b[r][j], wb[j], vb);
+      }
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_add_epi32(part[r][j], part_b[r][j]);  // integers: exact
 }
 
 // The same for a Q8-layout weight (codes signed, x biased to unsigned: the bias is taken off with
@@ -199,7 +207,7 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
 template <WeightFormat F, int Bits, int R>
 SPECSERVE_AVX512 void rows_int8(const PackedWeight& w, int64_t b, int64_t b_end, const Int8Rows& x, int64_t r0,
                                 void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  constexpr int kWide = R <= 2 ? 4 : 2;  // part, acc and weights within the 32 registers
+  constexpr int kWide = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // part, acc and weights within the 32 registers
   for (; b + kWide <= b_end; b += kWide) tile_int8<F, Bits, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
   for (; b < b_end; ++b) tile_int8<F, Bits, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
 }
@@ -211,8 +219,10 @@ SPECSERVE_AVX512 void blocks_int8(const PackedWeight& w, int64_t b_begin, int64_
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     const int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) rows_int8<F, Bits, 4>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    for (; r + 6 <= m; r += 6) rows_int8<F, Bits, 6>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
     switch (m - r) {
+      case 5: rows_int8<F, Bits, 5>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 4: rows_int8<F, Bits, 4>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
       case 3: rows_int8<F, Bits, 3>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
       case 2: rows_int8<F, Bits, 2>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
       case 1: rows_int8<F, Bits, 1>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
@@ -231,32 +241,77 @@ Int8Layout int8_layout(Path path, WeightFormat format) {
   return {false, path == Path::Avx512Bf16};
 }
 
-void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
-                   int8_t* q, float* d, int32_t* s16) {
+#if SPECSERVE_X86
+// quantize_block's arithmetic on 32 columns at once: the same float products, rounding (nearest,
+// ties to even), clamps and integer sums, so the codes are bitwise the scalar ones. A block with
+// inf, NaN or an amax so small that 127 / amax overflows takes the scalar code.
+SPECSERVE_AVX512 void quantize_rows_avx512(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin,
+                                           int64_t end, int8_t* q, float* d, int32_t* s16) {
+  // within each 8 bytes: columns (0, 4, 1, 5, 2, 6, 3, 7), as oct_position places them
+  const __m256i oct = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15, 0, 4, 1, 5, 2, 6, 3, 7, 8,
+                                       12, 9, 13, 10, 14, 11, 15);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* row = x + r * ldx;
     for (int64_t blk = 0; blk < k / 32; ++blk) {
-      float v[32], amax = 0.0f;
-      bool finite = true;
-      for (int i = 0; i < 32; ++i) {
-        v[i] = bf16_to_f32(x[r * ldx + blk * 32 + i]);
-        finite = finite && std::isfinite(v[i]);
-        amax = std::max(amax, std::fabs(v[i]));
+      const __m512 a = load_bf16(row + blk * 32), b = load_bf16(row + blk * 32 + 16);
+      const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), exponent), exponent) |
+                                _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), exponent), exponent);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      if (special || !(inv <= FLT_MAX)) {
+        quantize_block(row, k, layout, r, blk, q, d, s16);
+        continue;
       }
-      float dx = finite ? amax / 127.0f : NAN;  // a block with inf or NaN makes its outputs NaN
-      float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
-      if (!(inv <= FLT_MAX)) dx = 0.0f, inv = 0.0f;  // amax below about 2^-121: the block counts as zero
-      int32_t sums[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const int32_t qi = int32_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv))));
-        sums[i / 16] += qi;
-        const int pos = layout.oct_order ? i / 8 * 8 + oct_position(i % 8) : i;
-        q[r * k + blk * 32 + pos] = layout.biased ? int8_t(uint8_t(qi + 128)) : int8_t(qi);
-      }
-      d[r * (k / 32) + blk] = dx;
-      s16[r * (k / 16) + 2 * blk] = sums[0];
-      s16[r * (k / 16) + 2 * blk + 1] = sums[1];
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, vinv), kRound), lo), hi));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(b, vinv), kRound), lo), hi));
+      __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(qa)), _mm512_cvtepi32_epi8(qb), 1);
+      if (layout.oct_order) bytes = _mm256_shuffle_epi8(bytes, oct);
+      if (layout.biased) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(int8_t(0x80)));  // qi + 128 as uint8
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * k + blk * 32), bytes);
+      d[r * (k / 32) + blk] = amax / 127.0f;
+      s16[r * (k / 16) + 2 * blk] = _mm512_reduce_add_epi32(qa);
+      s16[r * (k / 16) + 2 * blk + 1] = _mm512_reduce_add_epi32(qb);
     }
   }
+}
+#endif  // SPECSERVE_X86
+
+void quantize_block(const uint16_t* x, int64_t k, Int8Layout layout, int64_t r, int64_t blk, int8_t* q, float* d,
+                    int32_t* s16) {
+  float v[32], amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < 32; ++i) {
+    v[i] = bf16_to_f32(x[blk * 32 + i]);
+    finite = finite && std::isfinite(v[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  float dx = finite ? amax / 127.0f : NAN;  // a block with inf or NaN makes its outputs NaN
+  float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
+  if (!(inv <= FLT_MAX)) dx = 0.0f, inv = 0.0f;  // amax below about 2^-121: the block counts as zero
+  int32_t sums[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const int32_t qi = int32_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv))));
+    sums[i / 16] += qi;
+    const int pos = layout.oct_order ? i / 8 * 8 + oct_position(i % 8) : i;
+    q[r * k + blk * 32 + pos] = layout.biased ? int8_t(uint8_t(qi + 128)) : int8_t(qi);
+  }
+  d[r * (k / 32) + blk] = dx;
+  s16[r * (k / 16) + 2 * blk] = sums[0];
+  s16[r * (k / 16) + 2 * blk + 1] = sums[1];
+}
+
+void quantize_rows(Path path, const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin,
+                   int64_t end, int8_t* q, float* d, int32_t* s16) {
+#if SPECSERVE_X86
+  if (path == Path::Avx512Bf16) return quantize_rows_avx512(x, ldx, k, layout, begin, end, q, d, s16);
+  if (path == Path::Avx2Fma) return quantize_rows_avx2(x, ldx, k, layout, begin, end, q, d, s16);
+#endif
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t blk = 0; blk < k / 32; ++blk) quantize_block(x + r * ldx, k, layout, r, blk, q, d, s16);
 }
 
 void linear_int8_blocks(Path path, const PackedWeight& w, const Int8Rows& x, int64_t m, int64_t block_begin,

@@ -45,9 +45,21 @@ struct Int8Rows {
 Int8Layout int8_layout(Path path, WeightFormat format);
 
 // Quantize rows [begin, end) of x (bf16, row stride ldx; k a multiple of 32) into q, d and s16
-// (laid out as Int8Rows, rows at their own index). The same code for every path.
-void quantize_rows(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
-                   int8_t* q, float* d, int32_t* s16);
+// (laid out as Int8Rows, rows at their own index). Every path gives the same bytes: the vector
+// paths do quantize_block's arithmetic lane by lane and hand it the blocks with inf, NaN or a
+// vanishing amax.
+void quantize_rows(Path path, const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin,
+                   int64_t end, int8_t* q, float* d, int32_t* s16);
+
+// One block of 32 columns of row r (x points at the row), the scalar reference.
+void quantize_block(const uint16_t* x, int64_t k, Int8Layout layout, int64_t r, int64_t blk, int8_t* q, float* d,
+                    int32_t* s16);
+
+// The vector paths of quantize_rows (linear_int8.cpp, linear_int8_avx2.cpp).
+void quantize_rows_avx512(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
+                          int8_t* q, float* d, int32_t* s16);
+void quantize_rows_avx2(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
+                        int8_t* q, float* d, int32_t* s16);
 
 // Rows [0, m) of the quantized x times the columns of blocks [block_begin, block_end) of w (format
 // Q4 or Q8; w.code_offset as above); out and accumulate as for linear_blocks.

@@ -7,6 +7,7 @@
 #include "linear_int8.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cstring>
 
 namespace specserve {
@@ -166,6 +167,73 @@ SPECSERVE_AVX2 void blocks_int8_avx2(const PackedWeight& w, int64_t b_begin, int
 #endif  // SPECSERVE_X86
 
 }  // namespace
+
+#if SPECSERVE_X86
+namespace {
+
+SPECSERVE_AVX2 inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+SPECSERVE_AVX2 inline float hmax_ps(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+}  // namespace
+
+// quantize_block's arithmetic, 8 columns a vector (see the AVX-512 twin in linear_int8.cpp).
+SPECSERVE_AVX2 void quantize_rows_avx2(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin,
+                                       int64_t end, int8_t* q, float* d, int32_t* s16) {
+  const __m256i oct = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15, 0, 4, 1, 5, 2, 6, 3, 7, 8,
+                                       12, 9, 13, 10, 14, 11, 15);
+  const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* row = x + r * ldx;
+    for (int64_t blk = 0; blk < k / 32; ++blk) {
+      __m256 v[4];
+      __m256i special = _mm256_setzero_si256();
+      __m256 amax8 = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = load_bf16x8(row + blk * 32 + 8 * i);
+        const __m256i bits = _mm256_castps_si256(v[i]);
+        special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent));
+        amax8 = _mm256_max_ps(amax8, _mm256_castsi256_ps(_mm256_and_si256(bits, magnitude)));
+      }
+      const float amax = hmax_ps(amax8);
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      if (!_mm256_testz_si256(special, special) || !(inv <= FLT_MAX)) {
+        quantize_block(row, k, layout, r, blk, q, d, s16);
+        continue;
+      }
+      const __m256 vinv = _mm256_set1_ps(inv);
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i)
+        qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(v[i], vinv), kRound), lo), hi));
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      bytes = _mm256_permutevar8x32_epi32(bytes, dwords);
+      if (layout.oct_order) bytes = _mm256_shuffle_epi8(bytes, oct);
+      if (layout.biased) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(int8_t(0x80)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * k + blk * 32), bytes);
+      d[r * (k / 32) + blk] = amax / 127.0f;
+      s16[r * (k / 16) + 2 * blk] = hsum_epi32(_mm256_add_epi32(qi[0], qi[1]));
+      s16[r * (k / 16) + 2 * blk + 1] = hsum_epi32(_mm256_add_epi32(qi[2], qi[3]));
+    }
+  }
+}
+#else
+void quantize_rows_avx2(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
+                        int8_t* q, float* d, int32_t* s16) {
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t blk = 0; blk < k / 32; ++blk) quantize_block(x + r * ldx, k, layout, r, blk, q, d, s16);
+}
+#endif  // SPECSERVE_X86
 
 void linear_int8_blocks_avx2(const PackedWeight& w, const Int8Rows& x, int64_t m, int64_t block_begin,
                              int64_t block_end, void* out, int64_t ldo, bool out_bf16, bool accumulate) {

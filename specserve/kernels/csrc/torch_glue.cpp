@@ -94,7 +94,7 @@ void run_linear_int8(Path p, const PackedWeight& w, const uint16_t* x, int64_t l
   std::vector<int32_t> s16(m * (w.k / 16));
   const Int8Layout layout = int8_layout(p, w.format);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    quantize_rows(x, ldx, w.k, layout, begin, end, q.data(), d.data(), s16.data());
+    quantize_rows(p, x, ldx, w.k, layout, begin, end, q.data(), d.data(), s16.data());
   });
   const Int8Rows rows{q.data(), d.data(), s16.data(), w.k};
   at::parallel_for(0, (w.n + kBlockCols - 1) / kBlockCols, 4, [&](int64_t begin, int64_t end) {
