@@ -5,6 +5,7 @@
 #include "simd_avx512.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace specserve {
 
@@ -182,6 +183,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
         for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
           __m512i packed[NBT], high[NBT];
           for (int j = 0; j < NBT; ++j) {
+            prefetch_codes(blocks[j] + oct * 64);
             packed[j] = _mm512_loadu_si512(blocks[j] + oct * 64);
             if constexpr (Bits > 4) high[j] = spread_high16<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits));
           }
@@ -200,7 +202,10 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
       } else {
         for (int64_t pair = g * per; pair < g * per + per; ++pair) {
           __m512i wv[NBT];
-          for (int j = 0; j < NBT; ++j) wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
+          for (int j = 0; j < NBT; ++j) {
+            if (pair % 2 == 0) prefetch_codes(blocks[j] + pair * 32);  // one 64-byte line per two pairs
+            wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
+          }
           dot_rows<R, NBT>(rows, pair, wv, part);
         }
       }
@@ -290,6 +295,11 @@ SPECSERVE_AVX512 void blocks_avx512_format(const PackedWeight& w, int64_t b_begi
 #endif  // SPECSERVE_X86
 
 }  // namespace
+
+extern const int64_t kPrefetchBytes = [] {
+  const char* v = std::getenv("SPECSERVE_PREFETCH_BYTES");
+  return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : int64_t(16384);
+}();
 
 int64_t block_bytes(WeightFormat format, int64_t k, int bits) {
   switch (format) {

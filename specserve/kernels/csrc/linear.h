@@ -249,4 +249,14 @@ bool prepare_avx2_row(const PackedWeight& w, const uint16_t* row, float* out);
 // Per-row sums of x over each group of `group` columns (sequential order), for the offset term.
 void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t group, float* out);
 
+// How far ahead of its reads a tile asks for weight codes (bytes; SPECSERVE_PREFETCH_BYTES at
+// load, 0 for none). A decode step streams every weight from memory once, and a verify window
+// adds enough arithmetic per byte that the hardware prefetchers fall behind: asking about 16 KiB
+// ahead (a few 16-column blocks) let the reads and the arithmetic overlap on the AMD EPYC this
+// was tuned on. A prefetch never faults, so reading past the last block is harmless; results
+// do not depend on it.
+extern const int64_t kPrefetchBytes;
+
+inline void prefetch_codes(const uint8_t* at) { __builtin_prefetch(at + kPrefetchBytes, 0, 3); }
+
 }  // namespace specserve

@@ -142,6 +142,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
             __m256i packed[NBT][2], high[NBT][2];
             for (int j = 0; j < NBT; ++j)
               for (int h = 0; h < 2; ++h) {
+                if (h == 0) prefetch_codes(blocks[j] + oct * 64);
                 packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + oct * 64 + h * 32));
                 if (w.bits > 4) high[j][h] = spread_high8(blocks[j] + plane + oct * high_plane_bytes(w.bits), h, w.bits);
               }
@@ -163,8 +164,10 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
         } else {
           for (int64_t pair = g * per; pair < g * per + per; ++pair) {
             __m256 wh[NBT][2], wl[NBT][2];
-            for (int j = 0; j < NBT; ++j)
+            for (int j = 0; j < NBT; ++j) {
+              if (pair % 2 == 0) prefetch_codes(blocks[j] + pair * 32);  // one 64-byte line per two pairs
               for (int h = 0; h < 2; ++h) split_pair<F>(pair_word<F>(blocks[j], pair, h), wh[j][h], wl[j][h]);
+            }
             dot_rows<R, NBT, Flush>(x, ldx, pair, wh, wl, part);
           }
         }

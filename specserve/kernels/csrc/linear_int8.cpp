@@ -112,6 +112,7 @@ SPECSERVE_AVX512 inline void q4_group(const PackedWeight& w, const uint8_t* cons
   for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
     __m512i wa[NBT], wb[NBT];
     for (int j = 0; j < NBT; ++j) {
+      prefetch_codes(blocks[j] + oct * 64);
       const __m512i packed = _mm512_loadu_si512(blocks[j] + oct * 64);
       wa[j] = _mm512_and_si512(packed, nibbles);
       wb[j] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), nibbles);
@@ -146,6 +147,7 @@ SPECSERVE_AVX512 inline void q8_group(const PackedWeight& w, const uint8_t* cons
   for (int64_t t = g * w.group / 4; t < (g + 1) * w.group / 4; ++t) {  // 4 columns (two pairs) at a time
     __m512i wv[NBT];
     for (int j = 0; j < NBT; ++j) {
+      prefetch_codes(blocks[j] + t * 64);
       wv[j] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(blocks[j] + t * 64));
       wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, wv[j]);
     }
