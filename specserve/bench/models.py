@@ -107,6 +107,8 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
         "rss_mib": ours["rss_mib"], "file_mib": ours["file_mib"], "kv_mib": ours["kv_mib"],
         "rss_over_file_and_kv_mib": ours["rss_mib"] - ours["file_mib"] - ours["kv_mib"], "load_s": ours["load_s"],
     }
+    if "torch_runtime_mib" in ours:  # since the breakdown was recorded
+        figures["torch_runtime_mib"] = ours["torch_runtime_mib"]
     native = run.get("native")
     if native:
         figures |= {"native_tg128_tok_s": native["tg128_tok_s"], "native_pp512_tok_s": native["pp512_tok_s"],

@@ -224,7 +224,8 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     dtype = resolve_dtype(args.dtype)
     # A verify window may reach gamma positions past the last token that can be emitted.
     max_positions = context_length + MAX_DRAFT_TOKENS + 1
-    model = LlamaForCausalLM(cfg, dtype, tp=TPContext(tp_rank, args.tp_size, dist), max_positions=max_positions)
+    tp = TPContext(tp_rank, args.tp_size, dist)
+    model = LlamaForCausalLM(cfg, dtype, tp=tp, max_positions=max_positions, lazy_rope=args.device == "cpu")
     model = model.to(args.device)
     model.load_weights(loaded.weights, loaded.quantized if args.quantization == "auto" else None)
     # Inductor packs weights itself and cannot trace specserve's kernels: torch.compile runs stock ops.

@@ -104,19 +104,52 @@ class Linear(nn.Linear):
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position; frequency i
-    divided by freq_factors[i] when the model scales its RoPE."""
+    divided by freq_factors[i] when the model scales its RoPE.
 
-    cos: torch.Tensor  # buffers [max_positions, head_dim / 2]
+    `lazy` tables start with one chunk of positions and grow by whole chunks as `cover` asks (up
+    to max_positions): a 32k-context model with 256-wide heads would otherwise hold 64 MB of
+    tables from the start. Lazy or not, every chunk is computed alone at full size, so a
+    position's values do not depend on when (or whether lazily) its chunk was made."""
+
+    CHUNK = 4096  # positions per chunk
+
+    cos: torch.Tensor  # buffers [positions covered, head_dim / 2]
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, freq_factors: Optional[tuple[float, ...]] = None):
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, freq_factors: Optional[tuple[float, ...]] = None,
+        lazy: bool = False,
+    ):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         if freq_factors is not None:  # RoPE scaling (models/rope_scaling.py)
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.inv_freq, self.max_positions = inv_freq, max_positions
+        rows = min(max_positions, self.CHUNK) if lazy else max_positions
+        cos, sin = self._table(0, rows)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _table(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows start..end-1, chunk by chunk (start a multiple of CHUNK): each chunk's cos and sin
+        computed on their own, so its values are the same whichever call makes it."""
+        cos, sin = [], []
+        for a in range(start, end, self.CHUNK):
+            angles = torch.outer(torch.arange(a, a + self.CHUNK, dtype=torch.float64), self.inv_freq)
+            cos.append(angles.cos().float()[: end - a])
+            sin.append(angles.sin().float()[: end - a])
+        empty = torch.empty(0, self.inv_freq.numel())
+        return torch.cat(cos) if cos else empty, torch.cat(sin) if sin else empty
+
+    def cover(self, positions: int) -> None:
+        """Grow the tables (by whole chunks, at most to max_positions) to hold positions 0..positions-1."""
+        have = self.cos.shape[0]
+        if positions <= have or have >= self.max_positions:
+            return
+        end = min(self.max_positions, -(-positions // self.CHUNK) * self.CHUNK)
+        cos, sin = self._table(have, end)
+        self.cos = torch.cat([self.cos, cos.to(self.cos.device)])
+        self.sin = torch.cat([self.sin, sin.to(self.sin.device)])
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for one forward pass ([T, 1, D/2] each, in the model dtype as the reference models

@@ -122,7 +122,10 @@ class LlamaForCausalLM(nn.Module):
     in `fb.captured_hidden` for the DSpark drafter. Its ops run on `self.ops` (stock torch until
     `use_backend` readies the loaded weights for another backend)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext | None = None, max_positions: int | None = None):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext | None = None, max_positions: int | None = None,
+        lazy_rope: bool = False,
+    ):
         super().__init__()
         tp = tp or TPContext()
         self.config = cfg
@@ -132,9 +135,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         positions = max_positions or cfg.max_position_embeddings
-        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors)
+        # lazy_rope: the tables grow with the positions a pass reaches (read on the host: CPU only)
+        self.lazy_rope = lazy_rope
+        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors, lazy_rope)
         windowed = any(cfg.window(i) for i in range(cfg.num_layers))
-        self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta) if windowed else self.rope
+        self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else self.rope
         self.ops: OpBackend = TorchOps(dtype)
         self.tp_size = tp.size
         self.native: Optional[NativeLayers] = None  # the layers as one C++ call each (use_backend)
@@ -150,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        if self.lazy_rope and fb.positions.numel():
+            top = int(fb.positions.max()) + 1
+            self.rope.cover(top)
+            self.rope_local.cover(top)
         residual, out = self.embed_tokens(fb.input_ids), None
         captured = []
         native = self.native if self.native is not None and self.native.applies(fb) else None

@@ -175,6 +175,14 @@ def _speculation(model: dict[str, Any]) -> str:
     return "adaptive, shipped drafter" if run.get("drafter") else "none"
 
 
+def _memory(s: dict[str, Any]) -> str:
+    """Resident memory as the file, the KV pool, torch's own runtime (where recorded) and the rest."""
+    over = s["rss_over_file_and_kv_mib"]["median"]
+    torch_part = s.get("torch_runtime_mib", {}).get("median")
+    rest = f" + torch {torch_part:.0f} + {over - torch_part:.0f}" if torch_part is not None else f" + {over:.0f}"
+    return f"{s['rss_mib']['median']:.0f} MiB = file {s['file_mib']['median']:.0f} + KV {s['kv_mib']['median']:.0f}{rest}"
+
+
 def render_models(results: str) -> str:
     data = load(results, "models.json")
     rows = []
@@ -186,8 +194,7 @@ def render_models(results: str) -> str:
         row += [_ratio(s["decode_vs_native"]), _ratio(s["prefill_vs_native"])] if native else []
         row += [_ratio(s["prefill_vs_llama_cpp_python"]), _median_range(s["verify_over_decode"], ".2f", "x"),
                 _median_range(s["batch_over_batch1"], ".1f", "x"),
-                f"{s['rss_mib']['median']:.0f} MiB = file {s['file_mib']['median']:.0f} + KV {s['kv_mib']['median']:.0f}"
-                f" + {s['rss_over_file_and_kv_mib']['median']:.0f}", _median_range(s["load_s"], ".1f", " s")]
+                _memory(s), _median_range(s["load_s"], ".1f", " s")]
         rows.append(row)
     header = ["model", "decode, batch 1 (tok/s)", "vs llama-cpp-python", "decode step, speed vs llama-cpp-python"]
     header += ["vs native llama.cpp (tg128)", "prefill vs native (pp512)"] if native else []

@@ -183,7 +183,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
         for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
           __m512i packed[NBT], high[NBT];
           for (int j = 0; j < NBT; ++j) {
-            prefetch_codes(blocks[j] + oct * 64);
+            prefetch_codes(w, blocks[j] + oct * 64);
             packed[j] = _mm512_loadu_si512(blocks[j] + oct * 64);
             if constexpr (Bits > 4) high[j] = spread_high16<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits));
           }
@@ -203,7 +203,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
         for (int64_t pair = g * per; pair < g * per + per; ++pair) {
           __m512i wv[NBT];
           for (int j = 0; j < NBT; ++j) {
-            if (pair % 2 == 0) prefetch_codes(blocks[j] + pair * 32);  // one 64-byte line per two pairs
+            if (pair % 2 == 0) prefetch_codes(w, blocks[j] + pair * 32);  // one 64-byte line per two pairs
             wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
           }
           dot_rows<R, NBT>(rows, pair, wv, part);
@@ -256,18 +256,21 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
   // of 6 rows: a weight word is decoded once per tile, and decoding (Q8: three conversions per 16
   // weights) costs as much as the dot products, so a 6-row verify window pays it once, not twice.
   constexpr int64_t kChunk = 8;
+  const PackedWeight first = streaming(w);  // the first row tile of a chunk reads it from memory
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
     for (; r + 6 <= m; r += 6)
-      rows_avx512<F, Bits, S, 6>(w, c, c_end, x + r * ldx, ldx, gs + r * G, static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
+      rows_avx512<F, Bits, S, 6>(r == 0 ? first : w, c, c_end, x + r * ldx, ldx, gs + r * G,
+                                 static_cast<char*>(out) + r * ldo * elem, ldo, out_bf16, accumulate);
     void* o = static_cast<char*>(out) + r * ldo * elem;
+    const PackedWeight& tail = r == 0 ? first : w;
     switch (m - r) {
-      case 5: rows_avx512<F, Bits, S, 5>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 4: rows_avx512<F, Bits, S, 4>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 3: rows_avx512<F, Bits, S, 3>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 2: rows_avx512<F, Bits, S, 2>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
-      case 1: rows_avx512<F, Bits, S, 1>(w, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 5: rows_avx512<F, Bits, S, 5>(tail, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 4: rows_avx512<F, Bits, S, 4>(tail, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 3: rows_avx512<F, Bits, S, 3>(tail, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 2: rows_avx512<F, Bits, S, 2>(tail, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
+      case 1: rows_avx512<F, Bits, S, 1>(tail, c, c_end, x + r * ldx, ldx, gs + r * G, o, ldo, out_bf16, accumulate); break;
       default: break;
     }
   }

@@ -65,6 +65,7 @@ struct PackedWeight {
   int code_offset = 0;      // c > 0: every offset is -c * scale, w = scale * (q - c) (linear_int8.h)
   const uint16_t* scale_super = nullptr;  // I8: float16 [blocks][K/256][16]
   const uint16_t* zero_super = nullptr;   // I8 with stored offsets: likewise
+  int64_t prefetch = 0;  // > 0: tiles prefetch the codes this many bytes ahead of their reads (streaming)
 };
 
 // Whether the weight has offsets (stored, or -c * scale).
@@ -253,10 +254,20 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t gr
 // load, 0 for none). A decode step streams every weight from memory once, and a verify window
 // adds enough arithmetic per byte that the hardware prefetchers fall behind: asking about 16 KiB
 // ahead (a few 16-column blocks) let the reads and the arithmetic overlap on the AMD EPYC this
-// was tuned on. A prefetch never faults, so reading past the last block is harmless; results
-// do not depend on it.
+// was tuned on. Only the first row tile of a column chunk streams (`streaming`); the later ones
+// find the chunk in cache, and prefetching there only cost time (a batch-8 verify step got
+// slower). A prefetch never faults, so reading past the last block is harmless; results do not
+// depend on it.
 extern const int64_t kPrefetchBytes;
 
-inline void prefetch_codes(const uint8_t* at) { __builtin_prefetch(at + kPrefetchBytes, 0, 3); }
+inline PackedWeight streaming(const PackedWeight& w) {
+  PackedWeight s = w;
+  s.prefetch = kPrefetchBytes;
+  return s;
+}
+
+inline void prefetch_codes(const PackedWeight& w, const uint8_t* at) {
+  if (w.prefetch > 0) __builtin_prefetch(at + w.prefetch, 0, 3);
+}
 
 }  // namespace specserve

@@ -142,7 +142,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
             __m256i packed[NBT][2], high[NBT][2];
             for (int j = 0; j < NBT; ++j)
               for (int h = 0; h < 2; ++h) {
-                if (h == 0) prefetch_codes(blocks[j] + oct * 64);
+                if (h == 0) prefetch_codes(w, blocks[j] + oct * 64);
                 packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + oct * 64 + h * 32));
                 if (w.bits > 4) high[j][h] = spread_high8(blocks[j] + plane + oct * high_plane_bytes(w.bits), h, w.bits);
               }
@@ -165,7 +165,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
           for (int64_t pair = g * per; pair < g * per + per; ++pair) {
             __m256 wh[NBT][2], wl[NBT][2];
             for (int j = 0; j < NBT; ++j) {
-              if (pair % 2 == 0) prefetch_codes(blocks[j] + pair * 32);  // one 64-byte line per two pairs
+              if (pair % 2 == 0) prefetch_codes(w, blocks[j] + pair * 32);  // one 64-byte line per two pairs
               for (int h = 0; h < 2; ++h) split_pair<F>(pair_word<F>(blocks[j], pair, h), wh[j][h], wl[j][h]);
             }
             dot_rows<R, NBT, Flush>(x, ldx, pair, wh, wl, part);
@@ -244,9 +244,11 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t 
   const int64_t G = w.format == WeightFormat::BF16 ? 0 : w.k / w.group;
   const size_t elem = out_bf16 ? 2 : 4;
   constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk stays in cache
+  const PackedWeight first = streaming(w);  // the first row tile of a chunk reads it from memory
   for (int64_t c = block_begin; c < block_end; c += kChunk) {
     const int64_t c_end = std::min(block_end, c + kChunk);
     for (int64_t r = 0; r < m;) {
+      const PackedWeight& tile_w = r == 0 ? first : w;
       const int64_t rows = std::min<int64_t>(4, m - r);
       const bool exact = std::all_of(row_exact + r, row_exact + r + rows, [](uint8_t e) { return e != 0; });
       const float* xr = x + r * ldx;
@@ -256,10 +258,10 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t 
         constexpr WeightFormat F = decltype(fmt)::value;
         constexpr ScaleType S = decltype(scales)::value;
         switch (rows) {
-          case 4: rows_either<F, S, 4>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-          case 3: rows_either<F, S, 3>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-          case 2: rows_either<F, S, 2>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-          default: rows_either<F, S, 1>(exact, w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 4: rows_either<F, S, 4>(exact, tile_w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 3: rows_either<F, S, 3>(exact, tile_w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          case 2: rows_either<F, S, 2>(exact, tile_w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+          default: rows_either<F, S, 1>(exact, tile_w, c, c_end, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
         }
       };
       auto quantized = [&](auto fmt) {  // the table type as a template argument (linear.h table16)

@@ -112,7 +112,7 @@ SPECSERVE_AVX512 inline void q4_group(const PackedWeight& w, const uint8_t* cons
   for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
     __m512i wa[NBT], wb[NBT];
     for (int j = 0; j < NBT; ++j) {
-      prefetch_codes(blocks[j] + oct * 64);
+      prefetch_codes(w, blocks[j] + oct * 64);
       const __m512i packed = _mm512_loadu_si512(blocks[j] + oct * 64);
       wa[j] = _mm512_and_si512(packed, nibbles);
       wb[j] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), nibbles);
@@ -147,7 +147,7 @@ SPECSERVE_AVX512 inline void q8_group(const PackedWeight& w, const uint8_t* cons
   for (int64_t t = g * w.group / 4; t < (g + 1) * w.group / 4; ++t) {  // 4 columns (two pairs) at a time
     __m512i wv[NBT];
     for (int j = 0; j < NBT; ++j) {
-      prefetch_codes(blocks[j] + t * 64);
+      prefetch_codes(w, blocks[j] + t * 64);
       wv[j] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(blocks[j] + t * 64));
       wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, wv[j]);
     }
@@ -218,16 +218,18 @@ template <WeightFormat F, int Bits>
 SPECSERVE_AVX512 void blocks_int8(const PackedWeight& w, int64_t b_begin, int64_t b_end, const Int8Rows& x, int64_t m,
                                   void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk's codes stay in cache
+  const PackedWeight first = streaming(w);  // the first row tile of a chunk reads it from memory
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     const int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
-    for (; r + 6 <= m; r += 6) rows_int8<F, Bits, 6>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    for (; r + 6 <= m; r += 6) rows_int8<F, Bits, 6>(r == 0 ? first : w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    const PackedWeight& tail = r == 0 ? first : w;
     switch (m - r) {
-      case 5: rows_int8<F, Bits, 5>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 4: rows_int8<F, Bits, 4>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 3: rows_int8<F, Bits, 3>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 2: rows_int8<F, Bits, 2>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 1: rows_int8<F, Bits, 1>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 5: rows_int8<F, Bits, 5>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 4: rows_int8<F, Bits, 4>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 3: rows_int8<F, Bits, 3>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 2: rows_int8<F, Bits, 2>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 1: rows_int8<F, Bits, 1>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
       default: break;
     }
   }

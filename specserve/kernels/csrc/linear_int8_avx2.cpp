@@ -51,7 +51,7 @@ SPECSERVE_AVX2 inline void q4_group8(const PackedWeight& w, const uint8_t* const
     __m256i wa[NBT][2], wb[NBT][2];
     for (int j = 0; j < NBT; ++j)
       for (int h = 0; h < 2; ++h) {
-        if (h == 0) prefetch_codes(blocks[j] + oct * 64);
+        if (h == 0) prefetch_codes(w, blocks[j] + oct * 64);
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + oct * 64 + h * 32));
         wa[j][h] = _mm256_and_si256(packed, nibbles);
         wb[j][h] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), nibbles);
@@ -80,7 +80,7 @@ SPECSERVE_AVX2 inline void q8_group8(const PackedWeight& w, const uint8_t* const
     __m256i wv[NBT][2], wabs[NBT][2];
     for (int j = 0; j < NBT; ++j)
       for (int h = 0; h < 2; ++h) {
-        if (h == 0) prefetch_codes(blocks[j] + 2 * t * 32);
+        if (h == 0) prefetch_codes(w, blocks[j] + 2 * t * 32);
         const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[j] + 2 * t * 32 + h * 16));
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[j] + (2 * t + 1) * 32 + h * 16));
         wv[j][h] = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
@@ -158,11 +158,12 @@ template <WeightFormat F, int Bits>
 SPECSERVE_AVX2 void blocks_int8_avx2(const PackedWeight& w, int64_t b_begin, int64_t b_end, const Int8Rows& x,
                                      int64_t m, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int64_t kChunk = 8;
+  const PackedWeight first = streaming(w);  // the first row tile of a chunk reads it from memory
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     const int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
-    for (; r + 2 <= m; r += 2) rows_int8_avx2<F, Bits, 2>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
-    if (r < m) rows_int8_avx2<F, Bits, 1>(w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    for (; r + 2 <= m; r += 2) rows_int8_avx2<F, Bits, 2>(r == 0 ? first : w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    if (r < m) rows_int8_avx2<F, Bits, 1>(r == 0 ? first : w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
   }
 }
 
