@@ -117,7 +117,11 @@ class RotaryEmbedding(nn.Module):
     sin: torch.Tensor
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, freq_factors: Optional[tuple[float, ...]] = None,
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        freq_factors: Optional[tuple[float, ...]] = None,
         lazy: bool = False,
     ):
         super().__init__()

@@ -123,7 +123,11 @@ class LlamaForCausalLM(nn.Module):
     `use_backend` readies the loaded weights for another backend)."""
 
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, tp: TPContext | None = None, max_positions: int | None = None,
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TPContext | None = None,
+        max_positions: int | None = None,
         lazy_rope: bool = False,
     ):
         super().__init__()
@@ -139,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.lazy_rope = lazy_rope
         self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors, lazy_rope)
         windowed = any(cfg.window(i) for i in range(cfg.num_layers))
-        self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else self.rope
+        local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else None
+        self.rope_local = local or self.rope
         self.ops: OpBackend = TorchOps(dtype)
         self.tp_size = tp.size
         self.native: Optional[NativeLayers] = None  # the layers as one C++ call each (use_backend)
