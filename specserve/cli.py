@@ -197,6 +197,12 @@ COMMANDS: tuple[Command, ...] = (
         "specserve.bench.models:run_models_bench",
     ),
     Command(
+        "bench prefetch",
+        "the decode and verify steps with the kernels' weight prefetching off and on, alternating runs",
+        "specserve.bench.prefetch:add_prefetch_bench_args",
+        "specserve.bench.prefetch:run_prefetch_bench",
+    ),
+    Command(
         "bench linear-rows",
         "time per linear against its row count, bf16 against int8 activations (what a verify row costs)",
         "specserve.bench.linear_rows:add_linear_rows_bench_args",
