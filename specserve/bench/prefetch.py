@@ -54,7 +54,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per batch size and figure: each setting's median and range, and on over off within each run."""
+    """Per batch size and figure: each setting's median and range, and the speedup (off / on)
+    formed within each run."""
     out: dict[str, Any] = {}
     for bs in runs[0]["on"]:
         out[bs] = {}
@@ -62,7 +63,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             on = [read(r["on"][bs]) for r in runs]
             off = [read(r["off"][bs]) for r in runs]
             out[bs][name] = {"on": _spread(on), "off": _spread(off),
-                             "on_over_off": _spread([a / b for a, b in zip(on, off)])}
+                             "speedup": _spread([b / a for a, b in zip(on, off)])}  # off / on
     return out
 
 

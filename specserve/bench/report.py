@@ -39,7 +39,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "grammar": serving.render_grammar, "grammar-engine": serving.render_grammar_engine,
     "router": serving.render_router, "serving": serving.render_serving, "hicache": serving.render_hicache,
     "spec-policy": speculation.render_spec_policy, "spec-policy-notes": speculation.render_spec_policy_notes,
-    "dspark-step": speculation.render_dspark_step, "overlap": speculation.render_overlap,
+    "dspark-step": speculation.render_dspark_step, "prefetch": speculation.render_prefetch, "overlap": speculation.render_overlap,
     "kernel-paths-avx2": lambda r: engine.kernel_paths_table(r, "kernel_paths.json"),
     "kernel-paths-avx512": lambda r: engine.kernel_paths_table(r, "kernel_paths_avx512.json"),
     "offline": engine.render_offline, "models": engine.render_models, "step-profile": engine.render_step_profile, "quality": engine.render_quality,

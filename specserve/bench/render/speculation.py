@@ -98,3 +98,30 @@ def render_overlap(results: str) -> str:
         f"{data.get('repeats', '?')} alternating runs (no spread is recorded, so no ratio here is a measured gain "
         f"or loss); result processing on the host took "
         f"{min(shares):.2%}-{max(shares):.2%} of the wall time. {provenance(data, 'overlap.json')}\n")
+
+
+def render_prefetch(results: str) -> str:
+    """bench prefetch: each step's time with the kernels' prefetching off and on, and on over off."""
+    data = load(results, "prefetch.json")
+    names = {"decode_step_ms": "decode step", "target_verify_ms": "target verify + accept",
+             "verify_step_ms": "DSPARK verify step (with drafting)"}
+    rows = []
+    for bs, figures in sorted(data["batch_sizes"].items(), key=lambda kv: int(kv[0])):
+        for key, label in names.items():
+            f = figures[key]
+            rows.append([f"batch {bs}: {label}", _ms(f["off"]), _ms(f["on"]),
+                         versus(f["speedup"]["median"], _rates(f["on"]), _rates(f["off"]))])
+    return (table(["ms per step, median (min-max)", "prefetch off", "prefetch on", "speed, on over off"], rows)
+            + f"\n\n{data['runs']} alternating runs of `bench dspark-step` ({data['num_prompts']} MT-Bench prompts, "
+            f"{data['new_tokens']} new tokens, Q8_0 drafter weights), each setting in its own process; the ratio is "
+            f"the median of the per-run speedups (off / on), a gain or a loss only where the runs' ranges do not overlap. "
+            f"{provenance(data, 'prefetch.json')}\n")
+
+
+def _ms(s: dict[str, float]) -> str:
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def _rates(s: dict[str, float]) -> list[float]:
+    """Steps per ms at the range's ends (a shorter step is the faster)."""
+    return [1.0 / s["max"], 1.0 / s["min"]]
