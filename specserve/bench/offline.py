@@ -152,24 +152,27 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
 def memory_mib(engine) -> dict[str, float]:
     """This process's resident memory, the model file's size and the KV pool's, in MiB, and what a
     process that has only imported torch holds (the part any PyTorch engine pays)."""
+    from specserve.bench.load import _rss
     from specserve.models.loader import resolve_model_path
 
     kv = sum(t.numel() * t.element_size() for t in (*engine.kv.k, *engine.kv.v))
     path = resolve_model_path(engine.args.model_path)
     size = os.path.getsize(path) if os.path.isfile(path) else 0
-    return {"rss_mib": _rss_kib() / 1024, "file_mib": size / 2**20, "kv_mib": kv / 2**20,
+    return {"rss_mib": _rss(os.getpid()) / 2**20, "file_mib": size / 2**20, "kv_mib": kv / 2**20,
             "torch_runtime_mib": torch_runtime_mib()}
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+# Run in a fresh interpreter: nothing but torch imported before reading its resident memory.
+_TORCH_ONLY_RSS = """
+import torch
+with open("/proc/self/status") as f:
+    print(next(line.split()[1] for line in f if line.startswith("VmRSS:")))
+"""
 
 
 def torch_runtime_mib() -> float:
-    """Resident memory of a fresh Python process after `import torch`, in MiB."""
-    code = "import torch\nfrom specserve.bench.offline import _rss_kib\nprint(_rss_kib())"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    """Resident memory of a fresh Python process after `import torch` (and nothing else), in MiB."""
+    proc = subprocess.run([sys.executable, "-c", _TORCH_ONLY_RSS], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"measuring torch's resident memory failed:\n{proc.stderr[-2000:]}")
     return int(proc.stdout.split()[-1]) / 1024

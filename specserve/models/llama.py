@@ -143,8 +143,9 @@ class LlamaForCausalLM(nn.Module):
         self.lazy_rope = lazy_rope
         self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors, lazy_rope)
         windowed = any(cfg.window(i) for i in range(cfg.num_layers))
-        local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else None
-        self.rope_local = local or self.rope
+        self.rope_local = (
+            RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else self.rope
+        )
         self.ops: OpBackend = TorchOps(dtype)
         self.tp_size = tp.size
         self.native: Optional[NativeLayers] = None  # the layers as one C++ call each (use_backend)

@@ -55,7 +55,7 @@ void quantize_rows(Path path, const uint16_t* x, int64_t ldx, int64_t k, Int8Lay
 void quantize_block(const uint16_t* x, int64_t k, Int8Layout layout, int64_t r, int64_t blk, int8_t* q, float* d,
                     int32_t* s16);
 
-// The vector paths of quantize_rows (linear_int8.cpp, linear_int8_avx2.cpp).
+// The vector paths of quantize_rows (linear_int8.cpp, linear_int8_avx2.cpp; x86 only).
 void quantize_rows_avx512(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
                           int8_t* q, float* d, int32_t* s16);
 void quantize_rows_avx2(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,

@@ -230,12 +230,6 @@ SPECSERVE_AVX2 void quantize_rows_avx2(const uint16_t* x, int64_t ldx, int64_t k
     }
   }
 }
-#else
-void quantize_rows_avx2(const uint16_t* x, int64_t ldx, int64_t k, Int8Layout layout, int64_t begin, int64_t end,
-                        int8_t* q, float* d, int32_t* s16) {
-  for (int64_t r = begin; r < end; ++r)
-    for (int64_t blk = 0; blk < k / 32; ++blk) quantize_block(x + r * ldx, k, layout, r, blk, q, d, s16);
-}
 #endif  // SPECSERVE_X86
 
 void linear_int8_blocks_avx2(const PackedWeight& w, const Int8Rows& x, int64_t m, int64_t block_begin,
