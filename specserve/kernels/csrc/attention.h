@@ -1,7 +1,8 @@
 // Paged attention over the K/V pool in place: each query row reads its request's token slots
 // through the request-to-token table, no gathered copies. Each (row, head) is computed alone (a
-// task runs the heads of one KV group side by side, sharing K/V loads), in one order: scores q.k (fp32, 16-lane partial sums over the head dimension,
-// then a fixed tree), the max, exp by a fixed polynomial, the sum of weights in 16 lanes over
+// task runs the heads of one KV group side by side, sharing K/V loads), in one order: scores q.k
+// as VDPBF16PS chains (16 fp32 lanes, lane l taking elements 2l and 2l+1 of each 32-element chunk
+// of the head dimension, chunk by chunk; bf16 products exact), then a fixed tree; the max, exp by a fixed polynomial, the sum of weights in 16 lanes over
 // positions then the same tree, and the weighted sum of V in position order. A row's output thus
 // depends only on its query and the K/V of the positions it sees: prefill, extend, decode and
 // verify rows compute a token identically.

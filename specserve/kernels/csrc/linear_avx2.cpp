@@ -51,14 +51,6 @@ SPECSERVE_AVX2 inline __m256i pair_word(const uint8_t* block, int64_t pair, int 
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + pair * 64 + half * 32));
 }
 
-// acc + w * x by VFMADD231PS spelled out. Given NaNs, it returns w's, then x's, then acc's (quieted),
-// as VDPBF16PS and fma_daz_ftz do; through the intrinsic the compiler picks the instruction form,
-// and with it which NaN wins. Only the flushing tiles see NaNs (rows_exact excludes them).
-SPECSERVE_AVX2 inline __m256 fmadd_nan_ordered(__m256 w, __m256 x, __m256 acc) {
-  asm("vfmadd231ps %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
-  return acc;
-}
-
 // acc += w_hi * x_hi, then += w_lo * x_lo, each fused, as VDPBF16PS does (see the file comment for
 // the subnormal, overflow and NaN cases).
 template <bool Flush>

@@ -71,6 +71,14 @@ class FlushDenormalsScope {
   bool active_;
 };
 
+// acc + w * x by VFMADD231PS spelled out. Given NaNs, it returns w's, then x's, then acc's (quieted),
+// as VDPBF16PS and fma_daz_ftz do; through the intrinsic the compiler picks the instruction form,
+// and with it which NaN wins. (The linears' exact-rows tiles, which see no NaNs, use the plain intrinsic.)
+SPECSERVE_AVX2 inline __m256 fmadd_nan_ordered(__m256 w, __m256 x, __m256 acc) {
+  asm("vfmadd231ps %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+  return acc;
+}
+
 // tree_sum16 of (lo, hi): the first step of the tree adds lane i and lane i + 8, which is lo + hi.
 SPECSERVE_AVX2 inline float tree_sum16_avx2(__m256 lo, __m256 hi) {
   const __m256 s8 = _mm256_add_ps(lo, hi);
