@@ -39,6 +39,8 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-prompts", type=int, default=16,
                    help="MT-Bench first turns and as many HumanEval problems for default speculation vs NONE (0: skip)")
     p.add_argument("--spec-batch-sizes", default="1,16", help="batch sizes of the speculation comparison")
+    p.add_argument("--spec-repeats", type=int, default=2,
+                   help="repeats of NONE and the default in each run, in alternating order (the ratio: their median)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -48,8 +50,8 @@ def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) 
 
 
 def _spec(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
-    """`bench spec` with NONE and DEFAULT only: one repeat, the configurations in one process."""
-    report = _bench_subcommand(["spec", "--configs", "NONE,DEFAULT", "--repeats", "1", "--batch-sizes",
+    """`bench spec` with NONE and DEFAULT only, `--spec-repeats` alternating repeats in one process."""
+    report = _bench_subcommand(["spec", "--configs", "NONE,DEFAULT", "--repeats", str(ns.spec_repeats), "--batch-sizes",
                                 ns.spec_batch_sizes, "--num-prompts", str(ns.spec_prompts), "--humaneval-prompts",
                                 str(ns.spec_prompts), "--hf-prompts", "0"], model, activations, ns, folder)
     return {"table": [{k: row[k] for k in ("workload", "batch_size", "config", "tokens_per_s", "ratio_to_none",
@@ -152,7 +154,7 @@ def run_models_bench(ns: argparse.Namespace) -> int:
                 print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
-                              "threads": ns.threads, "spec_prompts": ns.spec_prompts,
+                              "threads": ns.threads, "spec_prompts": ns.spec_prompts, "spec_repeats": ns.spec_repeats,
                               "batch1_generations": BATCH1_RUNS, **provenance(None)}
     report["llama_cpp_python"] = next(iter(raw.values()))[0]["llama.cpp"].get("version", "?")
     report["models"] = {name: {"path": os.path.basename(paths[m]), "activations": a,

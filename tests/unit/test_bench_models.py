@@ -26,9 +26,9 @@ def test_ratios_are_paired_within_runs_and_summarized_by_median_and_range():
     assert summary["decode_vs_native"]["median"] == 0.9
 
 
-def rendered(tmp_path, name: str, runs: list[dict]) -> str:
+def rendered(tmp_path, name: str, runs: list[dict], **extra) -> str:
     """The README part of a models.json holding one model's runs."""
-    data = {"runs": len(runs), "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36",
+    data = extra | {"runs": len(runs), "new_tokens": 64, "batch_size": 32, "threads": 2, "llama_cpp_python": "0.3.36",
             "spec_prompts": 16, "commit": "abc", "date": "2026-12-03", "machine": "a test machine",
             "models": {name: {"path": f"{name}.gguf", "summary": summarize([_figures(r, 32) for r in runs]), "runs": runs}}}
     (tmp_path / "models.json").write_text(json.dumps(data))
@@ -69,3 +69,6 @@ def test_rendered_speculation_table_orders_cells_and_flags_differing_tokens(tmp_
     assert "| model (default speculation) | humaneval, batch 1 | mtbench, batch 1 | mtbench, batch 16 | tokens identical to NONE |" in text
     assert "| q (adaptive over NGRAM) | 0.90x (0.90-0.90) | 1.40x (1.40-1.40) | 1.10x (1.10-1.10) | **no** |" in text
     assert "speculation: adaptive over NGRAM)" in text
+    assert "same run):" in text  # a record from before --spec-repeats: one repeat per run
+    text = rendered(tmp_path, "q", runs, spec_repeats=2)
+    assert "same run; each run's ratio the median of 2 repeats in alternating order):" in text

@@ -164,8 +164,15 @@ def _models_spec_table(data: dict[str, Any]) -> str:
         rows.append([f"{name} ({_speculation(model)})"] + [_ratio(s[k]) if k in s else "" for k in cells] + [identical])
     header = ["model (default speculation)"] + [k.split("@")[1].replace("/bs", ", batch ") for k in cells]
     return (f"\n\nThe default speculation's tokens/s over NONE's ({data['spec_prompts']} MT-Bench first turns and "
-            f"{data['spec_prompts']} HumanEval problems, greedy, {data['new_tokens']} new tokens, same run):\n\n"
+            f"{data['spec_prompts']} HumanEval problems, greedy, {data['new_tokens']} new tokens, same run"
+            f"{_spec_repeats(data)}):\n\n"
             + table(header + ["tokens identical to NONE"], rows) + "\n")
+
+
+def _spec_repeats(data: dict[str, Any]) -> str:
+    """How each run's ratio was formed (records before --spec-repeats ran one repeat each)."""
+    n = data.get("spec_repeats", 1)
+    return "" if n == 1 else f"; each run's ratio the median of {n} repeats in alternating order"
 
 
 def _speculation(model: dict[str, Any]) -> str:
