@@ -106,7 +106,7 @@ class Engine:
         for req in reqs:
             self._commands.put(AddRequest(req))
         done: set[str] = set()
-        with self._sanitized():
+        with self._sanitized(), self._closed_batch():
             while len(done) < len(reqs):
                 result = self.step()
                 done.update(req.rid for req in result.finished)
@@ -247,6 +247,17 @@ class Engine:
 
     def _sanitized(self):
         return self.sanitizer.active() if self.sanitizer is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _closed_batch(self):
+        """While `generate` runs its list, nothing else arrives: a slot a request frees while none
+        waits stays empty, which the speculation policy prices (speculative/adaptive.py)."""
+        queues = self.scheduler.queues
+        queues.closed = True
+        try:
+            yield
+        finally:
+            queues.closed = False
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()

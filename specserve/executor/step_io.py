@@ -40,6 +40,7 @@ class StepInput:
     fills: list[Optional[list[int]]] = field(default_factory=list)  # every token of a sampling request
     prompt_logprobs: list[bool] = field(default_factory=list)  # extend: logprobs of this chunk's prompt tokens
     kv_bound: int = 0  # decode/verify: K/V slots the longest request holds (>= its prefix + window)
+    refills: bool = True  # decode/verify: a slot freed early lets a request in (waiting, or not a closed batch)
 
     @property
     def size(self) -> int:

@@ -22,6 +22,7 @@ class ScheduleBatch:
     out_cache_loc: list[int]  # flat token slots for the new tokens' K/V
     sample: list[bool]  # whether a next token is sampled for the request (False for a non-final chunk)
     handle: Any = None  # the executor's handle while the launched step runs (see scheduler/loops.py)
+    refills: bool = True  # decode/verify: a slot freed early lets a request in (RequestQueues.closed)
 
     @property
     def size(self) -> int:
@@ -46,6 +47,7 @@ class ScheduleBatch:
             list(self.sample),
             width=self.extend_lens[0] if self.mode != EXTEND else 0,
             drafters=[r.drafter for r in reqs] if self.mode == VERIFY else [],
+            refills=self.refills,
         )
         if self.mode == EXTEND:
             step.prefix_lens, step.extend_lens = list(self.prefix_lens), list(self.extend_lens)

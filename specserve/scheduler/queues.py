@@ -20,6 +20,9 @@ class RequestQueues:
     running: list[Req] = field(default_factory=list)
     chunked: Optional[Req] = None
     in_flight: list[ScheduleBatch] = field(default_factory=list)
+    # A closed batch runs: every request it will see is submitted (Engine.generate), so a slot
+    # freed while nothing waits stays empty.
+    closed: bool = False
 
     def live(self) -> list[Req]:
         """Requests holding KV: running, the chunked one, and those of the in-flight batches."""

@@ -8,7 +8,18 @@ length). `choose_drafts` (speculative/policy.py) turns them into decisions under
 model. After the accept, the windows update the estimates and the calibration; the step's time
 updates the cost model (unless frozen).
 
-Everything the plan depends on is a function of the committed tokens, the batch of live requests
+What an accepted draft is worth depends on what a freed slot is for. It lets its request leave the
+batch a step sooner: when another request can take the slot (one waits, or more may arrive, as on
+a server) or the request is alone, that saves a step's share, the step's average cost per token.
+In a closed batch (Engine.generate of a list: several requests, nobody waiting) the batch runs
+until its last request ends, and requests that run to the same length
+limit end together, so a draft saves its request's own row and not a step: the policy then prices
+an accepted token at that row's cost (`token_weight`), the share a lone request's draft would not
+pay for.
+
+Everything the plan depends on is a function of the committed tokens, the batch of live requests,
+whether a freed slot is refilled (the scheduler plans a decode step only when no waiting request
+can be admitted, and the overlap loop never runs ahead while one waits, so both loops see the same)
 and the cost table, so with a frozen table the sync and overlap loops and every tensor-parallel
 rank plan identically. A request the forward stream already knows is finished (its length limit
 or a stop token id was committed; the overlap loop still runs it one more step) is planned with
@@ -116,14 +127,18 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------ planning
 
-    def plan(self, rows: Sequence[int], speculating: Sequence[bool], match_lens: Optional[Sequence[int]]) -> StepPlan:
-        """speculating[i]: request i may draft at all (a request without a drafter never does)."""
+    def plan(
+        self, rows: Sequence[int], speculating: Sequence[bool], match_lens: Optional[Sequence[int]], refills: bool = True
+    ) -> StepPlan:
+        """speculating[i]: request i may draft at all (a request without a drafter never does);
+        refills: a slot freed early lets another request in."""
         bs = len(rows)
         drafters: list[Optional[str]] = [None] * bs
         drafts, predicted = [0] * bs, [1.0] * bs
         live = [i for i, row in enumerate(rows) if not self._row(row).done]
         match = [match_lens[i] if match_lens else 0 for i in range(bs)]
-        if self._plain_wins(rows, live, speculating, match):  # most large-batch steps: no survival curves
+        weight = self.token_weight(len(live), refills)
+        if self._plain_wins(rows, live, speculating, match, weight):  # most large-batch steps: no survival curves
             candidates = (
                 [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
                 if self._stale(rows, live)
@@ -132,7 +147,7 @@ class AdaptivePolicy:
             decisions = [Decision() for _ in live]
         else:
             candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
-            decisions = choose_drafts(candidates, self.cost, self.gamma, self.min_gain)
+            decisions = choose_drafts(_weighted(candidates, weight), self.cost, self.gamma, self.min_gain)
         decisions = self._explore(rows, live, candidates, decisions)
         for i, decision, cands in zip(live, decisions, candidates):
             if decision.drafter is not None and decision.drafts > 0:
@@ -143,7 +158,18 @@ class AdaptivePolicy:
         self._match_lens = dict(zip(rows, match_lens or [0] * bs))
         return StepPlan(drafters, drafts, predicted, shape)
 
-    def _plain_wins(self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], match: Sequence[int]) -> bool:
+    def token_weight(self, live: int, refills: bool) -> float:
+        """An accepted draft's worth as a share of the step's average cost per token (module
+        docstring): 1 when a freed slot is refilled or one request runs alone; in a closed batch of `live` requests
+        its own row's cost, coefficient `requests` x live / the plain step's time."""
+        if refills or live <= 1:
+            return 1.0
+        row = max(self.cost.coefficients()["requests"], 0.0)
+        return min(1.0, row * live / self.cost.predict(StepShape(live)))
+
+    def _plain_wins(
+        self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], match: Sequence[int], weight: float
+    ) -> bool:
         """No plan beats plain decoding, judged from each request's first-draft survival alone."""
         best_first = 0.0
         for i in live:
@@ -154,7 +180,7 @@ class AdaptivePolicy:
                     hint = glob.accepted[0] / glob.tested[0] if glob.tested[0] > 0 else glob.prior
                     best_first = max(best_first, state.own[name].first(hint))
         plain_rate = len(live) / self.cost.predict(StepShape(len(live))) if live else 0.0
-        return not live or plain_beats_every_plan(best_first, self.cost, plain_rate * (1 + self.min_gain))
+        return not live or plain_beats_every_plan(best_first * weight, self.cost, plain_rate * (1 + self.min_gain))
 
     def _stale(self, rows: Sequence[int], live: list[int]) -> bool:
         """Some live request is due to explore a drafter (it then needs its candidates)."""
@@ -218,3 +244,11 @@ class AdaptivePolicy:
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
+
+
+def _weighted(candidates: list[list[Candidate]], weight: float) -> list[list[Candidate]]:
+    """Candidates whose drafts count `weight` tokens each: survival scaled (still non-increasing
+    probabilities), so 1 + weight * (s_1 + .. + s_k) is what the policy maximises per second."""
+    if weight >= 1.0:
+        return candidates
+    return [[Candidate(c.drafter, tuple(weight * s for s in c.survival)) for c in cands] for cands in candidates]

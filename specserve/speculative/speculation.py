@@ -82,10 +82,11 @@ class Speculation:
 
     # ------------------------------------------------------------ planning and drafting
 
-    def plan(self, drafters: Sequence[Optional[str]], rows: list[int], gamma: int) -> StepPlan:
+    def plan(self, drafters: Sequence[Optional[str]], rows: list[int], gamma: int, refills: bool = True) -> StepPlan:
         """Each request's drafter and draft count for this step, before any drafter runs: the one
         decision to speculate. A step of more than `disable_batch_size` requests has no drafts (its
-        rows already fill the compute verify windows would need): it runs as a plain decode step."""
+        rows already fill the compute verify windows would need): it runs as a plain decode step.
+        refills: a slot freed early lets a request in (see AdaptivePolicy.plan)."""
         if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
             return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
@@ -94,7 +95,7 @@ class Speculation:
         match_lens = None
         if isinstance(ngram, NgramWorker) and Algorithm.NGRAM in self.policy.drafters:
             match_lens = ngram.match_lens(rows)
-        return self.policy.plan(rows, [d is not None for d in drafters], match_lens)
+        return self.policy.plan(rows, [d is not None for d in drafters], match_lens, refills)
 
     def start(self, row: int) -> None:
         """A new request's prefill finished in this request slot."""

@@ -152,3 +152,27 @@ def test_calibration_per_window_and_per_step():
     p.observe_accept([0, 1], plan, [2, 0])  # realised 3 and 1
     assert p.calibration.windows == 2 and p.calibration.mean_abs_error == 0.5 * (1.0 + 0.0)
     assert p.step_calibration.windows == 1 and p.step_calibration.mean_abs_error == 0.5  # |1.5 - 2.0|
+
+
+# A verified draft row costs 2 ms, a request's own row 1 ms, a step 10 ms on top.
+ROWS_COST = [1e-2, 1e-3, 2e-3, 5e-4, 1e-5, 1e-5, 0.0]
+
+
+def test_a_closed_batch_prices_drafts_by_the_row_they_save():
+    """Drafts of two sure tokens per window: where a freed slot is refilled (or a request is alone),
+    each saves a step's share of 14 ms / 4 and pays for its 2 ms row; in a closed batch of 4 it
+    saves only its request's 1 ms row, and plain decoding wins."""
+    p = policy(table=ROWS_COST, drafters=(NGRAM,))
+    rows = [0, 1, 2, 3]
+    for row in rows:
+        p.start(row)
+        teach(p, row, NGRAM, 2, 30, match_len=4)
+    open_plan = p.plan(rows, [True] * 4, [4] * 4, refills=True)
+    assert all(k >= 2 for k in open_plan.drafts), open_plan
+    closed = p.plan(rows, [True] * 4, [4] * 4, refills=False)
+    assert closed.drafts == [0] * 4 and not closed.speculates, closed
+    assert p.token_weight(4, refills=False) == 1e-3 * 4 / (1e-2 + 4e-3)
+    alone = p.plan([0], [True], [4], refills=False)  # the last request of a closed batch saves whole steps
+    assert alone.drafts[0] >= 2, alone
+    # The expected accept length it reports is the drafts' own, not the priced share.
+    assert open_plan.predicted[0] > 2.5

@@ -92,3 +92,18 @@ def test_decode_windows_grow_by_the_shortfall_and_plan_for_an_in_flight_step():
     assert windows.overlap_ready()
     queues.waiting.append(make_req("b", [3]))
     assert not windows.overlap_ready()  # someone waits: the next step may admit it
+
+
+def test_a_decode_batch_says_whether_a_freed_slot_is_refilled():
+    """Refilled unless a closed batch runs (Engine.generate) with nobody waiting."""
+    ledger, queues, _, _, windows, _ = parts(window=4)
+    req = make_req("a", [3, 4, 5])
+    ledger.bind(req, [], ledger.lock_prefix([])[1])
+    ledger.append(req, ledger.alloc(3))
+    req.kv_len, req.output_ids = 3, [9]
+    queues.running.append(req)
+    assert windows.schedule().refills and windows.schedule().step_input().refills  # serving: more may arrive
+    queues.closed = True
+    assert not windows.schedule().step_input().refills
+    queues.waiting.append(make_req("b", [3]))
+    assert windows.schedule().step_input().refills  # a waiting request takes the slot
