@@ -109,6 +109,11 @@ class ServerArgs:
         "the adaptive policy drafts only when it predicts at least this fraction more tokens per second than "
         "plain decoding (a margin for its prediction errors)",
     )
+    speculative_disable_closed_batch_pricing: bool = flag(
+        False,
+        "price accepted drafts as if a freed slot were always refilled, also in Engine.generate's closed batches "
+        "(where by default a draft is worth only the request row it saves)",
+    )
     speculative_explore_interval: int = flag(64, "a request tries a drafter unused for this many of its steps (0: never)")
     speculative_disable_batch_size: Optional[int] = flag(
         None,

@@ -234,5 +234,7 @@ def cheap_drafting_table() -> str:
 
 
 def policy_args() -> dict:
-    """Engine kwargs: the adaptive policy on the cheap table, frozen."""
-    return {"speculative_cost_table_path": cheap_drafting_table(), "speculative_freeze_cost_table": True}
+    """Engine kwargs: the adaptive policy on the cheap table, frozen, pricing drafts as when serving
+    (the tests' closed batches would otherwise draft only where a draft saves its row's cost)."""
+    return {"speculative_cost_table_path": cheap_drafting_table(), "speculative_freeze_cost_table": True,
+            "speculative_disable_closed_batch_pricing": True}

@@ -319,7 +319,13 @@ def _make_speculation(
     planner, policy = None, None
     if cost is not None:
         policy = AdaptivePolicy(
-            args.policy_drafters(), gamma, cost, eos_token_ids, args.speculative_explore_interval, args.speculative_min_gain
+            args.policy_drafters(),
+            gamma,
+            cost,
+            eos_token_ids,
+            args.speculative_explore_interval,
+            args.speculative_min_gain,
+            closed_batch_pricing=not args.speculative_disable_closed_batch_pricing,
         )
     elif drafter is not None and args.verify_mode() != "static":
         path = args.speculative_dspark_sps_table_path

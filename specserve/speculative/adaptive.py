@@ -94,8 +94,10 @@ class AdaptivePolicy:
         eos_token_ids: Sequence[int] = (),
         explore_every: int = 64,
         min_gain: float = 0.0,
+        closed_batch_pricing: bool = True,
     ):
         self.drafters = tuple(drafters)
+        self.closed_batch_pricing = closed_batch_pricing  # False: price every batch as if refilled
         self.gamma = gamma
         self.cost = cost
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -162,7 +164,7 @@ class AdaptivePolicy:
         """An accepted draft's worth as a share of the step's average cost per token (module
         docstring): 1 when a freed slot is refilled or one request runs alone; in a closed batch of `live` requests
         its own row's cost, coefficient `requests` x live / the plain step's time."""
-        if refills or live <= 1:
+        if refills or live <= 1 or not self.closed_batch_pricing:
             return 1.0
         row = max(self.cost.coefficients()["requests"], 0.0)
         return min(1.0, row * live / self.cost.predict(StepShape(live)))

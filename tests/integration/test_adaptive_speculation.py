@@ -100,3 +100,19 @@ def test_predicted_accept_length_is_calibrated_on_mt_bench():
     # The scheduler's view (from each window's outcome) counts the same windows.
     assert stats.predicted_windows == per_window.windows
     assert abs(stats.predicted_sum - per_window.predicted_sum) < 1e-6 * per_window.windows
+
+
+def test_generate_runs_a_closed_batch_and_submitted_requests_an_open_one(reference):
+    """Engine.generate tells the policy that a freed slot stays empty; requests submitted one by
+    one (as the server does) run as an open batch, and the engine is open again after generate."""
+    prompts, _ = reference
+    with Engine(max_total_tokens=8192, **policy_args()) as engine:
+        seen: list[bool] = []
+        plan = engine.runner._plan
+        engine.runner._plan = lambda step, gamma: seen.append(step.refills) or plan(step, gamma)
+        engine.generate(input_ids=prompts[:2], sampling_params=greedy(8))
+        assert seen and not any(seen), seen
+        assert not engine.scheduler.queues.closed
+        seen.clear()
+        run_to_end(engine, prompts[:2], [greedy(8)] * 2)
+        assert seen and all(seen), seen
