@@ -27,6 +27,16 @@ def parts(pool: int = 64, window: int = 1, **cfg):
         DecodeWindows(window, ledger, queues, pressure), events
 
 
+def running_request(ledger: KVLedger, queues: RequestQueues):
+    """A request with 3 prompt tokens in its KV and one output token, running."""
+    req = make_req("a", [3, 4, 5])
+    ledger.bind(req, [], ledger.lock_prefix([])[1])
+    ledger.append(req, ledger.alloc(3))
+    req.kv_len, req.output_ids = 3, [9]
+    queues.running.append(req)
+    return req
+
+
 def table_row(ledger: KVLedger, req) -> list[int]:
     return ledger.req_to_token.table[req.row, :len(req.kv_slots)].tolist()
 
@@ -78,11 +88,7 @@ def test_pressure_retracts_the_newest_request_into_the_cache_and_requeues_it():
 
 def test_decode_windows_grow_by_the_shortfall_and_plan_for_an_in_flight_step():
     ledger, queues, _, _, windows, _ = parts(window=4)
-    req = make_req("a", [3, 4, 5])
-    ledger.bind(req, [], ledger.lock_prefix([])[1])
-    ledger.append(req, ledger.alloc(3))
-    req.kv_len, req.output_ids = 3, [9]
-    queues.running.append(req)
+    req = running_request(ledger, queues)
     assert windows.need(req) == 4  # positions 3..6 of its first window
     batch = windows.schedule()
     assert batch.mode == "verify" and batch.extend_lens == [4] and len(req.kv_slots) == 7
@@ -97,11 +103,7 @@ def test_decode_windows_grow_by_the_shortfall_and_plan_for_an_in_flight_step():
 def test_a_decode_batch_says_whether_a_freed_slot_is_refilled():
     """Refilled unless a closed batch runs (Engine.generate) with nobody waiting."""
     ledger, queues, _, _, windows, _ = parts(window=4)
-    req = make_req("a", [3, 4, 5])
-    ledger.bind(req, [], ledger.lock_prefix([])[1])
-    ledger.append(req, ledger.alloc(3))
-    req.kv_len, req.output_ids = 3, [9]
-    queues.running.append(req)
+    running_request(ledger, queues)
     assert windows.schedule().refills and windows.schedule().step_input().refills  # serving: more may arrive
     queues.closed = True
     assert not windows.schedule().step_input().refills

@@ -143,6 +143,55 @@ SPECSERVE_AVX512 inline void dot_rows(const uint16_t* const* rows, int64_t pair,
   }
 }
 
+// A tile's sums before its first group: zero, or (accumulate) the fp32 sums already in out, a
+// chain over K split across ranks.
+template <int R, int NBT>
+SPECSERVE_AVX512 SPECSERVE_INLINE void start_tile(const PackedWeight& w, int64_t b0, const void* out, int64_t ldo, bool accumulate,
+                                                  __m512 (&acc)[R][NBT]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NBT; ++j) {
+      const int64_t col = (b0 + j) * kBlockCols;
+      const __mmask16 keep = __mmask16((1u << std::min<int64_t>(kBlockCols, w.n - col)) - 1u);
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(keep, static_cast<const float*>(out) + r * ldo + col)
+                             : _mm512_setzero_ps();
+    }
+}
+
+// The end of group g: acc = fma(d, group sum, acc) per (row, column), the Q4 sum first corrected by
+// -128 x the rows' group sums, then the offsets' term (linear.h).
+template <WeightFormat F, ScaleType S, int R, int NBT>
+SPECSERVE_AVX512 SPECSERVE_INLINE void end_group(const PackedWeight& w, int64_t b0, int64_t g, const float* gs, bool offsets,
+                                                 const __m512 (&part)[R][NBT], __m512 (&acc)[R][NBT]) {
+  const int64_t G = groups(w);
+  for (int j = 0; j < NBT; ++j) {
+    const __m512 d = scales16<S>(w, b0 + j, g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s0 = _mm512_set1_ps(offsets ? gs[r * G + g] : 0.0f);
+      __m512 sum = part[r][j];
+      if constexpr (F == WeightFormat::Q4) sum = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s0, sum);
+      acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
+    }
+    if (offsets) {
+      const __m512 m = offsets16<S>(w, b0 + j, g, d);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
+    }
+  }
+}
+
+// A tile's sums into out: bf16 (rounded to nearest even) or fp32, the valid columns only.
+template <int R, int NBT>
+SPECSERVE_AVX512 SPECSERVE_INLINE void store_tile(const PackedWeight& w, int64_t b0, const __m512 (&acc)[R][NBT], void* out,
+                                                  int64_t ldo, bool out_bf16) {
+  for (int j = 0; j < NBT; ++j) {
+    const int64_t col = (b0 + j) * kBlockCols;
+    const __mmask16 keep = __mmask16((1u << std::min<int64_t>(kBlockCols, w.n - col)) - 1u);
+    for (int r = 0; r < R; ++r) {
+      if (out_bf16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * ldo + col, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+      else _mm512_mask_storeu_ps(static_cast<float*>(out) + r * ldo + col, keep, acc[r][j]);
+    }
+  }
+}
+
 // R rows x NBT column blocks; every (row, column) sees the same operation sequence whatever R and NBT are.
 template <WeightFormat F, int Bits, ScaleType S, int R, int NBT>
 SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx,
@@ -153,14 +202,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
   const uint16_t* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = x + r * ldx;
   __m512 acc[R][NBT];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NBT; ++j) {
-      const int64_t col = (b0 + j) * kBlockCols;
-      const __mmask16 keep = __mmask16((1u << std::min<int64_t>(kBlockCols, w.n - col)) - 1u);
-      // accumulate: continue the fp32 sums already in out (a chain over K split across ranks)
-      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(keep, static_cast<const float*>(out) + r * ldo + col)
-                             : _mm512_setzero_ps();
-    }
+  start_tile<R, NBT>(w, b0, out, ldo, accumulate, acc);
 
   if constexpr (F == WeightFormat::BF16) {
     for (int64_t pair = 0; pair < pairs(w); ++pair) {
@@ -210,34 +252,10 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
           dot_rows<R, NBT>(rows, pair, wv, part);
         }
       }
-      for (int j = 0; j < NBT; ++j) {
-        const __m512 d = scales16<S>(w, b0 + j, g);
-        for (int r = 0; r < R; ++r) {
-          const __m512 s0 = _mm512_set1_ps(offsets ? gs[r * G + g] : 0.0f);
-          __m512 sum = part[r][j];
-          if constexpr (F == WeightFormat::Q4) sum = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s0, sum);
-          acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
-        }
-        if (offsets) {
-          const __m512 m = offsets16<S>(w, b0 + j, g, d);
-          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
-        }
-      }
+      end_group<F, S, R, NBT>(w, b0, g, gs, offsets, part, acc);
     }
   }
-  for (int j = 0; j < NBT; ++j) {
-    int64_t col = (b0 + j) * kBlockCols;
-    int64_t valid = std::min<int64_t>(kBlockCols, w.n - col);
-    __mmask16 keep = __mmask16((1u << valid) - 1u);
-    for (int r = 0; r < R; ++r) {
-      if (out_bf16) {
-        __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * ldo + col, keep, h);
-      } else {
-        _mm512_mask_storeu_ps(static_cast<float*>(out) + r * ldo + col, keep, acc[r][j]);
-      }
-    }
-  }
+  store_tile<R, NBT>(w, b0, acc, out, ldo, out_bf16);
 }
 
 // From kPanelRows rows on, a column chunk's weights are decoded once into a panel (decode_block)
@@ -292,13 +310,7 @@ SPECSERVE_AVX512 void tile_panel(const PackedWeight& w, int64_t b0, const __m512
   const uint16_t* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = x + r * ldx;
   __m512 acc[R][NBT];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NBT; ++j) {
-      const int64_t col = (b0 + j) * kBlockCols;
-      const __mmask16 keep = __mmask16((1u << std::min<int64_t>(kBlockCols, w.n - col)) - 1u);
-      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(keep, static_cast<const float*>(out) + r * ldo + col)
-                             : _mm512_setzero_ps();
-    }
+  start_tile<R, NBT>(w, b0, out, ldo, accumulate, acc);
   const bool offsets = has_offsets(w);
   for (int64_t g = 0; g < G; ++g) {
     __m512 part[R][NBT];
@@ -309,27 +321,23 @@ SPECSERVE_AVX512 void tile_panel(const PackedWeight& w, int64_t b0, const __m512
       for (int j = 0; j < NBT; ++j) wv[j] = _mm512_load_si512(panel + j * stride + pair);
       dot_rows<R, NBT>(rows, pair, wv, part);
     }
-    for (int j = 0; j < NBT; ++j) {
-      const __m512 d = scales16<S>(w, b0 + j, g);
-      for (int r = 0; r < R; ++r) {
-        const __m512 s0 = _mm512_set1_ps(offsets ? gs[r * G + g] : 0.0f);
-        __m512 sum = part[r][j];
-        if constexpr (F == WeightFormat::Q4) sum = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), s0, sum);
-        acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
-      }
-      if (offsets) {
-        const __m512 m = offsets16<S>(w, b0 + j, g, d);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(gs[r * G + g]), acc[r][j]);
-      }
-    }
+    end_group<F, S, R, NBT>(w, b0, g, gs, offsets, part, acc);
   }
-  for (int j = 0; j < NBT; ++j) {
-    const int64_t col = (b0 + j) * kBlockCols;
-    const __mmask16 keep = __mmask16((1u << std::min<int64_t>(kBlockCols, w.n - col)) - 1u);
-    for (int r = 0; r < R; ++r) {
-      if (out_bf16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * ldo + col, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
-      else _mm512_mask_storeu_ps(static_cast<float*>(out) + r * ldo + col, keep, acc[r][j]);
-    }
+  store_tile<R, NBT>(w, b0, acc, out, ldo, out_bf16);
+}
+
+// tile_panel for the first `rows` (1..6) rows at xr, NBT blocks from block b.
+template <WeightFormat F, ScaleType S, int NBT>
+SPECSERVE_AVX512 void tile_panel_rows(int64_t rows, const PackedWeight& w, int64_t b, const __m512i* pb, int64_t stride,
+                                      const uint16_t* xr, int64_t ldx, const float* g, void* o, int64_t ldo, bool out_bf16,
+                                      bool accumulate) {
+  switch (rows) {
+    case 6: tile_panel<F, S, 6, NBT>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+    case 5: tile_panel<F, S, 5, NBT>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+    case 4: tile_panel<F, S, 4, NBT>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+    case 3: tile_panel<F, S, 3, NBT>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+    case 2: tile_panel<F, S, 2, NBT>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
+    default: tile_panel<F, S, 1, NBT>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
   }
 }
 
@@ -341,32 +349,14 @@ SPECSERVE_AVX512 void chunk_from_panel(const PackedWeight& w, int64_t c, int64_t
   const int64_t G = groups(w), stride = pairs(w);
   const size_t elem = out_bf16 ? 2 : 4;
   for (int64_t r = 0; r < m; r += 6) {
+    const int64_t rows = std::min<int64_t>(6, m - r);
     const uint16_t* xr = x + r * ldx;
     void* o = static_cast<char*>(out) + r * ldo * elem;
-    const float* g = gs + r * G;
     int64_t b = c;
-    for (; b + 2 <= c_end; b += 2) {
-      const __m512i* pb = panel + (b - c) * stride;
-      switch (std::min<int64_t>(6, m - r)) {
-        case 6: tile_panel<F, S, 6, 2>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 5: tile_panel<F, S, 5, 2>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 4: tile_panel<F, S, 4, 2>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 3: tile_panel<F, S, 3, 2>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 2: tile_panel<F, S, 2, 2>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        default: tile_panel<F, S, 1, 2>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-      }
-    }
-    for (; b < c_end; ++b) {
-      const __m512i* pb = panel + (b - c) * stride;
-      switch (std::min<int64_t>(6, m - r)) {
-        case 6: tile_panel<F, S, 6, 1>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 5: tile_panel<F, S, 5, 1>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 4: tile_panel<F, S, 4, 1>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 3: tile_panel<F, S, 3, 1>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        case 2: tile_panel<F, S, 2, 1>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-        default: tile_panel<F, S, 1, 1>(w, b, pb, stride, xr, ldx, g, o, ldo, out_bf16, accumulate); break;
-      }
-    }
+    for (; b + 2 <= c_end; b += 2)
+      tile_panel_rows<F, S, 2>(rows, w, b, panel + (b - c) * stride, stride, xr, ldx, gs + r * G, o, ldo, out_bf16, accumulate);
+    for (; b < c_end; ++b)
+      tile_panel_rows<F, S, 1>(rows, w, b, panel + (b - c) * stride, stride, xr, ldx, gs + r * G, o, ldo, out_bf16, accumulate);
   }
 }
 
