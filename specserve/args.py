@@ -105,14 +105,10 @@ class ServerArgs:
         False, "never update the step-cost table after start-up, so that runs, loop modes and ranks make identical decisions"
     )
     speculative_min_gain: float = flag(
-        0.05,
-        "the adaptive policy drafts only when it predicts at least this fraction more tokens per second than "
-        "plain decoding (a margin for its prediction errors)",
+        0.05, "draft only where the policy predicts this fraction more tokens/s than plain decoding (its error margin)"
     )
     speculative_disable_closed_batch_pricing: bool = flag(
-        False,
-        "price accepted drafts as if a freed slot were always refilled, also in Engine.generate's closed batches "
-        "(where by default a draft is worth only the request row it saves)",
+        False, "price drafts in Engine.generate's closed batches as when serving (default: by the row a draft saves)"
     )
     speculative_explore_interval: int = flag(64, "a request tries a drafter unused for this many of its steps (0: never)")
     speculative_disable_batch_size: Optional[int] = flag(
