@@ -28,11 +28,16 @@ class DecodeWindows:
         self._grow()
         reqs, w = list(self.queues.running), self.window
         # The executor reads anchors, positions and slots itself (FutureMap, req_to_token).
-        batch = ScheduleBatch(
-            VERIFY if w > 1 else DECODE, reqs, [r.kv_len for r in reqs], [w] * len(reqs), [], [], [True] * len(reqs)
+        return ScheduleBatch(
+            VERIFY if w > 1 else DECODE,
+            reqs,
+            [r.kv_len for r in reqs],
+            [w] * len(reqs),
+            [],
+            [],
+            [True] * len(reqs),
+            refills=bool(self.queues.waiting) or not self.queues.closed,
         )
-        batch.refills = bool(self.queues.waiting) or not self.queues.closed
-        return batch
 
     def need(self, req: Req) -> int:
         """Slots req must hold for its next window. A request in an unprocessed decode step may

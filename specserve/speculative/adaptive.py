@@ -12,10 +12,9 @@ What an accepted draft is worth depends on what a freed slot is for. It lets its
 batch a step sooner: when another request can take the slot (one waits, or more may arrive, as on
 a server) or the request is alone, that saves a step's share, the step's average cost per token.
 In a closed batch (Engine.generate of a list: several requests, nobody waiting) the batch runs
-until its last request ends, and requests that run to the same length
-limit end together, so a draft saves its request's own row and not a step: the policy then prices
-an accepted token at that row's cost (`token_weight`), the share a lone request's draft would not
-pay for.
+until its last request ends, and requests that run to the same length limit end together, so a
+draft saves its request's own row and not a step: the policy then prices an accepted token at that
+row's cost (`token_weight`).
 
 Everything the plan depends on is a function of the committed tokens, the batch of live requests,
 whether a freed slot is refilled (the scheduler plans a decode step only when no waiting request
