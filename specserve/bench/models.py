@@ -106,9 +106,11 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
         "verify_over_decode": ours["verify_over_decode"],
         "prefill_tok_s": ours["prefill_tok_s"], "prefill_vs_llama_cpp_python": ours["prefill_tok_s"] / peer["prefill_tok_s"],
         "batch_over_batch1": ours[f"batch{batch_size}_tok_s"] / ours["batch1_tok_s"],
-        "rss_mib": ours["rss_mib"], "file_mib": ours["file_mib"], "kv_mib": ours["kv_mib"],
-        "rss_over_file_and_kv_mib": ours["rss_mib"] - ours["file_mib"] - ours["kv_mib"], "load_s": ours["load_s"],
+        "rss_mib": ours["rss_mib"], "file_mib": ours["file_mib"], "kv_mib": ours["kv_mib"], "load_s": ours["load_s"],
+        # The drafter's weights file counts with the model's (recorded since it was measured apart).
+        "drafter_file_mib": ours.get("drafter_file_mib", 0.0),
     }
+    figures["rss_over_file_and_kv_mib"] = ours["rss_mib"] - ours["file_mib"] - figures["drafter_file_mib"] - ours["kv_mib"]
     if "torch_runtime_mib" in ours:  # since the breakdown was recorded
         figures["torch_runtime_mib"] = ours["torch_runtime_mib"]
     native = run.get("native")

@@ -150,16 +150,32 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def memory_mib(engine) -> dict[str, float]:
-    """This process's resident memory, the model file's size and the KV pool's, in MiB, and what a
-    process that has only imported torch holds (the part any PyTorch engine pays)."""
+    """This process's resident memory, the model file's size, the drafter's file's (where one is
+    loaded) and the KV pools' (the target's and the drafter's), in MiB, and what a process that has
+    only imported torch holds (the part any PyTorch engine pays)."""
     from specserve.bench.load import _rss
     from specserve.models.loader import resolve_model_path
 
-    kv = sum(t.numel() * t.element_size() for t in (*engine.kv.k, *engine.kv.v))
-    path = resolve_model_path(engine.args.model_path)
-    size = os.path.getsize(path) if os.path.isfile(path) else 0
-    return {"rss_mib": _rss(os.getpid()) / 2**20, "file_mib": size / 2**20, "kv_mib": kv / 2**20,
-            "torch_runtime_mib": torch_runtime_mib()}
+    pools = [engine.kv, *engine.runner.speculation.kv_pools]
+    kv = sum(t.numel() * t.element_size() for pool in pools for t in (*pool.k, *pool.v))
+    return {"rss_mib": _rss(os.getpid()) / 2**20, "file_mib": _file_bytes(resolve_model_path(engine.args.model_path)) / 2**20,
+            "drafter_file_mib": _drafter_bytes(engine) / 2**20, "kv_mib": kv / 2**20, "torch_runtime_mib": torch_runtime_mib()}
+
+
+def _drafter_bytes(engine) -> int:
+    """The loaded DSpark drafter's weights file size (0 without one)."""
+    from specserve.speculative.dspark_worker import DsparkWorker
+
+    if not any(isinstance(w, DsparkWorker) for w in engine.runner.speculation.workers.values()):
+        return 0
+    return _file_bytes(engine.args.speculative_draft_model_path)
+
+
+def _file_bytes(path: str) -> int:
+    """A weights file's size, or the sum of a checkpoint folder's `.safetensors` files."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
 # Run in a fresh interpreter: nothing but torch imported before reading its resident memory.

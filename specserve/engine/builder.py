@@ -146,6 +146,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     sched_cfg = _scheduler_config(args, target, gamma)
     scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
     loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)
+    return_freed_memory()  # and the warm-up's step buffers (the cost model timed steps of each shape)
     drafter_name = args.speculative_algorithm if args.speculating else None
     logger.debug("engine ready (rank %d/%d): %s, KV pool %d tokens", tp_rank, args.tp_size, dtype, size)
     return RankParts(

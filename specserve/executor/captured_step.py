@@ -129,9 +129,11 @@ class CapturedStep:
         self.prefix_in = torch.zeros(max_bs, **i64)
         self.ids_in = torch.zeros(max_bs, width, **i64)
         self.valid_in = torch.zeros(max_bs, dtype=torch.bool, device=dev)
-        self.logits_out = torch.zeros(rows, model.config.vocab_size, dtype=torch.float32, device=dev)
+        # Outputs are written before they are read, so left unfilled: on CPU a page of them becomes
+        # resident only when a batch that large first runs (max_bs rows of a 262k vocabulary: 32 MiB).
+        self.logits_out = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=dev)
         hidden = len(capture_layer_ids) * model.config.hidden_size
-        self.hidden_out = torch.zeros(rows, hidden, dtype=model.dtype, device=dev) if hidden else None
+        self.hidden_out = torch.empty(rows, hidden, dtype=model.dtype, device=dev) if hidden else None
         self.positions_out = torch.zeros(rows, **i64)
         self.slots_out = torch.zeros(rows, **i64)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}

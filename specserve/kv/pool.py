@@ -6,6 +6,10 @@ padded attention columns read it, so no real slot is ever touched by padding.
 
 from __future__ import annotations
 
+import math
+import mmap
+from array import array
+
 import torch
 
 from specserve.errors import ConfigError
@@ -18,7 +22,8 @@ class TokenSlotAllocator:
         if size < 1:
             raise ConfigError(f"max_total_tokens: KV pool must hold at least 1 token, got {size}")
         self.size = size
-        self._free: list[int] = list(range(1, size + 1))
+        # 8 bytes a slot, where a list of ints costs 36 (hundreds of thousands of slots: megabytes).
+        self._free = array("q", range(1, size + 1))
 
     @property
     def available(self) -> int:
@@ -28,7 +33,7 @@ class TokenSlotAllocator:
         """n fresh slots, or None when fewer are free (the caller evicts or retracts)."""
         if n > len(self._free):
             return None
-        taken = self._free[len(self._free) - n :]
+        taken = self._free[len(self._free) - n :].tolist()
         del self._free[len(self._free) - n :]
         return taken
 
@@ -44,7 +49,11 @@ class ReqToTokenPool:
     """Table request slot -> token slots of its KV, read by attention to gather K/V."""
 
     def __init__(self, max_reqs: int, max_context: int, device: str = "cpu", stream=None):
-        self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
+        shape = (max_reqs, max_context)
+        # Rows are written only as far as their requests reach: on CPU only those pages become resident.
+        self.table = (
+            zeros_on_touch(shape, torch.int64) if device == "cpu" else torch.zeros(shape, dtype=torch.int64, device=device)
+        )
         self.max_context = max_context
         self._free = list(range(max_reqs - 1, -1, -1))
         # The table is device state read by steps on the forward stream; with the overlap loop the
@@ -72,6 +81,15 @@ class ReqToTokenPool:
 
     def _write(self, idx: int, start: int, values: torch.Tensor) -> None:
         self.table[idx, start : start + values.shape[0]] = values
+
+
+def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros over an anonymous mapping: the OS gives each page its memory when it is
+    first written (reads of an untouched page see zeros), where torch.zeros writes every page now."""
+    count = math.prod(shape)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # private: a read of an untouched page maps the zero page
+    pages = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=flags)  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 class KVPool:

@@ -42,6 +42,13 @@ def test_rendered_table_marks_a_ratio_whose_runs_span_one(tmp_path):
     assert "speculation: none" in text and "vs native llama.cpp (tg128)" in text and "From `bench_results/models.json` (a test machine" in text
 
 
+def test_a_drafter_file_counts_with_the_model_file(tmp_path):
+    run = offline_run(40, 50)
+    run["specserve"]["drafter_file_mib"] = 17.0
+    assert _figures(run, 32)["rss_over_file_and_kv_mib"] == 700.0 - 240.0 - 17.0 - 60.0
+    assert "700 MiB = file 240 + drafter 17 + KV 60 + 383" in rendered(tmp_path, "default", [run])
+
+
 def spec_table(ratios: dict[tuple[str, int], float], identical: bool = True) -> dict:
     rows = []
     for (workload, bs), ratio in ratios.items():

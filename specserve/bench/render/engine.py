@@ -187,7 +187,9 @@ def _memory(s: dict[str, Any]) -> str:
     over = s["rss_over_file_and_kv_mib"]["median"]
     torch_part = s.get("torch_runtime_mib", {}).get("median")
     rest = f" + torch {torch_part:.0f} + {over - torch_part:.0f}" if torch_part is not None else f" + {over:.0f}"
-    return f"{s['rss_mib']['median']:.0f} MiB = file {s['file_mib']['median']:.0f} + KV {s['kv_mib']['median']:.0f}{rest}"
+    drafter = s.get("drafter_file_mib", {}).get("median", 0.0)
+    weights = f"file {s['file_mib']['median']:.0f}" + (f" + drafter {drafter:.0f}" if drafter else "")
+    return f"{s['rss_mib']['median']:.0f} MiB = {weights} + KV {s['kv_mib']['median']:.0f}{rest}"
 
 
 def render_models(results: str) -> str:
