@@ -225,3 +225,25 @@ def test_a_plan_must_beat_plain_decoding_by_the_margin():
     assert choose_drafts(small, model, 1, min_gain=0.05) == [Decision()]
     large = [[Candidate(NGRAM, (0.9,))]]
     assert choose_drafts(large, model, 1, min_gain=0.05) == [Decision(NGRAM, 1)]
+
+
+def test_batched_refits_fit_what_one_update_a_step_fits():
+    """The model refits every refit_every steps from the pending steps in one weighted update; the
+    sums must be those of one update a step (a mutation giving the newest step the oldest step's
+    weight fails this)."""
+    rng = random.Random(3)
+    prior = [5e-3, 1e-4, 5e-4, 1e-3, 1e-4, 1e-5, 1e-4]
+    every_step, batched = StepCostModel(prior, refit_every=1), StepCostModel(prior, refit_every=8)
+    for i in range(8 * 40):
+        shape = random_shape(rng)
+        seconds = true_cost(shape) * rng.uniform(0.8, 1.2)
+        every_step.observe(shape, seconds)
+        batched.observe(shape, seconds)
+        if i == 6:  # before its first refit the batched model still predicts from the prior
+            assert list(batched.coefficients().values()) == prior
+    for name, value in every_step.coefficients().items():
+        assert batched.coefficients()[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name
+    batched.observe(StepShape(3), 1.0)  # pending at freeze: folded in, as one update a step would
+    every_step.observe(StepShape(3), 1.0)
+    batched.freeze()
+    assert batched.coefficients() == pytest.approx(every_step.coefficients(), rel=1e-9)
