@@ -87,6 +87,7 @@ class StepCostModel:
         self._pending: list[tuple[tuple[float, ...], float]] = []  # (features, seconds) since the last fit
         self.floor_s = floor_s
         self.frozen = False
+        self.version = 0  # bumped by every refit: a plan computed at one version holds until the next
         self.steps = 0
         self._abs_rel_residual = 0.0  # running mean of |observed - predicted| / observed
 
@@ -136,6 +137,7 @@ class StepCostModel:
         self.info = decay * self.info + (x * weights[:, None]).T @ x
         self.moment = decay * self.moment + x.T @ (weights * seconds)
         self._coef = np.linalg.solve(self.info + self.anchor, self.moment + self._anchored_prior).tolist()
+        self.version += 1
 
     @property
     def theta(self) -> torch.Tensor:

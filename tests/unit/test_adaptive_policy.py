@@ -176,3 +176,34 @@ def test_a_closed_batch_prices_drafts_by_the_row_they_save():
     assert alone.drafts[0] >= 2, alone
     # The expected accept length it reports is the drafts' own, not the priced share.
     assert open_plan.predicted[0] > 2.5
+
+
+def test_a_reused_plan_is_the_plan_a_fresh_search_makes():
+    """The policy reuses the last step's search while nothing it depends on changed; fed the same
+    steps, a policy that searches afresh every step must plan identically (a key that leaves out
+    the match bucket, or an accepted window that does not invalidate it, fails this)."""
+    rng = random.Random(5)
+    table = [6e-3, 1e-3, 2e-3, 4e-3, 1e-5, 1e-5, 1e-4]  # drafts pay only where they survive well
+    cached, fresh = (AdaptivePolicy((DSPARK, NGRAM), GAMMA, StepCostModel(table), (2,), 32) for _ in range(2))
+    reused = 0
+    for step in range(600):
+        bs = 1 if step % 200 < 150 else rng.choice((2, 3))  # long runs at batch 1, as a closed tail
+        rows = list(range(bs))
+        if rng.random() < 0.02:
+            for p in (cached, fresh):
+                p.start(rows[0])
+        speculating = [rng.random() < 0.95 for _ in rows]
+        match = [rng.choice((0,) * 12 + (1, 2, 5)) for _ in rows]
+        refills = rng.random() < 0.8
+        fresh._last_key = None
+        before = cached._last_key
+        plans = [p.plan(rows, speculating, match, refills) for p in (cached, fresh)]
+        reused += before is not None and cached._last_key is before
+        assert (plans[0].drafters, plans[0].drafts, plans[0].predicted, plans[0].shape) == (
+            plans[1].drafters, plans[1].drafts, plans[1].predicted, plans[1].shape), step
+        accepted = [rng.randint(0, k) if rng.random() < 0.2 else 0 for k in plans[0].drafts]  # drafts rarely right
+        seconds = 6e-3 + 1e-3 * bs + 2e-3 * sum(plans[0].drafts) * rng.uniform(0.5, 1.5)
+        for p, plan in zip((cached, fresh), plans):
+            p.observe_accept(rows, plan, accepted)
+            p.observe_step(plan.shape, seconds)
+    assert reused > 200, reused  # the reuse path ran
