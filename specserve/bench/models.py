@@ -12,6 +12,7 @@ a ratio is formed within each run (same machine state) before its median is take
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -20,6 +21,7 @@ import sys
 import tempfile
 from typing import Any
 
+from specserve.bench.llamacpp import INSTALL
 from specserve.errors import ConfigError
 
 DEFAULT_MODELS = ("default", "qwen2.5-coder-0.5b-instruct-q4_k_m", "gemma-3-270m-q4_k_m")
@@ -136,6 +138,8 @@ def run_models_bench(ns: argparse.Namespace) -> int:
 
     models = [m.strip() for m in ns.models.split(",") if m.strip()]
     paths = {m: resolve_model_path(None if m == "default" else m) for m in models}
+    if importlib.util.find_spec("llama_cpp") is None:  # the peer of every run: fail before minutes of ours
+        raise ConfigError(f"bench models compares against llama.cpp and needs llama-cpp-python: {INSTALL}")
     if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
         raise ConfigError(f"--llama-bench: {ns.llama_bench!r} is not an executable (scripts/llama_bench.sh builds one)")
     modes = [a.strip() for a in ns.activations.split(",") if a.strip()]
