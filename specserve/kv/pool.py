@@ -87,6 +87,8 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros over an anonymous mapping: the OS gives each page its memory when it is
     first written (reads of an untouched page see zeros), where torch.zeros writes every page now."""
     count = math.prod(shape)
+    if count == 0:  # frombuffer needs at least one element
+        return torch.zeros(shape, dtype=dtype)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # private: a read of an untouched page maps the zero page
     pages = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=flags)  # the tensor keeps the mapping alive
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)

@@ -47,3 +47,7 @@ def test_the_cpu_table_is_allocated_on_touch():
     assert resident_bytes(pool.table) < 8 * MIB
     pool.write(1, 0, [5, 6, 7])
     assert pool.table[1, :4].tolist() == [5, 6, 7, 0]
+
+
+def test_an_empty_table_is_a_plain_empty_tensor():
+    assert zeros_on_touch((0, 16), torch.int64).shape == (0, 16)
