@@ -298,7 +298,8 @@ def _make_workers(
     adaptive = args.speculating and args.speculative_policy == "adaptive"
     if drafter is not None:
         dc = drafter.config
-        draft_kv = KVPool(size, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, args.device)
+        block_rows = args.max_running_requests * dc.block_size  # the drafting block's own K/V (dspark_native.py)
+        draft_kv = KVPool(size, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, args.device, block_rows)
         # Deferred injection under the adaptive policy, unless the host tier copies the pools too.
         defer = adaptive and not args.enable_hierarchical_cache
         workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))

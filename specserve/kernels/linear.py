@@ -144,6 +144,11 @@ class PackedLinear:
         offsets = self.group_values(True, block, lane)
         return (w + offsets.repeat_interleave(self.group, dim=1) if offsets.numel() else w).float()
 
+    def bf16_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """dense_rows(index).to(torch.bfloat16) in one kernel call (the same values, bit for bit)."""
+        weight = (self.format, self.codes, self.scale, self.zero, self.n, self.k, self.group, self.bits)
+        return load().dense_rows_bf16(*weight, *self.table_args(), index.long().contiguous())
+
     def _q4_codes(self, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
         """Codes [len(block), k] of Q4-layout rows: octs of nibble words [oct, lane], then the high bits."""
         octs = self.k // 8
@@ -301,3 +306,31 @@ def bf16_exponent_range(w: torch.Tensor) -> tuple[int, int]:
         return (-1, -1)
     nonzero = exponent[exponent != 0]
     return (int(nonzero.min()), int(nonzero.max())) if nonzero.numel() else (255, 0)
+
+
+def concat_columns(parts: list[PackedLinear]) -> PackedLinear | None:
+    """One weight whose output columns are the parts' side by side (a fused QKV or gate/up from
+    separate linears), or None unless every part is whole 16-column blocks of one layout. A column's
+    sums do not depend on the weight around it, so the fused weight gives each part's outputs bit
+    for bit. The parts are re-pointed at views of the fused tensors: the codes are held once."""
+    first = parts[0]
+    same = ("format", "k", "group", "bits", "code_offset", "int8_activations")
+    if any(p.n % BLOCK or any(getattr(p, a) != getattr(first, a) for a in same) for p in parts):
+        return None
+    tables = ("codes", "scale", "zero", "scale_super", "zero_super")
+    if any(len({(getattr(p, t).dtype, bool(getattr(p, t).numel())) for p in parts}) > 1 for t in tables):
+        return None  # one table type, present in every part or in none
+    los, his = [p.exponents[0] for p in parts], [p.exponents[1] for p in parts]
+    exponents = (-1, -1) if -1 in los else (min(los), max(his))
+    cat = {t: torch.cat([getattr(p, t) for p in parts]) for t in tables}
+    fused = PackedLinear(
+        first.format, cat["codes"], cat["scale"], cat["zero"], sum(p.n for p in parts), first.k, exponents, first.group,
+        first.bits, first.code_offset, first.int8_activations, cat["scale_super"], cat["zero_super"],
+    )  # fmt: skip
+    offsets = {t: 0 for t in tables}
+    for p in parts:  # each part reads its own rows of the fused tensors
+        for t in tables:
+            n = getattr(p, t).shape[0]
+            setattr(p, t, getattr(fused, t)[offsets[t] : offsets[t] + n])
+            offsets[t] += n
+    return fused

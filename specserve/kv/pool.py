@@ -95,14 +95,32 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class KVPool:
-    """Per-layer K and V tensors [size + 1, kv_heads, head_dim]; row 0 is the scratch slot."""
+    """Per-layer K and V tensors [size + 1 + block_rows, kv_heads, head_dim]; row 0 is the scratch
+    slot. The last `block_rows` rows belong to no token slot: a DSpark drafter's block keeps its
+    own K/V there while it drafts (`block_slots`), read by nothing else."""
 
-    def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str = "cpu"):
-        shape = (size + 1, kv_heads, head_dim)
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        block_rows: int = 0,
+    ):
+        shape = (size + 1 + block_rows, kv_heads, head_dim)
         # Zeroed, not empty: masked attention multiplies padded columns by 0 and 0 * NaN is NaN.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.size = size
+        self.block_rows = block_rows
+
+    def block_slots(self, n: int) -> torch.Tensor | None:
+        """The first n rows past the token slots (None when the pool has fewer than n)."""
+        if n > self.block_rows:
+            return None
+        return torch.arange(self.size + 1, self.size + 1 + n, device=self.k[0].device if self.k else "cpu")
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

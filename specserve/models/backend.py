@@ -13,7 +13,7 @@ call it and never test a dtype or a device themselves.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,12 @@ from torch import nn
 from specserve.kernels.linear import PackedLinear
 from specserve.kernels.ops import add_rms_norm, gelu_tanh_mul, rope_store, silu_mul
 from specserve.models.attention import AttentionMetadata, KernelAttentionMetadata, SdpaAttentionMetadata, block_attention
+from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from specserve.models.native_layer import NativeLayers
+
+if TYPE_CHECKING:
+    from specserve.models.dspark import DsparkDrafter
 
 
 def cpu_kernels_apply(device: "str | torch.device", dtype: torch.dtype) -> bool:
@@ -108,6 +112,11 @@ class OpBackend:
     def native_layers(self, layers: list[nn.Module]) -> Optional[NativeLayers]:
         """The decoder layers (prepared, TP size 1) as one native call each, where this backend has
         them; None: the model runs them op by op."""
+        return None
+
+    def native_draft_block(self, drafter: "DsparkDrafter") -> Optional[NativeDraftBlock]:
+        """A DSpark drafter's block and greedy Markov head as native calls (after prepare), where
+        this backend has them; None: it drafts op by op."""
         return None
 
 
@@ -212,6 +221,9 @@ class CpuKernelOps(OpBackend):
 
     def native_layers(self, layers: list[nn.Module]) -> Optional[NativeLayers]:
         return None if self.per_op_layers else NativeLayers.build(layers)
+
+    def native_draft_block(self, drafter: "DsparkDrafter") -> Optional[NativeDraftBlock]:
+        return None if self.per_op_layers else NativeDraftBlock.build(drafter)
 
     def attention_metadata(
         self, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: "str | torch.device"

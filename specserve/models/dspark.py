@@ -28,6 +28,7 @@ from specserve.kernels.linear import PackedLinear, pack_bf16
 from specserve.kv.pool import KVPool
 from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
+from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.models.quant import Q8Weight
 from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
@@ -226,6 +227,7 @@ class DsparkDrafter(nn.Module):
         self.lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.ops: OpBackend = TorchOps(torch.float32)  # stock torch (training) until use_backend
         self.q8_weights = False
+        self.native: Optional[NativeDraftBlock] = None  # the block and greedy Markov head as native calls
 
     @property
     def block_size(self) -> int:
@@ -267,6 +269,7 @@ class DsparkDrafter(nn.Module):
         """Run on `ops` from now on (after the weights are loaded: it packs the ones it needs)."""
         ops.prepare(self)
         self.ops = ops
+        self.native = self.native or ops.native_draft_block(self)
 
     # ------------------------------------------------------------ context injection
 
@@ -317,6 +320,9 @@ class DsparkDrafter(nn.Module):
         self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool
     ) -> torch.Tensor:
         """Final-normed hidden states of the block slots, [bs, g, H]."""
+        native = None if self.native is None else self.native.hidden(self, anchors, prefix_lens, ctx_slots, kv)
+        if native is not None:
+            return native
         bs, g = anchors.shape[0], self.block_size
         ids = torch.full((bs, g), self.config.mask_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
@@ -348,6 +354,9 @@ class DsparkDrafter(nn.Module):
         """Left to right: logits_k = U_k + W2 W1[prev_k]; pick x_k; prev_{k+1} = x_k."""
         bs, g, _ = base_logits.shape
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        native = None if sampled or self.native is None else self.native.markov_greedy(self, anchors, base_logits)
+        if native is not None:
+            return self._draft_out(hidden, *native, None)
         tokens = torch.empty(bs, g, dtype=torch.int64, device=anchors.device)
         vocab = self.config.vocab_size
         probs = base_logits.new_zeros(bs, g, vocab) if sampled else None
@@ -369,9 +378,13 @@ class DsparkDrafter(nn.Module):
                 probs[rows, k] = self.to_target_probs(q.to(probs.device))
             tokens[:, k] = pick
             prev = pick
+        return self._draft_out(hidden, tokens, torch.stack(embedded, 1), probs)
+
+    def _draft_out(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, embedded: torch.Tensor, probs: Optional[torch.Tensor]
+    ) -> DraftOut:
         # Every slot's confidence in one call after the loop (a linear's rows do not depend on each other).
-        features = torch.cat([hidden, torch.stack(embedded, 1)], -1)
-        conf = torch.sigmoid(self.confidence(features).float().squeeze(-1))
+        conf = torch.sigmoid(self.confidence(torch.cat([hidden, embedded], -1)).float().squeeze(-1))
         return DraftOut(tokens, probs, conf)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ def dense_accepts(drafter: DsparkDrafter, hidden: torch.Tensor, ids: torch.Tenso
     greedy drafts at S lead the response (labels past its end never match)."""
     T, g = ids.shape[0], drafter.block_size
     kv = KVPool(T + 1, len(drafter.layers), drafter.config.num_kv_heads, drafter.config.head_dim, drafter.dtype,
-                str(hidden.device))
+                str(hidden.device), block_rows=chunk * g)
     drafter.inject(hidden, torch.arange(T), torch.arange(1, T + 1), kv)  # slot 0 is the scratch slot
     slots = torch.arange(1, T + 1)
     out = []

@@ -100,6 +100,24 @@ def test_rows_read_from_the_packed_layout_are_the_weights_rows(type_name):
         packed, want = parsed.packed(), parsed.dequantize()
     ids = torch.tensor([0, 39, 17, 17, 16, 15, 31])
     assert torch.equal(packed.dense_rows(ids), want[ids])
+    # The bf16 lookup in one kernel call (the embedding's): the same rows rounded as torch rounds.
+    assert torch.equal(packed.bf16_rows(ids).view(torch.int16), want[ids].bfloat16().view(torch.int16))
+
+
+def test_bf16_rows_keep_what_torch_keeps():
+    """The lookup's bf16 values are torch's rounding of dense_rows (the kernels' own stores flush
+    subnormals: a lookup of a bf16 table holding some must not), and an id past the table is an
+    error, not a read past the codes."""
+    values = torch.tensor([1e-39, -3e-40, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 2**-126, 65504.0, -0.0, 1e-3] * 4)
+    dense = values.view(1, 32).repeat(16, 1) * torch.arange(1, 17).view(16, 1)
+    packed = Q8Weight.from_dense(dense).packed()
+    ids = torch.arange(16)
+    want = packed.dense_rows(ids).to(torch.bfloat16)
+    assert torch.equal(packed.bf16_rows(ids).view(torch.int16), want.view(torch.int16))
+    tiny, first = pack_bf16(torch.tensor([[1e-39, -1e-39, 3.0, -0.0]]).bfloat16()), torch.tensor([0])
+    assert torch.equal(tiny.bf16_rows(first).view(torch.int16), tiny.dense_rows(first).bfloat16().view(torch.int16))
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        packed.bf16_rows(torch.tensor([16]))
 
 
 def test_q8_of_a_dense_weight_is_ggml_q8_0_bit_for_bit():

@@ -7,6 +7,7 @@
 #include "linear.h"
 #include "ops.h"
 #include "decoder_layer.h"
+#include "markov.h"
 #include "torch_glue.h"
 
 namespace specserve {
@@ -44,6 +45,23 @@ torch::Tensor linear_int8(torch::Tensor x, int64_t format, torch::Tensor codes, 
   const PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, -1, -1,
                                        GroupTables{code_offset, scale_super, zero_super});
   run_linear(checked_path(path), w, true, bf16_data(x), x.stride(0), x.size(0), out.data_ptr(), out_bf16, init.has_value());
+  return out;
+}
+
+// Rows `index` of a packed weight as bf16 (linear.h dense_rows_bf16).
+torch::Tensor packed_rows_bf16(int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero, int64_t n,
+                               int64_t k, int64_t group, int64_t bits, int64_t code_offset,
+                               c10::optional<torch::Tensor> scale_super, c10::optional<torch::Tensor> zero_super,
+                               torch::Tensor index) {
+  const PackedWeight w = packed_weight(format, codes, scale, zero, n, k, group, bits, -1, -1,
+                                       GroupTables{code_offset, scale_super, zero_super});
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.is_contiguous(),
+              "specserve dense_rows: index must be a contiguous 1-D int64 CPU tensor");
+  const int64_t* at = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < index.numel(); ++r)
+    TORCH_CHECK(at[r] >= 0 && at[r] < n, "specserve dense_rows: row ", at[r], " is outside the weight's ", n, " rows");
+  auto out = torch::empty({index.numel(), k}, codes.options().dtype(torch::kBFloat16));
+  dense_rows_bf16(w, at, index.numel(), bf16_out(out));
   return out;
 }
 
@@ -156,10 +174,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("format"), py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("n"), py::arg("k"),
         py::arg("out_bf16"), py::arg("path"), py::arg("init") = py::none(), py::arg("group") = 32, py::arg("bits") = 4,
         py::arg("code_offset") = 0, py::arg("scale_super") = py::none(), py::arg("zero_super") = py::none());
+  m.def("dense_rows_bf16", &specserve::packed_rows_bf16, "rows of a packed weight as bf16 (an embedding lookup)");
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
   m.def("silu_mul", &specserve::gated_mul<specserve::silu_mul_rows>, "silu(gate) * up of [rows, 2f] gate_up");
   m.def("gelu_tanh_mul", &specserve::gated_mul<specserve::gelu_tanh_mul_rows>, "gelu_tanh(gate) * up of [rows, 2f] gate_up");
   specserve::register_decoder_layer(m);
+  specserve::register_markov(m);
   m.def("rope_store", &specserve::rope_store, "RoPE of q and k; k and v stored to their slots; returns q");
 }

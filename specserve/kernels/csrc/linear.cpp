@@ -447,6 +447,38 @@ int64_t block_bytes(WeightFormat format, int64_t k, int bits) {
   }
 }
 
+// float32 -> bf16 as torch's .to(bfloat16) rounds: to nearest even, subnormals kept (the kernels'
+// stores flush them), NaN as the quiet NaN.
+inline uint16_t f32_to_bf16_torch(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+void dense_rows_bf16(const PackedWeight& w, const int64_t* index, int64_t rows, uint16_t* out) {
+  const int64_t bytes = block_bytes(w.format, w.k, w.bits);
+  const bool offsets = has_offsets(w);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = index[r] / kBlockCols;
+    const int lane = int(index[r] % kBlockCols);
+    const uint8_t* block = w.codes + b * bytes;
+    uint16_t* row = out + r * w.k;
+    for (int64_t kk = 0; kk < w.k; ++kk) {
+      const uint32_t word = weight_word(w, block, kk / 2, lane);
+      const uint16_t half = uint16_t(kk % 2 ? word >> 16 : word & 0xFFFFu);
+      if (w.format == WeightFormat::BF16) {
+        row[kk] = half;
+        continue;
+      }
+      const int64_t g = kk / w.group;  // the code: exact in bf16 (Q4 words hold 128 + q)
+      const double q = double(bf16_to_f32(half)) - (w.format == WeightFormat::Q4 ? 128.0 : 0.0);
+      double v = q * double(scale_at(w, b, g, lane));
+      if (offsets) v += double(offset_at(w, b, g, lane));
+      row[kk] = f32_to_bf16_torch(float(v));
+    }
+  }
+}
+
 void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t group, float* out) {
   const int64_t G = k / group;
   for (int64_t r = 0; r < m; ++r)

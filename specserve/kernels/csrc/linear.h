@@ -247,6 +247,11 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& x, int64_t m, con
 // exactly the flushing dot products of the generic path with w (the returned flag).
 bool prepare_avx2_row(const PackedWeight& w, const uint16_t* row, float* out);
 
+// Rows `index` (output columns) of a packed weight as bf16 [rows][k]: each value d * q (+ m) in
+// double, rounded to float32 and then to bf16 as torch rounds (PackedLinear.dense_rows(...).to(bf16),
+// the embedding lookup in a quantized table).
+void dense_rows_bf16(const PackedWeight& w, const int64_t* index, int64_t rows, uint16_t* out);
+
 // Per-row sums of x over each group of `group` columns (sequential order), for the offset term.
 void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t group, float* out);
 

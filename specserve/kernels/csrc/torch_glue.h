@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include <vector>
+
 #include "attention.h"
 #include "linear.h"
 
@@ -48,5 +50,30 @@ void run_paged_attention(Path path, const PagedAttentionArgs& a, int64_t rows, i
 // row_len[t] positions) is in a pool of `pool_slots`; returns the longest row_len.
 int64_t check_table_slots(const torch::Tensor& table, const int64_t* row_req, const int64_t* row_len, int64_t rows,
                           int64_t pool_slots);
+
+// A packed weight (kernels/linear.py PackedLinear) as the kernels see it, holding its tensors.
+struct NativeLinear {
+  PackedWeight w;
+  bool int8;
+  std::vector<torch::Tensor> keep;
+
+  NativeLinear(int64_t format, torch::Tensor codes, torch::Tensor scale, torch::Tensor zero, int64_t n, int64_t k,
+               int64_t w_exp_lo, int64_t w_exp_hi, int64_t group, int64_t bits, int64_t code_offset,
+               c10::optional<torch::Tensor> scale_super, c10::optional<torch::Tensor> zero_super, bool int8_)
+      : w(packed_weight(format, codes, scale, zero, n, k, group, bits, w_exp_lo, w_exp_hi,
+                        GroupTables{code_offset, scale_super, zero_super})),
+        int8(int8_), keep{codes, scale, zero} {
+    TORCH_CHECK(!int8 || (w.format != WeightFormat::BF16 && k % 32 == 0), "specserve decoder layer: int8 activations need Q4 or Q8 weights with K a multiple of 32");
+    for (const auto* t : {&scale_super, &zero_super})
+      if (t->has_value()) keep.push_back(**t);
+  }
+
+  // x [T, k] bf16 (contiguous) -> [T, n] bf16.
+  torch::Tensor operator()(const torch::Tensor& x, Path path) const {
+    auto out = torch::empty({x.size(0), w.n}, x.options());
+    run_linear(path, w, int8, bf16_data(x), w.k, x.size(0), out.data_ptr(), true, false);
+    return out;
+  }
+};
 
 }  // namespace specserve
