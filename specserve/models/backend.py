@@ -190,7 +190,7 @@ class CpuKernelOps(OpBackend):
                 part.pack_for_cpu()
             kernel = getattr(part, "kernel", None)
             if isinstance(kernel, PackedLinear):
-                kernel.quantize_activations(self.int8_activations)
+                kernel.quantize_activations(self.int8_activations or getattr(part, "int8_activations", False))
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if x is not None:

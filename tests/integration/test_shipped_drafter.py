@@ -114,16 +114,18 @@ def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, fp32
 
 def test_q8_drafter_weights_stay_lossless_accepted_and_take_the_target_heads_codes(prompts):
     """--speculative-draft-weights q8: the drafter's linears and reduced head computed from Q8_0
-    codes (the head's are the target's own Q8_0 codes); bf16 output still the target's alone."""
-    from specserve.kernels.linear import Q8
+    codes (the head's are the target's own Q8_0 codes, with int8 activations), the Markov head's
+    one-row W2 in bf16; bf16 output still the target's alone."""
+    from specserve.kernels.linear import BF16, Q8
 
     plain = Engine(max_total_tokens=4096, speculative_algorithm="NONE")
     reference = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=GREEDY)]
     plain.shutdown()
     engine = Engine(max_total_tokens=4096, speculative_draft_weights="q8", speculative_policy="fixed")
     drafter = engine.runner.speculation.workers["DSPARK"].drafter
-    linears = [m for m in drafter.modules() if getattr(m, "kernel", None) is not None]
+    linears = [m for m in drafter.modules() if getattr(m, "kernel", None) is not None and m is not drafter.markov_w2]
     assert linears and all(m.kernel.format == Q8 and m.weight.numel() == 0 for m in linears)
+    assert drafter.markov_w2.kernel.format == BF16 and drafter.lm_head.kernel.int8_activations
     target_rows = engine.runner.model.lm_head.rows(drafter.draft_to_target, torch.float32)
     assert torch.equal(drafter.lm_head.kernel.dense_rows(torch.arange(drafter.draft_vocab_size)), target_rows)
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
