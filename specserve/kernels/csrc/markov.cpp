@@ -6,6 +6,8 @@
 // as in torch.argmax), mapped to a target id, and prev = pick.
 #include "markov.h"
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -43,7 +45,13 @@ int64_t first_argmax(const float* x, const uint16_t* y, int64_t n, float* s) {
       if (std::isnan(s[i])) return i;
   float top = part[0];
   for (int l = 1; l < L; ++l) top = part[l] > top ? part[l] : top;
-  for (int64_t i = 0; i < n; ++i)
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {  // 16 comparisons at a time, then the first hit inside them
+    bool hit = false;
+    for (int l = 0; l < L; ++l) hit |= s[i + l] == top;
+    if (hit) break;
+  }
+  for (; i < n; ++i)
     if (s[i] == top) return i;
   return 0;  // every sum is -inf
 }
@@ -73,7 +81,7 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
   auto e = torch::empty({bs, rank}, w1.options());
   auto t = torch::empty({bs, vocab}, w1.options());
   std::vector<int64_t> prev(anchors.data_ptr<int64_t>(), anchors.data_ptr<int64_t>() + bs);
-  std::vector<float> sums(vocab);
+  std::vector<float> sums(bs * vocab);
   const uint16_t* table = bf16_data(w1);
   const float* logits = base.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
@@ -85,10 +93,13 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
       std::memcpy(bf16_out(embedded) + (b * g + k) * rank, row, rank * sizeof(uint16_t));
     }
     run_linear(p, w2.w, w2.int8, bf16_data(e), rank, bs, t.data_ptr(), true, false);
-    for (int64_t b = 0; b < bs; ++b) {
-      const int64_t best = first_argmax(logits + (b * g + k) * vocab, bf16_data(t) + b * vocab, vocab, sums.data());
-      out[b * g + k] = prev[b] = map ? map[best] : best;
-    }
+    const uint16_t* head = bf16_data(t);
+    at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {  // requests are independent
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t best = first_argmax(logits + (b * g + k) * vocab, head + b * vocab, vocab, sums.data() + b * vocab);
+        out[b * g + k] = prev[b] = map ? map[best] : best;
+      }
+    });
   }
   return {tokens, embedded};
 }
