@@ -298,7 +298,9 @@ def _make_workers(
     adaptive = args.speculating and args.speculative_policy == "adaptive"
     if drafter is not None:
         dc = drafter.config
-        block_rows = args.max_running_requests * dc.block_size  # the drafting block's own K/V (dspark_native.py)
+        # The drafting block's own K/V (dspark_native.py), for as many requests as the request table
+        # holds (the cost warm-up drafts for up to that many, at least 2).
+        block_rows = max(2, args.max_running_requests + 1) * dc.block_size
         draft_kv = KVPool(size, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, args.device, block_rows)
         # Deferred injection under the adaptive policy, unless the host tier copies the pools too.
         defer = adaptive and not args.enable_hierarchical_cache
@@ -385,6 +387,7 @@ def _load_drafter(
         embed=model.embed_tokens,
         lm_head=head,
         q8_weights=args.speculative_draft_weights == "q8",
+        per_op_layers=envs.env_flag(envs.PER_OP_LAYERS),
     )
 
 

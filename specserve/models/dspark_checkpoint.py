@@ -71,10 +71,12 @@ def load_drafter(
     embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     q8_weights: bool = False,
+    per_op_layers: bool = False,
 ) -> DsparkDrafter:
     """Read config.json + model.safetensors; `block_size` overrides the checkpoint's gamma. Given
     the target's `embed` and `lm_head`, the drafter comes back attached to them, ready to draft.
-    `q8_weights`: its linears and reduced head computed from Q8_0 codes (CPU kernels)."""
+    `q8_weights`: its linears and reduced head computed from Q8_0 codes (CPU kernels);
+    `per_op_layers`: draft op by op on the CPU kernels, not through the native block."""
     from safetensors.torch import load_file
 
     cfg = read_drafter_config(path)
@@ -94,7 +96,7 @@ def load_drafter(
         p.data = p.data.to(dtype)
     if q8_weights:
         model.quantize_weights()
-    model.use_backend(select_backend(device, dtype))
+    model.use_backend(select_backend(device, dtype, per_op_layers=per_op_layers))
     if embed is not None and lm_head is not None:
         model.attach_target(embed, lm_head)
     return model.eval()

@@ -14,6 +14,7 @@ loop computes, bit for bit.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -25,6 +26,8 @@ from specserve.kv.pool import KVPool
 
 if TYPE_CHECKING:
     from specserve.models.dspark import DraftLayer, DsparkDrafter
+
+logger = logging.getLogger(__name__)
 
 
 def _native_layer(layer: "DraftLayer") -> Optional[Any]:
@@ -59,6 +62,7 @@ class NativeDraftBlock:
     def __init__(self, layers: list[Any], markov_w2: Optional[PackedLinear]):
         self.layers = layers
         self.markov_w2 = None if markov_w2 is None else markov_w2.native()
+        self.warned = False
 
     @classmethod
     def build(cls, drafter: "DsparkDrafter") -> Optional["NativeDraftBlock"]:
@@ -78,6 +82,10 @@ class NativeDraftBlock:
         bs, g = anchors.shape[0], drafter.block_size
         rows = kv.block_slots(bs * g)
         if rows is None or drafter.embed is None:
+            if not self.warned:  # drafts then come from the per-op pass, whose numerics differ
+                logger.warning("DSpark drafting op by op: %d requests need %d block rows, the pool has %d",
+                               bs, bs * g, kv.block_rows)
+                self.warned = True
             return None
         ids = torch.full((bs, g), drafter.config.mask_token_id, dtype=torch.int64)
         ids[:, 0] = anchors

@@ -108,7 +108,7 @@ def test_native_markov_head_is_the_loop_bit_for_bit(draft_vocab):
     vocab = model.draft_vocab_size
     g = torch.Generator().manual_seed(7)
     base = torch.randn(3, G, vocab, generator=g)
-    base[0, 0, 10] = base[0, 0, 30] = 1e4  # a tie: index 10 must win
+    base[0, 0, 10] = base[0, 0, 30] = 1e30  # a tie (the Markov term is far below 1e30's spacing): 10 wins
     base[1, 2, 17] = float("nan")
     hidden = torch.randn(3, G, H, generator=g).bfloat16()
     anchors = torch.tensor([1, 50, 95])

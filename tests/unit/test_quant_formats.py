@@ -104,18 +104,21 @@ def test_rows_read_from_the_packed_layout_are_the_weights_rows(type_name):
     assert torch.equal(packed.bf16_rows(ids).view(torch.int16), want[ids].bfloat16().view(torch.int16))
 
 
-def test_bf16_rows_keep_what_torch_keeps():
-    """The lookup's bf16 values are torch's rounding of dense_rows (the kernels' own stores flush
-    subnormals: a lookup of a bf16 table holding some must not), and an id past the table is an
-    error, not a read past the codes."""
-    values = torch.tensor([1e-39, -3e-40, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 2**-126, 65504.0, -0.0, 1e-3] * 4)
-    dense = values.view(1, 32).repeat(16, 1) * torch.arange(1, 17).view(16, 1)
-    packed = Q8Weight.from_dense(dense).packed()
+def test_bf16_rows_round_ties_to_even_and_keep_subnormals():
+    """The lookup's bf16 values are torch's rounding of dense_rows: a Q8_0 scale of 3 * 2^-10 with
+    odd codes puts every product on a bf16 tie (381 * 2^-10 has nine significant bits: it rounds to
+    the even 380 * 2^-10), and a bf16 table's subnormals stay (the kernels' own stores flush them).
+    An id past the table is an error, not a read past the codes."""
+    d = 3 * 2**-10
+    codes = torch.tensor([127, 125, 123, -127, 101, 0, 1, -1] * 4, dtype=torch.float32)
+    packed = Q8Weight.from_dense((codes * d).repeat(16, 1)).packed()
     ids = torch.arange(16)
-    want = packed.dense_rows(ids).to(torch.bfloat16)
-    assert torch.equal(packed.bf16_rows(ids).view(torch.int16), want.view(torch.int16))
+    got = packed.bf16_rows(ids)
+    assert torch.equal(got.view(torch.int16), packed.dense_rows(ids).to(torch.bfloat16).view(torch.int16))
+    assert float(got[0, 0]) == 380 * 2**-10 and float(got[0, 3]) == -380 * 2**-10  # ties went to even
     tiny, first = pack_bf16(torch.tensor([[1e-39, -1e-39, 3.0, -0.0]]).bfloat16()), torch.tensor([0])
     assert torch.equal(tiny.bf16_rows(first).view(torch.int16), tiny.dense_rows(first).bfloat16().view(torch.int16))
+    assert float(tiny.bf16_rows(first)[0, 0]) != 0.0
     with pytest.raises(RuntimeError, match="outside the weight"):
         packed.bf16_rows(torch.tensor([16]))
 

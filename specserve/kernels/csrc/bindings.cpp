@@ -61,7 +61,8 @@ torch::Tensor packed_rows_bf16(int64_t format, torch::Tensor codes, torch::Tenso
   for (int64_t r = 0; r < index.numel(); ++r)
     TORCH_CHECK(at[r] >= 0 && at[r] < n, "specserve dense_rows: row ", at[r], " is outside the weight's ", n, " rows");
   auto out = torch::empty({index.numel(), k}, codes.options().dtype(torch::kBFloat16));
-  dense_rows_bf16(w, at, index.numel(), bf16_out(out));
+  uint16_t* rows = bf16_out(out);
+  at::parallel_for(0, index.numel(), 16, [&](int64_t b, int64_t e) { dense_rows_bf16(w, at + b, e - b, rows + b * k); });
   return out;
 }
 

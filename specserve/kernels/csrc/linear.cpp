@@ -463,18 +463,21 @@ void dense_rows_bf16(const PackedWeight& w, const int64_t* index, int64_t rows, 
     const int lane = int(index[r] % kBlockCols);
     const uint8_t* block = w.codes + b * bytes;
     uint16_t* row = out + r * w.k;
-    for (int64_t kk = 0; kk < w.k; ++kk) {
+    auto half = [&](int64_t kk) {
       const uint32_t word = weight_word(w, block, kk / 2, lane);
-      const uint16_t half = uint16_t(kk % 2 ? word >> 16 : word & 0xFFFFu);
-      if (w.format == WeightFormat::BF16) {
-        row[kk] = half;
-        continue;
+      return uint16_t(kk % 2 ? word >> 16 : word & 0xFFFFu);
+    };
+    if (w.format == WeightFormat::BF16) {
+      for (int64_t kk = 0; kk < w.k; ++kk) row[kk] = half(kk);
+      continue;
+    }
+    const double bias = w.format == WeightFormat::Q4 ? 128.0 : 0.0;  // Q4 words hold 128 + q, exact in bf16
+    for (int64_t g = 0; g < w.k / w.group; ++g) {
+      const double d = scale_at(w, b, g, lane), m = offsets ? double(offset_at(w, b, g, lane)) : 0.0;
+      for (int64_t kk = g * w.group; kk < (g + 1) * w.group; ++kk) {
+        const double v = (double(bf16_to_f32(half(kk))) - bias) * d;
+        row[kk] = f32_to_bf16_torch(float(offsets ? v + m : v));
       }
-      const int64_t g = kk / w.group;  // the code: exact in bf16 (Q4 words hold 128 + q)
-      const double q = double(bf16_to_f32(half)) - (w.format == WeightFormat::Q4 ? 128.0 : 0.0);
-      double v = q * double(scale_at(w, b, g, lane));
-      if (offsets) v += double(offset_at(w, b, g, lane));
-      row[kk] = f32_to_bf16_torch(float(v));
     }
   }
 }

@@ -249,7 +249,8 @@ bool prepare_avx2_row(const PackedWeight& w, const uint16_t* row, float* out);
 
 // Rows `index` (output columns) of a packed weight as bf16 [rows][k]: each value d * q (+ m) in
 // double, rounded to float32 and then to bf16 as torch rounds (PackedLinear.dense_rows(...).to(bf16),
-// the embedding lookup in a quantized table).
+// the embedding lookup in a quantized table; a NaN of a bf16 table reads as itself, one computed as
+// 0x7FC0).
 void dense_rows_bf16(const PackedWeight& w, const int64_t* index, int64_t rows, uint16_t* out);
 
 // Per-row sums of x over each group of `group` columns (sequential order), for the offset term.

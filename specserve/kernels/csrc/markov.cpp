@@ -66,12 +66,13 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
                   w1.size(1) == w2.w.k,
               "specserve markov_greedy: W1 must be contiguous bf16 [vocab, ", w2.w.k, "]");
   TORCH_CHECK(anchors.device().is_cpu() && anchors.scalar_type() == torch::kInt64 && anchors.dim() == 1 &&
-                  anchors.numel() == base.size(0),
+                  anchors.is_contiguous() && anchors.numel() == base.size(0),
               "specserve markov_greedy: one int64 anchor per request");
   const int64_t bs = base.size(0), g = base.size(1), vocab = base.size(2), rank = w1.size(1), ids = w1.size(0);
   const int64_t* map = nullptr;
   if (to_target) {
-    TORCH_CHECK(to_target->scalar_type() == torch::kInt64 && to_target->is_contiguous() && to_target->numel() == vocab,
+    TORCH_CHECK(to_target->device().is_cpu() && to_target->scalar_type() == torch::kInt64 && to_target->is_contiguous() &&
+                    to_target->numel() == vocab,
                 "specserve markov_greedy: the draft-to-target map must be contiguous int64 [", vocab, "]");
     map = to_target->data_ptr<int64_t>();
   }
