@@ -83,8 +83,9 @@ class NativeDraftBlock:
         rows = kv.block_slots(bs * g)
         if rows is None or drafter.embed is None:
             if not self.warned:  # drafts then come from the per-op pass, whose numerics differ
-                logger.warning("DSpark drafting op by op: %d requests need %d block rows, the pool has %d",
-                               bs, bs * g, kv.block_rows)
+                logger.warning(
+                    "DSpark drafting op by op: %d requests need %d block rows, the pool has %d", bs, bs * g, kv.block_rows
+                )
                 self.warned = True
             return None
         ids = torch.full((bs, g), drafter.config.mask_token_id, dtype=torch.int64)
