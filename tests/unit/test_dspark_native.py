@@ -63,6 +63,12 @@ def test_the_native_drafter_is_built_only_where_it_runs():
     per_op, _ = make_drafter(per_op=True)
     assert native.native is not None and native.native.markov_w2 is not None
     assert per_op.native is None
+    cfg = DsparkConfig.for_target(TARGET, num_layers=2, block_size=G, markov_rank=32)
+    fp32 = DsparkDrafter(cfg, max_positions=256)
+    fp32.use_backend(select_backend("cpu", torch.float32))  # stock torch ops: no native pass
+    assert fp32.native is None
+    native.use_backend(select_backend("cpu", torch.bfloat16, per_op_layers=True))  # a later backend wins
+    assert native.native is None
 
 
 def fp32_block(anchors, lens, slots):
