@@ -58,7 +58,8 @@ FAULT_COPY_LAG_RANKS = "SPECSERVE_FAULT_COPY_LAG_RANKS"  # "1" or "0,2": the ran
 FAULT_SEED = "SPECSERVE_FAULT_SEED"
 FAULT_ALIAS_ACCEPT_BUFFERS = "SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS"
 RANK_CONSENSUS_CHECKER = "SPECSERVE_ENABLE_RANK_CONSENSUS_CHECKER"
-# 1: the CPU kernels run each decoder layer op by op from Python, not as one native call (A/B, tests)
+# 1: the CPU kernels run each decoder layer, and the DSpark drafter's pass, op by op from Python, not as
+# native calls (A/B, tests)
 PER_OP_LAYERS = "SPECSERVE_PER_OP_LAYERS"
 FAULT_DIVERGE_SITE = "SPECSERVE_FAULT_DIVERGE_SITE"  # test hook "SITE:RANK": that rank records a wrong event there
 FAULT_SKIP_COLLECTIVE = "SPECSERVE_FAULT_SKIP_COLLECTIVE"  # test hook "SITE:RANK": that rank never arrives there
