@@ -81,7 +81,9 @@ class NativeDraftBlock:
         block rows for this batch."""
         bs, g = anchors.shape[0], drafter.block_size
         rows = kv.block_slots(bs * g)
-        if rows is None or drafter.embed is None:
+        if drafter.embed is None:
+            return None  # not attached: the per-op pass says so
+        if rows is None:
             if not self.warned:  # drafts then come from the per-op pass, whose numerics differ
                 logger.warning(
                     "DSpark drafting op by op: %d requests need %d block rows, the pool has %d", bs, bs * g, kv.block_rows

@@ -463,20 +463,24 @@ void dense_rows_bf16(const PackedWeight& w, const int64_t* index, int64_t rows, 
     const int lane = int(index[r] % kBlockCols);
     const uint8_t* block = w.codes + b * bytes;
     uint16_t* row = out + r * w.k;
-    auto half = [&](int64_t kk) {
-      const uint32_t word = weight_word(w, block, kk / 2, lane);
-      return uint16_t(kk % 2 ? word >> 16 : word & 0xFFFFu);
-    };
+    // Each bf16 word holds two columns' values (Q4: 128 + q, Q8: q, both exact; BF16: the weight's).
     if (w.format == WeightFormat::BF16) {
-      for (int64_t kk = 0; kk < w.k; ++kk) row[kk] = half(kk);
+      for (int64_t kk = 0; kk < w.k; kk += 2) {
+        const uint32_t word = weight_word(w, block, kk / 2, lane);
+        row[kk] = uint16_t(word & 0xFFFFu);
+        if (kk + 1 < w.k) row[kk + 1] = uint16_t(word >> 16);
+      }
       continue;
     }
-    const double bias = w.format == WeightFormat::Q4 ? 128.0 : 0.0;  // Q4 words hold 128 + q, exact in bf16
-    for (int64_t g = 0; g < w.k / w.group; ++g) {
+    const double bias = w.format == WeightFormat::Q4 ? 128.0 : 0.0;
+    for (int64_t g = 0; g < w.k / w.group; ++g) {  // groups are 16 or 32 columns: whole words
       const double d = scale_at(w, b, g, lane), m = offsets ? double(offset_at(w, b, g, lane)) : 0.0;
-      for (int64_t kk = g * w.group; kk < (g + 1) * w.group; ++kk) {
-        const double v = (double(bf16_to_f32(half(kk))) - bias) * d;
-        row[kk] = f32_to_bf16_torch(float(offsets ? v + m : v));
+      for (int64_t kk = g * w.group; kk < (g + 1) * w.group; kk += 2) {
+        const uint32_t word = weight_word(w, block, kk / 2, lane);
+        for (int h = 0; h < 2; ++h) {
+          const double v = (double(bf16_to_f32(uint16_t(word >> (16 * h)))) - bias) * d;
+          row[kk + h] = f32_to_bf16_torch(float(offsets ? v + m : v));
+        }
       }
     }
   }

@@ -79,7 +79,6 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
   const Path p = checked_path(path);
   auto tokens = torch::empty({bs, g}, anchors.options());
   auto embedded = torch::empty({bs, g, rank}, w1.options());
-  auto e = torch::empty({bs, rank}, w1.options());
   auto t = torch::empty({bs, vocab}, w1.options());
   std::vector<int64_t> prev(anchors.data_ptr<int64_t>(), anchors.data_ptr<int64_t>() + bs);
   std::vector<float> sums(bs * vocab);
@@ -89,11 +88,10 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
   for (int64_t k = 0; k < g; ++k) {
     for (int64_t b = 0; b < bs; ++b) {
       TORCH_CHECK(prev[b] >= 0 && prev[b] < ids, "specserve markov_greedy: token ", prev[b], " is outside W1");
-      const uint16_t* row = table + prev[b] * rank;
-      std::memcpy(bf16_out(e) + b * rank, row, rank * sizeof(uint16_t));
-      std::memcpy(bf16_out(embedded) + (b * g + k) * rank, row, rank * sizeof(uint16_t));
+      std::memcpy(bf16_out(embedded) + (b * g + k) * rank, table + prev[b] * rank, rank * sizeof(uint16_t));
     }
-    run_linear(p, w2.w, w2.int8, bf16_data(e), rank, bs, t.data_ptr(), true, false);
+    // The slot's W1 rows in place, one request every g * rank values: a row's sums do not depend on its stride.
+    run_linear(p, w2.w, w2.int8, bf16_data(embedded) + k * rank, g * rank, bs, t.data_ptr(), true, false);
     const uint16_t* head = bf16_data(t);
     at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {  // requests are independent
       for (int64_t b = begin; b < end; ++b) {
