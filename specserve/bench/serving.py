@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -41,6 +42,9 @@ def add_serving_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals at this many requests/s (the concurrency values then cap in-flight "
                         "requests)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per (target, concurrency), interleaved: each round runs every target once at each "
+                        "concurrency, so a throughput ratio is formed within its round and reported with its spread")
     p.add_argument("--warmup", type=int, default=2, help="requests before each target's first run (not counted)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -77,6 +81,7 @@ class RunResult:
     tpot_ms: dict[str, float]
     accept_length: Optional[float]
     errors: list[str] = field(default_factory=list)
+    repeat: int = 0  # the round of --repeats this run belongs to
 
 
 def load_bench_prompts(dataset: str, n: int, seed: int, random_words: int) -> list[str]:
@@ -152,7 +157,9 @@ async def run_one(target: Target, prompts: list[str], concurrency: int, rate: Op
                   progress) -> RunResult:
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    # No keep-alive: a connection per request, so no request races a server closing an idle or
+    # used-up connection (llama-server's HTTP library closes one after a few requests).
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits, timeout=ns.timeout) as http:
         await target.resolve_model(http)
         gate = asyncio.Semaphore(concurrency)
@@ -221,17 +228,44 @@ def parse_targets(specs: Optional[list[str]]) -> list[tuple[str, str]]:
 
 
 def ratios(runs: list[RunResult]) -> list[dict[str, Any]]:
-    """Per concurrency: each target's throughput and TPOT p50 over the first target's."""
-    base = {r.concurrency: r for r in runs if r.target == runs[0].target}
+    """Per round and concurrency: each target's throughput and TPOT p50 over the first target's."""
+    base = {(r.repeat, r.concurrency): r for r in runs if r.target == runs[0].target}
     rows = []
     for r in runs:
-        b = base.get(r.concurrency)
+        b = base.get((r.repeat, r.concurrency))
         if b is None or r.target == b.target:
             continue
-        rows.append({"concurrency": r.concurrency, "target": r.target, "baseline": b.target,
+        rows.append({"concurrency": r.concurrency, "target": r.target, "baseline": b.target, "repeat": r.repeat,
                      "throughput_ratio": r.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else None,
                      "tpot_p50_ratio": (r.tpot_ms.get("p50", 0) / b.tpot_ms["p50"]) if b.tpot_ms.get("p50") else None})
     return rows
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summary(runs: list[RunResult]) -> list[dict[str, Any]]:
+    """Per (target, concurrency) over the rounds: throughput, TPOT p50 and TTFT p50 as median, lowest
+    and highest; and the throughput and TPOT ratios to the first target, each formed within its round."""
+    within = ratios(runs)
+    out = []
+    for target in dict.fromkeys(r.target for r in runs):
+        for c in sorted({r.concurrency for r in runs}):
+            mine = [r for r in runs if r.target == target and r.concurrency == c]
+            mine_ratios = [x for x in within if x["target"] == target and x["concurrency"] == c]
+            row: dict[str, Any] = {
+                "target": target, "concurrency": c, "runs": len(mine),
+                "output_tokens_per_s": _spread([r.output_tokens_per_s for r in mine]),
+                "tpot_p50_ms": _spread([r.tpot_ms.get("p50", float("nan")) for r in mine]),
+                "ttft_p50_ms": _spread([r.ttft_ms.get("p50", float("nan")) for r in mine]),
+            }
+            if mine_ratios:
+                row["throughput_ratio"] = _spread([x["throughput_ratio"] for x in mine_ratios])
+                if all(x["tpot_p50_ratio"] for x in mine_ratios):
+                    row["tpot_p50_ratio"] = _spread([x["tpot_p50_ratio"] for x in mine_ratios])
+            out.append(row)
+    return out
 
 
 def run_serving_bench(ns: argparse.Namespace) -> int:
@@ -247,31 +281,38 @@ def run_serving_bench(ns: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(resolve_model_path(None))
     prompts = load_bench_prompts(ns.dataset, ns.num_prompts, ns.seed, ns.random_input_words)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    runs: list[RunResult] = []
-    for name, url in targets_spec:
-        target = Target(name, url, ns.model, ns.api_key, count)
+    if ns.repeats < 1:
+        raise ConfigError("--repeats must be >= 1")
+    targets = [Target(name, url, ns.model, ns.api_key, count) for name, url in targets_spec]
+    for target in targets:
         asyncio.run(warm_up(target, prompts, ns))
+    runs: list[RunResult] = []
+    for repeat in range(ns.repeats):  # rounds: every target at every concurrency, the targets interleaved
         for c in concurrencies:
-            with tqdm(total=len(prompts), desc=f"{name} c={c}", unit="req", leave=False) as bar:
-                run = asyncio.run(run_one(target, prompts, c, ns.request_rate, ns, bar))
-            runs.append(run)
-            tqdm.write(_line(run))
+            for target in targets:
+                with tqdm(total=len(prompts), desc=f"{target.name} c={c} #{repeat}", unit="req", leave=False) as bar:
+                    run = asyncio.run(run_one(target, prompts, c, ns.request_rate, ns, bar))
+                run.repeat = repeat
+                runs.append(run)
+                tqdm.write(_line(run))
     from specserve.bench.provenance import provenance
 
     servers = {name: server_settings(url) for name, url in targets_spec}
     drafters = [s["speculative_draft_model_path"] for s in servers.values() if s.get("speculative_draft_model_path")]
     report = {**provenance(drafters[0] if drafters else None), "servers": servers,
               "dataset": ns.dataset, "num_prompts": len(prompts), "max_tokens": ns.max_tokens,
-              "temperature": ns.temperature, "request_rate": ns.request_rate,
-              "runs": [asdict(r) for r in runs], "ratios": ratios(runs)}
-    for row in report["ratios"]:
-        print(f"c={row['concurrency']:>3} {row['target']} / {row['baseline']}: throughput x{row['throughput_ratio']:.2f}, "
-              f"TPOT p50 x{row['tpot_p50_ratio']:.2f}" if row["tpot_p50_ratio"] else str(row))
+              "temperature": ns.temperature, "request_rate": ns.request_rate, "repeats": ns.repeats,
+              "runs": [asdict(r) for r in runs], "ratios": ratios(runs), "summary": summary(runs)}
+    for row in report["summary"]:
+        if "throughput_ratio" in row:
+            t = row["throughput_ratio"]
+            print(f"c={row['concurrency']:>3} {row['target']} / {targets[0].name}: throughput x{t['median']:.2f} "
+                  f"({t['min']:.2f}-{t['max']:.2f}) over {row['runs']} rounds")
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(report, f, indent=1)
     if ns.plot:
-        plot_sweep(runs, ns.plot)
+        plot_sweep(report["summary"], ns.plot)
     return 0 if all(r.failed == 0 for r in runs) else 1
 
 
@@ -283,19 +324,21 @@ def _line(r: RunResult) -> str:
             f"{r.tpot_ms.get('p99', 0):.1f} ms{acc}")
 
 
-def plot_sweep(runs: list[RunResult], path: str) -> None:
+def plot_sweep(rows: list[dict[str, Any]], path: str) -> None:
+    """The sweep's medians (summary rows) per target, with the rounds' range as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for name in dict.fromkeys(r.target for r in runs):
-        rs = sorted((r for r in runs if r.target == name), key=lambda r: r.concurrency)
-        xs = [r.concurrency for r in rs]
-        ax1.plot(xs, [r.output_tokens_per_s for r in rs], "o-", label=name)
-        ax2.plot(xs, [r.tpot_ms.get("p50", float("nan")) for r in rs], "o-", label=name)
-        ax3.plot(xs, [r.ttft_ms.get("p50", float("nan")) for r in rs], "o-", label=name)
+    for name in dict.fromkeys(r["target"] for r in rows):
+        rs = sorted((r for r in rows if r["target"] == name), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rs]
+        for ax, key in ((ax1, "output_tokens_per_s"), (ax2, "tpot_p50_ms"), (ax3, "ttft_p50_ms")):
+            mid = [r[key]["median"] for r in rs]
+            err = [[m - r[key]["min"] for m, r in zip(mid, rs)], [r[key]["max"] - m for m, r in zip(mid, rs)]]
+            ax.errorbar(xs, mid, yerr=err, fmt="o-", capsize=3, label=name)
     for ax, title in ((ax1, "output tokens/s"), (ax2, "TPOT p50 (ms)"), (ax3, "TTFT p50 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")

@@ -3,7 +3,7 @@ serving sweep against llama.cpp's server, and HiCache."""
 
 from __future__ import annotations
 
-from specserve.bench.render.common import load, provenance, table
+from specserve.bench.render.common import load, provenance, table, versus
 
 
 def render_grammar(results: str) -> str:
@@ -50,32 +50,44 @@ def render_router(results: str) -> str:
         f"{provenance(data, 'router.json')}\n")
 
 
+def _median_range(cell: dict[str, float], fmt: str) -> str:
+    return f"{cell['median']:{fmt}} ({cell['min']:{fmt}}-{cell['max']:{fmt}})"
+
+
 def render_serving(results: str) -> str:
     data = load(results, "serving_mtbench.json")
-    runs = {(r["target"], r["concurrency"]): r for r in data["runs"]}
-    targets = list(dict.fromkeys(r["target"] for r in data["runs"]))
+    rows_by = {(r["target"], r["concurrency"]): r for r in data["summary"]}
+    runs = data["runs"]
+    targets = list(dict.fromkeys(r["target"] for r in data["summary"]))
     base = targets[0]
-    header = ["concurrency"] + [f"{t} tok/s" for t in targets] + \
-             [f"{t} / {base}" for t in targets[1:]] + [f"TPOT p50 {' / '.join(targets)} (ms)", f"TTFT p50 (ms)"]
+    header = ["concurrency"] + [f"{t} tok/s" for t in targets] + [f"{t} / {base}" for t in targets[1:]] + \
+             [f"TPOT p50 (ms) {' / '.join(targets)}", f"TTFT p50 (ms) {' / '.join(targets)}"]
     rows = []
-    for c in sorted({c for _, c in runs}):
-        cells = [runs[(t, c)] for t in targets]
-        rows.append([c] + [f"{r['output_tokens_per_s']:.1f}" for r in cells]
-                    + [f"{r['output_tokens_per_s'] / cells[0]['output_tokens_per_s']:.2f}x" for r in cells[1:]]
-                    + [" / ".join(f"{r['tpot_ms'].get('p50', float('nan')):.1f}" for r in cells),
-                       " / ".join(f"{r['ttft_ms'].get('p50', float('nan')):.0f}" for r in cells)])
-    failed = sum(r["failed"] for r in data["runs"])
-    accept = [f"{t} {runs[(t, c)]['accept_length']:.2f} at concurrency {c}" for (t, c) in sorted(runs)
-              if runs[(t, c)].get("accept_length")]
+    for c in sorted({c for _, c in rows_by}):
+        cells = [rows_by[(t, c)] for t in targets]
+        tput = {t: [r["output_tokens_per_s"] for r in runs if r["target"] == t and r["concurrency"] == c] for t in targets}
+        rows.append([c] + [_median_range(x["output_tokens_per_s"], ".1f") for x in cells]
+                    + [versus(x["throughput_ratio"]["median"], tput[t], tput[base]) + _range(x["throughput_ratio"])
+                       for t, x in zip(targets[1:], cells[1:])]
+                    + [" / ".join(f"{x['tpot_p50_ms']['median']:.1f}" for x in cells),
+                       " / ".join(f"{x['ttft_p50_ms']['median']:.0f}" for x in cells)])
+    failed = sum(r["failed"] for r in runs)
+    accept = [f"{r['target']} {r['accept_length']:.2f} at concurrency {r['concurrency']}" for r in runs
+              if r.get("accept_length") and r["repeat"] == 0]
     servers = data.get("servers", {})
     said = "; ".join(f"{t}: {s.get('speculative_algorithm')}, {s.get('speculative_policy')} policy"
                      for t, s in servers.items() if s)
     return table(header, rows) + (
-        f"\n\n{data['num_prompts']} MT-Bench first turns, streamed, greedy, up to {data['max_tokens']} tokens, one run "
-        f"per cell (ratios without a spread are not measured gains); failed requests: {failed}. "
-        f"Accept length: {', '.join(accept) or 'not reported'}. "
+        f"\n\n{data['num_prompts']} MT-Bench first turns, streamed, greedy, up to {data['max_tokens']} tokens; "
+        f"median (lowest-highest) of {data['repeats']} rounds, the targets interleaved in each, each ratio formed "
+        f"within its round (bold: every run beat every run of {base}; \"within noise\": the runs overlap); "
+        f"failed requests: {failed}. Accept length (first round): {', '.join(accept) or 'not reported'}. "
         + (f"Servers as they reported themselves: {said}. " if said else "") +
         f"{provenance(data, 'serving_mtbench.json')}\n")
+
+
+def _range(cell: dict[str, float]) -> str:
+    return f" ({cell['min']:.2f}-{cell['max']:.2f})"
 
 
 def render_hicache(results: str) -> str:
