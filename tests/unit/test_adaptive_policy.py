@@ -123,24 +123,39 @@ def test_requests_without_a_drafter_never_draft():
     assert p.plan([0], [False], [4]).drafts == [0]
 
 
-def test_exploration_tries_an_unused_drafter_once_per_interval_one_window_a_step():
-    p = policy(table=NEVER_PAYS, explore_every=8)
-    rows = [0, 1, 2]
+def _explore_windows(rows: list[int], steps: int, explore_every: int) -> list[tuple[int, int, str, int]]:
+    """(step, row, drafter, drafts) of every window a never-paying policy opens in `steps` steps."""
+    p = policy(table=NEVER_PAYS, explore_every=explore_every)
     for row in rows:
         p.start(row)
-    tried = []
-    for _ in range(40):
-        plan = p.plan(rows, [True] * 3, [2] * 3)
-        windows = [(row, d, k) for row, d, k in zip(rows, plan.drafters, plan.drafts) if k]
-        assert len(windows) <= 1  # at most one exploring window per step
-        tried += windows
-        p.observe_accept(rows, plan, [0] * 3)
-    assert all(k == GAMMA for _, _, k in tried)
-    for row in rows:
-        for name in (DSPARK, NGRAM):
-            n = sum(1 for r, d, _ in tried if (r, d) == (row, name))
-            assert 2 <= n <= 5, (row, name, tried)  # about once per 8 of its steps, each drafter
-    assert policy(table=NEVER_PAYS).plan(rows, [True] * 3, [2] * 3).drafts == [0, 0, 0]  # explore_every=0
+    windows = []
+    for step in range(steps):
+        plan = p.plan(rows, [True] * len(rows), [2] * len(rows))
+        mine = [(step, row, d, k) for row, d, k in zip(rows, plan.drafters, plan.drafts) if k]
+        assert len(mine) <= 1  # at most one exploring window per step
+        windows += mine
+        p.observe_accept(rows, plan, [0] * len(rows))
+    return windows
+
+
+def test_exploration_tries_an_unused_drafter_once_per_interval_one_window_a_step():
+    windows = _explore_windows([0, 1, 2], 40, explore_every=8)
+    assert all(k == GAMMA for *_, k in windows)
+    for name in (DSPARK, NGRAM):
+        steps = [step for step, _, d, _ in windows if d == name]
+        assert 4 <= len(steps) <= 5 and all(b - a >= 8 for a, b in zip(steps, steps[1:])), (name, steps)
+        for row in (0, 1, 2):  # the stalest request explores first, so each one gets its turn
+            assert any(r == row for _, r, d, _ in windows if d == name), (name, row, windows)
+    assert policy(table=NEVER_PAYS).plan([0, 1, 2], [True] * 3, [2] * 3).drafts == [0, 0, 0]  # explore_every=0
+
+
+def test_a_large_batch_explores_each_drafter_as_rarely_as_one_request_does():
+    """Exploring is budgeted per planned step of the engine, not per request: 16 requests would
+    otherwise open an exploring window in most steps (one each per interval and drafter)."""
+    alone = _explore_windows([0], 64, explore_every=8)
+    batch = _explore_windows(list(range(16)), 64, explore_every=8)
+    for name in (DSPARK, NGRAM):
+        assert sum(d == name for _, _, d, _ in batch) <= sum(d == name for _, _, d, _ in alone) <= 64 // 8
 
 
 def test_calibration_per_window_and_per_step():

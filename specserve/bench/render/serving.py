@@ -3,6 +3,8 @@ serving sweep against llama.cpp's server, and HiCache."""
 
 from __future__ import annotations
 
+import statistics
+
 from specserve.bench.render.common import load, provenance, table, versus
 
 
@@ -72,6 +74,7 @@ def render_serving(results: str) -> str:
                     + [" / ".join(f"{x['tpot_p50_ms']['median']:.1f}" for x in cells),
                        " / ".join(f"{x['ttft_p50_ms']['median']:.0f}" for x in cells)])
     failed = sum(r["failed"] for r in runs)
+    pair = f" {_last_over_second(runs, targets)}" if len(targets) >= 3 else ""
     accept = [f"{r['target']} {r['accept_length']:.2f} at concurrency {r['concurrency']}" for r in runs
               if r.get("accept_length") and r["repeat"] == 0]
     servers = data.get("servers", {})
@@ -81,9 +84,24 @@ def render_serving(results: str) -> str:
         f"\n\n{data['num_prompts']} MT-Bench first turns, streamed, greedy, up to {data['max_tokens']} tokens; "
         f"median (lowest-highest) of {data['repeats']} rounds, the targets interleaved in each, each ratio formed "
         f"within its round (bold: every run beat every run of {base}; \"within noise\": the runs overlap); "
-        f"failed requests: {failed}. Accept length (first round): {', '.join(accept) or 'not reported'}. "
+        f"failed requests: {failed}.{pair} Accept length (first round): {', '.join(accept) or 'not reported'}. "
         + (f"Servers as they reported themselves: {said}. " if said else "") +
         f"{provenance(data, 'serving_mtbench.json')}\n")
+
+
+def _last_over_second(runs: list[dict], targets: list[str]) -> str:
+    """The last target's throughput over the second's at each concurrency, each ratio formed within
+    its round: median (lowest-highest), a gain or a loss only where the two targets' runs do not overlap."""
+    a, b = targets[-1], targets[1]
+    cells = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        mine = {r["repeat"]: r["output_tokens_per_s"] for r in runs if r["target"] == a and r["concurrency"] == c}
+        base = {r["repeat"]: r["output_tokens_per_s"] for r in runs if r["target"] == b and r["concurrency"] == c}
+        within = sorted(mine[k] / base[k] for k in mine if k in base)
+        if within:
+            cells.append(f"concurrency {c} {versus(statistics.median(within), list(mine.values()), list(base.values()))} "
+                         f"({within[0]:.2f}-{within[-1]:.2f})")
+    return f"{a} over {b}, each round's ratio: {'; '.join(cells)}."
 
 
 def _range(cell: dict[str, float]) -> str:
