@@ -38,6 +38,7 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer: the sliding window (0: global); (): every layer global
     rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers
     rope_freq_factors: Optional[tuple[float, ...]] = None  # RoPE scaling (models/rope_scaling.py)
+    rope_attention_factor: float = 1.0  # the scaling's cos/sin magnitude (YaRN)
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions (0: it sees the whole context)."""
@@ -56,6 +57,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         is_qwen2, is_qwen3 = "Qwen2ForCausalLM" in archs, "Qwen3ForCausalLM" in archs
+        scaling = rope_scaling.from_hf(rope, float(rope_theta), head_dim)
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -71,5 +73,6 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
             qk_norm=is_qwen3,
             architecture="qwen2" if is_qwen2 else "qwen3" if is_qwen3 else "llama",
-            rope_freq_factors=rope_scaling.from_hf(rope, float(rope_theta), head_dim),
+            rope_freq_factors=scaling.freq_factors,
+            rope_attention_factor=scaling.attention_factor,
         )

@@ -104,7 +104,8 @@ class Linear(nn.Linear):
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position; frequency i
-    divided by freq_factors[i] when the model scales its RoPE.
+    divided by freq_factors[i] and the table multiplied by attention_factor when the model scales
+    its RoPE.
 
     `lazy` tables start with one chunk of positions and grow by whole chunks as `cover` asks (up
     to max_positions): a 32k-context model with 256-wide heads would otherwise hold 64 MB of
@@ -123,8 +124,10 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         freq_factors: Optional[tuple[float, ...]] = None,
         lazy: bool = False,
+        attention_factor: float = 1.0,
     ):
         super().__init__()
+        self.attention_factor = attention_factor  # every cos and sin times this (YaRN's magnitude)
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         if freq_factors is not None:  # RoPE scaling (models/rope_scaling.py)
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
@@ -140,8 +143,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = [], []
         for a in range(start, end, self.CHUNK):
             angles = torch.outer(torch.arange(a, a + self.CHUNK, dtype=torch.float64), self.inv_freq)
-            cos.append(angles.cos().float()[: end - a])
-            sin.append(angles.sin().float()[: end - a])
+            cos.append((angles.cos() * self.attention_factor).float()[: end - a])
+            sin.append((angles.sin() * self.attention_factor).float()[: end - a])
         empty = torch.empty(0, self.inv_freq.numel())
         return torch.cat(cos) if cos else empty, torch.cat(sin) if sin else empty
 

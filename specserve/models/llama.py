@@ -141,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
         positions = max_positions or cfg.max_position_embeddings
         # lazy_rope: the tables grow with the positions a pass reaches (read on the host: CPU only)
         self.lazy_rope = lazy_rope
-        self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors, lazy_rope)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors, lazy_rope, cfg.rope_attention_factor
+        )
         windowed = any(cfg.window(i) for i in range(cfg.num_layers))
         self.rope_local = (
             RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else self.rope

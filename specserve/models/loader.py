@@ -137,6 +137,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         (t.data.astype(np.float32).reshape(-1).tolist() for t in reader.tensors if t.name == "rope_freqs.weight"), None
     )
     vocab = get("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    scaling = rope_scaling.from_gguf(get, freqs, head_dim)
     config = ModelConfig(
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -152,7 +153,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         architecture=arch,
-        rope_freq_factors=rope_scaling.from_gguf(get, freqs, head_dim),
+        rope_freq_factors=scaling.freq_factors,
+        rope_attention_factor=scaling.attention_factor,
     )
     return _gemma3_config(config, get) if arch == "gemma3" else config
 

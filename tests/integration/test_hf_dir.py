@@ -12,12 +12,15 @@ from specserve import Engine
 
 
 # RoPE scalings, with an original context short enough that the test's positions reach the
-# scaled frequencies (llama3: long wavelengths divided by the factor, the middle smoothed).
+# scaled frequencies (llama3: long wavelengths divided by the factor, the middle smoothed; yarn:
+# the same with its own ramp, and the cos/sin magnitude).
 SCALINGS = {
     "llama": None,
     "llama-rope-llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 32},
     "llama-rope-linear": {"rope_type": "linear", "factor": 4.0},
+    # YaRN: the ramp spans pairs 0..2 of 8 at this size; every cos/sin scaled by 0.1 ln(8) + 1.
+    "llama-rope-yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},
 }
 
 
