@@ -44,6 +44,7 @@ class TinySpec:
     sandwich: bool = False  # gemma3: norms after attention and after the MLP too
     window: int = 0  # gemma3: the sliding window of its local layers
     rope_freqs: tuple[float, ...] = ()  # llama: RoPE frequency factors (Llama 3.1's scaling), as `rope_freqs.weight`
+    yarn: tuple[float, ...] = ()  # (factor, original context): rope.scaling.type = yarn with those keys
 
     @property
     def vocab(self) -> int:
@@ -101,6 +102,10 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
     writer.add_head_count(spec.heads)
     writer.add_head_count_kv(spec.kv_heads)
     writer.add_rope_freq_base(spec.rope_base)
+    if spec.yarn:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(spec.yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(int(spec.yarn[1]))
     writer.add_layer_norm_rms_eps(1e-6)
     if spec.window:
         writer.add_sliding_window(spec.window)

@@ -31,12 +31,15 @@ LEGACY = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q
 # Llama 3.1's RoPE scaling with an original context short enough for the prompts to reach it.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
 MODELS = {
     "qwen2-kquants": (TinySpec("qwen2", bias=True, rope_base=1e6), K_MIX, "qwen2"),
     "qwen2-f32-untied": (TinySpec("qwen2", bias=True, tied=False), {}, "qwen2"),
     "llama-legacy-quants": (TinySpec("llama", tied=False), LEGACY, "llama-bpe"),
     "llama3-rope-freqs-kquants": (TinySpec("llama", rope_freqs=llama3_factors(1e4, 64, 8.0, 1.0, 4.0, 16)), K_MIX,
                                   "llama-bpe"),
+    # YaRN from the file's rope.scaling keys, with an original context the prompts pass.
+    "qwen2-yarn-kquants": (TinySpec("qwen2", bias=True, rope_base=1e6, yarn=(4.0, 8)), K_MIX, "qwen2"),
     "qwen3-kquants": (TinySpec("qwen3", head_dim=128, qk_norm=True, rope_base=1e6), K_MIX, "qwen2"),
     # Six layers: five with a sliding window shorter than the prompts, then a global one.
     "gemma3-kquants": (TinySpec("gemma3", layers=6, heads=2, kv_heads=1, head_dim=256, qk_norm=True, sandwich=True,
@@ -57,15 +60,16 @@ def tiny_model(request, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    """transformers' model from the same file, float32 (its GGUF reader skips `rope_freqs`: the
-    scaling those factors stand for is set on its config)."""
+    """transformers' model from the same file, float32 (its GGUF reader skips `rope_freqs` and the
+    rope.scaling keys: the scaling they stand for is set on its config)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(tiny_model), gguf_file=os.path.basename(tiny_model), dtype=torch.float32
     ).eval()
-    if "rope-freqs" in tiny_model:
-        model.config.rope_parameters = {**LLAMA3_ROPE, "rope_theta": model.config.rope_parameters["rope_theta"]}
+    scaling = LLAMA3_ROPE if "rope-freqs" in tiny_model else YARN_ROPE if "yarn" in tiny_model else None
+    if scaling is not None:
+        model.config.rope_parameters = {**scaling, "rope_theta": model.config.rope_parameters["rope_theta"]}
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
     return model
 
