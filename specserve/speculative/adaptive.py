@@ -26,8 +26,9 @@ no drafts and left out of the batch objective. A drafter a request has not tried
 `explore_every` of its steps is tried once with every draft, so estimates can recover after a
 bad stretch; each drafter is explored at most once per `explore_every` planned steps of the
 engine (by its stalest request), so exploring costs the same share of the time at every batch
-size: with one window per request and interval, a batch of 16 explored in a quarter of its steps
-and lost about 3% of its throughput to windows that did not pay.
+size (one window per request and interval would open more of them the more requests run). A
+request's steps are the speculating steps it takes part in (observe_accept), so a batch that
+never drafts never explores.
 """
 
 from __future__ import annotations
