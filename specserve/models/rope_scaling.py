@@ -56,6 +56,14 @@ def yarn_magnitude(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def yarn_attention(factor: float, mscale: Optional[float] = None, mscale_all: Optional[float] = None) -> float:
+    """The magnitude, or with both mscales set (transformers' mscale and mscale_all_dim; llama.cpp's
+    1 and yarn_log_multiplier) the ratio of the two magnitudes."""
+    if mscale and mscale_all:
+        return yarn_magnitude(factor, mscale) / yarn_magnitude(factor, mscale_all)
+    return yarn_magnitude(factor)
+
+
 def llama3_factors(
     theta: float, head_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float, original_context: int
 ) -> tuple[float, ...]:
@@ -106,12 +114,7 @@ def _hf_yarn(rope: dict[str, Any], theta: float, head_dim: int) -> RopeScaling:
     factor = float(rope["factor"])
     attention = rope.get("attention_factor")
     if attention is None:
-        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention = (
-            yarn_magnitude(factor, mscale) / yarn_magnitude(factor, mscale_all)
-            if mscale and mscale_all
-            else yarn_magnitude(factor)
-        )
+        attention = yarn_attention(factor, rope.get("mscale"), rope.get("mscale_all_dim"))
     beta_fast, beta_slow = float(rope.get("beta_fast") or 32.0), float(rope.get("beta_slow") or 1.0)
     factors = yarn_factors(theta, head_dim, factor, int(rope["original_max_position_embeddings"]), beta_fast, beta_slow)
     return RopeScaling(factors, float(attention))
@@ -146,8 +149,7 @@ def _gguf_yarn(get: Callable[..., Any], head_dim: int) -> RopeScaling:
     if float(get("rope.scaling.yarn_ext_factor", 1.0)) not in (-1.0, 1.0):
         raise ConfigError("model_path: GGUF yarn RoPE scaling with an extrapolation mix other than 1 is not supported")
     original = int(get("rope.scaling.original_context_length", get("context_length", 4096)))
-    log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0))
-    magnitude = yarn_magnitude(factor) / yarn_magnitude(factor, log_mul) if log_mul else yarn_magnitude(factor)
+    magnitude = yarn_attention(factor, 1.0, float(get("rope.scaling.yarn_log_multiplier", 0.0)))
     theta = float(get("rope.freq_base", 10000.0))
     factors = yarn_factors(
         theta,
