@@ -167,23 +167,30 @@ class LlamaForCausalLM(nn.Module):
             top = int(fb.positions.max()) + 1
             self.rope.cover(top)
             self.rope_local.cover(top)
-        residual, out = self.embed_tokens(fb.input_ids), None
-        captured = []
+        residual = self.embed_tokens(fb.input_ids)
         native = self.native if self.native is not None and self.native.applies(fb) else None
-        step = native.step(fb, kv) if native is not None else None
-        for i, layer in enumerate(self.layers):
-            rope = self.rope_local if self.config.window(i) else self.rope
-            if native is not None:
-                out = native.run(i, step, out, residual, kv, rope)
-            else:
-                out = layer(out, residual, fb, kv, rope, self.ops)
-            if i in fb.capture_layer_ids:  # the layer's output: its MLP's plus the residual stream
-                captured.append(out + residual)
+        if native is not None:
+            out, captured = native.forward(fb, kv, residual, self.rope, self.rope_local)
+        else:
+            out, captured = self._per_op_layers(fb, kv, residual)
         if captured:  # the drafter's context: these layers' outputs for every row, concatenated
             fb.captured_hidden = torch.cat(captured, dim=-1)
         assert out is not None, "the model has layers"
         rows = fb.logit_rows
         return self.lm_head(self.ops.add_rms_norm(out[rows].contiguous(), residual[rows].contiguous(), self.norm))
+
+    def _per_op_layers(
+        self, fb: ForwardBatch, kv: KVPool, residual: torch.Tensor
+    ) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+        """The layers op by op (the native layers' reference): the last MLP output and the
+        captured layers' outputs (their MLP's plus the residual stream), in layer order."""
+        out, captured = None, []
+        for i, layer in enumerate(self.layers):
+            rope = self.rope_local if self.config.window(i) else self.rope
+            out = layer(out, residual, fb, kv, rope, self.ops)
+            if i in fb.capture_layer_ids:
+                captured.append(out + residual)
+        return out, captured
 
     @staticmethod
     def _load_quantized(layer: "LlamaDecoderLayer", p: str, quantized: dict[str, QuantWeight]) -> None:

@@ -1,7 +1,8 @@
-"""The decoder layers as one C++ call each (kernels/csrc/decoder_layer.cpp), for the CPU kernels at
-TP size 1: the kernels the per-op path (models/llama.py on CpuKernelOps) calls, in its order and on
-the same values, so tokens and K/V are bitwise the per-op path's, without Python dispatching about
-ten calls per layer. A pass's rows are checked once for every layer (`LayerStep`)."""
+"""The decoder layers as C++ calls (kernels/csrc/decoder_layer.cpp), for the CPU kernels at TP size
+1: the kernels the per-op path (models/llama.py on CpuKernelOps) calls, in its order and on the same
+values, so tokens and K/V are bitwise the per-op path's, without Python dispatching about ten calls
+per layer. A pass's rows are checked once for every layer (`LayerStep`), and its layers run in one
+call (one per run of layers between the outputs the DSpark drafter captures)."""
 
 from __future__ import annotations
 
@@ -73,9 +74,22 @@ class NativeLayers:
             meta.row_len.contiguous(), kv.k[0].shape[0], path_id(),
         )  # fmt: skip
 
-    def run(
-        self, i: int, step: Any, out: Optional[torch.Tensor], residual: torch.Tensor, kv: KVPool, rope: RotaryEmbedding
-    ) -> torch.Tensor:
-        """Layer i on the pass: residual updated in place, the layer's MLP output returned (as
-        LlamaDecoderLayer.forward)."""
-        return self.layers[i].forward(out, residual, step, kv.k[i], kv.v[i], rope.cos, rope.sin)
+    def forward(
+        self, fb: "ForwardBatch", kv: KVPool, residual: torch.Tensor, rope: RotaryEmbedding, rope_local: RotaryEmbedding
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every layer on the pass, in one C++ call per run of layers between captured outputs:
+        the last layer's MLP output (residual updated in place, as LlamaDecoderLayer.forward),
+        and `out + residual` after each layer in `fb.capture_layer_ids`, in layer order."""
+        step, capture = self.step(fb, kv), fb.capture_layer_ids
+        out: Optional[torch.Tensor] = None
+        captured, begin, n = [], 0, len(self.layers)
+        for end in sorted({i + 1 for i in capture if 0 <= i < n} | {n}):
+            out = load().forward_layers(
+                self.layers[begin:end], out, residual, step, kv.k[begin:end], kv.v[begin:end],
+                rope.cos, rope.sin, rope_local.cos, rope_local.sin,
+            )  # fmt: skip
+            if end - 1 in capture:
+                captured.append(out + residual)
+            begin = end
+        assert out is not None, "the model has layers"
+        return out, captured

@@ -84,6 +84,10 @@ class DecoderLayer {
     return add_norm(nullptr, mlp_out, kPostFeedforward, p);
   }
 
+  // Whether the layer attends over a sliding window (it then reads the local RoPE table, as
+  // models/llama.py picks it).
+  bool local() const { return window_ > 0; }
+
  private:
   static void check_vector(const c10::optional<torch::Tensor>& t, int64_t n, const char* what) {
     TORCH_CHECK(!t || (t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->numel() == n),
@@ -182,6 +186,24 @@ class DecoderLayer {
   int64_t hidden_ = 0;
 };
 
+// Layers in order in one call: layer j with K/V pools k_pools[j] and v_pools[j] and the local RoPE
+// table where it has a sliding window, each exactly as its own forward call would run it; returns the
+// last layer's MLP output (residual updated in place). One pybind call for a run of layers, not one
+// per layer: at batch 1 the per-layer calls' argument conversion and Python loop were a measurable
+// share of a step.
+torch::Tensor forward_layers(const std::vector<const DecoderLayer*>& layers, c10::optional<torch::Tensor> out,
+                             torch::Tensor residual, const LayerStep& step, const std::vector<torch::Tensor>& k_pools,
+                             const std::vector<torch::Tensor>& v_pools, torch::Tensor cos, torch::Tensor sin,
+                             torch::Tensor cos_local, torch::Tensor sin_local) {
+  TORCH_CHECK(!layers.empty() && k_pools.size() == layers.size() && v_pools.size() == layers.size(),
+              "specserve decoder layers: one K and one V pool per layer, at least one layer");
+  for (size_t j = 0; j < layers.size(); ++j) {
+    const bool local = layers[j]->local();
+    out = layers[j]->forward(out, residual, step, k_pools[j], v_pools[j], local ? cos_local : cos, local ? sin_local : sin);
+  }
+  return *out;
+}
+
 }  // namespace
 
 void register_decoder_layer(py::module& m) {
@@ -203,6 +225,9 @@ void register_decoder_layer(py::module& m) {
            py::arg("eps"))
       .def("forward", &DecoderLayer::forward, py::arg("out"), py::arg("residual"), py::arg("step"), py::arg("k_pool"),
            py::arg("v_pool"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  m.def("forward_layers", &forward_layers, "decoder layers in order in one call", py::arg("layers"), py::arg("out"),
+        py::arg("residual"), py::arg("step"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos"), py::arg("sin"),
+        py::arg("cos_local"), py::arg("sin_local"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace specserve
