@@ -306,7 +306,7 @@ class ModelRunner:
         bs, width = step.size, step.width
         ids = torch.empty(bs, width, dtype=torch.int64, device=self.device)
         ids[:, 0] = anchors
-        proposal = self._draft(step, rows, ids, prefix, out_lens, drafters=plan.drafters)
+        proposal = self._draft(step, rows, ids, prefix, out_lens, plan=plan)
         verify_lens = proposal.verify_lens
         if any(k < width - 1 for k in plan.drafts):  # a window with fewer drafts verifies fewer rows
             verify_lens = tighter(verify_lens, [1 + k for k in plan.drafts])
@@ -335,11 +335,11 @@ class ModelRunner:
         ids: torch.Tensor,
         prefix: torch.Tensor,
         out_lens: torch.Tensor,
-        drafters: list[Optional[str]],
+        plan: StepPlan,
     ) -> Proposal:
-        """Fill ids[:, 1:] with each request's drafts by `drafters`; returns their distributions
+        """Fill ids[:, 1:] with each request's drafts as planned; returns their distributions
         and verify lengths."""
-        return self.speculation.propose(drafters, rows, ids, prefix, out_lens, step.params, step.seeds)
+        return self.speculation.propose(plan.drafters, rows, ids, prefix, out_lens, step.params, step.seeds, plan.drafts)
 
     def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""

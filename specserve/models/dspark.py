@@ -305,14 +305,15 @@ class DsparkDrafter(nn.Module):
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
         counters: Sequence[int],
+        drafts: Optional[int] = None,
     ) -> DraftOut:
-        """Draft g tokens per request.
+        """Draft g tokens per request (the first `drafts` of them: the same tokens, without the rest).
 
         anchors [bs]; prefix_lens [bs] (S); ctx_slots [bs, C] token slots of context positions
         0..C-1 (columns >= S are ignored); counters: each request's output length, from which the
         draft uniforms derive, so sampled drafts are reproducible across batches and ranks.
         """
-        hidden = self.block_hidden(anchors, prefix_lens, ctx_slots, kv)
+        hidden = self.block_hidden(anchors, prefix_lens, ctx_slots, kv)[:, :drafts]  # the whole block attends
         assert self.lm_head is not None, "attach_target first"
         base = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(hidden.shape[0], hidden.shape[1], -1)
         return self.markov_decode(anchors, hidden, base, params, seeds, counters)

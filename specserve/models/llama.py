@@ -169,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
             self.rope_local.cover(top)
         residual = self.embed_tokens(fb.input_ids)
         native = self.native if self.native is not None and self.native.applies(fb) else None
+        out: Optional[torch.Tensor]
         if native is not None:
             out, captured = native.forward(fb, kv, residual, self.rope, self.rope_local)
         else:

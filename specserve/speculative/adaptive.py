@@ -163,7 +163,8 @@ class AdaptivePolicy:
                 drafters[i], drafts[i] = decision.drafter, decision.drafts
                 predicted[i] = decision.expected_tokens(cands)
         dspark = sum(d == DSPARK for d in drafters)
-        shape = StepShape(bs, sum(drafts), dspark, dspark * self.gamma, sum(d == NGRAM for d in drafters))
+        dspark_rows = sum(k for d, k in zip(drafters, drafts) if d == DSPARK)
+        shape = StepShape(bs, sum(drafts), dspark, dspark_rows, sum(d == NGRAM for d in drafters))
         self._match_lens = dict(zip(rows, match_lens or [0] * bs))
         return StepPlan(drafters, drafts, predicted, shape)
 
@@ -186,11 +187,7 @@ class AdaptivePolicy:
                 self._last = (True, [], [Decision() for _ in live])
             else:
                 candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
-                self._last = (
-                    False,
-                    candidates,
-                    choose_drafts(_weighted(candidates, weight), self.cost, self.gamma, self.min_gain),
-                )
+                self._last = (False, candidates, choose_drafts(_weighted(candidates, weight), self.cost, self.min_gain))
             self._last_key = key
         return self._last
 

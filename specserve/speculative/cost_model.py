@@ -39,7 +39,7 @@ class StepShape:
     requests: int  # running requests (one target row each)
     verify_rows: int = 0  # draft rows verified on top of one row per request
     dspark_requests: int = 0  # requests the DSpark drafter drafts for
-    dspark_rows: int = 0  # rows the DSpark drafter computes (its block per drafting request)
+    dspark_rows: int = 0  # draft rows of the DSpark drafter's heads (a drafting request's k; its block is g rows)
     ngram_requests: int = 0  # requests whose drafts come from NGRAM lookups
 
     def features(self) -> tuple[float, ...]:

@@ -58,9 +58,9 @@ class DsparkWorker:
         self.flush()
         ctx_slots = self.table[inp.rows, : int(inp.prefix_lens.max())]
         out = self.drafter.propose(
-            inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds, inp.out_lens.tolist()
+            inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds, inp.out_lens.tolist(), inp.needed
         )
-        return Drafts(out.tokens, out.probs, out.confidence)
+        return _filled(Drafts(out.tokens, out.probs, out.confidence), inp.gamma)
 
     def commit_rows(self, rows: CommittedRows) -> None:
         if self.max_pending_rows <= 0:
@@ -84,3 +84,19 @@ class DsparkWorker:
 
     def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
         return None  # the context is the target's hidden states, received by commit_rows
+
+
+def _filled(drafts: Drafts, gamma: int) -> Drafts:
+    """Windows of gamma drafts from the first k: the rest repeat the last draft, one-hot where the
+    drafter sampled, with no confidence. No verify reads them (each window verifies at most k)."""
+    k = drafts.tokens.shape[1]
+    if k >= gamma:
+        return drafts
+    tail = drafts.tokens[:, -1:].expand(-1, gamma - k)
+    probs = drafts.probs
+    if probs is not None:
+        probs = torch.cat([probs, torch.nn.functional.one_hot(tail, probs.shape[-1]).to(probs.dtype)], 1)
+    confidence = drafts.confidence
+    if confidence is not None:
+        confidence = torch.cat([confidence, confidence.new_zeros(confidence.shape[0], gamma - k)], 1)
+    return Drafts(torch.cat([drafts.tokens, tail], 1), probs, confidence)

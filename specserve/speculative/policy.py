@@ -67,31 +67,28 @@ class Decision:
 class _Plan:
     """Rates a batch's decisions: expected tokens over the cost model's seconds."""
 
-    def __init__(self, requests: Sequence[Sequence[Candidate]], cost: StepCostModel, dspark_block: int):
-        self.requests, self.cost, self.block = requests, cost, dspark_block
+    def __init__(self, requests: Sequence[Sequence[Candidate]], cost: StepCostModel):
+        self.requests, self.cost = requests, cost
 
     def rate(self, decisions: Sequence[Decision]) -> float:
         """Expected committed tokens per second of a step with these decisions."""
-        tokens, rows, dspark, ngram = 0.0, 0, 0, 0
+        tokens, rows, dspark, dspark_rows, ngram = 0.0, 0, 0, 0, 0
         for d, c in zip(decisions, self.requests):
             tokens += d.expected_tokens(c)
             if d.drafter is not None and d.drafts > 0:
                 rows += d.drafts
                 dspark += d.drafter == DSPARK
+                dspark_rows += d.drafts if d.drafter == DSPARK else 0
                 ngram += d.drafter == NGRAM
-        return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark * self.block, ngram)
+        return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark_rows, ngram)
 
 
 def choose_drafts(
-    requests: Sequence[Sequence[Candidate]],
-    cost: StepCostModel,
-    dspark_block: int,
-    min_gain: float = 0.0,
-    max_iterations: int = 20,
+    requests: Sequence[Sequence[Candidate]], cost: StepCostModel, min_gain: float = 0.0, max_iterations: int = 20
 ) -> list[Decision]:
     """The batch's decisions: plain decoding unless a plan is predicted to commit tokens at least
     (1 + min_gain) times as fast (a margin for the predictions' own errors)."""
-    plan = _Plan(requests, cost, dspark_block)
+    plan = _Plan(requests, cost)
     plain = [Decision() for _ in requests]
     plain_rate = plan.rate(plain)
     if _nothing_can_pay(requests, cost, plain_rate * (1 + min_gain)):
@@ -101,7 +98,7 @@ def choose_drafts(
     for dspark_runs in (False, True):
         if dspark_runs and not any(c.drafter == DSPARK for cands in requests for c in cands):
             continue
-        options = [_priced_options(cands, coef, dspark_block, dspark_runs) for cands in requests]
+        options = [_priced_options(cands, coef, dspark_runs) for cands in requests]
         rate = best_rate
         for _ in range(max_iterations):
             decisions = [max(opts, key=lambda o: o[0] - rate * o[1])[2] for opts in options]
@@ -115,19 +112,18 @@ def choose_drafts(
 
 
 def _priced_options(
-    candidates: Sequence[Candidate], coef: dict[str, float], dspark_block: int, dspark_runs: bool
+    candidates: Sequence[Candidate], coef: dict[str, float], dspark_runs: bool
 ) -> list[tuple[float, float, Decision]]:
     """(expected tokens, seconds this request adds, decision) for each of its options; DSpark
-    options only when the drafter runs (its fixed cost is the batch's, not the request's)."""
+    options only when the drafter runs (its fixed cost is the batch's, not the request's), each of
+    its drafts a verified row and a row of the drafter's heads (it computes the first k)."""
     out = [(1.0, 0.0, Decision())]
     for c in candidates:
         if c.drafter == DSPARK and not dspark_runs:
             continue
-        extra = coef["dspark_rows"] * dspark_block if c.drafter == DSPARK else coef["ngram_requests"]
-        out += [
-            (c.expected_tokens(k), coef["verify_rows"] * k + extra, Decision(c.drafter, k))
-            for k in range(1, len(c.survival) + 1)
-        ]
+        per_row = coef["verify_rows"] + (coef["dspark_rows"] if c.drafter == DSPARK else 0.0)
+        extra = 0.0 if c.drafter == DSPARK else coef["ngram_requests"]
+        out += [(c.expected_tokens(k), per_row * k + extra, Decision(c.drafter, k)) for k in range(1, len(c.survival) + 1)]
     return out
 
 

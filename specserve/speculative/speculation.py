@@ -111,9 +111,12 @@ class Speculation:
         out_lens: torch.Tensor,
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
+        counts: Optional[Sequence[int]] = None,
     ) -> Proposal:
         """Fill ids[:, 1:] (ids[:, 0] holds the anchors): each request's drafter proposes its window;
-        a request without a drafter repeats its anchor (the verify still yields its bonus token)."""
+        a request without a drafter repeats its anchor (the verify still yields its bonus token).
+        counts: each request's planned draft count (None: gamma each); a drafter is told the most
+        any of its windows verifies."""
         bs, gamma = ids.shape[0], ids.shape[1] - 1
         proposal, confidence = Proposal(), None
         for name, index in _groups(drafters, bs).items():
@@ -135,6 +138,7 @@ class Speculation:
                     [params[i] for i in index],
                     [seeds[i] for i in index],
                     gamma,
+                    None if counts is None else max(1, max(counts[i] for i in index)),
                 )
             )
             ids[target, 1:] = drafts.tokens

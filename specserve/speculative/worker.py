@@ -34,6 +34,9 @@ class DraftInput:
     params: Sequence[SamplingParams]
     seeds: Sequence[int]
     gamma: int  # drafts per window
+    # The most drafts any of these windows verifies (None: gamma): a drafter may compute only the
+    # first `needed` and fill the rest, which no verify reads.
+    needed: Optional[int] = None
 
 
 @dataclass

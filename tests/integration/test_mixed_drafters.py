@@ -28,7 +28,7 @@ def test_one_step_mixes_dspark_ngram_and_undrafted_requests(fp32_engine, drafter
     draft = runner._draft
 
     def spy(step, *args, **kwargs):
-        drafters_per_step.append(list(kwargs["drafters"]))
+        drafters_per_step.append(list(kwargs["plan"].drafters))
         return draft(step, *args, **kwargs)
 
     runner._draft = spy

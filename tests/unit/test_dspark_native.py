@@ -30,8 +30,8 @@ class Head:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return h.float() @ self.weight.T
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # row by row: a row's logits never depend on the others
+        return torch.cat([h[i : i + 1].float() @ self.weight.T for i in range(h.shape[0])])
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.weight[index].to(dtype or torch.bfloat16)
@@ -149,6 +149,31 @@ def test_native_drafts_do_not_depend_on_the_batch():
         alone = model.propose(torch.tensor([a]), torch.tensor([s]), slots[:1, :s], kv, [GREEDY], [0], [0])
         assert torch.equal(both.tokens[i], alone.tokens[0])
         assert torch.equal(both.confidence[i], alone.confidence[0])
+
+
+@pytest.mark.parametrize("per_op", [False, True])
+def test_the_first_k_drafts_are_the_whole_blocks_first_k(per_op):
+    """A window that verifies k drafts gets the first k of the whole block's drafts (the block
+    attends as a whole; the heads and the Markov head stop after k), greedy and sampled, and the
+    worker fills the window out to gamma with what no verify reads (the last draft, one-hot)."""
+    from specserve.speculative.dspark_worker import DsparkWorker
+    from specserve.speculative.worker import DraftInput
+
+    model, kv = make_drafter(per_op=per_op)
+    anchors, lens, slots = torch.tensor([5, 6]), torch.tensor([40, 27]), torch.arange(1, 41).repeat(2, 1)
+    params, seeds, counters = [GREEDY, SamplingParams(temperature=1.0)], [0, 11], [3, 8]
+    whole = model.propose(anchors, lens, slots, kv, params, seeds, counters)
+    table = torch.zeros(4, 48, dtype=torch.int64)
+    table[:2, :40] = slots
+    worker = DsparkWorker(model, kv, table)
+    for k in range(1, G + 1):
+        first = model.propose(anchors, lens, slots, kv, params, seeds, counters, drafts=k)
+        assert torch.equal(first.tokens, whole.tokens[:, :k])
+        assert torch.equal(first.probs, whole.probs[:, :k]) and torch.equal(first.confidence, whole.confidence[:, :k])
+        out = worker.draft(DraftInput(torch.tensor([0, 1]), anchors, lens, torch.tensor(counters), params, seeds, G, k))
+        assert torch.equal(out.tokens[:, :k], first.tokens) and torch.equal(out.probs[:, :k], first.probs)
+        assert (out.tokens[:, k:] == first.tokens[:, -1:]).all() and out.confidence.shape == (2, G)
+        assert torch.equal(out.probs[:, k:].argmax(-1), out.tokens[:, k:]) and (out.probs[:, k:].sum(-1) == 1).all()
 
 
 def test_a_pool_without_block_rows_drafts_op_by_op():

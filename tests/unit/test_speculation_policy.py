@@ -65,13 +65,13 @@ def frozen_true_model() -> StepCostModel:
 
 def test_plain_decoding_when_a_verify_row_costs_more_than_it_gains():
     weak = [[Candidate(DSPARK, (0.05, 0.01, 0.0)), Candidate(NGRAM, (0.02, 0.0, 0.0))]] * 4
-    assert choose_drafts(weak, frozen_true_model(), 3) == [Decision()] * 4
+    assert choose_drafts(weak, frozen_true_model()) == [Decision()] * 4
 
 
 def test_ngram_is_chosen_for_a_request_whose_suffix_matches():
     copying = [Candidate(DSPARK, (0.3, 0.1, 0.03)), Candidate(NGRAM, (0.95, 0.9, 0.85))]
     chatting = [Candidate(DSPARK, (0.3, 0.1, 0.03)), Candidate(NGRAM, (0.0, 0.0, 0.0))]
-    decisions = choose_drafts([copying, chatting], frozen_true_model(), 3)
+    decisions = choose_drafts([copying, chatting], frozen_true_model())
     assert decisions[0] == Decision(NGRAM, 3)
     assert decisions[1] == Decision()
 
@@ -80,7 +80,7 @@ def test_drafts_grow_longer_as_acceptance_rises():
     counts = []
     for rate in (0.3, 0.6, 0.8, 0.9, 0.97):
         survival = tuple(rate ** j for j in range(1, 7))
-        counts.append(choose_drafts([[Candidate(NGRAM, survival)]], frozen_true_model(), 6)[0].drafts)
+        counts.append(choose_drafts([[Candidate(NGRAM, survival)]], frozen_true_model())[0].drafts)
     assert counts == sorted(counts) and counts[0] < counts[-1], counts
 
 
@@ -91,18 +91,35 @@ def test_the_batch_optimum_differs_from_each_request_deciding_alone():
     requests = [[Candidate(DSPARK, (0.75, 0.5))]] * 8
     model = StepCostModel([7e-3, 1e-3, 3e-4, 1e-2, 5e-5, 0.0, 0.0])
     model.freeze()
-    alone = [choose_drafts([r], model, 2)[0] for r in requests]
-    together = choose_drafts(requests, model, 2)
+    alone = [choose_drafts([r], model)[0] for r in requests]
+    together = choose_drafts(requests, model)
     assert alone == [Decision()] * 8
     assert all(d.drafter == DSPARK and d.drafts > 0 for d in together)
 
     def rate(decisions):
         tokens = sum(d.expected_tokens(r) for d, r in zip(decisions, requests))
         drafting = sum(d.drafts > 0 for d in decisions)
-        shape = StepShape(8, sum(d.drafts for d in decisions), drafting, 2 * drafting, 0)  # block of 2
+        rows = sum(d.drafts for d in decisions)
+        shape = StepShape(8, rows, drafting, rows, 0)  # every draft here is DSPARK's: a row of its heads
         return tokens / model.predict(shape)
 
     assert rate(together) > rate(alone) * 1.05
+
+
+def test_dspark_drafts_are_priced_by_the_rows_its_heads_compute():
+    """The drafter computes its heads for the k drafts a window verifies (its block is whole
+    whatever k): each DSPARK draft costs a verified row plus a head row, so dear head rows make
+    shorter DSPARK windows, where a per-block price could not tell k = 1 from k = gamma."""
+    requests = [[Candidate(DSPARK, (0.9, 0.75, 0.6))]]
+
+    def chosen(head_row_s: float) -> Decision:
+        model = StepCostModel([7e-3, 1e-3, 3e-4, 1e-3, head_row_s, 0.0, 0.0])
+        model.freeze()
+        return choose_drafts(requests, model)[0]
+
+    cheap, dear = chosen(0.0), chosen(4.5e-3)
+    assert cheap == Decision(DSPARK, 3)
+    assert dear.drafter == DSPARK and 0 < dear.drafts < 3, dear
 
 
 def test_candidates_must_be_non_increasing_probabilities():
@@ -153,12 +170,12 @@ def test_the_large_batch_shortcut_never_changes_the_decision(monkeypatch):
             return Candidate(name, tuple(rate ** j for j in range(1, 4)))
 
         requests = [[candidate(DSPARK), candidate(NGRAM)] for _ in range(bs)]
-        fast = choose_drafts(requests, model, 3)
+        fast = choose_drafts(requests, model)
         with monkeypatch.context() as m:
             m.setattr(policy_module, "_nothing_can_pay", lambda *a: False)
-            full = choose_drafts(requests, model, 3)
+            full = choose_drafts(requests, model)
         assert fast == full
-        plain = policy_module._Plan(requests, model, 3).rate([Decision()] * bs)
+        plain = policy_module._Plan(requests, model).rate([Decision()] * bs)
         shortcuts += policy_module._nothing_can_pay(requests, model, plain)
     assert shortcuts > 5  # the shortcut was actually taken in some cases
 
@@ -200,10 +217,10 @@ def test_the_search_finds_the_exact_optimum_of_small_batches():
         for _ in range(bs):
             a, b = rng.random(), rng.random()
             requests.append([Candidate(DSPARK, (a, a * a * rng.random())), Candidate(NGRAM, (b, b * b))])
-        plan = _Plan(requests, model, 2)
+        plan = _Plan(requests, model)
         options = [[Decision()] + [Decision(c.drafter, k) for c in cands for k in (1, 2)] for cands in requests]
         best = max(plan.rate(list(combo)) for combo in itertools.product(*options))
-        assert plan.rate(choose_drafts(requests, model, 2)) == pytest.approx(best, rel=1e-9)
+        assert plan.rate(choose_drafts(requests, model)) == pytest.approx(best, rel=1e-9)
 
 
 def test_first_is_the_first_survival():
@@ -221,10 +238,10 @@ def test_a_plan_must_beat_plain_decoding_by_the_margin():
     model = StepCostModel([7e-3, 3e-4, 1e-3, 0.0, 0.0, 0.0, 0.0])
     model.freeze()
     small = [[Candidate(NGRAM, (0.18,))]]  # 1.18 tokens in 8.3 ms against 1 in 7.3 ms: +3.8%
-    assert choose_drafts(small, model, 1) == [Decision(NGRAM, 1)]
-    assert choose_drafts(small, model, 1, min_gain=0.05) == [Decision()]
+    assert choose_drafts(small, model) == [Decision(NGRAM, 1)]
+    assert choose_drafts(small, model, min_gain=0.05) == [Decision()]
     large = [[Candidate(NGRAM, (0.9,))]]
-    assert choose_drafts(large, model, 1, min_gain=0.05) == [Decision(NGRAM, 1)]
+    assert choose_drafts(large, model, min_gain=0.05) == [Decision(NGRAM, 1)]
 
 
 def test_batched_refits_fit_what_one_update_a_step_fits():
