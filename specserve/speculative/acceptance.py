@@ -19,7 +19,9 @@ class SurvivalEstimate:
     """One request's (or one drafter's engine-wide) conditional acceptance per draft position.
 
     Per position: exponentially decayed counts of windows that tested it and of those that
-    accepted it, so the rate follows the text as it changes; `prior` until a position is tested.
+    accepted it, so the rate follows the text as it changes, with `prior` counted as
+    `prior_weight` windows (the engine-wide rates: one unlucky exploring window put a drafter's
+    rate at 0 and kept the policy off it; a request's own rates blend with those instead).
     Blended with a hint, the own rate weighs evidence / (evidence + credibility): a request with
     no history of its own follows the hint entirely."""
 
@@ -27,6 +29,7 @@ class SurvivalEstimate:
     prior: float = 0.5  # a_j before any evidence
     decay: float = 0.8  # weight of the past in each update
     credibility: float = 3.0  # windows of own evidence that weigh as much as the hint
+    prior_weight: float = 0.0  # windows of evidence the prior counts as
 
     def __post_init__(self) -> None:
         self.tested = [0.0] * self.gamma
@@ -34,7 +37,8 @@ class SurvivalEstimate:
 
     @property
     def rates(self) -> list[float]:
-        return [a / t if t > 0 else self.prior for a, t in zip(self.accepted, self.tested)]
+        w = self.prior_weight
+        return [(a + w * self.prior) / (t + w) if t + w > 0 else self.prior for a, t in zip(self.accepted, self.tested)]
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verified window of `drafted` drafts of which the first `accepted` were accepted."""
@@ -48,7 +52,7 @@ class SurvivalEstimate:
         if tested <= 0:
             return min(max(hint, 0.0), 1.0)
         own = tested / (tested + self.credibility)
-        return min(max(own * self.accepted[0] / tested + (1 - own) * hint, 0.0), 1.0)
+        return min(max(own * self.rates[0] + (1 - own) * hint, 0.0), 1.0)
 
     def survival(self, hint: Optional[Sequence[float]] = None) -> tuple[float, ...]:
         """s_1..s_gamma, blending each a_j with hint[j] (a conditional rate) when given."""

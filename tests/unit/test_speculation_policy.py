@@ -146,6 +146,19 @@ def test_survival_estimate_follows_the_request_and_blends_hints():
     assert fresh.survival(hint=[0.3, 0.5]) == pytest.approx((0.3, 0.15))  # no own evidence: the hint alone
 
 
+def test_a_prior_with_weight_survives_one_rejected_window():
+    """The engine-wide rates count their prior as one window: a single rejection halves the
+    rate instead of zeroing it (which kept the policy off a drafter until its next exploration),
+    and steady evidence still wins."""
+    est = SurvivalEstimate(gamma=2, prior=0.4, decay=0.98, prior_weight=1.0)
+    est.observe(drafted=2, accepted=0)
+    assert est.rates == pytest.approx([0.2, 0.4])
+    for _ in range(200):
+        est.observe(drafted=2, accepted=2)
+    assert est.rates[0] > 0.97
+    assert SurvivalEstimate(gamma=1, prior=0.4).rates == [0.4]  # no evidence: the prior, whatever its weight
+
+
 def test_calibration_tracks_error_and_bias():
     cal = Calibration()
     for predicted, realised in ((2.0, 1.0), (1.5, 2.5), (3.0, 3.0)):
