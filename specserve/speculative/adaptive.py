@@ -27,9 +27,11 @@ no drafts and left out of the batch objective. A drafter a request has not tried
 bad stretch; each drafter is explored at most once per `explore_every` planned steps of the
 engine (by its stalest request), so exploring costs the same share of the time at every batch
 size (one window per request and interval would open more of them the more requests run). A
-request's steps are the planned steps it is live in, drafting or not, and a new request is due at
-once: counting only the steps it drafted in, a short request never reached the interval, and at
-batch 1 the DSpark drafter went unexplored after the warm-up.
+request's steps are the speculating steps it takes part in (observe_accept), so a batch that
+never drafts never explores, and at batch 1 a request shorter than the interval's worth of its
+own drafting steps does not either (counting every planned step explored each drafter once per
+interval at batch 1 too; on MT-Bench with the shipped drafter those windows cost more than they
+taught, since no DSpark window paid there).
 """
 
 from __future__ import annotations
@@ -149,8 +151,6 @@ class AdaptivePolicy:
         drafts, predicted = [0] * bs, [1.0] * bs
         live = [i for i, row in enumerate(rows) if not self._row(row).done]
         self._plans += bool(live)  # steps of finished requests only (the overlap loop's extra step) do not count
-        for i in live:
-            self._row(rows[i]).steps += 1
         match = [match_lens[i] if match_lens else 0 for i in range(bs)]
         weight = self.token_weight(len(live), refills)
         plain, candidates, decisions = self._decide(rows, live, speculating, match, weight)
@@ -224,7 +224,10 @@ class AdaptivePolicy:
         due = self._explorable()
         if not due:
             return False
-        return any(max(self._idle(self._row(rows[i]), n) for n in due) >= self.explore_every for i in live)
+        return any(
+            self._row(rows[i]).steps - min(self._row(rows[i]).last_try.get(n, 0) for n in due) >= self.explore_every
+            for i in live
+        )
 
     def _explorable(self) -> tuple[str, ...]:
         """The drafters not explored in the last explore_every planned steps."""
@@ -233,10 +236,6 @@ class AdaptivePolicy:
         return tuple(
             n for n in self.drafters if self._plans - self._explored.get(n, -self.explore_every) >= self.explore_every
         )
-
-    def _idle(self, state: _Row, name: str) -> int:
-        """The request's planned steps since it last drafted with `name` (a new request: due at once)."""
-        return state.steps - state.last_try.get(name, -self.explore_every)
 
     def _row(self, row: int) -> _Row:
         if row not in self.rows:
@@ -262,7 +261,7 @@ class AdaptivePolicy:
         for j, i in enumerate(live):
             state = self._row(rows[i])
             for name in due if candidates[j] else ():
-                idle = self._idle(state, name)
+                idle = state.steps - state.last_try.get(name, 0)
                 if idle >= self.explore_every and decisions[j].drafter != name:
                     stale.append((-idle, j, name))
         if not stale:
@@ -280,6 +279,7 @@ class AdaptivePolicy:
         predicted_sum, realised_sum, windows = 0.0, 0, 0
         for row, name, k, predicted, a in zip(rows, plan.drafters, plan.drafts, plan.predicted, accepted):
             state = self._row(row)
+            state.steps += 1
             if name is None or k == 0:
                 continue
             state.last_try[name] = state.steps

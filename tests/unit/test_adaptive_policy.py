@@ -149,24 +149,6 @@ def test_exploration_tries_an_unused_drafter_once_per_interval_one_window_a_step
     assert policy(table=NEVER_PAYS).plan([0, 1, 2], [True] * 3, [2] * 3).drafts == [0, 0, 0]  # explore_every=0
 
 
-def test_short_requests_that_never_draft_still_explore():
-    """One request at a time, each shorter than the interval, none drafting: each drafter is still
-    explored once per interval of planned steps (a request's steps are the steps it is planned in,
-    and a new request is due at once). Counting only the steps a request drafted in, none of them
-    ever reached the interval, so after the warm-up the DSpark drafter was never tried again."""
-    p = policy(table=NEVER_PAYS, explore_every=16)
-    tried = {DSPARK: [], NGRAM: []}
-    for step in range(160):
-        if step % 10 == 0:
-            p.start(0)  # the next request takes the slot
-        plan = p.plan([0], [True], [2])
-        if plan.drafts[0]:
-            tried[plan.drafters[0]].append(step)
-        p.observe_accept([0], plan, [0])
-    for name, steps in tried.items():
-        assert 9 <= len(steps) <= 10 and all(b - a >= 16 for a, b in zip(steps, steps[1:])), (name, steps)
-
-
 def test_a_large_batch_explores_each_drafter_as_rarely_as_one_request_does():
     """Exploring is budgeted per planned step of the engine, not per request: 16 requests would
     otherwise open an exploring window in most steps (one each per interval and drafter)."""
