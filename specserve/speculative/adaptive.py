@@ -213,7 +213,7 @@ class AdaptivePolicy:
                 state = self._row(rows[i])
                 for name in self.drafters:
                     glob = self._global(name, match[i])
-                    hint = glob.accepted[0] / glob.tested[0] if glob.tested[0] > 0 else glob.prior
+                    hint = glob.rates[0]
                     best_first = max(best_first, state.own[name].first(hint))
         plain_rate = len(live) / self.cost.predict(StepShape(len(live))) if live else 0.0
         return not live or plain_beats_every_plan(best_first * weight, self.cost, plain_rate * (1 + self.min_gain))

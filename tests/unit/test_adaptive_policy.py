@@ -76,6 +76,18 @@ def test_windows_follow_acceptance_engine_wide_and_per_request():
     assert plan.drafts[0] > plan.drafts[1], plan
 
 
+def test_one_rejected_window_does_not_rule_a_drafter_out():
+    """After one engine-wide window with its first draft rejected, the DSPARK rate is its prior
+    halved, not 0, and a fresh request still drafts where that pays: the plain-wins shortcut reads
+    the same smoothed rate as the search (it read the raw counts, 0, and planned plain decoding)."""
+    p = policy(drafters=(DSPARK,))
+    p.dspark_rates.observe(GAMMA, 0)
+    assert p.dspark_rates.rates[0] > 0.1
+    p.start(0)
+    plan = p.plan([0], [True], [0])
+    assert plan.drafters == [DSPARK] and plan.drafts[0] >= 1, plan
+
+
 def test_ngram_rates_are_learned_per_match_length():
     p = policy(drafters=(NGRAM,))
     p.start(0)
