@@ -28,10 +28,9 @@ bad stretch; each drafter is explored at most once per `explore_every` planned s
 engine (by its stalest request), so exploring costs the same share of the time at every batch
 size (one window per request and interval would open more of them the more requests run). A
 request's steps are the speculating steps it takes part in (observe_accept), so a batch that
-never drafts never explores, and at batch 1 a request shorter than the interval's worth of its
-own drafting steps does not either (counting every planned step explored each drafter once per
-interval at batch 1 too; on MT-Bench with the shipped drafter those windows cost more than they
-taught, since no DSpark window paid there).
+never drafts never explores, nor does a request that drafts in fewer than `explore_every` steps.
+(Counting every planned step instead made batch 1 explore too; on MT-Bench with the shipped
+drafter no DSpark window paid, so those windows only cost throughput.)
 """
 
 from __future__ import annotations
