@@ -101,14 +101,20 @@ SPECSERVE_AVX512 inline void add_high_bits(const uint8_t* plane, __m512i& wa, __
 }
 
 // part[r][j] += the group's integer dot products for a Q4-layout weight (codes unsigned, x signed).
-template <int Bits, int R, int NBT>
-SPECSERVE_AVX512 inline void q4_group(const PackedWeight& w, const uint8_t* const* blocks, const int8_t* const* rows,
-                                      int64_t g, __m512i (*part)[NBT]) {
-  const int64_t octs = w.group / 8, plane = w.k / 8 * 64;
+// A lone chain per (row, block) when there are enough of them to hide VPDPBUSD's latency; with
+// fewer, each takes two chains (the octs' two halves), added at the end (integers: exact).
+template <int Bits, int Group, int R, int NBT>
+SPECSERVE_AVX512 SPECSERVE_INLINE void q4_group(const PackedWeight& w, const uint8_t* const* blocks,
+                                                const int8_t* const* rows, int64_t g, __m512i (*part)[NBT]) {
+  constexpr bool kTwoChains = R * NBT < 4;
+  constexpr int64_t octs = Group / 8;
+  const int64_t plane = w.k / 8 * 64;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
-  __m512i part_b[R][NBT];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NBT; ++j) part_b[r][j] = _mm512_setzero_si512();
+  __m512i part_b[kTwoChains ? R : 1][NBT];
+  if constexpr (kTwoChains)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NBT; ++j) part_b[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
   for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
     __m512i wa[NBT], wb[NBT];
     for (int j = 0; j < NBT; ++j) {
@@ -123,28 +129,31 @@ SPECSERVE_AVX512 inline void q4_group(const PackedWeight& w, const uint8_t* cons
       std::memcpy(&xa, rows[r] + oct * 8, 4);
       std::memcpy(&xb, rows[r] + oct * 8 + 4, 4);
       const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
-      for (int j = 0; j < NBT; ++j) {  // two chains, not one twice as long: VPDPBUSD's latency is several cycles
+      for (int j = 0; j < NBT; ++j) {
         part[r][j] = _mm512_dpbusd_epi32(part[r][j], wa[j], va);
-        part_b[r][j] = _mm512_dpbusd_epi32(part_b[r][j], wb[j], vb);
+        if constexpr (kTwoChains) part_b[r][j] = _mm512_dpbusd_epi32(part_b[r][j], wb[j], vb);
+        else part[r][j] = _mm512_dpbusd_epi32(part[r][j], wb[j], vb);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_add_epi32(part[r][j], part_b[r][j]);  // integers: exact
+  if constexpr (kTwoChains)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_add_epi32(part[r][j], part_b[r][j]);
 }
 
 // The same for a Q8-layout weight (codes signed, x biased to unsigned: the bias is taken off with
 // 128 times the weights' sum).
-template <int R, int NBT>
-SPECSERVE_AVX512 inline void q8_group(const PackedWeight& w, const uint8_t* const* blocks, const int8_t* const* rows,
-                                      int64_t g, __m512i (*part)[NBT]) {
+template <int Group, int R, int NBT>
+SPECSERVE_AVX512 SPECSERVE_INLINE void q8_group(const PackedWeight& w, const uint8_t* const* blocks,
+                                                const int8_t* const* rows, int64_t g, __m512i (*part)[NBT]) {
   // dword l of two pairs' 64 bytes: lane l's codes of pair 2t (word l) and pair 2t + 1 (word 16 + l)
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i wsum[NBT];
   for (int j = 0; j < NBT; ++j) wsum[j] = _mm512_setzero_si512();
-  for (int64_t t = g * w.group / 4; t < (g + 1) * w.group / 4; ++t) {  // 4 columns (two pairs) at a time
+#pragma GCC unroll 8
+  for (int64_t t = g * Group / 4; t < (g + 1) * Group / 4; ++t) {  // 4 columns (two pairs) at a time
     __m512i wv[NBT];
     for (int j = 0; j < NBT; ++j) {
       prefetch_codes(w, blocks[j] + t * 64);
@@ -164,10 +173,10 @@ SPECSERVE_AVX512 inline void q8_group(const PackedWeight& w, const uint8_t* cons
 
 // R rows (from r0) x NBT column blocks (from b0); every (row, column) sees the generic path's
 // operations in its order whatever R and NBT are.
-template <WeightFormat F, int Bits, int R, int NBT>
+template <WeightFormat F, int Bits, int Group, int R, int NBT>
 SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, void* out,
                                 int64_t ldo, bool out_bf16, bool accumulate) {
-  const int64_t G = w.k / w.group;
+  const int64_t G = w.k / Group;
   const bool general = general_offsets(w);
   const uint8_t* blocks[NBT];
   const int8_t* rows[R];
@@ -183,16 +192,22 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
     __m512i part[R][NBT];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_setzero_si512();
-    if constexpr (F == WeightFormat::Q4) q4_group<Bits, R, NBT>(w, blocks, rows, g, part);
-    else q8_group<R, NBT>(w, blocks, rows, g, part);
+    if constexpr (F == WeightFormat::Q4) q4_group<Bits, Group, R, NBT>(w, blocks, rows, g, part);
+    else q8_group<Group, R, NBT>(w, blocks, rows, g, part);
+    __m512 d[NBT], mv[NBT];
     for (int j = 0; j < NBT; ++j) {
-      const __m512 d = scales16(w, b0 + j, g), mv = general ? offsets16(w, b0 + j, g, d) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const int32_t sx = group_code_sum(x, r0 + r, g, w.group);
-        const __m512 dx = _mm512_set1_ps(block_scale(x, r0 + r, g, w.group));
-        const __m512i isum = _mm512_sub_epi32(part[r][j], _mm512_set1_epi32(w.code_offset * sx));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc[r][j]);
-        if (general) acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(mv, dx), _mm512_set1_ps(float(sx)), acc[r][j]);
+      d[j] = scales16(w, b0 + j, g);
+      mv[j] = general ? offsets16(w, b0 + j, g, d[j]) : _mm512_setzero_ps();
+    }
+    for (int r = 0; r < R; ++r) {  // a row's scalars once for all its blocks
+      const int32_t sx = group_code_sum(x, r0 + r, g, Group);
+      const __m512 dx = _mm512_set1_ps(block_scale(x, r0 + r, g, Group));
+      const __m512i offset = _mm512_set1_epi32(w.code_offset * sx);
+      const __m512 sxf = _mm512_set1_ps(float(sx));
+      for (int j = 0; j < NBT; ++j) {
+        const __m512i isum = w.code_offset ? _mm512_sub_epi32(part[r][j], offset) : part[r][j];
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d[j], dx), _mm512_cvtepi32_ps(isum), acc[r][j]);
+        if (general) acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(mv[j], dx), sxf, acc[r][j]);
       }
     }
   }
@@ -206,15 +221,15 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
   }
 }
 
-template <WeightFormat F, int Bits, int R>
+template <WeightFormat F, int Bits, int Group, int R>
 SPECSERVE_AVX512 void rows_int8(const PackedWeight& w, int64_t b, int64_t b_end, const Int8Rows& x, int64_t r0,
                                 void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  constexpr int kWide = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // part, acc and weights within the 32 registers
-  for (; b + kWide <= b_end; b += kWide) tile_int8<F, Bits, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
-  for (; b < b_end; ++b) tile_int8<F, Bits, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+  constexpr int kWide = R <= 2 ? 4 : 2;  // part, acc and weights within the 32 registers
+  for (; b + kWide <= b_end; b += kWide) tile_int8<F, Bits, Group, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_int8<F, Bits, Group, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
 }
 
-template <WeightFormat F, int Bits>
+template <WeightFormat F, int Bits, int Group>
 SPECSERVE_AVX512 void blocks_int8(const PackedWeight& w, int64_t b_begin, int64_t b_end, const Int8Rows& x, int64_t m,
                                   void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk's codes stay in cache
@@ -222,14 +237,14 @@ SPECSERVE_AVX512 void blocks_int8(const PackedWeight& w, int64_t b_begin, int64_
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     const int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
-    for (; r + 6 <= m; r += 6) rows_int8<F, Bits, 6>(r == 0 ? first : w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    for (; r + 6 <= m; r += 6) rows_int8<F, Bits, Group, 6>(r == 0 ? first : w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
     const PackedWeight& tail = r == 0 ? first : w;
     switch (m - r) {
-      case 5: rows_int8<F, Bits, 5>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 4: rows_int8<F, Bits, 4>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 3: rows_int8<F, Bits, 3>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 2: rows_int8<F, Bits, 2>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 1: rows_int8<F, Bits, 1>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 5: rows_int8<F, Bits, Group, 5>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 4: rows_int8<F, Bits, Group, 4>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 3: rows_int8<F, Bits, Group, 3>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 2: rows_int8<F, Bits, Group, 2>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 1: rows_int8<F, Bits, Group, 1>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
       default: break;
     }
   }
@@ -326,10 +341,17 @@ void linear_int8_blocks(Path path, const PackedWeight& w, const Int8Rows& x, int
     return;
   }
   if (path == Path::Avx512Bf16) {
-    if (w.format == WeightFormat::Q8) blocks_int8<WeightFormat::Q8, 0>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (w.bits == 5) blocks_int8<WeightFormat::Q4, 5>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (w.bits == 6) blocks_int8<WeightFormat::Q4, 6>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else blocks_int8<WeightFormat::Q4, 4>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    // the group size as a template argument: the octs of a group unroll, with no loop-carried copies
+    using Q = WeightFormat;
+    const bool g32 = w.group == 32;
+    if (w.format == Q::Q8 && g32) blocks_int8<Q::Q8, 0, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (w.format == Q::Q8) blocks_int8<Q::Q8, 0, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (w.bits == 6 && g32) blocks_int8<Q::Q4, 6, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (w.bits == 6) blocks_int8<Q::Q4, 6, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (w.bits == 5 && g32) blocks_int8<Q::Q4, 5, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (w.bits == 5) blocks_int8<Q::Q4, 5, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else if (g32) blocks_int8<Q::Q4, 4, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    else blocks_int8<Q::Q4, 4, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
     return;
   }
 #endif
