@@ -128,6 +128,36 @@ def test_native_markov_head_is_the_loop_bit_for_bit(draft_vocab):
     assert int(native.tokens[1, 2]) == int(model.to_target(torch.tensor(17)))
 
 
+@pytest.mark.parametrize("vocab", [16, 45, 300])
+def test_markov_head_picks_the_same_on_every_kernel_path(vocab):
+    """The greedy pick (the first largest of base + W2 e, a NaN first of all) is the same index on
+    the portable scan and on each vector path: ties inside and across 16-lane groups, +0 against
+    -0, a NaN late in the row, rows all -inf, and vocabularies with a partial last group."""
+    from specserve.kernels.build import load
+    from specserve.kernels.dispatch import PATHS, available_paths
+
+    g = torch.Generator().manual_seed(vocab)
+    rank, bs, slots = 32, 6, 3
+    w1 = torch.randn(vocab, rank, generator=g).bfloat16()  # every pick is a valid next row
+    w2 = pack_bf16(torch.zeros(vocab, rank).bfloat16()).native()  # the sums are the base logits alone
+    base = torch.randn(bs, slots, vocab, generator=g).round()  # integers: ties are common
+    base[0, 0, vocab - 1] = base[0, 0].max() + 1  # the maximum in the last (partial) group
+    base[1, 0, :] = 0.0
+    base[1, 0, 3] = -0.0  # +0 and -0 tie: the first (index 0) wins
+    base[2, 1, vocab // 2] = float("nan")
+    base[2, 1, vocab - 1] = float("nan")
+    base[3, 2, :] = float("-inf")
+    base[4, 0, 1] = base[4, 0, vocab - 2] = base[4, 0].max() + 5  # a tie across groups: 1 wins
+    anchors = torch.arange(bs)
+    picks = {p: load().markov_greedy(base, w1, w2, anchors, None, PATHS[p])[0] for p in available_paths()}
+    generic = picks.pop("generic")
+    assert generic[0, 0] == vocab - 1 and generic[1, 0] == 0 and generic[2, 1] == vocab // 2
+    assert generic[3, 2] == 0 and generic[4, 0] == 1
+    assert picks, "only the portable path runs on this CPU"
+    for path, tokens in picks.items():
+        assert torch.equal(tokens, generic), path
+
+
 def test_native_markov_head_leaves_sampled_batches_to_the_loop():
     model, _ = make_drafter(per_op=False)
     calls = []

@@ -13,6 +13,7 @@
 #include <limits>
 #include <tuple>
 
+#include "simd_avx512.h"
 #include "torch_glue.h"
 
 namespace specserve {
@@ -56,6 +57,39 @@ int64_t first_argmax(const float* x, const uint16_t* y, int64_t n, float* s) {
   return 0;  // every sum is -inf
 }
 
+#if SPECSERVE_X86
+// first_argmax 16 lanes at a time: the sums' maximum (MAXPS keeps its second operand where either
+// is NaN or they are equal: `v > m ? v : m`), then the first index whose sum equals it, or the
+// first NaN. The same index as the scalar scan; the sums are recomputed, not stored.
+SPECSERVE_AVX512 int64_t first_argmax_avx512(const float* x, const uint16_t* y, int64_t n) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 in = tail_mask(n - j);
+    const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(in, x + j), load_bf16(y + j, in));
+    nan |= _mm512_mask_cmp_ps_mask(in, v, v, _CMP_UNORD_Q);
+    top = _mm512_mask_max_ps(top, in, v, top);
+  }
+  const float best = _mm512_reduce_max_ps(top);  // NaN-free here unless a NaN was seen
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 in = tail_mask(n - j);
+    const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(in, x + j), load_bf16(y + j, in));
+    const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(in, v, v, _CMP_UNORD_Q)
+                              : _mm512_mask_cmp_ps_mask(in, v, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  return 0;  // every sum is -inf
+}
+#endif
+
+// first_argmax on the path's vector unit where it has one.
+int64_t first_argmax_on(Path p, const float* x, const uint16_t* y, int64_t n, float* s) {
+#if SPECSERVE_X86
+  if (p == Path::Avx512Bf16) return first_argmax_avx512(x, y, n);
+#endif
+  return first_argmax(x, y, n, s);
+}
+
 std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch::Tensor w1, const NativeLinear& w2,
                                                        torch::Tensor anchors, c10::optional<torch::Tensor> to_target,
                                                        int64_t path) {
@@ -95,7 +129,7 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
     const uint16_t* head = bf16_data(t);
     at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {  // requests are independent
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t best = first_argmax(logits + (b * g + k) * vocab, head + b * vocab, vocab, sums.data() + b * vocab);
+        const int64_t best = first_argmax_on(p, logits + (b * g + k) * vocab, head + b * vocab, vocab, sums.data() + b * vocab);
         out[b * g + k] = prev[b] = map ? map[best] : best;
       }
     });
