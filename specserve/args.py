@@ -45,10 +45,10 @@ class ServerArgs:
         choices=("auto", "none"),
     )
     cpu_activations: str = flag(
-        "bf16",
-        "activations of the CPU kernels' quantized linears: bf16, or int8 (each row quantized per 32 columns and "
-        "integer dot products, as llama.cpp computes)",
-        choices=("bf16", "int8"),
+        "auto",
+        "activations of the CPU kernels' quantized linears: int8 (rows quantized per 32 columns, integer dot products, "
+        "as llama.cpp computes), bf16, or auto: int8 on the model files `bench quality --record` passed, else bf16",
+        choices=("auto", "bf16", "int8"),
     )
     device: str = flag("cpu", "cpu or cuda")
     context_length: Optional[int] = flag(None, "override the model's context window")
@@ -162,6 +162,9 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._default_speculation()
         validate_server_args(self)
+        from specserve.models.int8_gate import resolve_cpu_activations as resolve  # auto: the file's recorded verdict
+
+        object.__setattr__(self, "cpu_activations", resolve(self.cpu_activations, self.model_path, self.device))
 
     def _default_speculation(self) -> None:
         """Unless told otherwise, speculate under the adaptive policy (which drafts only where it
@@ -230,11 +233,7 @@ class ServerArgs:
 
 def _cli_type(annotation: Any) -> type:
     text = str(annotation)
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
+    return int if "int" in text else float if "float" in text else str
 
 
 def validate_server_args(args: ServerArgs) -> None:

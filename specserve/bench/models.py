@@ -36,8 +36,9 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="the batch compared with batch 1")
     p.add_argument("--llama-bench", default=None, help="a native llama-bench binary (scripts/llama_bench.sh builds one)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--activations", default="bf16",
-                   help="comma-separated --cpu-activations modes, each model measured in each (e.g. bf16,int8)")
+    p.add_argument("--activations", default="auto",
+                   help="comma-separated --cpu-activations modes, each model measured in each (auto: the file's "
+                        "default; e.g. bf16,int8)")
     p.add_argument("--spec-prompts", type=int, default=16,
                    help="MT-Bench first turns and as many HumanEval problems for default speculation vs NONE (0: skip)")
     p.add_argument("--spec-batch-sizes", default="1,16", help="batch sizes of the speculation comparison")
@@ -134,6 +135,7 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 def run_models_bench(ns: argparse.Namespace) -> int:
     from specserve.bench.llamacpp import BATCH1_RUNS
     from specserve.bench.provenance import provenance
+    from specserve.models.int8_gate import ACTIVATIONS, resolve_cpu_activations
     from specserve.models.loader import resolve_model_path
 
     models = [m.strip() for m in ns.models.split(",") if m.strip()]
@@ -143,14 +145,16 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
         raise ConfigError(f"--llama-bench: {ns.llama_bench!r} is not an executable (scripts/llama_bench.sh builds one)")
     modes = [a.strip() for a in ns.activations.split(",") if a.strip()]
-    if not modes or any(a not in ("bf16", "int8") for a in modes):
-        raise ConfigError(f"--activations: a comma-separated list of bf16 and int8, got {ns.activations!r}")
-    entries = {(m, a): m if a == "bf16" else f"{m}, int8 activations" for m in models for a in modes}
+    if not modes or any(a not in ACTIVATIONS for a in modes):
+        raise ConfigError(f"--activations: a comma-separated list of {', '.join(ACTIVATIONS)}, got {ns.activations!r}")
+    # auto as each file's own default (models/int8_gate.py), each resolved choice once
+    resolved = {m: list(dict.fromkeys(resolve_cpu_activations(a, paths[m], "cpu") for a in modes)) for m in models}
+    entries = {(m, a): m if a == "bf16" else f"{m}, int8 activations" for m in models for a in resolved[m]}
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in entries.values()}
     for run in range(ns.runs):
         for model in models:
             native = _native(ns.llama_bench, paths[model], ns.threads) if ns.llama_bench else None
-            for activations in modes:
+            for activations in resolved[model]:
                 with tempfile.TemporaryDirectory() as folder:
                     result = _offline(model, activations, ns, folder)
                     if ns.spec_prompts > 0:

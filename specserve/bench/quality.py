@@ -25,9 +25,12 @@ from specserve.models.forward_batch import ForwardBatch
 def add_quality_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-texts", type=int, default=24, help="ShareGPT exchanges scored for perplexity")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per scored exchange (cut at the end)")
-    p.add_argument("--num-prompts", type=int, default=16, help="MT-Bench first turns for the greedy match rate")
+    p.add_argument("--num-prompts", type=int, default=32, help="MT-Bench first turns for the greedy match rate")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--record", action="store_true",
+                   help="write the int8 gate's verdict on this model file into the shipped record that "
+                        "--cpu-activations auto reads (specserve/assets/quality/int8.json)")
 
 
 def all_logits(model, ids: list[int]) -> torch.Tensor:
@@ -42,11 +45,15 @@ def all_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def scored_texts(tokenizer, count: int, max_tokens: int) -> list[tuple[list[int], int]]:
-    """(token ids, index of the first answer token) per exchange."""
+    """(token ids, index of the first answer token) per exchange: the question as a chat turn, or
+    for a base model without a chat template (Gemma 3 270M) as plain text and a blank line."""
+    from specserve.bench.offline import prompt_ids
+
     out = []
     for human, answer in sharegpt_exchanges(count):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": human}])
-        ids = (prompt + tokenizer.encode(answer))[:max_tokens]
+        plain = getattr(tokenizer, "chat_template", True) is None
+        prompt = prompt_ids(tokenizer, [human + "\n\n" if plain else human])[0]
+        ids = (prompt + tokenizer.encode(answer, add_special_tokens=False))[:max_tokens]
         if len(ids) > len(prompt) + 8:
             out.append((ids, len(prompt)))
     return out
@@ -78,9 +85,11 @@ VARIANTS = {"bfloat16": {"dtype": "bfloat16", "cpu_activations": "bf16"},
 
 
 def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
-    from specserve.engine import Engine
-
+    from specserve.bench.offline import prompt_ids
     from specserve.bench.provenance import provenance
+    from specserve.engine import Engine
+    from specserve.models.int8_gate import int8_verdict, record_verdict
+    from specserve.models.loader import resolve_model_path
 
     report: dict[str, Any] = {**provenance(), "threads": torch.get_num_threads(), "num_prompts": ns.num_prompts,
                               "new_tokens": ns.new_tokens, "model": args.model_path or "embedded default"}
@@ -89,8 +98,7 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     for name, settings in {"float32": {"dtype": "float32"}, **VARIANTS}.items():
         with Engine(**vars(args.replace(**settings, speculative_algorithm="NONE"))) as engine:
             texts = scored_texts(engine.tokenizer, ns.num_texts, ns.max_tokens)
-            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}])
-                       for q in mtbench_first_turns()[:ns.num_prompts]]
+            prompts = prompt_ids(engine.tokenizer, [q["prompt"] for q in mtbench_first_turns()[:ns.num_prompts]])
             ppl = perplexity(engine.runner.model, texts)
             outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
             report[name] = {"perplexity": ppl, "scored_tokens": sum(len(i) - s for i, s in texts)}
@@ -98,7 +106,11 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     for name in VARIANTS:
         report[name]["over_fp32_perplexity"] = report[name]["perplexity"] / report["float32"]["perplexity"]
         report[name]["greedy_vs_fp32"] = match_rate(outputs["float32"], outputs[name])
+    report["int8_gate"] = int8_verdict(report)
     print(json.dumps(report, indent=2))
+    if ns.record:
+        record_verdict(resolve_model_path(args.model_path), report["int8_gate"],
+                       {k: report[k] for k in ("commit", "date", "machine")})
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -31,6 +31,11 @@ def model_summary(loaded: LoadedModel) -> dict[str, Any]:
     return {"architecture": loaded.config.architecture, "parameters": parameters, "weights": dict(weights.most_common())}
 
 
+def quantized_linears(summary: dict[str, Any]) -> bool:
+    """Whether the file holds quantized weights (GGUF Q*/IQ* types): the linears --cpu-activations sets."""
+    return any(kind.startswith(("Q", "IQ")) for kind in summary["weights"])
+
+
 def describe_parameters(count: int) -> str:
     """134515008 -> '134.5M'."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):

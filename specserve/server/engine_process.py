@@ -118,7 +118,7 @@ def _ready_info(engine) -> dict[str, Any]:
     import torch
 
     from specserve.models.loader import resolve_model_path
-    from specserve.models.summary import cpu_kernel_path
+    from specserve.models.summary import cpu_kernel_path, quantized_linears
 
     args = engine.args
     return {
@@ -133,6 +133,8 @@ def _ready_info(engine) -> dict[str, Any]:
         "dtype": str(engine.dtype).replace("torch.", ""),
         "device": args.device,
         "kernel_path": cpu_kernel_path(args.device, engine.dtype),
+        "cpu_activations": args.cpu_activations,
+        "quantized_linears": quantized_linears(engine.model_summary),
         "threads": torch.get_num_threads(),
         "tp_size": args.tp_size,
         "max_running_requests": args.max_running_requests,

@@ -25,6 +25,8 @@ def startup_block(name: str, info: dict[str, Any], url: str, seconds: float) -> 
     model = info["model"]
     weights = ", ".join(f"{kind} x{count}" for kind, count in model["weights"].items())
     kernels = f"{info['kernel_path']} kernels" if info["kernel_path"] else "torch ops"
+    if info["kernel_path"] and info.get("quantized_linears"):  # the quantized linears' activations (models/int8_gate.py)
+        kernels += f", {info['cpu_activations']} activations"
     lines = [
         f"serving {name}",
         f"  model        {os.path.basename(info['model_path'])}: {model['architecture']}, "

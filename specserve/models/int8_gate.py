@@ -1,0 +1,116 @@
+"""Where int8 activations are the default: the quality gate, its record, and `--cpu-activations auto`.
+
+Integer activations (kernels/csrc/linear_int8.h) compute as llama.cpp does and are faster wherever
+a step is bound by arithmetic (prefill, verify windows, large batches), but they round each
+activation row to 8 bits, and whether a model keeps its quality under that rounding depends on the
+model: the default SmolLM2-135M's greedy answers leave fp32's far more often than bf16's do, while
+Qwen2.5-Coder-0.5B's do not. So the choice is made per model file, from measurement:
+`specserve bench quality --record` runs the gate on a file (perplexity within 0.3% of fp32, and
+greedy outputs identical to fp32's no fewer than bf16 activations give, beyond noise) and writes
+its verdict into `specserve/assets/quality/int8.json`, keyed by the file's size and sha256;
+`auto` (the default) then picks int8 for exactly the files whose verdict passed, bf16 for every
+other file, so a file nobody measured keeps bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+from typing import Any, Optional
+
+from specserve.errors import ConfigError
+
+RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "quality", "int8.json")
+PERPLEXITY_LIMIT = 1.003  # int8's perplexity over fp32's at most this
+ACTIVATIONS = ("auto", "bf16", "int8")
+NOISE_SIGMAS = 2.0  # how far below bf16's share of identical greedy outputs int8's may fall (standard errors)
+
+
+def int8_verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """The gate on one `bench quality` report: int8's perplexity within 0.3% of fp32's, and its share
+    of greedy outputs identical to fp32's no more than two standard errors (of the difference of two
+    shares over the same prompts, pooled) below bf16's."""
+    bf16, int8 = report["bfloat16"], report["int8_activations"]
+    n = report["num_prompts"]
+    shares = bf16["greedy_vs_fp32"]["identical_outputs"], int8["greedy_vs_fp32"]["identical_outputs"]
+    pooled = sum(shares) / 2
+    noise = NOISE_SIGMAS * math.sqrt(pooled * (1 - pooled) * 2 / n)
+    perplexity_ok = int8["over_fp32_perplexity"] <= PERPLEXITY_LIMIT
+    greedy_ok = shares[1] >= shares[0] - noise
+    return {
+        "int8": perplexity_ok and greedy_ok,
+        "perplexity_ok": perplexity_ok,
+        "greedy_ok": greedy_ok,
+        "perplexity_over_fp32": {"bf16": bf16["over_fp32_perplexity"], "int8": int8["over_fp32_perplexity"]},
+        "greedy_identical": {"bf16": shares[0], "int8": shares[1]},
+        "greedy_noise": noise,
+        "prompts": n,
+    }
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_record(path: str = RECORD) -> list[dict[str, Any]]:
+    """The recorded verdicts (none where the file is missing)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return json.load(f)["files"]
+
+
+def record_verdict(model_path: str, verdict: dict[str, Any], provenance: dict[str, Any], path: str = RECORD) -> None:
+    """Write (or replace) the verdict of one model file."""
+    entry = {
+        "file": os.path.basename(model_path),
+        "bytes": os.path.getsize(model_path),
+        "sha256": file_sha256(model_path),
+        **verdict,
+        **provenance,
+    }
+    files = [e for e in load_record(path) if e["sha256"] != entry["sha256"]] + [entry]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"files": sorted(files, key=lambda e: e["file"])}, f, indent=1)
+        f.write("\n")
+
+
+@functools.lru_cache(maxsize=8)
+def _passed(path: str, size: int, mtime_ns: int, record: str, record_mtime_ns: int) -> bool:
+    candidates = [e for e in load_record(record) if e["int8"] and e["bytes"] == size]
+    return bool(candidates) and file_sha256(path) in {e["sha256"] for e in candidates}  # hashed only on a size match
+
+
+def passed_gate(model_path: str, record: str = RECORD) -> bool:
+    """Whether the record holds a passing verdict for this very file."""
+    if not os.path.isfile(model_path):
+        return False
+    stat = os.stat(model_path)
+    record_mtime = os.stat(record).st_mtime_ns if os.path.isfile(record) else 0  # a rewritten record is read again
+    return _passed(os.path.abspath(model_path), stat.st_size, stat.st_mtime_ns, record, record_mtime)
+
+
+def resolve_cpu_activations(choice: str, model_path: Optional[str], device: str, record: str = RECORD) -> str:
+    """`auto` as bf16 or int8 for this model file (bf16 off the CPU, where the flag does nothing);
+    an explicit choice as given."""
+    if choice not in ACTIVATIONS:
+        raise ConfigError(f"cpu_activations must be one of {ACTIVATIONS}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if device.split(":")[0] != "cpu":
+        return "bf16"
+    from specserve.models.loader import resolve_model_path  # torch and the GGUF reader: only for auto on CPU
+
+    try:
+        path = resolve_model_path(model_path)
+    except ConfigError:  # no such model: the engine says so when it loads; nothing to choose for
+        return "bf16"
+    return "int8" if passed_gate(path, record) else "bf16"
