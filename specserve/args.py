@@ -15,6 +15,7 @@ from specserve.names import DRAFTERS, Algorithm
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
 DTYPES = ("auto", "float32", "bfloat16")
+CPU_ACTIVATIONS = ("auto", "bf16", "int8")  # auto: resolved per model file when the engine builds (models/int8_gate.py)
 MAX_DRAFT_TOKENS = 15
 DEFAULT_BLOCK_SIZE = 5
 SPEC_ALGORITHMS = (None, *Algorithm)
@@ -48,7 +49,7 @@ class ServerArgs:
         "auto",
         "activations of the CPU kernels' quantized linears: int8 (rows quantized per 32 columns, integer dot products, "
         "as llama.cpp computes), bf16, or auto: int8 on the model files `bench quality --record` passed, else bf16",
-        choices=("auto", "bf16", "int8"),
+        choices=CPU_ACTIVATIONS,
     )
     device: str = flag("cpu", "cpu or cuda")
     context_length: Optional[int] = flag(None, "override the model's context window")
@@ -162,9 +163,6 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._default_speculation()
         validate_server_args(self)
-        from specserve.models.int8_gate import resolve_cpu_activations as resolve  # auto: the file's recorded verdict
-
-        object.__setattr__(self, "cpu_activations", resolve(self.cpu_activations, self.model_path, self.device))
 
     def _default_speculation(self) -> None:
         """Unless told otherwise, speculate under the adaptive policy (which drafts only where it
@@ -270,6 +268,8 @@ def _check_types(args: ServerArgs) -> None:
 def _check_choices(args: ServerArgs) -> None:
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {DTYPES}, got {args.dtype!r}")
+    if args.cpu_activations not in CPU_ACTIVATIONS:
+        raise ConfigError(f"cpu_activations must be one of {CPU_ACTIVATIONS}, got {args.cpu_activations!r}")
     if args.quantization not in ("auto", "none"):
         raise ConfigError(f"quantization must be 'auto' or 'none', got {args.quantization!r}")
     if args.schedule_policy not in SCHEDULE_POLICIES:

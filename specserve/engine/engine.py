@@ -19,6 +19,7 @@ from specserve.engine.inputs import Prompt, normalize_inputs, normalize_params
 from specserve.engine.output import request_output
 from specserve.engine.ranks import REQ_CODEC
 from specserve.logits.grammar import GrammarSpec
+from specserve.models.int8_gate import resolve_cpu_activations
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import StepResult
@@ -70,6 +71,8 @@ class Engine:
 
     def _build(self, args: ServerArgs, dist_cfg: Optional[DistConfig]) -> None:
         logging.basicConfig(level=args.log_level.upper())
+        # --cpu-activations auto as this model file's recorded quality verdict, once, for every part
+        args = args.replace(cpu_activations=resolve_cpu_activations(args.cpu_activations, args.model_path, args.device))
         parts = build_rank(args, dist_cfg)
         self.args, self.tp_rank, self.dist = args, parts.tp_rank, parts.dist
         self.model_config, self.tokenizer = parts.model_config, parts.tokenizer

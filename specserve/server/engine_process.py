@@ -134,7 +134,7 @@ def _ready_info(engine) -> dict[str, Any]:
         "device": args.device,
         "kernel_path": cpu_kernel_path(args.device, engine.dtype),
         "cpu_activations": args.cpu_activations,
-        "quantized_linears": quantized_linears(engine.model_summary),
+        "quantized_linears": args.quantization == "auto" and quantized_linears(engine.model_summary),
         "threads": torch.get_num_threads(),
         "tp_size": args.tp_size,
         "max_running_requests": args.max_running_requests,

@@ -61,9 +61,9 @@ def test_auto_picks_int8_only_for_a_recorded_passing_file(tmp_path):
     assert len(load_record(record)) == 2 and auto(passing) == "bf16"
 
 
-def test_server_args_resolve_auto_once_and_keep_explicit_choices():
-    assert ServerArgs().cpu_activations == "bf16"  # the default model fails the gate (the shipped record)
-    assert ServerArgs(cpu_activations="int8").cpu_activations == "int8"
+def test_auto_is_the_default_and_the_default_model_resolves_to_bf16():
+    assert ServerArgs().cpu_activations == "auto"  # resolved when the engine builds (Engine._build)
+    assert resolve_cpu_activations("auto", None, "cpu") == "bf16"  # the shipped record: the default file failed
     with pytest.raises(ValueError, match="cpu_activations"):
         ServerArgs(cpu_activations="int4")
 

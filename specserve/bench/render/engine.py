@@ -223,7 +223,8 @@ def render_models(results: str) -> str:
     header += ["prefill (512) vs llama-cpp-python", "6-row verify / decode step", f"batch {data['batch_size']} / batch 1",
                "resident memory", "load"]
     return table(header, rows) + (
-        f"\n\nbf16 (int8 activations where the row says so: `--cpu-activations int8`), each model with its default speculation, {data['new_tokens']} new tokens after a chat prompt (plain text for a base model) whose "
+        f"\n\nbf16, with int8 activations where the row says so (each file's default under `--cpu-activations auto`, "
+        f"or `--activations` asked for them), each model with its default speculation, {data['new_tokens']} new tokens after a chat prompt (plain text for a base model) whose "
         "prefill counts in the batch-1 time (llama-bench's tg128 has no prompt"
         + (f"; the median of {data['batch1_generations']} generations, ours and llama-cpp-python's" if "batch1_generations" in data else "")
         + f"); the decode step is one row after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "

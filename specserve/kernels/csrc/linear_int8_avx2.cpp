@@ -99,16 +99,6 @@ SPECSERVE_AVX2 inline void q8_group8(const PackedWeight& w, const uint8_t* const
   }
 }
 
-// acc + the group's result for 8 lanes (linear_int8.h's arithmetic).
-SPECSERVE_AVX2 inline __m256 combine8(__m256 acc, __m256i part, const PackedWeight& w, int64_t b, int64_t g, int h,
-                                      bool general, int32_t sx, float dx) {
-  const __m256 vdx = _mm256_set1_ps(dx), d = scales8(w, b, g, h);
-  const __m256i isum = _mm256_sub_epi32(part, _mm256_set1_epi32(w.code_offset * sx));
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, vdx), _mm256_cvtepi32_ps(isum), acc);
-  if (general) acc = _mm256_fmadd_ps(_mm256_mul_ps(offsets8(w, b, g, h, d), vdx), _mm256_set1_ps(float(sx)), acc);
-  return acc;
-}
-
 template <WeightFormat F, int Bits, int R, int NBT>
 SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, void* out,
                                    int64_t ldo, bool out_bf16, bool accumulate) {
@@ -132,12 +122,24 @@ SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8
       for (int j = 0; j < NBT; ++j) part[r][j][0] = part[r][j][1] = _mm256_setzero_si256();
     if constexpr (F == WeightFormat::Q4) q4_group8<Bits, R, NBT>(w, blocks, rows, g, part);
     else q8_group8<R, NBT>(w, blocks, rows, g, part);
+    // linear_int8.h's arithmetic per 8 lanes: a block half's scales once for all rows, a row's
+    // scalars once for all its blocks
+    __m256 d[NBT][2], mv[NBT][2];
+    for (int j = 0; j < NBT; ++j)
+      for (int h = 0; h < 2; ++h) {
+        d[j][h] = scales8(w, b0 + j, g, h);
+        mv[j][h] = general ? offsets8(w, b0 + j, g, h, d[j][h]) : _mm256_setzero_ps();
+      }
     for (int r = 0; r < R; ++r) {
       const int32_t sx = group_code_sum(x, r0 + r, g, w.group);
-      const float dx = block_scale(x, r0 + r, g, w.group);
+      const __m256 vdx = _mm256_set1_ps(block_scale(x, r0 + r, g, w.group)), sxf = _mm256_set1_ps(float(sx));
+      const __m256i offset = _mm256_set1_epi32(w.code_offset * sx);
       for (int j = 0; j < NBT; ++j)
-        for (int h = 0; h < 2; ++h)
-          acc[r][j][h] = combine8(acc[r][j][h], part[r][j][h], w, b0 + j, g, h, general, sx, dx);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i isum = w.code_offset ? _mm256_sub_epi32(part[r][j][h], offset) : part[r][j][h];
+          acc[r][j][h] = _mm256_fmadd_ps(_mm256_mul_ps(d[j][h], vdx), _mm256_cvtepi32_ps(isum), acc[r][j][h]);
+          if (general) acc[r][j][h] = _mm256_fmadd_ps(_mm256_mul_ps(mv[j][h], vdx), sxf, acc[r][j][h]);
+        }
     }
   }
   for (int j = 0; j < NBT; ++j) {
