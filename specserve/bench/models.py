@@ -135,7 +135,8 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 def run_models_bench(ns: argparse.Namespace) -> int:
     from specserve.bench.llamacpp import BATCH1_RUNS
     from specserve.bench.provenance import provenance
-    from specserve.models.int8_gate import ACTIVATIONS, resolve_cpu_activations
+    from specserve.args import CPU_ACTIVATIONS
+    from specserve.models.int8_gate import resolve_cpu_activations
     from specserve.models.loader import resolve_model_path
 
     models = [m.strip() for m in ns.models.split(",") if m.strip()]
@@ -145,8 +146,8 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
         raise ConfigError(f"--llama-bench: {ns.llama_bench!r} is not an executable (scripts/llama_bench.sh builds one)")
     modes = [a.strip() for a in ns.activations.split(",") if a.strip()]
-    if not modes or any(a not in ACTIVATIONS for a in modes):
-        raise ConfigError(f"--activations: a comma-separated list of {', '.join(ACTIVATIONS)}, got {ns.activations!r}")
+    if not modes or any(a not in CPU_ACTIVATIONS for a in modes):
+        raise ConfigError(f"--activations: a comma-separated list of {', '.join(CPU_ACTIVATIONS)}, got {ns.activations!r}")
     # auto as each file's own default (models/int8_gate.py), each resolved choice once
     resolved = {m: list(dict.fromkeys(resolve_cpu_activations(a, paths[m], "cpu") for a in modes)) for m in models}
     entries = {(m, a): m if a == "bf16" else f"{m}, int8 activations" for m in models for a in resolved[m]}
