@@ -74,8 +74,9 @@ def match_rate(reference: list[list[int]], other: list[list[int]]) -> dict[str, 
     for a, b in zip(reference, other):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         prefix.append(same / max(len(a), 1))
-    return {"identical_outputs": sum(a == b for a, b in zip(reference, other)) / len(reference),
-            "mean_matching_prefix": sum(prefix) / len(prefix)}
+    each = [a == b for a, b in zip(reference, other)]
+    return {"identical_outputs": sum(each) / len(each), "mean_matching_prefix": sum(prefix) / len(prefix),
+            "identical_each": each}  # per prompt, for the int8 gate's paired test
 
 
 # The variants compared with float32 (the reference): bf16 activations, and int8 activations

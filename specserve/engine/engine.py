@@ -19,7 +19,7 @@ from specserve.engine.inputs import Prompt, normalize_inputs, normalize_params
 from specserve.engine.output import request_output
 from specserve.engine.ranks import REQ_CODEC
 from specserve.logits.grammar import GrammarSpec
-from specserve.models.int8_gate import resolve_cpu_activations
+from specserve.models.int8_gate import with_resolved_activations
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import StepResult
@@ -39,7 +39,7 @@ class Engine:
     """
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
-        args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        args = with_resolved_activations(ServerArgs.from_kwargs(model_path=model_path, **kwargs))  # once, for every rank
         self._workers: list = []
         self.rank_figures: Optional[list[dict]] = None  # every rank's measured figures, after shutdown
         dist_cfg = None
@@ -71,8 +71,7 @@ class Engine:
 
     def _build(self, args: ServerArgs, dist_cfg: Optional[DistConfig]) -> None:
         logging.basicConfig(level=args.log_level.upper())
-        # --cpu-activations auto as this model file's recorded quality verdict, once, for every part
-        args = args.replace(cpu_activations=resolve_cpu_activations(args.cpu_activations, args.model_path, args.device))
+        args = with_resolved_activations(args)  # a rank started on its own (another node) gets auto here
         parts = build_rank(args, dist_cfg)
         self.args, self.tp_rank, self.dist = args, parts.tp_rank, parts.dist
         self.model_config, self.tokenizer = parts.model_config, parts.tokenizer

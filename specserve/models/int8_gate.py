@@ -6,7 +6,7 @@ activation row to 8 bits, and whether a model keeps its quality under that round
 model: the default SmolLM2-135M's greedy answers leave fp32's far more often than bf16's do, while
 Qwen2.5-Coder-0.5B's do not. So the choice is made per model file, from measurement:
 `specserve bench quality --record` runs the gate on a file (perplexity within 0.3% of fp32, and
-greedy outputs identical to fp32's no fewer than bf16 activations give, beyond noise) and writes
+greedy outputs identical to fp32's no fewer than with bf16 activations, beyond noise) and writes
 its verdict into `specserve/assets/quality/int8.json`, keyed by the file's size and sha256;
 `auto` (the default) then picks int8 for exactly the files whose verdict passed, bf16 for every
 other file, so a file nobody measured keeps bf16.
@@ -25,28 +25,34 @@ from specserve.errors import ConfigError
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "quality", "int8.json")
 PERPLEXITY_LIMIT = 1.003  # int8's perplexity over fp32's at most this
-NOISE_SIGMAS = 2.0  # how far below bf16's share of identical greedy outputs int8's may fall (standard errors)
+NOISE_SIGMAS = 2.0  # how far int8's matches may fall below bf16's (standard deviations of the paired difference)
+MIN_RECORDED_PROMPTS = 32  # a verdict over fewer greedy prompts is too noisy to ship
 
 
 def int8_verdict(report: dict[str, Any]) -> dict[str, Any]:
-    """The gate on one `bench quality` report: int8's perplexity within 0.3% of fp32's, and its share
-    of greedy outputs identical to fp32's no more than two standard errors (of the difference of two
-    shares over the same prompts, pooled) below bf16's."""
+    """The gate on one `bench quality` report: int8's perplexity within 0.3% of fp32's, and its
+    greedy outputs identical to fp32's on no fewer prompts than bf16's, beyond noise. The two
+    variants answer the same prompts, so the test is paired (McNemar's): of the prompts where
+    exactly one of them matches fp32, bf16-only (b) may exceed int8-only (c) by at most two
+    standard deviations of b - c under no difference, 2 sqrt(b + c)."""
     bf16, int8 = report["bfloat16"], report["int8_activations"]
-    n = report["num_prompts"]
-    shares = bf16["greedy_vs_fp32"]["identical_outputs"], int8["greedy_vs_fp32"]["identical_outputs"]
-    pooled = sum(shares) / 2
-    noise = NOISE_SIGMAS * math.sqrt(pooled * (1 - pooled) * 2 / n)
+    pairs = list(zip(bf16["greedy_vs_fp32"]["identical_each"], int8["greedy_vs_fp32"]["identical_each"]))
+    if not pairs:
+        raise ConfigError("the int8 gate needs at least one greedy prompt")
+    bf16_only = sum(a and not b for a, b in pairs)
+    int8_only = sum(b and not a for a, b in pairs)
+    noise = NOISE_SIGMAS * math.sqrt(bf16_only + int8_only)
     perplexity_ok = int8["over_fp32_perplexity"] <= PERPLEXITY_LIMIT
-    greedy_ok = shares[1] >= shares[0] - noise
+    greedy_ok = bf16_only - int8_only <= noise
     return {
         "int8": perplexity_ok and greedy_ok,
         "perplexity_ok": perplexity_ok,
         "greedy_ok": greedy_ok,
         "perplexity_over_fp32": {"bf16": bf16["over_fp32_perplexity"], "int8": int8["over_fp32_perplexity"]},
-        "greedy_identical": {"bf16": shares[0], "int8": shares[1]},
+        "greedy_identical": {"bf16": sum(a for a, _ in pairs), "int8": sum(b for _, b in pairs)},
+        "greedy_only": {"bf16": bf16_only, "int8": int8_only},
         "greedy_noise": noise,
-        "prompts": n,
+        "prompts": len(pairs),
     }
 
 
@@ -68,13 +74,10 @@ def load_record(path: str = RECORD) -> list[dict[str, Any]]:
 
 def record_verdict(model_path: str, verdict: dict[str, Any], provenance: dict[str, Any], path: str = RECORD) -> None:
     """Write (or replace) the verdict of one model file."""
-    entry = {
-        "file": os.path.basename(model_path),
-        "bytes": os.path.getsize(model_path),
-        "sha256": file_sha256(model_path),
-        **verdict,
-        **provenance,
-    }
+    if verdict["prompts"] < MIN_RECORDED_PROMPTS:
+        raise ConfigError(f"--record needs --num-prompts >= {MIN_RECORDED_PROMPTS}, got {verdict['prompts']}")
+    entry = {"file": os.path.basename(model_path), "bytes": os.path.getsize(model_path),
+             "sha256": file_sha256(model_path), **verdict, **provenance}
     files = [e for e in load_record(path) if e["sha256"] != entry["sha256"]] + [entry]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -83,18 +86,19 @@ def record_verdict(model_path: str, verdict: dict[str, Any], provenance: dict[st
 
 
 @functools.lru_cache(maxsize=8)
-def _passed(path: str, size: int, mtime_ns: int, record: str, record_mtime_ns: int) -> bool:
-    candidates = [e for e in load_record(record) if e["int8"] and e["bytes"] == size]
-    return bool(candidates) and file_sha256(path) in {e["sha256"] for e in candidates}  # hashed only on a size match
+def _sha256_of(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    return file_sha256(path)  # a model file is hashed once per version of it
 
 
 def passed_gate(model_path: str, record: str = RECORD) -> bool:
-    """Whether the record holds a passing verdict for this very file."""
+    """Whether the record (read afresh: it is small) holds a passing verdict for this very file;
+    the file is hashed only when a passing verdict has its size."""
     if not os.path.isfile(model_path):
         return False
     stat = os.stat(model_path)
-    record_mtime = os.stat(record).st_mtime_ns if os.path.isfile(record) else 0  # a rewritten record is read again
-    return _passed(os.path.abspath(model_path), stat.st_size, stat.st_mtime_ns, record, record_mtime)
+    candidates = {e["sha256"] for e in load_record(record) if e["int8"] and e["bytes"] == stat.st_size}
+    return bool(candidates) and _sha256_of(os.path.abspath(model_path), stat.st_size, stat.st_mtime_ns,
+                                           stat.st_ino) in candidates
 
 
 def resolve_cpu_activations(choice: str, model_path: Optional[str], device: str, record: str = RECORD) -> str:
@@ -111,3 +115,8 @@ def resolve_cpu_activations(choice: str, model_path: Optional[str], device: str,
     except ConfigError:  # no such model: the engine says so when it loads; nothing to choose for
         return "bf16"
     return "int8" if passed_gate(path, record) else "bf16"
+
+
+def with_resolved_activations(args: Any) -> Any:
+    """ServerArgs with `auto` resolved (Engine: once on rank 0, before it starts the other ranks)."""
+    return args.replace(cpu_activations=resolve_cpu_activations(args.cpu_activations, args.model_path, args.device))

@@ -133,6 +133,7 @@ def server_info(state: ServerState) -> dict[str, Any]:
         context_length=state.context_length,
         max_total_num_tokens=state.client.info["kv_total_tokens"],
         speculative_algorithm=state.client.info["speculative_algorithm"],
+        cpu_activations=state.client.info["cpu_activations"],  # auto as the engine resolved it
         internal_states=[dict(state.client.load, queued=state.client.queued)],
     )
     return info

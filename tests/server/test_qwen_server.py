@@ -1,6 +1,7 @@
 """The real Qwen2.5-Coder-0.5B-Instruct Q4_K_M file served over HTTP (bf16, its GGUF codes in the
-CPU kernels, NGRAM on request) and driven with the official `openai` client: chat, streaming that
-reassembles to the same text, a forced tool call with valid arguments, and a json_schema response."""
+CPU kernels with int8 activations, this file's default under `--cpu-activations auto`; NGRAM on
+request) and driven with the official `openai` client: chat, streaming that reassembles to the
+same text, a forced tool call with valid arguments, and a json_schema response."""
 
 from __future__ import annotations
 

@@ -70,24 +70,24 @@ QUALITY_FILES = ("quality_bf16_vs_fp32.json", "quality_qwen.json", "quality_gemm
 
 
 def render_quality(results: str) -> str:
-    from specserve.models.int8_gate import int8_verdict
-
     rows, notes = [], []
     for name in QUALITY_FILES:
         if not os.path.exists(os.path.join(results, name)):
             continue
         data = load(results, name)
-        gate = data.get("int8_gate") or int8_verdict(data)
+        gate = data["int8_gate"]  # the verdict recorded with the figures (and shipped by --record)
         fp32, bf16, int8 = data["float32"], data["bfloat16"], data["int8_activations"]
         model = os.path.basename(data["model"]) if data["model"] != "embedded default" else "default (SmolLM2-135M Q4_1)"
+        only = gate["greedy_only"]
         rows.append([model, f"{fp32['perplexity']:.4f}",
                      *(f"{v['perplexity']:.4f} ({v['over_fp32_perplexity'] - 1:+.3%})" for v in (bf16, int8)),
-                     *(f"{v['greedy_vs_fp32']['identical_outputs']:.1%}" for v in (bf16, int8)),
-                     f"{gate['greedy_noise']:.1%}", "**int8**" if gate["int8"] else "bf16"])
+                     *(f"{gate['greedy_identical'][k]} of {gate['prompts']}" for k in ("bf16", "int8")),
+                     f"{only['bf16']} - {only['int8']} = {only['bf16'] - only['int8']} (noise {gate['greedy_noise']:.1f})",
+                     "**int8**" if gate["int8"] else "bf16"])
         notes.append(f"{model}: {fp32['scored_tokens']:,} scored ShareGPT tokens, {data.get('num_prompts', '?')} "
                      f"MT-Bench first turns. {provenance(data, name)}")
     head = ["model file", "fp32 perplexity", "bf16 activations", "int8 activations", "greedy = fp32, bf16",
-            "greedy = fp32, int8", "noise (2 s.e.)", "`auto` runs"]
+            "greedy = fp32, int8", "matched by bf16 only - by int8 only", "`auto` runs"]
     return table(head, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
