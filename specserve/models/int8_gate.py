@@ -76,8 +76,13 @@ def record_verdict(model_path: str, verdict: dict[str, Any], provenance: dict[st
     """Write (or replace) the verdict of one model file."""
     if verdict["prompts"] < MIN_RECORDED_PROMPTS:
         raise ConfigError(f"--record needs --num-prompts >= {MIN_RECORDED_PROMPTS}, got {verdict['prompts']}")
-    entry = {"file": os.path.basename(model_path), "bytes": os.path.getsize(model_path),
-             "sha256": file_sha256(model_path), **verdict, **provenance}
+    entry = {
+        "file": os.path.basename(model_path),
+        "bytes": os.path.getsize(model_path),
+        "sha256": file_sha256(model_path),
+        **verdict,
+        **provenance,
+    }
     files = [e for e in load_record(path) if e["sha256"] != entry["sha256"]] + [entry]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -97,8 +102,10 @@ def passed_gate(model_path: str, record: str = RECORD) -> bool:
         return False
     stat = os.stat(model_path)
     candidates = {e["sha256"] for e in load_record(record) if e["int8"] and e["bytes"] == stat.st_size}
-    return bool(candidates) and _sha256_of(os.path.abspath(model_path), stat.st_size, stat.st_mtime_ns,
-                                           stat.st_ino) in candidates
+    return (
+        bool(candidates)
+        and _sha256_of(os.path.abspath(model_path), stat.st_size, stat.st_mtime_ns, stat.st_ino) in candidates
+    )
 
 
 def resolve_cpu_activations(choice: str, model_path: Optional[str], device: str, record: str = RECORD) -> str:
