@@ -4,7 +4,7 @@ Integer activations (kernels/csrc/linear_int8.h) compute as llama.cpp does and a
 a step is bound by arithmetic (prefill, verify windows, large batches), but they round each
 activation row to 8 bits, and whether a model keeps its quality under that rounding depends on the
 model: the default SmolLM2-135M's greedy answers leave fp32's far more often than bf16's do, while
-Qwen2.5-Coder-0.5B's do not. So the choice is made per model file, from measurement:
+Qwen2.5-Coder-0.5B's and Gemma 3 270M's stay within noise of bf16's. So the choice is made per model file, from measurement:
 `specserve bench quality --record` runs the gate on a file (perplexity within 0.3% of fp32, and
 greedy outputs identical to fp32's no fewer than with bf16 activations, beyond noise) and writes
 its verdict into `specserve/assets/quality/int8.json`, keyed by the file's size and sha256;

