@@ -96,3 +96,23 @@ def bf16_perplexity_ratio(bf16_engine, fp32_model, max_tokens: int = 384) -> flo
 
     ids = bf16_engine.tokenizer.encode(perplexity_text())[:max_tokens]
     return perplexity(bf16_engine.runner.model, ids) / perplexity(fp32_model, ids)
+
+
+def check_auto_runs_int8_losslessly(path: str, bf16_engine, prompts: list[list[int]]) -> None:
+    """A file whose quality-gate pass is recorded: the default (`--cpu-activations auto`) runs int8
+    activations, and NGRAM under them gives the tokens of plain int8 decoding (the bf16 engine's
+    linears switched to int8, its prefix cache emptied on both sides of the switch: cached K/V hold
+    the activations they were computed with)."""
+    from helpers import int8_activations
+
+    from specserve.engine import Engine
+
+    params = {"temperature": 0, "max_new_tokens": 32}
+    bf16_engine.tree.reset()
+    with int8_activations(bf16_engine.runner.model) as switched:
+        assert switched > 0
+        plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
+    bf16_engine.tree.reset()
+    with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096) as engine:
+        assert engine.args.cpu_activations == "int8"
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain

@@ -10,6 +10,7 @@ transformers reads the file independently (its own GGUF parser, dequantization a
 from __future__ import annotations
 
 import pytest
+import real_gguf
 from helpers import int8_activations, layer_path_mismatches
 from real_gguf import bf16_perplexity_ratio, gguf_parsed_once, held_out_texts, transformers_greedy, transformers_tokenizer
 
@@ -101,15 +102,7 @@ def test_auto_runs_int8_on_this_file_and_ngram_stays_lossless(path, bf16_engine)
     """The shipped record holds this file's pass of the quality gate, so the default runs int8
     activations; NGRAM under them gives plain int8 decoding's tokens (past the sliding window too)."""
     prompts = [bf16_engine.tokenizer.encode(p) for p in PROMPTS[3:]] + [_long_prompt(bf16_engine)]
-    params = {"temperature": 0, "max_new_tokens": 32}
-    bf16_engine.tree.reset()  # cached prefixes hold bf16-activation K/V
-    with int8_activations(bf16_engine.runner.model) as switched:
-        assert switched > 0
-        plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
-    bf16_engine.tree.reset()
-    with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096) as engine:
-        assert engine.args.cpu_activations == "int8"
-        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
+    real_gguf.check_auto_runs_int8_losslessly(path, bf16_engine, prompts)
 
 
 def test_native_layers_give_the_per_op_layers_bits(bf16_engine):
@@ -124,6 +117,6 @@ def test_bf16_perplexity_within_one_percent_of_fp32(bf16_engine, fp32_engine):
     dequantized weights, on held-out text."""
     ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
     assert abs(ratio - 1.0) <= 0.01, f"bf16 perplexity is {ratio:.4f}x fp32's"
-    with int8_activations(bf16_engine.runner.model):  # --cpu-activations int8 (opt-in: it costs more, see README)
+    with int8_activations(bf16_engine.runner.model):  # --cpu-activations int8 (this file's default under auto)
         ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
     assert abs(ratio - 1.0) <= 0.02, f"with int8 activations, perplexity is {ratio:.4f}x fp32's"
