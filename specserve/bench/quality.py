@@ -50,8 +50,8 @@ def scored_texts(tokenizer, count: int, max_tokens: int) -> list[tuple[list[int]
     from specserve.bench.offline import prompt_ids
 
     out = []
+    plain = getattr(tokenizer, "chat_template", True) is None
     for human, answer in sharegpt_exchanges(count):
-        plain = getattr(tokenizer, "chat_template", True) is None
         prompt = prompt_ids(tokenizer, [human + "\n\n" if plain else human])[0]
         ids = (prompt + tokenizer.encode(answer, add_special_tokens=False))[:max_tokens]
         if len(ids) > len(prompt) + 8:

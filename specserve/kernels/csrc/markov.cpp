@@ -115,7 +115,7 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
   auto embedded = torch::empty({bs, g, rank}, w1.options());
   auto t = torch::empty({bs, vocab}, w1.options());
   std::vector<int64_t> prev(anchors.data_ptr<int64_t>(), anchors.data_ptr<int64_t>() + bs);
-  std::vector<float> sums(bs * vocab);
+  std::vector<float> sums(p == Path::Avx512Bf16 ? 0 : bs * vocab);  // the scalar scan's sums (AVX-512 recomputes them)
   const uint16_t* table = bf16_data(w1);
   const float* logits = base.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
@@ -129,7 +129,8 @@ std::tuple<torch::Tensor, torch::Tensor> markov_greedy(torch::Tensor base, torch
     const uint16_t* head = bf16_data(t);
     at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {  // requests are independent
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t best = first_argmax_on(p, logits + (b * g + k) * vocab, head + b * vocab, vocab, sums.data() + b * vocab);
+        float* scratch = sums.empty() ? nullptr : sums.data() + b * vocab;
+        const int64_t best = first_argmax_on(p, logits + (b * g + k) * vocab, head + b * vocab, vocab, scratch);
         out[b * g + k] = prev[b] = map ? map[best] : best;
       }
     });
