@@ -170,12 +170,11 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed_tokens(fb.input_ids)
         native = self.native if self.native is not None and self.native.applies(fb) else None
         out: Optional[torch.Tensor]
-        if native is not None:
-            out, captured = native.forward(fb, kv, residual, self.rope, self.rope_local)
+        if native is not None:  # the drafter's context: the captured layers' outputs for every row, side by side
+            out, fb.captured_hidden = native.forward(fb, kv, residual, self.rope, self.rope_local)
         else:
             out, captured = self._per_op_layers(fb, kv, residual)
-        if captured:  # the drafter's context: these layers' outputs for every row, concatenated
-            fb.captured_hidden = torch.cat(captured, dim=-1)
+            fb.captured_hidden = torch.cat(captured, dim=-1) if captured else None
         assert out is not None, "the model has layers"
         rows = fb.logit_rows
         return self.lm_head(self.ops.add_rms_norm(out[rows].contiguous(), residual[rows].contiguous(), self.norm))

@@ -76,20 +76,15 @@ class NativeLayers:
 
     def forward(
         self, fb: "ForwardBatch", kv: KVPool, residual: torch.Tensor, rope: RotaryEmbedding, rope_local: RotaryEmbedding
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Every layer on the pass, in one C++ call per run of layers between captured outputs:
-        the last layer's MLP output (residual updated in place, as LlamaDecoderLayer.forward),
-        and `out + residual` after each layer in `fb.capture_layer_ids`, in layer order."""
-        step, capture = self.step(fb, kv), fb.capture_layer_ids
-        out: Optional[torch.Tensor] = None
-        captured, begin, n = [], 0, len(self.layers)
-        for end in sorted({i + 1 for i in capture if 0 <= i < n} | {n}):
-            out = load().forward_layers(
-                self.layers[begin:end], out, residual, step, kv.k[begin:end], kv.v[begin:end],
-                rope.cos, rope.sin, rope_local.cos, rope_local.sin,
-            )  # fmt: skip
-            if end - 1 in capture:
-                captured.append(out + residual)
-            begin = end
-        assert out is not None, "the model has layers"
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every layer on the pass in one C++ call: the last layer's MLP output (residual updated in
+        place, as LlamaDecoderLayer.forward), and `out + residual` after each layer in
+        `fb.capture_layer_ids`, in layer order, side by side in one [rows, captured x H] tensor
+        (None without captured layers)."""
+        capture = sorted({i for i in fb.capture_layer_ids if 0 <= i < len(self.layers)})
+        captured = residual.new_empty(residual.shape[0], len(capture) * residual.shape[1]) if capture else None
+        out = load().forward_layers(
+            self.layers, None, residual, self.step(fb, kv), kv.k, kv.v,
+            rope.cos, rope.sin, rope_local.cos, rope_local.sin, capture, captured,
+        )  # fmt: skip
         return out, captured

@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <vector>
 
 #include "attention.h"
@@ -186,20 +187,76 @@ class DecoderLayer {
   int64_t hidden_ = 0;
 };
 
+// float32 -> bf16 as torch's bf16 add rounds a sum: to nearest even, subnormals kept, NaN as a
+// NaN; branchless, so the loop below vectorizes.
+inline uint16_t round_like_torch(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
+inline float bf16_bits_to_float(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// `out + residual` of one layer (both [rows, H] bf16) into columns [col, col + H) of `captured`,
+// each element rounded as torch's bf16 add rounds it, so the drafter's context is bitwise what
+// the per-op path's `out + residual` gives.
+void capture_sum(const torch::Tensor& out, const torch::Tensor& residual, torch::Tensor& captured, int64_t col) {
+  const int64_t rows = out.size(0), h = out.size(1), ld = captured.size(1);
+  const uint16_t* x = bf16_data(out);
+  const uint16_t* r = bf16_data(residual);
+  uint16_t* d = bf16_out(captured) + col;
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      for (int64_t c = 0; c < h; ++c)
+        d[i * ld + c] = round_like_torch(bf16_bits_to_float(x[i * h + c]) + bf16_bits_to_float(r[i * h + c]));
+  });
+}
+
+void check_capture(const std::vector<int64_t>& capture, const c10::optional<torch::Tensor>& captured, size_t layers,
+                   const torch::Tensor& residual) {
+  if (capture.empty()) return;
+  TORCH_CHECK(captured.has_value(), "specserve decoder layers: captured layers need an output tensor");
+  const torch::Tensor& c = *captured;
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == torch::kBFloat16,
+              "specserve decoder layers: the residual must be a contiguous [rows, hidden] bf16 tensor");
+  TORCH_CHECK(c.dim() == 2 && c.is_contiguous() && c.scalar_type() == torch::kBFloat16 && c.size(0) == residual.size(0) &&
+                  c.size(1) == int64_t(capture.size()) * residual.size(1),
+              "specserve decoder layers: captured must be a contiguous bf16 [rows, captured layers x hidden] tensor");
+  for (size_t i = 0; i < capture.size(); ++i)
+    TORCH_CHECK(capture[i] >= 0 && capture[i] < int64_t(layers) && (i == 0 || capture[i] > capture[i - 1]),
+                "specserve decoder layers: captured layers must be increasing indices of the given layers");
+}
+
 // Layers in order in one call: layer j with K/V pools k_pools[j] and v_pools[j] and the local RoPE
 // table where it has a sliding window, each exactly as its own forward call would run it; returns the
 // last layer's MLP output (residual updated in place). One pybind call for a run of layers, not one
 // per layer: at batch 1 the per-layer calls' argument conversion and Python loop were a measurable
-// share of a step.
+// share of a step. After each layer in `capture` (increasing), `out + residual` goes into the next
+// column block of `captured` (the DSpark drafter's context), inside the call: splitting the call at
+// each captured layer and adding in Python cost about 1% of a decode step.
 torch::Tensor forward_layers(const std::vector<const DecoderLayer*>& layers, c10::optional<torch::Tensor> out,
                              torch::Tensor residual, const LayerStep& step, const std::vector<torch::Tensor>& k_pools,
                              const std::vector<torch::Tensor>& v_pools, torch::Tensor cos, torch::Tensor sin,
-                             torch::Tensor cos_local, torch::Tensor sin_local) {
+                             torch::Tensor cos_local, torch::Tensor sin_local, const std::vector<int64_t>& capture,
+                             c10::optional<torch::Tensor> captured) {
   TORCH_CHECK(!layers.empty() && k_pools.size() == layers.size() && v_pools.size() == layers.size(),
               "specserve decoder layers: one K and one V pool per layer, at least one layer");
+  check_capture(capture, captured, layers.size(), residual);
+  size_t next = 0;
   for (size_t j = 0; j < layers.size(); ++j) {
     const bool local = layers[j]->local();
     out = layers[j]->forward(out, residual, step, k_pools[j], v_pools[j], local ? cos_local : cos, local ? sin_local : sin);
+    if (next < capture.size() && capture[next] == int64_t(j)) {
+      TORCH_CHECK(out->sizes() == residual.sizes() && out->is_contiguous(), "specserve decoder layers: out matches the residual");
+      capture_sum(*out, residual, *captured, int64_t(next) * residual.size(1));
+      ++next;
+    }
   }
   return *out;
 }
@@ -227,7 +284,8 @@ void register_decoder_layer(py::module& m) {
            py::arg("v_pool"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("forward_layers", &forward_layers, "decoder layers in order in one call", py::arg("layers"), py::arg("out"),
         py::arg("residual"), py::arg("step"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos"), py::arg("sin"),
-        py::arg("cos_local"), py::arg("sin_local"), py::call_guard<py::gil_scoped_release>());
+        py::arg("cos_local"), py::arg("sin_local"), py::arg("capture"), py::arg("captured"),
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace specserve
