@@ -46,13 +46,19 @@ class SurvivalEstimate:
             self.tested[j] = self.decay * self.tested[j] + 1.0
             self.accepted[j] = self.decay * self.accepted[j] + (1.0 if j < accepted else 0.0)
 
+    @property
+    def first_rate(self) -> float:
+        """rates[0] alone (the policy's large-batch shortcut reads it for every request, every step)."""
+        w, t = self.prior_weight, self.tested[0]
+        return (self.accepted[0] + w * self.prior) / (t + w) if t + w > 0 else self.prior
+
     def first(self, hint: float) -> float:
         """survival(hint)[0] without the rest: what the policy's large-batch shortcut reads."""
         tested = self.tested[0]
         if tested <= 0:
             return min(max(hint, 0.0), 1.0)
         own = tested / (tested + self.credibility)
-        return min(max(own * self.rates[0] + (1 - own) * hint, 0.0), 1.0)
+        return min(max(own * self.first_rate + (1 - own) * hint, 0.0), 1.0)
 
     def survival(self, hint: Optional[Sequence[float]] = None) -> tuple[float, ...]:
         """s_1..s_gamma, blending each a_j with hint[j] (a conditional rate) when given."""

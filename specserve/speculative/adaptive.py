@@ -116,6 +116,9 @@ class AdaptivePolicy:
         self.step_calibration = Calibration()  # per step: the mean over its windows with drafts
         self._estimates_version = 0  # bumped whenever a survival estimate changes (see _decide)
         self._last_key: Optional[tuple] = None
+        self._weight_key: Optional[tuple[int, int, int]] = None  # token_weight's (live requests, cost table, its version)
+        self._weight = 1.0
+        self._own_bound, self._own_bound_version = 0.0, -1  # the largest own first rate, per estimates version
         self._plans = 0  # planned steps with a live request (the engine's clock for exploration)
         self._explored: dict[str, int] = {}  # the planned step of each drafter's latest exploring window
         self._last: tuple[bool, list[list[Candidate]], list[Decision]] = (True, [], [])
@@ -178,6 +181,8 @@ class AdaptivePolicy:
         estimates: no window with drafts and no new request since; the cost table: no refit; the
         requests, their match buckets and the weight): a run of plain steps then plans for the
         price of a comparison, where the search cost about 2% of a 135M model's decode step."""
+        if self._plain_wins_by_bound(live, speculating, match, weight):
+            return True, [], [Decision()] * len(live)
         key = (
             self._estimates_version,
             self.cost.version,
@@ -199,23 +204,55 @@ class AdaptivePolicy:
         its own row's cost, coefficient `requests` x live / the plain step's time."""
         if refills or live <= 1 or not self.closed_batch_pricing:
             return 1.0
-        row = max(self.cost.coefficients()["requests"], 0.0)
-        return min(1.0, row * live / self.cost.predict(StepShape(live)))
+        key = (live, id(self.cost), self.cost.version)
+        if self._weight_key != key:  # the same until the batch or the cost table changes
+            row = max(self.cost.coefficients()["requests"], 0.0)
+            self._weight_key, self._weight = key, min(1.0, row * live / self.cost.predict(StepShape(live)))
+        return self._weight
+
+    def _plain_wins_by_bound(
+        self, live: list[int], speculating: Sequence[bool], match: Sequence[int], weight: float
+    ) -> bool:
+        """_plain_wins from an upper bound of every request's first-draft survival, in a few reads:
+        a blend of a request's own rate and its hint is at most the larger of the two, so the bound
+        is the largest of the hints of the match buckets present and of every request's own first
+        rate (kept until an estimate changes). A large batch that never drafts then plans each
+        step without a pass over its requests; where the bound does not settle it, _plain_wins does."""
+        if not live:
+            return True
+        if self._own_bound_version != self._estimates_version:
+            own = [est.first_rate for row in self.rows.values() for est in row.own.values() if est.tested[0] > 0]
+            self._own_bound, self._own_bound_version = max(own, default=0.0), self._estimates_version
+        bound = self._own_bound
+        if DSPARK in self.drafters:
+            bound = max(bound, self.dspark_rates.first_rate)
+        if NGRAM in self.drafters:
+            buckets = {min(match[i], MAX_MATCH_BUCKET) for i in live if speculating[i]}
+            bound = max([bound] + [self.ngram_rates[b].first_rate for b in buckets])
+        return self._plain_beats(live, min(max(bound, 0.0), 1.0) * weight)
+
+    def _plain_beats(self, live: list[int], best_first: float) -> bool:
+        """No plan beats plain decoding when no request's first draft survives beyond best_first."""
+        plain_rate = len(live) / self.cost.predict(StepShape(len(live)))
+        return plain_beats_every_plan(best_first, self.cost, plain_rate * (1 + self.min_gain))
 
     def _plain_wins(
         self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], match: Sequence[int], weight: float
     ) -> bool:
         """No plan beats plain decoding, judged from each request's first-draft survival alone."""
         best_first = 0.0
+        hints: dict[tuple[str, int], float] = {}  # the engine-wide first-draft rate per (drafter, match bucket)
         for i in live:
             if speculating[i]:
-                state = self._row(rows[i])
+                own = self._row(rows[i]).own
+                bucket = min(match[i], MAX_MATCH_BUCKET)
                 for name in self.drafters:
-                    glob = self._global(name, match[i])
-                    hint = glob.rates[0]
-                    best_first = max(best_first, state.own[name].first(hint))
-        plain_rate = len(live) / self.cost.predict(StepShape(len(live))) if live else 0.0
-        return not live or plain_beats_every_plan(best_first * weight, self.cost, plain_rate * (1 + self.min_gain))
+                    key = (name, bucket if name == NGRAM else 0)
+                    hint = hints.get(key)
+                    if hint is None:
+                        hint = hints[key] = self._global(name, bucket).first_rate
+                    best_first = max(best_first, own[name].first(hint))
+        return not live or self._plain_beats(live, best_first * weight)
 
     def _stale(self, rows: Sequence[int], live: list[int]) -> bool:
         """Some live request is due to explore a drafter that the engine may explore now (it then

@@ -234,3 +234,49 @@ def test_a_reused_plan_is_the_plan_a_fresh_search_makes():
             p.observe_accept(rows, plan, accepted)
             p.observe_step(plan.shape, seconds)
     assert reused > 200, reused  # the reuse path ran
+
+
+def _bound_violations(rng: random.Random, steps: int = 400) -> tuple[int, int, int]:
+    """Random requests with own evidence (some far better than the engine-wide rates) and random
+    match lengths: (steps where the bound shortcut says plain wins but the exact check does not,
+    steps the bound settled, steps only the exact check settled)."""
+    table = [6e-3, 1e-3, 2e-3, 4e-3, 1e-5, 1e-5, 1e-4]
+    p = AdaptivePolicy((DSPARK, NGRAM), GAMMA, StepCostModel(table), (2,), 0)
+    violations = settled = exact_only = 0
+    for step in range(steps):
+        bs = rng.choice((1, 2, 4, 8, 16))
+        rows = list(range(bs))
+        if rng.random() < 0.1:  # a request's own windows: mostly poor, sometimes all accepted
+            row, name = rng.choice(rows), rng.choice((DSPARK, NGRAM))
+            teach(p, row, name, GAMMA if rng.random() < 0.3 else 0, rng.randint(1, 6), rng.randint(0, 5))
+        live = [i for i in rows if not p._row(i).done]
+        speculating = [rng.random() < 0.9 for _ in rows]
+        match = [rng.choice((0, 0, 0, 1, 2, 5)) for _ in rows]
+        weight = rng.choice((1.0, 0.3, 0.05))
+        bound = p._plain_wins_by_bound(live, speculating, match, weight)
+        exact = p._plain_wins(rows, live, speculating, match, weight)
+        violations += bound and not exact
+        settled += bound
+        exact_only += exact and not bound
+    return violations, settled, exact_only
+
+
+def test_the_plain_shortcut_bound_never_claims_more_than_the_exact_check():
+    """The large-batch shortcut (`_plain_wins_by_bound`) may leave a step to the exact check but
+    never says plain decoding wins where the exact check says a plan may beat it."""
+    violations, settled, exact_only = _bound_violations(random.Random(7))
+    assert violations == 0
+    assert settled > 50 and exact_only > 0, (settled, exact_only)  # both outcomes occur
+
+
+def test_a_bound_that_ignores_own_evidence_fails_the_bound_check(monkeypatch):
+    """Mutation: a bound from the engine-wide rates alone misses a request whose own drafts are
+    all accepted, so the check above must catch it."""
+
+    def hints_only(self, live, speculating, match, weight):
+        bound = max([self.dspark_rates.first_rate] + [r.first_rate for r in self.ngram_rates])
+        return self._plain_beats(live, min(bound, 1.0) * weight) if live else True
+
+    monkeypatch.setattr(AdaptivePolicy, "_plain_wins_by_bound", hints_only)
+    violations, _, _ = _bound_violations(random.Random(7))
+    assert violations > 0
