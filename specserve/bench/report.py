@@ -39,6 +39,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "grammar": serving.render_grammar, "grammar-engine": serving.render_grammar_engine,
     "router": serving.render_router, "serving": serving.render_serving, "hicache": serving.render_hicache,
     "spec-policy": speculation.render_spec_policy, "spec-policy-notes": speculation.render_spec_policy_notes,
+    "spec-ready": speculation.render_spec_ready,
     "dspark-step": speculation.render_dspark_step, "prefetch": speculation.render_prefetch, "overlap": speculation.render_overlap,
     "kernel-paths-avx2": lambda r: engine.kernel_paths_table(r, "kernel_paths.json"),
     "kernel-paths-avx512": lambda r: engine.kernel_paths_table(r, "kernel_paths_avx512.json"),

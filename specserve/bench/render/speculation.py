@@ -37,6 +37,28 @@ def render_spec_policy(results: str) -> str:
                                   f"{provenance(data, 'spec_policy.json')}\n")
 
 
+def render_spec_ready(results: str) -> str:
+    """DEFAULT against NONE at the batch sizes where the policy (almost) never drafts: what keeping
+    speculation ready costs a step that does not draft."""
+    data = load(results, "spec_ready.json")
+    rows = _rows(data)
+    sizes = sorted({bs for _, bs, _ in rows})
+    body = []
+    for workload, label in WORKLOADS:
+        for bs in sizes:
+            default, none = rows[(workload, bs, "DEFAULT")], rows[(workload, bs, "NONE")]
+            runs, base = default["runs_tokens_per_s"], none["runs_tokens_per_s"]
+            body.append([f"{label}, batch {bs}", f"{none['tokens_per_s']:.1f} ({min(base):.1f}-{max(base):.1f})",
+                         f"{default['tokens_per_s']:.1f} ({min(runs):.1f}-{max(runs):.1f})",
+                         versus(default["ratio_to_none"], runs, base), _plan(default)])
+    same = all(r["identical_to_none"] for r in data["table"])
+    header = ["workload", "NONE tok/s (min-max)", "DEFAULT tok/s (min-max)", "DEFAULT / NONE", "what DEFAULT drafted (last run)"]
+    return table(header, body) + (f"\n\n{data['repeats']} interleaved runs each, {data['new_tokens']} new tokens, greedy; "
+                                  f"the ratio is the median of the runs' ratios, called a gain or a loss only where the "
+                                  f"runs do not overlap. Tokens equal NONE's in every run: {'yes' if same else '**no**'}. "
+                                  f"{provenance(data, 'spec_ready.json')}\n")
+
+
 def _plan(row: dict[str, Any]) -> str:
     steps = sum(row["draft_len_histogram"].values())
     drafted = ", ".join(f"{n} with {d}" for d, n in sorted(row["drafter_steps"].items())) or "none drafted"
