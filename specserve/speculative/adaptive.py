@@ -241,17 +241,12 @@ class AdaptivePolicy:
     ) -> bool:
         """No plan beats plain decoding, judged from each request's first-draft survival alone."""
         best_first = 0.0
-        hints: dict[tuple[str, int], float] = {}  # the engine-wide first-draft rate per (drafter, match bucket)
         for i in live:
             if speculating[i]:
-                own = self._row(rows[i]).own
-                bucket = min(match[i], MAX_MATCH_BUCKET)
+                state = self._row(rows[i])
                 for name in self.drafters:
-                    key = (name, bucket if name == NGRAM else 0)
-                    hint = hints.get(key)
-                    if hint is None:
-                        hint = hints[key] = self._global(name, bucket).first_rate
-                    best_first = max(best_first, own[name].first(hint))
+                    hint = self._global(name, match[i]).first_rate
+                    best_first = max(best_first, state.own[name].first(hint))
         return not live or self._plain_beats(live, best_first * weight)
 
     def _stale(self, rows: Sequence[int], live: list[int]) -> bool:

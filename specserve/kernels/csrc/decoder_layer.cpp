@@ -7,7 +7,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <cstring>
 #include <vector>
 
 #include "attention.h"
@@ -187,22 +186,6 @@ class DecoderLayer {
   int64_t hidden_ = 0;
 };
 
-// float32 -> bf16 as torch's bf16 add rounds a sum: to nearest even, subnormals kept, NaN as a
-// NaN; branchless, so the loop below vectorizes.
-inline uint16_t round_like_torch(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-}
-
-inline float bf16_bits_to_float(uint16_t v) {
-  const uint32_t u = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // `out + residual` of one layer (both [rows, H] bf16) into columns [col, col + H) of `captured`,
 // each element rounded as torch's bf16 add rounds it, so the drafter's context is bitwise what
 // the per-op path's `out + residual` gives.
@@ -214,7 +197,7 @@ void capture_sum(const torch::Tensor& out, const torch::Tensor& residual, torch:
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
       for (int64_t c = 0; c < h; ++c)
-        d[i * ld + c] = round_like_torch(bf16_bits_to_float(x[i * h + c]) + bf16_bits_to_float(r[i * h + c]));
+        d[i * ld + c] = f32_to_bf16_torch(bf16_to_f32(x[i * h + c]) + bf16_to_f32(r[i * h + c]));
   });
 }
 

@@ -447,14 +447,6 @@ int64_t block_bytes(WeightFormat format, int64_t k, int bits) {
   }
 }
 
-// float32 -> bf16 as torch's .to(bfloat16) rounds: to nearest even, subnormals kept (the kernels'
-// stores flush them), NaN as the quiet NaN.
-inline uint16_t f32_to_bf16_torch(float f) {
-  const uint32_t u = f32_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 void dense_rows_bf16(const PackedWeight& w, const int64_t* index, int64_t rows, uint16_t* out) {
   const int64_t bytes = block_bytes(w.format, w.k, w.bits);
   const bool offsets = has_offsets(w);

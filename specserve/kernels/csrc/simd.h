@@ -57,6 +57,14 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+// float32 -> bf16 as torch rounds (.to(bfloat16), a bf16 add's sum): to nearest even, subnormals
+// kept (the kernels' stores flush them), NaN as the quiet NaN; branchless, so loops of it vectorize.
+inline uint16_t f32_to_bf16_torch(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
 // Subnormals read as signed zero (DAZ) or flushed to it (FTZ).
 inline float flush_subnormal(float f) {
   const uint32_t u = f32_bits(f);
