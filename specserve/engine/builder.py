@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -228,19 +228,25 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     tp = TPContext(tp_rank, args.tp_size, dist)
     model = LlamaForCausalLM(cfg, dtype, tp=tp, max_positions=max_positions, lazy_rope=args.device == "cpu")
     model = model.to(args.device)
-    model.load_weights(loaded.weights, loaded.quantized if args.quantization == "auto" else None)
     # Inductor packs weights itself and cannot trace specserve's kernels: torch.compile runs stock ops.
     int8, per_op = args.cpu_activations == "int8", envs.env_flag(envs.PER_OP_LAYERS)
-    model.use_backend(select_backend(args.device, dtype, args.enable_torch_compile, int8, per_op))
+    backend = select_backend(args.device, dtype, args.enable_torch_compile, int8, per_op)
+    codes = loaded.quantized if args.quantization == "auto" else None
+    model.load_weights(loaded.weights, codes, dense_quantized=not backend.packs_codes)
+    model.use_backend(backend)
     model.eval()
-    # The drafter is replicated on every rank (see models/dspark.py); a reduced draft vocabulary
-    # takes its rows from the full (unsharded) head weight.
-    full_head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"])
     summary = model_summary(loaded)
-    del loaded  # the checkpoint's tensors go before the drafter loads (the head's stays until then)
-    drafter = _load_drafter(args, cfg, dtype, model, max_positions, full_head)
+    # The drafter is replicated on every rank (see models/dspark.py); a reduced draft vocabulary
+    # takes its rows from the full (unsharded) head weight, dequantized only if there is a drafter.
+    drafter = _load_drafter(args, cfg, dtype, model, max_positions, functools.partial(_full_head, loaded.weights))
+    del loaded  # the checkpoint's tensors go (the drafter read the head's, if it needed them)
     logger.debug("target loaded (rank %d/%d): %s, %s", tp_rank, args.tp_size, path, dtype)
     return _Target(model, cfg, tokenizer, dtype, context_length, max_positions, summary, drafter)
+
+
+def _full_head(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The target's whole head weight (the tied embedding where there is no separate head)."""
+    return weights["lm_head.weight"] if "lm_head.weight" in weights else weights["model.embed_tokens.weight"]
 
 
 def _kv_pool_size(args: ServerArgs, target: _Target, dist: Optional[TPGroup]) -> int:
@@ -368,7 +374,7 @@ def _load_drafter(
     dtype: torch.dtype,
     model: LlamaForCausalLM,
     max_positions: int,
-    full_head: torch.Tensor,
+    full_head: Callable[[], torch.Tensor],
 ) -> Optional[DsparkDrafter]:
     if args.speculative_algorithm != Algorithm.DSPARK:
         return None
@@ -376,7 +382,7 @@ def _load_drafter(
     assert path is not None, "args validation: DSPARK resolves its drafter's path"
     head: Callable[[torch.Tensor], torch.Tensor] = model.lm_head
     if args.tp_size > 1 and read_drafter_config(path).draft_vocab_size is not None:
-        head = DraftVocabHead(full_head.to(device=args.device, dtype=dtype))  # this rank's head: only its shard
+        head = DraftVocabHead(full_head().to(device=args.device, dtype=dtype))  # this rank's head: only its shard
     return load_drafter(
         path,
         cfg,

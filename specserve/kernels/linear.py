@@ -247,14 +247,12 @@ def pack_q4(
         raise ConfigError(f"4-bit weights need k divisible by {group}, got {k}")
     if bits not in (4, 5, 6) or (codes.numel() and int(codes.max()) >= 1 << bits):
         raise ConfigError(f"packing: codes must be {bits}-bit (4, 5 or 6)")
-    c = _pad_rows(codes.to(torch.int64), BLOCK).view(-1, BLOCK, k // 8, 8)  # [B, lane, oct, 8 columns]
-    words = ((c & 0xF) << _Q4_SHIFTS).sum(-1).transpose(1, 2).contiguous()  # [B, oct, lane]
-    parts = [words.to(torch.uint32).view(torch.uint8).view(words.shape[0], -1)]
+    c = _pad_rows(codes.to(torch.uint8), BLOCK).view(-1, BLOCK, k // 8, 8)  # [B, lane, oct, 8 columns]
+    parts = [_nibble_words(c & 0xF)]
     if bits > 4:
-        high = ((c >> 4) << _HIGH_SHIFTS[bits]).sum(-1).transpose(1, 2).contiguous()
-        plane = high.to(torch.uint8) if bits == 5 else high.to(torch.int32).to(torch.int16).view(torch.uint8)
-        parts.append(plane.reshape(words.shape[0], -1))
-    packed = torch.cat(parts, dim=1).reshape(-1)
+        parts.append(_high_plane(c >> 4, bits))
+    # each [B, lane, oct, bytes] -> per block: every oct's 16 lanes' bytes
+    packed = torch.cat([p.transpose(1, 2).reshape(c.shape[0], -1) for p in parts], dim=1).reshape(-1)
     centre = 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
     code_offset = centre if torch.equal(offset.float(), -centre * scale.float()) else 0
     tables = _group_tables(scale, None if code_offset else offset, group, supers)
@@ -271,6 +269,26 @@ def pack_q4(
         scale_super=tables[2],
         zero_super=tables[3],
     )
+
+
+def _nibble_words(low: torch.Tensor) -> torch.Tensor:
+    """The little-endian bytes of each oct's nibble word (_Q4_SHIFTS) from its 8 low nibbles
+    [..., 8] (uint8): columns (0, 2), (4, 6), (1, 3), (5, 7) as (low, high) nibbles. Byte
+    arithmetic on strided views, so packing a large weight does not widen every code to 64 bits."""
+    v = low.view(*low.shape[:-1], 2, 2, 2)  # column 4h + 2q + e as [h, q, e]
+    return (v[..., 0, :] | v[..., 1, :] << 4).transpose(-1, -2).reshape(*low.shape[:-1], 4)  # byte 2e + h
+
+
+def _high_plane(high: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each oct's high-bit plane (_HIGH_SHIFTS) from its 8 codes' high bits [..., 8] (uint8): for
+    5 bits one byte (column 2p at bit p, 2p + 1 at bit 4 + p); for 6 bits a little-endian uint16
+    whose low byte holds the even columns' 2 bits, 2p at bit 2p, and its high byte the odd ones'."""
+    if bits == 5:
+        even, odd = high[..., 0::2], high[..., 1::2]
+        return (even[..., 0] | even[..., 1] << 1 | even[..., 2] << 2 | even[..., 3] << 3
+                | odd[..., 0] << 4 | odd[..., 1] << 5 | odd[..., 2] << 6 | odd[..., 3] << 7)  # fmt: skip
+    pairs = high.view(*high.shape[:-1], 4, 2)  # [..., p, (column 2p, column 2p + 1)]
+    return pairs[..., 0, :] | pairs[..., 1, :] << 2 | pairs[..., 2, :] << 4 | pairs[..., 3, :] << 6
 
 
 def pack_q8(

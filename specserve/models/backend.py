@@ -46,6 +46,8 @@ class OpBackend:
     """One implementation of the model graph's ops. `prepare` readies a loaded module's weights."""
 
     name = "abstract"
+    # Whether prepare() packs loaded GGUF codes for its linears (so their dense weights go unread).
+    packs_codes = False
 
     def prepare(self, module: nn.Module) -> None:
         """Ready `module`'s weights (after they are loaded) for this backend's linears."""
@@ -179,6 +181,7 @@ class CpuKernelOps(OpBackend):
     decoder layer as one native call (models/native_layer.py) unless `per_op_layers`."""
 
     name = "cpu-kernels"
+    packs_codes = True
 
     def __init__(self, int8_activations: bool = False, per_op_layers: bool = False):
         self.int8_activations = int8_activations

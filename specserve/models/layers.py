@@ -187,6 +187,11 @@ class _ParallelLinear(nn.Module):
         self.kernel: Optional[PackedLinear] = None
         self._quant: Optional[QuantWeight] = None  # this rank's GGUF codes, until pack_for_cpu packs them
 
+    @property
+    def has_codes(self) -> bool:
+        """Whether GGUF codes were loaded (pack_for_cpu packs them, not the dense weight)."""
+        return self._quant is not None
+
     def pack_for_cpu(self) -> None:
         """Pack for the CPU kernels after load() (the CPU kernel backend calls it). A layer packed
         from GGUF codes drops its dequantized weight: the kernels compute from the codes."""
@@ -225,7 +230,12 @@ class ColumnParallelLinear(_ParallelLinear):
     def load(self, weights: list[torch.Tensor], biases: Optional[list[torch.Tensor]] = None) -> None:
         """Take full weights of each fused part (e.g. q, k, v) and keep this rank's rows of each."""
         self.weight.data.copy_(torch.cat([self._rows(w, r) for w, r in zip(weights, self.ranges)]))
-        if self.bias is not None and biases is not None:
+        if biases is not None:
+            self.load_bias(biases)
+
+    def load_bias(self, biases: list[torch.Tensor]) -> None:
+        """This rank's rows of each fused part's bias (a layer with codes may skip load())."""
+        if self.bias is not None:
             self.bias.data.copy_(torch.cat([self._rows(b, r) for b, r in zip(biases, self.ranges)]))
 
     def load_quantized(self, parts: list[QuantWeight]) -> None:
@@ -316,6 +326,11 @@ class VocabParallelEmbedding(nn.Module):
     def load_quantized(self, weight: QuantWeight) -> None:
         """This rank's rows of the GGUF codes (read from them once packed for CPU)."""
         self._quant = weight.rows(slice(self.start, self.start + self.weight.shape[0]))
+
+    @property
+    def has_codes(self) -> bool:
+        """Whether GGUF codes were loaded (pack_for_cpu reads rows from them)."""
+        return self._quant is not None
 
     def pack_for_cpu(self) -> None:
         if self._quant is not None:

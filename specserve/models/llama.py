@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from specserve.models.layers import (
     RowParallelLinear,
     TPContext,
     VocabParallelEmbedding,
+    release,
 )
 from specserve.models.native_layer import NativeLayers
 from specserve.models.quant import QuantWeight
@@ -208,33 +209,59 @@ class LlamaForCausalLM(nn.Module):
             if name in quantized:
                 row_linear.load_quantized(quantized[name])
 
-    def load_weights(self, weights: dict[str, torch.Tensor], quantized: Optional[dict[str, QuantWeight]] = None) -> None:
+    def load_weights(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        quantized: Optional[dict[str, QuantWeight]] = None,
+        dense_quantized: bool = True,
+    ) -> None:
         """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard.
 
         `quantized` optionally gives GGUF-quantized (Q4/Q8) codes of some weights; a fused linear takes
-        them only when every part has them, and uses them only once packed for CPU in bf16.
+        them only when every part has them, and uses them only once packed for CPU in bf16. Without
+        `dense_quantized` (the backend packs codes: OpBackend.packs_codes) a linear that took codes,
+        and an embedding read from them, never reads its dense weight, so a lazily loaded file
+        (loader.LazyWeights) never dequantizes it.
         """
-        w = weights
-        self.embed_tokens.load(w["model.embed_tokens.weight"])
+        w, codes = weights, quantized or {}
         head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
         self._tied_head = head == "model.embed_tokens.weight"
-        self.lm_head.load(w[head])
-        if quantized is not None and head in quantized:
-            self.lm_head.load_quantized(quantized[head])
-        if quantized is not None and not self._tied_head and "model.embed_tokens.weight" in quantized:
-            self.embed_tokens.load_quantized(quantized["model.embed_tokens.weight"])
+        if head in codes:
+            self.lm_head.load_quantized(codes[head])
+        if not self._tied_head and "model.embed_tokens.weight" in codes:
+            self.embed_tokens.load_quantized(codes["model.embed_tokens.weight"])
+
+        def dense(module: nn.Module, has_codes: bool) -> bool:
+            """Whether `module` loads its dense weight; if not, it holds none until packed (a read
+            fails rather than finding uninitialised memory)."""
+            if dense_quantized or not has_codes:
+                return True
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor), "linears and embeddings hold a weight"
+            module.weight = release(weight)
+            return False
+
+        if dense(self.embed_tokens, self.embed_tokens.has_codes or (self._tied_head and self.lm_head.has_codes)):
+            self.embed_tokens.load(w["model.embed_tokens.weight"])
+        if dense(self.lm_head, self.lm_head.has_codes):
+            self.lm_head.load(w[head])
         self.norm.weight.data.copy_(w["model.norm.weight"])
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer), "__init__ builds the layers"
             p = f"model.layers.{i}."
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
+            self._load_quantized(layer, p, codes)
             names = ("q_proj", "k_proj", "v_proj")
-            biases = [w[f"{p}self_attn.{n}.bias"] for n in names] if attn.qkv_proj.bias is not None else None
-            attn.qkv_proj.load([w[f"{p}self_attn.{n}.weight"] for n in names], biases)
-            attn.o_proj.load(w[f"{p}self_attn.o_proj.weight"])
-            layer.mlp.gate_up_proj.load([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
-            layer.mlp.down_proj.load(w[f"{p}mlp.down_proj.weight"])
-            self._load_quantized(layer, p, quantized or {})
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.load_bias([w[f"{p}self_attn.{n}.bias"] for n in names])
+            if dense(attn.qkv_proj, attn.qkv_proj.has_codes):
+                attn.qkv_proj.load([w[f"{p}self_attn.{n}.weight"] for n in names])
+            if dense(attn.o_proj, attn.o_proj.has_codes):
+                attn.o_proj.load(w[f"{p}self_attn.o_proj.weight"])
+            if dense(mlp.gate_up_proj, mlp.gate_up_proj.has_codes):
+                mlp.gate_up_proj.load([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
+            if dense(mlp.down_proj, mlp.down_proj.has_codes):
+                mlp.down_proj.load(w[f"{p}mlp.down_proj.weight"])
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.data.copy_(w[f"{p}self_attn.q_norm.weight"])
                 attn.k_norm.weight.data.copy_(w[f"{p}self_attn.k_norm.weight"])

@@ -1,17 +1,19 @@
 """Load weights and config from a GGUF file (llama, qwen2, qwen3, gemma3) or a Hugging Face directory.
 
-Both paths produce the same thing: a ModelConfig and a dict of float32 tensors under
-Hugging Face parameter names, with Q/K in the rotate-half RoPE layout.
+Both paths produce the same thing: a ModelConfig and a mapping of float32 tensors under
+Hugging Face parameter names, with Q/K in the rotate-half RoPE layout (a GGUF's tensors are
+dequantized when first read), and a GGUF's quantized weights as codes and scales.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -55,12 +57,45 @@ _GGUF_SANDWICH_NAMES = {
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Float32 weights under Hugging Face names, each computed from the file when first read and
+    kept from then on. The CPU kernels compute from a GGUF's codes, so a quantized linear's
+    dequantized float32 copy is made only where something reads it (stock ops, fp32, a drafter's
+    head, training): loading Qwen2.5-Coder 0.5B no longer dequantizes 300 million weights that the
+    packing then throws away."""
+
+    def __init__(self) -> None:
+        self._make: dict[str, Callable[[], torch.Tensor]] = {}
+        self._made: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, make: Callable[[], torch.Tensor]) -> None:
+        self._make[name] = make
+
+    def materialized(self) -> set[str]:
+        """The names read so far."""
+        return set(self._made)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._made:
+            self._made[name] = self._make[name]()
+        return self._made[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._make
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+
 @dataclass
 class LoadedModel:
-    """A model's config and its weights (float32, Hugging Face names)."""
+    """A model's config and its weights (float32, Hugging Face names; a GGUF's read lazily)."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]
     path: str
     gguf_reader: Optional[GGUFFile] = None  # kept so the tokenizer need not read the header again
     quantized: dict[str, QuantWeight] = field(default_factory=dict)  # GGUF Q4/Q8 weights, kept as codes + scales
@@ -190,7 +225,7 @@ def _load_gguf(path: str) -> LoadedModel:
 
     reader = GGUFFile(path)
     config = gguf_config(reader)
-    weights: dict[str, torch.Tensor] = {}
+    weights = LazyWeights()
     quantized: dict[str, QuantWeight] = {}
     layer_names = _GGUF_SANDWICH_NAMES if config.sandwich_norms else _GGUF_LAYER_NAMES
     for tensor in reader.tensors:
@@ -198,10 +233,7 @@ def _load_gguf(path: str) -> LoadedModel:
         if name is None:
             continue
         heads = _rope_heads(name, config) if config.architecture in _ROPE_PERMUTED else 0
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if heads:
-            array = unpermute_rope_rows(array, heads)
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+        weights.add(name, functools.partial(_dequantized, gguf, tensor, heads))
         if is_quantized(tensor.tensor_type.name) and name.endswith(".weight"):
             q = parse_quantized(np.asarray(tensor.data), tensor.tensor_type.name)
             if heads:
@@ -209,6 +241,14 @@ def _load_gguf(path: str) -> LoadedModel:
                 q = q.rows(order)
             quantized[name] = q
     return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader, quantized=quantized)
+
+
+def _dequantized(gguf: Any, tensor: Any, heads: int) -> torch.Tensor:
+    """One GGUF tensor as float32 (Q/K rows back in rotate-half order where `heads`)."""
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    if heads:
+        array = unpermute_rope_rows(array, heads)
+    return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
 
 
 def _rope_heads(name: str, config: ModelConfig) -> int:

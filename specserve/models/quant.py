@@ -189,7 +189,10 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """[..., 16 bytes] -> [..., 32] codes: low nibbles are elements 0..15, high ones 16..31."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+    out = np.empty((*packed.shape[:-1], 32), dtype=np.uint8)  # written in place: one pass each
+    np.bitwise_and(packed, 0x0F, out=out[..., :16])
+    np.right_shift(packed, 4, out=out[..., 16:])
+    return out
 
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:

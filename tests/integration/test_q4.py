@@ -55,3 +55,55 @@ def test_int4_model_agrees_with_dequantized_bf16(loaded):
     # Each decoder layer as one native call gives the bits of the layer op by op (models/native_layer.py).
     prompts = [ids, ids[:7], tok.encode("Hello, world! How are you today?")]
     assert layer_path_mismatches(int4, prompts) == layer_path_mismatches(bf16, prompts) == []
+
+
+@pytest.fixture
+def weights_read(monkeypatch) -> list[str]:
+    """The names read from any lazily loaded file's weights (loader.LazyWeights) from now on
+    (the session shares each file's parse, so what an earlier test read stays materialized)."""
+    from specserve.models import loader
+
+    read: list[str] = []
+    original = loader.LazyWeights.__getitem__
+
+    def spy(self, name):
+        read.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(loader.LazyWeights, "__getitem__", spy)
+    return read
+
+
+def test_packed_load_reads_no_dense_copy_of_what_it_packs(loaded, weights_read):
+    """On the CPU kernels the linears and the tied embedding compute from the file's codes, so
+    loading them never dequantizes those weights (loader.LazyWeights), holds no dense copy, and
+    gives the logits of a model that also loaded the dense weights, bit for bit."""
+
+    def build(dense: bool) -> LlamaForCausalLM:
+        m = LlamaForCausalLM(loaded.config, torch.bfloat16)
+        m.load_weights(loaded.weights, loaded.quantized, dense_quantized=dense)
+        m.use_backend(CpuKernelOps())
+        return m.eval()
+
+    packed = build(dense=False)
+    assert set(weights_read) & set(loaded.quantized) == set()
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= set(weights_read)
+    assert packed.layers[0].mlp.gate_up_proj.weight.numel() == 0 and packed.embed_tokens.weight.numel() == 0
+    dense = build(dense=True)
+    assert "model.layers.0.mlp.gate_proj.weight" in weights_read  # the control reads them
+    ids = list(range(20, 60))
+    assert torch.equal(prefill_logits(packed, ids), prefill_logits(dense, ids))
+
+
+def test_engine_on_cpu_kernels_dequantizes_no_packed_weight(weights_read):
+    """What `specserve serve` loads (bf16 on the CPU kernels, the default drafter attached) reads
+    no quantized weight of the file densely: the start-up does not dequantize what it packs."""
+    from specserve.engine import Engine
+
+    engine = Engine(dtype="bfloat16", max_total_tokens=512)
+    try:
+        head = engine.runner.model.lm_head.kernel
+        assert head is not None and head.format == Q8  # packed from the tied Q8_0 embedding's codes
+        assert weights_read and not [n for n in weights_read if n.endswith(("proj.weight", "embed_tokens.weight"))]
+    finally:
+        engine.shutdown()
