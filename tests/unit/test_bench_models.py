@@ -42,6 +42,11 @@ def test_rendered_table_marks_a_ratio_whose_runs_span_one(tmp_path):
     assert "speculation: none" in text and "vs native llama.cpp (tg128)" in text and "From `bench_results/models.json` (a test machine" in text
 
 
+def test_a_model_named_by_its_path_is_labelled_by_the_file_stem(tmp_path):
+    text = rendered(tmp_path, "/models/dir/qwen-q4_k_m.gguf, int8 activations", [offline_run(40, 50)])
+    assert "\n| qwen-q4_k_m, int8 activations (`" in text  # the row's first cell (the file named after it)
+
+
 def test_a_drafter_file_counts_with_the_model_file(tmp_path):
     run = offline_run(40, 50)
     run["specserve"]["drafter_file_mib"] = 17.0

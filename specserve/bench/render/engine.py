@@ -174,7 +174,7 @@ def _models_spec_table(data: dict[str, Any]) -> str:
     for name, model in models.items():
         s = model["summary"]
         identical = "yes" if s["default_identical_to_none"]["min"] == 1.0 else "**no**"
-        rows.append([f"{name} ({_speculation(model)})"] + [_ratio(s[k]) if k in s else "" for k in cells] + [identical])
+        rows.append([f"{_model_label(name)} ({_speculation(model)})"] + [_ratio(s[k]) if k in s else "" for k in cells] + [identical])
     header = ["model (default speculation)"] + [k.split("@")[1].replace("/bs", ", batch ") for k in cells]
     return (f"\n\nThe default speculation's tokens/s over NONE's ({data['spec_prompts']} MT-Bench first turns and "
             f"{data['spec_prompts']} HumanEval problems, greedy, {data['new_tokens']} new tokens, same run"
@@ -186,6 +186,15 @@ def _spec_repeats(data: dict[str, Any]) -> str:
     """How each run's ratio was formed (records before --spec-repeats ran one repeat each)."""
     n = data.get("spec_repeats", 1)
     return "" if n == 1 else f"; each run's ratio the median of {n} repeats in alternating order"
+
+
+def _model_label(name: str) -> str:
+    """A row's model as `--models` named it, a file path shortened to the file's stem (the row
+    names the file itself)."""
+    model, sep, rest = name.partition(", ")
+    if os.sep in model:
+        model = os.path.basename(model).removesuffix(".gguf")
+    return model + sep + rest
 
 
 def _speculation(model: dict[str, Any]) -> str:
@@ -211,7 +220,7 @@ def render_models(results: str) -> str:
     native = all("decode_vs_native" in m["summary"] for m in data["models"].values())
     for name, model in data["models"].items():
         s = model["summary"]
-        row = [f"{name} (`{model['path']}`; speculation: {_speculation(model)})", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"]),
+        row = [f"{_model_label(name)} (`{model['path']}`; speculation: {_speculation(model)})", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"]),
                _ratio(s["decode_step_speedup"])]
         row += [_ratio(s["decode_vs_native"]), _ratio(s["prefill_vs_native"])] if native else []
         row += [_ratio(s["prefill_vs_llama_cpp_python"]), _median_range(s["verify_over_decode"], ".2f", "x"),
