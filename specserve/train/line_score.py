@@ -114,6 +114,7 @@ def score_weights(folder: str, held_out, loaded, dtype: torch.dtype) -> dict:
     """Teacher-forced accept length of the drafter in `folder` on `held_out`, as `_train` scores it."""
     from specserve.models.dspark import DsparkDrafter
     from specserve.models.dspark_checkpoint import read_drafter_config
+    from specserve.models.loader import head_weight
     from specserve.train.run import load_drafter_weights
     from specserve.train.trainer import DrafterLoss, teacher_forced_accept_length
 
@@ -122,7 +123,7 @@ def score_weights(folder: str, held_out, loaded, dtype: torch.dtype) -> dict:
     drafter = DsparkDrafter(cfg, max_positions=max(len(s.ids) for s in held_out.sequences) + cfg.block_size + 1)
     load_drafter_weights(drafter, folder)
     embed = loaded.weights["model.embed_tokens.weight"].to(dtype)
-    head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"]).to(dtype)
+    head = head_weight(loaded.weights).to(dtype)
     with torch.no_grad():
         return teacher_forced_accept_length(DrafterLoss(drafter, embed, head), held_out, cfg.block_size,
                                             cfg.mask_token_id, seed=SEED, anchors_per_seq=ANCHORS_PER_SEQ)

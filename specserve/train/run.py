@@ -183,6 +183,7 @@ def split_for_line(corpus, store, chosen: list, state: dict, size: int):
 
 def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
     from specserve.models.dspark import DsparkDrafter
+    from specserve.models.loader import head_weight
     from specserve.train.trainer import DrafterLoss, choose_draft_vocab, init_from_target, training_dtype
 
     max_len = max(int(sh.seq_offsets[i + 1] - sh.seq_offsets[i]) for sh in train_set.shards
@@ -206,7 +207,7 @@ def _build_drafter(ns, cfg, loaded, train_set, held_out, state: dict):
         init_from_target(drafter, loaded.weights, layer=loaded.config.num_layers - 1)
     dtype = training_dtype()
     embed = loaded.weights["model.embed_tokens.weight"].to(dtype)
-    head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"]).to(dtype)
+    head = head_weight(loaded.weights).to(dtype)
     return drafter, DrafterLoss(drafter, embed, head)
 
 

@@ -19,7 +19,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -292,7 +292,7 @@ def load_checkpoint(path: str) -> dict:
     return state
 
 
-def init_from_target(drafter: DsparkDrafter, target_weights: dict[str, torch.Tensor], layer: int) -> None:
+def init_from_target(drafter: DsparkDrafter, target_weights: Mapping[str, torch.Tensor], layer: int) -> None:
     """Start every draft layer from a target decoder layer (same widths) and the Markov head at
     zero, so the untrained drafter already predicts with the target's head."""
     p = f"model.layers.{layer}."
