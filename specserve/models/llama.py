@@ -244,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
         def dense(module: nn.Module, has_codes: bool) -> bool:
             return _loads_dense(module, dense_quantized or not has_codes)
 
-        if dense(self.embed_tokens, self.embed_tokens.has_codes or (self._tied_head and self.lm_head.has_codes)):
+        embed_codes = self.embed_tokens.has_codes or (self._tied_head and self.lm_head.has_codes)  # read_from the head's
+        if dense(self.embed_tokens, embed_codes):
             self.embed_tokens.load(w["model.embed_tokens.weight"])
         if dense(self.lm_head, self.lm_head.has_codes):
             self.lm_head.load(w[head])

@@ -71,10 +71,6 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def add(self, name: str, make: Callable[[], torch.Tensor]) -> None:
         self._make[name] = make
 
-    def materialized(self) -> set[str]:
-        """The names read so far."""
-        return set(self._made)
-
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._made:
             self._made[name] = self._make[name]()
