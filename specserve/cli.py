@@ -1,5 +1,6 @@
-"""The `specserve` command: serve, generate, train-drafter, drafter-corpus, eval-drafter, init-drafter, "
-"eval-acceptance, profile-sps, bench."""
+"""The `specserve` command: serve, generate, soak, train-drafter, drafter-corpus, eval-drafter,
+init-drafter, eval-acceptance, profile-sps, and the user benchmarks (`bench offline`, `spec`, `serving`,
+`load`, `quality`, `models`, `seed-failure`). Experiments live in the repository's `benchmarks/`."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _prog(ns: argparse.Namespace) -> str:
-    return " ".join(["specserve", ns.command] + ([ns.bench_command] if ns.command == "bench" else []))
+def _prog(ns: argparse.Namespace, prog: str = "specserve") -> str:
+    return " ".join([prog, ns.command] + ([ns.bench_command] if ns.command == "bench" else []))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -129,33 +130,6 @@ COMMANDS: tuple[Command, ...] = (
         engine_flags=True,
     ),
     Command(
-        "bench train-speed",
-        "drafter training positions/s by batch shape, and where a step goes",
-        "specserve.train.train_speed:add_train_speed_args",
-        "specserve.train.train_speed:run_train_speed",
-    ),
-    Command(
-        "bench drafter-sources",
-        "dev accept length gained per machine-hour by each source of drafter "
-        "training data, against more training on data already used",
-        "specserve.train.source_value:add_source_value_args",
-        "specserve.train.source_value:run_source_value",
-    ),
-    Command(
-        "bench drafter-shapes",
-        "drafter shapes trained from scratch on the same data and minutes: dev "
-        "accept length, drafting cost and batch-1 speed",
-        "specserve.train.shape_ablation:add_shape_ablation_args",
-        "specserve.train.shape_ablation:run_shape_ablation",
-    ),
-    Command(
-        "bench dspark-step",
-        "where a DSPARK verify step's time goes, against a plain decode step",
-        "specserve.bench.dspark_step:add_dspark_step_args",
-        "specserve.bench.dspark_step:run_dspark_step_bench",
-        engine_flags=True,
-    ),
-    Command(
         "bench serving",
         "drive OpenAI-compatible servers at a concurrency sweep and compare",
         "specserve.bench.serving:add_serving_bench_args",
@@ -167,20 +141,6 @@ COMMANDS: tuple[Command, ...] = (
         "server: no 5xx, no leaked KV, bounded memory",
         "specserve.bench.load:add_load_bench_args",
         "specserve.bench.load:run_load_bench",
-    ),
-    Command(
-        "bench router",
-        "2 replicas behind SGLang's router on MT-Bench conversations: cache-aware vs "
-        "round-robin hit rate and TTFT, 1 vs 2 replicas throughput",
-        "specserve.bench.router:add_router_bench_args",
-        "specserve.bench.router:run_router_bench",
-    ),
-    Command(
-        "bench hicache",
-        "MT-Bench second turns with a small device pool: radix-only vs HiCache",
-        "specserve.bench.hicache:add_hicache_bench_args",
-        "specserve.bench.hicache:run_hicache_bench",
-        engine_flags=True,
     ),
     Command(
         "bench quality",
@@ -197,56 +157,11 @@ COMMANDS: tuple[Command, ...] = (
         "specserve.bench.models:run_models_bench",
     ),
     Command(
-        "bench prefetch",
-        "the decode and verify steps with the kernels' weight prefetching off and on, alternating runs",
-        "specserve.bench.prefetch:add_prefetch_bench_args",
-        "specserve.bench.prefetch:run_prefetch_bench",
-    ),
-    Command(
-        "bench linear-rows",
-        "time per linear against its row count, bf16 against int8 activations (what a verify row costs)",
-        "specserve.bench.linear_rows:add_linear_rows_bench_args",
-        "specserve.bench.linear_rows:run_linear_rows_bench",
-        engine_flags=True,
-    ),
-    Command(
-        "bench kernel-paths",
-        "decode and prefill tokens/s through each CPU kernel path this machine runs "
-        "(AVX512-BF16, AVX2, generic), same tokens required",
-        "specserve.bench.kernel_paths:add_kernel_paths_bench_args",
-        "specserve.bench.kernel_paths:run_kernel_paths_bench",
-    ),
-    Command(
-        "bench grammar",
-        "grammar library costs (llguidance vs XGrammar) and structured output under speculation against NONE",
-        "specserve.bench.grammar:add_grammar_bench_args",
-        "specserve.bench.grammar:run_grammar_bench",
-    ),
-    Command(
-        "bench overlap",
-        "overlap loop vs normal loop decode throughput",
-        "specserve.bench.overlap:add_overlap_bench_args",
-        "specserve.bench.overlap:run_overlap_bench",
-        engine_flags=True,
-    ),
-    Command(
         "bench seed-failure",
         "the seed's failure (aliased accept buffers, rank 1 a step late) caught by the "
         "consensus checker, and the same runs with the fix",
         "specserve.bench.seed_failure:add_seed_failure_args",
         "specserve.bench.seed_failure:run_seed_failure_bench",
-    ),
-    Command(
-        "bench tp-cost",
-        "TP 1 vs TP 2, with and without the consensus checker: soak runs of one token budget, interleaved",
-        "specserve.bench.tp_cost:add_tp_cost_args",
-        "specserve.bench.tp_cost:run_tp_cost_bench",
-    ),
-    Command(
-        "bench report",
-        "render the documents' figures from the committed result files (--check: fail on a disagreement)",
-        "specserve.bench.report:add_report_args",
-        "specserve.bench.report:run_report",
     ),
 )
 SERVE_DEFAULTS = {"log_level": "info"}  # the start-up block and the ready line
@@ -257,11 +172,16 @@ def _resolve(ref: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specserve", description=__doc__)
+def build_parser(
+    commands: Sequence[Command] = (), prog: str = "specserve", description: str = ""
+) -> argparse.ArgumentParser:
+    """The parser of `commands` (default: specserve's own); "bench NAME" commands go under `bench`."""
+    commands = commands or COMMANDS
+    parser = _Parser(prog=prog, description=description or __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    for command in COMMANDS:
+    if any(c.name.startswith("bench ") for c in commands):
+        bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    for command in commands:
         group, _, name = command.name.rpartition(" ")
         p = (bench if group == "bench" else sub).add_parser(name, help=command.help)
         if command.add_args:
@@ -273,9 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def find_command(ns: argparse.Namespace) -> Command:
+def find_command(ns: argparse.Namespace, commands: Sequence[Command] = ()) -> Command:
     name = f"bench {ns.bench_command}" if ns.command == "bench" else ns.command
-    return next(c for c in COMMANDS if c.name == name)
+    return next(c for c in commands or COMMANDS if c.name == name)
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -358,22 +278,25 @@ def _init_drafter(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+def main(
+    argv: Optional[Sequence[str]] = None, commands: Sequence[Command] = (), prog: str = "specserve", description: str = ""
+) -> int:
+    """Run one command of `commands` (default: specserve's own; benchmarks/ passes its experiments)."""
+    parser = build_parser(commands, prog, description)
     ns, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand they were given to, like every other error
-        print(f"{_prog(ns)}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+        print(f"{_prog(ns, prog)}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
         return 2
     # Two kinds of failure: a bad flag, setting or file (ConfigError; a bad sampling flag is an
     # InvalidRequestError) is argparse's one line and exit 2, before or after the model loads;
     # anything else during the run is a failure with its traceback and a non-zero exit.
     try:
         check_flag_bounds(ns)
-        command = find_command(ns)
+        command = find_command(ns, commands)
         run = _resolve(command.run)
         return run(ns, ServerArgs.from_cli_args(ns)) if command.engine_flags else run(ns)
     except (ConfigError, InvalidRequestError) as exc:
-        print(f"{_prog(ns)}: error: {exc}", file=sys.stderr)
+        print(f"{_prog(ns, prog)}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,6 +1,6 @@
 """What every result file records about where its figures come from: the commit (marked dirty if
 the tree had changes), the date, the machine (CPU, flags, kernel path, threads) and, for runs that
-speculate, the checksum of the drafter, so `specserve bench report` can show it and mark a figure
+speculate, the checksum of the drafter, so `python -m benchmarks report` can show it and mark a figure
 whose drafter is not the shipped one."""
 
 from __future__ import annotations

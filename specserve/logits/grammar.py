@@ -1,6 +1,6 @@
 """Structured outputs: a request's grammar (JSON schema, regex, GBNF or Lark) as an llguidance matcher.
 
-llguidance was chosen over XGrammar by `specserve bench grammar` (compile and mask time on the
+llguidance was chosen over XGrammar by `python -m benchmarks grammar` (compile and mask time on the
 same schemas and tokenizer, and which JSON-Schema features each enforces rather than accepts and
 ignores); it also has no dependencies, where XGrammar needs torch, transformers, triton and a TVM
 runtime beside our pinned CPU torch.

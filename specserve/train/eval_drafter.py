@@ -33,11 +33,6 @@ def add_eval_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--record", action="store_true", help="add the served figures to the drafter's train_state.json "
                                                          "(its latest extension) and model card")
-    p.add_argument("--rescore-line", action="store_true",
-                   help="instead: score every extension's weights (from git history) teacher-forced on the line's "
-                        "whole held-out set, at --dtype, and record it per extension (held_out_line) and on the card")
-    p.add_argument("--also-record", default=None, help="with --rescore-line: comma-separated other copies of the "
-                                                       "line (e.g. data/drafter/checkpoint) that get the same records")
 
 
 def load_prompt_set(name: str, data: Optional[str]) -> list[str]:
@@ -103,9 +98,6 @@ def evaluate_drafter(engine, prompts: list[str], max_new_tokens: int) -> dict:
 def run_eval_drafter(ns: argparse.Namespace) -> int:
     from specserve.engine import Engine
 
-    if ns.rescore_line:
-        return run_rescore_line(ns)
-
     engine = Engine(model_path=ns.model_path, dtype=ns.dtype, speculative_algorithm="DSPARK",
                     speculative_policy="fixed", speculative_draft_model_path=ns.drafter,
                     max_running_requests=ns.batch_size, random_seed=0)
@@ -131,16 +123,3 @@ def run_eval_drafter(ns: argparse.Namespace) -> int:
                       {"max_new_tokens": ns.max_new_tokens, "dtype": ns.dtype})
     return 0
 
-
-def run_rescore_line(ns: argparse.Namespace) -> int:
-    import torch
-
-    from specserve.assets import default_drafter_path
-    from specserve.train.corpus_cli import DEFAULT_DATA_DIR
-    from specserve.train.line_score import record_line, rescore_line
-
-    drafter = ns.drafter or default_drafter_path()
-    records = rescore_line(drafter, ns.data or DEFAULT_DATA_DIR, ns.model_path, getattr(torch, ns.dtype))
-    record_line([drafter] + [d.strip() for d in (ns.also_record or "").split(",") if d.strip()], records)
-    print(json.dumps({"drafter": drafter, "held_out_line": records}))
-    return 0

@@ -111,7 +111,7 @@ def _held_out_text(state: dict) -> str:
         text += (f", {r['sequences']} sequences of {', '.join(r['sources'])} for {r['keys']} keys, "
                  f"{r['anchors_per_seq']} random anchors each (seed {r['seed']}), {r['precision']}")
     return text + (". Every row's weights are taken from the git commit that holds them and rescored by "
-                   "`specserve eval-drafter --rescore-line` (`held_out_line` in `train_state.json`); '-' is a row "
+                   "`python -m benchmarks rescore-line` (`held_out_line` in `train_state.json`); '-' is a row "
                    "not rescored. A run's own before/after score (`held_out_teacher_forced`) is on the held-out "
                    "sequences of the shards that run chose, a set that differs between runs, and is not shown.")
 

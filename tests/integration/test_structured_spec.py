@@ -16,7 +16,7 @@ import pytest
 
 from helpers import chat_prompts
 
-from specserve.bench.grammar import random_schema
+from benchmarks.grammar import random_schema
 from specserve.logits.grammar import GrammarState
 
 DIGITS = {"temperature": 0, "max_new_tokens": 24, "regex": "[0-9]{1,4}( [0-9]{1,4}){0,8}"}

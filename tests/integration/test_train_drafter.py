@@ -13,6 +13,7 @@ import torch
 
 from specserve import Engine
 from specserve.cli import main as cli_main
+from benchmarks.cli import main as experiments_main
 from specserve.train.corpus_store import CorpusStore
 from specserve.train.teacher import TeacherCache, TeacherCorpus
 
@@ -212,7 +213,7 @@ def test_drafter_sources_bench_prices_new_data_and_scores_each_arm(trained, corp
     assert cli_main(["drafter-corpus", "extend", "--data", str(data), "--source", "sharegpt-answers",
                      "--num-prompts", "6"]) == 0
     out = tmp_path / "sources.json"
-    assert cli_main(["bench", "drafter-sources", "--drafter", trained[0], "--data", str(data), "--minutes", "0.05",
+    assert experiments_main(["drafter-sources", "--drafter", trained[0], "--data", str(data), "--minutes", "0.05",
                      "--dev-prompts", "2", "--max-new-tokens", "24", "--seen", "0", "--work", str(tmp_path / "arms"),
                      "--arms", "seen:sharegpt-greedy:0,answers:sharegpt-answers:1", "--out", str(out)]) == 0
     result = json.load(open(out))
@@ -232,7 +233,7 @@ def test_drafter_sources_bench_prices_new_data_and_scores_each_arm(trained, corp
 
 def test_drafter_shapes_bench_trains_each_shape_and_times_it(corpus_dir, tmp_path):
     out = tmp_path / "shapes.json"
-    assert cli_main(["bench", "drafter-shapes", "--data", corpus_dir, "--shards", "0", "--minutes", "0.05",
+    assert experiments_main(["drafter-shapes", "--data", corpus_dir, "--shards", "0", "--minutes", "0.05",
                      "--arms", "v2048=--draft-vocab-size 2048;block4=--draft-vocab-size 1024 --block-size 4",
                      "--dev-prompts", "2", "--max-new-tokens", "16", "--speed-prompts", "2", "--speed-tokens", "12",
                      "--work", str(tmp_path / "arms"), "--out", str(out)]) == 0
@@ -246,7 +247,7 @@ def test_drafter_shapes_bench_trains_each_shape_and_times_it(corpus_dir, tmp_pat
                                                               result["plain_runs"][0]["tokens_per_s"], abs=2e-3)
     # A second run with the same settings adds to the record: block4 is served again, not trained
     # again, and timed against the second run's own NONE (tests/unit: which records are reused).
-    assert cli_main(["bench", "drafter-shapes", "--data", corpus_dir, "--shards", "0", "--minutes", "0.05",
+    assert experiments_main(["drafter-shapes", "--data", corpus_dir, "--shards", "0", "--minutes", "0.05",
                      "--arms", "v2048=--draft-vocab-size 2048;block4=--draft-vocab-size 1024 --block-size 4",
                      "--only", "block4", "--dev-prompts", "2", "--max-new-tokens", "16", "--speed-prompts", "2",
                      "--speed-tokens", "12", "--work", str(tmp_path / "arms"), "--out", str(out)]) == 0

@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from specserve.bench.linear_rows import time_linear
-from specserve.bench.render.engine import render_linear_rows
+from benchmarks.linear_rows import time_linear
+from benchmarks.render.engine import render_linear_rows
 from specserve.kernels.linear import pack_bf16, pack_q8
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from specserve.bench.models import _figures, summarize
-from specserve.bench.render.engine import render_models
+from benchmarks.render.engine import render_models
 
 
 def offline_run(ours_tok_s: float, peer_tok_s: float) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from specserve.bench.prefetch import summarize
-from specserve.bench.render.speculation import render_prefetch
+from benchmarks.prefetch import summarize
+from benchmarks.render.speculation import render_prefetch
 
 
 def _batch(decode: float, verify: float) -> dict:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specserve.bench.render.serving import render_serving
+from benchmarks.render.serving import render_serving
 from specserve.bench.serving import RunResult, ratios, summary
 
 

@@ -110,11 +110,11 @@ def test_bad_tool_and_format_requests_are_refused(kw, message):
 
 
 def test_grammar_bench_library_part(tmp_path):
-    """`specserve bench grammar --skip-engine`: every generated instance walks its grammar's masks."""
-    from specserve.cli import main as cli_main
+    """`python -m benchmarks grammar --skip-engine`: every generated instance walks its grammar's masks."""
+    from benchmarks.cli import main as cli_main
 
     out = tmp_path / "grammar.json"
-    assert cli_main(["bench", "grammar", "--skip-engine", "--schemas", "4", "--out", str(out)]) == 0
+    assert cli_main(["grammar", "--skip-engine", "--schemas", "4", "--out", str(out)]) == 0
     lib = json.loads(out.read_text())["libraries"]["llguidance"]
     assert lib["available"] and lib["instances_rejected"] == 0 and lib["tokens_walked"] > 10
     assert lib["features"]["$ref/$defs"] and not lib["features"]["uniqueItems"]  # refused, never ignored

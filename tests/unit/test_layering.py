@@ -47,12 +47,10 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"names", "scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
                "sampler", "sampling_params", "args", "envs", "errors", "logits"},
     "server": {"names", "engine", "tokenizer", "models", "sampling_params", "args", "errors", "logits"},
-    # train -> bench: the drafter experiments time verify steps with bench's step instrumentation
-    "train": {"names", "engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets", "bench",
+    "train": {"names", "engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets",
               "kernels", "errors"},
-    # bench -> server: the router bench starts and waits for replicas with server/replicas.py's helpers
     "bench": {"names", "engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
-              "sampling_params", "logits", "server", "envs", "errors"},
+              "sampling_params", "logits", "envs", "errors"},
     "flag_bounds": {"args", "server", "errors"},  # the heartbeat bound is the server's interval
     "cli": {"names", "args", "bench", "engine", "models", "sampling_params", "server", "train", "errors", "flag_bounds"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
@@ -173,6 +171,26 @@ def long_functions(source: str) -> list[str]:
     return problems
 
 
+def experiment_imports(source: str) -> list[str]:
+    """Files of the package that import the repository's benchmarks/ (not installed with it)."""
+    found = []
+    for folder, _, files in os.walk(source):
+        for name in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                    found.append(os.path.relpath(path, source))
+    return found
+
+
+def test_the_package_never_imports_the_experiments():
+    assert experiment_imports(SOURCE) == []
+
+
 def test_packages_import_only_along_allowed_arrows():
     assert layering_violations(SOURCE) == []
 
@@ -207,6 +225,12 @@ def test_mutation_cycle_between_allowed_packages_is_reported(source_copy):
     assert any(p.startswith("import cycle:") and "kv" in p and "executor" in p for p in problems), problems
 
 
+def test_mutation_an_import_of_the_experiments_is_reported(source_copy):
+    with open(source_copy / "bench" / "offline.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from benchmarks.render import engine  # not installed with the package\n    return engine\n")
+    assert experiment_imports(str(source_copy)) == ["bench/offline.py"]
+
+
 def test_mutation_oversized_file_and_old_package_name_are_reported(source_copy):
     (source_copy / "dist").mkdir()
     (source_copy / "dist" / "__init__.py").write_text("\n" * (MAX_LINES + 1))
@@ -220,7 +244,7 @@ def test_mutation_long_function_is_reported_outside_bench_and_train_only(source_
     planted = f"\n\ndef _planted():\n{body}"  # MAX_FUNCTION_LINES lines: allowed
     with open(source_copy / "names.py", "a") as f:
         f.write(planted + "\n\ndef _planted_long():\n" + body + "    return x0\n")
-    with open(source_copy / "bench" / "report.py", "a") as f:
+    with open(source_copy / "bench" / "offline.py", "a") as f:
         f.write("\n\ndef _planted_long():\n" + body + "    return x0\n")
     problems = long_functions(str(source_copy))
     assert [p.split(" ", 1)[1] for p in problems] == [f"_planted_long: {MAX_FUNCTION_LINES + 1} lines"], problems

@@ -11,7 +11,7 @@ import subprocess
 
 from specserve.assets import default_drafter_path
 from specserve.train.corpus_store import Pair
-from specserve.train.line_score import line_pairs, line_sources, match_rows, record_line, weight_versions
+from benchmarks.line_score import line_pairs, line_sources, match_rows, record_line, weight_versions
 from specserve.train.model_card import read_train_state, save_train_state
 
 

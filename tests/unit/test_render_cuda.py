@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from specserve.bench.render.common import REPO
-from specserve.bench.render.cuda import render_cuda_check, render_cuda_threaded
+from benchmarks.render.common import REPO
+from benchmarks.render.cuda import render_cuda_check, render_cuda_threaded
 
 
 def test_failed_and_skipped_checks_are_named_not_rendered(tmp_path):

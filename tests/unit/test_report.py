@@ -1,5 +1,5 @@
 """The README's rendered figures agree with the committed result files they come from, and a
-change to one digit of a result file shows as a disagreement (`specserve bench report --check`)."""
+change to one digit of a result file shows as a disagreement (`python -m benchmarks report --check`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from specserve.bench import report
+from benchmarks import report
 
 
 def test_readme_figures_agree_with_their_result_files():
-    assert report.differences() == "", "run `specserve bench report` and commit the documents"
+    assert report.differences() == "", "run `python -m benchmarks report` and commit the documents"
 
 
 def test_every_renderer_has_exactly_one_part_in_the_documents():
@@ -41,7 +41,7 @@ def test_one_changed_digit_in_a_result_file_is_a_disagreement(tmp_path, file, pa
     node[path[-1]] += 1.0  # one more in the units digit
     (results / file).write_text(json.dumps(data))
     assert report.differences(report.README, str(results)) != ""
-    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "report", "--check", "--results", str(results)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "report", "--check", "--results", str(results)], cwd=report.REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "disagree" in proc.stderr
 
@@ -64,7 +64,7 @@ def test_provenance_names_the_machine_commit_and_marks_a_drafter_that_is_not_shi
 
 
 def test_a_ratio_is_a_gain_only_when_every_run_beats_every_baseline_run():
-    from specserve.bench.render.common import versus
+    from benchmarks.render.common import versus
 
     assert versus(1.06, [115.9, 119.9, 111.8], [108.6, 113.0, 109.2]) == "1.06x, within noise"  # ranges overlap
     assert versus(1.20, [119.6, 131.7, 123.5], [102.0, 105.2, 103.1]) == "**1.20x**"
@@ -72,7 +72,7 @@ def test_a_ratio_is_a_gain_only_when_every_run_beats_every_baseline_run():
 
 
 def test_tp_cost_calls_overlapping_arms_within_noise():
-    from specserve.bench.tp_cost import compare, spread
+    from benchmarks.tp_cost import compare, spread
 
     assert compare(spread([12.6, 11.0]), spread([11.6, 12.0]))["within_noise"] is True
     slower = compare(spread([11.0, 11.5]), spread([30.0, 32.3]))

@@ -5,7 +5,7 @@ import pytest
 
 from specserve.train.corpus_store import CorpusStore, Pair, prompt_key
 from specserve.train.run import parse_shard_numbers, select_shards, shard_number
-from specserve.train.source_value import arm_cost_seconds, parse_arms
+from benchmarks.source_value import arm_cost_seconds, parse_arms
 
 
 def _store(tmp_path):
@@ -61,7 +61,7 @@ def test_an_arm_pays_for_new_data_only(tmp_path):
 
 
 def test_shape_arms_take_shape_flags_only():
-    from specserve.train.shape_ablation import DEFAULT_SHAPE_ARMS, parse_shape_arms
+    from benchmarks.shape_ablation import DEFAULT_SHAPE_ARMS, parse_shape_arms
 
     arms = parse_shape_arms("base=;deep=--num-layers 2 --block-size 6")
     assert arms == [("base", []), ("deep", ["--num-layers", "2", "--block-size", "6"])]
@@ -74,8 +74,8 @@ def test_shape_arms_take_shape_flags_only():
 
 
 def test_a_shape_arm_is_reused_only_when_trained_as_asked():
-    from specserve.train.arms import train_parser
-    from specserve.train.shape_ablation import trained_as_asked
+    from benchmarks.arms import train_parser
+    from benchmarks.shape_ablation import trained_as_asked
 
     argv = ["--out", "x", "--shards", "0", "--max-minutes", "5", "--note", "drafter-shapes arm block8",
             "--block-size", "8"]

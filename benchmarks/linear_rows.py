@@ -1,4 +1,4 @@
-"""`specserve bench linear-rows`: what a row costs in each linear of the model, bf16 against int8
+"""`python -m benchmarks linear-rows`: what a row costs in each linear of the model, bf16 against int8
 activations, side by side in one run.
 
 A verify window of k drafts runs every linear on k + 1 rows where a decode step runs one, so how

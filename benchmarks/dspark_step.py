@@ -1,4 +1,4 @@
-"""`specserve bench dspark-step`: where a DSPARK verify step's time goes, against a plain decode step.
+"""`python -m benchmarks dspark-step`: where a DSPARK verify step's time goes, against a plain decode step.
 
 Two engines on the same prompts, greedy, at each batch size: NONE (plain decode steps) and DSPARK
 with the policy turned off (every step drafts gamma tokens, verified whole). Each part of a DSPARK

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from specserve.bench.render.common import load, provenance, table, versus
+from benchmarks.render.common import load, provenance, table, versus
 
 
 def render_grammar(results: str) -> str:
@@ -111,7 +111,7 @@ def _range(cell: dict[str, float]) -> str:
 def render_hicache(results: str) -> str:
     data = load(results, "hicache_mtbench.json")
     radix, hier = data["radix_only"], data["hicache"]
-    return (f"`specserve bench hicache --num-questions {data['num_questions']} --answer-tokens {data['answer_tokens']} --device-tokens "
+    return (f"`python -m benchmarks hicache --num-questions {data['num_questions']} --answer-tokens {data['answer_tokens']} --device-tokens "
             f"{data['device_tokens']}` (MT-Bench second turns after all first turns, a "
             f"{data['device_tokens']:,}-token device pool, one run): prefix-cache hit rate of the second turns "
             f"{radix['hit_rate']:.2f} (radix only) against {hier['hit_rate']:.2f} (HiCache, "

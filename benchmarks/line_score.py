@@ -1,4 +1,4 @@
-"""`specserve eval-drafter --rescore-line`: every drafter of a line scored on one held-out set.
+"""`python -m benchmarks rescore-line`: every drafter of a line scored on one held-out set.
 
 Each `train-drafter` run scores its drafter teacher-forced on the held-out sequences of the shards
 that run chose, so two runs on different shards report figures on different sets (extension 6's
@@ -194,3 +194,25 @@ def record_line(drafter_dirs: list[str], records: list[Optional[dict]]) -> None:
             else:
                 ext["held_out_line"] = rec
         save_train_state(d, state)
+
+
+def add_rescore_line_args(p) -> None:
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--data", default=None, help="corpus folder holding the line's held-out sequences")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--also-record", default=None, help="comma-separated other copies of the line "
+                                                       "(e.g. data/drafter/checkpoint) that get the same records")
+
+
+def run_rescore_line(ns) -> int:
+    """Score every extension's weights (from git history) teacher-forced on the line's whole held-out
+    set, at --dtype, and record it per extension (held_out_line) and on the card."""
+    from specserve.assets import default_drafter_path
+    from specserve.train.corpus_cli import DEFAULT_DATA_DIR
+
+    drafter = ns.drafter or default_drafter_path()
+    records = rescore_line(drafter, ns.data or DEFAULT_DATA_DIR, ns.model_path, getattr(torch, ns.dtype))
+    record_line([drafter] + [d.strip() for d in (ns.also_record or "").split(",") if d.strip()], records)
+    print(json.dumps({"drafter": drafter, "held_out_line": records}))
+    return 0

@@ -1,4 +1,4 @@
-"""`specserve bench train-speed`: drafter training throughput (positions/s) by batch shape, and where a step goes.
+"""`python -m benchmarks train-speed`: drafter training throughput (positions/s) by batch shape, and where a step goes.
 
 It times real training steps of the drafter on the corpus's cached teacher data (built if
 missing), for each `seqs x anchors` shape: batch assembly, the forward to the block states

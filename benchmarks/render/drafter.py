@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any, Optional
 
-from specserve.bench.render.common import REPO, SHIPPED_DRAFTER, load, provenance, table
+from benchmarks.render.common import REPO, SHIPPED_DRAFTER, load, provenance, table
 
 STATE = os.path.join(SHIPPED_DRAFTER, "train_state.json")
 
@@ -128,7 +128,7 @@ def render_train_speed(results: str) -> str:
     return (f"On {avx2['machine']}, torch's bf16 matmul runs at {avx2['matmul_gflops']['bfloat16']:g} GFLOPS against "
             f"{avx2['matmul_gflops']['float32']:g} in float32, and a training step at 8x48 gives "
             f"{pos(avx2, '8x48', 'bfloat16'):g} positions/s in bf16 autocast against {pos(avx2, '8x48', 'float32'):g} "
-            f"in float32 (`specserve bench train-speed --shards 0 --dtypes float32,bfloat16 --shapes 8x48 --steps 2`, "
+            f"in float32 (`python -m benchmarks train-speed --shards 0 --dtypes float32,bfloat16 --shapes 8x48 --steps 2`, "
             f"`bench_results/train_speed_avx2.json`). On {now['machine']} with cached data (`specserve bench "
             f"train-speed --shapes 16x12,8x48,8x96,4x0` against `scripts/train_speed_before.py --shapes 16x12,8x48`, "
             f"the trainer before the grouped blocks and the chunked loss, revision {before['trainer_revision']}): "

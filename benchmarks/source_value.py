@@ -1,4 +1,4 @@
-"""`specserve bench drafter-sources`: served accept length gained per machine-hour by each source of
+"""`python -m benchmarks drafter-sources`: served accept length gained per machine-hour by each source of
 teacher signal, so the corpus grows with the source that buys the most.
 
 Each arm continues the same drafter (the shipped one by default) for the same training minutes on
@@ -66,7 +66,7 @@ def arm_cost_seconds(shards: list, seen: set[int], cache, train_seconds: float) 
 def run_source_value(ns: argparse.Namespace) -> int:
     from specserve.assets import default_drafter_path
     from specserve.models.dspark_checkpoint import read_drafter_config
-    from specserve.train.arms import dev_score, train_arm
+    from benchmarks.arms import dev_score, train_arm
     from specserve.train.corpus_store import CorpusStore
     from specserve.train.run import DEFAULT_TOPK, parse_shard_numbers, select_shards, target_model_name
     from specserve.kernels.dispatch import machine_description

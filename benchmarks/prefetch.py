@@ -1,4 +1,4 @@
-"""`specserve bench prefetch`: what the kernels' weight prefetching changes, with it and without it
+"""`python -m benchmarks prefetch`: what the kernels' weight prefetching changes, with it and without it
 on the same commit, alternating.
 
 The C++ kernels read SPECSERVE_PREFETCH_BYTES once, when they load, so each setting needs its own

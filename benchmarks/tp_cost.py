@@ -1,4 +1,4 @@
-"""`specserve bench tp-cost`: what tensor parallelism and the rank consensus checker cost on this
+"""`python -m benchmarks tp-cost`: what tensor parallelism and the rank consensus checker cost on this
 machine, measured as `specserve soak` runs (DSPARK, the adaptive policy, overlap, the soak's
 prompts) of the same token budget in three arms, interleaved so that the shared host's drift hits
 every arm alike:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.bench.render.common import load, provenance, table, versus
+from benchmarks.render.common import load, provenance, table, versus
 
 WORKLOADS = (("mtbench", "MT-Bench"), ("humaneval", "HumanEval"))
 

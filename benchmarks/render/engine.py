@@ -8,7 +8,7 @@ import os
 
 from typing import Any
 
-from specserve.bench.render.common import load, provenance, span, table, versus
+from benchmarks.render.common import load, provenance, span, table, versus
 
 
 def kernel_paths_table(results: str, file: str) -> str:
@@ -140,7 +140,7 @@ def render_tp_cost(results: str) -> str:
     data = load(results, "tp_cost.json")
     runs = lambda arm: [r["generated_tokens_per_s"] for r in data["runs"] if r["arm"] == arm]  # noqa: E731
     tp, chk, ms = data["tp2_over_tp1"], data["checker_over_no_checker"], data["mean_check_ms"]
-    return (f"- What TP 2 and the checker cost here (`specserve bench tp-cost`: soak runs of {data['max_tokens']:,} "
+    return (f"- What TP 2 and the checker cost here (`python -m benchmarks tp-cost`: soak runs of {data['max_tokens']:,} "
             f"tokens each, {data['generated_tokens_per_s']['tp1']['runs']} interleaved runs an arm; generated "
             f"tokens/s, median (min-max)): TP 1 {_tp_arm(data, 'tp1')}, TP 2 {_tp_arm(data, 'tp2')} "
             f"({versus(tp['ratio'], runs('tp2'), runs('tp1'))} TP 1), TP 2 with the consensus checker "

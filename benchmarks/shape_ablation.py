@@ -1,4 +1,4 @@
-"""`specserve bench drafter-shapes`: drafter shapes side by side, each trained from scratch on the
+"""`python -m benchmarks drafter-shapes`: drafter shapes side by side, each trained from scratch on the
 same shards for the same minutes, so the shipped shape is chosen by measurement.
 
 Every arm is a set of `train-drafter` shape flags (layers, context layers, Markov rank, draft
@@ -70,7 +70,7 @@ def parse_shape_arms(spec: str, only: str | None = None) -> list[tuple[str, list
 
 
 def run_shape_ablation(ns: argparse.Namespace) -> int:
-    from specserve.train.arms import dev_score
+    from benchmarks.arms import dev_score
 
     arms = parse_shape_arms(ns.arms, ns.only)
     work = ns.work or tempfile.mkdtemp(prefix="drafter-shapes-")
@@ -118,7 +118,7 @@ def _earlier_results(ns: argparse.Namespace) -> dict:
 def _trained_arm(out: str, name: str, flags: list[str], ns: argparse.Namespace) -> tuple[dict, bool]:
     """The arm's training record: the one in `out` when an earlier run trained this arm there with
     the same settings (and --retrain is off), else a fresh from-scratch training run."""
-    from specserve.train.arms import train_arm, train_parser
+    from benchmarks.arms import train_arm, train_parser
     from specserve.train.model_card import read_train_state
 
     argv = ["--out", out, "--data", ns.data, "--sources", ns.sources, "--shards", ns.shards,
@@ -163,7 +163,7 @@ def _timed_generate(engine, ns: argparse.Namespace, totals: dict) -> tuple[int, 
 
 
 def _plain_speed(ns: argparse.Namespace) -> dict:
-    from specserve.bench.dspark_step import instrument_plain
+    from benchmarks.dspark_step import instrument_plain
     from specserve.engine import Engine
 
     with Engine(speculative_algorithm="NONE", random_seed=0) as engine:
@@ -175,7 +175,7 @@ def _plain_speed(ns: argparse.Namespace) -> dict:
 
 def _drafter_speed(drafter: str, ns: argparse.Namespace) -> dict:
     """Batch-1 tokens/s and the verify step's parts (ms per step) with this drafter."""
-    from specserve.bench.dspark_step import DRAFTING, instrument
+    from benchmarks.dspark_step import DRAFTING, instrument
     from specserve.engine import Engine
 
     with Engine(speculative_algorithm="DSPARK", speculative_policy="fixed", speculative_draft_model_path=drafter,

@@ -1,4 +1,4 @@
-"""`specserve bench overlap`: overlap loop against the normal loop, side by side in one run
+"""`python -m benchmarks overlap`: overlap loop against the normal loop, side by side in one run
 (`--compare capture`: captured decode/verify steps against eager steps, both under the overlap loop).
 
 For each algorithm (NONE, NGRAM, DSPARK) one engine is built; for each batch size the same greedy

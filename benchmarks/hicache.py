@@ -1,4 +1,4 @@
-"""`specserve bench hicache`: a shared-prefix workload with a small device pool, radix-only vs HiCache.
+"""`python -m benchmarks hicache`: a shared-prefix workload with a small device pool, radix-only vs HiCache.
 
 MT-Bench second turns re-use their first turns: every first turn is answered first (greedy), then
 every second turn is asked with the whole first exchange as its prefix. With a device pool too small

@@ -1,5 +1,5 @@
-"""`specserve bench report`: the figures of the README and the drafter corpus's README, rendered
-from the committed result files (the renderers live in `specserve/bench/render/`).
+"""`python -m benchmarks report`: the figures of the README and the drafter corpus's README, rendered
+from the committed result files (the renderers live in `benchmarks/render/`).
 
 A rendered part of a document sits between two markers (indented alike inside a list item):
 
@@ -7,7 +7,7 @@ A rendered part of a document sits between two markers (indented alike inside a 
     ...text made by RENDERERS[NAME] from bench_results/...
     <!-- /render -->
 
-`specserve bench report` rewrites every such part from the files; `--check` rewrites nothing and
+`python -m benchmarks report` rewrites every such part from the files; `--check` rewrites nothing and
 exits 1 with a diff where the README and the files disagree (tests/unit/test_report.py runs it, so
 a figure typed by hand, or a result file changed without its text, fails the suite). Each part
 names its file and the file's provenance (machine; commit and date where the file records them).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import glob
 import os
 import re
 import sys
@@ -24,12 +25,14 @@ from typing import Callable, Optional
 
 from specserve.errors import ConfigError
 from specserve.bench.provenance import drafter_checksum  # noqa: F401  (re-exported for tests)
-from specserve.bench.render import cuda, drafter, engine, serving, speculation
-from specserve.bench.render.common import REPO, SHIPPED_DRAFTER, provenance  # noqa: F401
+from benchmarks.render import cuda, drafter, engine, serving, speculation
+from benchmarks.render.common import REPO, SHIPPED_DRAFTER, provenance  # noqa: F401
 
 README = os.path.join(REPO, "README.md")
 CORPUS_README = os.path.join(REPO, "data", "drafter", "README.md")
-DOCUMENTS = (README, CORPUS_README)  # every document with rendered parts
+DOCS = os.path.join(REPO, "docs")
+# Every document with rendered parts: the README, each page of docs/, the drafter corpus's README.
+DOCUMENTS = (README, *sorted(glob.glob(os.path.join(DOCS, "*.md"))), CORPUS_README)
 RESULTS = os.path.join(REPO, "bench_results")
 BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- render: (?P<name>[\w-]+) -->\n)(?P<body>.*?)^(?P=indent)<!-- /render -->",
                    re.S | re.M)

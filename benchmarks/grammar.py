@@ -1,4 +1,4 @@
-"""`specserve bench grammar`: the grammar library's costs, and structured output under speculation.
+"""`python -m benchmarks grammar`: the grammar library's costs, and structured output under speculation.
 
 Part 1, the library (no model): for llguidance and, when importable, XGrammar, on the same
 schemas and tokenizer: schema compile time, the per-token mask time along a valid instance's

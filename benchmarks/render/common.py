@@ -9,7 +9,7 @@ from typing import Any
 
 from specserve.bench.provenance import drafter_checksum
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIPPED_DRAFTER = os.path.join("specserve", "assets", "drafters", "smollm2-135m-instruct")
 
 

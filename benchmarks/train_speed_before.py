@@ -4,7 +4,7 @@
 
 The trainer module of revision REV (default f4b8494, the last one before the grouped blocks) is
 loaded from git beside this checkout's package and timed on the same cached teacher data as
-`specserve bench train-speed` (whole steps: batch, forward, loss, backward, optimizer; 2 untimed
+`python -m benchmarks train-speed` (whole steps: batch, forward, loss, backward, optimizer; 2 untimed
 warm-up steps), so the two commands' positions/s compare like for like on one machine.
 """
 

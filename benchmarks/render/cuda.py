@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.bench.render.common import load, provenance, table, versus
+from benchmarks.render.common import load, provenance, table, versus
 
 CONFIGS = ("overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager")
 

@@ -1,4 +1,4 @@
-"""`specserve bench router`: specserve replicas behind SGLang's router, on MT-Bench conversations.
+"""`python -m benchmarks router`: specserve replicas behind SGLang's router, on MT-Bench conversations.
 
 One launcher (`specserve serve --dp-size 2`, the default engine) and, over the same two replicas, a
 second router with the round-robin policy. Each router runs the same multi-turn workload with the

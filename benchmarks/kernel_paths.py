@@ -1,4 +1,4 @@
-"""`specserve bench kernel-paths`: the CPU kernel paths this machine runs, side by side in one run.
+"""`python -m benchmarks kernel-paths`: the CPU kernel paths this machine runs, side by side in one run.
 
 The same engine serves the same greedy requests through each path (SPECSERVE_CPU_KERNEL_PATH is
 read on every kernel call): batch-1 decode tokens/s on MT-Bench first turns and prefill tokens/s
