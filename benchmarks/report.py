@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from specserve.errors import ConfigError
 from specserve.bench.provenance import drafter_checksum  # noqa: F401  (re-exported for tests)
-from benchmarks.render import cuda, drafter, engine, serving, speculation
+from benchmarks.render import cuda, drafter, engine, headline, serving, speculation
 from benchmarks.render.common import REPO, SHIPPED_DRAFTER, provenance  # noqa: F401
 
 README = os.path.join(REPO, "README.md")
@@ -50,7 +50,8 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "linear-rows": engine.render_linear_rows,
     "seed-failure": engine.render_seed_failure, "soak": engine.render_soak, "tp-cost": engine.render_tp_cost,
     "cuda-check": cuda.render_cuda_check, "cuda-threaded": cuda.render_cuda_threaded, "drafter-line": drafter.render_drafter_line, "drafter-shapes": drafter.render_drafter_shapes,
-    "train-speed": drafter.render_train_speed, "corpus-costs": drafter.render_corpus_costs}
+    "train-speed": drafter.render_train_speed, "corpus-costs": drafter.render_corpus_costs,
+    "headline": headline.render_headline}
 
 
 def render_readme(text: str, results: str = RESULTS) -> str:
