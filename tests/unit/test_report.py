@@ -3,7 +3,10 @@ change to one digit of a result file shows as a disagreement (`python -m benchma
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,7 +43,7 @@ def test_one_changed_digit_in_a_result_file_is_a_disagreement(tmp_path, file, pa
         node = node[key]
     node[path[-1]] += 1.0  # one more in the units digit
     (results / file).write_text(json.dumps(data))
-    assert report.differences(report.README, str(results)) != ""
+    assert report.differences(results=str(results)) != ""  # the figure's part may live in README.md or docs/
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "report", "--check", "--results", str(results)], cwd=report.REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "disagree" in proc.stderr
@@ -98,3 +101,78 @@ def test_commit_is_dirty_for_code_changes_but_not_for_result_files(tmp_path, mon
     assert prov.commit() == head
     (tmp_path / "code.py").write_text("x = 2\n")
     assert prov.commit() == head + "-dirty"
+
+
+def test_readme_is_a_front_page_under_200_lines():
+    with open(report.README) as f:
+        lines = f.read().splitlines()
+    assert len(lines) < 200, f"README.md has {len(lines)} lines; move detail to docs/"
+    first = "\n".join(lines[:60])
+    assert "specserve serve --model-path ./" in first, "a --model-path command with a path in the first screenful"
+    assert "curl " in first, "a curl example in the first screenful"
+    assert "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q tests" in first, "the test command"
+    assert "<!-- render: headline -->" in first
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def _anchors(path: str) -> set[str]:
+    with open(path) as f:
+        text = re.sub(r"^```.*?^```", "", f.read(), flags=re.S | re.M)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} +(.+?) *$", text, re.M)}
+
+
+def _links(path: str) -> list[str]:
+    with open(path) as f:
+        text = re.sub(r"^ *```.*?^ *```", "", f.read(), flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", "", text)  # code spans are not links
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def _broken_links(paths: list[str]) -> list[str]:
+    broken = []
+    for path in paths:
+        for link in _links(path):
+            if re.match(r"[a-z]+:", link):  # http:, https:, mailto:
+                continue
+            target, _, anchor = link.partition("#")
+            file = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+            where = f"{os.path.relpath(path, report.REPO)}: ({link})"
+            if not os.path.exists(file):
+                broken.append(f"{where}: no such file")
+            elif anchor and file.endswith(".md") and anchor not in _anchors(file):
+                broken.append(f"{where}: no heading with that anchor")
+    return broken
+
+
+def test_every_relative_link_in_the_readme_and_docs_points_to_a_file_and_heading():
+    paths = [report.README, *sorted(glob.glob(os.path.join(report.DOCS, "*.md")))]
+    assert len(paths) > 5
+    assert _broken_links(paths) == []
+
+
+def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# A page\n\n## Some `code` here: yes\n")
+    (tmp_path / "b.md").write_text("[ok](a.md#some-code-here-yes) [self](#b) [gone](c.md) [bad](a.md#nothing)\n"
+                                   "[web](https://example.com) `[not](a link)`\n\n# B\n")
+    broken = _broken_links([str(tmp_path / "b.md")])
+    assert len(broken) == 2 and "(c.md): no such file" in broken[0] and "(a.md#nothing)" in broken[1]
+
+
+def test_the_headline_figures_come_from_their_files(tmp_path):
+    from benchmarks.render.headline import render_headline
+
+    results = tmp_path / "bench_results"
+    shutil.copytree(report.RESULTS, results)
+    before = render_headline(str(results))
+    assert "speculation off on both sides" in before and "neither side speculating" in before
+    data = json.loads((results / "serving_mtbench.json").read_text())
+    for row in data["summary"]:
+        if row["target"] == "specserve-none" and "throughput_ratio" in row:
+            row["throughput_ratio"]["median"] += 1.0
+    (results / "serving_mtbench.json").write_text(json.dumps(data))
+    assert render_headline(str(results)) != before
