@@ -100,7 +100,7 @@ def render_dspark_step(results: str) -> str:
                          f"{v['markov_decode']:.2f}) and the target's verify and accept {v['target_verify_and_accept']:.2f} ms"
                          + (f"; accept length {b['accept_length']:.3f}" if "accept_length" in b else ""))
         sentences.append(f"- drafter weights {mode}: {'; '.join(parts)}.")
-    return (f"`bench dspark-step` ({data['num_prompts']} MT-Bench prompts, {data['new_tokens']} new tokens, fixed "
+    return (f"`python -m benchmarks dspark-step` ({data['num_prompts']} MT-Bench prompts, {data['new_tokens']} new tokens, fixed "
             f"policy: every window drafted and verified whole; the engines interleaved in one run):\n\n"
             + "\n".join(sentences) + f"\n\n{provenance(data, 'dspark_step.json')}\n")
 
@@ -134,7 +134,7 @@ def render_prefetch(results: str) -> str:
             rows.append([f"batch {bs}: {label}", _ms(f["off"]), _ms(f["on"]),
                          versus(f["speedup"]["median"], _rates(f["on"]), _rates(f["off"]))])
     return (table(["ms per step, median (min-max)", "prefetch off", "prefetch on", "speed, on over off"], rows)
-            + f"\n\n{data['runs']} alternating runs of `bench dspark-step` ({data['num_prompts']} MT-Bench prompts, "
+            + f"\n\n{data['runs']} alternating runs of `python -m benchmarks dspark-step` ({data['num_prompts']} MT-Bench prompts, "
             f"{data['new_tokens']} new tokens, Q8_0 drafter weights), each setting in its own process; the ratio is "
             f"the median of the per-run speedups (off / on), a gain or a loss only where the runs' ranges do not overlap. "
             f"{provenance(data, 'prefetch.json')}\n")
