@@ -1,6 +1,6 @@
 """Compare two git revisions with one `specserve bench` command, interleaved, and report medians.
 
-    .venv/bin/python scripts/bench_ab.py --before REV --after REV --runs 3 --out ab.json -- \
+    .venv/bin/python benchmarks/ab.py --before REV --after REV --runs 3 --out ab.json -- \
         bench offline --skip-hf --new-tokens 64 --batch-size 8
 
 Each revision is checked out into a temporary worktree and run with this checkout's virtualenv
