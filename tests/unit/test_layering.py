@@ -159,8 +159,8 @@ def _module_files(source: str) -> dict[str, str]:
 
 
 def _imported_modules(node: ast.AST, module: str, is_package: bool) -> list[str]:
-    """Dotted names one import statement may load: the module named and, for `from m import x`,
-    m.x (a submodule, or a name m defines: then the caller falls back to m)."""
+    """Dotted names one import statement loads: `import a.b` gives a.b; `from m import x` gives
+    m.x (a submodule, or a name m defines: the caller then falls back to m)."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
     if not isinstance(node, ast.ImportFrom):
