@@ -316,7 +316,8 @@ def test_mutation_file_cycle_inside_a_package_is_reported(source_copy):
     """A lazy import from models/layers.py back up to models/llama.py (which imports layers): no
     package arrow changes, so only the file-level check sees it."""
     with open(source_copy / "models" / "layers.py", "a") as f:
-        f.write("\n\ndef _planted():\n    from specserve.models.llama import LlamaForCausalLM\n    return LlamaForCausalLM\n")
+        f.write("\n\ndef _planted():\n    from specserve.models.llama import LlamaForCausalLM\n"
+                "    return LlamaForCausalLM\n")
     assert layering_violations(str(source_copy)) == []
     problems = file_cycles(str(source_copy))
     assert len(problems) == 1 and problems[0].startswith("file import cycle: "), problems
