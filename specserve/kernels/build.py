@@ -1,7 +1,7 @@
 """Build and load the C++ CPU kernels (specserve/kernels/csrc) as a torch extension.
 
-`scripts/setup.sh` runs `python -m specserve.kernels.build`, which compiles them and runs a
-self-test; a failure there stops the set-up (there is no fallback to stock kernels). The build
+`scripts/setup.sh` runs `python -m specserve.kernels.self_test`, which compiles them (`load`) and
+runs a self-test; a failure there stops the set-up (there is no fallback to stock kernels). The build
 lives in a cache folder named by a hash of every file in the source folder, the flags, the
 compiler's version, the torch version and the Python version, so any change builds afresh and
 every process after the first just loads the library.
@@ -145,15 +145,3 @@ def _build(folder: str) -> ModuleType:
         )
     finally:
         os.environ["PATH"] = path
-
-
-def main() -> None:
-    from specserve.kernels.self_test import self_test
-
-    module = load()
-    print(f"specserve kernels built in {build_dir()}")
-    print(self_test(module))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,9 @@
 """A start-up check of the built kernels on this CPU: results against a float64 reference and
-row invariance (the same row alone and inside a larger batch), for every path the CPU allows."""
+row invariance (the same row alone and inside a larger batch), for every path the CPU allows.
+
+`python -m specserve.kernels.self_test` builds the kernels (build.load) and runs it; scripts/setup.sh
+does so. The entry point lives here, not in build.py: the check needs the packers (linear.py), which
+need the built library, so build.py stays the leaf of the kernels package."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from types import ModuleType
 
 import torch
 
+from specserve.kernels.build import build_dir, load
 from specserve.kernels.dispatch import PATHS, vector_paths
 from specserve.kernels.linear import Q4, Q8, pack_bf16, pack_q4, pack_q8
 
@@ -87,3 +92,13 @@ def self_test(module: ModuleType) -> str:
             if not torch.equal(y, outs["generic"]):
                 raise RuntimeError(f"kernel self-test: {name} differs between the generic and {path} paths")
     return f"self-test passed on paths {paths}; worst relative error " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+
+
+def main() -> None:
+    module = load()
+    print(f"specserve kernels built in {build_dir()}")
+    print(self_test(module))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,11 +9,14 @@ attention. Linears dispatch on whether the backend packed them.
 
 `select_backend` chooses one when a model is built; the graphs (models/llama.py, models/dspark.py)
 call it and never test a dtype or a device themselves.
+
+A backend knows ops, never a model: a model that has a fused native executor (models/native_layer.py,
+models/dspark_native.py) builds it itself where `fuses_layers` says the backend runs them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +25,7 @@ from torch import nn
 from specserve.kernels.linear import PackedLinear
 from specserve.kernels.ops import add_rms_norm, gelu_tanh_mul, rope_store, silu_mul
 from specserve.models.attention import AttentionMetadata, KernelAttentionMetadata, SdpaAttentionMetadata, block_attention
-from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
-from specserve.models.native_layer import NativeLayers
-
-if TYPE_CHECKING:
-    from specserve.models.dspark import DsparkDrafter
 
 
 def cpu_kernels_apply(device: "str | torch.device", dtype: torch.dtype) -> bool:
@@ -48,6 +46,9 @@ class OpBackend:
     name = "abstract"
     # Whether prepare() packs loaded GGUF codes for its linears (so their dense weights go unread).
     packs_codes = False
+    # Whether a prepared model runs its layers as its own fused native calls where it has them (C++
+    # twins of its graph: the same kernels in the same order); False: op by op through this backend.
+    fuses_layers = False
 
     def prepare(self, module: nn.Module) -> None:
         """Ready `module`'s weights (after they are loaded) for this backend's linears."""
@@ -110,16 +111,6 @@ class OpBackend:
     ) -> torch.Tensor:
         """The drafter's attention (see attention.block_attention)."""
         return block_attention(q, keys, values, mask)
-
-    def native_layers(self, layers: list[nn.Module]) -> Optional[NativeLayers]:
-        """The decoder layers (prepared, TP size 1) as one native call each, where this backend has
-        them; None: the model runs them op by op."""
-        return None
-
-    def native_draft_block(self, drafter: "DsparkDrafter") -> Optional[NativeDraftBlock]:
-        """A DSpark drafter's block and greedy Markov head as native calls (after prepare), where
-        this backend has them; None: it drafts op by op."""
-        return None
 
 
 class TorchOps(OpBackend):
@@ -186,6 +177,7 @@ class CpuKernelOps(OpBackend):
     def __init__(self, int8_activations: bool = False, per_op_layers: bool = False):
         self.int8_activations = int8_activations
         self.per_op_layers = per_op_layers  # run the decoder layers op by op (the native layers' reference)
+        self.fuses_layers = not per_op_layers
 
     def prepare(self, module: nn.Module) -> None:
         for part in module.modules():
@@ -221,12 +213,6 @@ class CpuKernelOps(OpBackend):
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         return gelu_tanh_mul(flat).view(*gate_up.shape[:-1], -1)
-
-    def native_layers(self, layers: list[nn.Module]) -> Optional[NativeLayers]:
-        return None if self.per_op_layers else NativeLayers.build(layers)
-
-    def native_draft_block(self, drafter: "DsparkDrafter") -> Optional[NativeDraftBlock]:
-        return None if self.per_op_layers else NativeDraftBlock.build(drafter)
 
     def attention_metadata(
         self, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: "str | torch.device"

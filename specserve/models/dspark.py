@@ -270,7 +270,7 @@ class DsparkDrafter(nn.Module):
         """Run on `ops` from now on (after the weights are loaded: it packs the ones it needs)."""
         ops.prepare(self)
         self.ops = ops
-        self.native = ops.native_draft_block(self)
+        self.native = NativeDraftBlock.build(self) if ops.fuses_layers else None  # ours: ops know no model
 
     # ------------------------------------------------------------ context injection
 

@@ -15,22 +15,75 @@ loop computes, bit for bit.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
+from torch import nn
 
 from specserve.kernels.build import load
 from specserve.kernels.dispatch import path_id
 from specserve.kernels.linear import PackedLinear, concat_columns
 from specserve.kv.pool import KVPool
-
-if TYPE_CHECKING:
-    from specserve.models.dspark import DraftLayer, DsparkDrafter
+from specserve.models.backend import OpBackend
+from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
 
-def _native_layer(layer: "DraftLayer") -> Optional[Any]:
+# The drafter's parts this pass reads, as structural types: models/dspark.py builds the pass and
+# imports this module, so this module names no drafter class (an import either way is a cycle).
+class DraftLayerParts(Protocol):
+    """What a draft layer (dspark.DraftLayer) shows the native pass."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+
+class _MaskId(Protocol):
+    @property
+    def mask_token_id(self) -> int: ...
+
+
+class DrafterParts(Protocol):
+    """What a drafter (dspark.DsparkDrafter) shows the native pass (read-only, so covariant)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def reduced_vocab(self) -> bool: ...
+    @property
+    def config(self) -> _MaskId: ...
+    @property
+    def layers(self) -> nn.ModuleList: ...
+    @property
+    def embed(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]: ...
+    @property
+    def rope(self) -> RotaryEmbedding: ...
+    @property
+    def ops(self) -> OpBackend: ...
+    @property
+    def norm(self) -> RMSNorm: ...
+    @property
+    def markov_w1(self) -> nn.Embedding: ...
+    @property
+    def markov_w2(self) -> Linear: ...
+    @property
+    def draft_to_target(self) -> torch.Tensor: ...
+
+
+def _native_layer(layer: DraftLayerParts) -> Optional[Any]:
     """The csrc DecoderLayer of one draft layer (its QKV and gate/up fused), or None when its
     linears do not fuse (not all packed, or not whole 16-column blocks)."""
     kernels = [lin.kernel for lin in (layer.q_proj, layer.k_proj, layer.v_proj, layer.gate_proj, layer.up_proj)]
@@ -65,17 +118,18 @@ class NativeDraftBlock:
         self.warned = False
 
     @classmethod
-    def build(cls, drafter: "DsparkDrafter") -> Optional["NativeDraftBlock"]:
+    def build(cls, drafter: DrafterParts) -> Optional["NativeDraftBlock"]:
         """From a drafter packed for the CPU kernels in bf16 (after ops.prepare), else None."""
         if drafter.dtype != torch.bfloat16:
             return None
-        layers = [_native_layer(layer) for layer in drafter.layers]  # type: ignore[arg-type]
+        draft_layers: Iterable[Any] = drafter.layers  # DraftLayer modules: DraftLayerParts
+        layers = [_native_layer(layer) for layer in draft_layers]
         if any(layer is None for layer in layers):
             return None
         return cls(layers, drafter.markov_w2.kernel)
 
     def hidden(
-        self, drafter: "DsparkDrafter", anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool
+        self, drafter: DrafterParts, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool
     ) -> Optional[torch.Tensor]:
         """DsparkDrafter.block_hidden through the native layers, or None when the pool has too few
         block rows for this batch."""
@@ -106,7 +160,7 @@ class NativeDraftBlock:
         return drafter.ops.add_rms_norm(out, residual, drafter.norm).view(bs, g, -1)
 
     def markov_greedy(
-        self, drafter: "DsparkDrafter", anchors: torch.Tensor, base_logits: torch.Tensor
+        self, drafter: DrafterParts, anchors: torch.Tensor, base_logits: torch.Tensor
     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """markov_decode's greedy picks [bs, g] and the W1 rows they came from [bs, g, rank], or
         None where the head is not packed or the base logits are not float32."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
+from specserve.kernels.build import load
 from specserve.kv.pool import KVPool
 from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
@@ -21,7 +22,7 @@ from specserve.models.layers import (
     VocabParallelEmbedding,
     release,
 )
-from specserve.models.native_layer import NativeLayers
+from specserve.models.native_layer import NativeLayers, native_linear
 from specserve.models.quant import QuantWeight
 
 
@@ -116,6 +117,25 @@ class LlamaDecoderLayer(nn.Module):
         mlp = self.mlp(ops.add_rms_norm(attn, residual, self.pre_feedforward_layernorm), ops)
         return ops.rms_norm(mlp, self.post_feedforward_layernorm)
 
+    def native(self) -> Any:
+        """This layer's C++ twin (kernels/csrc/decoder_layer.cpp), packed for the CPU kernels: the
+        kernels `forward` calls on CpuKernelOps, in its order (built here, where the layer's parts
+        are known, so models/native_layer.py needs no model)."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = [
+            self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
+        ]  # fmt: skip
+        eps = {n.eps for n in norms if n is not None}
+        assert len(eps) == 1, f"one epsilon for every norm of a layer, got {sorted(eps)}"
+        bias = attn.qkv_proj.bias
+        return load().DecoderLayer(
+            native_linear(attn.qkv_proj.kernel), None if bias is None else bias.detach(), native_linear(attn.o_proj.kernel),
+            native_linear(mlp.gate_up_proj.kernel), native_linear(mlp.down_proj.kernel),
+            [None if n is None else n.weight.detach() for n in norms],
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.window, mlp.gelu, eps.pop(),
+        )  # fmt: skip
+
 
 def _loads_dense(module: nn.Module, dense: bool) -> bool:
     """`dense`; if False, `module` gives up its (unloaded) weight until it is packed, so a read fails
@@ -170,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         if self._tied_head and self.lm_head.kernel is not None:  # one copy of the codes: the head's
             self.embed_tokens.read_from(self.lm_head.kernel)
         self.ops = ops
-        self.native = ops.native_layers(list(self.layers)) if self.tp_size == 1 else None
+        # The model builds its own native twin (the backend knows ops, not models).
+        self.native = NativeLayers.build(list(self.layers)) if ops.fuses_layers and self.tp_size == 1 else None
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:

@@ -6,7 +6,7 @@ call (one per run of layers between the outputs the DSpark drafter captures)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, cast
 
 import torch
 
@@ -15,38 +15,23 @@ from specserve.kernels.dispatch import path_id
 from specserve.kernels.linear import PackedLinear
 from specserve.kv.pool import KVPool
 from specserve.models.attention import KernelAttentionMetadata
-from specserve.models.layers import RMSNorm, RotaryEmbedding
+from specserve.models.layers import RotaryEmbedding
 
 if TYPE_CHECKING:
     from specserve.models.forward_batch import ForwardBatch
-    from specserve.models.llama import LlamaDecoderLayer
+
+
+class NativeTwin(Protocol):
+    """A layer that builds its own C++ twin (LlamaDecoderLayer.native): this module runs the twins
+    and knows no model class, so the models import it and never the other way round."""
+
+    def native(self) -> Any: ...
 
 
 def native_linear(kernel: Optional[PackedLinear]) -> Any:
     """The kernels' view of a layer's packed weight (PackedLinear.native)."""
     assert kernel is not None, "native layers are built from packed linears"
     return kernel.native()
-
-
-def _weight(norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:
-    return None if norm is None else norm.weight.detach()
-
-
-def native_layer(layer: "LlamaDecoderLayer") -> Any:
-    """The C++ twin of one decoder layer (packed for the CPU kernels)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norms = [
-        layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-        layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
-    ]  # fmt: skip
-    eps = {n.eps for n in norms if n is not None}
-    assert len(eps) == 1, f"one epsilon for every norm of a layer, got {sorted(eps)}"
-    bias = attn.qkv_proj.bias
-    return load().DecoderLayer(
-        native_linear(attn.qkv_proj.kernel), None if bias is None else bias.detach(), native_linear(attn.o_proj.kernel),
-        native_linear(mlp.gate_up_proj.kernel), native_linear(mlp.down_proj.kernel), [_weight(n) for n in norms],
-        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.window, mlp.gelu, eps.pop(),
-    )  # fmt: skip
 
 
 class NativeLayers:
@@ -56,9 +41,9 @@ class NativeLayers:
         self.layers = layers
 
     @classmethod
-    def build(cls, decoder_layers: list[Any]) -> "NativeLayers":
-        """From the LlamaDecoderLayer modules of a model packed for the CPU kernels."""
-        return cls([native_layer(layer) for layer in decoder_layers])
+    def build(cls, decoder_layers: Sequence[Any]) -> "NativeLayers":
+        """From the decoder layers (NativeTwin: LlamaDecoderLayer) of a model packed for the CPU kernels."""
+        return cls([cast(NativeTwin, layer).native() for layer in decoder_layers])
 
     @staticmethod
     def applies(fb: "ForwardBatch") -> bool:

@@ -1,13 +1,18 @@
-"""SchedulerStats: engine-wide counters behind the periodic log line (and, later, the metrics)."""
+"""SchedulerStats: engine-wide counters behind the activity log line (and, later, the metrics)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
 from specserve.executor.step_io import VerifyOutcome
 from specserve.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+LOG_INTERVAL_S = 5.0  # at most one activity line this often (at INFO)
 
 
 @dataclass
@@ -27,6 +32,7 @@ class SchedulerStats:
     predicted_abs_error_sum: float = 0.0  # |predicted - realised accept length|
     _last_time: float = field(default_factory=time.monotonic)
     _last_tokens: int = 0
+    _last_queues: tuple[int, int] = (0, 0)  # (running, waiting) at the last line
 
     def record_verify(self, correct: int, cap_trimmed: int) -> None:
         self.verify_steps += 1
@@ -61,12 +67,26 @@ class SchedulerStats:
         """Tokens committed per request-step: accepted drafts plus the bonus."""
         return 1.0 + self.correct_drafts / self.verify_steps if self.verify_steps else 0.0
 
-    def log_line(self, running: int, waiting: int, cost_residual: float | None = None) -> str:
-        """One line for the periodic engine log: throughput since the last line, spec totals and
-        the policy's decisions (`cost_residual`: the step-cost model's mean relative error)."""
-        now = time.monotonic()
+    def maybe_log(self, running: int, waiting: int, cost_residual: float | None = None, now: float | None = None) -> bool:
+        """Log `log_line` (at INFO) when one is due: LOG_INTERVAL_S since the last and activity since
+        (tokens generated, or requests came or went). An idle engine logs nothing, as SGLang logs its
+        decode batches rather than the clock; once the last request leaves, one more line gives the
+        final rate. Called after every engine step; True when it logged."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_time < LOG_INTERVAL_S or not logger.isEnabledFor(logging.INFO):
+            return False
+        if self.generated_tokens == self._last_tokens and (running, waiting) == self._last_queues:
+            self._last_time = now  # idle: the next line's rate covers its own interval, not the idle time
+            return False
+        logger.info("%s", self.log_line(running, waiting, cost_residual, now))
+        return True
+
+    def log_line(self, running: int, waiting: int, cost_residual: float | None = None, now: float | None = None) -> str:
+        """One line for the engine log: throughput since the last line, spec totals and the
+        policy's decisions (`cost_residual`: the step-cost model's mean relative error)."""
+        now = time.monotonic() if now is None else now
         rate = (self.generated_tokens - self._last_tokens) / max(now - self._last_time, 1e-9)
-        self._last_time, self._last_tokens = now, self.generated_tokens
+        self._last_time, self._last_tokens, self._last_queues = now, self.generated_tokens, (running, waiting)
         line = f"running {running}, waiting {waiting}, gen {rate:.1f} tok/s, total {self.generated_tokens} tokens"
         if self.verify_steps:
             accepted = self.correct_drafts / (self.verify_steps * self.gamma) if self.gamma else 0.0
@@ -78,7 +98,7 @@ class SchedulerStats:
         if self.draft_len_hist:
             line += (
                 f", drafts hist {dict(sorted(self.draft_len_hist.items()))}, "
-                f"drafter steps {dict(sorted(self.drafter_steps.items()))}"
+                f"drafter steps {named_counts(self.drafter_steps)}"
             )
         if self.predicted_windows:
             n = self.predicted_windows
@@ -89,3 +109,8 @@ class SchedulerStats:
         if cost_residual is not None:
             line += f", step-cost residual {100 * cost_residual:.1f}%"
         return line
+
+
+def named_counts(counts: Mapping[str, int]) -> str:
+    """`DSPARK 6, NGRAM 2`: each key by its name (str(), never an enum's repr), in name order."""
+    return ", ".join(f"{name} {n}" for name, n in sorted((str(k), v) for k, v in counts.items()))

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from specserve.engine.messages import (
     AbortRequest,
@@ -144,6 +144,15 @@ def _ready_info(engine) -> dict[str, Any]:
     }
 
 
+def shutdown_line(before: Mapping[str, float], after: Mapping[str, float], aborted: int) -> str:
+    """What a shutdown drained: the requests the engine held when the stop came (`Engine.load`
+    before the aborts), how many the server aborted, and the KV slots they held that are now free
+    (or cached)."""
+    freed = int(before.get("kv_request_tokens", 0) - after.get("kv_request_tokens", 0))
+    running, waiting = int(before.get("running", 0)), int(before.get("waiting", 0))
+    return f"shutdown: drained {running} running and {waiting} waiting requests (aborted {aborted}), freed {freed} KV slots"
+
+
 def _constrained(params: Any) -> bool:
     return isinstance(params, dict) and any(params.get(name) is not None for name in GRAMMAR_FIELDS)
 
@@ -180,11 +189,14 @@ class EngineServer:
             stop = self._apply(self._drain(block=idle), out)
             self._admit_compiled(out)
             if stop:
+                before, aborted = self.engine.load(), len(self.live)
                 for rid in self.live:
                     self.engine.abort(rid)
             self._step(out)
             while stop and self.engine.has_work():  # the aborts, and the overlap loop's step in flight
                 self._step(out)
+            if stop:  # the one line a person reads at shutdown: what the stop cut short
+                logger.info("%s", shutdown_line(before, self.engine.load(), aborted))
             load = self.engine.load()
             if load != self._last_load:
                 out.append(LoadReport(load))

@@ -47,6 +47,8 @@ def test_default_serve_logs_the_block_and_ready_and_exits_cleanly(tmp_path):
     assert code == 0, log[-3000:]
     assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
     assert "engine process exited with code" not in log, log[-3000:]  # the engine's own exit was clean too
+    # One line says what the stop drained: here nothing (both requests had finished).
+    assert "shutdown: drained 0 running and 0 waiting requests (aborted 0), freed 0 KV slots" in log, log[-3000:]
 
 
 def test_log_level_warning_quiets_the_start_up_lines(tmp_path):
