@@ -26,6 +26,7 @@ from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.scheduler.admission import Admission
 from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.config import SchedulerConfig
 from specserve.scheduler.finish import check_finish
 from specserve.scheduler.integrity import check_kv_integrity
 from specserve.scheduler.kv_ledger import KVLedger
@@ -37,19 +38,6 @@ from specserve.scheduler.validation import validate_request
 from specserve.scheduler.windows import DecodeWindows
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduling knobs (a subset of ServerArgs plus model facts)."""
-
-    context_length: int
-    eos_token_ids: tuple[int, ...] = ()
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 8192
-    chunked_prefill_size: int = 2048
-    schedule_policy: str = "fcfs"
-    num_draft_tokens: int = 0  # gamma: the window of a decode step is 1 + gamma positions (0: plain decode)
 
 
 @dataclass
