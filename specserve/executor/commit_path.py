@@ -40,6 +40,14 @@ class Committed:
     def nothing() -> "Committed":
         return Committed([], [], torch.empty(0, dtype=torch.int64), [])
 
+    @staticmethod
+    def accepted(
+        out_tokens: list[list[int]], commit_lens: list[int], seq_lens: torch.Tensor, out_lens: torch.Tensor
+    ) -> "Committed":
+        """A verify step's commit: each window's first commit_lens tokens (owned accept results)."""
+        tokens = [toks[:n] for toks, n in zip(out_tokens, commit_lens)]
+        return Committed(list(range(len(tokens))), tokens, seq_lens, [m + n for m, n in zip(out_lens.tolist(), commit_lens)])
+
 
 class CommitPath:
     """Fans a step's commit out to the future map, the drafters, the request logits and the policy."""
@@ -49,6 +57,12 @@ class CommitPath:
         self.speculation = speculation
         self.request_logits = request_logits
         self.device = device
+
+    def rows(self, hidden: Optional[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> Optional[CommittedRows]:
+        """A pass's computed rows for the drafters that read them (None when none does)."""
+        if not self.speculation.reads_rows or hidden is None:
+            return None
+        return CommittedRows(hidden, positions, slots)
 
     def commit(self, step: StepInput, done: Committed, rows: Optional[CommittedRows] = None) -> None:
         if rows is not None and self.speculation.reads_rows:
