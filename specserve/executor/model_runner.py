@@ -274,13 +274,13 @@ class ModelRunner:
             ids, logits, prefix, out_lens, step.params, step.seeds, draft_probs, verify_lens, keep, path is VerifyPath.FOLDED
         )
         out = epilogue.accept(windows)  # owned: nothing below reads the *_buf tensors
-        commit_lens, out_tokens = out.commit_lens.tolist(), out.out_tokens.tolist()
-        self.request_logits.window_logprobs(logprobs, step.params, logits, layout, commit_lens, out_tokens)
-        if self.speculation.policy is not None:
-            self.speculation.policy.observe_accept(step.rows, plan, out.correct_len.tolist())
+        done = Committed.accepted(out, out_lens, plan)
+        self.request_logits.window_logprobs(
+            logprobs, step.params, logits, layout, [len(t) for t in done.tokens], done.tokens
+        )
         reads_rows = self.speculation.reads_rows
         computed = self._verified_rows(hidden, out, prefix, window_slots, verify_lens) if reads_rows else None
-        self.commits.commit(step, Committed.accepted(out_tokens, commit_lens, out.new_seq_lens, out_lens), computed)
+        self.commits.commit(step, done, computed)  # the policy, the drafters, the FutureMap, ...
         return out
 
     def _draft_windows(
