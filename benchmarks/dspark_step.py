@@ -62,7 +62,15 @@ def instrument(engine) -> dict[str, float]:
 
     runner._verify = _timed(totals, "verify_step", verify_step)
     runner._plan = _timed(totals, "plan", runner._plan)  # just before the verify (ModelRunner._step)
-    runner.read_accept = _timed(totals, "read_accept", runner.read_accept, inside)
+    make_epilogue = runner._epilogue  # read_accept: the verify epilogue's, made at the first verify step
+
+    def epilogue(width):
+        made = make_epilogue(width)
+        if "read_accept" not in vars(made):
+            made.read_accept = _timed(totals, "read_accept", made.read_accept, inside)
+        return made
+
+    runner._epilogue = epilogue
     drafter.block_hidden = _timed(totals, "block_hidden", drafter.block_hidden, inside)
     drafter.lm_head.forward = _timed(totals, "draft_head", drafter.lm_head.forward, inside)
     drafter.markov_decode = _timed(totals, "markov_decode", drafter.markov_decode, inside)

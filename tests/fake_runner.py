@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from specserve.executor.step_io import StepInput, StepOutcome, VerifyOutcome
+from specserve.executor.step_io import StepInput, StepOutcome, VerifyStats
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.sampling_params import SamplingParams
@@ -167,7 +167,7 @@ class FakeRunner:
             history = self._kv_tokens(row, prefix) + tokens  # what attention over this row would see
             self._write_shadow(slots, prefix, history)
             if not step.sample[i]:
-                out.append(None)
+                out.append(StepOutcome())
                 continue
             fill = step.fills[i]
             assert fill is not None and history == fill, f"{step.rids[i]}: its KV holds other tokens than its own"
@@ -176,7 +176,7 @@ class FakeRunner:
             token = self.next_token(state.prompt, state.output)
             state.output.append(token)
             self._rows[row] = state
-            out.append(token)
+            out.append(StepOutcome([token]))
         return out
 
     def _window(self, state: "_Row", prefix: int, slots: list[int], width: int) -> StepOutcome:
@@ -197,8 +197,8 @@ class FakeRunner:
         state.output += committed
         state.seq_len += len(committed)
         if width == 1:
-            return committed[0]
-        return VerifyOutcome(committed, drafter="FAKE", drafts=width - 1)
+            return StepOutcome(committed)
+        return StepOutcome(committed, verify=VerifyStats(drafter="FAKE", drafts=width - 1))
 
     # ------------------------------------------------------------ the KV it can read, and checks
 

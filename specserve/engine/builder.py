@@ -22,7 +22,7 @@ from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
 from specserve.engine.prefix_cache import build_prefix_cache
 from specserve.executor.captured_step import CaptureConfig
-from specserve.executor.model_runner import ModelRunner
+from specserve.executor.faulty_runner import ModelRunner, make_runner
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.executor.warmup import measure_cost_prior
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
@@ -187,7 +187,7 @@ def _runner_factory(
     serving runner differ only there)."""
     tokenizer = target.tokenizer
     return functools.partial(
-        ModelRunner,
+        make_runner,  # a FaultyRunner where a fault flag plants one
         target.model,
         kv,
         req_to_token,

@@ -2,6 +2,7 @@
 
 Every step kind (a prefill chunk, a decode step, a verify step) ends by handing its outcome to
 `CommitPath.commit`, which tells, in this order:
+0. the speculation policy (a verify step): each window's accepted drafts against its plan;
 1. the drafters that read the target's hidden rows (DSpark): the rows this pass committed;
 2. the FutureMap: each request's next anchor (its last committed token) and lengths, which the
    next step reads on the forward stream;
@@ -14,7 +15,7 @@ Every step kind (a prefill chunk, a decode step, a verify step) ends by handing 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -22,6 +23,8 @@ import torch
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits
 from specserve.executor.step_io import StepInput
+from specserve.speculative.accept import AcceptOuts
+from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.speculation import Speculation
 from specserve.speculative.worker import CommittedRows
 
@@ -35,10 +38,22 @@ class Committed:
     seq_lens: torch.Tensor  # per request, on the device: its sequence length after the commit
     out_lens: list[int]  # per request: its output length after the commit
     first: bool = False  # a prefill's first token: the request starts here
+    plan: Optional[StepPlan] = None  # a verify step's plan, and below its accepted drafts per window
+    correct: list[int] = field(default_factory=list)
 
     @staticmethod
     def nothing() -> "Committed":
         return Committed([], [], torch.empty(0, dtype=torch.int64), [])
+
+    @staticmethod
+    def accepted(out: AcceptOuts, out_lens: torch.Tensor, plan: StepPlan) -> "Committed":
+        """A verify step's commit, from its owned accept results: each window's first commit_lens tokens."""
+        commit_lens = out.commit_lens.tolist()
+        tokens = [toks[:n] for toks, n in zip(out.out_tokens.tolist(), commit_lens)]
+        outs = [m + n for m, n in zip(out_lens.tolist(), commit_lens)]
+        return Committed(
+            list(range(len(tokens))), tokens, out.new_seq_lens, outs, plan=plan, correct=out.correct_len.tolist()
+        )
 
 
 class CommitPath:
@@ -50,7 +65,17 @@ class CommitPath:
         self.request_logits = request_logits
         self.device = device
 
+    def rows(self, hidden: Optional[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> Optional[CommittedRows]:
+        """A pass's computed rows for the drafters that read them (None when none does)."""
+        if not self.speculation.reads_rows or hidden is None:
+            return None
+        return CommittedRows(hidden, positions, slots)
+
     def commit(self, step: StepInput, done: Committed, rows: Optional[CommittedRows] = None) -> None:
+        """Tell every party what this step committed, in the order of the module docstring."""
+        policy = self.speculation.policy
+        if policy is not None and done.plan is not None:
+            policy.observe_accept([step.rows[i] for i in done.indices], done.plan, done.correct)
         if rows is not None and self.speculation.reads_rows:
             self.speculation.commit_rows(rows)
         if not done.indices:
@@ -62,7 +87,6 @@ class CommitPath:
             done.seq_lens,
             torch.tensor(done.out_lens, dtype=torch.int64, device=self.device),
         )
-        policy = self.speculation.policy
         for i, row, toks, out_len in zip(done.indices, req_rows, done.tokens, done.out_lens):
             if self.speculation.reads_tokens:
                 seen = toks

@@ -4,12 +4,15 @@ A step is split the way the overlap loop needs it:
 - `launch(step)` (host): submits the step to the forward stream, orders the copy stream after it
   and submits the device-to-host copy of the step's results; returns a StepHandle at once.
 - the step itself (forward stream): decode and verify steps take their anchors and prefix lengths
-  from the FutureMap (written by the previous step); a verify step drafts (per request, through
-  Speculation), runs the target over the windows and the accept, takes owned results with
-  `read_accept`, commits the accepted rows to the drafters and writes the FutureMap.
-- `resolve(handle)` (host): waits for the copy's event and turns the host copies into outcomes.
+  from the FutureMap (written by the previous step). A verify step goes one way: plan and draft
+  (Speculation, rank 0's windows under TP), the target over the windows, the accept (one call
+  into the verify epilogue, which returns owned results, rank 0's under TP), then the results:
+  logprobs, the policy's observation and the commit (CommitPath: drafters, FutureMap, ...).
+- `resolve(handle)` (host): waits for the copy's event and turns the host copies into outcomes,
+  one StepOutcome per request whatever the step.
 The runner never sees the scheduler: what a step needs arrives in its StepInput or was passed
-to the constructor.
+to the constructor. It carries no fault injection: executor/faulty_runner.py's subclass does,
+chosen by `make_runner` when a fault flag is set.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.logits.grammar import GrammarCompiler
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runtime.faults import FaultConfig
+from specserve.runtime.faults import CopyLag
 from specserve.runtime.stream import Event, Stream
 from specserve.sampler import draw_counter, sample
-from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, accept_windows
+from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, VerifyWindows
 from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.cost_model import StepShape
 from specserve.speculative.speculation import Proposal, Speculation
@@ -43,6 +46,11 @@ from specserve.speculative.worker import CommittedRows
 
 class ModelRunner:
     """Owns the model, its K/V tensors and the streams; the scheduler owns which slots mean what."""
+
+    # What the fault-injecting subclass plants (executor/faulty_runner.py); the engine reports them.
+    alias_accept_buffers: bool = False
+    copy_lag: Optional[CopyLag] = None
+    epilogue_class: type[DsparkVerifyEpilogue] = DsparkVerifyEpilogue
 
     def __init__(
         self,
@@ -54,7 +62,6 @@ class ModelRunner:
         speculation: Optional[Speculation] = None,
         forward_stream: Optional[Stream] = None,
         copy_stream: Optional[Stream] = None,
-        faults: Optional[FaultConfig] = None,
         capture: Optional[CaptureConfig] = None,
         tp: Optional[TPDecisions] = None,
         grammars: Optional[GrammarCompiler] = None,
@@ -68,9 +75,6 @@ class ModelRunner:
         self.forward = forward_stream or Stream("forward", device)
         self.copy = copy_stream or Stream("copy", device)
         self.future = FutureMap(req_to_token.table.shape[0], device)
-        faults = faults or FaultConfig()
-        self.alias_accept_buffers = faults.alias_accept_buffers  # fault injection: read_accept hands out views
-        self.copy_lag = faults.copy_lag()  # fault injection: each step's copy runs after the next step
         self.epilogue: Optional[DsparkVerifyEpilogue] = None  # made at the first verify step
         self.capture = capture or CaptureConfig(max_bs=max_bs)
         self.capture.max_bs = min(self.capture.max_bs, max_bs)
@@ -90,20 +94,21 @@ class ModelRunner:
         return self.resolve(self.launch(step))
 
     def launch(self, step: StepInput) -> StepHandle:
+        """Queue the step on the forward stream and its device-to-host copy after it; returns at once."""
         if self.tp is not None:
             self.tp.agree_on_batch_shape(step.size, step.num_tokens)
         handle = StepHandle(step)
         self.forward.submit(self._step, handle)
         Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
-        if self.copy_lag is not None:  # SPECSERVE_FAULT_COPY_LAG_MS
-            handle.lag_number = self.copy_lag.hold_copy(self.forward, self.copy)
-        self.copy.submit(self._copy_to_host, handle)
-        handle.done = Event().record(self.copy)
+        self._queue_copy(handle)
         return handle
 
+    def _queue_copy(self, handle: StepHandle) -> None:
+        self.copy.submit(self._copy_to_host, handle)
+        handle.done = Event().record(self.copy)
+
     def resolve(self, handle: StepHandle) -> list[StepOutcome]:
-        if self.copy_lag is not None:
-            self.copy_lag.host_waits(handle.lag_number)
+        """Wait for the step's copy; one outcome per request of the step."""
         assert handle.done is not None, "launch records the copy's event"
         handle.done.synchronize()
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
@@ -172,7 +177,7 @@ class ModelRunner:
             tokens[wanted] = picked
             seq = torch.tensor([step.prefix_lens[i] + step.extend_lens[i] for i in wanted], device=self.device)
             done = Committed(wanted, [[t] for t in firsts], seq, [step.out_lens[i] + 1 for i in wanted], first=True)
-        self.commits.commit(step, done, self._rows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
+        self.commits.commit(step, done, self.commits.rows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
         return tokens
 
     def _decode(self, step: StepInput, logprobs: dict[int, list]) -> torch.Tensor:
@@ -185,7 +190,7 @@ class ModelRunner:
         counters = [draw_counter(n, step.width - 1) if step.mode == VERIFY else n for n in outputs]
         if self.capture.covers(step.size):
             out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
-            computed = self._rows(out.hidden, out.positions, out.slots)
+            computed = self.commits.rows(out.hidden, out.positions, out.slots)
             logits = out.logits  # a persistent buffer: sampled right here, before the next replay
         else:
             slots = self.req_to_token.table[rows, prefix].tolist()
@@ -193,7 +198,7 @@ class ModelRunner:
                 step.rows, prefix.tolist(), [1] * step.size, anchors, slots, every_row=False, sample=step.sample
             )
             logits = self.model(fb, self.kv)
-            computed = self._rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
+            computed = self.commits.rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
         logits = self.request_logits.shape(logits.cpu(), step.rows, step.params)
         picked = torch.tensor(sample(logits, step.params, step.seeds, counters), dtype=torch.int64)
         tokens = self._agree([picked], "runner.decode_tokens")[0]
@@ -252,44 +257,30 @@ class ModelRunner:
     # ------------------------------------------------------------ speculative verify (forward stream)
 
     def _verify(self, step: StepInput, plan: StepPlan, logprobs: dict[int, list]) -> AcceptOuts:
-        """Draft as planned, verify the windows, accept into the epilogue's buffers, read owned
-        copies, commit the accepted rows to the drafters and leave anchors and lengths for the
-        next step."""
-        bs, width = step.size, step.width
-        epilogue = self._epilogue(width)
+        """Draft as planned, verify the windows, accept (owned results, rank 0's under TP), then
+        the results: logprobs, the policy's observation, the commit."""
+        epilogue = self._epilogue(step.width)
         rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
         anchors, prefix, out_lens = self.future.read(rows)
         ids, proposal, verify_lens = self._draft_windows(step, plan, rows, anchors, prefix, out_lens)
-        columns = torch.arange(width, device=prefix.device)
+        columns = torch.arange(step.width, device=prefix.device)
         window_slots = self.req_to_token.table[rows.unsqueeze(1), prefix.unsqueeze(1) + columns]
         path = VerifyPath.select(step, verify_lens, self.capture)
-        if path is VerifyPath.EAGER:
-            logits, hidden, keep = self._verify_forward(step, ids, prefix, window_slots, verify_lens)
-        else:
-            ran = self._captured_step(width).run(rows, prefix, ids, step.kv_bound, accept=path is VerifyPath.FOLDED)
-            logits, hidden, keep = ran.logits, ran.hidden, None
-        layout = verify_row_layout(bs, width, keep)
+        logits, hidden, keep = self._window_logits(step, path, rows, ids, prefix, window_slots, verify_lens)
+        layout = verify_row_layout(step.size, step.width, keep)
         logits = self.request_logits.shape_windows(logits, step.rows, step.params, ids, layout)
-        if path is not VerifyPath.FOLDED:
-            draft_probs = functools.partial(proposal.draft_probs, ids)
-            accept_windows(epilogue, ids, logits, prefix, out_lens, step.params, step.seeds, draft_probs, verify_lens, keep)
-        if self.tp is not None:
-            self.tp.agree_accept(epilogue.accept_buffers(bs))
-        out = self.read_accept(bs)  # owned: nothing below reads the *_buf tensors
-        commit_lens, out_tokens = out.commit_lens.tolist(), out.out_tokens.tolist()
-        self.request_logits.window_logprobs(logprobs, step.params, logits, layout, commit_lens, out_tokens)
-        if self.speculation.policy is not None:
-            self.speculation.policy.observe_accept(step.rows, plan, out.correct_len.tolist())
-        computed = (
-            self._verified_rows(hidden, out, prefix, window_slots, verify_lens) if self.speculation.reads_rows else None
+        draft_probs = functools.partial(proposal.draft_probs, ids)
+        windows = VerifyWindows(
+            ids, logits, prefix, out_lens, step.params, step.seeds, draft_probs, verify_lens, keep, path is VerifyPath.FOLDED
         )
-        done = Committed(
-            list(range(bs)),
-            [toks[:n] for toks, n in zip(out_tokens, commit_lens)],
-            out.new_seq_lens,
-            [m + n for m, n in zip(out_lens.tolist(), commit_lens)],
+        out = epilogue.accept(windows)  # owned: nothing below reads the *_buf tensors
+        done = Committed.accepted(out, out_lens, plan)
+        self.request_logits.window_logprobs(
+            logprobs, step.params, logits, layout, [len(t) for t in done.tokens], done.tokens
         )
-        self.commits.commit(step, done, computed)
+        reads_rows = self.speculation.reads_rows
+        computed = self._verified_rows(hidden, out, prefix, window_slots, verify_lens) if reads_rows else None
+        self.commits.commit(step, done, computed)  # the policy, the drafters, the FutureMap, ...
         return out
 
     def _draft_windows(
@@ -323,7 +314,8 @@ class ModelRunner:
 
     def _epilogue(self, width: int) -> DsparkVerifyEpilogue:
         if self.epilogue is None or self.epilogue.num_verify_tokens != width:
-            self.epilogue = DsparkVerifyEpilogue(self.max_bs, width, self.device)
+            agree = self.tp.agree if self.tp is not None else None
+            self.epilogue = self.epilogue_class(self.max_bs, width, self.device, agree)
             if self.forward.sanitizer is not None:
                 self.forward.sanitizer.register_persistent(self.epilogue.buffers(), self.forward)
         return self.epilogue
@@ -345,11 +337,21 @@ class ModelRunner:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""
         return tensors if self.tp is None else self.tp.agree(tensors, site)
 
-    def read_accept(self, bs: int) -> AcceptOuts:
-        assert self.epilogue is not None, "a verify step makes its epilogue first"
-        if self.alias_accept_buffers:  # SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS: views, on purpose
-            return self.epilogue.accept_buffers(bs)
-        return self.epilogue.read_accept(bs)
+    def _window_logits(
+        self,
+        step: StepInput,
+        path: VerifyPath,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        prefix: torch.Tensor,
+        window_slots: torch.Tensor,
+        verify_lens: Optional[list[int]],
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The target over the windows, on the path chosen (see `_verify_forward` for what it returns)."""
+        if path is VerifyPath.EAGER:
+            return self._verify_forward(step, ids, prefix, window_slots, verify_lens)
+        ran = self._captured_step(step.width).run(rows, prefix, ids, step.kv_bound, accept=path is VerifyPath.FOLDED)
+        return ran.logits, ran.hidden, None
 
     def _verify_forward(
         self,
@@ -377,12 +379,6 @@ class ModelRunner:
         verify_lens: Optional[list[int]],
     ) -> CommittedRows:
         return verified_rows(hidden, out.commit_lens, prefix, window_slots, verify_lens)
-
-    def _rows(self, hidden: Optional[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> Optional[CommittedRows]:
-        """A pass's computed rows for the drafters that read them (None when none does)."""
-        if not self.speculation.reads_rows or hidden is None:
-            return None
-        return CommittedRows(hidden, positions, slots)
 
     def discard_captured(self) -> None:
         """Drop the captured steps and the epilogue, and their sanitizer registrations: a runner

@@ -9,7 +9,7 @@ before step N's results reached the host.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 from specserve.logits.logprobs import TokenLogprob
 from specserve.names import StepMode
@@ -52,19 +52,6 @@ class StepInput:
 
 
 @dataclass
-class VerifyOutcome:
-    """One request's result of a verify step: the committed tokens (accepted drafts, then the
-    bonus), the matches the compact verify length cut off and what the step planned for it."""
-
-    tokens: list[int]
-    cap_trimmed: int = 0
-    drafter: Optional[str] = None  # who drafted the window (None: no drafts, one row verified)
-    drafts: int = 0  # drafts verified (k)
-    predicted: float = 0.0  # the policy's expected accept length (0.0 without the policy)
-    logprobs: Optional[list[TokenLogprob]] = None  # one per committed token, if the request asked
-
-
-@dataclass
 class PromptLogprobs:
     """Logprobs of prompt tokens at positions start, start + 1, ... (a prefill chunk's)."""
 
@@ -73,26 +60,26 @@ class PromptLogprobs:
 
 
 @dataclass
-class SampledToken:
-    """A prefill or decode row's token with its logprob, for a request that asked for logprobs, or
-    (a non-final prefill chunk) token None with only its prompt logprobs."""
+class VerifyStats:
+    """What a verify step planned for one request's window, and the matches its verify length cut off."""
 
-    token: Optional[int]
+    drafter: Optional[str] = None  # who drafted the window (None: no drafts, one row verified)
+    drafts: int = 0  # drafts verified (k)
+    predicted: float = 0.0  # the policy's expected accept length (0.0 without the policy)
+    cap_trimmed: int = 0
+
+
+@dataclass
+class StepOutcome:
+    """One request's result of any step (prefill chunk, decode, verify; greedy or sampled; either
+    loop): the one shape the scheduler consumes.
+
+    tokens: what the request emits, in order (a verify window's accepted drafts then its bonus;
+    one token for a decode step or a prompt's last prefill chunk; none for an earlier chunk);
+    logprobs: one per token, if the request asked; prompt_logprobs: this chunk's prompt tokens',
+    if asked; verify: the window's statistics (a speculating engine's decode step only)."""
+
+    tokens: list[int] = field(default_factory=list)
     logprobs: Optional[list[TokenLogprob]] = None
-    prompt: Optional[PromptLogprobs] = None
-
-
-# Per request of a step: the next token (None where none is sampled), a SampledToken, or a VerifyOutcome.
-StepOutcome = Union[Optional[int], SampledToken, VerifyOutcome]
-
-
-def emitted_tokens(outcome: StepOutcome | list[int]) -> list[int]:
-    """The tokens a sampling request's outcome emits (a window's committed run, else one token)."""
-    if isinstance(outcome, VerifyOutcome):
-        return [int(t) for t in outcome.tokens]
-    if isinstance(outcome, SampledToken):
-        outcome = outcome.token
-    if isinstance(outcome, (list, tuple)):
-        return [int(t) for t in outcome]
-    assert outcome is not None, "a sampling request's outcome carries its token"
-    return [int(outcome)]
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    verify: Optional[VerifyStats] = None

@@ -1,7 +1,8 @@
 """Tensor parallelism inside a step: the decisions every rank must take identically.
 
 Floating-point noise or timing could make ranks sample different tokens, draft differently or
-accept differently; so rank 0's values are broadcast, on the forward stream, out of one
+accept differently; so rank 0's values are broadcast (the accept results through the verify
+epilogue's `agree`, inside its one accept call), on the forward stream, out of one
 persistent contiguous buffer (cloned out before the next broadcast reuses it). Before a step's
 forward the ranks also agree on the batch's shape: divergent ranks would otherwise reach the
 model's collectives with different shapes, which gloo answers by aborting the process.
@@ -15,7 +16,6 @@ import torch
 
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import TPGroup
-from specserve.speculative.accept import AcceptOuts
 from specserve.speculative.adaptive import StepPlan
 
 
@@ -60,12 +60,6 @@ class TPDecisions:
         ids_agreed, lens = self.agree([ids.cpu(), lens], "runner.drafts")
         ids.copy_(ids_agreed)
         return lens.tolist() if verify_lens is not None else None
-
-    def agree_accept(self, buffers: AcceptOuts) -> None:
-        """Rank 0's accept results, written into this rank's accept buffers."""
-        bufs = buffers.tensors()
-        for buf, agreed in zip(bufs, self.agree([b.cpu() for b in bufs], "runner.accept")):
-            buf.copy_(agreed)
 
     def agree_on_batch_shape(self, rows: int, tokens: int) -> None:
         """One small all-reduce (MIN of the values and of their negations) before a forward."""

@@ -17,6 +17,10 @@
   buffers instead of clones: a late reader then sees the next step's values. Every detector (the
   stream sanitizer, the loop-equivalence tests, the rank consensus checker) is shown to catch it.
 
+The copy lag and the aliased buffers are planted by executor/faulty_runner.py's FaultyRunner,
+which these flags select when the engine is built: the plain ModelRunner carries no fault branch.
+The delays are the streams' own (runtime/stream.py).
+
 Delays need a real worker thread per stream: with any delay set, CPU streams run threaded.
 """
 
@@ -81,8 +85,8 @@ class Delay:
 class CopyLag:
     """Holds each step's host copy until the next step's forward has finished (or max_ms passed).
 
-    `ModelRunner.launch` calls `hold_copy` between queueing a step and queueing its copy, and
-    `ModelRunner.resolve` calls `host_waits` before waiting on a copy: a copy the host waits on
+    `FaultyRunner` (executor/faulty_runner.py) calls `hold_copy` between queueing a step and
+    queueing its copy, and `host_waits` before waiting on a copy: a copy the host waits on
     while no later step is queued has nothing to lag behind (the loop went idle, or the loop is
     synchronous), so it goes at once instead of stalling the run for the whole bound."""
 

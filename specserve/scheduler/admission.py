@@ -10,24 +10,22 @@ ones behind it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from specserve.executor.step_io import EXTEND
 from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.config import SchedulerConfig
 from specserve.scheduler.kv_ledger import KVLedger
 from specserve.scheduler.policy import order_waiting
 from specserve.scheduler.pressure import MemoryPressure
 from specserve.scheduler.queues import RequestQueues
 from specserve.scheduler.req import Req
 
-if TYPE_CHECKING:
-    from specserve.scheduler.scheduler import SchedulerConfig
-
 
 class Admission:
     """Plans prefill batches (see the module docstring)."""
 
-    def __init__(self, cfg: "SchedulerConfig", ledger: KVLedger, queues: RequestQueues, pressure: MemoryPressure):
+    def __init__(self, cfg: SchedulerConfig, ledger: KVLedger, queues: RequestQueues, pressure: MemoryPressure):
         self.cfg, self.ledger, self.queues, self.pressure = cfg, ledger, queues, pressure
 
     def schedule(self) -> Optional[ScheduleBatch]:

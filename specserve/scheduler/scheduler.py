@@ -21,11 +21,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from specserve.executor.step_io import EXTEND, SampledToken, StepOutcome, VerifyOutcome, emitted_tokens
+from specserve.executor.step_io import EXTEND, StepOutcome
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.scheduler.admission import Admission
 from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.config import SchedulerConfig
 from specserve.scheduler.finish import check_finish
 from specserve.scheduler.integrity import check_kv_integrity
 from specserve.scheduler.kv_ledger import KVLedger
@@ -37,19 +38,6 @@ from specserve.scheduler.validation import validate_request
 from specserve.scheduler.windows import DecodeWindows
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduling knobs (a subset of ServerArgs plus model facts)."""
-
-    context_length: int
-    eos_token_ids: tuple[int, ...] = ()
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 8192
-    chunked_prefill_size: int = 2048
-    schedule_policy: str = "fcfs"
-    num_draft_tokens: int = 0  # gamma: the window of a decode step is 1 + gamma positions (0: plain decode)
 
 
 @dataclass
@@ -161,15 +149,16 @@ class Scheduler:
     def overlap_ready(self) -> bool:
         return self.windows.overlap_ready()
 
-    def process_result(self, batch: ScheduleBatch, tokens: Sequence[StepOutcome | list[int]]) -> StepResult:
-        """Commit a step's outcomes: tokens, stops, KV lengths; finished requests release their KV."""
+    def process_result(self, batch: ScheduleBatch, outcomes: Sequence[StepOutcome]) -> StepResult:
+        """Commit a step's outcomes (one per request, whatever the step): tokens, stops, KV
+        lengths; finished requests release their KV."""
         result = StepResult()
         self.queues.in_flight.remove(batch)
-        for req, n, sampled, outcome in zip(batch.reqs, batch.extend_lens, batch.sample, tokens):
+        for req, n, sampled, outcome in zip(batch.reqs, batch.extend_lens, batch.sample, outcomes):
             if req.finished:  # aborted while its step was in flight; its KV is already released
                 continue
-            if isinstance(outcome, SampledToken) and outcome.prompt is not None:
-                req.add_prompt_logprobs(outcome.prompt.start, outcome.prompt.logprobs)
+            if outcome.prompt_logprobs is not None:
+                req.add_prompt_logprobs(outcome.prompt_logprobs.start, outcome.prompt_logprobs.logprobs)
             if not sampled:
                 req.kv_len += n
                 self.queues.chunked = req
@@ -184,13 +173,10 @@ class Scheduler:
         self._agree("committed", [(r.rid, r.kv_len, len(r.output_ids)) for r in batch.reqs])
         return result
 
-    def _commit(
-        self, req: Req, prefill: bool, n: int, outcome: StepOutcome | list[int], result: StepResult
-    ) -> Optional[FinishReason]:
+    def _commit(self, req: Req, prefill: bool, n: int, outcome: StepOutcome, result: StepResult) -> Optional[FinishReason]:
         """One sampling request's emitted tokens, up to a stop; returns why it finished, if it did."""
-        window = outcome if isinstance(outcome, VerifyOutcome) else None
-        logprobs = outcome.logprobs if isinstance(outcome, (VerifyOutcome, SampledToken)) else None
-        emitted = emitted_tokens(outcome)
+        emitted = outcome.tokens
+        assert emitted, "a sampling request's outcome carries its tokens"
         start = req.kv_len
         reason, appended = None, 0
         for tok in emitted:  # stop conditions apply inside an accepted run: nothing past a stop
@@ -201,8 +187,8 @@ class Scheduler:
             reason = self._check_finish(req)
             if reason is not None:
                 break
-        if logprobs is not None:
-            req.output_logprobs.extend(logprobs[:appended])
+        if outcome.logprobs is not None:
+            req.output_logprobs.extend(outcome.logprobs[:appended])
         if prefill:
             req.kv_len += n
             self.queues.running.append(req)
@@ -210,8 +196,8 @@ class Scheduler:
             # Window rows 0..appended-1 (the anchor and the emitted drafts) hold committed KV.
             # The slots past them stay with the request: the next window overwrites them.
             req.kv_len = start + appended
-            if window is not None:
-                self.stats.record_window(req, window, appended, len(emitted))
+            if outcome.verify is not None:
+                self.stats.record_window(req, outcome.verify, appended, len(emitted))
         return reason
 
     def _check_finish(self, req: Req) -> Optional[FinishReason]:

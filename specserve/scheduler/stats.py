@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from specserve.executor.step_io import VerifyOutcome
+from specserve.executor.step_io import VerifyStats
 from specserve.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class SchedulerStats:
         self.correct_hist[correct] = self.correct_hist.get(correct, 0) + 1
         self.cap_trim_hist[cap_trimmed] = self.cap_trim_hist.get(cap_trimmed, 0) + 1
 
-    def record_window(self, req: Req, window: VerifyOutcome, appended: int, committed: int) -> None:
+    def record_window(self, req: Req, window: VerifyStats, appended: int, committed: int) -> None:
         """A verify step's window: what was planned for it and, if it had drafts, how they fared."""
         req.record_plan(window.drafter, window.drafts)
         self.record_plan(window.drafter, window.drafts)

@@ -1,5 +1,10 @@
 """Accept for verify windows: AcceptOuts, the persistent epilogue buffers and the accept kernels.
 
+A verify step reaches this module once, through `DsparkVerifyEpilogue.accept(windows)`: the
+accept kernels write the buffers (unless the captured step folded the greedy accept in), then
+under tensor parallelism rank 0's results replace this rank's, then `read_accept` hands back
+owned copies. The runner never touches a buffer itself.
+
 Ownership: the six `*_buf` tensors belong to the DsparkVerifyEpilogue.
 A captured or replayed verify step rewrites them every time it runs, so
 - writers reach them only through `accept_buffers(bs)` (views, used as write targets), and
@@ -22,6 +27,9 @@ import torch
 from specserve.errors import InternalError
 from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.sampling_params import SamplingParams
+
+# Rank 0's values of these int64 CPU tensors, as owned copies, on every rank (TPDecisions.agree).
+Agree = Callable[[list[torch.Tensor], str], list[torch.Tensor]]
 
 BUFFER_FIELDS = ("correct_len", "bonus", "cap_trim_lens", "commit_lens", "new_seq_lens", "out_tokens")
 
@@ -53,16 +61,42 @@ class AcceptOuts:
         return [getattr(self, f.name) for f in fields(self)]
 
 
-class DsparkVerifyEpilogue:
-    """Owns the six persistent accept buffers and runs the accept kernels into them."""
+@dataclass
+class VerifyWindows:
+    """What the accept of one verify step reads (shapes: see `accept_windows`)."""
 
-    def __init__(self, max_bs: int, num_verify_tokens: int, device: str | torch.device = "cpu"):
+    ids: torch.Tensor  # [bs, W]: the anchor, then the drafts
+    logits: torch.Tensor  # the target's shaped logits of the computed rows
+    prefix: torch.Tensor  # [bs]: each window's first position
+    out_lens: torch.Tensor  # [bs]: output tokens before the window (the uniforms' counters)
+    params: Sequence[SamplingParams]
+    seeds: Sequence[int]
+    draft_probs: Callable[[int], torch.Tensor]  # vocab -> q [bs, gamma, V]
+    verify_lens: Optional[list[int]]  # rows verified per window (None: every row)
+    keep: Optional[torch.Tensor] = None  # [bs, W] the computed rows when `logits` holds only those
+    folded: bool = False  # the captured step already ran the greedy accept into the buffers
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
+
+
+class DsparkVerifyEpilogue:
+    """Owns the six persistent accept buffers and runs the accept kernels into them.
+
+    `agree` (tensor parallelism): how this rank takes rank 0's accept results, so that every rank
+    commits the same tokens whatever floating-point noise its own logits carry."""
+
+    def __init__(
+        self, max_bs: int, num_verify_tokens: int, device: str | torch.device = "cpu", agree: Optional[Agree] = None
+    ):
         if max_bs < 1 or num_verify_tokens < 2:
             raise InternalError(
                 f"DsparkVerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, got {max_bs}, {num_verify_tokens}"
             )
         self.max_bs = max_bs
         self.num_verify_tokens = num_verify_tokens
+        self.agree = agree
         i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.correct_len_buf = torch.zeros(max_bs, **i64)
         self.bonus_buf = torch.zeros(max_bs, **i64)
@@ -70,6 +104,31 @@ class DsparkVerifyEpilogue:
         self.commit_lens_buf = torch.zeros(max_bs, **i64)
         self.new_seq_lens_buf = torch.zeros(max_bs, **i64)
         self.out_tokens_buf = torch.zeros(max_bs, num_verify_tokens, **i64)
+
+    # ------------------------------------------------------------ one verify step's accept
+
+    def accept(self, windows: VerifyWindows) -> AcceptOuts:
+        """The step's accept, in one call: the kernels into the buffers (unless folded into the
+        captured step), rank 0's results under tensor parallelism, then owned copies."""
+        bs = windows.size
+        if not windows.folded:
+            accept_windows(
+                self,
+                windows.ids,
+                windows.logits,
+                windows.prefix,
+                windows.out_lens,
+                windows.params,
+                windows.seeds,
+                windows.draft_probs,
+                windows.verify_lens,
+                windows.keep,
+            )
+        if self.agree is not None:
+            bufs = self.accept_buffers(bs).tensors()
+            for buf, agreed in zip(bufs, self.agree([b.cpu() for b in bufs], "runner.accept")):
+                buf.copy_(agreed)
+        return self.read_accept(bs)  # owned: nothing after the step reads the *_buf tensors
 
     # ------------------------------------------------------------ ownership
 

@@ -235,3 +235,51 @@ def test_mutation_sampling_the_bonus_from_p_after_a_rejection_is_caught(gamma, m
     assert len(calls) == 1, "accept_windows did not reach the patched accept_sampling"
     counts = torch.bincount(first, minlength=len(P)).float()
     assert chi_square(counts, torch.tensor(P)) > CHI2_CRITICAL, counts / counts.sum()
+
+
+# ------------------------------------------------------------------ the one accept call of a verify step
+
+def greedy_windows(ids, targets, prefix, folded=False):
+    from specserve.speculative.accept import VerifyWindows
+
+    bs = len(ids)
+    return VerifyWindows(torch.tensor(ids), logits_with_argmax(targets), torch.tensor(prefix), torch.zeros(bs, dtype=torch.int64),
+                         [SamplingParams(temperature=0)] * bs, [0] * bs, lambda vocab: torch.zeros(bs, 3, vocab), None,
+                         folded=folded)
+
+
+def test_accept_runs_the_kernels_and_returns_owned_copies():
+    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4)
+    got = epi.accept(greedy_windows([[7, 1, 2, 3], [7, 1, 2, 3]], [[1, 2, 8, 4], [1, 2, 3, 6]], [5, 6]))
+    assert got.correct_len.tolist() == [2, 3] and got.new_seq_lens.tolist() == [8, 10]
+    assert not any(shares_storage(t, buf) for t in got.tensors() for buf in epi.buffers())
+    folded = epi.accept(greedy_windows([[7, 9, 9, 9]], [[1, 1, 1, 1]], [0], folded=True))  # the kernels ran already
+    assert folded.correct_len.tolist() == [2]
+
+
+def test_accept_takes_rank_0_results_through_agree_before_the_owned_copies():
+    """Tensor parallelism: what `agree` returns (rank 0's values) is what every rank commits."""
+    sites = []
+
+    def agree(tensors, site):
+        sites.append(site)
+        return [torch.full_like(t, 1) for t in tensors]
+
+    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4, agree=agree)
+    got = epi.accept(greedy_windows([[7, 1, 2, 3]], [[1, 2, 8, 4]], [5]))
+    assert sites == ["runner.accept"]
+    assert all(t.eq(1).all() for t in got.tensors())
+    assert not any(shares_storage(t, buf) for t in got.tensors() for buf in epi.buffers())
+
+
+def test_the_alias_fault_lives_in_its_own_epilogue_and_runner():
+    """SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS: the faulty epilogue hands out views; the plain one never
+    does, and only a fault flag makes `make_runner` build the FaultyRunner."""
+    from specserve.executor.faulty_runner import AliasedAcceptEpilogue, runs_faults
+    from specserve.runtime.faults import FaultConfig
+
+    aliased = AliasedAcceptEpilogue(max_bs=4, num_verify_tokens=4)
+    got = aliased.accept(greedy_windows([[7, 1, 2, 3]], [[1, 2, 8, 4]], [5]))
+    assert all(any(shares_storage(t, buf) for buf in aliased.buffers()) for t in got.tensors())
+    assert not runs_faults(FaultConfig()) and not runs_faults(FaultConfig(copy_delay_ms=5))
+    assert runs_faults(FaultConfig(alias_accept_buffers=True)) and runs_faults(FaultConfig(copy_lag_ms=10))

@@ -77,7 +77,7 @@ def test_windows_under_memory_pressure_retract_and_resume():
 
 
 def test_verify_outcomes_feed_the_histograms_and_the_log_line():
-    from specserve.executor.step_io import VerifyOutcome
+    from specserve.executor.step_io import StepOutcome, VerifyStats
 
     runner = FakeRunner()
     plain = runner.launch
@@ -86,7 +86,8 @@ def test_verify_outcomes_feed_the_histograms_and_the_log_line():
         out = plain(step)
         if step.mode != "verify":
             return out
-        return [VerifyOutcome(o.tokens, len(o.tokens) % 2, o.drafter, o.drafts) for o in out]
+        return [StepOutcome(o.tokens, verify=VerifyStats(o.verify.drafter, o.verify.drafts, cap_trimmed=len(o.tokens) % 2))
+                for o in out]
 
     runner.launch = launch
     sched = make_scheduler(runner=runner, num_draft_tokens=3)
