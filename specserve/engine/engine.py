@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
+import sys
 import threading
 import time
+import traceback
 import uuid
 from typing import Any, Optional, Union
 
 from specserve.args import ServerArgs
-from specserve.distributed.commands import AbortRequest, AddRequest, Command, CommandBroadcast, Drain, FlushCache, Shutdown
 from specserve.distributed.group import DistConfig
-from specserve.distributed.launch import RankStartupError, first_failure
+from specserve.distributed.launch import RankStartupError, first_failure, rendezvous_addr, spawn_ranks
+from specserve.engine.broadcast import CommandBroadcast
 from specserve.engine.builder import build_rank
-from specserve.engine.inputs import Prompt, normalize_inputs, normalize_params
+from specserve.engine.inputs import Params, Prompt, normalize_inputs, normalize_params
+from specserve.engine.messages import AbortRequest, AddRequest, Command, Drain, FlushCache, Shutdown
 from specserve.engine.output import request_output
-from specserve.engine.ranks import REQ_CODEC
 from specserve.logits.grammar import GrammarSpec
 from specserve.models.int8_gate import with_resolved_activations
 from specserve.sampling_params import SamplingParams
@@ -44,13 +47,10 @@ class Engine:
         self.rank_figures: Optional[list[dict]] = None  # every rank's measured figures, after shutdown
         dist_cfg = None
         if args.tp_size > 1:
-            from specserve.distributed.launch import rendezvous_addr
-            from specserve.engine.ranks import dist_config, spawn_rank_workers
-
             addr = rendezvous_addr(args)
-            self._workers = spawn_rank_workers(args, addr, skip_rank0=True)
+            self._workers = spawn_ranks(args, addr, True, rank_main)
             # While starting, rank 0 watches the ranks it spawned: one that exits fails it at once.
-            dist_cfg = dist_config(args, 0, addr, watch=lambda: first_failure(self._workers))
+            dist_cfg = DistConfig.of(args, 0, addr, watch=lambda: first_failure(self._workers))
         try:
             self._build(args, dist_cfg)
         except BaseException as exc:
@@ -63,7 +63,7 @@ class Engine:
 
     @classmethod
     def for_rank(cls, args: ServerArgs, dist_cfg: DistConfig) -> "Engine":
-        """The engine of one non-zero tensor-parallel rank (see engine/ranks.py)."""
+        """The engine of one non-zero tensor-parallel rank (see rank_main)."""
         engine = cls.__new__(cls)
         engine._workers, engine.rank_figures = [], None
         engine._build(args, dist_cfg)
@@ -87,7 +87,8 @@ class Engine:
         self.model_summary = parts.model_summary
         self._seed_rng = random.Random(args.random_seed)
         self._last_log = time.monotonic()
-        self._commands = CommandBroadcast(self.dist, REQ_CODEC if self.dist is not None else None)
+        self._commands = CommandBroadcast(self.dist)
+        self._queued: dict[str, Req] = {}  # rank 0's requests, from their AddRequest's put to its apply
         self._step_lock = threading.RLock()
         self._last_step = time.monotonic()
         self._closed = False
@@ -97,7 +98,7 @@ class Engine:
     # ------------------------------------------------------------ API
 
     def generate(
-        self, prompt: Prompt = None, input_ids: Optional[list] = None, sampling_params: Union[dict, list[dict], None] = None
+        self, prompt: Prompt = None, input_ids: Optional[list] = None, sampling_params: Union[Params, list[Params]] = None
     ) -> Union[dict, list[dict]]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
         single, token_lists = self._normalize_inputs(prompt, input_ids)
@@ -106,7 +107,7 @@ class Engine:
         for req in reqs:  # validate everything before queueing anything
             self.scheduler.validate_request(req)
         for req in reqs:
-            self._commands.put(AddRequest(req))
+            self._put(req)
         done: set[str] = set()
         with self._sanitized(), self._closed_batch():
             while len(done) < len(reqs):
@@ -121,20 +122,32 @@ class Engine:
 
     # ------------------------------------------------------------ serving: one step at a time
 
-    def submit(self, input_ids: list[int], sampling_params: Optional[dict], rid: Optional[str] = None) -> Req:
-        """Validate and queue one request for the next step (ValueError names the bad field)."""
+    def submit(self, input_ids: list[int], sampling_params: Params, rid: Optional[str] = None) -> Req:
+        """Validate and queue one request for the next step (InvalidRequestError names the bad field)."""
         _, [ids] = self._normalize_inputs(None, input_ids)
         req = self._make_req(ids, self._normalize_params(sampling_params, 1)[0])
         if rid is not None:
             req.rid = rid
         self.scheduler.validate_request(req)
-        self._commands.put(AddRequest(req))
+        self._put(req)
         return req
 
-    def check_grammar(self, sampling_params: Optional[dict]) -> None:
+    def add(self, command: AddRequest) -> Req:
+        """Queue a request a front end parsed and validated (its grammar compiled: `check_grammar`);
+        only what depends on this engine's state is checked here (context window, KV room)."""
+        req = Req(command.rid, list(command.input_ids), command.params, self._seed(command), drafter=self._drafter)
+        self.scheduler.validate_request(req)
+        self._put(req)
+        return req
+
+    def check_grammar(self, params: SamplingParams) -> None:
         """Compile a request's grammar into the cache (InvalidRequestError if it does not compile);
-        thread-safe, so a serving loop can run it off its own thread before `submit`."""
-        self._check_grammar(SamplingParams.from_dict(sampling_params))
+        thread-safe, so a serving loop can run it off its own thread before `add`."""
+        spec = GrammarSpec.of(params)
+        grammars = self.runner.request_logits.grammars
+        if spec is not None:
+            assert grammars is not None, "the builder gives every runner a grammar compiler"
+            grammars.check(spec)
 
     def abort(self, rid: str) -> None:
         """Stop a request at the next step; it then comes back in that step's `finished`."""
@@ -167,8 +180,12 @@ class Engine:
         return result
 
     def _apply(self, command: Command, result: StepResult) -> None:
+        """Apply one command, on every rank (rank 0's requests are the objects its callers hold)."""
         if isinstance(command, AddRequest):
-            early = self.scheduler.add_request(command.req)
+            req = self._queued.pop(command.rid, None)
+            if req is None:  # another rank: the request as rank 0 republished it
+                req = Req(command.rid, list(command.input_ids), command.params, self._seed(command), drafter=self._drafter)
+            early = self.scheduler.add_request(req)
             if early is not None:
                 result.finished.append(early)
         elif isinstance(command, AbortRequest):
@@ -326,19 +343,52 @@ class Engine:
     def _normalize_inputs(self, prompt: Prompt, input_ids: Optional[list]) -> tuple[bool, list[list[int]]]:
         return normalize_inputs(prompt, input_ids, self.tokenizer, self.model_config.vocab_size)
 
-    def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
+    def _normalize_params(self, sampling_params: Union[Params, list[Params]], n: int) -> list[SamplingParams]:
+        """The offline API's boundary: each request's params parsed and validated once, its grammar compiled."""
         params = normalize_params(sampling_params, n, self.model_config.vocab_size)
         for p in params:  # a grammar that does not compile is the request's error, before it is queued
-            self._check_grammar(p)
+            self.check_grammar(p)
         return params
 
-    def _check_grammar(self, params: SamplingParams) -> None:
-        spec = GrammarSpec.of(params)
-        grammars = self.runner.request_logits.grammars
-        if spec is not None:
-            assert grammars is not None, "the builder gives every runner a grammar compiler"
-            grammars.check(spec)
-
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=seed, drafter=self._drafter)
+        return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=self._seed(params), drafter=self._drafter)
+
+    def _seed(self, of: Union[AddRequest, SamplingParams]) -> int:
+        """A request's sampling seed: rank 0's republished one, the request's own, else a fresh draw."""
+        if isinstance(of, AddRequest) and of.seed is not None:
+            return of.seed
+        params = of.params if isinstance(of, AddRequest) else of
+        return params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+
+    def _put(self, req: Req) -> None:
+        """Queue a validated request for the next step; rank 0 republishes it with its seed."""
+        self._queued[req.rid] = req
+        self._commands.put(AddRequest(req.rid, req.input_ids, req.params, req.seed))
+
+
+def rank_main(args_dict: dict, rank: int, addr: str, started) -> None:
+    """A non-zero rank's process: build the engine shard, follow rank 0's steps, exit non-zero on failure.
+    A rank that fails exits non-zero; the others then fail their next collective within the timeout
+    instead of hanging, and rank 0, while it starts, at once (it watches the processes it spawned)."""
+    started.set()  # the spawn bootstrap (re-importing the main module) is behind us
+    parent = os.getppid()
+    args = ServerArgs.from_kwargs(**args_dict)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    engine = None
+    try:
+        engine = Engine.for_rank(args, DistConfig.of(args, rank, addr, watch=lambda: _orphaned(parent)))
+        with engine.sanitized():
+            while engine.follow():
+                pass
+    except BaseException:
+        logger.critical("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        sys.stdout.flush()
+        sys.exit(1)
+    finally:
+        if engine is not None and engine.runner is not None:
+            engine.runner.close()
+
+
+def _orphaned(parent: int) -> Optional[str]:
+    """While joining: the process that spawned this rank is gone (rank 0 will never come)."""
+    return None if os.getppid() == parent else f"the process that spawned this rank (pid {parent}) exited"

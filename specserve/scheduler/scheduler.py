@@ -110,8 +110,7 @@ class Scheduler:
     # ------------------------------------------------------------ requests in and out
 
     def add_request(self, req: Req) -> Optional[Req]:
-        """Queue a request; returns it at once if it needs no step (max_new_tokens == 0)."""
-        self.validate_request(req)
+        """Queue a request `validate_request` passed; returns it at once if it needs no step (max_new_tokens == 0)."""
         room = self.cfg.context_length - len(req.input_ids)
         req.params.max_new_tokens = min(req.params.max_new_tokens, room)
         req.arrival = self._arrivals
@@ -123,6 +122,7 @@ class Scheduler:
         return None
 
     def validate_request(self, req: Req) -> None:
+        """What only the scheduler can check, before a request is queued: its context window and KV room."""
         validate_request(req, self.cfg.context_length, self.window, self.allocator.size)
 
     def abort(self, rid: str) -> Optional[Req]:
