@@ -243,18 +243,7 @@ class Engine:
     def load(self) -> dict[str, float]:
         """Queue, batch and KV occupancy (slots held by requests vs by the prefix cache) and, with
         the adaptive speculation policy, its step-cost model's mean relative error."""
-        sched = self.scheduler
-        cached = self.tree.total_size
-        free = self.allocator.available
-        running = len(sched.running) + (sched.chunked_req is not None)
-        out: dict[str, float] = {
-            "waiting": len(sched.waiting),
-            "running": running,
-            "kv_total_tokens": self.allocator.size,
-            "kv_free_tokens": free,
-            "kv_cached_tokens": cached,
-            "kv_request_tokens": self.allocator.size - free - cached,
-        }
+        out: dict[str, float] = dict(self.scheduler.load())
         policy = self.runner.speculation.policy
         if policy is not None and policy.cost.steps:
             out["spec_cost_residual"] = policy.cost.mean_abs_relative_residual
@@ -285,7 +274,8 @@ class Engine:
             sched = self.scheduler
             policy = self.runner.speculation.policy
             residual = policy.cost.mean_abs_relative_residual if policy is not None else None
-            logger.info("%s", sched.stats.log_line(len(sched.running), len(sched.waiting), residual))
+            queues = sched.queues
+            logger.info("%s", sched.stats.log_line(len(queues.running), len(queues.waiting), residual))
 
     def shutdown(self) -> None:
         """Stop this engine; rank 0 also tells the other ranks to stop and waits for them."""

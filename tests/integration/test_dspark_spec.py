@@ -250,7 +250,7 @@ def check_injection(drafter_dir, prompts, reference, mutation):
     sched = engine.scheduler
     sched.add_request(engine._make_req(list(prompts[0]), engine._normalize_params(GREEDY, 1)[0]))
     NormalLoop(sched, engine.runner).step()  # prefill: injects the whole prompt
-    req = sched.running[0]
+    req = sched.queues.running[0]
     prompt_len = len(prompts[0])
     assert req.kv_len == prompt_len
     before_k = [k.clone() for k in draft_kv.k]

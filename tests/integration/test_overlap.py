@@ -73,7 +73,7 @@ def assert_idle_and_free(engine: Engine) -> None:
     engine.scheduler.check_integrity()
     engine.tree.reset()
     assert engine.allocator.available == engine.allocator.size
-    assert not engine.scheduler.in_flight
+    assert not engine.scheduler.queues.in_flight
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "dspark-static", "dspark-compact", "dspark-policy"])
@@ -277,7 +277,7 @@ def committed_positions(engine: Engine, prompt: list[int], positions: list, step
     sched = engine.scheduler
     sched.add_request(engine._make_req(list(prompt), engine._normalize_params({"temperature": 0, "max_new_tokens": 50}, 1)[0]))
     engine.loop.step()
-    req = sched.running[0]
+    req = sched.queues.running[0]
     seen = []
     for _ in range(steps):
         start, before = req.kv_len, len(positions)
