@@ -73,18 +73,12 @@ class Engine:
         logging.basicConfig(level=args.log_level.upper())
         args = with_resolved_activations(args)  # a rank started on its own (another node) gets auto here
         parts = build_rank(args, dist_cfg)
-        self.args, self.tp_rank, self.dist = args, parts.tp_rank, parts.dist
-        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
-        self.context_length, self.dtype = parts.context_length, parts.dtype
-        self.kv, self.allocator, self.req_to_token, self.tree = parts.kv, parts.allocator, parts.req_to_token, parts.tree
-        self.faults, self.sanitizer = parts.faults, parts.sanitizer
-        self.forward_stream, self.copy_stream = parts.forward_stream, parts.copy_stream
+        self.args, self.tp_rank = args, dist_cfg.rank if dist_cfg is not None else 0
+        self.model, self.tokenizer, self.dist = parts.model, parts.tokenizer, parts.group
         self.runner, self.scheduler, self.loop = parts.runner, parts.scheduler, parts.loop
-        self.consensus = parts.consensus
         if self.dist is not None:
             self.dist.started()  # model loading is over: collectives now use the collective timeout
-        self._drafter = parts.drafter_name
-        self.model_summary = parts.model_summary
+        self._drafter = args.speculative_algorithm if args.speculating else None  # what new requests draft with
         self._seed_rng = random.Random(args.random_seed)
         self._last_log = time.monotonic()
         self._commands = CommandBroadcast(self.dist)
@@ -161,8 +155,8 @@ class Engine:
     def step(self) -> StepResult:
         """Apply the pending commands (on every rank), then run one loop step if there is work."""
         with self._step_lock:
-            if self.consensus is not None:
-                self.consensus.raise_if_dead()  # unchecked ranks would go on silently
+            if self.scheduler.consensus is not None:
+                self.scheduler.consensus.raise_if_dead()  # unchecked ranks would go on silently
             result = StepResult()
             for command in self._commands.take():
                 self._apply(command, result)
@@ -170,8 +164,8 @@ class Engine:
                 try:
                     more = self.loop.step()
                 except Exception:
-                    if self.consensus is not None:  # name the first divergent site, not the broken collective
-                        self.consensus.flush()
+                    if self.scheduler.consensus is not None:  # name the first divergent site, not the broken collective
+                        self.scheduler.consensus.flush()
                     raise
                 result.tokens += more.tokens
                 result.finished += more.finished
@@ -195,11 +189,11 @@ class Engine:
         elif isinstance(command, Drain):
             self.loop.drain()
         elif isinstance(command, FlushCache):
-            result.flushed.append((command.token, self.tree.flush()))
+            result.flushed.append((command.token, self.scheduler.ledger.tree.flush()))
         elif isinstance(command, Shutdown):
             self._closed = True
-            if self.consensus is not None:  # a last comparison of everything recorded, then stop
-                self.consensus.stop()
+            if self.scheduler.consensus is not None:  # a last comparison of everything recorded, then stop
+                self.scheduler.consensus.stop()
             if self.dist is not None:  # every rank's figures, on every rank
                 self.rank_figures = self.dist.all_gather_json(self._figures(), "engine.shutdown_figures")
 
@@ -209,7 +203,7 @@ class Engine:
         return {
             "rank": self.tp_rank,
             "collective_timeouts": self.dist.timeouts if self.dist is not None else 0,
-            "consensus": self.consensus.figures() if self.consensus is not None else None,
+            "consensus": self.scheduler.consensus.figures() if self.scheduler.consensus is not None else None,
             "copy_lag": lag.figures() if lag is not None else None,
         }  # SPECSERVE_FAULT_COPY_LAG_MS
 
@@ -254,7 +248,8 @@ class Engine:
         return request_output(req, self.tokenizer)
 
     def _sanitized(self):
-        return self.sanitizer.active() if self.sanitizer is not None else contextlib.nullcontext()
+        sanitizer = self.runner.forward.sanitizer  # the streams' (see builder._make_streams)
+        return sanitizer.active() if sanitizer is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _closed_batch(self):
@@ -293,15 +288,15 @@ class Engine:
                 logger.warning("tensor-parallel shutdown: %s", exc)
                 clean = False
         self._closed = True
-        if self.consensus is not None and self.consensus.alive:
-            self.consensus.abandon()  # it cannot finish with the groups torn down below
+        if self.scheduler.consensus is not None and self.scheduler.consensus.alive:
+            self.scheduler.consensus.abandon()  # it cannot finish with the groups torn down below
         self.runner.close()
         if self.dist is not None and not clean:  # ranks still waiting on this one see it close at once
             self.dist.close()
         self._stop_workers(timeout_s=30 if clean else 10)
         if self.dist is not None and clean:  # after the others left their loops
             self.dist.close()
-        del self.scheduler, self.runner, self.kv  # their memory goes now; shutdown() again is a no-op
+        del self.scheduler, self.runner, self.loop  # their memory (the KV pool's) goes now; shutdown() again is a no-op
 
     def _stop_workers(self, timeout_s: float) -> None:
         for rp in self._workers:
@@ -331,11 +326,11 @@ class Engine:
     # ------------------------------------------------------------ helpers
 
     def _normalize_inputs(self, prompt: Prompt, input_ids: Optional[list]) -> tuple[bool, list[list[int]]]:
-        return normalize_inputs(prompt, input_ids, self.tokenizer, self.model_config.vocab_size)
+        return normalize_inputs(prompt, input_ids, self.tokenizer, self.model.config.vocab_size)
 
     def _normalize_params(self, sampling_params: Union[Params, list[Params]], n: int) -> list[SamplingParams]:
         """The offline API's boundary: each request's params parsed and validated once, its grammar compiled."""
-        params = normalize_params(sampling_params, n, self.model_config.vocab_size)
+        params = normalize_params(sampling_params, n, self.model.config.vocab_size)
         for p in params:  # a grammar that does not compile is the request's error, before it is queued
             self.check_grammar(p)
         return params
