@@ -129,7 +129,7 @@ class Engine:
     def add(self, command: AddRequest) -> Req:
         """Queue a request a front end parsed and validated (its grammar compiled: `check_grammar`);
         only what depends on this engine's state is checked here (context window, KV room)."""
-        req = Req(command.rid, list(command.input_ids), command.params, self._seed(command), drafter=self._drafter)
+        req = self._req_of(command)
         self.scheduler.validate_request(req)
         self._put(req)
         return req
@@ -178,7 +178,7 @@ class Engine:
         if isinstance(command, AddRequest):
             req = self._queued.pop(command.rid, None)
             if req is None:  # another rank: the request as rank 0 republished it
-                req = Req(command.rid, list(command.input_ids), command.params, self._seed(command), drafter=self._drafter)
+                req = self._req_of(command)
             early = self.scheduler.add_request(req)
             if early is not None:
                 result.finished.append(early)
@@ -337,6 +337,9 @@ class Engine:
 
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
         return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=self._seed(params), drafter=self._drafter)
+
+    def _req_of(self, command: AddRequest) -> Req:
+        return Req(command.rid, list(command.input_ids), command.params, self._seed(command), drafter=self._drafter)
 
     def _seed(self, of: Union[AddRequest, SamplingParams]) -> int:
         """A request's sampling seed: rank 0's republished one, the request's own, else a fresh draw."""
