@@ -105,10 +105,10 @@ def run_dspark_step_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
             totals.clear()
         metas: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(0, len(prompts), bs):  # interleaved: each chunk through every engine in turn
-            plain.tree.reset()
+            plain.scheduler.ledger.tree.reset()
             plain.generate(input_ids=prompts[i:i + bs], sampling_params=params)
             for m, engine in specs.items():
-                engine.tree.reset()
+                engine.scheduler.ledger.tree.reset()
                 metas[m] += [o["meta_info"] for o in engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)]
         for m in modes:
             report["draft_weights"][m]["batch_sizes"][bs] = breakdown(dict(plain_totals), dict(spec_totals[m]))

@@ -49,7 +49,7 @@ class HostTimer:
 
 def timed_generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    engine.tree.reset()
+    engine.scheduler.ledger.tree.reset()
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     return time.perf_counter() - start, sum(o["meta_info"]["completion_tokens"] for o in outs)

@@ -64,7 +64,9 @@ class SamplingParams:
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
 
     @classmethod
-    def from_dict(cls, params: Optional[dict[str, Any]]) -> "SamplingParams":
+    def from_dict(cls, params: Optional[dict[str, Any]], vocab_size: Optional[int] = None) -> "SamplingParams":
+        """Parse and validate a request's params (with vocab_size, its token ids and top_k too): done
+        once, where a request comes in; what goes on to the engine and its ranks is the result."""
         if params is None:
             params = {}
         if not isinstance(params, dict):
@@ -84,7 +86,7 @@ class SamplingParams:
             if params.get(name) is None and name in params:  # JSON null: the default
                 del params[name]
         sp = cls(**params)
-        sp.validate()
+        sp.validate(vocab_size)
         return sp
 
     @property

@@ -204,7 +204,7 @@ class FakeRunner:
 
     def _table(self, row: int, start: int, end: int) -> list[int]:
         assert self.sched is not None
-        return self.sched.req_to_token.table[row, start:end].tolist()
+        return self.sched.ledger.req_to_token.table[row, start:end].tolist()
 
     def _kv_tokens(self, row: int, length: int) -> list[int]:
         """The tokens whose K/V positions 0..length-1 of this row hold (checked against the shadow's
@@ -233,8 +233,8 @@ class FakeRunner:
         new = [s for own in slots for s in own]
         assert all(s != 0 for s in new), "a new token was written to the scratch slot 0"
         assert len(set(new)) == len(new), f"the step writes a slot twice: {new}"
-        assert not set(self.sched.allocator._free) & set(new), "the step writes a slot that is on the free list"
-        assert not set(self.sched.tree.all_slots()) & set(new), "the step overwrites a slot of the radix cache"
+        assert not set(self.sched.ledger.allocator._free) & set(new), "the step writes a slot that is on the free list"
+        assert not set(self.sched.ledger.tree.all_slots()) & set(new), "the step overwrites a slot of the radix cache"
         for row, prefix, own in zip(rows, prefixes, slots):
             others = {s for r, p in zip(rows, prefixes) if r != row for s in self._table(r, 0, p)}
             assert not others & set(own), f"row {row} writes a slot another request of the step reads"
@@ -302,18 +302,18 @@ def make_req(rid: str, prompt: Sequence[int], max_new_tokens: int = 16, seed: in
 def check_step_invariants(sched: Scheduler) -> None:
     sched.check_integrity()
     cfg = sched.cfg
-    assert len(sched.running) <= cfg.max_running_requests
+    assert len(sched.queues.running) <= cfg.max_running_requests
     assert len(sched.live_requests()) <= cfg.max_running_requests
-    ids = [id(r) for r in sched.waiting + sched.live_requests()]
+    ids = [id(r) for r in sched.queues.waiting + sched.live_requests()]
     assert len(ids) == len(set(ids)), "a request is in two queues at once"
-    for r in sched.waiting:
+    for r in sched.queues.waiting:
         assert r.req_pool_idx is None and not r.kv_slots and r.last_node is None, f"{r.rid} waits holding KV"
     for r in sched.live_requests():
         assert not r.finished
         # A verify window leaves its rejected rows' slots with the request, for the next window.
         spare = len(r.kv_slots) - r.kv_len
         assert 0 <= spare <= sched.window - 1, f"{r.rid}: {len(r.kv_slots)} slots for kv_len {r.kv_len}"
-    used = cfg.max_running_requests + 1 - sched.req_to_token.available
+    used = cfg.max_running_requests + 1 - sched.ledger.req_to_token.available
     assert used == len(sched.live_requests()), "request slots leaked or double-booked"
 
 
@@ -356,8 +356,8 @@ def assert_no_leak(sched: Scheduler) -> None:
     """Idle scheduler: after dropping the prefix cache every token slot and request slot is free."""
     assert not sched.has_work()
     sched.check_integrity()
-    assert sched.tree.evictable_size == sched.tree.total_size
-    sched.tree.reset()
-    assert sched.allocator.available == sched.allocator.size
-    assert sorted(sched.allocator._free) == list(range(1, sched.allocator.size + 1))
-    assert sched.req_to_token.available == sched.cfg.max_running_requests + 1
+    assert sched.ledger.tree.evictable_size == sched.ledger.tree.total_size
+    sched.ledger.tree.reset()
+    assert sched.ledger.allocator.available == sched.ledger.allocator.size
+    assert sorted(sched.ledger.allocator._free) == list(range(1, sched.ledger.allocator.size + 1))
+    assert sched.ledger.req_to_token.available == sched.cfg.max_running_requests + 1

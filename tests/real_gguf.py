@@ -108,11 +108,11 @@ def check_auto_runs_int8_losslessly(path: str, bf16_engine, prompts: list[list[i
     from specserve.engine import Engine
 
     params = {"temperature": 0, "max_new_tokens": 32}
-    bf16_engine.tree.reset()
+    bf16_engine.scheduler.ledger.tree.reset()
     with int8_activations(bf16_engine.runner.model) as switched:
         assert switched > 0
         plain = [o["output_ids"] for o in bf16_engine.generate(input_ids=prompts, sampling_params=params)]
-    bf16_engine.tree.reset()
+    bf16_engine.scheduler.ledger.tree.reset()
     with Engine(model_path=path, speculative_algorithm="NGRAM", max_total_tokens=4096) as engine:
         assert engine.args.cpu_activations == "int8"
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain

@@ -84,13 +84,13 @@ def _pass(engine, ids: list[int], prefix_len: int, last_logit_only: bool):
 def _median_pass_s(engine, ids: list[int], prefix_len: int, repeats: int, last_logit_only: bool) -> float:
     """Median seconds of one target forward over `ids` as new rows after `prefix_len` cached ones."""
     fb = _pass(engine, ids, prefix_len, last_logit_only)
-    engine.runner.model(fb, engine.kv)  # warm-up
+    engine.runner.model(fb, engine.runner.kv)  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        engine.runner.model(fb, engine.kv)
+        engine.runner.model(fb, engine.runner.kv)
         times.append(time.perf_counter() - start)
-    engine.req_to_token.table.zero_()
+    engine.runner.req_to_token.table.zero_()
     return statistics.median(times)
 
 
@@ -110,10 +110,10 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
         try:
             for name, ids in (("decode", window[:1]), ("verify", window)):
                 fb = _pass(engine, ids, ns.prefix_len, False)
-                result[f"{name}_profile_ms"] = profile_step(lambda: model(fb, engine.kv), ns.repeats)
+                result[f"{name}_profile_ms"] = profile_step(lambda: model(fb, engine.runner.kv), ns.repeats)
         finally:
             model.native = native
-        engine.req_to_token.table.zero_()
+        engine.runner.req_to_token.table.zero_()
     return result
 
 
@@ -131,16 +131,16 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     memory = memory_mib(engine)  # loaded and warm, before the peers load anything
     b1_runs = []
     for _ in range(BATCH1_RUNS):  # the prompt's prefix is dropped from the cache before each
-        engine.tree.reset()
+        engine.scheduler.ledger.tree.reset()
         t = time.perf_counter()
         out = engine.generate(input_ids=one[0], sampling_params=params)
         b1_runs.append(out["meta_info"]["completion_tokens"] / (time.perf_counter() - t))
     b1 = statistics.median(b1_runs)
-    engine.tree.reset()
+    engine.scheduler.ledger.tree.reset()
     t = time.perf_counter()
     outs = engine.generate(input_ids=batch, sampling_params=params)
     bn = sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
-    engine.tree.reset()
+    engine.scheduler.ledger.tree.reset()
     shapes = step_shapes(engine, ns)
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
     layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
@@ -156,7 +156,7 @@ def memory_mib(engine) -> dict[str, float]:
     from specserve.bench.load import _rss
     from specserve.models.loader import resolve_model_path
 
-    pools = [engine.kv, *engine.runner.speculation.kv_pools]
+    pools = [engine.runner.kv, *engine.runner.speculation.kv_pools]
     kv = sum(t.numel() * t.element_size() for pool in pools for t in (*pool.k, *pool.v))
     return {"rss_mib": _rss(os.getpid()) / 2**20, "file_mib": _file_bytes(resolve_model_path(engine.args.model_path)) / 2**20,
             "drafter_file_mib": _drafter_bytes(engine) / 2**20, "kv_mib": kv / 2**20, "torch_runtime_mib": torch_runtime_mib()}

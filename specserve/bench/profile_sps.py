@@ -37,22 +37,22 @@ def verify_pass(engine, total: int, width: int, prefix_len: int) -> ForwardBatch
     """A verify-shaped ForwardBatch over scratch request rows: `total` rows in windows of `width`."""
     lens = [width] * (total // width) + ([total % width] if total % width else [])
     bs, dev = len(lens), engine.args.device
-    if bs > engine.req_to_token.table.shape[0] or bs * (prefix_len + width) > engine.allocator.size:
+    if bs > engine.runner.req_to_token.table.shape[0] or bs * (prefix_len + width) > engine.scheduler.ledger.allocator.size:
         raise ConfigError(f"profile-sps: {total} tokens need {bs} requests of {prefix_len + width} slots; "
                          "raise --max-running-requests / --max-total-tokens")
     rows = list(range(bs))
     for r in rows:  # distinct slots per request; their values are whatever the pool holds
-        engine.req_to_token.table[r, :prefix_len + width] = torch.arange(1, prefix_len + width + 1) + r * (prefix_len + width)
+        engine.runner.req_to_token.table[r, :prefix_len + width] = torch.arange(1, prefix_len + width + 1) + r * (prefix_len + width)
     seq = [prefix_len + n for n in lens]
-    meta = engine.runner.model.ops.attention_metadata(engine.req_to_token.table, rows, seq, lens, dev)
+    meta = engine.runner.model.ops.attention_metadata(engine.runner.req_to_token.table, rows, seq, lens, dev)
     positions = torch.tensor([prefix_len + i for n in lens for i in range(n)], device=dev)
-    slots = torch.cat([engine.req_to_token.table[r, prefix_len:prefix_len + n] for r, n in zip(rows, lens)])
+    slots = torch.cat([engine.runner.req_to_token.table[r, prefix_len:prefix_len + n] for r, n in zip(rows, lens)])
     return ForwardBatch(input_ids=torch.randint(3, 1000, (total,), device=dev), positions=positions,
                         out_cache_loc=slots, attn=meta, logit_rows=torch.arange(total, device=dev))
 
 
 def measure(engine, tokens: Sequence[int], width: int, prefix_len: int, repeats: int) -> SpsTable:
-    model, kv = engine.runner.model, engine.kv
+    model, kv = engine.runner.model, engine.runner.kv
     sps = []
     for total in tokens:
         fb = verify_pass(engine, total, width, prefix_len)
@@ -64,9 +64,9 @@ def measure(engine, tokens: Sequence[int], width: int, prefix_len: int, repeats:
             times.append(time.perf_counter() - start)
         sps.append(1.0 / statistics.median(times))
         print(f"  {total:4d} verify tokens: {sps[-1]:8.1f} steps/s", flush=True)
-    engine.req_to_token.table.zero_()
+    engine.runner.req_to_token.table.zero_()
     meta = {"window": width, "prefix_len": prefix_len, "threads": torch.get_num_threads(),
-            "dtype": str(engine.dtype), "model": engine.args.model_path or "default"}
+            "dtype": str(engine.model.dtype), "model": engine.args.model_path or "default"}
     return SpsTable(tuple(tokens), tuple(sps), meta)
 
 

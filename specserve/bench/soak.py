@@ -120,7 +120,7 @@ def run_soak(ns: argparse.Namespace, args: ServerArgs) -> int:
                "generated_tokens_per_s": round(generated / max(finished - ready, 1e-9), 2),
                "accept_length": round(1 + accepted_drafts / verify_steps, 3) if verify_steps else None,
                "verify_steps": verify_steps, "accepted_drafts": accepted_drafts}
-    checker_on = args.tp_size > 1 and (not ns.no_consensus_checker or engine.consensus is not None)
+    checker_on = args.tp_size > 1 and (not ns.no_consensus_checker or engine.scheduler.consensus is not None)
     figures, problems = measured_figures(engine.rank_figures, checker_on)
     problems += speculation_problems(args, verify_steps)
     summary.update(figures)

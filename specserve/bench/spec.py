@@ -108,7 +108,7 @@ def run_once(engine, prompts: list[list[int]], categories: list[str], bs: int, n
     groups = []
     group = 1 if bs == 1 else len(prompts)
     for i in range(0, len(prompts), group):
-        engine.tree.reset()  # every run prefills its prompts from scratch
+        engine.scheduler.ledger.tree.reset()  # every run prefills its prompts from scratch
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts[i:i + group], sampling_params=params)
         wall = time.perf_counter() - start

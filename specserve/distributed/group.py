@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from specserve import envs
+from specserve.args import ServerArgs
 from specserve.distributed import wire
 from specserve.distributed.launch import RankStartupError
 
@@ -59,6 +60,11 @@ class DistConfig:
     device: str = "cpu"
     loopback: bool = True
     watch: Optional[Callable[[], Optional[str]]] = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, args: ServerArgs, rank: int, addr: str, watch: Optional[Callable[[], Optional[str]]] = None) -> "DistConfig":
+        """This rank's place in the group; on one node everything listens on loopback only."""
+        return cls(rank, args.tp_size, addr, args.collective_timeout, args.device, loopback=args.nnodes == 1, watch=watch)
 
 
 class TPGroup:

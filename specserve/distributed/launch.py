@@ -1,7 +1,7 @@
 """Starting tensor-parallel ranks: the rendezvous address and this node's rank processes.
 
 Ranks are spread over `nnodes` nodes, `tp_size / nnodes` each; node 0 hosts rank 0 (the engine
-that takes requests). What a rank process runs is the caller's (see engine/ranks.py). Rank 0
+that takes requests). What a rank process runs is the caller's (see engine.rank_main). Rank 0
 watches the processes it spawned while the engine starts: one that exits fails the start-up at
 once, with its rank, its exit code and the likely cause.
 """

@@ -26,7 +26,6 @@ from specserve.executor.faulty_runner import ModelRunner, make_runner
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.executor.warmup import measure_cost_prior
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
-from specserve.kv.radix_cache import RadixCache
 from specserve.logits.grammar import GrammarCompiler
 from specserve.models.backend import select_backend
 from specserve.models.config import ModelConfig
@@ -56,31 +55,28 @@ logger = logging.getLogger(__name__)
 DEFERRED_ROWS = 1024  # committed rows the DSpark drafter may queue before injecting them
 
 
-@dataclass
-class RankParts:
-    """The built components of one engine rank."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the loaded target is: the request checks, the start-up block and callers read it."""
 
-    args: ServerArgs
-    tp_rank: int
-    dist: Optional[TPGroup]
-    model_config: ModelConfig
-    tokenizer: Tokenizer
+    config: ModelConfig
     context_length: int
     dtype: torch.dtype
-    kv: KVPool
-    allocator: TokenSlotAllocator
-    req_to_token: ReqToTokenPool
-    tree: RadixCache
-    faults: FaultConfig
-    sanitizer: Optional[StreamSanitizer]
-    forward_stream: Stream
-    copy_stream: Stream
+    summary: dict[str, Any]  # architecture, parameters, weight types (the start-up block)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """One rank's engine in its few parts, which `Engine` keeps as they are. The KV pool, the
+    streams and the speculation are the runner's; the queues, the KV bookkeeping (allocator, table,
+    prefix cache) and the consensus checker are the scheduler's."""
+
+    model: ModelFacts
+    tokenizer: Tokenizer  # and detokenizer: request outputs, the scheduler's stop strings
     runner: ModelRunner
     scheduler: Scheduler
-    loop: NormalLoop | OverlapLoop
-    consensus: Optional[RankConsensusChecker]
-    drafter_name: Optional[str]  # what new requests draft with (None: no speculation)
-    model_summary: dict[str, Any]  # architecture, parameters, weight types (the start-up block)
+    loop: NormalLoop | OverlapLoop  # steps the scheduler's batches on the runner
+    group: Optional[TPGroup]  # this rank's tensor-parallel group (None on one rank)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -114,7 +110,7 @@ class _Target:
     drafter: Optional[DsparkDrafter]
 
 
-def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
+def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> EngineParts:
     """Load the model and build every component of this rank (all ranks call this alike). Each
     component is complete when built: what it needs is built before it."""
     if args.num_threads:
@@ -147,31 +143,9 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> RankParts:
     scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
     loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)
     return_freed_memory()  # and the warm-up's step buffers (the cost model timed steps of each shape)
-    drafter_name = args.speculative_algorithm if args.speculating else None
     logger.debug("engine ready (rank %d/%d): %s, KV pool %d tokens", tp_rank, args.tp_size, dtype, size)
-    return RankParts(
-        args,
-        tp_rank,
-        dist,
-        cfg,
-        tokenizer,
-        target.context_length,
-        dtype,
-        kv,
-        allocator,
-        req_to_token,
-        tree,
-        faults,
-        sanitizer,
-        forward_stream,
-        copy_stream,
-        runner,
-        scheduler,
-        loop,
-        consensus,
-        drafter_name,
-        target.summary,
-    )
+    facts = ModelFacts(cfg, target.context_length, dtype, target.summary)
+    return EngineParts(model=facts, tokenizer=tokenizer, runner=runner, scheduler=scheduler, loop=loop, group=dist)
 
 
 def _runner_factory(

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
+import sys
 import threading
 import time
+import traceback
 import uuid
 from typing import Any, Optional, Union
 
 from specserve.args import ServerArgs
-from specserve.distributed.commands import AbortRequest, AddRequest, Command, CommandBroadcast, Drain, FlushCache, Shutdown
 from specserve.distributed.group import DistConfig
-from specserve.distributed.launch import RankStartupError, first_failure
+from specserve.distributed.launch import RankStartupError, first_failure, rendezvous_addr, spawn_ranks
+from specserve.engine.broadcast import CommandBroadcast
 from specserve.engine.builder import build_rank
-from specserve.engine.inputs import Prompt, normalize_inputs, normalize_params
+from specserve.engine.inputs import Params, Prompt, normalize_inputs, normalize_params
+from specserve.engine.messages import AbortRequest, AddRequest, Command, Drain, FlushCache, Shutdown
 from specserve.engine.output import request_output
-from specserve.engine.ranks import REQ_CODEC
 from specserve.logits.grammar import GrammarSpec
 from specserve.models.int8_gate import with_resolved_activations
 from specserve.sampling_params import SamplingParams
@@ -43,13 +46,10 @@ class Engine:
         self.rank_figures: Optional[list[dict]] = None  # every rank's measured figures, after shutdown
         dist_cfg = None
         if args.tp_size > 1:
-            from specserve.distributed.launch import rendezvous_addr
-            from specserve.engine.ranks import dist_config, spawn_rank_workers
-
             addr = rendezvous_addr(args)
-            self._workers = spawn_rank_workers(args, addr, skip_rank0=True)
+            self._workers = spawn_ranks(args, addr, True, rank_main)
             # While starting, rank 0 watches the ranks it spawned: one that exits fails it at once.
-            dist_cfg = dist_config(args, 0, addr, watch=lambda: first_failure(self._workers))
+            dist_cfg = DistConfig.of(args, 0, addr, watch=lambda: first_failure(self._workers))
         try:
             self._build(args, dist_cfg)
         except BaseException as exc:
@@ -62,7 +62,7 @@ class Engine:
 
     @classmethod
     def for_rank(cls, args: ServerArgs, dist_cfg: DistConfig) -> "Engine":
-        """The engine of one non-zero tensor-parallel rank (see engine/ranks.py)."""
+        """The engine of one non-zero tensor-parallel rank (see rank_main)."""
         engine = cls.__new__(cls)
         engine._workers, engine.rank_figures = [], None
         engine._build(args, dist_cfg)
@@ -72,20 +72,15 @@ class Engine:
         logging.basicConfig(level=args.log_level.upper())
         args = with_resolved_activations(args)  # a rank started on its own (another node) gets auto here
         parts = build_rank(args, dist_cfg)
-        self.args, self.tp_rank, self.dist = args, parts.tp_rank, parts.dist
-        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
-        self.context_length, self.dtype = parts.context_length, parts.dtype
-        self.kv, self.allocator, self.req_to_token, self.tree = parts.kv, parts.allocator, parts.req_to_token, parts.tree
-        self.faults, self.sanitizer = parts.faults, parts.sanitizer
-        self.forward_stream, self.copy_stream = parts.forward_stream, parts.copy_stream
+        self.args, self.tp_rank = args, dist_cfg.rank if dist_cfg is not None else 0
+        self.model, self.tokenizer, self.dist = parts.model, parts.tokenizer, parts.group
         self.runner, self.scheduler, self.loop = parts.runner, parts.scheduler, parts.loop
-        self.consensus = parts.consensus
         if self.dist is not None:
             self.dist.started()  # model loading is over: collectives now use the collective timeout
-        self._drafter = parts.drafter_name
-        self.model_summary = parts.model_summary
+        self._drafter = args.speculative_algorithm if args.speculating else None  # what new requests draft with
         self._seed_rng = random.Random(args.random_seed)
-        self._commands = CommandBroadcast(self.dist, REQ_CODEC if self.dist is not None else None)
+        self._commands = CommandBroadcast(self.dist)
+        self._queued: dict[str, Req] = {}  # rank 0's requests, from their AddRequest's put to its apply
         self._step_lock = threading.RLock()
         self._last_step = time.monotonic()
         self._closed = False
@@ -95,7 +90,7 @@ class Engine:
     # ------------------------------------------------------------ API
 
     def generate(
-        self, prompt: Prompt = None, input_ids: Optional[list] = None, sampling_params: Union[dict, list[dict], None] = None
+        self, prompt: Prompt = None, input_ids: Optional[list] = None, sampling_params: Union[Params, list[Params]] = None
     ) -> Union[dict, list[dict]]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
         single, token_lists = self._normalize_inputs(prompt, input_ids)
@@ -104,7 +99,7 @@ class Engine:
         for req in reqs:  # validate everything before queueing anything
             self.scheduler.validate_request(req)
         for req in reqs:
-            self._commands.put(AddRequest(req))
+            self._put(req)
         done: set[str] = set()
         with self._sanitized(), self._closed_batch():
             while len(done) < len(reqs):
@@ -119,20 +114,32 @@ class Engine:
 
     # ------------------------------------------------------------ serving: one step at a time
 
-    def submit(self, input_ids: list[int], sampling_params: Optional[dict], rid: Optional[str] = None) -> Req:
-        """Validate and queue one request for the next step (ValueError names the bad field)."""
+    def submit(self, input_ids: list[int], sampling_params: Params, rid: Optional[str] = None) -> Req:
+        """Validate and queue one request for the next step (InvalidRequestError names the bad field)."""
         _, [ids] = self._normalize_inputs(None, input_ids)
         req = self._make_req(ids, self._normalize_params(sampling_params, 1)[0])
         if rid is not None:
             req.rid = rid
         self.scheduler.validate_request(req)
-        self._commands.put(AddRequest(req))
+        self._put(req)
         return req
 
-    def check_grammar(self, sampling_params: Optional[dict]) -> None:
+    def add(self, command: AddRequest) -> Req:
+        """Queue a request a front end parsed and validated (its grammar compiled: `check_grammar`);
+        only what depends on this engine's state is checked here (context window, KV room)."""
+        req = self._req_of(command)
+        self.scheduler.validate_request(req)
+        self._put(req)
+        return req
+
+    def check_grammar(self, params: SamplingParams) -> None:
         """Compile a request's grammar into the cache (InvalidRequestError if it does not compile);
-        thread-safe, so a serving loop can run it off its own thread before `submit`."""
-        self._check_grammar(SamplingParams.from_dict(sampling_params))
+        thread-safe, so a serving loop can run it off its own thread before `add`."""
+        spec = GrammarSpec.of(params)
+        grammars = self.runner.request_logits.grammars
+        if spec is not None:
+            assert grammars is not None, "the builder gives every runner a grammar compiler"
+            grammars.check(spec)
 
     def abort(self, rid: str) -> None:
         """Stop a request at the next step; it then comes back in that step's `finished`."""
@@ -146,8 +153,8 @@ class Engine:
     def step(self) -> StepResult:
         """Apply the pending commands (on every rank), then run one loop step if there is work."""
         with self._step_lock:
-            if self.consensus is not None:
-                self.consensus.raise_if_dead()  # unchecked ranks would go on silently
+            if self.scheduler.consensus is not None:
+                self.scheduler.consensus.raise_if_dead()  # unchecked ranks would go on silently
             result = StepResult()
             for command in self._commands.take():
                 self._apply(command, result)
@@ -155,8 +162,8 @@ class Engine:
                 try:
                     more = self.loop.step()
                 except Exception:
-                    if self.consensus is not None:  # name the first divergent site, not the broken collective
-                        self.consensus.flush()
+                    if self.scheduler.consensus is not None:  # name the first divergent site, not the broken collective
+                        self.scheduler.consensus.flush()
                     raise
                 result.tokens += more.tokens
                 result.finished += more.finished
@@ -165,8 +172,12 @@ class Engine:
         return result
 
     def _apply(self, command: Command, result: StepResult) -> None:
+        """Apply one command, on every rank (rank 0's requests are the objects its callers hold)."""
         if isinstance(command, AddRequest):
-            early = self.scheduler.add_request(command.req)
+            req = self._queued.pop(command.rid, None)
+            if req is None:  # another rank: the request as rank 0 republished it
+                req = self._req_of(command)
+            early = self.scheduler.add_request(req)
             if early is not None:
                 result.finished.append(early)
         elif isinstance(command, AbortRequest):
@@ -176,11 +187,11 @@ class Engine:
         elif isinstance(command, Drain):
             self.loop.drain()
         elif isinstance(command, FlushCache):
-            result.flushed.append((command.token, self.tree.flush()))
+            result.flushed.append((command.token, self.scheduler.ledger.tree.flush()))
         elif isinstance(command, Shutdown):
             self._closed = True
-            if self.consensus is not None:  # a last comparison of everything recorded, then stop
-                self.consensus.stop()
+            if self.scheduler.consensus is not None:  # a last comparison of everything recorded, then stop
+                self.scheduler.consensus.stop()
             if self.dist is not None:  # every rank's figures, on every rank
                 self.rank_figures = self.dist.all_gather_json(self._figures(), "engine.shutdown_figures")
 
@@ -190,7 +201,7 @@ class Engine:
         return {
             "rank": self.tp_rank,
             "collective_timeouts": self.dist.timeouts if self.dist is not None else 0,
-            "consensus": self.consensus.figures() if self.consensus is not None else None,
+            "consensus": self.scheduler.consensus.figures() if self.scheduler.consensus is not None else None,
             "copy_lag": lag.figures() if lag is not None else None,
         }  # SPECSERVE_FAULT_COPY_LAG_MS
 
@@ -224,18 +235,7 @@ class Engine:
     def load(self) -> dict[str, float]:
         """Queue, batch and KV occupancy (slots held by requests vs by the prefix cache) and, with
         the adaptive speculation policy, its step-cost model's mean relative error."""
-        sched = self.scheduler
-        cached = self.tree.total_size
-        free = self.allocator.available
-        running = len(sched.running) + (sched.chunked_req is not None)
-        out: dict[str, float] = {
-            "waiting": len(sched.waiting),
-            "running": running,
-            "kv_total_tokens": self.allocator.size,
-            "kv_free_tokens": free,
-            "kv_cached_tokens": cached,
-            "kv_request_tokens": self.allocator.size - free - cached,
-        }
+        out: dict[str, float] = dict(self.scheduler.load())
         policy = self.runner.speculation.policy
         if policy is not None and policy.cost.steps:
             out["spec_cost_residual"] = policy.cost.mean_abs_relative_residual
@@ -246,7 +246,8 @@ class Engine:
         return request_output(req, self.tokenizer)
 
     def _sanitized(self):
-        return self.sanitizer.active() if self.sanitizer is not None else contextlib.nullcontext()
+        sanitizer = self.runner.forward.sanitizer  # the streams' (see builder._make_streams)
+        return sanitizer.active() if sanitizer is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _closed_batch(self):
@@ -261,10 +262,10 @@ class Engine:
 
     def _maybe_log_stats(self) -> None:
         # The stats decide when a line is due (on activity, at most every 5 s: scheduler/stats.py).
-        sched = self.scheduler
+        queues = self.scheduler.queues
         policy = self.runner.speculation.policy
         residual = policy.cost.mean_abs_relative_residual if policy is not None else None
-        sched.stats.maybe_log(len(sched.running), len(sched.waiting), residual)
+        self.scheduler.stats.maybe_log(len(queues.running), len(queues.waiting), residual)
 
     def shutdown(self) -> None:
         """Stop this engine; rank 0 also tells the other ranks to stop and waits for them."""
@@ -282,15 +283,15 @@ class Engine:
                 logger.warning("tensor-parallel shutdown: %s", exc)
                 clean = False
         self._closed = True
-        if self.consensus is not None and self.consensus.alive:
-            self.consensus.abandon()  # it cannot finish with the groups torn down below
+        if self.scheduler.consensus is not None and self.scheduler.consensus.alive:
+            self.scheduler.consensus.abandon()  # it cannot finish with the groups torn down below
         self.runner.close()
         if self.dist is not None and not clean:  # ranks still waiting on this one see it close at once
             self.dist.close()
         self._stop_workers(timeout_s=30 if clean else 10)
         if self.dist is not None and clean:  # after the others left their loops
             self.dist.close()
-        del self.scheduler, self.runner, self.kv  # their memory goes now; shutdown() again is a no-op
+        del self.scheduler, self.runner, self.loop  # their memory (the KV pool's) goes now; shutdown() again is a no-op
 
     def _stop_workers(self, timeout_s: float) -> None:
         for rp in self._workers:
@@ -320,21 +321,57 @@ class Engine:
     # ------------------------------------------------------------ helpers
 
     def _normalize_inputs(self, prompt: Prompt, input_ids: Optional[list]) -> tuple[bool, list[list[int]]]:
-        return normalize_inputs(prompt, input_ids, self.tokenizer, self.model_config.vocab_size)
+        return normalize_inputs(prompt, input_ids, self.tokenizer, self.model.config.vocab_size)
 
-    def _normalize_params(self, sampling_params, n: int) -> list[SamplingParams]:
-        params = normalize_params(sampling_params, n, self.model_config.vocab_size)
+    def _normalize_params(self, sampling_params: Union[Params, list[Params]], n: int) -> list[SamplingParams]:
+        """The offline API's boundary: each request's params parsed and validated once, its grammar compiled."""
+        params = normalize_params(sampling_params, n, self.model.config.vocab_size)
         for p in params:  # a grammar that does not compile is the request's error, before it is queued
-            self._check_grammar(p)
+            self.check_grammar(p)
         return params
 
-    def _check_grammar(self, params: SamplingParams) -> None:
-        spec = GrammarSpec.of(params)
-        grammars = self.runner.request_logits.grammars
-        if spec is not None:
-            assert grammars is not None, "the builder gives every runner a grammar compiler"
-            grammars.check(spec)
-
     def _make_req(self, ids: list[int], params: SamplingParams) -> Req:
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=seed, drafter=self._drafter)
+        return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=self._seed(params), drafter=self._drafter)
+
+    def _req_of(self, command: AddRequest) -> Req:
+        return Req(command.rid, list(command.input_ids), command.params, self._seed(command), drafter=self._drafter)
+
+    def _seed(self, of: Union[AddRequest, SamplingParams]) -> int:
+        """A request's sampling seed: rank 0's republished one, the request's own, else a fresh draw."""
+        if isinstance(of, AddRequest) and of.seed is not None:
+            return of.seed
+        params = of.params if isinstance(of, AddRequest) else of
+        return params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+
+    def _put(self, req: Req) -> None:
+        """Queue a validated request for the next step; rank 0 republishes it with its seed."""
+        self._queued[req.rid] = req
+        self._commands.put(AddRequest(req.rid, req.input_ids, req.params, req.seed))
+
+
+def rank_main(args_dict: dict, rank: int, addr: str, started) -> None:
+    """A non-zero rank's process: build the engine shard, follow rank 0's steps, exit non-zero on failure.
+    A rank that fails exits non-zero; the others then fail their next collective within the timeout
+    instead of hanging, and rank 0, while it starts, at once (it watches the processes it spawned)."""
+    started.set()  # the spawn bootstrap (re-importing the main module) is behind us
+    parent = os.getppid()
+    args = ServerArgs.from_kwargs(**args_dict)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    engine = None
+    try:
+        engine = Engine.for_rank(args, DistConfig.of(args, rank, addr, watch=lambda: _orphaned(parent)))
+        with engine.sanitized():
+            while engine.follow():
+                pass
+    except BaseException:
+        logger.critical("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        sys.stdout.flush()
+        sys.exit(1)
+    finally:
+        if engine is not None and engine.runner is not None:
+            engine.runner.close()
+
+
+def _orphaned(parent: int) -> Optional[str]:
+    """While joining: the process that spawned this rank is gone (rank 0 will never come)."""
+    return None if os.getppid() == parent else f"the process that spawned this rank (pid {parent}) exited"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 from specserve.errors import InvalidRequestError
@@ -9,6 +10,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.tokenizer.tokenizer import Tokenizer
 
 Prompt = Union[str, list[str], None]
+Params = Union[dict, SamplingParams, None]  # a dict is parsed; a SamplingParams object is validated as given
 
 
 def normalize_inputs(
@@ -40,16 +42,22 @@ def normalize_inputs(
     return single, [list(ids) for ids in lists]
 
 
-def normalize_params(sampling_params: Union[dict, list[dict], None], n: int, vocab: int) -> list[SamplingParams]:
-    """One validated SamplingParams per prompt (a list gives each its own, a dict is shared)."""
+def normalize_params(sampling_params: Union[Params, list[Params]], n: int, vocab: int) -> list[SamplingParams]:
+    """One validated SamplingParams per prompt (a list gives each its own, one is shared), each
+    parsed and validated once: the engine and its ranks take them as they are."""
     if isinstance(sampling_params, list):
         if len(sampling_params) != n:
             raise InvalidRequestError(
                 f"sampling_params: list of {len(sampling_params)} for {n} prompts", param="sampling_params"
             )
-        params = [SamplingParams.from_dict(p) for p in sampling_params]
-    else:
-        params = [SamplingParams.from_dict(sampling_params) for _ in range(n)]
-    for p in params:
-        p.validate(vocab)
-    return params
+        return [_parse(p, vocab) for p in sampling_params]
+    return [_parse(sampling_params, vocab) for _ in range(n)]
+
+
+def _parse(params: Params, vocab: int) -> SamplingParams:
+    """Each request its own object: the scheduler caps a request's max_new_tokens to its context."""
+    if isinstance(params, SamplingParams):
+        params = dataclasses.replace(params)
+        params.validate(vocab)
+        return params
+    return SamplingParams.from_dict(params, vocab)

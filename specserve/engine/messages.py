@@ -1,8 +1,9 @@
-"""Messages between a serving front end and the engine process.
+"""The messages of the engine: one set, from the serving front end to the engine and on to the ranks.
 
 Commands go to the engine; events come back, one list per engine loop iteration. Every message
-is a frozen dataclass of plain values, so it pickles across multiprocessing queues; receivers
-dispatch on the class, never on a tag.
+is a frozen dataclass of plain values and typed, validated sampling params, so it pickles across
+multiprocessing queues; receivers dispatch on the class, never on a tag. Under tensor parallelism
+rank 0 republishes the same commands to the other ranks, as JSON (engine/broadcast.py).
 
 Per request the events are: zero or more `TokensOut`, then exactly one of `RequestDone`,
 `RequestError` (the engine refused it: a client error) or `RequestFailed` (its own host work
@@ -15,17 +16,21 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from specserve.logits.logprobs import TokenLogprob
+from specserve.sampling_params import SamplingParams
 
-# ------------------------------------------------------------------ commands (front end -> engine)
+# ------------------------------------------------------------------ commands (front end -> engine -> ranks)
 
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Validate and queue one request; a rejection comes back as `RequestError`."""
+    """Queue one request whose params were parsed and validated where it came in (the server's
+    routes or the offline `Engine` API); a rejection comes back as `RequestError`. Rank 0
+    republishes it to the other ranks with `seed` set, so that every rank samples alike."""
 
     rid: str
     input_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
+    seed: Optional[int] = None  # None from a front end: rank 0 draws one unless params.seed is set
 
 
 @dataclass(frozen=True)
@@ -36,18 +41,24 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """Process the step still in flight (the overlap loop's last step of a generate call)."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
-    """Abort every open request, report their `RequestDone`, and exit."""
+    """Abort every open request, report their `RequestDone`, and exit (on every rank: a last
+    consensus comparison first)."""
 
 
 @dataclass(frozen=True)
 class FlushCache:
-    """Drop every cached prefix no request holds; answered by `CacheFlushed` with the same token."""
+    """Drop every cached prefix no request holds, on every rank; answered by `CacheFlushed` with the same token."""
 
     token: str
 
 
-Command = Union[AddRequest, AbortRequest, Shutdown, FlushCache]
+Command = Union[AddRequest, AbortRequest, Drain, Shutdown, FlushCache]
 
 # ------------------------------------------------------------------ events (engine -> front end)
 

@@ -73,7 +73,7 @@ class OverlapLoop:
         return result
 
     def has_work(self) -> bool:
-        return bool(self.sched.in_flight) or self.sched.has_work()
+        return bool(self.sched.queues.in_flight) or self.sched.has_work()
 
     def drain(self) -> StepResult:
         """Process the step still in flight (at shutdown or before leaving the loop)."""
@@ -83,7 +83,7 @@ class OverlapLoop:
         return result
 
     def _launched(self) -> Optional[ScheduleBatch]:
-        return self.sched.in_flight[0] if self.sched.in_flight else None
+        return self.sched.queues.in_flight[0] if self.sched.queues.in_flight else None
 
     def _finish(self, batch: ScheduleBatch) -> StepResult:
         handle, batch.handle = batch.handle, None

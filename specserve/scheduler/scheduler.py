@@ -80,25 +80,24 @@ class Scheduler:
         if self.consensus is not None:
             self.consensus.record(site, value)
 
-    # ------------------------------------------------------------ the parts' state, by name
-
-    allocator = property(lambda self: self.ledger.allocator)
-    req_to_token = property(lambda self: self.ledger.req_to_token)
-    tree = property(lambda self: self.ledger.tree)
-    waiting = property(lambda self: self.queues.waiting)
-    running = property(lambda self: self.queues.running)
-    in_flight = property(lambda self: self.queues.in_flight)
-    num_retractions = property(lambda self: self.pressure.num_retractions)
-    new_token_ratio = property(lambda self: self.pressure.new_token_ratio)
-
-    @property
-    def chunked_req(self) -> Optional[Req]:
-        return self.queues.chunked
+    def load(self) -> dict[str, int]:
+        """Queue, batch and KV occupancy: slots held by requests vs by the prefix cache."""
+        allocator, queues = self.ledger.allocator, self.queues
+        cached, free = self.ledger.tree.total_size, allocator.available
+        return {
+            "waiting": len(queues.waiting),
+            "running": len(queues.running) + (queues.chunked is not None),
+            "kv_total_tokens": allocator.size,
+            "kv_free_tokens": free,
+            "kv_cached_tokens": cached,
+            "kv_request_tokens": allocator.size - free - cached,
+        }
 
     # ------------------------------------------------------------ requests in and out
 
     def add_request(self, req: Req) -> Optional[Req]:
-        """Queue a request; returns it at once if it needs no step (max_new_tokens == 0)."""
+        """Queue a request; returns it at once if it needs no step (max_new_tokens == 0). Its
+        params were validated where it came in: only what depends on this scheduler is checked."""
         self.validate_request(req)
         room = self.cfg.context_length - len(req.input_ids)
         req.params.max_new_tokens = min(req.params.max_new_tokens, room)
@@ -111,7 +110,8 @@ class Scheduler:
         return None
 
     def validate_request(self, req: Req) -> None:
-        validate_request(req, self.cfg.context_length, self.window, self.allocator.size)
+        """What only the scheduler can check, before a request is queued: its context window and KV room."""
+        validate_request(req, self.cfg.context_length, self.window, self.ledger.allocator.size)
 
     def abort(self, rid: str) -> Optional[Req]:
         """Stop a request wherever it is; its KV is released exactly once."""
@@ -216,7 +216,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """free + cached + in use == total, no slot counted twice, and locks balanced when idle."""
-        check_kv_integrity(self.allocator, self.tree, self.live_requests())
+        check_kv_integrity(self.ledger.allocator, self.ledger.tree, self.live_requests())
 
 
 def _finish(req: Req, reason: FinishReason) -> Req:

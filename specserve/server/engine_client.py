@@ -39,6 +39,7 @@ from specserve.engine.messages import (
     TokensOut,
 )
 from specserve.errors import ConfigError
+from specserve.sampling_params import SamplingParams
 from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S, engine_main, one_line
 from specserve.server.metrics import ServerMetrics
 
@@ -160,7 +161,8 @@ class EngineClient:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, rid: str, input_ids: list[int], params: dict[str, Any], sink: asyncio.Queue, index: int = 0) -> None:
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, sink: asyncio.Queue, index: int = 0) -> None:
+        """Send one request, its params parsed and validated by the route, to the engine process."""
         if not self.healthy:
             raise EngineUnavailable(self.fatal or "engine process is not running")
         self.tracked[rid] = Tracked(sink, index)

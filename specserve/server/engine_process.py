@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
 HEARTBEAT_S = 1.0  # how often the engine process says it is alive
 DEFAULT_STEP_TIMEOUT_S = 300.0  # one serving-loop iteration longer than this is a stuck engine
+GRAMMAR_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is the request's error (a 400)
 
 
 def engine_main(
@@ -122,19 +123,19 @@ def _ready_info(engine) -> dict[str, Any]:
 
     args = engine.args
     return {
-        "context_length": engine.context_length,
-        "vocab_size": engine.model_config.vocab_size,
+        "context_length": engine.model.context_length,
+        "vocab_size": engine.model.config.vocab_size,
         "speculative_algorithm": args.speculative_algorithm,
         "num_draft_tokens": engine.scheduler.window - 1,
-        "kv_total_tokens": engine.allocator.size,
+        "kv_total_tokens": engine.scheduler.ledger.allocator.size,
         "pid": os.getpid(),
-        "model": engine.model_summary,
+        "model": engine.model.summary,
         "model_path": resolve_model_path(args.model_path),
-        "dtype": str(engine.dtype).replace("torch.", ""),
+        "dtype": str(engine.model.dtype).replace("torch.", ""),
         "device": args.device,
-        "kernel_path": cpu_kernel_path(args.device, engine.dtype),
+        "kernel_path": cpu_kernel_path(args.device, engine.model.dtype),
         "cpu_activations": args.cpu_activations,
-        "quantized_linears": args.quantization == "auto" and quantized_linears(engine.model_summary),
+        "quantized_linears": args.quantization == "auto" and quantized_linears(engine.model.summary),
         "threads": torch.get_num_threads(),
         "tp_size": args.tp_size,
         "max_running_requests": args.max_running_requests,
@@ -153,10 +154,6 @@ def shutdown_line(before: Mapping[str, float], after: Mapping[str, float], abort
     return f"shutdown: drained {running} running and {waiting} waiting requests (aborted {aborted}), freed {freed} KV slots"
 
 
-def _constrained(params: Any) -> bool:
-    return isinstance(params, dict) and any(params.get(name) is not None for name in GRAMMAR_FIELDS)
-
-
 def rejection(rid: str, exc: InvalidRequestError) -> RequestError:
     """The `RequestError` event (a 400) for a request the engine refused: the field and code it carries."""
     return RequestError(rid, str(exc), exc.param, exc.code)
@@ -172,9 +169,9 @@ class EngineServer:
         self._last_load: dict[str, int] = {}
         self._iteration_started = time.monotonic()
         # Requests with a grammar wait here while it compiles on a thread of its own (not this loop's):
-        # a slow schema delays only its own request. Compiled grammars are cached, so the engine's own
-        # check at submit is then a lookup.
-        self._compiling: dict[str, tuple[AddRequest, Future]] = {}
+        # a slow schema delays only its own request. This is the one compile of a served request's
+        # grammar (cached by spec): the runner's grammar states are copies of it.
+        self._compiling: dict[str, tuple[AddRequest, Future, float]] = {}
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     def stalled(self, timeout_s: float) -> bool:
@@ -223,8 +220,9 @@ class EngineServer:
             match cmd:
                 case Shutdown():
                     return True
-                case AddRequest() if _constrained(cmd.params):
-                    self._compiling[cmd.rid] = (cmd, self._compiler.submit(self.engine.check_grammar, cmd.params))
+                case AddRequest() if cmd.params.constrained:
+                    compiling = self._compiler.submit(self.engine.check_grammar, cmd.params)
+                    self._compiling[cmd.rid] = (cmd, compiling, time.monotonic())
                 case AddRequest():
                     self._add(cmd, out)
                 case AbortRequest(rid=rid) if rid in self._compiling:
@@ -237,12 +235,13 @@ class EngineServer:
         return False
 
     def _admit_compiled(self, out: list[Event]) -> None:
-        """Queue the requests whose grammar compiled (in arrival order); reject those whose did not."""
-        for rid, (cmd, future) in list(self._compiling.items()):
-            if not future.done():
+        """Queue the requests whose grammar compiled (in arrival order); reject those whose did not,
+        or did not within GRAMMAR_TIMEOUT_S."""
+        for rid, (cmd, future, since) in list(self._compiling.items()):
+            if not future.done() and time.monotonic() - since < GRAMMAR_TIMEOUT_S:
                 continue
             del self._compiling[rid]
-            error = future.exception()
+            error = future.exception() if future.done() else _too_slow(cmd)
             if isinstance(error, InvalidRequestError):
                 out.append(rejection(rid, error))
             elif error is not None:
@@ -252,7 +251,7 @@ class EngineServer:
 
     def _add(self, cmd: AddRequest, out: list[Event]) -> None:
         try:
-            self.engine.submit(cmd.input_ids, cmd.params, rid=cmd.rid)
+            self.engine.add(cmd)
         except InvalidRequestError as exc:  # bad input: a 400 naming its field
             out.append(rejection(cmd.rid, exc))
             return
@@ -287,6 +286,11 @@ class EngineServer:
         except Exception as exc:  # e.g. detokenizing this request's output: it fails alone
             logger.error("request %s failed building its output", req.rid, exc_info=True)
             return RequestFailed(req.rid, f"output failed: {type(exc).__name__}: {exc}")
+
+
+def _too_slow(cmd: AddRequest) -> InvalidRequestError:
+    field = next(f"sampling_params.{name}" for name in GRAMMAR_FIELDS if getattr(cmd.params, name) is not None)
+    return InvalidRequestError(f"{field}: the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s", param=field)
 
 
 def _prompt_logprobs(req, n: int) -> Optional[list]:

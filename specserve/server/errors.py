@@ -50,9 +50,17 @@ def server_error(message: str, status: int = 500, headers: Optional[dict[str, st
     return APIError(message, status, err_type="server_error", headers=headers)
 
 
-def from_engine_rejection(event: RequestError) -> APIError:
+def from_engine_rejection(event: RequestError, names: Optional[dict[str, str]] = None) -> APIError:
     """The engine refused a request (bad input): a 400 with the engine's field and code."""
-    return APIError(event.message, 400, param=event.param, code=event.code or DEFAULT_CODE)
+    return api_rejection(event.message, event.param, event.code, names or {})
+
+
+def api_rejection(message: str, param: Optional[str], code: Optional[str], names: dict[str, str]) -> APIError:
+    """A 400 for a rejected request, naming the API's field (`names` maps the engine's field names to the API's)."""
+    api_param = names.get(param, param) if param else None
+    if param and api_param:
+        message = message.replace(param, api_param, 1)
+    return APIError(message, 400, param=api_param, code=code or DEFAULT_CODE)
 
 
 def from_request_failure(event: RequestFailed) -> APIError:

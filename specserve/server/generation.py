@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 
 from specserve.engine.messages import EngineFatal, RequestDone, RequestError, RequestFailed
+from specserve.sampling_params import SamplingParams
 from specserve.server.engine_client import Delivery, EngineUnavailable
 from specserve.server.errors import APIError, from_engine_fatal, from_engine_rejection, from_request_failure, server_error
 from specserve.server.state import ServerState
@@ -24,8 +25,15 @@ DISCONNECT_POLL_S = 0.25
 class Generation:
     """The n engine requests behind one API request, their events on one queue, abort on exit."""
 
-    def __init__(self, state: ServerState, prompt_ids: list[list[int]], params: list[dict[str, Any]]):
+    def __init__(
+        self,
+        state: ServerState,
+        prompt_ids: list[list[int]],
+        params: list[SamplingParams],
+        names: Optional[dict[str, str]] = None,
+    ):
         self.state = state
+        self.names = names or {}  # the engine's field names -> the API's, for a rejection's 400
         self.sink: asyncio.Queue[Delivery] = asyncio.Queue()
         base = uuid.uuid4().hex
         self.rids = [f"{base}-{i}" for i in range(len(prompt_ids))]
@@ -69,7 +77,7 @@ class Generation:
             case RequestError() as event:
                 self.open.discard(delivery.choice)
                 self.abort()
-                raise from_engine_rejection(event)
+                raise from_engine_rejection(event, self.names)
             case RequestFailed() as event:
                 self.open.discard(delivery.choice)
                 self.abort()

@@ -1,9 +1,10 @@
 """The routes: OpenAI chat and completions, the native /generate, health, metrics and the model list.
 
 A generation route validates what only the server can check (model name, chat template, token ids,
-context window), turns the request into one engine request per choice, and either streams the
-events or waits for every choice. Everything else is checked by the engine, whose rejection
-answers 400 before a stream starts.
+context window), parses and validates its sampling params once into a typed `SamplingParams` per
+choice (what goes to the engine process), and either streams the events or waits for every choice.
+What depends on the engine's state (KV room) and the grammar's compile are checked by the engine,
+whose rejection answers 400 before a stream starts.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.errors import InvalidRequestError
-from specserve.logits.grammar import GrammarSpec
 from specserve.sampling_params import SamplingParams
-from specserve.server.errors import DEFAULT_CODE, APIError
+from specserve.server.errors import APIError, api_rejection
 from specserve.server.generation import Generation, collect
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
 from specserve.server.responses import chat_completion, text_completion
@@ -25,7 +25,6 @@ from specserve.server.sse import chat_stream, completion_stream, generate_stream
 from specserve.server.state import ServerState
 
 SSE = "text/event-stream"
-GRAMMAR_TIMEOUT_S = 10.0
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 OPENAI_PARAM_NAMES = {
     f"sampling_params.{name}": name
@@ -46,6 +45,8 @@ OPENAI_PARAM_NAMES = {
     )
 }
 OPENAI_PARAM_NAMES["sampling_params.max_new_tokens"] = "max_tokens"
+# A chat's grammar error (from the engine's compile) names the field the schema came in.
+CHAT_PARAM_NAMES = {**OPENAI_PARAM_NAMES, "sampling_params.json_schema": "response_format"}
 
 
 def add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -92,10 +93,8 @@ def _add_chat_route(app: FastAPI, state: ServerState) -> None:
         except Exception as exc:  # the template rejects the conversation (e.g. role order)
             raise APIError(f"messages: {exc}", 400, param="messages") from exc
         _check_context(state, ids, "messages")
-        params = [_engine_params(state, body, len(ids), i) for i in range(body.n)]
-        _check_params(state, params[0], OPENAI_PARAM_NAMES)
-        await _check_grammar(state, params[0], {"sampling_params.json_schema": "response_format"})
-        gen = Generation(state, [ids] * body.n, params)
+        params = [_parse_params(state, _engine_params(state, body, len(ids), i), OPENAI_PARAM_NAMES) for i in range(body.n)]
+        gen = Generation(state, [ids] * body.n, params, CHAT_PARAM_NAMES)
         gen.start()
         if body.stream:
             first = await gen.first_event()
@@ -114,9 +113,11 @@ def _add_completion_route(app: FastAPI, state: ServerState) -> None:
             _check_token_ids(state, ids, "prompt")
             _check_context(state, ids, "prompt")
         ids_list = [ids for ids in prompts for _ in range(body.n)]  # n choices per prompt, prompt-major
-        params = [_engine_params(state, body, len(ids), i % body.n) for i, ids in enumerate(ids_list)]
-        _check_params(state, params[0], OPENAI_PARAM_NAMES)
-        gen = Generation(state, ids_list, params)
+        params = [
+            _parse_params(state, _engine_params(state, body, len(ids), i % body.n), OPENAI_PARAM_NAMES)
+            for i, ids in enumerate(ids_list)
+        ]
+        gen = Generation(state, ids_list, params, OPENAI_PARAM_NAMES)
         gen.start()
         prompt_tokens = sum(len(p) for p in prompts)
         echo = [(_prompt_text(state, p), ids) for p, ids in zip(body.prompts(), prompts) for _ in range(body.n)]
@@ -147,9 +148,7 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         _check_context(state, ids, "text" if body.text is not None else "input_ids")
         params = body.engine_params()
         params.setdefault("max_new_tokens", min(GENERATE_DEFAULT_MAX_NEW_TOKENS, state.context_length - len(ids)))
-        _check_params(state, params, {})
-        await _check_grammar(state, params, {})
-        gen = Generation(state, [ids], [params])
+        gen = Generation(state, [ids], [_parse_params(state, params, {})], {})
         gen.start()
         if body.stream:
             first = await gen.first_event()
@@ -177,35 +176,13 @@ def _check_token_ids(state: ServerState, ids: list[int], field: str) -> None:
         raise APIError(f"{field}: token ids must be in [0, {vocab})", 400, param=field)
 
 
-def _check_params(state: ServerState, params: dict[str, Any], names: dict[str, str]) -> None:
-    """The engine's own checks, with the vocabulary, before anything is queued: a 400 naming the
-    request's field (`names` maps the engine's field names to the API's)."""
+def _parse_params(state: ServerState, params: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+    """The request's sampling params parsed and validated, with the vocabulary, once, before anything
+    is queued: a 400 naming the request's field (`names` maps the engine's field names to the API's)."""
     try:
-        SamplingParams.from_dict(params).validate(state.client.info["vocab_size"])
+        return SamplingParams.from_dict(params, state.client.info["vocab_size"])
     except InvalidRequestError as exc:
-        param = names.get(exc.param, exc.param) if exc.param else None
-        raise APIError(
-            str(exc).replace(exc.param, param, 1) if exc.param and param else str(exc),
-            400,
-            param=param,
-            code=exc.code or DEFAULT_CODE,
-        ) from exc
-
-
-async def _check_grammar(state: ServerState, params: dict[str, Any], names: dict[str, str]) -> None:
-    """Compile a request's grammar off the event loop, within GRAMMAR_TIMEOUT_S: a 400 naming the
-    field if it does not compile or takes too long (compiled grammars are cached by spec)."""
-    spec = GrammarSpec.of(SamplingParams.from_dict(params))
-    if spec is None:
-        return
-    field = names.get(f"sampling_params.{spec.kind}", f"sampling_params.{spec.kind}")
-    try:
-        await asyncio.wait_for(asyncio.to_thread(state.grammars.check, spec), GRAMMAR_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise APIError(f"{field}: the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s", 400, param=field) from None
-    except InvalidRequestError as exc:
-        message = str(exc).replace(exc.param, field, 1) if exc.param else f"{field}: {exc}"
-        raise APIError(message, 400, param=field) from exc
+        raise api_rejection(str(exc), exc.param, exc.code, names) from exc
 
 
 def _check_context(state: ServerState, ids: list[int], field: str) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from specserve.logits.grammar import GrammarCompiler
 from specserve.server.engine_client import EngineClient
 from specserve.server.metrics import ServerMetrics
 from specserve.tokenizer.tokenizer import Tokenizer
@@ -31,8 +29,3 @@ class ServerState:
     @property
     def context_length(self) -> int:
         return self.client.info["context_length"]
-
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """The server's own compiler: grammars are checked (and refused with a 400) before queueing."""
-        return GrammarCompiler(self.tokenizer.backend.to_str, self.client.info["vocab_size"], self.tokenizer.eos_token_ids)

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from specserve.sampling_params import SamplingParams
 from specserve.server.engine_client import EngineUnavailable
 from specserve.server.errors import APIError, server_error
 from specserve.server.generation import Generation, collect
@@ -103,7 +104,7 @@ def add_worker_routes(app: FastAPI, state: ServerState) -> None:
 async def _one_token(state: ServerState, request: Request) -> None:
     """A one-token greedy request through the engine (APIError if it fails or cannot be queued;
     aborted if the health checker hangs up)."""
-    gen = Generation(state, [state.tokenizer.encode("Hi")], [{"max_new_tokens": 1, "temperature": 0.0}])
+    gen = Generation(state, [state.tokenizer.encode("Hi")], [SamplingParams(max_new_tokens=1, temperature=0.0)])
     gen.start()
     await collect(gen, request)
 

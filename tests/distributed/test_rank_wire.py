@@ -11,12 +11,10 @@ import time
 
 import pytest
 
-from specserve.distributed.commands import (AbortRequest, AddRequest, Drain, FlushCache, Shutdown, decode_commands,
-                                            encode_commands)
 from specserve.distributed.wire import MalformedPayload, decode, encode
-from specserve.engine.ranks import REQ_CODEC
+from specserve.engine.broadcast import decode_add, decode_commands, encode_add, encode_commands
+from specserve.engine.messages import AbortRequest, AddRequest, Drain, FlushCache, Shutdown
 from specserve.sampling_params import SamplingParams
-from specserve.scheduler.req import Req
 
 
 def _addr() -> str:
@@ -25,19 +23,19 @@ def _addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _req() -> Req:
-    params = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, stop=["\n\n"], stop_token_ids=[2], seed=11)
-    return Req(rid="r-1", input_ids=[1, 2, 3], params=params, seed=2**63 - 5, drafter="DSPARK")
+def _add() -> AddRequest:
+    params = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, stop=["\n\n"], stop_token_ids=[2], seed=11,
+                            logit_bias={5: -1.5})
+    return AddRequest(rid="r-1", input_ids=[1, 2, 3], params=params, seed=2**63 - 5)
 
 
 def test_commands_round_trip_through_json():
-    commands = [AddRequest(_req()), AbortRequest("r-0"), Drain(), Shutdown(), FlushCache("f-1")]
-    payload = decode(encode(encode_commands(commands, REQ_CODEC)), "engine.commands", 1)
-    add, abort, drain, shutdown, flush = decode_commands(payload, REQ_CODEC)
+    """Rank 0 republishes the messages the front end sent: the same classes, the same values."""
+    commands = [_add(), AbortRequest("r-0"), Drain(), Shutdown(), FlushCache("f-1")]
+    payload = decode(encode(encode_commands(commands)), "engine.commands", 1)
+    add, abort, drain, shutdown, flush = decode_commands(payload)
+    assert add == _add() and isinstance(add.params, SamplingParams)
     assert flush == FlushCache("f-1")
-    req = add.req
-    assert (req.rid, req.input_ids, req.seed, req.drafter) == ("r-1", [1, 2, 3], 2**63 - 5, "DSPARK")
-    assert req.params == _req().params
     assert abort == AbortRequest("r-0") and drain == Drain() and shutdown == Shutdown()
 
 
@@ -63,18 +61,18 @@ def test_malformed_command_payloads_raise_a_clear_error(payload, message, tmp_pa
     marker = tmp_path / "pickle-ran"
     payload = payload or pickle.dumps([Boom(str(marker))])
     with pytest.raises(MalformedPayload, match="malformed payload at site 'engine.commands'") as info:
-        decode_commands(decode(payload, "engine.commands", 1), REQ_CODEC)
+        decode_commands(decode(payload, "engine.commands", 1))
     assert message in str(info.value)
     assert not marker.exists()
 
 
 def test_a_request_with_bad_field_types_is_malformed():
-    good = REQ_CODEC.encode(_req())
-    for name, bad in (("input_ids", [1, "2"]), ("seed", True), ("drafter", 3)):
+    good = encode_add(_add())
+    for name, bad in (("input_ids", [1, "2"]), ("seed", True), ("rid", 3)):
         with pytest.raises(MalformedPayload, match=name):
-            REQ_CODEC.decode({**good, name: bad})
+            decode_add({**good, name: bad})
     with pytest.raises(MalformedPayload, match="sampling params"):
-        REQ_CODEC.decode({**good, "params": {**good["params"], "top_p": 7}})
+        decode_add({**good, "params": {**good["params"], "top_p": 7}})
 
 
 def _planted_rank(rank: int, addr: str, marker: str, out) -> None:

@@ -154,7 +154,7 @@ def test_greedy_output_is_identical_alone_batched_cold_and_warm(name, greedy_ref
     with Engine(dtype="bfloat16", max_total_tokens=8192, **CONFIGS[name]) as engine:
         cold = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
         warm = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
-        engine.tree.reset()
+        engine.scheduler.ledger.tree.reset()
         batched = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in cold] == reference, f"{name}: cold cache, one at a time"
     assert warm == reference, f"{name}: warm cache"

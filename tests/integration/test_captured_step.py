@@ -85,8 +85,8 @@ def test_captured_outputs_are_persistent_buffers(fp32_engine, prompts):
     runner = fp32_engine.runner
     fp32_engine.generate(input_ids=prompts[0], sampling_params={"temperature": 0, "max_new_tokens": 2})
     step: CapturedStep = runner._captured[1]
-    idx = fp32_engine.req_to_token.alloc()  # a free request slot whose table row points at scratch
-    fp32_engine.req_to_token.table[idx] = 0
+    idx = fp32_engine.runner.req_to_token.alloc()  # a free request slot whose table row points at scratch
+    fp32_engine.runner.req_to_token.table[idx] = 0
     try:
         first = step.run(torch.tensor([idx]), torch.tensor([3]), torch.tensor([[42]]), kv_bound=8)
         kept = first.logits.clone()
@@ -94,7 +94,7 @@ def test_captured_outputs_are_persistent_buffers(fp32_engine, prompts):
         step.run(torch.tensor([idx]), torch.tensor([4]), torch.tensor([[43]]), kv_bound=8)
         assert not torch.equal(first.logits, kept)  # the view now shows the second replay's logits
     finally:
-        fp32_engine.req_to_token.free(idx)
+        fp32_engine.runner.req_to_token.free(idx)
 
 
 def test_sanitizer_catches_captured_logits_escaping(drafter_dir, prompts, monkeypatch):

@@ -37,7 +37,7 @@ def prompts(fp32_engine):
 def long_reference(fp32_engine, prompts):
     """Greedy continuations a window past GREEDY's max_new_tokens: drafts beyond the checked
     output are then the true tokens too, so every rejection comes from a planted wrong one."""
-    fp32_engine.tree.reset()
+    fp32_engine.scheduler.ledger.tree.reset()
     params = {**GREEDY, "max_new_tokens": GREEDY["max_new_tokens"] + MAX_DRAFT_TOKENS}
     return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=params)]
 
@@ -143,8 +143,8 @@ def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, long_referen
         check_lossless_and_partly_accepted(engine, prompts, reference, GREEDY, gamma, mode == "static")
         check_lossless_and_partly_accepted(engine, prompts[1:2], reference[1:2], GREEDY, gamma, mode == "static")
         engine.scheduler.check_integrity()
-        engine.tree.reset()
-        assert engine.allocator.available == engine.allocator.size
+        engine.scheduler.ledger.tree.reset()
+        assert engine.scheduler.ledger.allocator.available == engine.scheduler.ledger.allocator.size
 
 
 @pytest.mark.parametrize("gamma", [g for g in range(1, MAX_DRAFT_TOKENS + 1) if g not in (1, 3, 5, 7)])
@@ -207,8 +207,8 @@ def test_stops_inside_an_accepted_dspark_run(drafter_dir, fp32_engine, prompts):
     limited = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 9})
     assert limited["output_ids"] == full["output_ids"][:9]
     engine.scheduler.check_integrity()
-    engine.tree.reset()
-    assert engine.allocator.available == engine.allocator.size
+    engine.scheduler.ledger.tree.reset()
+    assert engine.scheduler.ledger.allocator.available == engine.scheduler.ledger.allocator.size
 
 
 def inject_every_row(runner):
@@ -250,12 +250,12 @@ def check_injection(drafter_dir, prompts, reference, mutation):
     sched = engine.scheduler
     sched.add_request(engine._make_req(list(prompts[0]), engine._normalize_params(GREEDY, 1)[0]))
     NormalLoop(sched, engine.runner).step()  # prefill: injects the whole prompt
-    req = sched.running[0]
+    req = sched.queues.running[0]
     prompt_len = len(prompts[0])
     assert req.kv_len == prompt_len
     before_k = [k.clone() for k in draft_kv.k]
     batch = sched.schedule()
-    window = engine.req_to_token.table[req.row, prompt_len:prompt_len + sched.window].tolist()  # the executor's view
+    window = engine.runner.req_to_token.table[req.row, prompt_len:prompt_len + sched.window].tolist()  # the executor's view
     outcomes = engine.runner.run(batch.step_input())
     sched.process_result(batch, outcomes)
     commit = len(outcomes[0].tokens)
@@ -286,11 +286,11 @@ def _prefill(engine: Engine, ids: list[int], layers):
     from specserve.models.forward_batch import ForwardBatch
 
     n = len(ids)
-    engine.req_to_token.table[0, :n] = torch.arange(1, n + 1)
-    meta = engine.runner.model.ops.attention_metadata(engine.req_to_token.table, [0], [n], [n], "cpu")
+    engine.runner.req_to_token.table[0, :n] = torch.arange(1, n + 1)
+    meta = engine.runner.model.ops.attention_metadata(engine.runner.req_to_token.table, [0], [n], [n], "cpu")
     fb = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(1, n + 1), meta, torch.tensor([n - 1]),
                       capture_layer_ids=tuple(layers))
-    engine.runner.model(fb, engine.kv)
+    engine.runner.model(fb, engine.runner.kv)
     return fb
 
 

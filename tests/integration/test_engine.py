@@ -25,7 +25,7 @@ def test_batch_invariance_fp32(checked):
     engine = checked
     prompts = _batch_prompts(engine)
     alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
-    engine.tree.reset()
+    engine.scheduler.ledger.tree.reset()
     together = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert together == alone
 
@@ -47,7 +47,7 @@ def test_batch_invariance_with_chunked_prefill(checked, chunked_engine):
     alone = chunked_engine.generate(input_ids=prompts[-1], sampling_params=GREEDY)["output_ids"]
     assert alone == reference[-1]
     chunked_engine.scheduler.check_integrity()
-    assert chunked_engine.allocator.available == chunked_engine.allocator.size
+    assert chunked_engine.scheduler.ledger.allocator.available == chunked_engine.scheduler.ledger.allocator.size
 
 
 def test_radix_cache_shares_prefix_and_keeps_outputs(checked, chunked_engine):
@@ -55,7 +55,7 @@ def test_radix_cache_shares_prefix_and_keeps_outputs(checked, chunked_engine):
     prompts = [checked.tokenizer.apply_chat_template([{"role": "system", "content": system},
                                                       {"role": "user", "content": f"Describe {t} briefly."}])
                for t in TOPICS[:4]]
-    checked.tree.reset()
+    checked.scheduler.ledger.tree.reset()
     first = checked.generate(input_ids=prompts[0], sampling_params=GREEDY)
     rest = checked.generate(input_ids=prompts[1:], sampling_params=GREEDY)
     assert first["meta_info"]["cached_tokens"] == 0
@@ -80,9 +80,9 @@ def test_memory_pressure_64_requests_through_small_pool(checked):
     outs = small.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == reference
     small.scheduler.check_integrity()
-    small.tree.reset()
-    assert small.allocator.available == small.allocator.size
-    assert small.req_to_token.available == small.args.max_running_requests + 1
+    small.scheduler.ledger.tree.reset()
+    assert small.scheduler.ledger.allocator.available == small.scheduler.ledger.allocator.size
+    assert small.runner.req_to_token.available == small.args.max_running_requests + 1
 
 
 def test_seeded_sampling_is_reproducible(checked):
@@ -135,7 +135,7 @@ def test_bad_input_raises_and_engine_keeps_serving(checked, kwargs, field):
 
 
 def test_prompt_longer_than_context_is_rejected(checked):
-    too_long = [1] * checked.context_length
+    too_long = [1] * checked.model.context_length
     with pytest.raises(ValueError, match="context window"):
         checked.generate(input_ids=too_long)
     with pytest.raises(ValueError, match="prompt"):
@@ -165,3 +165,62 @@ def test_policies_give_the_same_greedy_outputs(checked, policy):
     other = Engine(dtype="float32", max_total_tokens=4096, schedule_policy=policy, speculative_algorithm="NONE")
     assert [o["output_ids"] for o in other.generate(input_ids=prompts, sampling_params=GREEDY)] == reference
     other.scheduler.check_integrity()
+
+
+# ---------------------------------------------------------------- validation once, at the boundary
+
+
+@pytest.fixture
+def parse_counts(monkeypatch):
+    """Spies (calling through) on every parse and validation of sampling params and every grammar compile."""
+    import specserve.logits.grammar as grammar
+    from specserve.sampling_params import SamplingParams
+
+    counts = {"from_dict": 0, "validate": 0, "compile": 0}
+
+    def counting(name, fn):
+        def spy(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return spy
+
+    monkeypatch.setattr(SamplingParams, "from_dict", classmethod(counting("from_dict", SamplingParams.from_dict.__func__)))
+    monkeypatch.setattr(SamplingParams, "validate", counting("validate", SamplingParams.validate))
+    monkeypatch.setattr(grammar, "grammar_text", counting("compile", grammar.grammar_text))
+    return counts
+
+
+def test_the_offline_api_parses_validates_and_compiles_a_request_once(checked, parse_counts):
+    params = {"temperature": 0, "max_new_tokens": 6, "regex": "[0-9]{1,3}( [0-9]{1,3}){0,7} offline"}
+    out = checked.generate("Count: 1 2 3", sampling_params=params)
+    assert out["meta_info"]["completion_tokens"] > 0
+    assert parse_counts == {"from_dict": 1, "validate": 1, "compile": 1}
+
+
+def test_the_serving_path_parses_in_the_route_and_compiles_in_the_engine_once(checked, parse_counts):
+    """The route's parse (in the HTTP process), the typed AddRequest pickled across the queue as the
+    engine process gets it, and the real EngineServer over the real engine: one of each in all."""
+    import pickle
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from specserve.engine.messages import AddRequest, RequestDone, Shutdown
+    from specserve.server.engine_process import EngineServer
+    from specserve.server.routes import _parse_params
+
+    state = SimpleNamespace(client=SimpleNamespace(info={"vocab_size": checked.model.config.vocab_size}))
+    raw = {"temperature": 0, "max_new_tokens": 6, "regex": "[0-9]{1,3}( [0-9]{1,3}){0,7} served"}
+    params = _parse_params(state, raw, {})
+    commands, events = queue.Queue(), queue.Queue()
+    commands.put(pickle.loads(pickle.dumps(AddRequest("served-1", checked.tokenizer.encode("Count: 1 2 3"), params))))
+    server = EngineServer(checked, commands, events)
+    loop = threading.Thread(target=server.run)
+    loop.start()
+    done = None
+    while done is None:
+        done = next((ev for ev in events.get(timeout=120) if isinstance(ev, RequestDone)), None)
+    commands.put(Shutdown())
+    loop.join(60)
+    assert done.rid == "served-1" and done.output["meta_info"]["completion_tokens"] > 0
+    assert parse_counts == {"from_dict": 1, "validate": 1, "compile": 1}

@@ -16,7 +16,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 32}
 
 def test_one_step_mixes_dspark_ngram_and_undrafted_requests(fp32_engine, drafter_dir):
     prompts = chat_prompts(fp32_engine, CONTENTS)
-    fp32_engine.tree.reset()
+    fp32_engine.scheduler.ledger.tree.reset()
     reference = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
     engine = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="DSPARK",
                     speculative_draft_model_path=drafter_dir, disable_overlap_schedule=True)

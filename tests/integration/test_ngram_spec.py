@@ -23,7 +23,7 @@ def prompts(fp32_engine):
 
 @pytest.fixture(scope="module")
 def reference(fp32_engine, prompts):
-    fp32_engine.tree.reset()
+    fp32_engine.scheduler.ledger.tree.reset()
     return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
 
 
@@ -46,8 +46,8 @@ def test_ngram_greedy_is_lossless(fp32_engine, prompts, reference, gamma):
         assert bonuses in (steps, steps - 1), info
         assert info.get("spec_verify_ct", 0) == steps - info["spec_draft_len_histogram"].get(0, 0)
     spec.scheduler.check_integrity()
-    spec.tree.reset()
-    assert spec.allocator.available == spec.allocator.size
+    spec.scheduler.ledger.tree.reset()
+    assert spec.scheduler.ledger.allocator.available == spec.scheduler.ledger.allocator.size
 
 
 def test_stop_inside_an_accepted_run_emits_nothing_past_it(fp32_engine):

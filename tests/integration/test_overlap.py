@@ -71,9 +71,9 @@ def summary(outs: list[dict]) -> list[tuple]:
 
 def assert_idle_and_free(engine: Engine) -> None:
     engine.scheduler.check_integrity()
-    engine.tree.reset()
-    assert engine.allocator.available == engine.allocator.size
-    assert not engine.scheduler.in_flight
+    engine.scheduler.ledger.tree.reset()
+    assert engine.scheduler.ledger.allocator.available == engine.scheduler.ledger.allocator.size
+    assert not engine.scheduler.queues.in_flight
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "dspark-static", "dspark-compact", "dspark-policy"])
@@ -217,7 +217,7 @@ def test_sanitizer_catches_a_launch_without_the_forward_to_copy_event(fp32_engin
     want = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts[:2], sampling_params=params)]
     # Unpatched: silent, token-identical, and it did run verify steps.
     engine = engine_for("dspark-static", True, drafter_dir, tmp_path)
-    assert engine.sanitizer is not None and engine.loop.executor is engine.runner
+    assert engine.runner.forward.sanitizer is not None and engine.loop.executor is engine.runner
     assert [o["output_ids"] for o in engine.generate(input_ids=prompts[:2], sampling_params=params)] == want
     assert engine.scheduler.stats.verify_steps > 0
     engine.shutdown()
@@ -240,7 +240,7 @@ def test_sanitizer_is_silent_over_a_long_mixed_run(drafter_dir, prompts, tmp_pat
     mixed[2] = {"temperature": 0.8, "top_p": 0.9, "seed": 3, "max_new_tokens": 30}
     engine.generate(input_ids=prompts, sampling_params=mixed)
     engine.generate(input_ids=prompts[1], sampling_params={"temperature": 0, "max_new_tokens": 20})
-    assert engine.sanitizer.accesses > 10_000
+    assert engine.runner.forward.sanitizer.accesses > 10_000
     assert engine.scheduler.stats.verify_steps > 20
     assert_idle_and_free(engine)
 
@@ -277,7 +277,7 @@ def committed_positions(engine: Engine, prompt: list[int], positions: list, step
     sched = engine.scheduler
     sched.add_request(engine._make_req(list(prompt), engine._normalize_params({"temperature": 0, "max_new_tokens": 50}, 1)[0]))
     engine.loop.step()
-    req = sched.running[0]
+    req = sched.queues.running[0]
     seen = []
     for _ in range(steps):
         start, before = req.kv_len, len(positions)

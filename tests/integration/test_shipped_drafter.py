@@ -38,7 +38,7 @@ def prompts(fp32_engine):
 
 @pytest.fixture(scope="module")
 def reference(fp32_engine, prompts):
-    fp32_engine.tree.reset()
+    fp32_engine.scheduler.ledger.tree.reset()
     return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
 
 
@@ -92,7 +92,7 @@ def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, fp32
     # Every window drafted whole (the policy off): accept lengths compare the drafter alone. 96 tokens:
     # the drafter leans on its context K/V more as the answer grows (at 48 the drop can vanish).
     long = {**GREEDY, "max_new_tokens": 96}
-    fp32_engine.tree.reset()
+    fp32_engine.scheduler.ledger.tree.reset()
     reference = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=long)]
     engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True, speculative_policy="fixed")
     good = accept_length(engine.generate(input_ids=prompts, sampling_params=long))
@@ -102,7 +102,7 @@ def test_injection_shifted_by_commit_len_drops_acceptance(shipped, prompts, fp32
         return type(runner)._verified_rows(runner, hidden, out, prefix + out.commit_lens, window_slots, verify_lens)
 
     runner._verified_rows = shifted
-    engine.tree.reset()
+    engine.scheduler.ledger.tree.reset()
     outs = engine.generate(input_ids=prompts, sampling_params=long)
     assert [o["output_ids"] for o in outs] == reference  # the target still decides every token
     bad = accept_length(outs)

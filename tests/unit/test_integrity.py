@@ -13,8 +13,8 @@ def busy():
     sched.add_request(make_req("b", [20, 21, 22], max_new_tokens=20))
     sched.step()
     sched.step()
-    assert len(sched.running) == 2 and sched.tree.total_size > 0
-    a = next(r for r in sched.running if r.rid == "a")
+    assert len(sched.queues.running) == 2 and sched.ledger.tree.total_size > 0
+    a = next(r for r in sched.queues.running if r.rid == "a")
     assert a.cache_protected_len > 0
     sched.check_integrity()  # healthy before the mutation
     return sched
@@ -27,48 +27,48 @@ def test_healthy_states_pass(busy):
 
 
 def test_double_free_of_a_free_slot(busy):
-    busy.allocator.free([busy.allocator._free[0]])
+    busy.ledger.allocator.free([busy.ledger.allocator._free[0]])
     with pytest.raises(AssertionError, match="double free"):
         busy.check_integrity()
 
 
 def test_freeing_a_slot_still_owned_by_a_running_request(busy):
-    owned = busy.running[0].kv_slots[-1]
-    busy.allocator.free([owned])
+    owned = busy.queues.running[0].kv_slots[-1]
+    busy.ledger.allocator.free([owned])
     with pytest.raises(AssertionError, match="KV integrity"):
         busy.check_integrity()
 
 
 def test_freeing_a_slot_held_by_the_tree(busy):
-    busy.allocator.free([busy.tree.all_slots()[0]])
+    busy.ledger.allocator.free([busy.ledger.tree.all_slots()[0]])
     with pytest.raises(AssertionError, match="KV integrity"):
         busy.check_integrity()
 
 
 def test_leaked_slot(busy):
-    assert busy.allocator.alloc(1) is not None  # taken and never recorded anywhere
+    assert busy.ledger.allocator.alloc(1) is not None  # taken and never recorded anywhere
     with pytest.raises(AssertionError, match="KV integrity"):
         busy.check_integrity()
 
 
 def test_swapped_slot_both_free_and_owned(busy):
     """Counts still add up, but one slot is both free and owned while another leaked."""
-    req = busy.running[1]
-    leaked = busy.allocator._free.pop()
-    busy.allocator._free.append(req.kv_slots[-1])
+    req = busy.queues.running[1]
+    leaked = busy.ledger.allocator._free.pop()
+    busy.ledger.allocator._free.append(req.kv_slots[-1])
     assert leaked not in req.kv_slots
     with pytest.raises(AssertionError, match="both free and in use"):
         busy.check_integrity()
 
 
 def test_scratch_slot_on_the_free_list(busy):
-    busy.allocator._free[0] = 0
+    busy.ledger.allocator._free[0] = 0
     with pytest.raises(AssertionError, match="scratch slot"):
         busy.check_integrity()
 
 
 def test_tree_size_out_of_sync(busy):
-    busy.tree.total_size += 1
+    busy.ledger.tree.total_size += 1
     with pytest.raises(AssertionError, match="tree size"):
         busy.check_integrity()
 
@@ -77,8 +77,8 @@ def test_lock_left_behind_when_idle():
     sched = make_scheduler()
     run_to_completion(sched, [make_req("a", [5, 6, 7, 8], max_new_tokens=3)])
     sched.check_integrity()
-    _, node = sched.tree.match_prefix([5, 6, 7])
-    sched.tree.inc_lock_ref(node)  # a lock no request will ever release
+    _, node = sched.ledger.tree.match_prefix([5, 6, 7])
+    sched.ledger.tree.inc_lock_ref(node)  # a lock no request will ever release
     with pytest.raises(AssertionError, match="still locked"):
         sched.check_integrity()
 
@@ -88,10 +88,10 @@ def test_released_request_slot_twice_is_detected():
     sched = make_scheduler()
     sched.add_request(make_req("a", [5, 6, 7, 8], max_new_tokens=10))
     sched.step()
-    req = sched.running[0]
+    req = sched.queues.running[0]
     own = req.kv_slots[req.cache_protected_len:]
-    sched.allocator.free(list(own))  # first "release" without bookkeeping ...
-    sched.running.clear()
-    sched.allocator.free(list(own))  # ... and a second one
+    sched.ledger.allocator.free(list(own))  # first "release" without bookkeeping ...
+    sched.queues.running.clear()
+    sched.ledger.allocator.free(list(own))  # ... and a second one
     with pytest.raises(AssertionError, match="double free"):
         sched.check_integrity()

@@ -13,6 +13,7 @@ import pytest
 from specserve.engine.engine import Engine
 from specserve.engine.messages import AddRequest, Shutdown
 from specserve.names import Algorithm
+from specserve.sampling_params import SamplingParams
 from specserve.scheduler.stats import LOG_INTERVAL_S, SchedulerStats
 from specserve.server.engine_process import EngineServer
 
@@ -41,7 +42,7 @@ def test_an_idle_engine_step_logs_no_line(lines):
     stats = SchedulerStats(gamma=0)
     stats._last_time -= 10 * LOG_INTERVAL_S
     engine = SimpleNamespace(
-        scheduler=SimpleNamespace(stats=stats, running=[], waiting=[]),
+        scheduler=SimpleNamespace(stats=stats, queues=SimpleNamespace(running=[], waiting=[])),
         runner=SimpleNamespace(speculation=SimpleNamespace(policy=None)),
     )
     Engine._maybe_log_stats(engine)  # type: ignore[arg-type]
@@ -101,9 +102,10 @@ class _Engine:
         self.reqs: dict[str, SimpleNamespace] = {}
         self.max_running = max_running
 
-    def submit(self, input_ids, params, rid):
+    def add(self, cmd: AddRequest):
         running = sum(r.running for r in self.reqs.values()) < self.max_running
-        self.reqs[rid] = SimpleNamespace(rid=rid, error=None, running=running, kv=len(input_ids) if running else 0)
+        self.reqs[cmd.rid] = SimpleNamespace(rid=cmd.rid, error=None, running=running,
+                                             kv=len(cmd.input_ids) if running else 0)
 
     def abort(self, rid):
         self.reqs[rid].aborted = True
@@ -131,7 +133,7 @@ class _Engine:
 def test_shutdown_logs_one_line_of_what_it_drained(lines):
     commands: queue.Queue = queue.Queue()
     for rid, n in [("a", 10), ("b", 20), ("c", 5)]:
-        commands.put(AddRequest(rid, [1] * n, {}))
+        commands.put(AddRequest(rid, [1] * n, SamplingParams()))
     commands.put(Shutdown())
     engine = _Engine()
     EngineServer(engine, commands, queue.Queue()).run()

@@ -105,21 +105,24 @@ def _forcing(next_token, prompt, token):
 
 
 class _Engine:
-    """Just what EngineServer calls: submit, abort, step, output, has_work, load."""
+    """Just what EngineServer calls: add, abort, step, output, has_work, load. What each request
+    plants is named by its rid."""
 
     def __init__(self):
         self.queued, self.finished = [], []
 
-    def submit(self, input_ids, params, rid):
-        if params.get("explode"):
+    def add(self, cmd):
+        rid = cmd.rid
+        if rid == "boom":
             raise TypeError("planted submit bug")
-        if params.get("invalid"):
+        if rid == "bad":
             raise InvalidRequestError("sampling_params.top_k: bad", param="sampling_params.top_k")
-        if params.get("value_bug"):  # a ValueError that is not the client's: a broken invariant
+        if rid == "value_bug":  # a ValueError that is not the client's: a broken invariant
             raise ValueError("planted invariant")
-        if params.get("internal"):
+        if rid == "internal":
             raise InternalError("planted internal error")
-        self.queued.append(SimpleNamespace(rid=rid, error=params.get("error"), output_fails=params.get("output_fails")))
+        error = "stop check" if rid == "err" else None
+        self.queued.append(SimpleNamespace(rid=rid, error=error, output_fails=rid == "detok"))
 
     def abort(self, rid):
         pass
@@ -142,10 +145,8 @@ class _Engine:
 
 def test_engine_server_fails_only_the_request_whose_host_work_raised():
     commands, events = queue.Queue(), queue.Queue()
-    for rid, params in [("boom", {"explode": True}), ("bad", {"invalid": True}), ("err", {"error": "stop check"}),
-                        ("detok", {"output_fails": True}), ("fine", {}), ("value_bug", {"value_bug": True}),
-                        ("internal", {"internal": True})]:
-        commands.put(AddRequest(rid, [1, 2], params))
+    for rid in ["boom", "bad", "err", "detok", "fine", "value_bug", "internal"]:
+        commands.put(AddRequest(rid, [1, 2], SamplingParams()))
     commands.put(Shutdown())
     EngineServer(_Engine(), commands, events).run()
     final = {}

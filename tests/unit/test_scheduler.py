@@ -117,12 +117,12 @@ def test_chunked_request_is_tracked_between_chunks():
     req = make_req("a", list(range(3, 23)), max_new_tokens=3)
     sched.add_request(req)
     sched.step()
-    assert sched.chunked_req is req and req.kv_len == 8 and req.output_ids == [] and not sched.running
+    assert sched.queues.chunked is req and req.kv_len == 8 and req.output_ids == [] and not sched.queues.running
     check_step_invariants(sched)
     sched.step()
-    assert sched.chunked_req is req and req.kv_len == 16
+    assert sched.queues.chunked is req and req.kv_len == 16
     result = sched.step()
-    assert sched.chunked_req is None and sched.running == [req] and len(req.output_ids) == 1
+    assert sched.queues.chunked is None and sched.queues.running == [req] and len(req.output_ids) == 1
     assert result.tokens == [(req, req.output_ids[0])]
     check_step_invariants(sched)
 
@@ -269,8 +269,8 @@ def test_max_running_requests_is_respected(policy):
     while sched.has_work():
         sched.step()
         check_step_invariants(sched)
-        assert len(sched.running) <= 4
-        peak = max(peak, len(sched.running))
+        assert len(sched.queues.running) <= 4
+        peak = max(peak, len(sched.queues.running))
     assert peak == 4
     assert all(b.size <= 4 for b in sched.runner.batches)
     for r in reqs:
@@ -342,11 +342,11 @@ def test_pool_pressure_evicts_least_recently_used_prefix():
     run_to_completion(sched, [make_req("y", y, max_new_tokens=1)])
     again = run_to_completion(sched, [make_req("x2", x, max_new_tokens=1)])["x2"]  # touches x's path
     assert again.cached_tokens == 14
-    assert sched.tree.total_size == 30 and sched.allocator.available == 30
+    assert sched.ledger.tree.total_size == 30 and sched.ledger.allocator.available == 30
     done = run_to_completion(sched, [make_req("z", z, max_new_tokens=1)])  # needs 40 slots: evict 10+
     assert done["z"].output_ids == sched.runner.reference(z, 1)
-    assert len(sched.tree.match_prefix(x)[0]) == 15
-    assert sched.tree.match_prefix(y)[0] == []
+    assert len(sched.ledger.tree.match_prefix(x)[0]) == 15
+    assert sched.ledger.tree.match_prefix(y)[0] == []
     # A prompt whose prefix was evicted is simply recomputed.
     again_y = run_to_completion(sched, [make_req("y2", y, max_new_tokens=2)])["y2"]
     assert again_y.cached_tokens == 0 and again_y.output_ids == sched.runner.reference(y, 2)
@@ -359,8 +359,8 @@ def test_cache_disabled_never_reports_cached_tokens():
     run_to_completion(sched, [make_req("a", prompt, max_new_tokens=3)])
     b = run_to_completion(sched, [make_req("b", prompt, max_new_tokens=3)])["b"]
     assert b.cached_tokens == 0
-    assert sched.tree.total_size == 0
-    assert sched.allocator.available == sched.allocator.size
+    assert sched.ledger.tree.total_size == 0
+    assert sched.ledger.allocator.available == sched.ledger.allocator.size
     assert sched.runner.batches[-3].extend_lens == [4]
     assert_no_leak(sched)
 
@@ -475,7 +475,7 @@ def test_abort_waiting_request():
     sched.add_request(a)
     sched.add_request(b)
     sched.step()
-    assert sched.waiting == [b]
+    assert sched.queues.waiting == [b]
     assert sched.abort("b") is b and b.finish_reason == FinishReason.ABORT
     assert sched.abort("b") is None  # only once
     check_step_invariants(sched)
@@ -496,7 +496,7 @@ def test_abort_running_request_releases_its_kv():
         sched.step()
     assert sched.abort("a") is a
     assert a.finish_reason == FinishReason.ABORT and a.req_pool_idx is None and a.kv_slots == []
-    assert sched.running == [b]
+    assert sched.queues.running == [b]
     check_step_invariants(sched)
     assert a.output_ids == sched.runner.reference(a.input_ids, 20)[:4]
     run_to_completion(sched)
@@ -511,8 +511,8 @@ def test_abort_chunked_request():
     a = make_req("a", list(range(3, 40)), max_new_tokens=5)
     sched.add_request(a)
     sched.step()
-    assert sched.chunked_req is a
-    assert sched.abort("a") is a and sched.chunked_req is None
+    assert sched.queues.chunked is a
+    assert sched.abort("a") is a and sched.queues.chunked is None
     check_step_invariants(sched)
     assert not sched.has_work()
     assert_no_leak(sched)
@@ -531,7 +531,7 @@ def test_abort_while_decode_step_in_flight():
     assert sched.abort("a") is a
     result = sched.process_result(batch, tokens)
     assert [r.rid for r, _ in result.tokens] == ["b"]
-    assert len(a.output_ids) == 1 and sched.running == [b]
+    assert len(a.output_ids) == 1 and sched.queues.running == [b]
     check_step_invariants(sched)
     run_to_completion(sched)
     assert b.output_ids == sched.runner.reference([8, 9], 10)
@@ -594,7 +594,7 @@ def test_small_pool_runs_everything_with_same_outputs(unconstrained_outputs, pol
     while sched.has_work():
         res = sched.step()
         check_step_invariants(sched)
-        peak = max(peak, len(sched.running))
+        peak = max(peak, len(sched.queues.running))
         for r in res.finished:
             done[r.rid] = r
         steps += 1
@@ -615,15 +615,15 @@ def test_retraction_under_decode_pressure_resumes_correctly(disabled):
     original = sched.pressure.retract_one
 
     def spy():
-        victim = max(sched.running, key=lambda r: r.arrival)
+        victim = max(sched.queues.running, key=lambda r: r.arrival)
         retracted_victims.append((victim.rid, len(victim.output_ids)))
         original()
-        assert victim in sched.waiting and victim.req_pool_idx is None
+        assert victim in sched.queues.waiting and victim.req_pool_idx is None
 
     sched.pressure.retract_one = spy
     done = run_to_completion(sched, reqs)
-    assert sched.num_retractions > 0 and len(retracted_victims) == sched.num_retractions
-    assert sum(r.num_retractions for r in done.values()) == sched.num_retractions
+    assert sched.pressure.num_retractions > 0 and len(retracted_victims) == sched.pressure.num_retractions
+    assert sum(r.num_retractions for r in done.values()) == sched.pressure.num_retractions
     for r in reqs:
         assert done[r.rid].output_ids == sched.runner.reference(r.input_ids, 100)
         assert done[r.rid].finish_reason == FinishReason.LENGTH
@@ -688,7 +688,7 @@ def test_fake_runner_detects_corrupted_req_to_token():
     a = make_req("a", [5, 6, 7, 8], max_new_tokens=5)
     sched.add_request(a)
     sched.step()
-    sched.req_to_token.table[a.req_pool_idx, 1] = 999
+    sched.ledger.req_to_token.table[a.req_pool_idx, 1] = 999
     with pytest.raises(AssertionError, match="slot 999 at position 1 holds None"):
         sched.step()
 
@@ -698,7 +698,7 @@ def test_fake_runner_detects_wrong_prefix_kv():
     sched = make_scheduler()
     prompt = [5, 6, 7, 8, 9, 10]
     run_to_completion(sched, [make_req("a", prompt, max_new_tokens=2)])
-    node = next(iter(sched.tree.root.children.values()))
+    node = next(iter(sched.ledger.tree.root.children.values()))
     node.value[1], node.value[2] = node.value[2], node.value[1]
     sched.add_request(make_req("b", prompt, max_new_tokens=2))
     with pytest.raises(AssertionError, match="at position 1 holds \\(2,"):  # the slot of position 2

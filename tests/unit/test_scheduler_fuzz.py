@@ -62,7 +62,7 @@ def run_fuzz(seed):
             sched.validate_request(req)
         except InvalidRequestError:
             need = len(prompt) + min(req.params.max_new_tokens, ctx - len(prompt)) + sched.window - 1
-            assert need > sched.allocator.size
+            assert need > sched.ledger.allocator.size
             continue
         reqs.append(req)
         arrivals.setdefault(rng.randint(0, 30), []).append(req)
@@ -126,14 +126,14 @@ def fuzz_stats(seed):
     sched, reqs, aborted, prefill_aborts = run_fuzz(seed)
     batches = sched.runner.batches
     return {
-        "retractions": sched.num_retractions,
+        "retractions": sched.pressure.num_retractions,
         "cached_tokens": sum(r.cached_tokens for r in reqs),
         "aborts": len(aborted),
         "aborts_during_prefill": prefill_aborts,
         "partial_chunks": sum(1 for b in batches if b.mode == "extend" and not all(b.sample)),
         "stops": sum(1 for r in reqs if r.finish_reason == FinishReason.STOP and r.rid not in aborted),
         "verify_steps": sum(1 for b in batches if b.mode == "verify"),
-        "retractions_while_speculating": sched.num_retractions if sched.window > 1 else 0,
+        "retractions_while_speculating": sched.pressure.num_retractions if sched.window > 1 else 0,
     }
 
 

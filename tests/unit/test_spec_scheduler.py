@@ -38,17 +38,17 @@ def test_rejected_slots_are_kept_and_overwritten_by_the_next_window():
     sched = make_scheduler(runner=runner, num_draft_tokens=4)
     sched.add_request(make_req("a", [5, 6, 7], max_new_tokens=20))
     sched.step()
-    req = sched.running[0]
-    free_before = sched.allocator.available
+    req = sched.queues.running[0]
+    free_before = sched.ledger.allocator.available
     first = sched.schedule()
-    first_window = sched.req_to_token.table[req.row, 3:8].tolist()  # where the executor reads it
+    first_window = sched.ledger.req_to_token.table[req.row, 3:8].tolist()  # where the executor reads it
     sched.process_result(first, runner.run_batch(first))
     assert req.kv_len == 3 + 2 and len(req.kv_slots) == 3 + 5  # 3 rejected slots stay with the request
-    assert sched.allocator.available == free_before - 5
+    assert sched.ledger.allocator.available == free_before - 5
     second = sched.schedule()
-    window = sched.req_to_token.table[req.row, 5:10].tolist()
+    window = sched.ledger.req_to_token.table[req.row, 5:10].tolist()
     assert len(set(window)) == 5 and window[:3] == first_window[2:]  # reused, not freed and reallocated
-    assert sched.allocator.available == free_before - 7  # only the shortfall was allocated
+    assert sched.ledger.allocator.available == free_before - 7  # only the shortfall was allocated
     sched.process_result(second, runner.run_batch(second))
 
 
@@ -70,7 +70,7 @@ def test_windows_under_memory_pressure_retract_and_resume():
     sched = make_scheduler(pool_size=150, runner=runner, num_draft_tokens=7, context_length=200)
     reqs = [make_req(f"r{i}", [10 + i] * 12, max_new_tokens=90) for i in range(6)]
     done = run_to_completion(sched, reqs)
-    assert sched.num_retractions > 0
+    assert sched.pressure.num_retractions > 0
     for r in reqs:
         assert done[r.rid].output_ids == runner.reference(r.input_ids, 90)
     assert_no_leak(sched)
