@@ -56,13 +56,6 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"names", "args", "bench", "engine", "models", "sampling_params", "server", "train", "errors", "flag_bounds"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
 }
-# File-level import cycles of the core that other branches are removing (issue 55); each is allowed
-# only as exactly these files, so a cycle that grows past them still fails. The lead empties this
-# at merge.
-KNOWN_FILE_CYCLES_BEING_FIXED: set[frozenset[str]] = {
-    frozenset({"engine/engine.py", "engine/ranks.py"}),  # the wire codec moves out of ranks.py
-    frozenset({"scheduler/scheduler.py", "scheduler/admission.py"}),  # SchedulerConfig moves out of scheduler.py
-}
 # The layer the issue names explicitly: models/ holds nn.Modules and what they read, nothing above.
 MODELS_MUST_NOT_IMPORT = {"scheduler", "executor", "speculative", "server", "engine"}
 
@@ -220,13 +213,11 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     return groups
 
 
-def file_cycles(source: str, allowed: set[frozenset[str]] = KNOWN_FILE_CYCLES_BEING_FIXED) -> list[str]:
-    """Each import cycle between core files, as one path around it, except those `allowed` exactly."""
+def file_cycles(source: str) -> list[str]:
+    """Each import cycle between core files, as one path around it."""
     graph = file_import_graph(source)
     problems = []
     for group in strongly_connected(graph):
-        if frozenset(group) in allowed:
-            continue
         inside = {src: {dst: [src] for dst in graph[src] & group} for src in sorted(group)}
         problems.append("file import cycle: " + " -> ".join(find_cycle(inside)))
     return sorted(problems)
@@ -294,11 +285,6 @@ def test_no_import_cycle_between_the_core_files():
     assert file_cycles(SOURCE) == []
 
 
-def test_known_file_cycles_being_fixed_are_still_cycles():
-    """An entry of the allow-list that no longer is a cycle goes (it would hide a new one)."""
-    groups = {frozenset(g) for g in strongly_connected(file_import_graph(SOURCE))}
-    assert KNOWN_FILE_CYCLES_BEING_FIXED <= groups, KNOWN_FILE_CYCLES_BEING_FIXED - groups
-
 
 def test_no_large_files_and_no_ambiguous_package_names():
     assert size_violations(SOURCE) == []
@@ -348,18 +334,18 @@ def test_mutation_file_cycle_inside_a_package_is_reported(source_copy):
     assert "models/layers.py -> models/llama.py" in problems[0], problems  # the planted edge, on the path
 
 
-def test_mutation_relative_import_cycle_and_a_grown_known_cycle_are_reported(source_copy):
+def test_mutation_relative_import_cycle_and_one_through_a_package_init_are_reported(source_copy):
     with open(source_copy / "kv" / "pool.py", "a") as f:  # a relative import counts as its absolute twin
         f.write("\n\ndef _planted():\n    from .. import kv\n    from ..kv import radix_cache\n    return kv, radix_cache\n")
     with open(source_copy / "kv" / "radix_cache.py", "a") as f:
         f.write("\n\ndef _planted():\n    from . import pool\n    return pool\n")
-    with open(source_copy / "engine" / "ranks.py", "a") as f:  # a third file joins a known cycle
+    with open(source_copy / "engine" / "builder.py", "a") as f:  # engine.py imports builder.py
         f.write("\n\ndef _planted():\n    from specserve.engine import Engine  # a name engine/__init__.py gives\n"
                 "    return Engine\n")
     problems = file_cycles(str(source_copy))
     assert "file import cycle: kv/pool.py -> kv/radix_cache.py -> kv/pool.py" in problems, problems
-    grown = [p for p in problems if "engine/ranks.py" in p]
-    assert len(grown) == 1 and "engine/__init__.py" in grown[0], problems
+    through_init = [p for p in problems if "engine/builder.py" in p]
+    assert len(through_init) == 1 and "engine/__init__.py" in through_init[0], problems
 
 
 def test_mutation_oversized_file_and_old_package_name_are_reported(source_copy):
