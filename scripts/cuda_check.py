@@ -297,9 +297,9 @@ def hicache_reload(setup: Setup) -> dict:
                 greedy(engine, [filler], 16)
             again = engine.generate(input_ids=long_prompt, sampling_params={"temperature": 0, "max_new_tokens": 16,
                                                                           "ignore_eos": True})
-            stats = engine.tree.stats
-            pinned = engine.tree.host.k[0][0].is_pinned()
-            engine.tree.check_host_integrity()
+            stats = engine.scheduler.ledger.tree.stats
+            pinned = engine.scheduler.ledger.tree.host.k[0][0].is_pinned()
+            engine.scheduler.ledger.tree.check_host_integrity()
             engine.scheduler.check_integrity()
             out[algorithm] = {"evicted_to_host": stats.device_evicted_to_host, "host_hit_tokens": stats.host_hit_tokens,
                               "cached_tokens": again["meta_info"]["cached_tokens"], "host_pinned": pinned}

@@ -139,7 +139,7 @@ CONFIGS = {
 @pytest.fixture(scope="module")
 def greedy_reference(bf16_engine):
     prompts = chat_prompts(bf16_engine, CONTENTS)
-    bf16_engine.tree.reset()
+    bf16_engine.scheduler.ledger.tree.reset()
     return prompts, [bf16_engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
 
 
