@@ -24,7 +24,7 @@ PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def encode_commands(commands: list[Command]) -> list[dict]:
-    """The JSON form of rank 0's commands (an AddRequest with its seed drawn: see Engine._queue)."""
+    """The JSON form of rank 0's commands (an AddRequest with its seed drawn: see Engine._put)."""
     out: list[dict] = []
     for c in commands:
         if isinstance(c, AddRequest):

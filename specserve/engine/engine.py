@@ -334,13 +334,18 @@ class Engine:
         return Req(rid=uuid.uuid4().hex, input_ids=ids, params=params, seed=self._seed(params), drafter=self._drafter)
 
     def _req_of(self, command: AddRequest) -> Req:
-        return Req(command.rid, list(command.input_ids), command.params, self._seed(command), drafter=self._drafter)
+        return Req(
+            command.rid,
+            list(command.input_ids),
+            command.params,
+            self._seed(command.params, command.seed),
+            drafter=self._drafter,
+        )
 
-    def _seed(self, of: Union[AddRequest, SamplingParams]) -> int:
+    def _seed(self, params: SamplingParams, republished: Optional[int] = None) -> int:
         """A request's sampling seed: rank 0's republished one, the request's own, else a fresh draw."""
-        if isinstance(of, AddRequest) and of.seed is not None:
-            return of.seed
-        params = of.params if isinstance(of, AddRequest) else of
+        if republished is not None:
+            return republished
         return params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
 
     def _put(self, req: Req) -> None:
