@@ -1,6 +1,6 @@
 """The `specserve` command: serve, generate, soak, train-drafter, drafter-corpus, eval-drafter,
 init-drafter, eval-acceptance, profile-sps, and the user benchmarks (`bench offline`, `spec`, `serving`,
-`load`, `quality`, `models`, `seed-failure`). Experiments live in the repository's `benchmarks/`."""
+`load`, `quality`, `models`, `seed-failure`, `synth-model`). Experiments live in the repository's `benchmarks/`."""
 
 from __future__ import annotations
 
@@ -162,6 +162,13 @@ COMMANDS: tuple[Command, ...] = (
         "consensus checker, and the same runs with the fix",
         "specserve.bench.seed_failure:add_seed_failure_args",
         "specserve.bench.seed_failure:run_seed_failure_bench",
+    ),
+    Command(
+        "bench synth-model",
+        "a full-size GGUF with a real model's header or a published config's shapes and random "
+        "weights (synthetic: for speed only), into the model cache",
+        "specserve.bench.synth_model:add_synth_model_args",
+        "specserve.bench.synth_model:run_synth_model",
     ),
 )
 SERVE_DEFAULTS = {"log_level": "info"}  # the start-up block and the ready line

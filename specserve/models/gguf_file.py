@@ -46,10 +46,24 @@ class GGUFTensor:
     data: np.ndarray
 
 
-class GGUFFile:
-    """Fields (`fields[key]`: a Python value, lists for arrays) and tensors of one GGUF file."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of a GGUF tensor table: `dims` innermost first, `offset` from the data start."""
 
-    def __init__(self, path: str):
+    name: str
+    dims: tuple[int, ...]
+    tensor_type: GGMLQuantizationType
+    offset: int
+
+
+class GGUFFile:
+    """Fields (`fields[key]`: a Python value, lists for arrays) and tensors of one GGUF file.
+
+    With `header_only` the tensors are not mapped (the file may be cut short after its header);
+    `kv_entries` holds each field's raw bytes (key, type and value) and `infos` the tensor table,
+    so a file with this exact header can be written again (bench/synth_model.py)."""
+
+    def __init__(self, path: str, header_only: bool = False):
         self.path = path
         self._mm = np.memmap(path, dtype=np.uint8, mode="r")
         self._buf = self._mm.data  # a memoryview of the mapped file
@@ -60,14 +74,18 @@ class GGUFFile:
         if version not in (2, 3):
             raise ConfigError(f"model_path: GGUF version {version} of {path!r} is not supported (2, 3)")
         self._pos = 24
+        self.version = version
         self.fields: dict[str, Any] = {}
+        self.kv_entries: list[bytes] = []
         for _ in range(kv_count):
+            begin = self._pos
             key = self._string()
             self.fields[key] = self._value(self._u32())
-        infos = [self._tensor_info() for _ in range(tensor_count)]
-        alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
-        start = -(-self._pos // alignment) * alignment
-        self.tensors = [self._tensor(start, *info) for info in infos]
+            self.kv_entries.append(bytes(self._buf[begin : self._pos]))
+        self.infos = [TensorInfo(*self._tensor_info()) for _ in range(tensor_count)]
+        self.alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        self.data_start = -(-self._pos // self.alignment) * self.alignment
+        self.tensors = [] if header_only else [self._tensor(self.data_start, info) for info in self.infos]
 
     def _unpack(self, fmt: str) -> Any:
         (value,) = struct.unpack_from("<" + fmt, self._buf, self._pos)
@@ -98,9 +116,9 @@ class GGUFFile:
             raise ConfigError(f"model_path: GGUF value type {kind} in {self.path!r} is unknown")
         return self._unpack(_SCALARS[kind])
 
-    def _tensor_info(self) -> tuple[str, list[int], GGMLQuantizationType, int]:
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()
-        dims = [self._unpack("Q") for _ in range(self._u32())]
+        dims = tuple(self._unpack("Q") for _ in range(self._u32()))
         kind = self._u32()
         try:
             qtype = GGMLQuantizationType(kind)
@@ -108,7 +126,8 @@ class GGUFFile:
             raise ConfigError(f"model_path: tensor {name!r} has GGML type {kind}, unknown to the gguf package") from None
         return name, dims, qtype, self._unpack("Q")
 
-    def _tensor(self, start: int, name: str, dims: list[int], qtype: GGMLQuantizationType, offset: int) -> GGUFTensor:
+    def _tensor(self, start: int, info: TensorInfo) -> GGUFTensor:
+        name, dims, qtype, offset = info.name, list(info.dims), info.tensor_type, info.offset
         n = int(np.prod(dims)) if dims else 1
         outer = [int(d) for d in reversed(dims[1:])]
         if qtype in _PLAIN:

@@ -1,0 +1,110 @@
+"""`specserve bench synth-model` (bench/synth_model.py): a file with another's header byte for byte
+and random blocks with sane scales, or a published shape on a donor's table; both load in the
+`gguf` reader and in specserve and give finite logits."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from helpers import prefill_logits
+from tiny_gguf import TinySpec, write_tiny_gguf
+
+from specserve.bench.synth_model import (BLOCK_SCALES, Shape, check_same_header, shape_table, write_gguf, write_like,
+                                          random_payload)
+from specserve.models.gguf_file import GGUFFile
+
+# Every block type specserve serves, plus F16 and F32 (norms, biases).
+TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_0, "ffn_gate": Q.Q4_0,
+         "ffn_up": Q.Q8_0, "ffn_down": Q.Q5_1, "token_embd": Q.Q4_1, "output": Q.F16}
+
+
+@pytest.fixture(scope="module")
+def donor(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("donor") / "donor.gguf")
+    write_tiny_gguf(path, TinySpec("qwen2", bias=True, tied=False), TYPES)
+    return path
+
+
+@pytest.fixture(scope="module")
+def synthetic(donor, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("synth") / "synthetic.gguf")
+    write_like(donor, path, seed=1)
+    return path
+
+
+def test_copy_has_the_donors_header_byte_for_byte(donor, synthetic):
+    check_same_header(donor, synthetic)
+    a, b = GGUFFile(donor), GGUFFile(synthetic)
+    assert a.data_start == b.data_start
+    with open(donor, "rb") as f, open(synthetic, "rb") as g:
+        assert f.read(a.data_start) == g.read(b.data_start)
+    changed = [t.name for t, u in zip(a.tensors, b.tensors) if not np.array_equal(t.data, u.data)]
+    assert len(changed) == len(a.tensors), "every tensor's payload is new"
+
+
+def test_blocks_have_their_scales_in_range_and_values_are_finite(synthetic):
+    reader = gguf.GGUFReader(synthetic)
+    seen = set()
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert np.isfinite(values).all() and np.abs(values).max() < 4, tensor.name
+        if tensor.tensor_type in BLOCK_SCALES:
+            seen.add(tensor.tensor_type)
+            offsets, lo, hi = BLOCK_SCALES[tensor.tensor_type]
+            size = gguf.GGML_QUANT_SIZES[tensor.tensor_type][1]
+            d = np.ascontiguousarray(tensor.data.reshape(-1, size)[:, offsets[0] : offsets[0] + 2]).view(np.float16)
+            assert d.min() >= np.float16(lo) and d.max() <= np.float16(hi), tensor.name
+    assert seen == {t for t in TYPES.values() if t in BLOCK_SCALES}
+
+
+def test_copy_loads_in_specserve_with_finite_logits(synthetic):
+    from specserve.engine.engine import Engine
+
+    with Engine(model_path=synthetic, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=512) as engine:
+        logits = prefill_logits(engine.runner.model, [1, 2, 3, 4, 5])
+    assert torch.isfinite(logits).all()
+
+
+def test_a_changed_header_fails_the_check(donor, tmp_path):
+    """Mutation: the check must catch a tensor table that differs (one tensor's type) and metadata
+    that differs (one value)."""
+    header = GGUFFile(donor, header_only=True)
+    infos = list(header.infos)
+    infos[3] = type(infos[3])(infos[3].name, infos[3].dims, Q.Q8_0 if infos[3].tensor_type != Q.Q8_0 else Q.Q4_0, 0)
+    bad_table = str(tmp_path / "table.gguf")
+    write_gguf(bad_table, header.kv_entries, infos, header.alignment, random_payload(0))
+    with pytest.raises(RuntimeError, match="tensor table"):
+        check_same_header(donor, bad_table)
+    from specserve.bench.synth_model import kv_entry
+
+    entries = [kv_entry("general.name", "other") if e == next(x for x in header.kv_entries if b"general.name" in x)
+               else e for e in header.kv_entries]
+    bad_meta = str(tmp_path / "meta.gguf")
+    write_gguf(bad_meta, entries, header.infos, header.alignment, random_payload(0))
+    with pytest.raises(RuntimeError, match="metadata"):
+        check_same_header(donor, bad_meta)
+
+
+def test_a_published_shape_on_the_donors_table(donor, tmp_path):
+    """--shape: every layer's tensors in the shape's widths, the metadata's sizes replaced, the rest
+    (tokenizer, template) kept; written as F16 it loads in specserve (llama-quantize is not run here)."""
+    shape = Shape(donor, layers=3, hidden=512, intermediate=768, heads=4, kv_heads=2, head_dim=128, context=1024)
+    header = GGUFFile(donor, header_only=True)
+    entries, infos = shape_table(header, shape)
+    path = str(tmp_path / "shape.gguf")
+    write_gguf(path, entries, infos, header.alignment, random_payload(0))
+    out = GGUFFile(path)
+    assert out.fields["qwen2.block_count"] == 3 and out.fields["qwen2.embedding_length"] == 512
+    assert out.fields["qwen2.feed_forward_length"] == 768 and out.fields["general.name"] == "synthetic"
+    assert out.fields["tokenizer.ggml.tokens"] == header.fields["tokenizer.ggml.tokens"]
+    dims = {t.name: tuple(t.shape) for t in out.tensors}
+    assert dims["blk.2.ffn_down.weight"] == (768, 512) and dims["blk.2.attn_k.weight"] == (512, 256)
+    assert dims["token_embd.weight"] == (512, header.fields["tokenizer.ggml.tokens"].__len__())
+    assert [t.name for t in out.tensors if t.name.startswith("blk.")][0].startswith("blk.0.")
+    from specserve.engine.engine import Engine
+
+    with Engine(model_path=path, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=512) as engine:
+        assert torch.isfinite(prefill_logits(engine.runner.model, [1, 2, 3])).all()
