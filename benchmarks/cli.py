@@ -55,6 +55,12 @@ COMMANDS: tuple[Command, ...] = (
         engine_flags=True,
     ),
     Command(
+        "weight-stream",
+        "every linear of a batch-1 step in order: ms and GB/s per role and weight kind, against the read bandwidth",
+        "benchmarks.weight_stream:add_weight_stream_args",
+        "benchmarks.weight_stream:run_weight_stream",
+    ),
+    Command(
         "prefetch",
         "the decode and verify steps with the kernels' weight prefetching off and on, alternating runs",
         "benchmarks.prefetch:add_prefetch_bench_args",

@@ -1,5 +1,6 @@
 // Torch bindings of the CPU kernels: argument checks, threading (at::parallel_for splits work by
 // output column blocks or attention tasks, never inside one output's sum) and CPU feature detection.
+#include <atomic>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -130,6 +131,26 @@ torch::Tensor gated_mul(torch::Tensor gate_up, int64_t path) {
   return out;
 }
 
+// Reads every byte of `buffer` once, both threads streaming disjoint halves, and returns a sum of
+// its 64-bit words (so the reads cannot be optimised away): the machine's read bandwidth as the
+// weight stream sees it, the bound of a batch-1 decode step (bench offline, benchmarks weight-stream).
+int64_t stream_read(torch::Tensor buffer) {
+  TORCH_CHECK(buffer.is_contiguous() && buffer.scalar_type() == torch::kUInt8 && buffer.numel() % 64 == 0,
+              "specserve stream_read: a contiguous uint8 buffer of whole 64-byte lines");
+  const uint64_t* words = reinterpret_cast<const uint64_t*>(buffer.data_ptr<uint8_t>());
+  const int64_t lines = buffer.numel() / 64;
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
+    uint64_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t line = begin; line < end; ++line)
+      for (int i = 0; i < 8; ++i) lanes[i] += words[line * 8 + i];
+    uint64_t sum = 0;
+    for (uint64_t v : lanes) sum += v;
+    total += sum;
+  });
+  return int64_t(total.load());
+}
+
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
                          torch::Tensor slots, int64_t heads, int64_t kv_heads, torch::Tensor k_pool, torch::Tensor v_pool) {
   check_rows(qkv, "rope_store qkv");
@@ -182,5 +203,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &specserve::gated_mul<specserve::gelu_tanh_mul_rows>, "gelu_tanh(gate) * up of [rows, 2f] gate_up");
   specserve::register_decoder_layer(m);
   specserve::register_markov(m);
+  m.def("stream_read", &specserve::stream_read, "read a uint8 buffer once with every thread (the read-bandwidth probe)");
   m.def("rope_store", &specserve::rope_store, "RoPE of q and k; k and v stored to their slots; returns q");
 }
