@@ -25,8 +25,9 @@ SUPER = 256  # input columns per super-value of int8 scale tables (a K-quant sup
 BLOCK = 16  # output columns per packed block
 Q4, Q8, BF16 = 0, 1, 2
 _Q4_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])  # column 2p of an oct at bit 4p, 2p + 1 at 16 + 4p
-# The high-bit plane of 5- and 6-bit codes (csrc/linear.h): per oct and lane a byte (bit p: column
-# 2p, bit 4 + p: column 2p + 1) or a uint16 (bits 2p, 2p + 1: column 2p; 8 + 2p, 9 + 2p: 2p + 1).
+# The high bits of 5- and 6-bit codes (csrc/linear.h), after each oct's nibble words: per lane a byte
+# (bit p: column 2p, bit 4 + p: column 2p + 1) or a uint16 (bits 2p, 2p + 1: column 2p; 8 + 2p,
+# 9 + 2p: 2p + 1).
 _HIGH_SHIFTS = {5: torch.tensor([0, 4, 1, 5, 2, 6, 3, 7]), 6: torch.tensor([0, 8, 2, 10, 4, 12, 6, 14])}
 _HIGH_BYTES = {5: 1, 6: 2}
 
@@ -151,12 +152,13 @@ class PackedLinear:
 
     def _q4_codes(self, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
         """Codes [len(block), k] of Q4-layout rows: octs of nibble words [oct, lane], then the high bits."""
-        octs = self.k // 8
-        blocks = self.codes.view(-1, block_bytes(Q4, self.k, self.bits))
-        words = blocks[:, : octs * 64].view(torch.int32).view(-1, octs, BLOCK)[block, :, lane]
+        octs, picked = self.k // 8, torch.arange(len(block))
+        blocks = self.codes.view(-1, octs, 64 + BLOCK * _HIGH_BYTES.get(self.bits, 0))[block]  # [T, oct, bytes]
+        words = blocks[..., :64].contiguous().view(torch.int32)[picked, :, lane]
         codes = (words.unsqueeze(-1).long() >> _Q4_SHIFTS) & 0xF  # [T, oct, 8 columns]
         if self.bits > 4:
-            plane = blocks[:, octs * 64 :].view(-1, octs, BLOCK, _HIGH_BYTES[self.bits])[block, :, lane]
+            high_bytes = blocks[..., 64:].contiguous().view(len(block), octs, BLOCK, _HIGH_BYTES[self.bits])
+            plane = high_bytes[picked, :, lane]
             high = plane[..., 0].long() | (plane[..., -1].long() << 8 if self.bits == 6 else 0)
             codes |= ((high.unsqueeze(-1) >> _HIGH_SHIFTS[self.bits]) & ((1 << (self.bits - 4)) - 1)) << 4
         return codes.reshape(len(block), -1)
@@ -251,8 +253,8 @@ def pack_q4(
     parts = [_nibble_words(c & 0xF)]
     if bits > 4:
         parts.append(_high_plane(c >> 4, bits))
-    # each [B, lane, oct, bytes] -> per block: every oct's 16 lanes' bytes
-    packed = torch.cat([p.transpose(1, 2).reshape(c.shape[0], -1) for p in parts], dim=1).reshape(-1)
+    # each [B, lane, oct, bytes] -> per block and oct: its 16 lanes' nibble words, then their high bits
+    packed = torch.cat([p.transpose(1, 2).reshape(c.shape[0], k // 8, -1) for p in parts], dim=2).reshape(-1)
     centre = 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
     code_offset = centre if torch.equal(offset.float(), -centre * scale.float()) else 0
     tables = _group_tables(scale, None if code_offset else offset, group, supers)

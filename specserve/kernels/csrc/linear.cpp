@@ -36,10 +36,10 @@ inline uint32_t weight_word(const PackedWeight& w, const uint8_t* block, int64_t
       const int64_t oct = pair / 4;
       const int p = int(pair % 4);
       uint32_t v;
-      std::memcpy(&v, block + oct * 64 + lane * 4, 4);
+      std::memcpy(&v, oct_codes(block, oct, w.bits) + lane * 4, 4);
       uint32_t word = kQ4Magic | ((v >> (4 * p)) & kQ4Mask);
       if (w.bits > 4) {
-        const uint8_t* plane = block + w.k / 8 * 64 + oct * high_plane_bytes(w.bits);
+        const uint8_t* plane = oct_high(block, oct, w.bits);
         const uint32_t h = w.bits == 5 ? plane[lane] : uint32_t(plane[2 * lane]) | (uint32_t(plane[2 * lane + 1]) << 8);
         word |= high_of_pair(spread_high(h, w.bits), w.bits, p);
       }
@@ -222,13 +222,14 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_setzero_ps();
       if constexpr (F == WeightFormat::Q4) {
-        const int64_t octs = w.group / 8, plane = w.k / 8 * 64;  // octs per group; where the high bits start
+        const int64_t octs = w.group / 8;  // octs per group
         for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
           __m512i packed[NBT], high[NBT];
           for (int j = 0; j < NBT; ++j) {
-            prefetch_codes(w, blocks[j] + oct * 64);
-            packed[j] = _mm512_loadu_si512(blocks[j] + oct * 64);
-            if constexpr (Bits > 4) high[j] = spread_high16<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits));
+            const uint8_t* at = oct_codes(blocks[j], oct, Bits);
+            prefetch_oct(w, at, Bits);
+            packed[j] = _mm512_loadu_si512(at);
+            if constexpr (Bits > 4) high[j] = spread_high16<Bits>(at + 64);
           }
           for (int p = 0; p < 4; ++p) {
             __m512i wv[NBT];
@@ -277,12 +278,12 @@ SPECSERVE_AVX512 void decode_block(const PackedWeight& w, int64_t b, __m512i* pa
   const uint8_t* block = w.codes + b * block_bytes(F, w.k, Bits == 0 ? 4 : Bits);
   if constexpr (F == WeightFormat::Q4) {
     const __m512i magic = _mm512_set1_epi32(int32_t(kQ4Magic)), mask = _mm512_set1_epi32(int32_t(kQ4Mask));
-    const int64_t plane = w.k / 8 * 64;
     for (int64_t oct = 0; oct < w.k / 8; ++oct) {
-      prefetch_codes(w, block + oct * 64);
-      const __m512i packed = _mm512_loadu_si512(block + oct * 64);
+      const uint8_t* at = oct_codes(block, oct, Bits);
+      prefetch_oct(w, at, Bits);
+      const __m512i packed = _mm512_loadu_si512(at);
       __m512i high = _mm512_setzero_si512();
-      if constexpr (Bits > 4) high = spread_high16<Bits>(block + plane + oct * high_plane_bytes(Bits));
+      if constexpr (Bits > 4) high = spread_high16<Bits>(at + 64);
       for (int p = 0; p < 4; ++p) {
         __m512i wv = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed, 4 * p), mask, magic, 0xEA);
         if constexpr (Bits == 5)
@@ -441,7 +442,7 @@ extern const int64_t kPrefetchBytes = [] {
 
 int64_t block_bytes(WeightFormat format, int64_t k, int bits) {
   switch (format) {
-    case WeightFormat::Q4: return k / 2 * kBlockCols + k / 8 * high_plane_bytes(bits);  // nibbles, then high bits
+    case WeightFormat::Q4: return k / 8 * oct_bytes(bits);
     case WeightFormat::Q8: return k * kBlockCols;
     default: return (k + 1) / 2 * 4 * kBlockCols;
   }

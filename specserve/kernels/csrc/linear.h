@@ -3,11 +3,12 @@
 // pairs so one 32-bit lane holds the two weights VDPBF16PS multiplies with an (x[k], x[k+1]) pair.
 //
 // Formats (per block of 16 columns, K input columns):
-//   Q4: codes q of 4, 5 or 6 bits (`bits`) as "octs" of 8 input columns, 64 bytes each (16 lanes
-//       x 8 nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. = column 2p+1), K/8 octs in order;
-//       for 5- and 6-bit codes a plane of their high bits follows the octs: per oct and lane one
-//       byte (5 bits: bit p = column 2p, bit 4+p = column 2p+1) or one uint16 (6 bits: bits
-//       2p..2p+1 = column 2p, bits 8+2p.. = column 2p+1). Per group (32 columns, or 16) and column
+//   Q4: codes q of 4, 5 or 6 bits (`bits`) as "octs" of 8 input columns, K/8 octs in order, each
+//       64 bytes of nibbles (16 lanes x 8 nibbles: bits 4p..4p+3 = column 2p, bits 16+4p.. =
+//       column 2p+1) followed, for 5- and 6-bit codes, by the oct's high bits: per lane one byte
+//       (5 bits: bit p = column 2p, bit 4+p = column 2p+1) or one uint16 (6 bits: bits 2p..2p+1 =
+//       column 2p, bits 8+2p.. = column 2p+1). Interleaved so, a block is one sequential stream
+//       (a plane after all the octs was a second one, and 6-bit weights streamed at 0.8x 4-bit's). Per group (32 columns, or 16) and column
 //       a scale d and offset m, w = d * q + m (Q4_0: m = -8 d; Q5_0: m = -16 d; Q6_K: m = -32 d).
 //       The kernel multiplies x by 128 + q, which is exact in bf16 (bits 0x4300 | q, q < 128), so
 //       codes become bf16 with an OR or two.
@@ -99,8 +100,14 @@ inline float offset_at(const PackedWeight& w, int64_t b, int64_t g, int lane) {
   return w.zero ? table_value(w, w.zero, w.zero_super, b, g, lane) : float(-w.code_offset) * scale_at(w, b, g, lane);
 }
 
-// Bytes of the high-bit plane per oct of a Q4 weight with `bits`-bit codes (16 lanes).
+// Bytes of the high bits per oct of a Q4 weight with `bits`-bit codes (16 lanes).
 constexpr int64_t high_plane_bytes(int bits) { return bits == 4 ? 0 : (bits == 5 ? 16 : 32); }
+
+// Bytes of one oct of a Q4 block (nibbles, then high bits); where oct `oct` of a block starts and
+// where its high bits are.
+constexpr int64_t oct_bytes(int bits) { return 64 + high_plane_bytes(bits); }
+inline const uint8_t* oct_codes(const uint8_t* block, int64_t oct, int bits) { return block + oct * oct_bytes(bits); }
+inline const uint8_t* oct_high(const uint8_t* block, int64_t oct, int bits) { return oct_codes(block, oct, bits) + 64; }
 
 // A plane entry h (one lane of one oct) spread so that the high bits of pair p's two columns sit
 // at bit 4 (+1) and bit 20 (+1) after a right shift by p (5 bits) or 2p (6 bits).
@@ -274,6 +281,12 @@ inline PackedWeight streaming(const PackedWeight& w) {
 
 inline void prefetch_codes(const PackedWeight& w, const uint8_t* at) {
   if (w.prefetch > 0) __builtin_prefetch(at + w.prefetch, 0, 3);
+}
+
+// The same for a Q4 oct, which spans two cache lines when it has high bits (80 or 96 bytes).
+inline void prefetch_oct(const PackedWeight& w, const uint8_t* oct, int bits) {
+  prefetch_codes(w, oct);
+  if (bits > 4) prefetch_codes(w, oct + oct_bytes(bits) - 1);
 }
 
 }  // namespace specserve

@@ -129,14 +129,15 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
       {  // the dot products only: the scale FMAs below are plain IEEE ones
         FlushDenormalsScope flush(Flush);
         if constexpr (F == WeightFormat::Q4) {
-          const int64_t octs = w.group / 8, plane = w.k / 8 * 64;  // octs per group; where the high bits start
+          const int64_t octs = w.group / 8;  // octs per group
           for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
             __m256i packed[NBT][2], high[NBT][2];
             for (int j = 0; j < NBT; ++j)
               for (int h = 0; h < 2; ++h) {
-                if (h == 0) prefetch_codes(w, blocks[j] + oct * 64);
-                packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + oct * 64 + h * 32));
-                if (w.bits > 4) high[j][h] = spread_high8(blocks[j] + plane + oct * high_plane_bytes(w.bits), h, w.bits);
+                const uint8_t* at = oct_codes(blocks[j], oct, w.bits);
+                if (h == 0) prefetch_oct(w, at, w.bits);
+                packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + h * 32));
+                if (w.bits > 4) high[j][h] = spread_high8(at + 64, h, w.bits);
               }
             for (int p = 0; p < 4; ++p) {
               __m256 wh[NBT][2], wl[NBT][2];

@@ -23,9 +23,9 @@ int code_at(const PackedWeight& w, const uint8_t* block, int64_t col, int lane) 
   const int64_t oct = col / 8;
   const int p = int(col % 8) / 2, h = int(col % 2);
   uint32_t v;
-  std::memcpy(&v, block + oct * 64 + lane * 4, 4);
+  std::memcpy(&v, oct_codes(block, oct, w.bits) + lane * 4, 4);
   int code = int((v >> (4 * p + 16 * h)) & 0xF);
-  const uint8_t* plane = block + w.k / 8 * 64 + oct * high_plane_bytes(w.bits);
+  const uint8_t* plane = oct_high(block, oct, w.bits);
   if (w.bits == 5) code |= ((plane[lane] >> (p + 4 * h)) & 1) << 4;
   if (w.bits == 6) {
     const uint32_t e = uint32_t(plane[2 * lane]) | (uint32_t(plane[2 * lane + 1]) << 8);
@@ -108,7 +108,6 @@ SPECSERVE_AVX512 SPECSERVE_INLINE void q4_group(const PackedWeight& w, const uin
                                                 const int8_t* const* rows, int64_t g, __m512i (*part)[NBT]) {
   constexpr bool kTwoChains = R * NBT < 4;
   constexpr int64_t octs = Group / 8;
-  const int64_t plane = w.k / 8 * 64;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
   __m512i part_b[kTwoChains ? R : 1][NBT];
   if constexpr (kTwoChains)
@@ -118,11 +117,12 @@ SPECSERVE_AVX512 SPECSERVE_INLINE void q4_group(const PackedWeight& w, const uin
   for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
     __m512i wa[NBT], wb[NBT];
     for (int j = 0; j < NBT; ++j) {
-      prefetch_codes(w, blocks[j] + oct * 64);
-      const __m512i packed = _mm512_loadu_si512(blocks[j] + oct * 64);
+      const uint8_t* at = oct_codes(blocks[j], oct, Bits);
+      prefetch_oct(w, at, Bits);
+      const __m512i packed = _mm512_loadu_si512(at);
       wa[j] = _mm512_and_si512(packed, nibbles);
       wb[j] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), nibbles);
-      if constexpr (Bits > 4) add_high_bits<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits), wa[j], wb[j]);
+      if constexpr (Bits > 4) add_high_bits<Bits>(at + 64, wa[j], wb[j]);
     }
     for (int r = 0; r < R; ++r) {
       int32_t xa, xb;

@@ -45,17 +45,18 @@ SPECSERVE_AVX2 inline void add_high_bits8(const uint8_t* plane, int half, __m256
 template <int Bits, int R, int NBT>
 SPECSERVE_AVX2 inline void q4_group8(const PackedWeight& w, const uint8_t* const* blocks, const int8_t* const* rows,
                                      int64_t g, __m256i (*part)[NBT][2]) {
-  const int64_t octs = w.group / 8, plane = w.k / 8 * 64;
+  const int64_t octs = w.group / 8;
   const __m256i nibbles = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
   for (int64_t oct = g * octs; oct < g * octs + octs; ++oct) {
     __m256i wa[NBT][2], wb[NBT][2];
     for (int j = 0; j < NBT; ++j)
       for (int h = 0; h < 2; ++h) {
-        if (h == 0) prefetch_codes(w, blocks[j] + oct * 64);
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[j] + oct * 64 + h * 32));
+        const uint8_t* at = oct_codes(blocks[j], oct, Bits);
+        if (h == 0) prefetch_oct(w, at, Bits);
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + h * 32));
         wa[j][h] = _mm256_and_si256(packed, nibbles);
         wb[j][h] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), nibbles);
-        if constexpr (Bits > 4) add_high_bits8<Bits>(blocks[j] + plane + oct * high_plane_bytes(Bits), h, wa[j][h], wb[j][h]);
+        if constexpr (Bits > 4) add_high_bits8<Bits>(at + 64, h, wa[j][h], wb[j][h]);
       }
     for (int r = 0; r < R; ++r) {
       int32_t xa, xb;
