@@ -31,3 +31,15 @@ def read_bandwidth_gbs(size: int = PROBE_BYTES, passes: int = PASSES) -> float:
 def share_of_bandwidth(bytes_per_token: float, tokens_per_s: float, bandwidth_gbs: float) -> float:
     """The fraction of the read bandwidth a decode at `tokens_per_s` uses streaming its weights."""
     return bytes_per_token * tokens_per_s / (bandwidth_gbs * 1e9)
+
+
+def gguf_step_bytes(path: str) -> int:
+    """Bytes of a GGUF file's tensors that a batch-1 step of llama.cpp reads: all but the token
+    embedding table (one row of it is read), which is read whole only as the tied head of a file
+    without `output.weight`."""
+    from specserve.bench.synth_model import tensor_bytes
+    from specserve.models.gguf_file import GGUFFile
+
+    infos = GGUFFile(path, header_only=True).infos
+    tied = not any(i.name == "output.weight" for i in infos)
+    return sum(tensor_bytes(i) for i in infos if tied or i.name != "token_embd.weight")

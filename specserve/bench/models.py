@@ -44,11 +44,14 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-batch-sizes", default="1,16", help="batch sizes of the speculation comparison")
     p.add_argument("--spec-repeats", type=int, default=2,
                    help="repeats of NONE and the default in each run, in alternating order (the ratio: their median)")
+    p.add_argument("--no-python-peer", dest="python_peer", action="store_false",
+                   help="skip llama-cpp-python (then --llama-bench is the only peer)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
 def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
-    return _bench_subcommand(["offline", "--skip-hf", "--peer", "llama.cpp", "--batch-size", str(ns.batch_size)],
+    peer = ["--peer", "llama.cpp"] if ns.python_peer else []
+    return _bench_subcommand(["offline", "--skip-hf", *peer, "--batch-size", str(ns.batch_size)],
                              model, activations, ns, folder)
 
 
@@ -91,7 +94,9 @@ def _native(binary: str, path: str, threads: int) -> dict[str, float]:
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench on {path} failed:\n{proc.stderr[-2000:]}")
-    result = {}
+    from specserve.bench.bandwidth import gguf_step_bytes
+
+    result = {"step_bytes": float(gguf_step_bytes(path))}
     for test in json.loads(proc.stdout):
         name = "tg128_tok_s" if test["n_gen"] else "pp512_tok_s"
         result[name] = float(test["avg_ts"])
@@ -100,27 +105,37 @@ def _native(binary: str, path: str, threads: int) -> dict[str, float]:
 
 def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
     """One run's figures of one model, ratios formed within the run."""
-    ours, peer = run["specserve"], run["llama.cpp"]
+    ours = run["specserve"]
     figures = {
-        "decode_tok_s": ours["batch1_tok_s"], "llama_cpp_python_tok_s": peer["batch1_tok_s"],
-        "decode_vs_llama_cpp_python": ours["batch1_tok_s"] / peer["batch1_tok_s"],
-        "decode_step_ms": ours["decode_1_row_ms"], "llama_cpp_decode_step_ms": peer["decode_1_row_ms"],
-        "decode_step_speedup": peer["decode_1_row_ms"] / ours["decode_1_row_ms"],
-        "verify_over_decode": ours["verify_over_decode"],
-        "prefill_tok_s": ours["prefill_tok_s"], "prefill_vs_llama_cpp_python": ours["prefill_tok_s"] / peer["prefill_tok_s"],
+        "decode_tok_s": ours["batch1_tok_s"], "decode_step_ms": ours["decode_1_row_ms"],
+        "verify_over_decode": ours["verify_over_decode"], "prefill_tok_s": ours["prefill_tok_s"],
         "batch_over_batch1": ours[f"batch{batch_size}_tok_s"] / ours["batch1_tok_s"],
         "rss_mib": ours["rss_mib"], "file_mib": ours["file_mib"], "kv_mib": ours["kv_mib"], "load_s": ours["load_s"],
         # The drafter's weights file counts with the model's (recorded since it was measured apart).
         "drafter_file_mib": ours.get("drafter_file_mib", 0.0),
     }
+    peer = run.get("llama.cpp")
+    if peer:  # llama-cpp-python in the same process shape (absent with --no-python-peer)
+        figures |= {"llama_cpp_python_tok_s": peer["batch1_tok_s"],
+                    "decode_vs_llama_cpp_python": ours["batch1_tok_s"] / peer["batch1_tok_s"],
+                    "llama_cpp_decode_step_ms": peer["decode_1_row_ms"],
+                    "decode_step_speedup": peer["decode_1_row_ms"] / ours["decode_1_row_ms"],
+                    "prefill_vs_llama_cpp_python": ours["prefill_tok_s"] / peer["prefill_tok_s"]}
     figures["rss_over_file_and_kv_mib"] = ours["rss_mib"] - ours["file_mib"] - figures["drafter_file_mib"] - ours["kv_mib"]
     if "torch_runtime_mib" in ours:  # since the breakdown was recorded
         figures["torch_runtime_mib"] = ours["torch_runtime_mib"]
+    if "decode_tok_s" in ours:  # since the steady decode rate and the bandwidth probe were recorded
+        figures |= {"steady_decode_tok_s": ours["decode_tok_s"], "read_bandwidth_gbs": ours["read_bandwidth_gbs"],
+                    "decode_bandwidth_share": ours["decode_bandwidth_share"]}
     native = run.get("native")
     if native:
+        # llama-bench's tg excludes the prompt: against it, our decode without the prefill where recorded
+        decode = ours.get("decode_tok_s", ours["batch1_tok_s"])
         figures |= {"native_tg128_tok_s": native["tg128_tok_s"], "native_pp512_tok_s": native["pp512_tok_s"],
-                    "decode_vs_native": ours["batch1_tok_s"] / native["tg128_tok_s"],
+                    "decode_vs_native": decode / native["tg128_tok_s"],
                     "prefill_vs_native": ours["prefill_tok_s"] / native["pp512_tok_s"]}
+        if "step_bytes" in native and "read_bandwidth_gbs" in ours:
+            figures["native_bandwidth_share"] = native["step_bytes"] * native["tg128_tok_s"] / (ours["read_bandwidth_gbs"] * 1e9)
     if run.get("spec"):
         figures |= spec_figures(run["spec"])
     return figures
@@ -141,7 +156,9 @@ def run_models_bench(ns: argparse.Namespace) -> int:
 
     models = [m.strip() for m in ns.models.split(",") if m.strip()]
     paths = {m: resolve_model_path(None if m == "default" else m) for m in models}
-    if importlib.util.find_spec("llama_cpp") is None:  # the peer of every run: fail before minutes of ours
+    if not ns.python_peer and not ns.llama_bench:
+        raise ConfigError("bench models --no-python-peer needs --llama-bench: a peer to compare with")
+    if ns.python_peer and importlib.util.find_spec("llama_cpp") is None:  # fail before minutes of ours
         raise ConfigError(f"bench models compares against llama.cpp and needs llama-cpp-python: {INSTALL}")
     if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
         raise ConfigError(f"--llama-bench: {ns.llama_bench!r} is not an executable (scripts/llama_bench.sh builds one)")
@@ -167,7 +184,8 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     report: dict[str, Any] = {"runs": ns.runs, "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
                               "threads": ns.threads, "spec_prompts": ns.spec_prompts, "spec_repeats": ns.spec_repeats,
                               "batch1_generations": BATCH1_RUNS, **provenance(None)}
-    report["llama_cpp_python"] = next(iter(raw.values()))[0]["llama.cpp"].get("version", "?")
+    first = next(iter(raw.values()))[0]
+    report["llama_cpp_python"] = first["llama.cpp"].get("version", "?") if ns.python_peer else None
     report["models"] = {name: {"path": os.path.basename(paths[m]), "activations": a,
                                "summary": summarize([_figures(r, ns.batch_size) for r in raw[name]]), "runs": raw[name]}
                         for (m, a), name in entries.items()}

@@ -136,6 +136,7 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
         out = engine.generate(input_ids=one[0], sampling_params=params)
         b1_runs.append(out["meta_info"]["completion_tokens"] / (time.perf_counter() - t))
     b1 = statistics.median(b1_runs)
+    decode = decode_rate(engine, one[0], params)
     engine.scheduler.ledger.tree.reset()
     t = time.perf_counter()
     outs = engine.generate(input_ids=batch, sampling_params=params)
@@ -145,8 +146,44 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
     layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
     engine.shutdown()
-    return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, f"batch{ns.batch_size}_tok_s": bn, **shapes,
+    return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, **decode, f"batch{ns.batch_size}_tok_s": bn, **shapes,
             "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory}
+
+
+def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """Batch-1 decode tokens/s without the prompt's prefill, like `llama-bench`'s tg: (N - 1) tokens
+    over the time a whole N-token request takes beyond a 1-token one (the prefill and the first
+    token), each the median of BATCH1_RUNS requests with the prompt dropped from the cache first;
+    with the weights each step streams and the machine's read bandwidth (bench/bandwidth.py), the
+    share of it the decode uses."""
+    from specserve.bench.bandwidth import read_bandwidth_gbs, share_of_bandwidth
+
+    def seconds(new_tokens: int) -> float:
+        runs = []
+        for _ in range(BATCH1_RUNS):
+            engine.scheduler.ledger.tree.reset()
+            t = time.perf_counter()
+            engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": new_tokens})
+            runs.append(time.perf_counter() - t)
+        return statistics.median(runs)
+
+    n = params["max_new_tokens"]
+    rate = (n - 1) / (seconds(n) - seconds(1))
+    streamed = step_weight_bytes(engine.runner.model)
+    bandwidth = read_bandwidth_gbs()
+    return {"decode_tok_s": rate, "weights_streamed_mib": streamed / 2**20, "read_bandwidth_gbs": bandwidth,
+            "decode_bandwidth_share": share_of_bandwidth(streamed, rate, bandwidth)}
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights a batch-1 step reads: every linear's packed weight (an embedding lookup reads
+    a row, not the table), or the parameters of a model without packed kernels."""
+    from specserve.kernels.linear import PackedLinear
+
+    kernels = {id(m.kernel): m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), PackedLinear)}
+    if kernels:
+        return sum(k.nbytes() for k in kernels.values())
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
 
 
 def memory_mib(engine) -> dict[str, float]:

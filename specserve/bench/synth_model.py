@@ -128,7 +128,8 @@ def kv_entry(key: str, value: int | float | str) -> bytes:
     return _string(key) + _u32(6) + struct.pack("<f", value)
 
 
-def _tensor_bytes(info: TensorInfo) -> int:
+def tensor_bytes(info: TensorInfo) -> int:
+    """Bytes of a tensor's data in its type."""
     n = int(np.prod(info.dims))
     block, size = GGML_QUANT_SIZES[info.tensor_type]
     return n // block * size
@@ -140,7 +141,7 @@ def laid_out(infos: list[TensorInfo], alignment: int) -> list[TensorInfo]:
     for info in infos:
         at = -(-at // alignment) * alignment
         out.append(replace(info, offset=at))
-        at += _tensor_bytes(info)
+        at += tensor_bytes(info)
     return out
 
 
@@ -204,7 +205,7 @@ def random_blocks(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]
         raise ConfigError(f"synth-model: no synthetic payload for tensor type {info.tensor_type.name} ({info.name})")
     offsets, lo, hi = BLOCK_SCALES[info.tensor_type]
     size = GGML_QUANT_SIZES[info.tensor_type][1]
-    blocks = _tensor_bytes(info) // size
+    blocks = tensor_bytes(info) // size
     step = max(1, CHUNK_BYTES // size)
     for start in range(0, blocks, step):
         count = min(step, blocks - start)
