@@ -28,6 +28,9 @@ def add_quality_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="MT-Bench first turns for the greedy match rate")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--reference", choices=("float32", "bf16"), default="float32",
+                   help="what int8 activations are judged against: an fp32 run (the full gate) or, where fp32 "
+                        "weights do not fit in memory (7B and up), bf16 activations on the same file")
     p.add_argument("--record", action="store_true",
                    help="write the int8 gate's verdict on this model file into the shipped record that "
                         "--cpu-activations auto reads (specserve/assets/quality/int8.json)")
@@ -89,14 +92,15 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.bench.offline import prompt_ids
     from specserve.bench.provenance import provenance
     from specserve.engine import Engine
-    from specserve.models.int8_gate import int8_verdict, record_verdict
+    from specserve.models.int8_gate import int8_verdict, int8_verdict_vs_bf16, record_verdict
     from specserve.models.loader import resolve_model_path
 
     report: dict[str, Any] = {**provenance(), "threads": torch.get_num_threads(), "num_prompts": ns.num_prompts,
                               "new_tokens": ns.new_tokens, "model": args.model_path or "embedded default"}
     greedy = {"temperature": 0, "max_new_tokens": ns.new_tokens}
     outputs = {}
-    for name, settings in {"float32": {"dtype": "float32"}, **VARIANTS}.items():
+    runs = VARIANTS if ns.reference == "bf16" else {"float32": {"dtype": "float32"}, **VARIANTS}
+    for name, settings in runs.items():
         with Engine(**vars(args.replace(**settings, speculative_algorithm="NONE"))) as engine:
             texts = scored_texts(engine.tokenizer, ns.num_texts, ns.max_tokens)
             prompts = prompt_ids(engine.tokenizer, [q["prompt"] for q in mtbench_first_turns()[:ns.num_prompts]])
@@ -104,10 +108,16 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
             outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
             report[name] = {"perplexity": ppl, "scored_tokens": sum(len(i) - s for i, s in texts)}
         print(f"{name}: perplexity {ppl:.4f}", flush=True)
-    for name in VARIANTS:
-        report[name]["over_fp32_perplexity"] = report[name]["perplexity"] / report["float32"]["perplexity"]
-        report[name]["greedy_vs_fp32"] = match_rate(outputs["float32"], outputs[name])
-    report["int8_gate"] = int8_verdict(report)
+    if ns.reference == "bf16":
+        report["int8_activations"]["greedy_vs_bf16"] = match_rate(outputs["bfloat16"], outputs["int8_activations"])
+        report["int8_gate"] = int8_verdict_vs_bf16(report)
+    else:
+        for name in VARIANTS:
+            report[name]["over_fp32_perplexity"] = report[name]["perplexity"] / report["float32"]["perplexity"]
+            report[name]["greedy_vs_fp32"] = match_rate(outputs["float32"], outputs[name])
+        report["int8_activations"]["greedy_vs_bf16"] = match_rate(outputs["bfloat16"], outputs["int8_activations"])
+        report["int8_gate"] = int8_verdict(report)
+        report["int8_gate_vs_bf16"] = int8_verdict_vs_bf16(report)  # the cheap gate's verdict beside the full one
     print(json.dumps(report, indent=2))
     if ns.record:
         record_verdict(resolve_model_path(args.model_path), report["int8_gate"],

@@ -7,7 +7,8 @@ model: the default SmolLM2-135M's greedy answers leave fp32's far more often tha
 Qwen2.5-Coder-0.5B's and Gemma 3 270M's stay within noise of bf16's. So the choice is made per model file, from measurement:
 `specserve bench quality --record` runs the gate on a file (perplexity within 0.3% of fp32, and
 greedy outputs identical to fp32's no fewer than with bf16 activations, beyond noise) and writes
-its verdict into `specserve/assets/quality/int8.json`, keyed by the file's size and sha256;
+its verdict into `specserve/assets/quality/int8.json`, keyed by the file's size and sha256 (where
+an fp32 run does not fit, `--reference bf16` gates int8 against bf16 on the file itself instead);
 `auto` (the default) then picks int8 for exactly the files whose verdict passed, bf16 for every
 other file, so a file nobody measured keeps bf16.
 """
@@ -27,6 +28,7 @@ RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 PERPLEXITY_LIMIT = 1.003  # int8's perplexity over fp32's at most this
 NOISE_SIGMAS = 2.0  # how far int8's matches may fall below bf16's (standard deviations of the paired difference)
 MIN_RECORDED_PROMPTS = 32  # a verdict over fewer greedy prompts is too noisy to ship
+MIN_BF16_PREFIX = 0.5  # the bf16-reference gate: int8's greedy outputs follow bf16's this far on average
 
 
 def int8_verdict(report: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +56,22 @@ def int8_verdict(report: dict[str, Any]) -> dict[str, Any]:
         "greedy_noise": noise,
         "prompts": len(pairs),
     }
+
+
+def int8_verdict_vs_bf16(report: dict[str, Any]) -> dict[str, Any]:
+    """The gate where an fp32 reference is unaffordable (a 7B file's fp32 weights alone exceed these
+    machines' memory): int8 against bf16 activations on the same file. int8's perplexity within 0.3%
+    of bf16's, and its greedy outputs following bf16's for at least MIN_BF16_PREFIX of their tokens
+    on average before the first difference. A weaker test than the fp32 gate (bf16's own distance
+    from fp32 is not measured), so its verdicts are recorded with their reference."""
+    int8 = report["int8_activations"]
+    ratio = int8["perplexity"] / report["bfloat16"]["perplexity"]
+    prefix = int8["greedy_vs_bf16"]["mean_matching_prefix"]
+    perplexity_ok, greedy_ok = ratio <= PERPLEXITY_LIMIT, prefix >= MIN_BF16_PREFIX
+    return {"int8": perplexity_ok and greedy_ok, "reference": "bf16", "perplexity_ok": perplexity_ok,
+            "greedy_ok": greedy_ok, "perplexity_over_bf16": ratio, "mean_matching_prefix": prefix,
+            "greedy_identical": {"int8_vs_bf16": sum(int8["greedy_vs_bf16"]["identical_each"])},
+            "prompts": len(int8["greedy_vs_bf16"]["identical_each"])}
 
 
 def file_sha256(path: str) -> str:

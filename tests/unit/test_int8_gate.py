@@ -8,7 +8,8 @@ import json
 import pytest
 
 from specserve.args import ServerArgs
-from specserve.models.int8_gate import RECORD, int8_verdict, load_record, record_verdict, resolve_cpu_activations
+from specserve.models.int8_gate import (RECORD, int8_verdict, int8_verdict_vs_bf16, load_record, record_verdict,
+                                        resolve_cpu_activations)
 
 
 def report(int8_perplexity: float, bf16_each: list[bool], int8_each: list[bool]) -> dict:
@@ -38,6 +39,22 @@ def test_the_gate_needs_perplexity_within_0_3_percent_and_greedy_matches_within_
     assert not int8_verdict(report(1.0, *matches(100, 30, 30, 10)))["int8"]  # 20 > 2 sqrt 40
     with pytest.raises(ValueError, match="at least one"):
         int8_verdict(report(1.0, [], []))
+
+
+def bf16_reference_report(bf16_ppl: float, int8_ppl: float, prefix: float, identical: list[bool]) -> dict:
+    return {"bfloat16": {"perplexity": bf16_ppl},
+            "int8_activations": {"perplexity": int8_ppl,
+                                 "greedy_vs_bf16": {"mean_matching_prefix": prefix, "identical_each": identical}}}
+
+
+def test_the_bf16_reference_gate_needs_perplexity_within_0_3_percent_of_bf16_and_half_the_tokens_followed():
+    passing = int8_verdict_vs_bf16(bf16_reference_report(8.0, 8.02, 0.7, [True, False, True]))
+    assert passing["int8"] and passing["reference"] == "bf16" and passing["greedy_identical"]["int8_vs_bf16"] == 2
+    assert passing["perplexity_over_bf16"] == pytest.approx(1.0025)
+    high = int8_verdict_vs_bf16(bf16_reference_report(8.0, 8.03, 0.9, [True]))  # 1.00375 > 1.003
+    assert not high["int8"] and not high["perplexity_ok"] and high["greedy_ok"]
+    early = int8_verdict_vs_bf16(bf16_reference_report(8.0, 8.0, 0.45, [False]))
+    assert not early["int8"] and early["perplexity_ok"] and not early["greedy_ok"]
 
 
 def fake_model(tmp_path, name: str, content: bytes):
