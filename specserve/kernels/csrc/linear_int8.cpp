@@ -224,7 +224,7 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
 template <WeightFormat F, int Bits, int Group, int R>
 SPECSERVE_AVX512 void rows_int8(const PackedWeight& w, int64_t b, int64_t b_end, const Int8Rows& x, int64_t r0,
                                 void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  constexpr int kWide = R == 1 ? 1 : R <= 2 ? 4 : 2;  // part, acc and weights within the 32 registers
+  constexpr int kWide = R <= 2 ? 1 : 2;  // one block at a time streams best (one sequential stream); from 3 rows, the arithmetic bounds and two blocks share each row's broadcasts
   for (; b + kWide <= b_end; b += kWide) tile_int8<F, Bits, Group, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
   for (; b < b_end; ++b) tile_int8<F, Bits, Group, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
 }
