@@ -190,7 +190,9 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
 template <WeightFormat F, ScaleType S, int R, bool Flush>
 SPECSERVE_AVX2 void rows_avx2(const PackedWeight& w, int64_t b, int64_t b_end, const float* x, int64_t ldx,
                               const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  constexpr int kWide = R <= 2 ? 2 : 1;  // keep the 2 * R * NBT partial sums within the 16 registers
+  // One row: one block at a time (one sequential stream); two rows share the decoded words. Within the
+  // 16 registers: 2 * R * NBT partial sums.
+  constexpr int kWide = R == 2 ? 2 : 1;
   for (; b + kWide <= b_end; b += kWide) tile_avx2<F, S, R, kWide, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
   for (; b < b_end; ++b) tile_avx2<F, S, R, 1, Flush>(w, b, x, ldx, gs, out, ldo, out_bf16, accumulate);
 }
