@@ -171,9 +171,43 @@ SPECSERVE_AVX512 SPECSERVE_INLINE void q8_group(const PackedWeight& w, const uin
     for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_sub_epi32(part[r][j], _mm512_slli_epi32(wsum[j], 7));
 }
 
+// The scales d (and general offsets m) of NBT blocks at group g, in tables of type S. An int8
+// table's float16 super-values are converted once per super-block (kSuperCols / Group groups), not
+// once per group: d = super * sub, the product table16 forms, so the values are the same.
+template <ScaleType S, int Group, int NBT>
+struct TileTables {
+  __m512 top_d[NBT], top_m[NBT];
+
+  SPECSERVE_AVX512 SPECSERVE_INLINE void at(const PackedWeight& w, int64_t b0, int64_t g, bool general,
+                                            __m512 (&d)[NBT], __m512 (&mv)[NBT]) {
+    if constexpr (S == ScaleType::I8) {
+      if (g % (kSuperCols / Group) == 0)
+        for (int j = 0; j < NBT; ++j) {
+          top_d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scale_super + super_at(w, b0 + j, g))));
+          if (general) top_m[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zero_super + super_at(w, b0 + j, g))));
+        }
+      for (int j = 0; j < NBT; ++j) {
+        d[j] = _mm512_mul_ps(top_d[j], sub_values(w.scale, w, b0 + j, g));
+        mv[j] = general ? _mm512_mul_ps(top_m[j], sub_values(w.zero, w, b0 + j, g)) : _mm512_setzero_ps();
+      }
+    } else {
+      for (int j = 0; j < NBT; ++j) {
+        d[j] = scales16<S>(w, b0 + j, g);
+        mv[j] = general ? offsets16<S>(w, b0 + j, g, d[j]) : _mm512_setzero_ps();
+      }
+    }
+  }
+
+  // The 16 int8 sub-values of group g of block b, as float (exact).
+  static SPECSERVE_AVX512 SPECSERVE_INLINE __m512 sub_values(const void* table, const PackedWeight& w, int64_t b, int64_t g) {
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(table) + group_at(w, b, g)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub));
+  }
+};
+
 // R rows (from r0) x NBT column blocks (from b0); every (row, column) sees the generic path's
 // operations in its order whatever R and NBT are.
-template <WeightFormat F, int Bits, int Group, int R, int NBT>
+template <WeightFormat F, int Bits, int Group, ScaleType S, int R, int NBT>
 SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Rows& x, int64_t r0, void* out,
                                 int64_t ldo, bool out_bf16, bool accumulate) {
   const int64_t G = w.k / Group;
@@ -188,6 +222,7 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
       acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(tail_mask(w.n - col), static_cast<const float*>(out) + (r0 + r) * ldo + col)
                              : _mm512_setzero_ps();
     }
+  TileTables<S, Group, NBT> tables;
   for (int64_t g = 0; g < G; ++g) {
     __m512i part[R][NBT];
     for (int r = 0; r < R; ++r)
@@ -195,10 +230,7 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
     if constexpr (F == WeightFormat::Q4) q4_group<Bits, Group, R, NBT>(w, blocks, rows, g, part);
     else q8_group<Group, R, NBT>(w, blocks, rows, g, part);
     __m512 d[NBT], mv[NBT];
-    for (int j = 0; j < NBT; ++j) {
-      d[j] = scales16(w, b0 + j, g);
-      mv[j] = general ? offsets16(w, b0 + j, g, d[j]) : _mm512_setzero_ps();
-    }
+    tables.at(w, b0, g, general, d, mv);
     for (int r = 0; r < R; ++r) {  // a row's scalars once for all its blocks
       const int32_t sx = group_code_sum(x, r0 + r, g, Group);
       const __m512 dx = _mm512_set1_ps(block_scale(x, r0 + r, g, Group));
@@ -221,15 +253,15 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
   }
 }
 
-template <WeightFormat F, int Bits, int Group, int R>
+template <WeightFormat F, int Bits, int Group, ScaleType S, int R>
 SPECSERVE_AVX512 void rows_int8(const PackedWeight& w, int64_t b, int64_t b_end, const Int8Rows& x, int64_t r0,
                                 void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int kWide = R <= 2 ? 1 : 2;  // one block at a time streams best (one sequential stream); from 3 rows, the arithmetic bounds and two blocks share each row's broadcasts
-  for (; b + kWide <= b_end; b += kWide) tile_int8<F, Bits, Group, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
-  for (; b < b_end; ++b) tile_int8<F, Bits, Group, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+  for (; b + kWide <= b_end; b += kWide) tile_int8<F, Bits, Group, S, R, kWide>(w, b, x, r0, out, ldo, out_bf16, accumulate);
+  for (; b < b_end; ++b) tile_int8<F, Bits, Group, S, R, 1>(w, b, x, r0, out, ldo, out_bf16, accumulate);
 }
 
-template <WeightFormat F, int Bits, int Group>
+template <WeightFormat F, int Bits, int Group, ScaleType S>
 SPECSERVE_AVX512 void blocks_int8(const PackedWeight& w, int64_t b_begin, int64_t b_end, const Int8Rows& x, int64_t m,
                                   void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk's codes stay in cache
@@ -237,17 +269,35 @@ SPECSERVE_AVX512 void blocks_int8(const PackedWeight& w, int64_t b_begin, int64_
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     const int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
-    for (; r + 6 <= m; r += 6) rows_int8<F, Bits, Group, 6>(r == 0 ? first : w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
+    for (; r + 6 <= m; r += 6) rows_int8<F, Bits, Group, S, 6>(r == 0 ? first : w, c, c_end, x, r, out, ldo, out_bf16, accumulate);
     const PackedWeight& tail = r == 0 ? first : w;
     switch (m - r) {
-      case 5: rows_int8<F, Bits, Group, 5>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 4: rows_int8<F, Bits, Group, 4>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 3: rows_int8<F, Bits, Group, 3>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 2: rows_int8<F, Bits, Group, 2>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
-      case 1: rows_int8<F, Bits, Group, 1>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 5: rows_int8<F, Bits, Group, S, 5>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 4: rows_int8<F, Bits, Group, S, 4>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 3: rows_int8<F, Bits, Group, S, 3>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 2: rows_int8<F, Bits, Group, S, 2>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
+      case 1: rows_int8<F, Bits, Group, S, 1>(tail, c, c_end, x, r, out, ldo, out_bf16, accumulate); break;
       default: break;
     }
   }
+}
+
+// The blocks for w's format, code width and group size (template arguments: the octs of a group
+// unroll, with no loop-carried copies), its tables of type S (also one: a per-group switch on the
+// table type cost the tiles a tenth of their speed in the bf16 kernels).
+template <ScaleType S>
+SPECSERVE_AVX512 void blocks_int8_format(const PackedWeight& w, int64_t block_begin, int64_t block_end, const Int8Rows& x,
+                                         int64_t m, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
+  using Q = WeightFormat;
+  const bool g32 = w.group == 32;
+  if (w.format == Q::Q8 && g32) blocks_int8<Q::Q8, 0, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.format == Q::Q8) blocks_int8<Q::Q8, 0, 16, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == 6 && g32) blocks_int8<Q::Q4, 6, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == 6) blocks_int8<Q::Q4, 6, 16, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == 5 && g32) blocks_int8<Q::Q4, 5, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == 5) blocks_int8<Q::Q4, 5, 16, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (g32) blocks_int8<Q::Q4, 4, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else blocks_int8<Q::Q4, 4, 16, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
 }
 
 #endif  // SPECSERVE_X86
@@ -341,17 +391,11 @@ void linear_int8_blocks(Path path, const PackedWeight& w, const Int8Rows& x, int
     return;
   }
   if (path == Path::Avx512Bf16) {
-    // the group size as a template argument: the octs of a group unroll, with no loop-carried copies
-    using Q = WeightFormat;
-    const bool g32 = w.group == 32;
-    if (w.format == Q::Q8 && g32) blocks_int8<Q::Q8, 0, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (w.format == Q::Q8) blocks_int8<Q::Q8, 0, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (w.bits == 6 && g32) blocks_int8<Q::Q4, 6, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (w.bits == 6) blocks_int8<Q::Q4, 6, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (w.bits == 5 && g32) blocks_int8<Q::Q4, 5, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (w.bits == 5) blocks_int8<Q::Q4, 5, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else if (g32) blocks_int8<Q::Q4, 4, 32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
-    else blocks_int8<Q::Q4, 4, 16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+    switch (w.scale_type) {
+      case ScaleType::F32: blocks_int8_format<ScaleType::F32>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate); break;
+      case ScaleType::I8: blocks_int8_format<ScaleType::I8>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate); break;
+      default: blocks_int8_format<ScaleType::F16>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate); break;
+    }
     return;
   }
 #endif
