@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_bf16
-from specserve.models.quant import Q8Weight, QuantSource, QuantWeight, concat_rows
+from specserve.models.quant import Q8Weight, QuantSource, concat_rows
 
 
 @dataclass(frozen=True)
