@@ -6,6 +6,9 @@ line naming the sizes, before anything is packed."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 from gguf import GGMLQuantizationType as QType
@@ -99,3 +102,19 @@ def test_the_default_kv_pool_leaves_room_for_the_model(thin_gguf, monkeypatch):
     assert memory.cpu_kv_tokens(req, None, 4000) == 4000
     with pytest.raises(ConfigError, match="GiB \\(KV pool\\)"):
         memory.cpu_kv_tokens(req, None, 10**6)
+
+
+def test_serve_names_the_sizes_in_one_line_and_exits_2(thin_gguf):
+    """The same check through `specserve serve` (its engine process): argparse's one line, exit 2."""
+    with socket.socket() as sock:  # a free port (the server never binds it: the engine fails first)
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    proc = subprocess.run(
+        [sys.executable, "-m", "specserve.cli", "serve", "--model-path", thin_gguf, "--port", port,
+         "--speculative-algorithm", "NONE", "--max-total-tokens", str(10**9)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specserve serve: error: engine failed to start: memory: "), lines
+    assert "GiB (file) + " in lines[0] and "GiB (KV pool) but only" in lines[0]
