@@ -239,7 +239,7 @@ def _kv_pool_size(
         max_useful_tokens=args.max_running_requests * max_positions,
         context_tokens=max_positions,
         model_bytes=model_bytes // args.tp_size,  # each rank packs its shard
-        ranks_on_host=args.tp_size,
+        ranks_on_host=args.tp_size // args.nnodes,
     )
     size = kv_pool_tokens(args, req)
     if dist is not None:  # every rank must schedule against the same pool size

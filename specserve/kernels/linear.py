@@ -272,7 +272,7 @@ def pack_q4(
     )
 
 
-# Every oct's 8 codes (one byte each) read as one little-endian int64 word: byte j is column j.
+# Every oct's 8 codes (one byte each) read as one int64 word: on little-endian CPUs (x86, Arm) byte j is column j.
 _NIBBLES = 0x0F0F0F0F0F0F0F0F
 
 
@@ -301,8 +301,8 @@ def _high_plane(octs: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _gather(words: torch.Tensor, scratch: torch.Tensor, moves: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """OR of (words >> shift) & mask over `moves` (a negative shift moves left), into `words`'s
-    first term; `scratch` (same shape, int64) is overwritten."""
+    """A new tensor: the OR over `moves` of (words >> shift) & mask (a negative shift moves left);
+    `scratch` (words' shape, int64) is overwritten."""
     out = words & moves[0][1]
     for shift, mask in moves[1:]:
         if shift > 0:
