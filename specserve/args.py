@@ -53,7 +53,7 @@ class ServerArgs:
     )
     device: str = flag("cpu", "cpu or cuda")
     context_length: Optional[int] = flag(None, "override the model's context window")
-    mem_fraction_static: float = flag(0.1, "fraction of memory for the KV pool (CPU: of total RAM)")
+    mem_fraction_static: Optional[float] = flag(None, "KV pool's share of RAM (default: what the model leaves, at most 0.1)")
     max_total_tokens: Optional[int] = flag(None, "KV pool size in tokens (overrides --mem-fraction-static)")
     max_running_requests: int = flag(64, "most requests decoding at once")
     chunked_prefill_size: int = flag(2048, "most prompt tokens in one prefill step; <=0 disables chunking")
@@ -286,7 +286,7 @@ def _at_least(name: str, value: Optional[int | float], low: int | float) -> None
 
 
 def _check_sizes(args: ServerArgs) -> None:
-    if not 0.0 < args.mem_fraction_static <= 0.95:
+    if args.mem_fraction_static is not None and not 0.0 < args.mem_fraction_static <= 0.95:
         raise ConfigError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
     _at_least("max_total_tokens", args.max_total_tokens, 16)
     _at_least("max_running_requests", args.max_running_requests, 1)

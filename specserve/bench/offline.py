@@ -24,6 +24,7 @@ import torch
 
 from specserve.args import ServerArgs
 from specserve.bench.llamacpp import BATCH1_RUNS
+from specserve.engine.memory import weights_bytes
 
 PROMPTS = [
     "Explain how a hash table works.",
@@ -195,7 +196,7 @@ def memory_mib(engine) -> dict[str, float]:
 
     pools = [engine.runner.kv, *engine.runner.speculation.kv_pools]
     kv = sum(t.numel() * t.element_size() for pool in pools for t in (*pool.k, *pool.v))
-    return {"rss_mib": _rss(os.getpid()) / 2**20, "file_mib": _file_bytes(resolve_model_path(engine.args.model_path)) / 2**20,
+    return {"rss_mib": _rss(os.getpid()) / 2**20, "file_mib": weights_bytes(resolve_model_path(engine.args.model_path)) / 2**20,
             "drafter_file_mib": _drafter_bytes(engine) / 2**20, "kv_mib": kv / 2**20, "torch_runtime_mib": torch_runtime_mib()}
 
 
@@ -205,14 +206,7 @@ def _drafter_bytes(engine) -> int:
 
     if not any(isinstance(w, DsparkWorker) for w in engine.runner.speculation.workers.values()):
         return 0
-    return _file_bytes(engine.args.speculative_draft_model_path)
-
-
-def _file_bytes(path: str) -> int:
-    """A weights file's size, or the sum of a checkpoint folder's `.safetensors` files."""
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return weights_bytes(engine.args.speculative_draft_model_path)
 
 
 # Run in a fresh interpreter: nothing but torch imported before reading its resident memory.

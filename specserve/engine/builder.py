@@ -6,11 +6,9 @@ that was built after it.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,6 +18,7 @@ from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
+from specserve.engine.memory import DEFAULT_KV_FRACTION, KVRequest, cpu_kv_tokens, weights_bytes
 from specserve.engine.prefix_cache import build_prefix_cache
 from specserve.executor.captured_step import CaptureConfig
 from specserve.executor.faulty_runner import ModelRunner, make_runner
@@ -31,6 +30,7 @@ from specserve.models.backend import select_backend
 from specserve.models.config import ModelConfig
 from specserve.models.dspark import DraftVocabHead, DsparkDrafter
 from specserve.models.dspark_checkpoint import load_drafter, read_drafter_config
+from specserve.models.heap import release_free_heap
 from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaAttention, LlamaForCausalLM
 from specserve.models.loader import head_weight, load_model, resolve_model_path
@@ -85,15 +85,15 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def kv_pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
+def kv_pool_tokens(args: ServerArgs, req: KVRequest) -> int:
+    """Token slots of this rank's KV pool; on CPU checked, with the model, against the free memory
+    (engine/memory.py: a one-line ConfigError where they do not fit)."""
+    if not args.device.startswith("cuda"):
+        return cpu_kv_tokens(req, args.mem_fraction_static, args.max_total_tokens)
     if args.max_total_tokens is not None:
         return args.max_total_tokens
-    if args.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        budget = free * args.mem_fraction_static
-    else:
-        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * args.mem_fraction_static
-    return max(16, int(budget // bytes_per_token))
+    free, _ = torch.cuda.mem_get_info()
+    return max(16, int(free * (args.mem_fraction_static or DEFAULT_KV_FRACTION) // req.bytes_per_token))
 
 
 @dataclass
@@ -108,6 +108,7 @@ class _Target:
     max_positions: int
     summary: dict[str, Any]
     drafter: Optional[DsparkDrafter]
+    kv_tokens: int  # the KV pools' token slots (sized and checked before the weights were packed)
 
 
 def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> EngineParts:
@@ -121,7 +122,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> EngineParts:
     return_freed_memory()  # the checkpoint's float copies are gone: give their pages back
     dtype, drafter = target.dtype, target.drafter
     gamma = _block_size(args, drafter)
-    size = _kv_pool_size(args, target, dist)
+    size = target.kv_tokens
     cfg, local_kv_heads = target.config, _local_kv_heads(target.model)
     kv = KVPool(size, cfg.num_layers, local_kv_heads, cfg.head_dim, dtype, args.device)
     allocator = TokenSlotAllocator(size)
@@ -182,10 +183,7 @@ def return_freed_memory() -> None:
     grown: about 0.8 GB of a 250 MB Gemma file's resident memory until trimmed. Elsewhere
     (not glibc) a no-op."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    release_free_heap()
 
 
 def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Target:
@@ -202,6 +200,8 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     tp = TPContext(tp_rank, args.tp_size, dist)
     model = LlamaForCausalLM(cfg, dtype, tp=tp, max_positions=max_positions, lazy_rope=args.device == "cpu")
     model = model.to(args.device)
+    # Sized before packing: a model that cannot fit fails here, in one line, not in the OOM killer.
+    kv_tokens = _kv_pool_size(args, cfg, _local_kv_heads(model), dtype, max_positions, path, dist)
     # Inductor packs weights itself and cannot trace specserve's kernels: torch.compile runs stock ops.
     int8, per_op = args.cpu_activations == "int8", envs.env_flag(envs.PER_OP_LAYERS)
     backend = select_backend(args.device, dtype, args.enable_torch_compile, int8, per_op)
@@ -214,17 +214,34 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     drafter = _load_drafter(args, cfg, dtype, model, max_positions, functools.partial(head_weight, loaded.weights))
     del loaded  # the checkpoint's tensors go (the drafter read the head's, if it needed them)
     logger.debug("target loaded (rank %d/%d): %s, %s", tp_rank, args.tp_size, path, dtype)
-    return _Target(model, cfg, tokenizer, dtype, context_length, max_positions, summary, drafter)
+    return _Target(model, cfg, tokenizer, dtype, context_length, max_positions, summary, drafter, kv_tokens)
 
 
-def _kv_pool_size(args: ServerArgs, target: _Target, dist: Optional[TPGroup]) -> int:
-    """Token slots of the KV pools (the target's and the drafter's share them), equal on every rank."""
-    cfg, dtype = target.config, target.dtype
-    per_token = KVPool.bytes_per_token(cfg.num_layers, _local_kv_heads(target.model), cfg.head_dim, dtype)
-    if target.drafter is not None:
-        dc = target.drafter.config
+def _kv_pool_size(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    local_kv_heads: int,
+    dtype: torch.dtype,
+    max_positions: int,
+    path: str,
+    dist: Optional[TPGroup],
+) -> int:
+    """Token slots of the KV pools (the target's and the drafter's share them), equal on every rank;
+    the model's files and the pools checked against the free memory first."""
+    per_token = KVPool.bytes_per_token(cfg.num_layers, local_kv_heads, cfg.head_dim, dtype)
+    model_bytes = weights_bytes(path)
+    if args.speculative_algorithm == Algorithm.DSPARK and args.speculative_draft_model_path:
+        dc = read_drafter_config(args.speculative_draft_model_path)
         per_token += KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype)
-    size = kv_pool_tokens(args, per_token)
+        model_bytes += weights_bytes(args.speculative_draft_model_path)
+    req = KVRequest(
+        bytes_per_token=per_token,
+        max_useful_tokens=args.max_running_requests * max_positions,
+        context_tokens=max_positions,
+        model_bytes=model_bytes // args.tp_size,  # each rank packs its shard
+        ranks_on_host=args.tp_size // args.nnodes,
+    )
+    size = kv_pool_tokens(args, req)
     if dist is not None:  # every rank must schedule against the same pool size
         size = int(dist.all_reduce_(torch.tensor([size]), "engine.kv_pool_size", op="min")[0])
     return size

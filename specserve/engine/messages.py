@@ -131,6 +131,7 @@ class EngineFatal:
     """The engine cannot go on (failed to start, or a step raised): a one-line reason; the log has the rest."""
 
     message: str
+    config: bool = False  # a bad flag, model or size (ConfigError): the CLI exits with its one line
 
 
 Event = Union[

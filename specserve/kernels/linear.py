@@ -249,10 +249,11 @@ def pack_q4(
         raise ConfigError(f"4-bit weights need k divisible by {group}, got {k}")
     if bits not in (4, 5, 6) or (codes.numel() and int(codes.max()) >= 1 << bits):
         raise ConfigError(f"packing: codes must be {bits}-bit (4, 5 or 6)")
-    c = _pad_rows(codes.to(torch.uint8), BLOCK).view(-1, BLOCK, k // 8, 8)  # [B, lane, oct, 8 columns]
-    parts = [_nibble_words(c & 0xF)]
+    c = _pad_rows(codes.to(torch.uint8).contiguous(), BLOCK).view(-1, BLOCK, k // 8, 8)  # [B, lane, oct, 8 columns]
+    octs = c.view(torch.int64).squeeze(-1)  # [B, lane, oct]: codes < 64, so every word is >= 0
+    parts = [_nibble_words(octs & _NIBBLES).unsqueeze(-1).view(torch.uint8)]
     if bits > 4:
-        parts.append(_high_plane(c >> 4, bits))
+        parts.append(_high_plane(octs >> 4 & _NIBBLES, bits))
     # each [B, lane, oct, bytes] -> per block and oct: its 16 lanes' nibble words, then their high bits
     packed = torch.cat([p.transpose(1, 2).reshape(c.shape[0], k // 8, -1) for p in parts], dim=2).reshape(-1)
     centre = 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
@@ -273,24 +274,46 @@ def pack_q4(
     )
 
 
-def _nibble_words(low: torch.Tensor) -> torch.Tensor:
-    """The little-endian bytes of each oct's nibble word (_Q4_SHIFTS) from its 8 low nibbles
-    [..., 8] (uint8): columns (0, 2), (4, 6), (1, 3), (5, 7) as (low, high) nibbles. Byte
-    arithmetic on strided views, so packing a large weight does not widen every code to 64 bits."""
-    v = low.view(*low.shape[:-1], 2, 2, 2)  # column 4h + 2q + e as [h, q, e]
-    return (v[..., 0, :] | v[..., 1, :] << 4).transpose(-1, -2).reshape(*low.shape[:-1], 4)  # byte 2e + h
+# Every oct's 8 codes (one byte each) read as one int64 word: on little-endian CPUs (x86, Arm) byte j is column j.
+_NIBBLES = 0x0F0F0F0F0F0F0F0F
 
 
-def _high_plane(high: torch.Tensor, bits: int) -> torch.Tensor:
-    """Each oct's high-bit plane (_HIGH_SHIFTS) from its 8 codes' high bits [..., 8] (uint8): for
-    5 bits one byte (column 2p at bit p, 2p + 1 at bit 4 + p); for 6 bits a little-endian uint16
-    whose low byte holds the even columns' 2 bits, 2p at bit 2p, and its high byte the odd ones'."""
+def _nibble_words(octs: torch.Tensor) -> torch.Tensor:
+    """Each oct's nibble word (_Q4_SHIFTS: column 2p at bit 4p, 2p + 1 at 16 + 4p) from its int64
+    word of 8 low nibbles (`octs`, overwritten), as int32. A few whole-array shifts on one int64
+    per oct, in place where they can be, not byte arithmetic on strided views."""
+    pairs = octs >> 12
+    pairs |= octs  # byte 0: columns 0 | 2 << 4, byte 1: 1 | 3 << 4, bytes 4, 5: the same for 4..7
+    return _gather(pairs, octs, ((0, 0xFF), (24, 0xFF00), (-8, 0xFF0000), (16, 0xFF000000))).to(torch.int32)
+
+
+def _high_plane(octs: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each oct's high-bit plane (_HIGH_SHIFTS) from its int64 word of 8 codes' high bits (`octs`,
+    overwritten), as bytes [..., 1 or 2]: for 5 bits one byte (column 2p at bit p, 2p + 1 at bit
+    4 + p); for 6 bits a little-endian uint16 whose low byte holds the even columns' 2 bits, 2p at
+    bit 2p, and its high byte the odd ones'."""
     if bits == 5:
-        even, odd = high[..., 0::2], high[..., 1::2]
-        return (even[..., 0] | even[..., 1] << 1 | even[..., 2] << 2 | even[..., 3] << 3
-                | odd[..., 0] << 4 | odd[..., 1] << 5 | odd[..., 2] << 6 | odd[..., 3] << 7)  # fmt: skip
-    pairs = high.view(*high.shape[:-1], 4, 2)  # [..., p, (column 2p, column 2p + 1)]
-    return pairs[..., 0, :] | pairs[..., 1, :] << 2 | pairs[..., 2, :] << 4 | pairs[..., 3, :] << 6
+        both = octs >> 4
+        both |= octs
+        both &= 0x0011001100110011  # column 2p at bit 16p, 2p + 1 at bit 16p + 4
+        plane = _gather(both, octs, ((0, 0x11), (15, 0x22), (30, 0x44), (45, 0x88)))
+        return plane.to(torch.uint8).unsqueeze(-1)
+    plane = _gather(octs, octs.clone(), ((0, 0x0303), (14, 0x0C0C), (28, 0x3030), (42, 0xC0C0)))
+    return plane.to(torch.int32).unsqueeze(-1).view(torch.uint8)[..., :2]
+
+
+def _gather(words: torch.Tensor, scratch: torch.Tensor, moves: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """A new tensor: the OR over `moves` of (words >> shift) & mask (a negative shift moves left);
+    `scratch` (words' shape, int64) is overwritten."""
+    out = words & moves[0][1]
+    for shift, mask in moves[1:]:
+        if shift > 0:
+            torch.bitwise_right_shift(words, shift, out=scratch)
+        else:
+            torch.bitwise_left_shift(words, -shift, out=scratch)
+        scratch &= mask
+        out |= scratch
+    return out
 
 
 def pack_q8(

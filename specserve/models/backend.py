@@ -25,6 +25,7 @@ from torch import nn
 from specserve.kernels.linear import PackedLinear
 from specserve.kernels.ops import add_rms_norm, gelu_tanh_mul, rope_store, silu_mul
 from specserve.models.attention import AttentionMetadata, KernelAttentionMetadata, SdpaAttentionMetadata, block_attention
+from specserve.models.heap import release_free_heap
 from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -183,6 +184,7 @@ class CpuKernelOps(OpBackend):
         for part in module.modules():
             if isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
+                release_free_heap()  # this weight's parsed codes and temporaries: not resident past it
             kernel = getattr(part, "kernel", None)
             if isinstance(kernel, PackedLinear):
                 kernel.quantize_activations(self.int8_activations or getattr(part, "int8_activations", False))

@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.errors import ConfigError
 from specserve.kernels.linear import PackedLinear, pack_bf16
-from specserve.models.quant import Q8Weight, QuantWeight, concat_rows
+from specserve.models.quant import Q8Weight, QuantSource, concat_rows
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,8 @@ class _ParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.kernel: Optional[PackedLinear] = None
-        self._quant: Optional[QuantWeight] = None  # this rank's GGUF codes, until pack_for_cpu packs them
+        # this rank's GGUF codes, read from the file only when pack_for_cpu packs them
+        self._quant: Optional[QuantSource] = None
 
     @property
     def has_codes(self) -> bool:
@@ -194,9 +195,10 @@ class _ParallelLinear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Pack for the CPU kernels after load() (the CPU kernel backend calls it). A layer packed
-        from GGUF codes drops its dequantized weight: the kernels compute from the codes."""
+        from GGUF codes drops its dequantized weight: the kernels compute from the codes, read from
+        the file here and dropped once packed (one weight's unpacked codes at a time)."""
         if self._quant is not None:
-            self.kernel = self._quant.packed()
+            self.kernel = self._quant().packed()
             self.weight = release(self.weight)
         else:
             self.kernel = pack_bf16(self.weight)
@@ -238,10 +240,10 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.bias is not None:
             self.bias.data.copy_(torch.cat([self._rows(b, r) for b, r in zip(biases, self.ranges)]))
 
-    def load_quantized(self, parts: list[QuantWeight]) -> None:
-        """Keep this rank's rows of each fused part's GGUF codes (used if the layer is packed for CPU);
+    def load_quantized(self, parts: list[QuantSource]) -> None:
+        """Read this rank's rows of each fused part's GGUF codes when the layer is packed for CPU;
         parts of different GGUF types share the layout that holds them all (quant.concat_rows)."""
-        self._quant = concat_rows([self._rows(p, r) for p, r in zip(parts, self.ranges)])
+        self._quant = lambda: concat_rows([self._rows(p(), r) for p, r in zip(parts, self.ranges)])
 
     @staticmethod
     def _rows(w, rows: tuple[int, int]):
@@ -274,8 +276,9 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None and bias is not None:
             self.bias.data.copy_(bias)
 
-    def load_quantized(self, weight: QuantWeight) -> None:
-        self._quant = weight.cols(*self.cols)
+    def load_quantized(self, weight: QuantSource) -> None:
+        """Read this rank's input columns of the GGUF codes when the layer is packed for CPU."""
+        self._quant = lambda: weight().cols(*self.cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once, after the reduction, so it is not counted tp_size times.
@@ -318,14 +321,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(part, dim, dtype=dtype), requires_grad=False)
         self.scale = scale  # gemma3 scales its embeddings by sqrt(hidden), in the model dtype
         self.table: Optional[PackedLinear] = None
-        self._quant: Optional[QuantWeight] = None
+        self._quant: Optional[QuantSource] = None
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[self.start : self.start + self.weight.shape[0]])
 
-    def load_quantized(self, weight: QuantWeight) -> None:
-        """This rank's rows of the GGUF codes (read from them once packed for CPU)."""
-        self._quant = weight.rows(slice(self.start, self.start + self.weight.shape[0]))
+    def load_quantized(self, weight: QuantSource) -> None:
+        """This rank's rows of the GGUF codes, read when packed for CPU (then looked up in them)."""
+        rows = slice(self.start, self.start + self.weight.shape[0])  # now: the weight is released before packing
+        self._quant = lambda: weight().rows(rows)
 
     @property
     def has_codes(self) -> bool:
@@ -334,7 +338,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def pack_for_cpu(self) -> None:
         if self._quant is not None:
-            self.read_from(self._quant.packed())
+            self.read_from(self._quant().packed())
             self._quant = None
 
     def read_from(self, table: PackedLinear) -> None:
@@ -375,9 +379,10 @@ class ParallelLMHead(_ParallelLinear):
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[self.start : self.start + self.weight.shape[0]])
 
-    def load_quantized(self, weight: QuantWeight) -> None:
-        """This rank's vocabulary rows of the GGUF output (or tied embedding) codes."""
-        self._quant = weight.rows(slice(self.start, self.start + self.weight.shape[0]))
+    def load_quantized(self, weight: QuantSource) -> None:
+        """This rank's vocabulary rows of the GGUF output (or tied embedding) codes, read when packed for CPU."""
+        rows = slice(self.start, self.start + self.weight.shape[0])  # now: the weight is released before packing
+        self._quant = lambda: weight().rows(rows)
 
     def rows(self, index: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Rows `index` of this rank's head weight [len(index), H] in `dtype` (default: the model's;

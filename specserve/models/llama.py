@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Optional
 
 import torch
@@ -23,7 +24,7 @@ from specserve.models.layers import (
     release,
 )
 from specserve.models.native_layer import NativeLayers, native_linear
-from specserve.models.quant import QuantWeight
+from specserve.models.quant import QuantSource, QuantWeight
 
 
 class LlamaAttention(nn.Module):
@@ -147,6 +148,11 @@ def _loads_dense(module: nn.Module, dense: bool) -> bool:
     return dense
 
 
+def _source(codes: Mapping[str, QuantWeight], name: str) -> QuantSource:
+    """A weight's codes read when called (a GGUF's are parsed from the file then, loader.GGUFCodes)."""
+    return functools.partial(codes.__getitem__, name)
+
+
 class LlamaForCausalLM(nn.Module):
     """The target model. forward() writes K/V for the batch's new tokens and returns float32 logits
     of `fb.logit_rows`; with `fb.capture_layer_ids` it also leaves those layers' outputs (every row)
@@ -225,25 +231,26 @@ class LlamaForCausalLM(nn.Module):
         return out, captured
 
     @staticmethod
-    def _load_quantized(layer: "LlamaDecoderLayer", p: str, quantized: dict[str, QuantWeight]) -> None:
+    def _load_quantized(layer: "LlamaDecoderLayer", p: str, quantized: Mapping[str, QuantWeight]) -> None:
+        """Point the layer's linears at their codes (each read only when the layer is packed)."""
         fused = {
             layer.self_attn.qkv_proj: [f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")],
             layer.mlp.gate_up_proj: [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
         }
         for linear, names in fused.items():
             if all(n in quantized for n in names):
-                linear.load_quantized([quantized[n] for n in names])
+                linear.load_quantized([_source(quantized, n) for n in names])
         for row_linear, name in (
             (layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"),
             (layer.mlp.down_proj, f"{p}mlp.down_proj.weight"),
         ):
             if name in quantized:
-                row_linear.load_quantized(quantized[name])
+                row_linear.load_quantized(_source(quantized, name))
 
     def load_weights(
         self,
         weights: Mapping[str, torch.Tensor],
-        quantized: Optional[dict[str, QuantWeight]] = None,
+        quantized: Optional[Mapping[str, QuantWeight]] = None,
         dense_quantized: bool = True,
     ) -> None:
         """Load full (unsharded) Hugging Face-named weights; each layer keeps its own shard.
@@ -258,9 +265,9 @@ class LlamaForCausalLM(nn.Module):
         head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
         self._tied_head = head == "model.embed_tokens.weight"
         if head in codes:
-            self.lm_head.load_quantized(codes[head])
+            self.lm_head.load_quantized(_source(codes, head))
         if not self._tied_head and "model.embed_tokens.weight" in codes:
-            self.embed_tokens.load_quantized(codes["model.embed_tokens.weight"])
+            self.embed_tokens.load_quantized(_source(codes, "model.embed_tokens.weight"))
 
         def dense(module: nn.Module, has_codes: bool) -> bool:
             return _loads_dense(module, dense_quantized or not has_codes)

@@ -2,7 +2,8 @@
 
 Both paths produce the same thing: a ModelConfig and a mapping of float32 tensors under
 Hugging Face parameter names, with Q/K in the rotate-half RoPE layout (a GGUF's tensors are
-dequantized when first read), and a GGUF's quantized weights as codes and scales.
+dequantized when first read), and a GGUF's quantized weights as codes and scales (parsed from the
+mapped file each time one is read: the model packs them one at a time, docs/models.md "Loading").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from specserve.errors import ConfigError
 from specserve.models import rope_scaling
 from specserve.models.config import ModelConfig
-from specserve.models.gguf_file import GGUFFile
+from specserve.models.gguf_file import GGUFFile, GGUFTensor
 from specserve.models.packaged import PACKAGED_MODELS, packaged_model_path
 from specserve.models.quant import QuantWeight, is_quantized, parse_quantized
 
@@ -86,6 +87,38 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return len(self._make)
 
 
+class GGUFCodes(Mapping[str, QuantWeight]):
+    """A GGUF's quantized weights under Hugging Face names as codes and scales, parsed from the
+    mapped file each time one is read and kept by nobody here. The model reads each (fused) weight
+    just before packing it (models/layers.py), so loading holds one weight's unpacked codes at a
+    time, not the whole file's (about twice its size in uint8 codes plus float32 scales)."""
+
+    def __init__(self, reader: GGUFFile) -> None:
+        self._reader = reader
+        self._tensors: dict[str, tuple[GGUFTensor, int]] = {}
+
+    def add(self, name: str, tensor: GGUFTensor, heads: int) -> None:
+        """`heads`: the rows to put back in rotate-half order (unpermute_rope_rows), else 0."""
+        self._tensors[name] = (tensor, heads)
+
+    def __getitem__(self, name: str) -> QuantWeight:
+        tensor, heads = self._tensors[name]
+        q = parse_quantized(np.asarray(tensor.data), tensor.tensor_type.name)
+        if heads:
+            q = q.rows(torch.from_numpy(unpermute_rope_rows(np.arange(q.codes.shape[0]), heads)))
+        self._reader.release(tensor)  # its bytes were copied out: the pages need not stay resident
+        return q
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 @dataclass
 class LoadedModel:
     """A model's config and its weights (float32, Hugging Face names; a GGUF's read lazily)."""
@@ -94,7 +127,8 @@ class LoadedModel:
     weights: Mapping[str, torch.Tensor]
     path: str
     gguf_reader: Optional[GGUFFile] = None  # kept so the tokenizer need not read the header again
-    quantized: dict[str, QuantWeight] = field(default_factory=dict)  # GGUF Q4/Q8 weights, kept as codes + scales
+    # GGUF Q4/Q8 weights as codes + scales (GGUFCodes: parsed when read, not kept)
+    quantized: Mapping[str, QuantWeight] = field(default_factory=dict)
 
 
 def head_weight(weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -227,7 +261,7 @@ def _load_gguf(path: str) -> LoadedModel:
     reader = GGUFFile(path)
     config = gguf_config(reader)
     weights = LazyWeights()
-    quantized: dict[str, QuantWeight] = {}
+    quantized = GGUFCodes(reader)
     layer_names = _GGUF_SANDWICH_NAMES if config.sandwich_norms else _GGUF_LAYER_NAMES
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name, layer_names)
@@ -236,11 +270,7 @@ def _load_gguf(path: str) -> LoadedModel:
         heads = _rope_heads(name, config) if config.architecture in _ROPE_PERMUTED else 0
         weights.add(name, functools.partial(_dequantized, gguf, tensor, heads))
         if is_quantized(tensor.tensor_type.name) and name.endswith(".weight"):
-            q = parse_quantized(np.asarray(tensor.data), tensor.tensor_type.name)
-            if heads:
-                order = torch.from_numpy(unpermute_rope_rows(np.arange(q.codes.shape[0]), heads))
-                q = q.rows(order)
-            quantized[name] = q
+            quantized.add(name, tensor, heads)
     return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader, quantized=quantized)
 
 

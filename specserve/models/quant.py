@@ -18,7 +18,7 @@ computed in bf16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -143,6 +143,8 @@ class Q8Weight:
 
 
 QuantWeight = Q4Weight | Q8Weight
+# A weight's codes read on demand (models/loader.py GGUFCodes): a layer reads them only to pack them.
+QuantSource = Callable[[], QuantWeight]
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:

@@ -122,7 +122,7 @@ class EngineClient:
             for ev in events:
                 if isinstance(ev, EngineFatal):  # a start-up failure: its whole message, for the exit line
                     self.proc.join(5)
-                    raise EngineUnavailable(ev.message)
+                    raise (ConfigError if ev.config else EngineUnavailable)(ev.message)
                 if isinstance(ev, EngineReady):
                     self.info = ev.info
                     return self.info

@@ -64,7 +64,7 @@ def engine_main(
 
         engine = Engine(**engine_kwargs)
     except ConfigError as exc:  # a bad flag or model: its one line, the server exits with it
-        events.put([EngineFatal(f"engine failed to start: {exc}")])
+        events.put([EngineFatal(f"engine failed to start: {exc}", config=True)])
         return
     except Exception as exc:  # a bug while starting: the traceback to the log, the message to the server
         logger.critical("engine failed to start", exc_info=True)
