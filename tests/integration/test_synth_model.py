@@ -108,3 +108,16 @@ def test_a_published_shape_on_the_donors_table(donor, tmp_path):
 
     with Engine(model_path=path, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=512) as engine:
         assert torch.isfinite(prefill_logits(engine.runner.model, [1, 2, 3])).all()
+
+
+def test_step_bytes_leave_out_the_embedding_table_unless_it_is_the_head(donor, tmp_path):
+    """bench/bandwidth.py gguf_step_bytes: what llama.cpp streams per batch-1 step."""
+    from specserve.bench.bandwidth import gguf_step_bytes
+    from specserve.bench.synth_model import tensor_bytes
+
+    infos = GGUFFile(donor, header_only=True).infos
+    table = next(tensor_bytes(i) for i in infos if i.name == "token_embd.weight")
+    assert gguf_step_bytes(donor) == sum(tensor_bytes(i) for i in infos) - table
+    tied = str(tmp_path / "tied.gguf")
+    write_tiny_gguf(tied, TinySpec("qwen2", bias=True, tied=True), TYPES)
+    assert gguf_step_bytes(tied) == sum(tensor_bytes(i) for i in GGUFFile(tied, header_only=True).infos)
