@@ -33,6 +33,8 @@ SPLIT_REGEXES = {
     "llama-bpe": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
     "llama3": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
     "qwen2": _WORD_SPLIT.format(digits=r"\p{N}"),
+    # DeepSeek-R1's Qwen distills: Qwen2's tokenizer under its own name (llama.cpp maps it to QWEN2)
+    "deepseek-r1-qwen": _WORD_SPLIT.format(digits=r"\p{N}"),
 }
 
 

@@ -59,3 +59,14 @@ def test_recovered_merges_rank_by_score_then_longer_left_part():
     vocab = {t: i for i, t in enumerate(["a", "b", "c", "ab", "bc", "abc"])}
     rank = {"a": 0.0, "b": 0.0, "c": 0.0, "ab": -1.0, "bc": -2.0, "abc": -3.0}
     assert recovered_merges(vocab, rank) == [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
+
+
+def test_deepseek_r1_qwen_files_split_like_qwen2_every_digit_alone():
+    """DeepSeek-R1-Distill-Qwen GGUFs name their pre-tokenizer 'deepseek-r1-qwen' (llama.cpp: QWEN2)."""
+    from specserve.tokenizer.gguf_vocab import _byte_level_pre_tokenizer
+
+    def pieces(pre: str) -> list[str]:
+        return [p for p, _ in _byte_level_pre_tokenizer(pre).pre_tokenize_str("x=12345 ok")]
+
+    assert pieces("deepseek-r1-qwen") == pieces("qwen2")
+    assert "1" in pieces("qwen2") and pieces("llama3") != pieces("qwen2")  # llama3 groups three digits
