@@ -12,7 +12,6 @@ activations alternate sweep by sweep.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -78,7 +77,7 @@ def _summary(linears, sweeps: list[list[float]], key) -> dict[str, dict[str, flo
 
 def run_weight_stream(ns: argparse.Namespace) -> int:
     from specserve.bench.bandwidth import read_bandwidth_gbs
-    from specserve.bench.provenance import provenance
+    from specserve.bench.provenance import emit_report, provenance
     from specserve.engine.engine import Engine
 
     model_path = ns.model_path
@@ -106,9 +105,5 @@ def run_weight_stream(ns: argparse.Namespace) -> int:
         for (_, kernel), flag in zip(linears, saved):
             kernel.int8_activations = flag
     report |= provenance(None)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, ns.out)
     return 0

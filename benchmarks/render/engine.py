@@ -241,6 +241,53 @@ def render_models(results: str) -> str:
         f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n") + _models_spec_table(data)
 
 
+def render_models_at_size(results: str) -> str:
+    """The 1-8B files (synthetic weights) against native llama.cpp: decode without the prompt and
+    the share of the read bandwidth each side's weight stream uses, prefill, extra rows, memory."""
+    data = load(results, "models_at_size.json")
+    rows = []
+    for name, model in data["models"].items():
+        s = model["summary"]
+        rows.append([f"{_model_label(name)} (`{model['path']}`)", model["activations"],
+                     _median_range(s["steady_decode_tok_s"], ".1f"), _median_range(s["native_tg128_tok_s"], ".1f"),
+                     _ratio(s["decode_vs_native"]),
+                     f"{s['decode_bandwidth_share']['median']:.0%} vs {s['native_bandwidth_share']['median']:.0%}",
+                     _ratio(s["prefill_vs_native"]), _median_range(s["batch_over_batch1"], ".2f", "x"),
+                     _median_range(s["verify_over_decode"], ".2f", "x"), _memory(s), _median_range(s["load_s"], ".1f", " s")])
+    header = ["file (synthetic weights)", "activations", "decode, batch 1 (tok/s)", "native tg128 (tok/s)",
+              "decode vs native", "read bandwidth used, ours vs native", "prefill (512) vs native (pp512)",
+              f"batch {data['batch_size']} / batch 1", "6-row verify / decode step", "resident memory", "load"]
+    bandwidth = [r["specserve"]["read_bandwidth_gbs"] for m in data["models"].values() for r in m["runs"]]
+    return table(header, rows) + (
+        f"\n\nSynthetic weights: each file has a real model's tensor table and metadata (`specserve bench synth-model`) "
+        "and random values, so these are speed figures only, never quality or acceptance. Speculation off; our decode "
+        f"is {data['new_tokens']} tokens after a chat prompt, without the prompt's prefill (like llama-bench's tg128); "
+        "the bandwidth share is the weights one step reads over the step's time, against the machine's read bandwidth "
+        f"probed in the same run ({min(bandwidth):.0f}-{max(bandwidth):.0f} GB/s over the runs: the machine's own "
+        f"bandwidth varies this much). {data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved runs, "
+        f"each ratio formed within its run; native llama.cpp is `llama-bench` built from llama-cpp-python 0.3.36's "
+        f"source. {provenance(data, 'models_at_size.json')}\n")
+
+
+def render_weight_stream(results: str) -> str:
+    """Every linear of a batch-1 step in order: ms per role and weight kind, and GB/s against the
+    read bandwidth probed in the same run."""
+    data = load(results, "weight_stream.json")
+    rows = []
+    for rows_n, by_act in data["rows"].items():
+        for act, sweep in by_act.items():
+            for group in ("by_role", "by_kind"):
+                for name, part in sweep[group].items():
+                    rows.append([f"{rows_n}", act, name, f"{part['mib']:.0f}", f"{part['ms']:.2f}", f"{part['gb_s']:.1f}"])
+            rows.append([f"{rows_n}", act, "**all**", f"{data['weights_mib']:.0f}", f"**{sweep['ms']:.2f}**",
+                         f"**{sweep['gb_s']:.1f}** ({sweep['gb_s'] / data['read_bandwidth_gbs']:.0%} of the probe)"])
+    return table(["rows", "activations", "linears", "MiB", "ms per step", "GB/s"], rows) + (
+        f"\n\n`python -m benchmarks weight-stream --model-path {data['model']}` (synthetic weights): each linear called "
+        "once per sweep in a step's order, each call timed; median of the sweeps, bf16 and int8 activations "
+        f"alternating. Read bandwidth probed in the same run: {data['read_bandwidth_gbs']:.1f} GB/s. "
+        f"{provenance(data, 'weight_stream.json')}\n")
+
+
 def render_linear_rows(results: str) -> str:
     """Per linear: µs per call at each row count, bf16 and int8 activations, and bf16's GMAC/s."""
     data = load(results, "linear_rows.json")

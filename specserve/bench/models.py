@@ -149,7 +149,7 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 
 def run_models_bench(ns: argparse.Namespace) -> int:
     from specserve.bench.llamacpp import BATCH1_RUNS
-    from specserve.bench.provenance import provenance
+    from specserve.bench.provenance import emit_report, provenance
     from specserve.args import CPU_ACTIVATIONS
     from specserve.models.int8_gate import resolve_cpu_activations
     from specserve.models.loader import resolve_model_path
@@ -189,9 +189,5 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     report["models"] = {name: {"path": os.path.basename(paths[m]), "activations": a,
                                "summary": summarize([_figures(r, ns.batch_size) for r in raw[name]]), "runs": raw[name]}
                         for (m, a), name in entries.items()}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, ns.out)
     return 0

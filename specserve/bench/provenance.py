@@ -61,3 +61,14 @@ def provenance(drafter_path: Optional[str] = None) -> dict[str, Any]:
     if drafter_path:
         record["drafter"] = {"path": os.path.relpath(drafter_path, REPO), "sha256": drafter_checksum(drafter_path)}
     return record
+
+
+def emit_report(report: dict[str, Any], out: Optional[str]) -> None:
+    """A bench's JSON report on stdout and, with --out, in that file."""
+    import json
+
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

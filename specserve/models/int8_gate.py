@@ -68,10 +68,16 @@ def int8_verdict_vs_bf16(report: dict[str, Any]) -> dict[str, Any]:
     ratio = int8["perplexity"] / report["bfloat16"]["perplexity"]
     prefix = int8["greedy_vs_bf16"]["mean_matching_prefix"]
     perplexity_ok, greedy_ok = ratio <= PERPLEXITY_LIMIT, prefix >= MIN_BF16_PREFIX
-    return {"int8": perplexity_ok and greedy_ok, "reference": "bf16", "perplexity_ok": perplexity_ok,
-            "greedy_ok": greedy_ok, "perplexity_over_bf16": ratio, "mean_matching_prefix": prefix,
-            "greedy_identical": {"int8_vs_bf16": sum(int8["greedy_vs_bf16"]["identical_each"])},
-            "prompts": len(int8["greedy_vs_bf16"]["identical_each"])}
+    return {
+        "int8": perplexity_ok and greedy_ok,
+        "reference": "bf16",
+        "perplexity_ok": perplexity_ok,
+        "greedy_ok": greedy_ok,
+        "perplexity_over_bf16": ratio,
+        "mean_matching_prefix": prefix,
+        "greedy_identical": {"int8_vs_bf16": sum(int8["greedy_vs_bf16"]["identical_each"])},
+        "prompts": len(int8["greedy_vs_bf16"]["identical_each"]),
+    }
 
 
 def file_sha256(path: str) -> str:
