@@ -44,6 +44,8 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-batch-sizes", default="1,16", help="batch sizes of the speculation comparison")
     p.add_argument("--spec-repeats", type=int, default=2,
                    help="repeats of NONE and the default in each run, in alternating order (the ratio: their median)")
+    p.add_argument("--no-speculation", dest="speculation", action="store_false",
+                   help="every model with --speculative-algorithm NONE (the kernels alone, like llama-bench)")
     p.add_argument("--no-python-peer", dest="python_peer", action="store_false",
                    help="skip llama-cpp-python (then --llama-bench is the only peer)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -72,6 +74,8 @@ def _bench_subcommand(args: list[str], model: str, activations: str, ns: argpars
            "--num-threads", str(ns.threads), "--cpu-activations", activations, "--out", out]
     if model != "default":
         cmd += ["--model-path", model]
+    if not ns.speculation:
+        cmd += ["--speculative-algorithm", "NONE"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"bench {args[0]} on {model} failed:\n{proc.stderr[-3000:]}")
@@ -181,7 +185,7 @@ def run_models_bench(ns: argparse.Namespace) -> int:
                 raw[entries[model, activations]].append(result)
                 print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
-    report: dict[str, Any] = {"runs": ns.runs, "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
+    report: dict[str, Any] = {"runs": ns.runs, "speculation": "default" if ns.speculation else "none", "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
                               "threads": ns.threads, "spec_prompts": ns.spec_prompts, "spec_repeats": ns.spec_repeats,
                               "batch1_generations": BATCH1_RUNS, **provenance(None)}
     first = next(iter(raw.values()))[0]
