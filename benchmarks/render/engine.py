@@ -260,7 +260,8 @@ def render_models_at_size(results: str) -> str:
     bandwidth = [r["specserve"]["read_bandwidth_gbs"] for m in data["models"].values() for r in m["runs"]]
     return table(header, rows) + (
         f"\n\nSynthetic weights: each file has a real model's tensor table and metadata (`specserve bench synth-model`) "
-        "and random values, so these are speed figures only, never quality or acceptance. Speculation off; our decode "
+        "and random values, so these are speed figures only, never quality or acceptance. Speculation "
+        f"{'off' if data.get('speculation') == 'none' else 'at each model default'}; our decode "
         f"is {data['new_tokens']} tokens after a chat prompt, without the prompt's prefill (like llama-bench's tg128); "
         "the bandwidth share is the weights one step reads over the step's time, against the machine's read bandwidth "
         f"probed in the same run ({min(bandwidth):.0f}-{max(bandwidth):.0f} GB/s over the runs: the machine's own "
@@ -282,7 +283,7 @@ def render_weight_stream(results: str) -> str:
             rows.append([f"{rows_n}", act, "**all**", f"{data['weights_mib']:.0f}", f"**{sweep['ms']:.2f}**",
                          f"**{sweep['gb_s']:.1f}** ({sweep['gb_s'] / data['read_bandwidth_gbs']:.0%} of the probe)"])
     return table(["rows", "activations", "linears", "MiB", "ms per step", "GB/s"], rows) + (
-        f"\n\n`python -m benchmarks weight-stream --model-path {data['model']}` (synthetic weights): each linear called "
+        f"\n\n`python -m benchmarks weight-stream --model-path {os.path.basename(data['model'])}` (synthetic weights): each linear called "
         "once per sweep in a step's order, each call timed; median of the sweeps, bf16 and int8 activations "
         f"alternating. Read bandwidth probed in the same run: {data['read_bandwidth_gbs']:.1f} GB/s. "
         f"{provenance(data, 'weight_stream.json')}\n")

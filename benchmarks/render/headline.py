@@ -39,7 +39,11 @@ def render_headline(results: str) -> str:
     caught = [r for r in seed["aliased"] if r["caught"]]
     clean = [r for r in seed["owned"]
              if r["exit_code"] == 0 and not r["rank_divergences"] and r["events_checked"] == r["events_recorded"]]
+    sizes = load(results, "models_at_size.json")
     return (
+        f"- **Batch-1 decode at 1.5-7B, speculation off on both sides** (synthetic weights: real tensor tables, "
+        f"random values) against native `llama-bench` tg128 on the same file: {_per_model(sizes, 'decode_vs_native')}. "
+        f"Median (lowest-highest) of {sizes['runs']} interleaved runs. {provenance(sizes, 'models_at_size.json')}\n"
         f"- **Decode step, speculation off on both sides**: one row after 256 cached tokens, speed against "
         f"llama.cpp (llama-cpp-python {models['llama_cpp_python']}) on the same file: {_per_model(models, 'decode_step_speedup')}.\n"
         f"- **Prefill of 512 tokens** against native `llama-bench` pp512 on the same file: "
