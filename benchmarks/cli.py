@@ -61,6 +61,12 @@ COMMANDS: tuple[Command, ...] = (
         "benchmarks.weight_stream:run_weight_stream",
     ),
     Command(
+        "startup",
+        "seconds from starting the server to its first token, against native llama-server on the same file",
+        "benchmarks.startup:add_startup_args",
+        "benchmarks.startup:run_startup",
+    ),
+    Command(
         "prefetch",
         "the decode and verify steps with the kernels' weight prefetching off and on, alternating runs",
         "benchmarks.prefetch:add_prefetch_bench_args",

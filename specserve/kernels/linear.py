@@ -196,16 +196,15 @@ def _sub_values(values: torch.Tensor, super_values: torch.Tensor, group: int) ->
     value is exactly one times its super-value (as a K-quant's scales are), else None."""
     if not torch.equal(super_values.half().float(), super_values.float()):
         return None
-    top = super_values.float().repeat_interleave(SUPER // group, dim=1)
-    if top.shape != values.shape:
+    per = SUPER // group
+    if values.shape != (super_values.shape[0], super_values.shape[1] * per):
         return None
-    sub = torch.where(top == 0, torch.zeros_like(values), values.float() / torch.where(top == 0, 1.0, top))
-    ok = (
-        torch.equal(sub.round(), sub)
-        and bool(((sub >= -128) & (sub <= 127)).all())
-        and torch.equal(sub * top, values.float())
-    )
-    return sub.to(torch.int8) if ok else None
+    top = super_values.float().unsqueeze(-1)  # broadcast over each super-block's groups, not repeated
+    v = values.float().reshape(*super_values.shape, per)
+    sub = v / torch.where(top == 0, 1.0, top)
+    sub.masked_fill_(top.expand_as(sub) == 0, 0.0)
+    ok = torch.equal(sub.round(), sub) and bool(((sub >= -128) & (sub <= 127)).all()) and torch.equal(sub * top, v)
+    return sub.to(torch.int8).reshape(values.shape) if ok else None
 
 
 # The per-group tables of a quantized weight: scale, offset (None: -code_offset * scale or none),
@@ -249,13 +248,7 @@ def pack_q4(
         raise ConfigError(f"4-bit weights need k divisible by {group}, got {k}")
     if bits not in (4, 5, 6) or (codes.numel() and int(codes.max()) >= 1 << bits):
         raise ConfigError(f"packing: codes must be {bits}-bit (4, 5 or 6)")
-    c = _pad_rows(codes.to(torch.uint8).contiguous(), BLOCK).view(-1, BLOCK, k // 8, 8)  # [B, lane, oct, 8 columns]
-    octs = c.view(torch.int64).squeeze(-1)  # [B, lane, oct]: codes < 64, so every word is >= 0
-    parts = [_nibble_words(octs & _NIBBLES).unsqueeze(-1).view(torch.uint8)]
-    if bits > 4:
-        parts.append(_high_plane(octs >> 4 & _NIBBLES, bits))
-    # each [B, lane, oct, bytes] -> per block and oct: its 16 lanes' nibble words, then their high bits
-    packed = torch.cat([p.transpose(1, 2).reshape(c.shape[0], k // 8, -1) for p in parts], dim=2).reshape(-1)
+    packed = pack_codes(_pad_rows(codes.to(torch.uint8).contiguous(), BLOCK), bits)
     centre = 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
     code_offset = centre if torch.equal(offset.float(), -centre * scale.float()) else 0
     tables = _group_tables(scale, None if code_offset else offset, group, supers)
@@ -272,6 +265,25 @@ def pack_q4(
         scale_super=tables[2],
         zero_super=tables[3],
     )
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes uint8 [16 * blocks, k] (k a multiple of 8) in the Q4 layout, as one uint8 tensor: per
+    block of 16 rows and oct of 8 columns, the 16 lanes' nibble words, then their high bits (csrc/
+    pack.cpp, one pass; pack_codes_reference is the definition)."""
+    return load().pack_q4_codes(codes, bits)
+
+
+def pack_codes_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack_codes through whole-array torch shifts."""
+    k = codes.shape[1]
+    c = codes.view(-1, BLOCK, k // 8, 8)  # [B, lane, oct, 8 columns]
+    octs = c.view(torch.int64).squeeze(-1)  # [B, lane, oct]: codes < 64, so every word is >= 0
+    parts = [_nibble_words(octs & _NIBBLES).unsqueeze(-1).view(torch.uint8)]
+    if bits > 4:
+        parts.append(_high_plane(octs >> 4 & _NIBBLES, bits))
+    # each [B, lane, oct, bytes] -> per block and oct: its 16 lanes' nibble words, then their high bits
+    return torch.cat([p.transpose(1, 2).reshape(c.shape[0], k // 8, -1) for p in parts], dim=2).reshape(-1)
 
 
 # Every oct's 8 codes (one byte each) read as one int64 word: on little-endian CPUs (x86, Arm) byte j is column j.

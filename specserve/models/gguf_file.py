@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -55,6 +55,9 @@ class TensorInfo:
     dims: tuple[int, ...]
     tensor_type: GGMLQuantizationType
     offset: int
+
+
+_U64 = struct.Struct("<Q")
 
 
 class GGUFFile:
@@ -101,6 +104,17 @@ class GGUFFile:
         self._pos += n
         return str(self._buf[self._pos - n : self._pos], "utf-8")
 
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary, its merges: ~300k for Qwen) in one tight loop."""
+        buf, pos, out = self._buf, self._pos, []
+        length = _U64.unpack_from
+        for _ in range(count):
+            (n,) = length(buf, pos)
+            out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8"))
+            pos += 8 + n
+        self._pos = pos
+        return out
+
     def _value(self, kind: int) -> Any:
         if kind == _STRING:
             return self._string()
@@ -111,8 +125,9 @@ class GGUFFile:
                 values = list(struct.unpack_from(fmt, self._buf, self._pos))
                 self._pos += struct.calcsize(fmt)
                 return values
-            read: Callable[[], Any] = self._string if item == _STRING else lambda: self._value(item)
-            return [read() for _ in range(count)]
+            if item == _STRING:
+                return self._strings(count)
+            return [self._value(item) for _ in range(count)]
         if kind not in _SCALARS:
             raise ConfigError(f"model_path: GGUF value type {kind} in {self.path!r} is unknown")
         return self._unpack(_SCALARS[kind])

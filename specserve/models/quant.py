@@ -17,6 +17,7 @@ computed in bf16.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from specserve.errors import ConfigError
+from specserve.kernels.build import load
 from specserve.kernels.linear import SUPER, PackedLinear, Supers, pack_q4, pack_q8
 
 GROUP = 32
@@ -225,17 +227,37 @@ def _parse_legacy(blocks: np.ndarray, type_name: str) -> QuantWeight:
     return Q4Weight(_tensor(codes.astype(np.uint8)), _tensor(d), _tensor(offset))
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, Supers]:
+def _k_scales(blocks: np.ndarray, scale_min: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, Supers]:
     """Q4_K/Q5_K per-32 scale d*sc and offset -(dmin*m), float32 [rows, super-blocks * 8], and
-    their super-values d and -dmin [rows, super-blocks]."""
-    import gguf
-
+    their super-values d and -dmin [rows, super-blocks]; scale_min: the 6-bit (sc, m) [rows, super-blocks * 8]."""
     out, n = blocks.shape[:2]
-    sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, :, 4:16].reshape(out * n, 12))
+    sc, mn = scale_min
     d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
     scale = d * sc.reshape(out, n, 8).astype(np.float32)
     offset = -(dmin * mn.reshape(out, n, 8).astype(np.float32))
     return scale.reshape(out, -1), offset.reshape(out, -1), (_tensor(d[..., 0]), _tensor(-dmin[..., 0]))
+
+
+def k_scale_min(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 6-bit sub-block scales and mins, uint8 [rows, super-blocks * 8] each, from the
+    raw blocks [rows, bytes] (csrc/pack.cpp: one pass; k_scale_min_reference is the definition)."""
+    both = load().gguf_k_scale_min(_raw_tensor(raw), type_name).numpy()
+    return both[0], both[1]
+
+
+def k_scale_min_reference(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """k_scale_min through the `gguf` package's own unpacking."""
+    import gguf
+
+    blocks = raw.reshape(-1, _BLOCK_BYTES[type_name])
+    sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    return sc.reshape(raw.shape[0], -1).astype(np.uint8), mn.reshape(raw.shape[0], -1).astype(np.uint8)
+
+
+def k_codes(raw: np.ndarray, type_name: str) -> torch.Tensor:
+    """A K-quant tensor's codes, uint8 [rows, k] in column order, from its raw blocks [rows, bytes]
+    (csrc/pack.cpp: one pass; k_codes_reference is the definition)."""
+    return load().gguf_k_codes(_raw_tensor(raw), type_name)
 
 
 def _low_nibble_rows(qs: np.ndarray) -> np.ndarray:
@@ -245,27 +267,49 @@ def _low_nibble_rows(qs: np.ndarray) -> np.ndarray:
     return (chunks & 0x0F).reshape(*qs.shape[:2], 8, 32)
 
 
-def _parse_k(blocks: np.ndarray, type_name: str) -> QuantWeight:
-    out, n = blocks.shape[:2]
+def k_codes_reference(raw: np.ndarray, type_name: str) -> torch.Tensor:
+    """k_codes in numpy, after llama.cpp's dequantize_row_q{4,5,6}_K."""
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, _BLOCK_BYTES[type_name])
+    n = blocks.shape[1]
     if type_name == "Q6_K":
         ql = blocks[:, :, :128].reshape(out, n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         qh = blocks[:, :, 128:192].reshape(out, n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
         q = (ql & 0x0F).reshape(out, n, 8, 32) | ((qh & 0x03).reshape(out, n, 8, 32) << 4)
+    elif type_name == "Q4_K":
+        q = _low_nibble_rows(blocks[:, :, 16:])
+    else:
+        qh = blocks[:, :, 16:48].reshape(out, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        q = _low_nibble_rows(blocks[:, :, 48:]) | ((qh & 1) << 4)
+    return _tensor(q.reshape(out, -1))
+
+
+def _raw_tensor(raw: np.ndarray) -> torch.Tensor:
+    """raw [rows, bytes] as a uint8 tensor without a copy where it is contiguous. The file is mapped
+    read-only and the native code only reads it: torch's warning about a read-only array is moot."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+def _parse_k(raw: np.ndarray, type_name: str) -> QuantWeight:
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, _BLOCK_BYTES[type_name])
+    codes = k_codes(raw, type_name)
+    if type_name == "Q6_K":
         sub = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
         d = _f16(blocks, 208)
         scale = (d[..., None] * sub).reshape(out, -1)
         q6_supers: Supers = (_tensor(d), _tensor(-32 * d))
-        return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(-32 * scale), 16, 6, q6_supers)
-    scale, offset, supers = _k_scales(blocks)
-    if type_name == "Q4_K":
-        codes = _low_nibble_rows(blocks[:, :, 16:])
-        return Q4Weight(_tensor(codes.reshape(out, -1)), _tensor(scale), _tensor(offset), supers=supers)
-    qh = blocks[:, :, 16:48].reshape(out, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-    q = _low_nibble_rows(blocks[:, :, 48:]) | ((qh & 1) << 4)
-    return Q4Weight(_tensor(q.reshape(out, -1)), _tensor(scale), _tensor(offset), GROUP, 5, supers)
+        return Q4Weight(codes, _tensor(scale), _tensor(-32 * scale), 16, 6, q6_supers)
+    scale, offset, supers = _k_scales(blocks, k_scale_min(raw, type_name))
+    bits = 4 if type_name == "Q4_K" else 5
+    return Q4Weight(codes, _tensor(scale), _tensor(offset), GROUP, bits, supers)
 
 
 def parse_quantized(raw: np.ndarray, type_name: str) -> QuantWeight:
     """Split GGUF blocks (raw uint8 [out, blocks * block_bytes]) into codes and scales."""
-    blocks = np.asarray(raw).reshape(raw.shape[0], -1, _BLOCK_BYTES[type_name])
-    return _parse_k(blocks, type_name) if type_name.endswith("_K") else _parse_legacy(blocks, type_name)
+    raw = np.asarray(raw)
+    if type_name.endswith("_K"):
+        return _parse_k(raw, type_name)
+    return _parse_legacy(raw.reshape(raw.shape[0], -1, _BLOCK_BYTES[type_name]), type_name)

@@ -108,9 +108,17 @@ class EngineClient:
 
     # ------------------------------------------------------------ lifecycle
 
+    def launch(self) -> None:
+        """Spawn the engine; it loads while the caller does its own start-up (wait_ready joins)."""
+        self.proc.start()
+
     def start(self, timeout_s: float = 900.0) -> dict[str, Any]:
         """Spawn the engine and wait (blocking, before serving) until it is ready."""
-        self.proc.start()
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 900.0) -> dict[str, Any]:
+        """Block until the launched engine reports ready (its info) or fails (raised)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:

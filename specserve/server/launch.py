@@ -87,8 +87,14 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     name = ns.served_model_name or served_model_name(path)
     metrics = ServerMetrics(name)
     client = EngineClient(dataclasses.asdict(args), metrics, ns.engine_heartbeat_timeout, ns.engine_step_timeout)
-    tokenizer = load_tokenizer(args.tokenizer_path or path, chat_template=args.chat_template)
-    info = client.start()
+    client.launch()  # the engine loads the model while this process reads the tokenizer
+    try:
+        tokenizer = load_tokenizer(args.tokenizer_path or path, chat_template=args.chat_template)
+    except BaseException:
+        client.proc.kill()  # it would only be loading: nothing of it to keep
+        client.proc.join(5)
+        raise
+    info = client.wait_ready()
     url = f"http://{ns.host}:{ns.port}"
     startup_logger.info("%s", startup_block(name, info, url, time.monotonic() - started_at))
     settings = {**dataclasses.asdict(args), **{k: v for k, v in vars(ns).items() if k not in ("command", "func")}}

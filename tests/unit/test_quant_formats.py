@@ -12,8 +12,19 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from specserve.kernels import dispatch
-from specserve.kernels.linear import pack_bf16
-from specserve.models.quant import Q4Weight, Q8Weight, concat_rows, is_quantized, parse_quantized
+from specserve.kernels import linear as linear_module
+from specserve.kernels.linear import pack_bf16, pack_codes, pack_codes_reference
+from specserve.models.quant import (
+    Q4Weight,
+    Q8Weight,
+    concat_rows,
+    is_quantized,
+    k_codes,
+    k_codes_reference,
+    k_scale_min,
+    k_scale_min_reference,
+    parse_quantized,
+)
 from tiny_gguf import random_k_quant
 
 PATHS = ["generic", *(p for p in dispatch.available_paths() if p != "generic")]
@@ -43,6 +54,42 @@ def test_parsed_codes_dequantize_to_the_gguf_packages_weights_exactly(type_name)
     assert is_quantized(type_name)
     assert isinstance(parsed, LAYOUT.get(type_name, Q4Weight))
     assert torch.equal(parsed.dequantize(), reference(raw, type_name))
+
+
+@pytest.mark.parametrize("type_name", K_QUANTS)
+def test_native_k_quant_parsing_is_the_reference_on_any_bytes(type_name):
+    """csrc/pack.cpp's one-pass codes and 6-bit scales equal the numpy/gguf definitions on
+    arbitrary bytes (every bit pattern of every field), on an odd number of rows."""
+    block = gguf.GGML_QUANT_SIZES[QType[type_name]][1]
+    raw = np.random.default_rng(5).integers(0, 256, size=(7, 3 * block), dtype=np.uint8)
+    assert torch.equal(k_codes(raw, type_name), k_codes_reference(raw, type_name))
+    if type_name != "Q6_K":
+        for got, want in zip(k_scale_min(raw, type_name), k_scale_min_reference(raw, type_name)):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_native_packing_is_the_reference_layout(bits):
+    codes = torch.randint(0, 1 << bits, (48, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    assert torch.equal(pack_codes(codes, bits), pack_codes_reference(codes, bits))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_a_planted_packing_bug_changes_the_weights_the_kernels_read(type_name, monkeypatch):
+    """Mutation: a packer that swaps two lanes' words of one oct gives rows that are no longer the
+    file's; the same check passes with the real packer."""
+    parsed = parse_quantized(raw_tensor(type_name, 32, 256, seed=6), type_name)
+    rows = torch.arange(32)
+    assert torch.equal(parsed.packed().dense_rows(rows), parsed.dequantize())
+    real = linear_module.pack_codes
+
+    def swapped_lanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+        out = real(codes, bits).clone()
+        out[0:4], out[4:8] = out[4:8].clone(), out[0:4].clone()
+        return out
+
+    monkeypatch.setattr(linear_module, "pack_codes", swapped_lanes)
+    assert not torch.equal(parsed.packed().dense_rows(rows), parsed.dequantize())
 
 
 @pytest.mark.parametrize("type_name", LEGACY + K_QUANTS)
