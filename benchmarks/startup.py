@@ -1,13 +1,14 @@
 """`python -m benchmarks startup`: seconds from starting a server to its first answered token, ours
 against native `llama-server` on the same file, in interleaved rounds.
 
-Each round starts `specserve serve --model-path F` (plus the flags after `--`) and `llama-server -m F
--t THREADS`, each on a free loopback port, and records from the moment the process is started: when
+Each start runs `specserve serve --model-path F` (plus the flags after `--`) or `llama-server -m F
+-t THREADS`, on a free loopback port, and records from the moment the process is started: when
 `/health` first answers 200 (ready), when a one-token `/v1/completions` request made right then
-returns (first token), and the server's resident memory at that point. Both read the file from
-the page cache (a warm-up start of each comes first and is not recorded), so the figure is loading
-and packing, not the disk. Reports per file the medians [min-max] and the ratio ours / native of
-the first-token times, within each round.
+returns (first token), and the resident memory of the server and its children then. Per file: one
+unrecorded llama-server start (the file into the page cache), then specserve's first start with an
+empty weight cache (`--weight-cache` in a temporary folder: it packs the file and keeps the packed
+weights), then interleaved rounds of a specserve restart (mapping them) and a llama-server start.
+Reports the medians [min-max] and the ratio ours / native of the first-token times within each round.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _commands(kind: str, path: str, port: int, ns: argparse.Namespace) -> list[s
     if kind == "specserve":
         return [sys.executable, "-m", "specserve.cli", "serve", "--model-path", path, "--port", str(port),
                 "--num-threads", str(ns.threads), "--context-length", str(ns.context), "--max-total-tokens", str(ns.context),
-                *(a for a in ns.serve_args if a != "--")]  # fmt: skip
+                "--weight-cache", ns.weight_cache, *(a for a in ns.serve_args if a != "--")]  # fmt: skip
     return [ns.llama_server, "-m", path, "--port", str(port), "-t", str(ns.threads), "-c", str(ns.context),
             "--host", "127.0.0.1"]  # fmt: skip
 
@@ -109,21 +110,29 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def bench_file(path: str, ns: argparse.Namespace) -> dict[str, Any]:
-    """Interleaved rounds on one file, after one unrecorded start of each (the page cache warms)."""
+    """specserve's first (packing) start, then interleaved rounds of restarts against llama-server."""
     kinds = ("specserve", "llama-server")
-    for kind in kinds:
-        time_start(kind, path, ns)
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
-    for _ in range(ns.rounds):
-        for kind in kinds:
-            runs[kind].append(time_start(kind, path, ns))
-            print(f"{os.path.basename(path)} {kind}: {runs[kind][-1]}", file=sys.stderr, flush=True)
-    out: dict[str, Any] = {"file_mib": os.path.getsize(path) / 2**20}
+    time_start("llama-server", path, ns)  # the file into the page cache
+    with tempfile.TemporaryDirectory() as folder:
+        ns.weight_cache = folder
+        first = time_start("specserve", path, ns)
+        print(f"{os.path.basename(path)} specserve first start: {first}", file=sys.stderr, flush=True)
+        runs = _rounds(kinds, path, ns)
+    out: dict[str, Any] = {"file_mib": os.path.getsize(path) / 2**20, "specserve_first_start": first}
     for kind, rows in runs.items():
         out[kind] = {key: _spread([r[key] for r in rows]) for key in rows[0]}
     ratios = [a["first_token_s"] / b["first_token_s"] for a, b in zip(runs["specserve"], runs["llama-server"])]
     out["first_token_ratio"] = _spread(ratios)
     return out
+
+
+def _rounds(kinds: tuple[str, ...], path: str, ns: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    for _ in range(ns.rounds):
+        for kind in kinds:
+            runs[kind].append(time_start(kind, path, ns))
+            print(f"{os.path.basename(path)} {kind}: {runs[kind][-1]}", file=sys.stderr, flush=True)
+    return runs
 
 
 def run_startup(ns: argparse.Namespace) -> int:

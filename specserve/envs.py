@@ -65,4 +65,5 @@ FAULT_DIVERGE_SITE = "SPECSERVE_FAULT_DIVERGE_SITE"  # test hook "SITE:RANK": th
 FAULT_SKIP_COLLECTIVE = "SPECSERVE_FAULT_SKIP_COLLECTIVE"  # test hook "SITE:RANK": that rank never arrives there
 CPU_KERNEL_PATH = "SPECSERVE_CPU_KERNEL_PATH"  # force a CPU kernel path: generic or avx512_bf16
 KERNEL_CACHE_DIR = "SPECSERVE_KERNEL_CACHE_DIR"  # where the C++ kernels are built (default ~/.cache/specserve)
+WEIGHT_CACHE_DIR = "SPECSERVE_WEIGHT_CACHE_DIR"  # --weight-cache auto: where (default ~/.cache/specserve/packed)
 PREFETCH_BYTES = "SPECSERVE_PREFETCH_BYTES"  # read by the C++ kernels at load: prefetch distance (16384; 0: off)

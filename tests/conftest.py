@@ -65,6 +65,22 @@ def return_freed_memory_after_each_module(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def weight_cache_in_a_temporary_folder(tmp_path_factory):
+    """Engines keep packed weights (--weight-cache auto) in a folder of this run, not the user's
+    cache: later engines on a file map what the first packed, as a restart would. Servers the
+    tests spawn inherit it."""
+    from specserve import envs
+
+    saved = os.environ.get(envs.WEIGHT_CACHE_DIR)
+    os.environ[envs.WEIGHT_CACHE_DIR] = str(tmp_path_factory.mktemp("packed-weights"))
+    yield
+    if saved is None:
+        os.environ.pop(envs.WEIGHT_CACHE_DIR, None)
+    else:
+        os.environ[envs.WEIGHT_CACHE_DIR] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
 def parse_each_gguf_once():
     """Engines built in this process share one parse of each GGUF file (reading and dequantizing
     it is most of an engine build); every engine still loads, shards and packs its own weights.

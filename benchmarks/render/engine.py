@@ -241,23 +241,33 @@ def render_models(results: str) -> str:
         f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n") + _models_spec_table(data)
 
 
+# The 1-8B records: the first run's files, and files measured later in a run of their own.
+SIZE_RECORDS = ("models_at_size.json", "models_at_size_3b.json")
+
+
 def render_models_at_size(results: str) -> str:
     """The 1-8B files (synthetic weights) against native llama.cpp: decode without the prompt and
     the share of the read bandwidth each side's weight stream uses, prefill, extra rows, memory."""
-    data = load(results, "models_at_size.json")
+    records = {f: load(results, f) for f in SIZE_RECORDS if os.path.exists(os.path.join(results, f))}
+    data = records[SIZE_RECORDS[0]]
     rows = []
-    for name, model in data["models"].items():
-        s = model["summary"]
-        rows.append([f"{_model_label(name)} (`{model['path']}`)", model["activations"],
-                     _median_range(s["steady_decode_tok_s"], ".1f"), _median_range(s["native_tg128_tok_s"], ".1f"),
-                     _ratio(s["decode_vs_native"]),
-                     f"{s['decode_bandwidth_share']['median']:.0%} vs {s['native_bandwidth_share']['median']:.0%}",
-                     _ratio(s["prefill_vs_native"]), _median_range(s["batch_over_batch1"], ".2f", "x"),
-                     _median_range(s["verify_over_decode"], ".2f", "x"), _memory(s), _median_range(s["load_s"], ".1f", " s")])
+    for record in records.values():
+        for name, model in record["models"].items():
+            s = model["summary"]
+            rows.append([f"{_model_label(name)} (`{model['path']}`)", model["activations"],
+                         _median_range(s["steady_decode_tok_s"], ".1f"), _median_range(s["native_tg128_tok_s"], ".1f"),
+                         _ratio(s["decode_vs_native"]),
+                         f"{s['decode_bandwidth_share']['median']:.0%} vs {s['native_bandwidth_share']['median']:.0%}",
+                         _ratio(s["prefill_vs_native"]), _median_range(s["batch_over_batch1"], ".2f", "x"),
+                         _median_range(s["verify_over_decode"], ".2f", "x"), _memory(s),
+                         _median_range(s["load_s"], ".1f", " s")])  # fmt: skip
     header = ["file (synthetic weights)", "activations", "decode, batch 1 (tok/s)", "native tg128 (tok/s)",
               "decode vs native", "read bandwidth used, ours vs native", "prefill (512) vs native (pp512)",
               f"batch {data['batch_size']} / batch 1", "6-row verify / decode step", "resident memory", "load"]
-    bandwidth = [r["specserve"]["read_bandwidth_gbs"] for m in data["models"].values() for r in m["runs"]]
+    bandwidth = [r["specserve"]["read_bandwidth_gbs"] for d in records.values() for m in d["models"].values()
+                 for r in m["runs"]]  # fmt: skip
+    runs = sorted({d["runs"] for d in records.values()})
+    sources = " ".join(f"{provenance(d, f)}" for f, d in records.items())
     return table(header, rows) + (
         f"\n\nSynthetic weights: each file has a real model's tensor table and metadata (`specserve bench synth-model`) "
         "and random values, so these are speed figures only, never quality or acceptance. Speculation "
@@ -265,9 +275,29 @@ def render_models_at_size(results: str) -> str:
         f"is {data['new_tokens']} tokens after a chat prompt, without the prompt's prefill (like llama-bench's tg128); "
         "the bandwidth share is the weights one step reads over the step's time, against the machine's read bandwidth "
         f"probed in the same run ({min(bandwidth):.0f}-{max(bandwidth):.0f} GB/s over the runs: the machine's own "
-        f"bandwidth varies this much). {data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved runs, "
+        f"bandwidth varies this much). {data['threads']} threads; median (lowest-highest) of "
+        f"{' or '.join(str(r) for r in runs)} interleaved runs, "
         f"each ratio formed within its run; native llama.cpp is `llama-bench` built from llama-cpp-python 0.3.36's "
-        f"source. {provenance(data, 'models_at_size.json')}\n")
+        f"source; the load column is the engine's build time at each record's commit. {sources}\n")
+
+
+def render_startup(results: str) -> str:
+    """Seconds from starting each server to its first token, ours against llama-server, same file."""
+    data = load(results, "startup.json")
+    rows = []
+    for name, f in data["files"].items():
+        ours, native = f["specserve"], f["llama-server"]
+        rows.append([f"`{name}`", f"{f['file_mib']:.0f} MiB", _median_range(ours["first_token_s"], ".1f", " s"),
+                     _median_range(native["first_token_s"], ".1f", " s"), _median_range(f["first_token_ratio"], ".1f", "x"),
+                     f"{ours['rss_mib']['median']:.0f} vs {native['rss_mib']['median']:.0f} MiB"])  # fmt: skip
+    header = ["file (synthetic weights)", "file", "specserve serve: first token after start", "llama-server",
+              "ours / llama-server", "resident memory then, ours vs llama-server"]
+    return table(header, rows) + (
+        f"\n\n`python -m benchmarks startup` (both servers at a {data['context']}-token KV, {data['threads']} threads, "
+        "the file in the page cache: one unrecorded start of each first): from starting the process to the answer "
+        "of a one-token completion sent as soon as `/health` says 200; resident memory of the server and its "
+        f"engine process together. Median (lowest-highest) of {data['rounds']} interleaved rounds, each ratio "
+        f"within its round. {provenance(data, 'startup.json')}\n")
 
 
 def render_weight_stream(results: str) -> str:

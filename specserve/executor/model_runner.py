@@ -394,3 +394,6 @@ class ModelRunner:
     def close(self) -> None:
         self.forward.close()
         self.copy.close()
+        cache = getattr(self.model, "weight_cache", None)
+        if cache is not None:  # a first start's packed weights still being written
+            cache.finish()

@@ -16,7 +16,7 @@ models/dspark_native.py) builds it itself where `fuses_layers` says the backend 
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from specserve.kernels.ops import add_rms_norm, gelu_tanh_mul, rope_store, silu_
 from specserve.models.attention import AttentionMetadata, KernelAttentionMetadata, SdpaAttentionMetadata, block_attention
 from specserve.models.heap import release_free_heap
 from specserve.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from specserve.models.packed_cache import PackedWeightCache
 
 
 def cpu_kernels_apply(device: "str | torch.device", dtype: torch.dtype) -> bool:
@@ -41,6 +44,25 @@ class _PacksForCpu(Protocol):
     def pack_for_cpu(self) -> None: ...
 
 
+@runtime_checkable
+class _KeepsPacked(Protocol):
+    """A packing module whose packed form a cache can keep and give back (models/packed_cache.py)."""
+
+    def packed_state(self) -> Optional[PackedLinear]: ...
+
+    def use_packed(self, kernel: PackedLinear) -> None: ...
+
+
+def packed_states(module: nn.Module) -> dict[str, PackedLinear]:
+    """Every packed weight of a prepared module, by module name."""
+    found = {}
+    for name, part in module.named_modules():
+        state = part.packed_state() if isinstance(part, _KeepsPacked) else None
+        if state is not None:
+            found[name] = state
+    return found
+
+
 class OpBackend:
     """One implementation of the model graph's ops. `prepare` readies a loaded module's weights."""
 
@@ -51,8 +73,9 @@ class OpBackend:
     # twins of its graph: the same kernels in the same order); False: op by op through this backend.
     fuses_layers = False
 
-    def prepare(self, module: nn.Module) -> None:
-        """Ready `module`'s weights (after they are loaded) for this backend's linears."""
+    def prepare(self, module: nn.Module, cache: Optional[PackedWeightCache] = None) -> None:
+        """Ready `module`'s weights (after they are loaded) for this backend's linears; `cache`
+        holds packed weights between starts where the backend packs (models/packed_cache.py)."""
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """residual += x in place (when x is given, rounded to the dtype as a plain add), then
@@ -180,14 +203,19 @@ class CpuKernelOps(OpBackend):
         self.per_op_layers = per_op_layers  # run the decoder layers op by op (the native layers' reference)
         self.fuses_layers = not per_op_layers
 
-    def prepare(self, module: nn.Module) -> None:
-        for part in module.modules():
-            if isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
+    def prepare(self, module: nn.Module, cache: Optional[PackedWeightCache] = None) -> None:
+        cached = cache.load() if cache is not None else None
+        for name, part in module.named_modules():
+            if cached is not None and name in cached and isinstance(part, _KeepsPacked):
+                part.use_packed(cached[name])  # mapped from the cache: the file's codes go unread
+            elif isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
                 release_free_heap()  # this weight's parsed codes and temporaries: not resident past it
             kernel = getattr(part, "kernel", None)
             if isinstance(kernel, PackedLinear):
                 kernel.quantize_activations(self.int8_activations or getattr(part, "int8_activations", False))
+        if cache is not None and cached is None:
+            cache.save_in_background(packed_states(module))
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if x is not None:

@@ -198,10 +198,19 @@ class _ParallelLinear(nn.Module):
         from GGUF codes drops its dequantized weight: the kernels compute from the codes, read from
         the file here and dropped once packed (one weight's unpacked codes at a time)."""
         if self._quant is not None:
-            self.kernel = self._quant().packed()
-            self.weight = release(self.weight)
+            self.use_packed(self._quant().packed())
         else:
             self.kernel = pack_bf16(self.weight)
+
+    def packed_state(self) -> Optional[PackedLinear]:
+        """What packing made of this layer (kept by models/packed_cache.py)."""
+        return self.kernel
+
+    def use_packed(self, kernel: PackedLinear) -> None:
+        """Take a packed weight in place of packing: as pack_for_cpu leaves the layer."""
+        self.kernel = kernel
+        if self._quant is not None:  # from codes: the dense stand-in goes, as after packing them
+            self.weight = release(self.weight)
         self._quant = None
 
     def matmul(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -338,8 +347,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def pack_for_cpu(self) -> None:
         if self._quant is not None:
-            self.read_from(self._quant().packed())
-            self._quant = None
+            self.use_packed(self._quant().packed())
+
+    def packed_state(self) -> Optional[PackedLinear]:
+        """What packing made of this table (kept by models/packed_cache.py)."""
+        return self.table
+
+    def use_packed(self, kernel: PackedLinear) -> None:
+        """Take a packed table in place of packing: as pack_for_cpu leaves the embedding."""
+        self.read_from(kernel)
+        self._quant = None
 
     def read_from(self, table: PackedLinear) -> None:
         """Look rows up in a packed weight of this rank's rows (e.g. the tied head's) from now on."""

@@ -24,6 +24,7 @@ from specserve.models.layers import (
     release,
 )
 from specserve.models.native_layer import NativeLayers, native_linear
+from specserve.models.packed_cache import PackedWeightCache
 from specserve.models.quant import QuantSource, QuantWeight
 
 
@@ -189,10 +190,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp_size = tp.size
         self.native: Optional[NativeLayers] = None  # the layers as one C++ call each (use_backend)
         self._tied_head = False  # the head is the embedding (set by load_weights)
+        self.weight_cache: Optional[PackedWeightCache] = None  # set by use_backend
 
-    def use_backend(self, ops: OpBackend) -> None:
-        """Run on `ops` from now on (after load_weights: it packs the weights it needs)."""
-        ops.prepare(self)
+    def use_backend(self, ops: OpBackend, cache: Optional[PackedWeightCache] = None) -> None:
+        """Run on `ops` from now on (after load_weights: it packs the weights it needs, or maps
+        them from `cache` where an earlier start kept them)."""
+        ops.prepare(self, cache)
+        self.weight_cache = cache  # its background save is waited for when the engine closes
         if self._tied_head and self.lm_head.kernel is not None:  # one copy of the codes: the head's
             self.embed_tokens.read_from(self.lm_head.kernel)
         self.ops = ops

@@ -41,7 +41,8 @@ def _status(key: str) -> float:
 def _load_growth_mib(path: str, kept: dict) -> float:
     """Peak resident memory that loading the target (the engine's own path) adds, in MiB; `kept`
     (what a planted regression holds) is emptied after the warm-up load."""
-    args = ServerArgs.from_kwargs(model_path=path, speculative_algorithm="NONE", max_total_tokens=64)
+    # weight cache off: a restart mapping the packed weights would read no codes to keep
+    args = ServerArgs.from_kwargs(model_path=path, speculative_algorithm="NONE", max_total_tokens=64, weight_cache="off")
     builder._load_target(args, None, 0)  # warm: the kernels' library, the tokenizer's imports
     kept.clear()
     builder.return_freed_memory()

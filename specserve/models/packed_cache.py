@@ -1,0 +1,153 @@
+"""Packed weights kept on disk between starts, so a restart maps them instead of repacking the file.
+
+Packing a GGUF into the CPU kernels' layout (kernels/linear.py, csrc/pack.cpp) costs seconds per
+GB at every start, where llama.cpp maps its file and computes on the blocks as they are. After the
+first start the target's packed linears are written to one file per model file, TP rank and
+packing code (`--weight-cache`, default `~/.cache/specserve/packed`); a later start with the same
+key maps that file (`torch.load(mmap=True)`: the pages come from the page cache, nothing is parsed)
+and skips the GGUF's codes entirely. The key holds what decides the packed bytes: the model file
+(real path, size, modification time), the packing sources (the kernel build's fingerprint and the
+Python packers'), the TP shape and the dtype. A file that does not match, or does not read, is
+repacked and written again; a disk without room keeps no cache (logged). Results are bitwise those
+of packing (tests/integration/test_packed_cache.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from functools import lru_cache
+from typing import Any, Optional
+
+import torch
+
+from specserve import envs
+from specserve.kernels.linear import PackedLinear
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when what a cache file holds changes shape
+HEADROOM_BYTES = 1 << 30  # a cache is written only if the disk keeps this much free after it
+# The Python half of packing: a change to any of these may change the packed bytes.
+_PACKING_SOURCES = ("kernels/linear.py", "models/quant.py", "models/layers.py", "models/loader.py")
+
+
+def cache_directory(setting: str) -> Optional[str]:
+    """The `--weight-cache` setting as a folder: 'off' -> None, 'auto' -> SPECSERVE_WEIGHT_CACHE_DIR,
+    else `packed` under the specserve cache root (SPECSERVE_KERNEL_CACHE_DIR, else ~/.cache/specserve)."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return setting
+    if os.environ.get(envs.WEIGHT_CACHE_DIR):
+        return os.environ[envs.WEIGHT_CACHE_DIR]
+    root = os.environ.get(envs.KERNEL_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
+    return os.path.join(root, "packed")
+
+
+@lru_cache(maxsize=1)
+def packing_fingerprint() -> str:
+    """A digest of every source that decides packed bytes: the C++ (the kernel build's
+    fingerprint covers csrc, the compiler and torch) and the Python packers."""
+    from specserve.kernels.build import build_dir
+
+    digest = hashlib.sha256(os.path.basename(build_dir()).encode())
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in _PACKING_SOURCES:
+        with open(os.path.join(package, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
+
+
+class PackedWeightCache:
+    """One model file's packed linears on disk, for one TP rank and dtype: `load()` them (mapped) or
+    `save()` them after packing."""
+
+    def __init__(self, directory: str, model_path: str, tp_rank: int, tp_size: int, dtype: torch.dtype):
+        real = os.path.realpath(model_path)
+        st = os.stat(real)
+        self.identity = {"format": CACHE_FORMAT, "path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                         "packing": packing_fingerprint(), "tp": [tp_rank, tp_size], "dtype": str(dtype)}  # fmt: skip
+        key = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
+        # one file per (model path, rank): a stale one is replaced, not kept beside the new one
+        self._prefix = os.path.join(
+            directory, f"{os.path.basename(real)}-{hashlib.sha256(real.encode()).hexdigest()[:8]}-tp{tp_rank}of{tp_size}"
+        )
+        self.directory = directory
+        self.path = f"{self._prefix}-{key}.pt"
+
+    def load(self) -> Optional[dict[str, PackedLinear]]:
+        """The cached kernels by module name, mapped from the file; None if there is no usable one."""
+        if not os.path.exists(self.path):
+            return None
+        try:
+            blob = torch.load(self.path, mmap=True, weights_only=True)
+            if blob.get("identity") != self.identity:
+                raise ValueError("its key does not match its contents")
+            kernels = {name: PackedLinear(**fields) for name, fields in blob["kernels"].items()}
+        except Exception as exc:  # a torn or foreign file: repack, and the save replaces it
+            logger.warning("packed-weight cache %s unreadable (%s): packing from the model file", self.path, exc)
+            return None
+        logger.info("packed weights mapped from %s", self.path)
+        return kernels
+
+    def save_in_background(self, kernels: dict[str, PackedLinear]) -> None:
+        """save() on a thread of its own: the engine serves meanwhile (the kernels only read the
+        tensors it writes out); finish() waits for it, as does the interpreter's exit."""
+        self._writer = threading.Thread(target=self._save_logged, args=(kernels,), name="packed-weight-cache")
+        self._writer.start()
+
+    def finish(self) -> None:
+        """Wait for a background save (a no-op without one)."""
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.join()
+
+    def _save_logged(self, kernels: dict[str, PackedLinear]) -> None:
+        try:
+            self.save(kernels)
+        except OSError as exc:  # a full or read-only disk: the engine runs on, the next start packs again
+            logger.warning("packed-weight cache %s not written: %s", self.path, exc)
+
+    def save(self, kernels: dict[str, PackedLinear]) -> None:
+        """Write the kernels (atomically, replacing this model's older entries) if the disk has room."""
+        size = sum(k.nbytes() for k in kernels.values())
+        os.makedirs(self.directory, exist_ok=True)
+        if shutil.disk_usage(self.directory).free < size + HEADROOM_BYTES:
+            logger.warning("packed-weight cache: %s has no room for %.0f MiB; not kept", self.directory, size / 2**20)
+            return
+        blob: dict[str, Any] = {"identity": self.identity, "kernels": {n: _fields(k) for n, k in kernels.items()}}
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            torch.save(blob, temporary)
+            os.replace(temporary, self.path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+        for old in glob.glob(f"{glob.escape(self._prefix)}-*.pt"):
+            if old != self.path:
+                os.remove(old)
+        for torn in glob.glob(f"{glob.escape(self._prefix)}-*.pt.*.tmp"):  # left by a killed writer
+            if not _alive(int(torn.rsplit(".", 2)[-2])):
+                os.remove(torn)
+        logger.info("packed weights kept in %s (%.0f MiB) for the next start", self.path, size / 2**20)
+
+
+def _fields(kernel: PackedLinear) -> dict[str, Any]:
+    """A kernel's fields as saved: tensors and plain values (dataclasses.asdict would deep-copy the tensors)."""
+    return {f.name: getattr(kernel, f.name) for f in dataclasses.fields(kernel)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
