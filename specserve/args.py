@@ -45,11 +45,7 @@ class ServerArgs:
         "auto: serve GGUF Q4_0/Q4_1 weights as 4-bit on CPU in bfloat16; none: dequantize to --dtype",
         choices=("auto", "none"),
     )
-    weight_cache: str = flag(
-        "auto",
-        "packed weights kept on disk for the next start (a restart maps them instead of repacking the GGUF): "
-        "auto (~/.cache/specserve/packed), off, or a directory",
-    )
+    weight_cache: str = flag("auto", "packed weights (and the cost prior) kept for the next start: auto, off or a folder")
     cpu_activations: str = flag(
         "auto",
         "activations of the CPU kernels' quantized linears: int8 (rows quantized per 32 columns, integer dot products, "

@@ -8,7 +8,7 @@ from typing import Callable
 
 from specserve.args import MAX_DRAFT_TOKENS, MAX_SEED
 from specserve.errors import ConfigError
-from specserve.server.engine_process import HEARTBEAT_S
+from specserve.server.heartbeat import HEARTBEAT_S
 
 # The subcommands' own numeric flags: flag -> (allowed, check). ServerArgs checks its fields itself.
 # A flag a command lacks is skipped, so each bound must hold for every command that has the flag.

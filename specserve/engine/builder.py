@@ -20,10 +20,10 @@ from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
 from specserve.engine.memory import DEFAULT_KV_FRACTION, KVRequest, cpu_kv_tokens, weights_bytes
 from specserve.engine.prefix_cache import build_prefix_cache
+from specserve.engine.start_cache import cost_prior, weight_cache
 from specserve.executor.captured_step import CaptureConfig
 from specserve.executor.faulty_runner import ModelRunner, make_runner
 from specserve.executor.tp_decisions import TPDecisions
-from specserve.executor.warmup import measure_cost_prior
 from specserve.kv.pool import KVPool, ReqToTokenPool, TokenSlotAllocator
 from specserve.logits.grammar import GrammarCompiler
 from specserve.models.backend import select_backend
@@ -34,7 +34,6 @@ from specserve.models.heap import release_free_heap
 from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaAttention, LlamaForCausalLM
 from specserve.models.loader import head_weight, load_model, resolve_model_path
-from specserve.models.packed_cache import PackedWeightCache, cache_directory
 from specserve.models.summary import model_summary
 from specserve.names import Algorithm
 from specserve.runtime.faults import FaultConfig
@@ -47,7 +46,6 @@ from specserve.speculative.cost_model import StepCostModel
 from specserve.speculative.dspark_worker import DsparkWorker
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
-from specserve.speculative.recorded_prior import RecordedCostPrior
 from specserve.speculative.speculation import Speculation
 from specserve.speculative.worker import DraftWorker
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
@@ -210,7 +208,7 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     backend = select_backend(args.device, dtype, args.enable_torch_compile, int8, per_op)
     codes = loaded.quantized if args.quantization == "auto" else None
     model.load_weights(loaded.weights, codes, dense_quantized=not backend.packs_codes)
-    model.use_backend(backend, _weight_cache(args, path, codes, backend, tp, dtype))
+    model.use_backend(backend, weight_cache(args, path, codes, backend.packs_codes, tp, dtype))
     model.eval()
     summary = model_summary(loaded)
     # Drafters are replicated on every rank (models/dspark.py): a reduced draft vocabulary reads the whole head.
@@ -218,17 +216,6 @@ def _load_target(args: ServerArgs, dist: Optional[TPGroup], tp_rank: int) -> _Ta
     del loaded  # the checkpoint's tensors go (the drafter read the head's, if it needed them)
     logger.debug("target loaded (rank %d/%d): %s, %s", tp_rank, args.tp_size, path, dtype)
     return _Target(model, cfg, tokenizer, dtype, context_length, max_positions, summary, drafter, kv_tokens, path)
-
-
-def _weight_cache(
-    args: ServerArgs, path: str, codes: Any, backend: Any, tp: TPContext, dtype: torch.dtype
-) -> Optional[PackedWeightCache]:
-    """Where this rank's packed weights are kept between starts: GGUF codes packed for the CPU
-    kernels, unless `--weight-cache off` (models/packed_cache.py)."""
-    directory = cache_directory(args.weight_cache)
-    if directory is None or not codes or not backend.packs_codes or not path.endswith(".gguf"):
-        return None
-    return PackedWeightCache(directory, path, tp.rank, tp.size, dtype)
 
 
 def _kv_pool_size(
@@ -342,34 +329,18 @@ def _make_speculation(
     return Speculation(workers, planner, policy, disable_batch_size=args.speculative_disable_batch_size)
 
 
-def _timed_prior(timing_runner: Callable[[], ModelRunner], gamma: int) -> list[float]:
-    runner = timing_runner()
-    try:
-        return measure_cost_prior(runner, gamma)
-    finally:
-        runner.discard_captured()
-        del runner
-        gc.collect()  # a captured step refers to itself (its graph's body): its memory goes now
-
-
 def _cost_model(
     args: ServerArgs, model_path: str, timing_runner: Callable[[], ModelRunner], gamma: int
 ) -> Optional[StepCostModel]:
     """The adaptive policy's step-cost model (None without the policy): from the given table, else
-    the prior an earlier start with the same key recorded (speculative/recorded_prior.py), else
+    the prior an earlier start with the same key recorded (engine/start_cache.py), else
     timed by a warm-up on `timing_runner()`."""
     if not (args.speculating and args.speculative_policy == "adaptive"):
         return None
     if args.speculative_cost_table_path:
         cost = StepCostModel.load(args.speculative_cost_table_path)
     else:
-        directory = cache_directory(args.weight_cache)
-        record = RecordedCostPrior(directory, model_path, args, gamma) if directory else None
-        prior = record.load() if record is not None else None
-        if prior is None:
-            prior = _timed_prior(timing_runner, gamma)
-            if record is not None:
-                record.save(prior)
+        prior = cost_prior(args, model_path, timing_runner, gamma)
         if args.speculative_dspark_sps_table_path:  # a recorded SPS table gives the target's part
             sps = SpsTable.load(args.speculative_dspark_sps_table_path)
             prior[:3] = StepCostModel.from_sps(sps.tokens, sps.steps_per_second).theta.tolist()[:3]

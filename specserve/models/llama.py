@@ -13,19 +13,11 @@ from specserve.kv.pool import KVPool
 from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import ForwardBatch
-from specserve.models.layers import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    TPContext,
-    VocabParallelEmbedding,
-    release,
-)
+from specserve.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, TPContext, release
 from specserve.models.native_layer import NativeLayers, native_linear
 from specserve.models.packed_cache import PackedWeightCache
 from specserve.models.quant import QuantSource, QuantWeight
+from specserve.models.vocab_layers import ParallelLMHead, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):

@@ -3,7 +3,7 @@
 Packing a GGUF into the CPU kernels' layout (kernels/linear.py, csrc/pack.cpp) costs seconds per
 GB at every start, where llama.cpp maps its file and computes on the blocks as they are. After the
 first start the target's packed linears are written to one file per model file, TP rank and
-packing code (`--weight-cache`, default `~/.cache/specserve/packed`); a later start with the same
+packing code (`--weight-cache`, default `~/.cache/specserve/packed`: engine/start_cache.py); a later start with the same
 key maps that file (`torch.load(mmap=True)`: the pages come from the page cache, nothing is parsed)
 and skips the GGUF's codes entirely. The key holds what decides the packed bytes: the model file
 (real path, size, modification time), the packing sources (the kernel build's fingerprint and the
@@ -26,7 +26,6 @@ from typing import Any, Optional
 
 import torch
 
-from specserve import envs
 from specserve.kernels.linear import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -35,19 +34,6 @@ CACHE_FORMAT = 1  # bump when what a cache file holds changes shape
 HEADROOM_BYTES = 1 << 30  # a cache is written only if the disk keeps this much free after it
 # The Python half of packing: a change to any of these may change the packed bytes.
 _PACKING_SOURCES = ("kernels/linear.py", "models/quant.py", "models/layers.py", "models/loader.py")
-
-
-def cache_directory(setting: str) -> Optional[str]:
-    """The `--weight-cache` setting as a folder: 'off' -> None, 'auto' -> SPECSERVE_WEIGHT_CACHE_DIR,
-    else `packed` under the specserve cache root (SPECSERVE_KERNEL_CACHE_DIR, else ~/.cache/specserve)."""
-    if setting == "off":
-        return None
-    if setting != "auto":
-        return setting
-    if os.environ.get(envs.WEIGHT_CACHE_DIR):
-        return os.environ[envs.WEIGHT_CACHE_DIR]
-    root = os.environ.get(envs.KERNEL_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
-    return os.path.join(root, "packed")
 
 
 @lru_cache(maxsize=1)
@@ -62,6 +48,13 @@ def packing_fingerprint() -> str:
         with open(os.path.join(package, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
     return digest.hexdigest()[:16]
+
+
+def kernel_machine() -> str:
+    """The CPU and the kernel path the packed weights run on (what a timing made on them depends on)."""
+    from specserve.kernels.dispatch import machine_description, path_name
+
+    return f"{machine_description()}; {path_name()} kernels"
 
 
 class PackedWeightCache:

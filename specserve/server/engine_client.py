@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import queue
 import threading
 import time
@@ -40,13 +39,14 @@ from specserve.engine.messages import (
 )
 from specserve.errors import ConfigError
 from specserve.sampling_params import SamplingParams
-from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S, engine_main, one_line
+from specserve.server.engine_process import one_line
+from specserve.server.engine_spawn import SpawnedEngine
+from specserve.server.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_S
 from specserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 READER_POLL_S = 0.5
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0  # the engine beats every HEARTBEAT_S from a thread of its own
 FAILED_ENGINE_EXIT_S = 1.0  # a failed engine gets this long to exit on its own before it is killed
 
 
@@ -73,18 +73,13 @@ class Tracked:
 
 
 class EngineClient:
-    """Starts the engine process and multiplexes requests over it."""
+    """Multiplexes requests over a started engine process (server/engine_spawn.py)."""
 
     def __init__(
-        self,
-        engine_kwargs: dict[str, Any],
-        metrics: ServerMetrics,
-        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        self, engine: SpawnedEngine, metrics: ServerMetrics, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     ):
         if heartbeat_timeout_s <= HEARTBEAT_S:
             raise ConfigError(f"heartbeat timeout must exceed the heartbeat interval of {HEARTBEAT_S} s")
-        self.engine_kwargs = engine_kwargs
         self.metrics = metrics
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_fatal: Optional[Callable[[], None]] = None  # called once, on the event loop, at engine death
@@ -97,25 +92,9 @@ class EngineClient:
         self._flushes: dict[str, asyncio.Future] = {}  # flush token -> its reply (slots freed)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._closing = False
-        ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and locks
-        self._commands, self._events = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(
-            target=engine_main,
-            args=(engine_kwargs, self._commands, self._events, HEARTBEAT_S, step_timeout_s),
-            name="specserve-engine",
-            daemon=False,
-        )  # it may spawn TP ranks
+        self.proc, self._commands, self._events = engine.proc, engine.commands, engine.events
 
     # ------------------------------------------------------------ lifecycle
-
-    def launch(self) -> None:
-        """Spawn the engine; it loads while the caller does its own start-up (wait_ready joins)."""
-        self.proc.start()
-
-    def start(self, timeout_s: float = 900.0) -> dict[str, Any]:
-        """Spawn the engine and wait (blocking, before serving) until it is ready."""
-        self.launch()
-        return self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float = 900.0) -> dict[str, Any]:
         """Block until the launched engine reports ready (its info) or fails (raised)."""

@@ -37,12 +37,11 @@ from specserve.engine.messages import (
 )
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.sampling_params import GRAMMAR_FIELDS
+from specserve.server.heartbeat import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # how often an idle engine checks that its parent is still alive
-HEARTBEAT_S = 1.0  # how often the engine process says it is alive
-DEFAULT_STEP_TIMEOUT_S = 300.0  # one serving-loop iteration longer than this is a stuck engine
 GRAMMAR_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is the request's error (a 400)
 
 

@@ -15,12 +15,11 @@ import os
 import re
 import signal
 import time
+from typing import Any
 
 from specserve.args import ServerArgs
-from specserve.server.engine_client import DEFAULT_HEARTBEAT_TIMEOUT_S
-from specserve.server.engine_process import DEFAULT_STEP_TIMEOUT_S
-from specserve.server.startup import ReadyAnnouncer, startup_block
-from specserve.server.startup import logger as startup_logger
+from specserve.server.engine_spawn import spawn_engine
+from specserve.server.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -68,31 +67,25 @@ def served_model_name(model_path: str) -> str:
 
 
 def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
-    import uvicorn
-
-    from specserve.models.loader import resolve_model_path
-    from specserve.server.app import create_app
-    from specserve.server.engine_client import EngineClient
-    from specserve.server.metrics import ServerMetrics
-    from specserve.server.state import ServerState
-    from specserve.tokenizer.tokenizer import load_tokenizer
-
     if args.node_rank > 0:  # a node without rank 0 runs its ranks only; node 0 serves HTTP
         from specserve.engine.ranks import run_node_workers
 
         return run_node_workers(args)
     started_at = time.monotonic()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    path = resolve_model_path(args.model_path)
-    name = ns.served_model_name or served_model_name(path)
-    metrics = ServerMetrics(name)
-    client = EngineClient(dataclasses.asdict(args), metrics, ns.engine_heartbeat_timeout, ns.engine_step_timeout)
-    client.launch()  # the engine loads the model while this process reads the tokenizer
+    # The engine first: it imports torch and loads the model while this process imports its own
+    # modules and reads the tokenizer (server/engine_spawn.py).
+    engine = spawn_engine(dataclasses.asdict(args), ns.engine_step_timeout)
     try:
-        tokenizer = load_tokenizer(args.tokenizer_path or path, chat_template=args.chat_template)
+        client, tokenizer, metrics, name, path = _front_end(ns, args, engine)
+        import uvicorn
+
+        from specserve.server.app import create_app
+        from specserve.server.startup import ReadyAnnouncer, startup_block
+        from specserve.server.startup import logger as startup_logger
+        from specserve.server.state import ServerState
     except BaseException:
-        client.proc.kill()  # it would only be loading: nothing of it to keep
-        client.proc.join(5)
+        engine.kill()  # it would only be loading: nothing of it to keep
         raise
     info = client.wait_ready()
     url = f"http://{ns.host}:{ns.port}"
@@ -126,6 +119,22 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
         announcer.join()
         client.shutdown()
     return 0 if client.fatal is None else 1
+
+
+def _front_end(ns: argparse.Namespace, args: ServerArgs, engine) -> tuple[Any, Any, Any, str, str]:
+    """The HTTP side's parts, made while the engine loads: its client, the tokenizer, metrics,
+    the served name and the model's path."""
+    from specserve.models.loader import resolve_model_path
+    from specserve.server.engine_client import EngineClient
+    from specserve.server.metrics import ServerMetrics
+    from specserve.tokenizer.tokenizer import load_tokenizer
+
+    path = resolve_model_path(args.model_path)
+    name = ns.served_model_name or served_model_name(path)
+    metrics = ServerMetrics(name)
+    client = EngineClient(engine, metrics, ns.engine_heartbeat_timeout)
+    tokenizer = load_tokenizer(args.tokenizer_path or path, chat_template=args.chat_template)
+    return client, tokenizer, metrics, name, path
 
 
 def _exit_soon(server) -> None:

@@ -1,4 +1,4 @@
-"""The recorded speculation cost prior (speculative/recorded_prior.py): a restart with the same file,
+"""The recorded speculation cost prior (engine/start_cache.py): a restart with the same file,
 flags and machine reads the prior the first start timed instead of timing it again; another flag,
 or `--weight-cache off`, times it afresh (a planted key without the flags would not, and the check
 catches it)."""
@@ -9,8 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from tiny_gguf import TinySpec, write_tiny_gguf
 
-import specserve.engine.builder as builder
-import specserve.speculative.recorded_prior as recorded_prior
+import specserve.engine.start_cache as start_cache
 from specserve.engine import Engine
 
 SPEC = TinySpec("qwen2", hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2)
@@ -29,13 +28,13 @@ def model(tmp_path) -> str:
 def timings(monkeypatch) -> list[int]:
     """How many times a prior was timed (each call appends)."""
     calls: list[int] = []
-    real = builder.measure_cost_prior
+    real = start_cache.measure_cost_prior
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(builder, "measure_cost_prior", counted)
+    monkeypatch.setattr(start_cache, "measure_cost_prior", counted)
     return calls
 
 
@@ -58,14 +57,14 @@ def test_a_restart_reads_the_recorded_prior(model, tmp_path, timings):
 
 
 def test_a_planted_key_without_the_flags_reuses_a_prior_it_should_not(model, tmp_path, timings, monkeypatch):
-    real_init = recorded_prior.RecordedCostPrior.__init__
+    real_init = start_cache.RecordedCostPrior.__init__
 
     def without_flags(self, directory, model_path, args, gamma):
         real_init(self, directory, model_path, args, gamma)
         self.identity.pop("args")
         self.path = f"{directory}/planted-prior.json"
 
-    monkeypatch.setattr(recorded_prior.RecordedCostPrior, "__init__", without_flags)
+    monkeypatch.setattr(start_cache.RecordedCostPrior, "__init__", without_flags)
     cache = str(tmp_path / "cache")
     start(model, cache)
     start(model, cache, max_running_requests=8)

@@ -1,4 +1,5 @@
-"""The speculation cost model's prior as an earlier start timed it, kept beside the packed weights.
+"""What a start keeps for the next one: where (`--weight-cache`), and the speculation cost model's
+prior as an earlier start timed it, kept beside the packed weights (models/packed_cache.py).
 
 Timing the prior (executor/warmup.py: a dozen synthetic steps) costs seconds per start on a large
 model, and it depends only on the model file, the packing code, the engine's flags and the machine.
@@ -9,19 +10,36 @@ steps it sees either way (speculative/cost_model.py). `--weight-cache off` times
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from specserve import envs
 from specserve.args import ServerArgs
-from specserve.kernels.dispatch import machine_description, path_name
-from specserve.models.packed_cache import packing_fingerprint
+from specserve.executor.faulty_runner import ModelRunner
+from specserve.executor.warmup import measure_cost_prior
+from specserve.models.layers import TPContext
+from specserve.models.packed_cache import PackedWeightCache, kernel_machine, packing_fingerprint
 
 logger = logging.getLogger(__name__)
+
+
+def cache_directory(setting: str) -> Optional[str]:
+    """The `--weight-cache` setting as a folder: 'off' -> None, 'auto' -> SPECSERVE_WEIGHT_CACHE_DIR,
+    else `packed` under the specserve cache root (SPECSERVE_KERNEL_CACHE_DIR, else ~/.cache/specserve)."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return setting
+    if os.environ.get(envs.WEIGHT_CACHE_DIR):
+        return os.environ[envs.WEIGHT_CACHE_DIR]
+    root = os.environ.get(envs.KERNEL_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
+    return os.path.join(root, "packed")
 
 
 def _file_identity(path: Optional[str]) -> Optional[list[Any]]:
@@ -43,8 +61,7 @@ class RecordedCostPrior:
             "args": json.loads(json.dumps(dataclasses.asdict(args), default=str)),
             "gamma": gamma,
             "threads": torch.get_num_threads(),
-            "machine": machine_description(),
-            "kernel_path": path_name(),
+            "machine": kernel_machine(),
         }
         key = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
         self.path = os.path.join(directory, f"cost-prior-{os.path.basename(model_path)}-{key}.json")
@@ -78,3 +95,37 @@ class RecordedCostPrior:
             logger.warning("speculation cost prior not kept in %s: %s", self.path, exc)
             if os.path.exists(temporary):
                 os.remove(temporary)
+
+
+def weight_cache(
+    args: ServerArgs, path: str, codes: Any, packs_codes: bool, tp: TPContext, dtype: torch.dtype
+) -> Optional[PackedWeightCache]:
+    """Where this rank's packed weights are kept between starts: a GGUF's codes packed for the CPU
+    kernels, unless `--weight-cache off`."""
+    directory = cache_directory(args.weight_cache)
+    if directory is None or not codes or not packs_codes or not path.endswith(".gguf"):
+        return None
+    return PackedWeightCache(directory, path, tp.rank, tp.size, dtype)
+
+
+def cost_prior(args: ServerArgs, model_path: str, timing_runner: Callable[[], ModelRunner], gamma: int) -> list[float]:
+    """The cost model's prior: recorded by an earlier start with the same key, else timed on
+    `timing_runner()` now (and recorded, unless `--weight-cache off`)."""
+    directory = cache_directory(args.weight_cache)
+    record = RecordedCostPrior(directory, model_path, args, gamma) if directory else None
+    prior = record.load() if record is not None else None
+    if prior is None:
+        prior = _timed_prior(timing_runner, gamma)
+        if record is not None:
+            record.save(prior)
+    return prior
+
+
+def _timed_prior(timing_runner: Callable[[], ModelRunner], gamma: int) -> list[float]:
+    runner = timing_runner()
+    try:
+        return measure_cost_prior(runner, gamma)
+    finally:
+        runner.discard_captured()
+        del runner
+        gc.collect()  # a captured step refers to itself (its graph's body): its memory goes now
