@@ -14,6 +14,7 @@ Reports the medians [min-max] and the ratio ours / native of the first-token tim
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import socket
 import statistics
@@ -61,8 +62,9 @@ def _commands(kind: str, path: str, port: int, ns: argparse.Namespace) -> list[s
             "--host", "127.0.0.1"]  # fmt: skip
 
 
-def time_start(kind: str, path: str, ns: argparse.Namespace) -> dict[str, float]:
-    """One start of one server: seconds to ready and to the first token, resident MiB then."""
+def time_start(kind: str, path: str, ns: argparse.Namespace, settle=None) -> dict[str, float]:
+    """One start of one server: seconds to ready and to the first token, resident MiB then;
+    `settle()` runs before the server is stopped (untimed)."""
     import httpx
 
     port = _free_port()
@@ -79,7 +81,10 @@ def time_start(kind: str, path: str, ns: argparse.Namespace) -> dict[str, float]
             first = time.monotonic() - started
             if reply.status_code != 200:
                 raise RuntimeError(f"{kind} answered {reply.status_code}: {reply.text[:300]}")
-            return {"ready_s": ready, "first_token_s": first, "rss_mib": _rss_mib(proc.pid)}
+            result = {"ready_s": ready, "first_token_s": first, "rss_mib": _rss_mib(proc.pid)}
+            if settle is not None:
+                settle()
+            return result
         finally:
             proc.terminate()
             try:
@@ -105,6 +110,15 @@ def _wait_healthy(proc: subprocess.Popen, url: str, started: float, log) -> floa
     raise RuntimeError(f"{proc.args[0]} not healthy within {START_TIMEOUT_S:.0f} s")
 
 
+def _wait_for_cache(folder: str) -> None:
+    """The first start's packed weights written (the restarts must map them, not pack again)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not glob.glob(os.path.join(folder, "*.pt")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"specserve's first start kept no packed weights in {folder}")
+        time.sleep(POLL_S)
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -115,7 +129,7 @@ def bench_file(path: str, ns: argparse.Namespace) -> dict[str, Any]:
     time_start("llama-server", path, ns)  # the file into the page cache
     with tempfile.TemporaryDirectory() as folder:
         ns.weight_cache = folder
-        first = time_start("specserve", path, ns)
+        first = time_start("specserve", path, ns, settle=lambda: _wait_for_cache(folder))
         print(f"{os.path.basename(path)} specserve first start: {first}", file=sys.stderr, flush=True)
         runs = _rounds(kinds, path, ns)
     out: dict[str, Any] = {"file_mib": os.path.getsize(path) / 2**20, "specserve_first_start": first}

@@ -65,14 +65,14 @@ def return_freed_memory_after_each_module(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def weight_cache_in_a_temporary_folder(tmp_path_factory):
-    """Engines keep packed weights (--weight-cache auto) in a folder of this run, not the user's
-    cache: later engines on a file map what the first packed, as a restart would. Servers the
-    tests spawn inherit it."""
+def no_weight_cache_unless_asked():
+    """Every engine packs its file (--weight-cache auto means off here; servers the tests spawn
+    inherit it): a test of packing or loading must see packing, not weights mapped from an earlier
+    test's engine, and nothing goes into the user's cache. The cache's own tests name a folder."""
     from specserve import envs
 
     saved = os.environ.get(envs.WEIGHT_CACHE_DIR)
-    os.environ[envs.WEIGHT_CACHE_DIR] = str(tmp_path_factory.mktemp("packed-weights"))
+    os.environ[envs.WEIGHT_CACHE_DIR] = "off"
     yield
     if saved is None:
         os.environ.pop(envs.WEIGHT_CACHE_DIR, None)

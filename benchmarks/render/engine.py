@@ -5,7 +5,6 @@ failure, the soak, what TP 2 and the consensus checker cost)."""
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 from benchmarks.render.common import load, provenance, span, table, versus
@@ -287,17 +286,21 @@ def render_startup(results: str) -> str:
     rows = []
     for name, f in data["files"].items():
         ours, native = f["specserve"], f["llama-server"]
-        rows.append([f"`{name}`", f"{f['file_mib']:.0f} MiB", _median_range(ours["first_token_s"], ".1f", " s"),
-                     _median_range(native["first_token_s"], ".1f", " s"), _median_range(f["first_token_ratio"], ".1f", "x"),
+        first = f.get("specserve_first_start")
+        rows.append([f"`{name}`", f"{f['file_mib']:.0f} MiB", f"{first['first_token_s']:.1f} s" if first else "not recorded",
+                     _median_range(ours["first_token_s"], ".1f", " s"), _median_range(native["first_token_s"], ".1f", " s"),
+                     _median_range(f["first_token_ratio"], ".1f", "x"),
                      f"{ours['rss_mib']['median']:.0f} vs {native['rss_mib']['median']:.0f} MiB"])  # fmt: skip
-    header = ["file (synthetic weights)", "file", "specserve serve: first token after start", "llama-server",
-              "ours / llama-server", "resident memory then, ours vs llama-server"]
+    header = ["file (synthetic weights)", "file", "specserve, first start (packs the file)",
+              "specserve restart (maps the packed weights)", "llama-server", "restart / llama-server",
+              "resident memory then, restart vs llama-server"]
     return table(header, rows) + (
         f"\n\n`python -m benchmarks startup` (both servers at a {data['context']}-token KV, {data['threads']} threads, "
-        "the file in the page cache: one unrecorded start of each first): from starting the process to the answer "
-        "of a one-token completion sent as soon as `/health` says 200; resident memory of the server and its "
-        f"engine process together. Median (lowest-highest) of {data['rounds']} interleaved rounds, each ratio "
-        f"within its round. {provenance(data, 'startup.json')}\n")
+        "the file in the page cache): seconds from starting the process to the answer of a one-token completion "
+        "sent as soon as `/health` says 200; resident memory of the server and its engine process together. "
+        "specserve's first start packs the file for its kernels and keeps the packed weights "
+        "(`--weight-cache`, in a fresh folder); the restarts map them. Median (lowest-highest) of "
+        f"{data['rounds']} interleaved rounds, each ratio within its round. {provenance(data, 'startup.json')}\n")
 
 
 def render_weight_stream(results: str) -> str:

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from benchmarks.render.common import load, provenance, span
+from benchmarks.render.engine import SIZE_RECORDS
 
 
 def _ratio(cell: dict[str, float]) -> str:
@@ -28,6 +29,18 @@ def _per_model(data: dict[str, Any], key: str) -> str:
                      for m in data["models"].values())
 
 
+def _startup(data: dict[str, Any]) -> str:
+    """First token after a restart against llama-server's after its start, per file."""
+    cells = []
+    for name, f in data["files"].items():
+        ours, native = f["specserve"]["first_token_s"]["median"], f["llama-server"]["first_token_s"]["median"]
+        cells.append(f"{name.removesuffix('.gguf')} {_ratio(f['first_token_ratio'])} ({ours:.1f} s against {native:.1f} s)")
+    return (f"- **Start-up at 1.5-7B** (synthetic weights): first token after a restart, against `llama-server` "
+            f"starting on the same file: {', '.join(cells)}; a first start packs the file for the kernels and keeps "
+            f"the packed weights for the restarts. Median (lowest-highest) of {data['rounds']} interleaved rounds. "
+            f"{provenance(data, 'startup.json')}\n")
+
+
 def render_headline(results: str) -> str:
     models = load(results, "models.json")
     serving = load(results, "serving_mtbench.json")
@@ -39,11 +52,13 @@ def render_headline(results: str) -> str:
     caught = [r for r in seed["aliased"] if r["caught"]]
     clean = [r for r in seed["owned"]
              if r["exit_code"] == 0 and not r["rank_divergences"] and r["events_checked"] == r["events_recorded"]]
-    sizes = load(results, "models_at_size.json")
+    sizes = {f: load(results, f) for f in SIZE_RECORDS if os.path.exists(os.path.join(results, f))}
     return (
         f"- **Batch-1 decode at 1.5-7B, speculation off on both sides** (synthetic weights: real tensor tables, "
-        f"random values) against native `llama-bench` tg128 on the same file: {_per_model(sizes, 'decode_vs_native')}. "
-        f"Median (lowest-highest) of {sizes['runs']} interleaved runs. {provenance(sizes, 'models_at_size.json')}\n"
+        f"random values) against native `llama-bench` tg128 on the same file: "
+        f"{', '.join(_per_model(d, 'decode_vs_native') for d in sizes.values())}. Median (lowest-highest) of "
+        f"{' or '.join(sorted({str(d['runs']) for d in sizes.values()}))} interleaved runs. "
+        f"{' '.join(provenance(d, f) for f, d in sizes.items())}\n" + _startup(load(results, "startup.json")) +
         f"- **Decode step, speculation off on both sides**: one row after 256 cached tokens, speed against "
         f"llama.cpp (llama-cpp-python {models['llama_cpp_python']}) on the same file: {_per_model(models, 'decode_step_speedup')}.\n"
         f"- **Prefill of 512 tokens** against native `llama-bench` pp512 on the same file: "

@@ -139,7 +139,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> EngineParts:
     tp = TPDecisions(dist, tp_rank, args.max_running_requests, consensus) if dist else None
     make_runner = _runner_factory(args, target, kv, req_to_token, (forward_stream, copy_stream), faults, tp)
     # The adaptive policy starts from step costs timed on a runner of the drafters alone.
-    cost = _cost_model(args, target.path, lambda: make_runner(speculation=Speculation(workers)), gamma)
+    cost = _cost_model(args, target, lambda: make_runner(speculation=Speculation(workers)), gamma)
     runner = make_runner(speculation=_make_speculation(args, workers, drafter, gamma, cost, tokenizer.eos_token_ids))
     sched_cfg = _scheduler_config(args, target, gamma)
     scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
@@ -330,7 +330,7 @@ def _make_speculation(
 
 
 def _cost_model(
-    args: ServerArgs, model_path: str, timing_runner: Callable[[], ModelRunner], gamma: int
+    args: ServerArgs, target: _Target, timing_runner: Callable[[], ModelRunner], gamma: int
 ) -> Optional[StepCostModel]:
     """The adaptive policy's step-cost model (None without the policy): from the given table, else
     the prior an earlier start with the same key recorded (engine/start_cache.py), else
@@ -340,7 +340,7 @@ def _cost_model(
     if args.speculative_cost_table_path:
         cost = StepCostModel.load(args.speculative_cost_table_path)
     else:
-        prior = cost_prior(args, model_path, timing_runner, gamma)
+        prior = cost_prior(args, target.path, timing_runner, gamma, target.model.weight_cache)
         if args.speculative_dspark_sps_table_path:  # a recorded SPS table gives the target's part
             sps = SpsTable.load(args.speculative_dspark_sps_table_path)
             prior[:3] = StepCostModel.from_sps(sps.tokens, sps.steps_per_second).theta.tolist()[:3]

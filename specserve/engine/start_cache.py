@@ -21,25 +21,38 @@ import torch
 
 from specserve import envs
 from specserve.args import ServerArgs
+from specserve.executor import warmup
 from specserve.executor.faulty_runner import ModelRunner
 from specserve.executor.warmup import measure_cost_prior
 from specserve.models.layers import TPContext
 from specserve.models.packed_cache import PackedWeightCache, kernel_machine, packing_fingerprint
+from specserve.speculative import cost_model
+from specserve.speculative.cost_model import FEATURES
 
 logger = logging.getLogger(__name__)
 
 
 def cache_directory(setting: str) -> Optional[str]:
-    """The `--weight-cache` setting as a folder: 'off' -> None, 'auto' -> SPECSERVE_WEIGHT_CACHE_DIR,
-    else `packed` under the specserve cache root (SPECSERVE_KERNEL_CACHE_DIR, else ~/.cache/specserve)."""
+    """The `--weight-cache` setting as a folder: 'off' -> None, 'auto' -> SPECSERVE_WEIGHT_CACHE_DIR
+    where set (`off` there too), else `packed` under the specserve cache root
+    (SPECSERVE_KERNEL_CACHE_DIR, else ~/.cache/specserve)."""
     if setting == "off":
         return None
     if setting != "auto":
         return setting
-    if os.environ.get(envs.WEIGHT_CACHE_DIR):
-        return os.environ[envs.WEIGHT_CACHE_DIR]
+    if os.environ.get(envs.WEIGHT_CACHE_DIR):  # a folder, or `off` (the test suite's default)
+        return None if os.environ[envs.WEIGHT_CACHE_DIR] == "off" else os.environ[envs.WEIGHT_CACHE_DIR]
     root = os.environ.get(envs.KERNEL_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
     return os.path.join(root, "packed")
+
+
+def _timing_fingerprint() -> str:
+    """A digest of what a prior means: the warm-up that times it and the cost model's features."""
+    digest = hashlib.sha256(json.dumps(list(FEATURES)).encode())
+    for module in (warmup, cost_model):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def _file_identity(path: Optional[str]) -> Optional[list[Any]]:
@@ -62,6 +75,7 @@ class RecordedCostPrior:
             "gamma": gamma,
             "threads": torch.get_num_threads(),
             "machine": kernel_machine(),
+            "timing": _timing_fingerprint(),  # the warm-up's steps and the model's features
         }
         key = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
         self.path = os.path.join(directory, f"cost-prior-{os.path.basename(model_path)}-{key}.json")
@@ -108,13 +122,23 @@ def weight_cache(
     return PackedWeightCache(directory, path, tp.rank, tp.size, dtype)
 
 
-def cost_prior(args: ServerArgs, model_path: str, timing_runner: Callable[[], ModelRunner], gamma: int) -> list[float]:
+def cost_prior(
+    args: ServerArgs,
+    model_path: str,
+    timing_runner: Callable[[], ModelRunner],
+    gamma: int,
+    weights: Optional[PackedWeightCache] = None,
+) -> list[float]:
     """The cost model's prior: recorded by an earlier start with the same key, else timed on
-    `timing_runner()` now (and recorded, unless `--weight-cache off`)."""
-    directory = cache_directory(args.weight_cache)
+    `timing_runner()` now (and recorded, unless `--weight-cache off`). Under TP every rank times
+    it: ranks deciding apart (one reads a record, another times steps with collectives) would hang.
+    `weights`: a packed-weight save still running is waited for first, not timed alongside."""
+    directory = cache_directory(args.weight_cache) if args.tp_size == 1 else None
     record = RecordedCostPrior(directory, model_path, args, gamma) if directory else None
     prior = record.load() if record is not None else None
     if prior is None:
+        if weights is not None:
+            weights.finish()
         prior = _timed_prior(timing_runner, gamma)
         if record is not None:
             record.save(prior)

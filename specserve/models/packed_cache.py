@@ -32,21 +32,22 @@ logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when what a cache file holds changes shape
 HEADROOM_BYTES = 1 << 30  # a cache is written only if the disk keeps this much free after it
-# The Python half of packing: a change to any of these may change the packed bytes.
-_PACKING_SOURCES = ("kernels/linear.py", "models/quant.py", "models/layers.py", "models/loader.py")
+# The Python half of packing: every module of these packages may change the packed bytes.
+_PACKING_PACKAGES = ("models", "kernels")
 
 
 @lru_cache(maxsize=1)
 def packing_fingerprint() -> str:
     """A digest of every source that decides packed bytes: the C++ (the kernel build's
-    fingerprint covers csrc, the compiler and torch) and the Python packers."""
+    fingerprint covers csrc, the compiler and torch) and the Python of models/ and kernels/."""
     from specserve.kernels.build import build_dir
 
     digest = hashlib.sha256(os.path.basename(build_dir()).encode())
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for name in _PACKING_SOURCES:
-        with open(os.path.join(package, name), "rb") as f:
-            digest.update(name.encode() + b"\0" + f.read())
+    for folder in _PACKING_PACKAGES:
+        for name in sorted(glob.glob(os.path.join(package, folder, "*.py"))):
+            with open(name, "rb") as f:
+                digest.update(os.path.basename(name).encode() + b"\0" + f.read())
     return digest.hexdigest()[:16]
 
 
@@ -104,7 +105,8 @@ class PackedWeightCache:
     def _save_logged(self, kernels: dict[str, PackedLinear]) -> None:
         try:
             self.save(kernels)
-        except OSError as exc:  # a full or read-only disk: the engine runs on, the next start packs again
+        except Exception as exc:  # a full or read-only disk (torch reports some as RuntimeError): the
+            # engine runs on and the next start packs again
             logger.warning("packed-weight cache %s not written: %s", self.path, exc)
 
     def save(self, kernels: dict[str, PackedLinear]) -> None:
@@ -122,12 +124,13 @@ class PackedWeightCache:
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)
-        for old in glob.glob(f"{glob.escape(self._prefix)}-*.pt"):
-            if old != self.path:
-                os.remove(old)
-        for torn in glob.glob(f"{glob.escape(self._prefix)}-*.pt.*.tmp"):  # left by a killed writer
-            if not _alive(int(torn.rsplit(".", 2)[-2])):
-                os.remove(torn)
+        stale = [p for p in glob.glob(f"{glob.escape(self._prefix)}-*.pt") if p != self.path]
+        torn = [p for p in glob.glob(f"{glob.escape(self._prefix)}-*.pt.*.tmp") if not _alive(_writer_pid(p))]
+        for path in stale + torn:  # older keys, and files a killed writer left
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass  # another process removed it first
         logger.info("packed weights kept in %s (%.0f MiB) for the next start", self.path, size / 2**20)
 
 
@@ -136,7 +139,15 @@ def _fields(kernel: PackedLinear) -> dict[str, Any]:
     return {f.name: getattr(kernel, f.name) for f in dataclasses.fields(kernel)}
 
 
+def _writer_pid(temporary: str) -> int:
+    """The pid in a temporary file's name (`....pt.PID.tmp`), 0 if there is none."""
+    part = temporary.rsplit(".", 2)[-2]
+    return int(part) if part.isdigit() else 0
+
+
 def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

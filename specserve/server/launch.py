@@ -78,16 +78,34 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     engine = spawn_engine(dataclasses.asdict(args), ns.engine_step_timeout)
     try:
         client, tokenizer, metrics, name, path = _front_end(ns, args, engine)
-        import uvicorn
-
-        from specserve.server.app import create_app
-        from specserve.server.startup import ReadyAnnouncer, startup_block
-        from specserve.server.startup import logger as startup_logger
-        from specserve.server.state import ServerState
     except BaseException:
         engine.kill()  # it would only be loading: nothing of it to keep
         raise
-    info = client.wait_ready()
+    try:
+        info = client.wait_ready()
+        server, announcer = _http_server(ns, args, (client, tokenizer, metrics, name, path), info, started_at)
+    except BaseException:
+        client.shutdown()  # never leave a loaded engine behind a server that did not start
+        raise
+    try:
+        server.run()
+    finally:
+        server.should_exit = True  # the announcer stops waiting if the server never started
+        announcer.join()
+        client.shutdown()
+    return 0 if client.fatal is None else 1
+
+
+def _http_server(ns: argparse.Namespace, args: ServerArgs, parts: tuple, info: dict[str, Any], started_at: float):
+    """The uvicorn server over the ready engine, and the announcer that says when it answers."""
+    import uvicorn
+
+    from specserve.server.app import create_app
+    from specserve.server.startup import ReadyAnnouncer, startup_block
+    from specserve.server.startup import logger as startup_logger
+    from specserve.server.state import ServerState
+
+    client, tokenizer, metrics, name, path = parts
     url = f"http://{ns.host}:{ns.port}"
     startup_logger.info("%s", startup_block(name, info, url, time.monotonic() - started_at))
     settings = {**dataclasses.asdict(args), **{k: v for k, v in vars(ns).items() if k not in ("command", "func")}}
@@ -112,13 +130,7 @@ def run_server(ns: argparse.Namespace, args: ServerArgs) -> int:
     client.on_fatal = lambda: _exit_soon(server)
     announcer = ReadyAnnouncer(server, url, started_at)
     announcer.start()
-    try:
-        server.run()
-    finally:
-        server.should_exit = True  # the announcer stops waiting if the server never started
-        announcer.join()
-        client.shutdown()
-    return 0 if client.fatal is None else 1
+    return server, announcer
 
 
 def _front_end(ns: argparse.Namespace, args: ServerArgs, engine) -> tuple[Any, Any, Any, str, str]:
