@@ -50,7 +50,7 @@ def _timing_fingerprint() -> str:
     """A digest of what a prior means: the warm-up that times it and the cost model's features."""
     digest = hashlib.sha256(json.dumps(list(FEATURES)).encode())
     for module in (warmup, cost_model):
-        with open(module.__file__, "rb") as f:
+        with open(str(module.__file__), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]
 
