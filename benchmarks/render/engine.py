@@ -280,6 +280,20 @@ def render_models_at_size(results: str) -> str:
         f"source; the load column is the engine's build time at each record's commit. {sources}\n")
 
 
+def render_models_small_native(results: str) -> str:
+    """The small files against native llama-bench with the kernels of the 1-8B work (the lead kept)."""
+    data = load(results, "models_small_native.json")
+    rows = [[f"`{m['path']}`", m["activations"], _median_range(m["summary"]["steady_decode_tok_s"], ".1f"),
+             _median_range(m["summary"]["native_tg128_tok_s"], ".1f"), _ratio(m["summary"]["decode_vs_native"]),
+             _ratio(m["summary"]["prefill_vs_native"])] for m in data["models"].values()]  # fmt: skip
+    header = ["file", "activations", "decode, batch 1 (tok/s)", "native tg128 (tok/s)", "decode vs native",
+              "prefill (512) vs native (pp512)"]
+    return table(header, rows) + (
+        f"\n\n`specserve bench models --no-speculation --no-python-peer` on the real small files (each at its "
+        f"default activations), {data['threads']} threads, median (lowest-highest) of {data['runs']} interleaved "
+        f"runs, each ratio within its run. {provenance(data, 'models_small_native.json')}\n")
+
+
 def render_startup(results: str) -> str:
     """Seconds from starting each server to its first token, ours against llama-server, same file."""
     data = load(results, "startup.json")
