@@ -277,7 +277,8 @@ def render_models_at_size(results: str) -> str:
         f"bandwidth varies this much). {data['threads']} threads; median (lowest-highest) of "
         f"{' or '.join(str(r) for r in runs)} interleaved runs, "
         f"each ratio formed within its run; native llama.cpp is `llama-bench` built from llama-cpp-python 0.3.36's "
-        f"source; the load column is the engine's build time at each record's commit. {sources}\n")
+        f"source; the load column is the engine's build time: packing the file in `models_at_size.json`'s runs, mapping "
+        f"the packed weights a first start kept (`--weight-cache`) in the later records'. {sources}\n")
 
 
 def render_models_small_native(results: str) -> str:
