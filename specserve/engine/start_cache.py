@@ -25,7 +25,7 @@ from specserve.executor import warmup
 from specserve.executor.faulty_runner import ModelRunner
 from specserve.executor.warmup import measure_cost_prior
 from specserve.models.layers import TPContext
-from specserve.models.packed_cache import PackedWeightCache, kernel_machine, packing_fingerprint
+from specserve.models.packed_cache import PackedWeightCache, file_identity, kernel_machine, packing_fingerprint
 from specserve.speculative import cost_model
 from specserve.speculative.cost_model import FEATURES
 
@@ -56,11 +56,7 @@ def _timing_fingerprint() -> str:
 
 
 def _file_identity(path: Optional[str]) -> Optional[list[Any]]:
-    if not path or not os.path.exists(path):
-        return None
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    return [real, st.st_size, st.st_mtime_ns]
+    return list(file_identity(path)) if path and os.path.exists(path) else None
 
 
 class RecordedCostPrior:

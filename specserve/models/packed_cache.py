@@ -7,7 +7,7 @@ packing code (`--weight-cache`, default `~/.cache/specserve/packed`: engine/star
 key maps that file (`torch.load(mmap=True)`: the pages come from the page cache, nothing is parsed)
 and skips the GGUF's codes entirely. The key holds what decides the packed bytes: the model file
 (real path, size, modification time), the packing sources (the kernel build's fingerprint and the
-Python packers'), the TP shape and the dtype. A file that does not match, or does not read, is
+Python of models/ and kernels/), the TP shape and the dtype. A file that does not match, or does not read, is
 repacked and written again; a disk without room keeps no cache (logged). Results are bitwise those
 of packing (tests/integration/test_packed_cache.py)."""
 
@@ -51,6 +51,13 @@ def packing_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
+def file_identity(path: str) -> tuple[str, int, int]:
+    """What says a file is the same file: its real path, size and modification time (ns)."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return real, st.st_size, st.st_mtime_ns
+
+
 def kernel_machine() -> str:
     """The CPU and the kernel path the packed weights run on (what a timing made on them depends on)."""
     from specserve.kernels.dispatch import machine_description, path_name
@@ -63,9 +70,8 @@ class PackedWeightCache:
     `save()` them after packing."""
 
     def __init__(self, directory: str, model_path: str, tp_rank: int, tp_size: int, dtype: torch.dtype):
-        real = os.path.realpath(model_path)
-        st = os.stat(real)
-        self.identity = {"format": CACHE_FORMAT, "path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        real, size, mtime_ns = file_identity(model_path)
+        self.identity = {"format": CACHE_FORMAT, "path": real, "size": size, "mtime_ns": mtime_ns,
                          "packing": packing_fingerprint(), "tp": [tp_rank, tp_size], "dtype": str(dtype)}  # fmt: skip
         key = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
         # one file per (model path, rank): a stale one is replaced, not kept beside the new one
@@ -74,6 +80,7 @@ class PackedWeightCache:
         )
         self.directory = directory
         self.path = f"{self._prefix}-{key}.pt"
+        self._writer: Optional[threading.Thread] = None  # a background save (save_in_background)
 
     def load(self) -> Optional[dict[str, PackedLinear]]:
         """The cached kernels by module name, mapped from the file; None if there is no usable one."""
@@ -98,9 +105,8 @@ class PackedWeightCache:
 
     def finish(self) -> None:
         """Wait for a background save (a no-op without one)."""
-        writer = getattr(self, "_writer", None)
-        if writer is not None:
-            writer.join()
+        if self._writer is not None:
+            self._writer.join()
 
     def _save_logged(self, kernels: dict[str, PackedLinear]) -> None:
         try:
