@@ -180,9 +180,11 @@ def _resolve(ref: str) -> Any:
 
 
 def build_parser(
-    commands: Sequence[Command] = (), prog: str = "specserve", description: str = ""
+    commands: Sequence[Command] = (), prog: str = "specserve", description: str = "", only: Optional[str] = None
 ) -> argparse.ArgumentParser:
-    """The parser of `commands` (default: specserve's own); "bench NAME" commands go under `bench`."""
+    """The parser of `commands` (default: specserve's own); "bench NAME" commands go under `bench`.
+    With `only`, the other commands are listed by name and help but their flags are not built:
+    building them imports their modules (torch among them), a second of `specserve serve`'s start."""
     commands = commands or COMMANDS
     parser = _Parser(prog=prog, description=description or __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,6 +193,8 @@ def build_parser(
     for command in commands:
         group, _, name = command.name.rpartition(" ")
         p = (bench if group == "bench" else sub).add_parser(name, help=command.help)
+        if only is not None and command.name != only:
+            continue
         if command.add_args:
             _resolve(command.add_args)(p)
         if command.engine_flags:
@@ -198,6 +202,13 @@ def build_parser(
         if command.defaults:
             p.set_defaults(**_resolve(command.defaults))
     return parser
+
+
+def named_command(argv: Sequence[str], commands: Sequence[Command] = ()) -> Optional[str]:
+    """The command `argv` names ("serve", "bench offline"), or None when it names none."""
+    words = [a for a in argv if not a.startswith("-")][:2]
+    name = " ".join(words) if words[:1] == ["bench"] else " ".join(words[:1])
+    return name if any(c.name == name for c in commands or COMMANDS) else None
 
 
 def find_command(ns: argparse.Namespace, commands: Sequence[Command] = ()) -> Command:
@@ -289,7 +300,8 @@ def main(
     argv: Optional[Sequence[str]] = None, commands: Sequence[Command] = (), prog: str = "specserve", description: str = ""
 ) -> int:
     """Run one command of `commands` (default: specserve's own; benchmarks/ passes its experiments)."""
-    parser = build_parser(commands, prog, description)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(commands, prog, description, only=named_command(argv, commands))
     ns, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand they were given to, like every other error
         print(f"{_prog(ns, prog)}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
