@@ -141,6 +141,8 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> EngineParts:
     # The adaptive policy starts from step costs timed on a runner of the drafters alone.
     cost = _cost_model(args, target, lambda: make_runner(speculation=Speculation(workers)), gamma)
     runner = make_runner(speculation=_make_speculation(args, workers, drafter, gamma, cost, tokenizer.eos_token_ids))
+    if target.model.weight_cache is not None:  # a first start's packed weights: written while it serves
+        target.model.weight_cache.save_in_background()
     sched_cfg = _scheduler_config(args, target, gamma)
     scheduler = Scheduler(sched_cfg, allocator, req_to_token, tree, decode_text=tokenizer.decode, consensus=consensus)
     loop = (NormalLoop if args.disable_overlap_schedule else OverlapLoop)(scheduler, runner)

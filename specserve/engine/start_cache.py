@@ -128,7 +128,8 @@ def cost_prior(
     """The cost model's prior: recorded by an earlier start with the same key, else timed on
     `timing_runner()` now (and recorded, unless `--weight-cache off`). Under TP every rank times
     it: ranks deciding apart (one reads a record, another times steps with collectives) would hang.
-    `weights`: a packed-weight save still running is waited for first, not timed alongside."""
+    `weights`: a packed-weight save already running is waited for first, not timed alongside (the
+    builder starts a first start's save after this)."""
     directory = cache_directory(args.weight_cache) if args.tp_size == 1 else None
     record = RecordedCostPrior(directory, model_path, args, gamma) if directory else None
     prior = record.load() if record is not None else None

@@ -215,7 +215,7 @@ class CpuKernelOps(OpBackend):
             if isinstance(kernel, PackedLinear):
                 kernel.quantize_activations(self.int8_activations or getattr(part, "int8_activations", False))
         if cache is not None and cached is None:
-            cache.save_in_background(packed_states(module))
+            cache.save_later(packed_states(module))  # the engine builder starts it (engine/builder.py)
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if x is not None:

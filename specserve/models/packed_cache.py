@@ -81,6 +81,7 @@ class PackedWeightCache:
         self.directory = directory
         self.path = f"{self._prefix}-{key}.pt"
         self._writer: Optional[threading.Thread] = None  # a background save (save_in_background)
+        self._pending: Optional[dict[str, PackedLinear]] = None  # kept by save_later
 
     def load(self) -> Optional[dict[str, PackedLinear]]:
         """The cached kernels by module name, mapped from the file; None if there is no usable one."""
@@ -97,9 +98,19 @@ class PackedWeightCache:
         logger.info("packed weights mapped from %s", self.path)
         return kernels
 
-    def save_in_background(self, kernels: dict[str, PackedLinear]) -> None:
-        """save() on a thread of its own: the engine serves meanwhile (the kernels only read the
-        tensors it writes out); finish() waits for it, as does the interpreter's exit."""
+    def save_later(self, kernels: dict[str, PackedLinear]) -> None:
+        """Keep the kernels for a save_in_background() once start-up has timed what it times (a
+        save's disk writes beside a timing would skew it; waiting for the save would delay the
+        first start by its length)."""
+        self._pending = kernels
+
+    def save_in_background(self, kernels: Optional[dict[str, PackedLinear]] = None) -> None:
+        """save() (of `kernels`, else of those save_later() kept; a no-op without any) on a thread
+        of its own: the engine serves meanwhile (the kernels only read the tensors it writes out);
+        finish() waits for it, as does the interpreter's exit."""
+        kernels, self._pending = kernels if kernels is not None else self._pending, None
+        if kernels is None or self._writer is not None:
+            return
         self._writer = threading.Thread(target=self._save_logged, args=(kernels,), name="packed-weight-cache")
         self._writer.start()
 
