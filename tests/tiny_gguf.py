@@ -45,10 +45,41 @@ class TinySpec:
     window: int = 0  # gemma3: the sliding window of its local layers
     rope_freqs: tuple[float, ...] = ()  # llama: RoPE frequency factors (Llama 3.1's scaling), as `rope_freqs.weight`
     yarn: tuple[float, ...] = ()  # (factor, original context): rope.scaling.type = yarn with those keys
+    experts: int = 0  # a mixture of experts (qwen3moe, qwen2moe): experts per layer, in place of the MLP
+    experts_used: int = 0
+    expert_ff: int = 0  # each expert's intermediate size
+    shared_ff: int = 0  # qwen2moe: the shared expert's intermediate size (0: none)
 
     @property
     def vocab(self) -> int:
         return 256 + len(MERGES) + len(SPECIALS)
+
+
+# Qwen3-30B-A3B Q4_K_M's expert types (the shared expert's as a qwen2moe file's).
+MOE_TYPES = {"ffn_gate_exps": QType.Q4_K, "ffn_up_exps": QType.Q4_K, "ffn_down_exps": QType.Q6_K,
+             "ffn_gate_shexp": QType.Q4_K, "ffn_up_shexp": QType.Q5_K, "ffn_down_shexp": QType.Q6_K}  # fmt: skip
+# Tiny mixtures: 4 of 8 experts per token (renormalised), and 2 of 8 plus a gated shared expert.
+QWEN3_MOE = TinySpec("qwen3moe", head_dim=128, qk_norm=True, rope_base=1e6, experts=8, experts_used=4, expert_ff=256)
+QWEN2_MOE = TinySpec("qwen2moe", bias=True, rope_base=1e6, experts=8, experts_used=2, expert_ff=256, shared_ff=512)
+
+
+def transformers_reference(path: str):
+    """transformers' float32 model of a GGUF written here; its reader skips a mixture's expert
+    sizes (it would take its config's defaults), so they are passed from the file's keys."""
+    import os
+
+    import torch
+    import transformers
+
+    from specserve.models.loader import load_model_config
+
+    cfg = load_model_config(path)
+    sizes = {"moe_intermediate_size": cfg.moe_intermediate_size} if cfg.is_moe else {}
+    if cfg.shared_expert_intermediate_size:
+        sizes["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **sizes
+    ).eval()
 
 
 def random_k_quant(rows: int, cols: int, qtype: QType, rng: np.random.Generator) -> np.ndarray:
@@ -64,9 +95,10 @@ def random_k_quant(rows: int, cols: int, qtype: QType, rng: np.random.Generator)
 def _add_tensor(writer: gguf.GGUFWriter, name: str, value: np.ndarray, qtype: QType, rng: np.random.Generator) -> None:
     if qtype in (QType.F32, QType.F16):
         writer.add_tensor(name, value.astype(np.float32 if qtype == QType.F32 else np.float16))
-    elif qtype in K_QUANT_SCALES:
-        rows, cols = value.shape
-        writer.add_tensor(name, random_k_quant(rows, cols, qtype, rng), raw_dtype=qtype)
+    elif qtype in K_QUANT_SCALES:  # a stacked expert tensor [experts, rows, cols] as rows of all
+        *stack, rows, cols = value.shape
+        raw = random_k_quant(int(np.prod(stack, dtype=np.int64)) * rows, cols, qtype, rng)
+        writer.add_tensor(name, raw.reshape(*stack, rows, -1), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype), raw_dtype=qtype)
 
@@ -109,10 +141,17 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
     writer.add_layer_norm_rms_eps(1e-6)
     if spec.window:
         writer.add_sliding_window(spec.window)
+    if spec.experts:
+        writer.add_expert_count(spec.experts)
+        writer.add_expert_used_count(spec.experts_used)
+        writer.add_expert_feed_forward_length(spec.expert_ff)
+        if spec.shared_ff:
+            writer.add_expert_shared_feed_forward_length(spec.shared_ff)
     _add_tokenizer(writer, pre)
 
-    def weight(name: str, short: str, rows: int, cols: int, std: float = 0.08) -> None:
-        _add_tensor(writer, name, rng.normal(0, std, size=(rows, cols)), types.get(short, QType.F32), rng)
+    def weight(name: str, short: str, rows: int, cols: int, std: float = 0.08, experts: int = 0) -> None:
+        size = (experts, rows, cols) if experts else (rows, cols)
+        _add_tensor(writer, name, rng.normal(0, std, size=size), types.get(short, QType.F32), rng)
 
     def norm(name: str, size: int) -> None:
         writer.add_tensor(name, (1 + rng.normal(0, 0.1, size=size)).astype(np.float32))
@@ -133,6 +172,9 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
         if spec.sandwich:
             norm(f"blk.{i}.post_attention_norm.weight", spec.hidden)
             norm(f"blk.{i}.post_ffw_norm.weight", spec.hidden)
+        if spec.experts:
+            _add_experts(writer, spec, i, weight, rng)
+            continue
         weight(f"blk.{i}.ffn_gate.weight", "ffn_gate", spec.intermediate, spec.hidden)
         weight(f"blk.{i}.ffn_up.weight", "ffn_up", spec.intermediate, spec.hidden)
         weight(f"blk.{i}.ffn_down.weight", "ffn_down", spec.hidden, spec.intermediate)
@@ -145,3 +187,18 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_experts(writer: gguf.GGUFWriter, spec: TinySpec, i: int, weight, rng: np.random.Generator) -> None:
+    """Layer i's mixture: the router, the stacked experts (types named ffn_gate_exps, ffn_up_exps,
+    ffn_down_exps) and qwen2moe's shared expert with its gate vector."""
+    router = rng.normal(0, 0.5, size=(spec.experts, spec.hidden)).astype(np.float32)  # spread-out routing
+    writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+    weight(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate_exps", spec.expert_ff, spec.hidden, experts=spec.experts)
+    weight(f"blk.{i}.ffn_up_exps.weight", "ffn_up_exps", spec.expert_ff, spec.hidden, experts=spec.experts)
+    weight(f"blk.{i}.ffn_down_exps.weight", "ffn_down_exps", spec.hidden, spec.expert_ff, experts=spec.experts)
+    if spec.shared_ff:
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", rng.normal(0, 0.5, size=spec.hidden).astype(np.float32))
+        weight(f"blk.{i}.ffn_gate_shexp.weight", "ffn_gate_shexp", spec.shared_ff, spec.hidden)
+        weight(f"blk.{i}.ffn_up_shexp.weight", "ffn_up_shexp", spec.shared_ff, spec.hidden)
+        weight(f"blk.{i}.ffn_down_shexp.weight", "ffn_down_shexp", spec.hidden, spec.shared_ff)

@@ -174,10 +174,17 @@ def _runner_factory(
         forward_stream=streams[0],
         copy_stream=streams[1],
         faults=faults,
-        capture=CaptureConfig(not args.disable_cuda_graph, args.cuda_graph_max_bs, args.enable_torch_compile),
+        capture=CaptureConfig(_captures(args, target.config), args.cuda_graph_max_bs, args.enable_torch_compile),
         tp=tp,
         grammars=GrammarCompiler(tokenizer.backend.to_str, target.config.vocab_size, tokenizer.eos_token_ids),
     )
+
+
+def _captures(args: ServerArgs, cfg: ModelConfig) -> bool:
+    """Whether decode and static verify run as captured steps: not with --disable-cuda-graph, and
+    not a mixture of experts on CUDA (its experts are picked on the host from each step's routing,
+    which a CUDA graph cannot replay; a CPU "replay" calls the step and routes anew)."""
+    return not args.disable_cuda_graph and not (cfg.is_moe and args.device == "cuda")
 
 
 def return_freed_memory() -> None:

@@ -39,6 +39,19 @@ class ModelConfig:
     rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers
     rope_freq_factors: Optional[tuple[float, ...]] = None  # RoPE scaling (models/rope_scaling.py)
     rope_attention_factor: float = 1.0  # the scaling's cos/sin magnitude (YaRN)
+    # Mixture of experts (qwen3moe, qwen2moe): every layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` of them per token by a softmax router (their
+    # weights renormalised to sum to 1 with norm_topk_prob), plus for qwen2moe a shared expert of
+    # `shared_expert_intermediate_size` scaled by a sigmoid gate. num_experts 0: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def window(self, layer: int) -> int:
         """The layer's sliding window in positions (0: it sees the whole context)."""

@@ -155,13 +155,14 @@ class GGUFFile:
             data = self._mm[start + offset : start + offset + n // block * size].reshape(*outer, row)
         return GGUFTensor(name, qtype, dims, n, data)
 
-    def release(self, tensor: GGUFTensor) -> None:
-        """Unmap this process's pages of a tensor's bytes once they have been copied out: they stay
-        in the page cache, and a later read maps them again. Without it a loaded model's resident
-        memory counts the whole file on top of its packed weights until the reader goes."""
+    def release(self, data: np.ndarray) -> None:
+        """Unmap this process's pages of a tensor's bytes (`data`: its GGUFTensor.data, or a part of
+        it such as one expert's) once they have been copied out: they stay in the page cache, and a
+        later read maps them again. Without it a loaded model's resident memory counts the whole
+        file on top of its packed weights until the reader goes."""
         raw = getattr(self._mm, "_mmap", None)  # numpy's mmap.mmap of the whole file
         if raw is None or not hasattr(raw, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return  # not Linux (or an older numpy): the pages stay until the reader goes
-        start = tensor.data.ctypes.data - self._mm.ctypes.data
+        start = data.ctypes.data - self._mm.ctypes.data
         page = start // mmap.PAGESIZE * mmap.PAGESIZE
-        raw.madvise(mmap.MADV_DONTNEED, page, start + tensor.data.nbytes - page)
+        raw.madvise(mmap.MADV_DONTNEED, page, start + data.nbytes - page)

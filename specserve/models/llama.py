@@ -14,6 +14,7 @@ from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, TPContext, release
+from specserve.models.moe import GatedMLP, SparseMoeBlock
 from specserve.models.native_layer import NativeLayers, native_linear
 from specserve.models.packed_cache import PackedWeightCache
 from specserve.models.quant import QuantSource, QuantWeight
@@ -64,20 +65,6 @@ class LlamaAttention(nn.Module):
         return torch.cat([q, k, v], dim=-1)
 
 
-class LlamaMLP(nn.Module):
-    """Gated MLP (SwiGLU, or GELU-tanh for gemma3): fused column-parallel gate/up, row-parallel down."""
-
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
-        self.gelu = cfg.hidden_act == "gelu_tanh"
-
-    def forward(self, x: torch.Tensor, ops: OpBackend) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up))
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks over a residual stream kept apart from each block's output:
     the layer adds its input `out` into `residual` (in place) in its first norm and returns its MLP
@@ -90,7 +77,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, layer_id, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.mlp: GatedMLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg, tp, dtype)
+            if cfg.is_moe
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype, gelu=cfg.hidden_act == "gelu_tanh")
+        )
         sandwich = cfg.sandwich_norms
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if sandwich else None
@@ -116,6 +107,7 @@ class LlamaDecoderLayer(nn.Module):
         kernels `forward` calls on CpuKernelOps, in its order (built here, where the layer's parts
         are known, so models/native_layer.py needs no model)."""
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, GatedMLP), "a mixture of experts runs op by op (NativeLayers.build is not called)"
         norms = [
             self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
             self.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
@@ -193,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.read_from(self.lm_head.kernel)
         self.ops = ops
         # The model builds its own native twin (the backend knows ops, not models).
-        self.native = NativeLayers.build(list(self.layers)) if ops.fuses_layers and self.tp_size == 1 else None
+        fuses = ops.fuses_layers and self.tp_size == 1 and not self.config.is_moe  # experts: op by op
+        self.native = NativeLayers.build(list(self.layers)) if fuses else None
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
@@ -228,20 +221,13 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _load_quantized(layer: "LlamaDecoderLayer", p: str, quantized: Mapping[str, QuantWeight]) -> None:
-        """Point the layer's linears at their codes (each read only when the layer is packed)."""
-        fused = {
-            layer.self_attn.qkv_proj: [f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")],
-            layer.mlp.gate_up_proj: [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
-        }
-        for linear, names in fused.items():
-            if all(n in quantized for n in names):
-                linear.load_quantized([_source(quantized, n) for n in names])
-        for row_linear, name in (
-            (layer.self_attn.o_proj, f"{p}self_attn.o_proj.weight"),
-            (layer.mlp.down_proj, f"{p}mlp.down_proj.weight"),
-        ):
-            if name in quantized:
-                row_linear.load_quantized(_source(quantized, name))
+        """Point the attention's linears at their codes (each read only when the layer is packed; the
+        MLP takes its own in its load_weights)."""
+        qkv = [f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]
+        if all(n in quantized for n in qkv):
+            layer.self_attn.qkv_proj.load_quantized([_source(quantized, n) for n in qkv])
+        if f"{p}self_attn.o_proj.weight" in quantized:
+            layer.self_attn.o_proj.load_quantized(_source(quantized, f"{p}self_attn.o_proj.weight"))
 
     def load_weights(
         self,
@@ -286,10 +272,7 @@ class LlamaForCausalLM(nn.Module):
                 attn.qkv_proj.load([w[f"{p}self_attn.{n}.weight"] for n in names])
             if dense(attn.o_proj, attn.o_proj.has_codes):
                 attn.o_proj.load(w[f"{p}self_attn.o_proj.weight"])
-            if dense(mlp.gate_up_proj, mlp.gate_up_proj.has_codes):
-                mlp.gate_up_proj.load([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]])
-            if dense(mlp.down_proj, mlp.down_proj.has_codes):
-                mlp.down_proj.load(w[f"{p}mlp.down_proj.weight"])
+            mlp.load_weights(f"{p}mlp.", w, codes, functools.partial(_source, codes), dense)
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.data.copy_(w[f"{p}self_attn.q_norm.weight"])
                 attn.k_norm.weight.data.copy_(w[f"{p}self_attn.k_norm.weight"])

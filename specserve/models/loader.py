@@ -1,4 +1,5 @@
-"""Load weights and config from a GGUF file (llama, qwen2, qwen3, gemma3) or a Hugging Face directory.
+"""Load weights and config from a GGUF file (llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe) or a
+Hugging Face directory.
 
 Both paths produce the same thing: a ModelConfig and a mapping of float32 tensors under
 Hugging Face parameter names, with Q/K in the rotate-half RoPE layout (a GGUF's tensors are
@@ -41,11 +42,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# A mixture's experts, stacked [experts, rows, cols] in one GGUF tensor each: one weight per expert.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # GGUF architectures the engine runs. llama.cpp's converter permutes the Q/K rows of `llama` models
 # (interleaved RoPE pairs); `qwen2`, `qwen3` and `gemma3` are stored as Hugging Face has them
 # (rotate-half, "NEOX" in llama.cpp).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
+# Mixtures of experts, and whether llama.cpp renormalises their top-k routing weights.
+_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 GEMMA3_GLOBAL_EVERY = 6
 _ROPE_PERMUTED = ("llama",)
 # Gemma 3's norms: `ffn_norm` comes before the MLP, the other two after attention and after the MLP.
@@ -95,18 +105,20 @@ class GGUFCodes(Mapping[str, QuantWeight]):
 
     def __init__(self, reader: GGUFFile) -> None:
         self._reader = reader
-        self._tensors: dict[str, tuple[GGUFTensor, int]] = {}
+        self._tensors: dict[str, tuple[GGUFTensor, int, Optional[int]]] = {}
 
-    def add(self, name: str, tensor: GGUFTensor, heads: int) -> None:
-        """`heads`: the rows to put back in rotate-half order (unpermute_rope_rows), else 0."""
-        self._tensors[name] = (tensor, heads)
+    def add(self, name: str, tensor: GGUFTensor, heads: int, expert: Optional[int] = None) -> None:
+        """`heads`: the rows to put back in rotate-half order (unpermute_rope_rows), else 0;
+        `expert`: the weight is this expert's matrix of a stacked [experts, rows, cols] tensor."""
+        self._tensors[name] = (tensor, heads, expert)
 
     def __getitem__(self, name: str) -> QuantWeight:
-        tensor, heads = self._tensors[name]
-        q = parse_quantized(np.asarray(tensor.data), tensor.tensor_type.name)
+        tensor, heads, expert = self._tensors[name]
+        data = tensor.data if expert is None else tensor.data[expert]
+        q = parse_quantized(np.asarray(data), tensor.tensor_type.name)
         if heads:
             q = q.rows(torch.from_numpy(unpermute_rope_rows(np.arange(q.codes.shape[0]), heads)))
-        self._reader.release(tensor)  # its bytes were copied out: the pages need not stay resident
+        self._reader.release(data)  # its bytes were copied out: the pages need not stay resident
         return q
 
     def __contains__(self, name: object) -> bool:
@@ -210,7 +222,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
     scaling = rope_scaling.from_gguf(get, freqs, head_dim)
     config = ModelConfig(
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", 0)),  # a mixture's experts have their own
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -226,7 +238,21 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         rope_freq_factors=scaling.freq_factors,
         rope_attention_factor=scaling.attention_factor,
     )
+    if arch in _MOE_NORM_TOPK:
+        return _moe_config(config, get, _MOE_NORM_TOPK[arch])
     return _gemma3_config(config, get) if arch == "gemma3" else config
+
+
+def _moe_config(config: ModelConfig, get: Callable[..., Any], norm_topk: bool) -> ModelConfig:
+    """A mixture of experts' routing and sizes from the file's expert keys."""
+    return dataclasses.replace(
+        config,
+        num_experts=int(get("expert_count")),
+        num_experts_per_tok=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        norm_topk_prob=bool(get("expert_weights_norm", norm_topk)),
+        shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)),
+    )
 
 
 def _gemma3_config(config: ModelConfig, get: Callable[..., Any]) -> ModelConfig:
@@ -264,6 +290,8 @@ def _load_gguf(path: str) -> LoadedModel:
     quantized = GGUFCodes(reader)
     layer_names = _GGUF_SANDWICH_NAMES if config.sandwich_norms else _GGUF_LAYER_NAMES
     for tensor in reader.tensors:
+        if _add_experts(gguf, tensor, weights, quantized):
+            continue
         name = _gguf_to_hf_name(tensor.name, layer_names)
         if name is None:
             continue
@@ -274,11 +302,30 @@ def _load_gguf(path: str) -> LoadedModel:
     return LoadedModel(config=config, weights=weights, path=path, gguf_reader=reader, quantized=quantized)
 
 
-def _dequantized(gguf: Any, tensor: Any, heads: int) -> torch.Tensor:
-    """One GGUF tensor as float32 (Q/K rows back in rotate-half order where `heads`)."""
-    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+def _add_experts(gguf: Any, tensor: GGUFTensor, weights: LazyWeights, quantized: GGUFCodes) -> bool:
+    """A stacked expert tensor (blk.N.ffn_{gate,up,down}_exps) as one weight per expert
+    (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight); False for any other tensor."""
+    parts = tensor.name.split(".")
+    proj = _GGUF_EXPERT_NAMES.get(parts[2]) if parts[0] == "blk" and len(parts) == 4 else None
+    if proj is None:
+        return False
+    for e in range(tensor.data.shape[0]):
+        name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.weight"
+        weights.add(name, functools.partial(_dequantized, gguf, tensor, 0, e))
+        if is_quantized(tensor.tensor_type.name):
+            quantized.add(name, tensor, 0, expert=e)
+    return True
+
+
+def _dequantized(gguf: Any, tensor: Any, heads: int, expert: Optional[int] = None) -> torch.Tensor:
+    """One GGUF tensor (or one expert's matrix of a stacked one) as float32 [rows, cols] (Q/K rows
+    back in rotate-half order where `heads`; a 1-D gate vector as one row)."""
+    data = tensor.data if expert is None else tensor.data[expert]
+    array = gguf.quants.dequantize(data, tensor.tensor_type).astype(np.float32, copy=False)
     if heads:
         array = unpermute_rope_rows(array, heads)
+    if tensor.name.endswith("ffn_gate_inp_shexp.weight"):
+        array = array.reshape(1, -1)  # qwen2moe's shared-expert gate: a linear to one output
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
 
 

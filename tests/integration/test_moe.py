@@ -1,0 +1,112 @@
+"""Mixtures of experts (qwen3moe, qwen2moe) on tiny random files: the routing and sums the
+architecture test compares with transformers can fail when planted wrong (top-k weights left
+unnormalised, the shared expert ungated), each token's MLP output is bitwise its own whatever rows
+share the step (and a planted summation in the step's expert-load order breaks that), routing ties
+go to the lower expert index, and a mixture under tensor parallelism is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_gguf import MOE_TYPES, QWEN2_MOE, QWEN3_MOE, transformers_reference, write_tiny_gguf
+
+from specserve.engine import Engine
+from specserve.errors import ConfigError
+from specserve.models.config import ModelConfig
+from specserve.models.layers import TPContext
+from specserve.models.moe import SparseMoeBlock, route
+
+PROMPT = [(7 * i + 3) % 256 for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory) -> dict[str, str]:
+    files = {}
+    for name, spec in (("qwen3moe", QWEN3_MOE), ("qwen2moe", QWEN2_MOE)):
+        path = str(tmp_path_factory.mktemp(name) / "model.gguf")
+        write_tiny_gguf(path, spec, MOE_TYPES, seed=11, pre="qwen2")
+        files[name] = path
+    return files
+
+
+def _logit_error(path: str) -> float:
+    """Largest |ours - transformers| over the prompt's float32 logits."""
+    from helpers import prefill_logits
+
+    with Engine(model_path=path, dtype="float32", speculative_algorithm="NONE", max_total_tokens=256) as engine:
+        ours = prefill_logits(engine.runner.model, PROMPT)
+    with torch.no_grad():
+        ref = transformers_reference(path)(torch.tensor([PROMPT])).logits[0]
+    return (ours - ref).abs().max().item()
+
+
+def test_planted_unnormalised_top_k_is_caught(moe_files, monkeypatch):
+    assert _logit_error(moe_files["qwen3moe"]) < 1e-3
+    real = SparseMoeBlock.__init__
+
+    def unnormalised(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.normalize = False
+
+    monkeypatch.setattr(SparseMoeBlock, "__init__", unnormalised)
+    assert _logit_error(moe_files["qwen3moe"]) > 1e-2
+
+
+def test_planted_ungated_shared_expert_is_caught(moe_files, monkeypatch):
+    assert _logit_error(moe_files["qwen2moe"]) < 1e-3
+
+    def ungated(self, x, ops):
+        return self.shared_expert(x, ops, torch.float32)
+
+    monkeypatch.setattr(SparseMoeBlock, "shared", ungated)
+    assert _logit_error(moe_files["qwen2moe"]) > 1e-2
+
+
+def _in_load_order(self, x, ops):
+    """A planted summation: experts visited most-loaded first and added into each row as they come,
+    so a row's order of additions depends on which other rows share the step."""
+    weights, experts = route(self.gate.matmul(x, torch.float32), self.top_k, self.normalize)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    active, counts = torch.unique(experts, return_counts=True)
+    for e in active[torch.argsort(counts, descending=True, stable=True)].tolist():
+        rows, slots = (experts == e).nonzero(as_tuple=True)
+        out.index_add_(0, rows, self.experts[e](x[rows], ops, torch.float32) * weights[rows, slots].unsqueeze(1))
+    shared = self.shared(x, ops)
+    return out if shared is None else out + shared
+
+
+def _row_mismatches(block, ops, x: torch.Tensor) -> int:
+    """Rows whose float32 mixture (before its rounding to bf16) differs from the row's alone."""
+    together = block.mix(x, ops)
+    alone = torch.cat([block.mix(x[i : i + 1], ops) for i in range(x.shape[0])])
+    return int((together.view(torch.int32) != alone.view(torch.int32)).any(dim=1).sum())
+
+
+def test_each_rows_output_is_its_own_and_a_load_order_sum_is_caught(moe_files, monkeypatch):
+    """bf16 on the CPU kernels: one layer's float32 mixture over 32 rows at once against each row
+    alone, bitwise; then the planted load-order summation must differ on some row."""
+    with Engine(model_path=moe_files["qwen3moe"], dtype="bfloat16", speculative_algorithm="NONE",
+                max_total_tokens=256) as engine:  # fmt: skip
+        model = engine.runner.model
+        block, ops = model.layers[0].mlp, model.ops
+        assert isinstance(block, SparseMoeBlock)
+        x = torch.randn(32, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        assert _row_mismatches(block, ops, x) == 0
+        monkeypatch.setattr(SparseMoeBlock, "mix", _in_load_order)
+        assert _row_mismatches(block, ops, x) > 0
+
+
+def test_routing_ties_go_to_the_lower_expert_index():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
+    weights, experts = route(logits, 3, normalize=True)
+    assert experts.tolist() == [[1, 3, 5], [0, 1, 2]]
+    assert torch.allclose(weights, torch.full((2, 3), 1 / 3))
+    unnormalised, _ = route(logits, 3, normalize=False)
+    assert torch.allclose(unnormalised[1], torch.full((3,), 1 / 6))
+
+
+def test_a_mixture_under_tensor_parallelism_is_one_error():
+    cfg = ModelConfig(256, 0, 1, 4, 2, 64, 300, 1e4, 1e-6, 512, True, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=256)  # fmt: skip
+    with pytest.raises(ConfigError, match="mixture-of-experts models run on one rank"):
+        SparseMoeBlock(cfg, TPContext(rank=0, size=2), torch.bfloat16)
