@@ -36,10 +36,18 @@ def share_of_bandwidth(bytes_per_token: float, tokens_per_s: float, bandwidth_gb
 def gguf_step_bytes(path: str) -> int:
     """Bytes of a GGUF file's tensors that a batch-1 step of llama.cpp reads: all but the token
     embedding table (one row of it is read), which is read whole only as the tied head of a file
-    without `output.weight`."""
+    without `output.weight`; of a mixture's stacked experts (`*_exps`), the share a token routes
+    to (expert_used_count of expert_count)."""
     from specserve.bench.synth_model import tensor_bytes
     from specserve.models.gguf_file import GGUFFile
 
-    infos = GGUFFile(path, header_only=True).infos
-    tied = not any(i.name == "output.weight" for i in infos)
-    return sum(tensor_bytes(i) for i in infos if tied or i.name != "token_embd.weight")
+    reader = GGUFFile(path, header_only=True)
+    arch = reader.fields.get("general.architecture")
+    experts = reader.fields.get(f"{arch}.expert_count", 0)
+    used = reader.fields.get(f"{arch}.expert_used_count", 0) / experts if experts else 1.0
+    tied = not any(i.name == "output.weight" for i in reader.infos)
+
+    def read(info) -> float:
+        return tensor_bytes(info) * (used if info.name.endswith("_exps.weight") else 1.0)
+
+    return int(sum(read(i) for i in reader.infos if tied or i.name != "token_embd.weight"))

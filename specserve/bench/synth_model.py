@@ -9,7 +9,8 @@ weights' values, and the files people run at 1-8B are not on PyPI. Two ways to g
   the written header back against the source's;
 - `--shape NAME`: a published config's shapes on the tensor table of a smaller file of its family
   (its tokenizer and chat template), written as F16 and then quantized by native `llama-quantize`
-  (scripts/llama_cpp_build.sh) to the real mix of a type such as Q4_K_M.
+  (scripts/llama_cpp_build.sh) to the real mix of a type such as Q4_K_M; a mixture of experts
+  (`qwen3-30b-a3b`) is written block by block in that mix instead (bench/synth_moe.py).
 
 The files land in the model cache, never in the repository; every figure measured on them says
 "synthetic weights", and none is ever a quality or acceptance figure.
@@ -32,6 +33,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from specserve.bench.synth_moe import MOE_SHAPES, MoeShape, moe_table
 from specserve.errors import ConfigError
 from specserve.models.gguf_file import GGUFFile, TensorInfo
 from specserve.models.packaged import model_cache_dir
@@ -75,7 +77,8 @@ SHAPES = {
 def add_synth_model_args(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--like", help=f"a GGUF file (or its first part) whose header to copy; 'pypi-7b': {PYPI_7B}")
-    source.add_argument("--shape", choices=sorted(SHAPES), help="a published config on a smaller file of its family")
+    source.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]),
+                        help="a published config on a smaller file of its family")  # fmt: skip
     p.add_argument("--type", default="Q4_K_M", help="--shape: llama-quantize's type (default Q4_K_M)")
     p.add_argument("--llama-quantize", default=None, help="--shape: the native llama-quantize binary")
     p.add_argument("--out", default=None, help="the file to write (default: the model cache, synthetic-NAME.gguf)")
@@ -91,7 +94,10 @@ def run_synth_model(ns: argparse.Namespace) -> int:
         check_same_header(source, out)
     else:
         out = ns.out or synthetic_path(f"{ns.shape}-{ns.type.lower()}")
-        write_shape(SHAPES[ns.shape], ns.type, ns.llama_quantize, out, ns.seed)
+        if ns.shape in MOE_SHAPES:
+            write_moe_shape(MOE_SHAPES[ns.shape], ns.type, out, ns.seed)
+        else:
+            write_shape(SHAPES[ns.shape], ns.type, ns.llama_quantize, out, ns.seed)
     print(f"wrote {out} ({os.path.getsize(out) / 2**30:.2f} GiB, synthetic weights)")
     return 0
 
@@ -319,3 +325,14 @@ def write_shape(shape: Shape, qtype: str, llama_quantize: Optional[str], out: st
     finally:
         if os.path.exists(f16):
             os.remove(f16)
+
+
+def write_moe_shape(shape: MoeShape, qtype: str, out: str, seed: int) -> None:
+    """A mixture's shape written block by block in llama-quantize's Q4_K_M mix (bench/synth_moe.py)."""
+    if qtype.upper() != "Q4_K_M":
+        raise ConfigError(f"synth-model: a mixture of experts is written as Q4_K_M only, not {qtype}")
+    from specserve.models.loader import resolve_model_path
+
+    donor = GGUFFile(resolve_model_path(shape.donor), header_only=True)
+    entries, infos = moe_table(donor, shape, kv_entry)
+    write_gguf(out, entries, infos, donor.alignment, random_payload(seed), donor.version)

@@ -121,3 +121,35 @@ def test_step_bytes_leave_out_the_embedding_table_unless_it_is_the_head(donor, t
     tied = str(tmp_path / "tied.gguf")
     write_tiny_gguf(tied, TinySpec("qwen2", bias=True, tied=True), TYPES)
     assert gguf_step_bytes(tied) == sum(tensor_bytes(i) for i in GGUFFile(tied, header_only=True).infos)
+
+
+def test_a_mixture_shape_is_llama_quantizes_q4_k_m_mix_and_loads(donor, tmp_path):
+    """--shape qwen3-30b-a3b: the full table's bytes are the published Q4_K_M file's 17.28 GiB
+    (llama-bench's listing), with llama-quantize's Q6_K layers; a thin copy of the same table (2
+    layers, small widths) loads in specserve as a mixture with finite logits, and a batch-1 step
+    reads a token's share of the experts."""
+    from specserve.bench.bandwidth import gguf_step_bytes
+    from specserve.bench.synth_model import kv_entry, tensor_bytes
+    from specserve.bench.synth_moe import MOE_SHAPES, MoeShape, moe_table, use_more_bits
+    from specserve.engine.engine import Engine
+    from specserve.models.loader import resolve_model_path
+
+    full = MOE_SHAPES["qwen3-30b-a3b"]
+    _, infos = moe_table(GGUFFile(resolve_model_path(full.donor), header_only=True), full, kv_entry)
+    assert round(sum(tensor_bytes(i) for i in infos) / 2**30, 2) == 17.28
+    six = [i for i in range(full.layers) if use_more_bits(i, full.layers)]
+    assert six[:7] == [0, 1, 2, 3, 4, 5, 8] and six[-6:] == [42, 43, 44, 45, 46, 47]
+    kinds = {i.name: i.tensor_type for i in infos}
+    assert kinds["blk.8.ffn_down_exps.weight"] == Q.Q6_K and kinds["blk.9.ffn_down_exps.weight"] == Q.Q4_K
+    thin = MoeShape(donor, "qwen3moe", 2, 256, 512, 4, 2, 64, 1024, 8, 2, 256, 1e6, 1e-6)
+    header = GGUFFile(donor, header_only=True)
+    entries, thin_infos = moe_table(header, thin, kv_entry)
+    path = str(tmp_path / "moe.gguf")
+    write_gguf(path, entries, thin_infos, header.alignment, random_payload(0))
+    experts = sum(tensor_bytes(i) for i in thin_infos if i.name.endswith("_exps.weight"))
+    embedding = next(tensor_bytes(i) for i in thin_infos if i.name == "token_embd.weight")
+    assert gguf_step_bytes(path) == sum(tensor_bytes(i) for i in thin_infos) - embedding - experts + experts // 4
+    with Engine(model_path=path, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=512) as engine:
+        cfg = engine.runner.model.config
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 256, True)
+        assert torch.isfinite(prefill_logits(engine.runner.model, [1, 2, 3])).all()
