@@ -20,6 +20,7 @@ from typing import Any
 from specserve.args import ServerArgs
 from specserve.server.engine_spawn import spawn_engine
 from specserve.server.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
+from specserve.server.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="requests waiting for their first token beyond this answer 503 with Retry-After",
     )
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies answer 413")
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reasoning model's replies into reasoning_content and content (its format)",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -110,8 +117,9 @@ def _http_server(ns: argparse.Namespace, args: ServerArgs, parts: tuple, info: d
     startup_logger.info("%s", startup_block(name, info, url, time.monotonic() - started_at))
     settings = {**dataclasses.asdict(args), **{k: v for k, v in vars(ns).items() if k not in ("command", "func")}}
     state = ServerState(
-        client, tokenizer, metrics, name, path, settings, ns.api_key, ns.max_queued_requests, ns.max_request_bytes
-    )
+        client, tokenizer, metrics, name, path, settings, ns.api_key, ns.max_queued_requests, ns.max_request_bytes,
+        reasoning_parser=ns.reasoning_parser,
+    )  # fmt: skip
     # uvicorn's own start-up lines would repeat the block's address: at the default level, warnings only.
     uvicorn_level = "warning" if args.log_level.lower() == "info" else args.log_level.lower()
     config = uvicorn.Config(

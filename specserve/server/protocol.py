@@ -216,22 +216,27 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[ToolChoice] = None  # "auto" when tools are given, as OpenAI
     parallel_tool_calls: StrictBool = True
     continue_final_message: StrictBool = fixed(False)  # SGLang's: a final assistant message is answered, not continued
-    # SGLang's reasoning output, which needs a reasoning parser: specserve has none, so with either
-    # value the whole reply is `content` (as SGLang without --reasoning-parser).
+    # SGLang's reasoning output: with --reasoning-parser the reasoning goes to `reasoning_content`
+    # (unless separate_reasoning is false), streamed as it comes (or whole once it ends); without
+    # a parser the whole reply is `content`.
     separate_reasoning: StrictBool = True
     stream_reasoning: StrictBool = True
+    # Variables for the chat template (Qwen3's enable_thinking, ...), as SGLang and transformers take them.
+    chat_template_kwargs: Optional[dict[Annotated[str, Field(max_length=64)], Any]] = Field(None, max_length=16)
+    regex: Optional[StrictStr] = None  # SGLang's constraints on the reply: a regular expression,
+    ebnf: Optional[StrictStr] = None  # or a GBNF grammar
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs: true")
         check_tools(self.tools, self.tool_choice)
-        if (
-            self.response_format is not None
-            and self.response_format.type != "text"
-            and call_grammar(self.offered_tools(), self.tool_choice, True)
-        ):
-            raise FieldError("response_format", "not with a required or named tool_choice (both constrain the output)")
+        constraints = [name for name, on in (
+            ("response_format", self.response_format is not None and self.response_format.type != "text"),
+            ("regex", self.regex is not None), ("ebnf", self.ebnf is not None),
+            ("tool_choice", call_grammar(self.offered_tools(), self.tool_choice, True) is not None)) if on]  # fmt: skip
+        if len(constraints) > 1:
+            raise FieldError(constraints[0], f"not with {constraints[1]} (both constrain the output)")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_tokens, max_completion_tokens: give at most one")
         return self
@@ -250,6 +255,9 @@ class ChatCompletionRequest(SamplingFields):
         grammar = call_grammar(self.offered_tools(), self.tool_choice, self.parallel_tool_calls)
         if grammar is not None:
             params["lark"] = grammar
+        for name in ("regex", "ebnf"):
+            if getattr(self, name) is not None:
+                params[name] = getattr(self, name)
         return params
 
     def offered_tools(self) -> list[ToolDef]:

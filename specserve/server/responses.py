@@ -12,6 +12,7 @@ from specserve.server.logprob_format import (
     output_logprobs,
     prompt_logprobs,
 )
+from specserve.server.reasoning import ReasoningSetup
 from specserve.server.tools import ToolDef, parse_calls
 from specserve.tokenizer.tokenizer import Tokenizer
 
@@ -41,31 +42,44 @@ def spec_extension(outputs: list[dict]) -> dict[str, Any]:
     return {"choices": [spec_choice(i, o) for i, o in enumerate(outputs)]}
 
 
-def usage(prompt_tokens: int, outputs: list[dict]) -> dict[str, Any]:
-    """OpenAI usage; accepted drafts count as accepted_prediction_tokens."""
+def usage(prompt_tokens: int, outputs: list[dict], reasoning_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage; accepted drafts count as accepted_prediction_tokens; reasoning_tokens: the
+    tokens of the replies' reasoning_content (0 without a reasoning parser)."""
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     accepted = sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outputs)
     cached = max(o["meta_info"]["cached_tokens"] for o in outputs)
-    # reasoning_tokens is 0 by definition: these models have no separate reasoning channel.
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
-        "completion_tokens_details": {"accepted_prediction_tokens": accepted, "reasoning_tokens": 0},
+        "completion_tokens_details": {"accepted_prediction_tokens": accepted, "reasoning_tokens": reasoning_tokens},
     }
 
 
+def reasoning_tokens(tokenizer: Tokenizer, choices: list[dict[str, Any]]) -> int:
+    """Tokens of the choices' reasoning_content, as the tokenizer encodes it."""
+    texts = [c["message"].get("reasoning_content") or "" for c in choices]
+    return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
+
+
 def chat_completion(
-    request_id: str, model: str, outputs: list[dict], prompt_tokens: int, tokenizer: Tokenizer, tools: list[ToolDef]
+    request_id: str,
+    model: str,
+    outputs: list[dict],
+    prompt_tokens: int,
+    tokenizer: Tokenizer,
+    tools: list[ToolDef],
+    reasoning: Optional[ReasoningSetup] = None,
 ) -> dict[str, Any]:
+    choices = [chat_choice(i, o, tokenizer, tools, reasoning) for i, o in enumerate(outputs)]
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [chat_choice(i, o, tokenizer, tools) for i, o in enumerate(outputs)],
-        "usage": usage(prompt_tokens, outputs),
+        "choices": choices,
+        "usage": usage(prompt_tokens, outputs, reasoning_tokens(tokenizer, choices)),
         "specserve": spec_extension(outputs),
     }
 
@@ -84,10 +98,17 @@ def completion_choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(output)}
 
 
-def chat_choice(index: int, output: dict, tokenizer: Tokenizer, tools: list[ToolDef]) -> dict[str, Any]:
-    """One choice; with tools offered, the calls in its text become `tool_calls` (finish_reason "tool_calls")."""
-    content, calls = parse_calls(output["text"], tools) if tools else (output["text"], [])
+def chat_choice(
+    index: int, output: dict, tokenizer: Tokenizer, tools: list[ToolDef], reasoning: Optional[ReasoningSetup] = None
+) -> dict[str, Any]:
+    """One choice; with a reasoning parser its reasoning is `reasoning_content`; with tools offered,
+    the calls in its answer become `tool_calls` (finish_reason "tool_calls")."""
+    split = reasoning.split(output["text"]) if reasoning is not None else None
+    answer = split.content if split is not None else output["text"]
+    content, calls = parse_calls(answer, tools) if tools else (answer, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if split is not None:
+        message["reasoning_content"] = split.reasoning or None
     if calls:
         message["tool_calls"] = calls
     return {

@@ -20,6 +20,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.server.errors import APIError, api_rejection
 from specserve.server.generation import Generation, collect
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
+from specserve.server.reasoning import ReasoningSetup
 from specserve.server.responses import chat_completion, text_completion
 from specserve.server.sse import chat_stream, completion_stream, generate_stream
 from specserve.server.state import ServerState
@@ -46,7 +47,8 @@ OPENAI_PARAM_NAMES = {
 }
 OPENAI_PARAM_NAMES["sampling_params.max_new_tokens"] = "max_tokens"
 # A chat's grammar error (from the engine's compile) names the field the schema came in.
-CHAT_PARAM_NAMES = {**OPENAI_PARAM_NAMES, "sampling_params.json_schema": "response_format"}
+CHAT_PARAM_NAMES = {**OPENAI_PARAM_NAMES, "sampling_params.json_schema": "response_format",
+                    "sampling_params.regex": "regex", "sampling_params.ebnf": "ebnf"}  # fmt: skip
 
 
 def add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -87,21 +89,31 @@ def _add_chat_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
-        messages = body.template_messages()
-        try:
-            ids = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages)
-        except Exception as exc:  # the template rejects the conversation (e.g. role order)
-            raise APIError(f"messages: {exc}", 400, param="messages") from exc
+        text, ids = await asyncio.to_thread(_render_chat, state, body)
         _check_context(state, ids, "messages")
         params = [_parse_params(state, _engine_params(state, body, len(ids), i), OPENAI_PARAM_NAMES) for i in range(body.n)]
         gen = Generation(state, [ids] * body.n, params, CHAT_PARAM_NAMES)
         gen.start()
+        parser = state.reasoning_parser if body.separate_reasoning else None
+        reasoning = ReasoningSetup.for_prompt(parser, text, body.stream_reasoning)
         if body.stream:
             first = await gen.first_event()
-            return StreamingResponse(chat_stream(state, body, gen, first, len(ids)), media_type=SSE)
-        return chat_completion(
-            gen.rids[0], state.model_name, await collect(gen, request), len(ids), state.tokenizer, body.offered_tools()
-        )
+            return StreamingResponse(chat_stream(state, body, gen, first, len(ids), reasoning), media_type=SSE)
+        outputs = await collect(gen, request)
+        return chat_completion(gen.rids[0], state.model_name, outputs, len(ids), state.tokenizer, body.offered_tools(),
+                               reasoning)  # fmt: skip
+
+
+def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The conversation through the model's template (with the request's template variables): its
+    text and token ids."""
+    try:
+        text = state.tokenizer.render_chat(body.template_messages(), True, body.chat_template_kwargs)
+    except InvalidRequestError as exc:  # a field the template refuses, named
+        raise APIError(str(exc), 400, param=exc.param or "messages") from exc
+    except Exception as exc:  # the template rejects the conversation (e.g. role order)
+        raise APIError(f"messages: {exc}", 400, param="messages") from exc
+    return text, state.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _add_completion_route(app: FastAPI, state: ServerState) -> None:

@@ -18,6 +18,7 @@ from specserve.server.errors import APIError, server_error
 from specserve.server.generation import Generation, every_output
 from specserve.server.logprob_format import chat_logprobs, completion_logprobs, echoed_logprobs
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.reasoning import ReasoningSetup, Split
 from specserve.server.responses import chat_choice, finish_reason, spec_choice, usage
 from specserve.server.state import ServerState
 from specserve.server.text_stream import TextStream
@@ -53,9 +54,15 @@ def sse(obj: Union[dict, str]) -> str:
 
 
 async def chat_stream(
-    state: ServerState, body: ChatCompletionRequest, gen: Generation, first: Delivery, prompt_tokens: int
+    state: ServerState,
+    body: ChatCompletionRequest,
+    gen: Generation,
+    first: Delivery,
+    prompt_tokens: int,
+    reasoning: Optional[ReasoningSetup] = None,
 ) -> AsyncIterator[str]:
-    """Chat chunks: a role delta per choice, content deltas, a finish chunk per choice, usage if asked."""
+    """Chat chunks: a role delta per choice, reasoning and content deltas, a finish chunk per
+    choice, usage if asked."""
     head = {
         "id": f"chatcmpl-{gen.rids[0]}",
         "object": "chat.completion.chunk",
@@ -68,28 +75,49 @@ async def chat_stream(
             {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra}
         )
 
-    # With tools offered the reply's text is held back to its end: only then is it known which part
+    # With tools offered the answer's text is held back to its end: only then is it known which part
     # is content and which are calls (each call then comes whole, in one tool_calls delta).
     tools = body.offered_tools()
+    splitters = {i: reasoning.splitter() for i in range(len(gen.rids))} if reasoning is not None else {}
+    thought: dict[int, str] = {}  # each choice's reasoning so far (its usage's reasoning_tokens)
     for i in range(len(gen.rids)):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
         match piece:
             case TextDelta(index, text, logprobs):
-                if text and not tools or logprobs:
-                    yield chunk(index, {"content": "" if tools else text}, logprobs=chat_logprobs(state.tokenizer, logprobs))
+                split = splitters[index].feed(text) if splitters else Split("", text)
+                thought[index] = thought.get(index, "") + split.reasoning
+                for delta in _deltas(split, bool(tools), logprobs is not None):
+                    scored = chat_logprobs(state.tokenizer, logprobs) if "content" in delta else None
+                    yield chunk(index, delta, logprobs=scored)
             case ChoiceFinished(index, output):
-                choice = chat_choice(index, output, state.tokenizer, tools)
-                if tools and choice["message"]["content"]:
-                    yield chunk(index, {"content": choice["message"]["content"]})
+                rest = splitters[index].finish() if splitters else Split()
+                thought[index] = thought.get(index, "") + rest.reasoning
+                for delta in _deltas(Split(rest.reasoning, ""), bool(tools), False):
+                    yield chunk(index, delta)
+                choice = chat_choice(index, output, state.tokenizer, tools, reasoning)
+                answer = choice["message"]["content"] if tools else rest.content
+                if answer:
+                    yield chunk(index, {"content": answer})
                 for k, call in enumerate(choice["message"].get("tool_calls", [])):
                     yield chunk(index, {"tool_calls": [{"index": k, **call}]})
                 yield chunk(index, {}, choice["finish_reason"], specserve=spec_choice(index, output))
             case StreamUsage(u):
+                counted = sum(len(state.tokenizer.encode(t, add_special_tokens=False)) for t in thought.values() if t)
+                u["completion_tokens_details"]["reasoning_tokens"] = counted
                 yield sse({**head, "choices": [], "usage": u})
             case StreamFailed(err):
                 yield sse(err)
     yield sse("[DONE]")
+
+
+def _deltas(split: Split, tools: bool, logprobs: bool) -> list[dict[str, str]]:
+    """The deltas of one piece: its reasoning, then its content (held back when tools are offered;
+    an empty content delta still carries logprobs)."""
+    deltas = [{"reasoning_content": split.reasoning}] if split.reasoning else []
+    if (split.content and not tools) or logprobs:
+        deltas.append({"content": "" if tools else split.content})
+    return deltas
 
 
 async def completion_stream(

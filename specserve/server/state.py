@@ -25,6 +25,7 @@ class ServerState:
     max_queued_requests: int = 256  # requests waiting for their first token; beyond this a request gets 503
     max_request_bytes: int = 8 << 20  # larger bodies get 413
     started_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models "created"
+    reasoning_parser: Optional[str] = None  # --reasoning-parser: how a reply's reasoning is told from its answer
 
     @property
     def context_length(self) -> int:

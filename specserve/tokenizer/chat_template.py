@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any
+from typing import Any, Optional
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -39,8 +39,16 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special = {"bos_token": bos_token, "eos_token": eos_token}
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, variables: Optional[dict[str, Any]] = None
+    ) -> str:
+        """The template's text; `variables`: more template variables (a request's chat_template_kwargs)."""
         validate_messages(messages)
+        extra = variables or {}
+        taken = sorted(set(extra) & {"messages", "add_generation_prompt", *self.special})
+        if taken:
+            field = "chat_template_kwargs"
+            raise InvalidRequestError(f"{field}: {taken[0]!r} is set by the server", param=field)
         try:
             return self.template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.special, **extra

@@ -98,10 +98,16 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = True
     ) -> list[int] | str:
         """Render messages with the model's template; token ids by default, as transformers does."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, variables: Optional[dict[str, Any]] = None
+    ) -> str:
+        """The template's text for messages, with extra template `variables` (e.g. enable_thinking)."""
         if self.chat_template is None:
             raise InvalidRequestError("messages: this model has no chat template", param="messages")
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return self.chat_template.render(messages, add_generation_prompt, variables)
 
 
 def load_tokenizer(path: str, gguf_reader: Any = None, chat_template: Optional[str] = None) -> Tokenizer:
