@@ -21,6 +21,7 @@ from specserve.args import ServerArgs
 from specserve.server.engine_spawn import spawn_engine
 from specserve.server.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from specserve.server.reasoning import REASONING_PARSERS
+from specserve.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=REASONING_PARSERS,
         default=None,
         help="split a reasoning model's replies into reasoning_content and content (its format)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=DEFAULT_TOOL_CALL_PARSER,
+        help="the format the model writes tool calls in (parsed into tool_calls; forced calls use it)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -118,7 +125,7 @@ def _http_server(ns: argparse.Namespace, args: ServerArgs, parts: tuple, info: d
     settings = {**dataclasses.asdict(args), **{k: v for k, v in vars(ns).items() if k not in ("command", "func")}}
     state = ServerState(
         client, tokenizer, metrics, name, path, settings, ns.api_key, ns.max_queued_requests, ns.max_request_bytes,
-        reasoning_parser=ns.reasoning_parser,
+        reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
     )  # fmt: skip
     # uvicorn's own start-up lines would repeat the block's address: at the default level, warnings only.
     uvicorn_level = "warning" if args.log_level.lower() == "info" else args.log_level.lower()

@@ -39,6 +39,7 @@ from specserve.server.fields import (
     fixed,
     neutral_only,
 )
+from specserve.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER
 from specserve.server.tools import (
     MAX_TOOLS,
     ToolCall,
@@ -247,12 +248,13 @@ class ChatCompletionRequest(SamplingFields):
     def logprob_count(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: int, tool_format: str = DEFAULT_TOOL_CALL_PARSER) -> dict[str, Any]:
+        """The engine's params; a forced tool call's grammar writes calls in `tool_format`."""
         params = super().sampling_params(max_new_tokens)
         schema = self.response_format.schema_text() if self.response_format else None
         if schema is not None:
             params["json_schema"] = schema
-        grammar = call_grammar(self.offered_tools(), self.tool_choice, self.parallel_tool_calls)
+        grammar = call_grammar(self.offered_tools(), self.tool_choice, self.parallel_tool_calls, tool_format)
         if grammar is not None:
             params["lark"] = grammar
         for name in ("regex", "ebnf"):
@@ -263,9 +265,10 @@ class ChatCompletionRequest(SamplingFields):
     def offered_tools(self) -> list[ToolDef]:
         return offered(self.tools, self.tool_choice)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation for the chat template, with the offered tools in the system message."""
-        return with_tools([m.as_template_message() for m in self.messages], self.offered_tools())
+    def template_messages(self, tool_format: str = DEFAULT_TOOL_CALL_PARSER) -> list[dict[str, str]]:
+        """The conversation for the chat template, with the offered tools in the system message
+        (asking for calls in `tool_format`)."""
+        return with_tools([m.as_template_message() for m in self.messages], self.offered_tools(), tool_format)
 
 
 class CompletionRequest(SamplingFields):

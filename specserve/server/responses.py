@@ -13,7 +13,7 @@ from specserve.server.logprob_format import (
     prompt_logprobs,
 )
 from specserve.server.reasoning import ReasoningSetup
-from specserve.server.tools import ToolDef, parse_calls
+from specserve.server.tool_parsers import ToolFormat
 from specserve.tokenizer.tokenizer import Tokenizer
 
 SPEC_KEYS = (
@@ -69,7 +69,7 @@ def chat_completion(
     outputs: list[dict],
     prompt_tokens: int,
     tokenizer: Tokenizer,
-    tools: list[ToolDef],
+    tools: ToolFormat,
     reasoning: Optional[ReasoningSetup] = None,
 ) -> dict[str, Any]:
     choices = [chat_choice(i, o, tokenizer, tools, reasoning) for i, o in enumerate(outputs)]
@@ -99,13 +99,12 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, output: dict, tokenizer: Tokenizer, tools: list[ToolDef], reasoning: Optional[ReasoningSetup] = None
+    index: int, output: dict, tokenizer: Tokenizer, tools: ToolFormat, reasoning: Optional[ReasoningSetup] = None
 ) -> dict[str, Any]:
     """One choice; with a reasoning parser its reasoning is `reasoning_content`; with tools offered,
     the calls in its answer become `tool_calls` (finish_reason "tool_calls")."""
     split = reasoning.split(output["text"]) if reasoning is not None else None
-    answer = split.content if split is not None else output["text"]
-    content, calls = parse_calls(answer, tools) if tools else (answer, [])
+    content, calls = tools.parse(split.content if split is not None else output["text"])
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if split is not None:
         message["reasoning_content"] = split.reasoning or None
@@ -115,8 +114,12 @@ def chat_choice(
         "index": index,
         "message": message,
         "logprobs": chat_logprobs(tokenizer, output_logprobs(output)),
-        "finish_reason": "tool_calls" if calls and finish_reason(output) == "stop" else finish_reason(output),
+        "finish_reason": chat_finish_reason(output, bool(calls)),
     }
+
+
+def chat_finish_reason(output: dict, called: bool) -> str:
+    return "tool_calls" if called and finish_reason(output) == "stop" else finish_reason(output)
 
 
 def text_completion(

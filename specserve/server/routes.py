@@ -24,6 +24,7 @@ from specserve.server.reasoning import ReasoningSetup
 from specserve.server.responses import chat_completion, text_completion
 from specserve.server.sse import chat_stream, completion_stream, generate_stream
 from specserve.server.state import ServerState
+from specserve.server.tool_parsers import ToolFormat
 
 SSE = "text/event-stream"
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
@@ -100,15 +101,15 @@ def _add_chat_route(app: FastAPI, state: ServerState) -> None:
             first = await gen.first_event()
             return StreamingResponse(chat_stream(state, body, gen, first, len(ids), reasoning), media_type=SSE)
         outputs = await collect(gen, request)
-        return chat_completion(gen.rids[0], state.model_name, outputs, len(ids), state.tokenizer, body.offered_tools(),
-                               reasoning)  # fmt: skip
+        tools = ToolFormat(state.tool_call_parser, body.offered_tools())
+        return chat_completion(gen.rids[0], state.model_name, outputs, len(ids), state.tokenizer, tools, reasoning)
 
 
 def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
     """The conversation through the model's template (with the request's template variables): its
     text and token ids."""
     try:
-        text = state.tokenizer.render_chat(body.template_messages(), True, body.chat_template_kwargs)
+        text = state.tokenizer.render_chat(body.template_messages(state.tool_call_parser), True, body.chat_template_kwargs)
     except InvalidRequestError as exc:  # a field the template refuses, named
         raise APIError(str(exc), 400, param=exc.param or "messages") from exc
     except Exception as exc:  # the template rejects the conversation (e.g. role order)
@@ -210,7 +211,11 @@ def _check_context(state: ServerState, ids: list[int], field: str) -> None:
 def _engine_params(state: ServerState, body: SamplingFields, n_ids: int, seed_offset: int) -> dict[str, Any]:
     """Engine sampling params of one choice; without a token limit it may fill the context window."""
     limit: Optional[int] = body.token_limit()
-    params = body.sampling_params(limit if limit is not None else state.context_length - n_ids)
+    budget = limit if limit is not None else state.context_length - n_ids
+    if isinstance(body, ChatCompletionRequest):  # a forced call's grammar writes the server's tool format
+        params = body.sampling_params(budget, state.tool_call_parser)
+    else:
+        params = body.sampling_params(budget)
     if body.seed is not None and seed_offset:  # n choices with one seed: distinct, reproducible streams
         params["seed"] = (body.seed + seed_offset) % (2**63)
     return params

@@ -19,9 +19,10 @@ from specserve.server.generation import Generation, every_output
 from specserve.server.logprob_format import chat_logprobs, completion_logprobs, echoed_logprobs
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.reasoning import ReasoningSetup, Split
-from specserve.server.responses import chat_choice, finish_reason, spec_choice, usage
+from specserve.server.responses import chat_finish_reason, finish_reason, spec_choice, usage
 from specserve.server.state import ServerState
 from specserve.server.text_stream import TextStream
+from specserve.server.tool_parsers import ToolFormat
 
 logger = logging.getLogger(__name__)
 
@@ -75,49 +76,66 @@ async def chat_stream(
             {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra}
         )
 
-    # With tools offered the answer's text is held back to its end: only then is it known which part
-    # is content and which are calls (each call then comes whole, in one tool_calls delta).
-    tools = body.offered_tools()
-    splitters = {i: reasoning.splitter() for i in range(len(gen.rids))} if reasoning is not None else {}
-    thought: dict[int, str] = {}  # each choice's reasoning so far (its usage's reasoning_tokens)
+    # Each choice's reply goes through the reasoning splitter (if any), then its answer through the
+    # tool-call parser (if tools are offered): content as it comes, each call once it is complete.
+    tools = ToolFormat(state.tool_call_parser, body.offered_tools())
+    parts = {i: _ReplyParts(reasoning, tools) for i in range(len(gen.rids))}
     for i in range(len(gen.rids)):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for piece in _text_pieces(state, body.stop_list(), gen, first, prompt_tokens, body.include_usage):
         match piece:
             case TextDelta(index, text, logprobs):
-                split = splitters[index].feed(text) if splitters else Split("", text)
-                thought[index] = thought.get(index, "") + split.reasoning
-                for delta in _deltas(split, bool(tools), logprobs is not None):
+                for delta in parts[index].feed(text, logprobs is not None):
                     scored = chat_logprobs(state.tokenizer, logprobs) if "content" in delta else None
                     yield chunk(index, delta, logprobs=scored)
             case ChoiceFinished(index, output):
-                rest = splitters[index].finish() if splitters else Split()
-                thought[index] = thought.get(index, "") + rest.reasoning
-                for delta in _deltas(Split(rest.reasoning, ""), bool(tools), False):
+                for delta in parts[index].finish():
                     yield chunk(index, delta)
-                choice = chat_choice(index, output, state.tokenizer, tools, reasoning)
-                answer = choice["message"]["content"] if tools else rest.content
-                if answer:
-                    yield chunk(index, {"content": answer})
-                for k, call in enumerate(choice["message"].get("tool_calls", [])):
-                    yield chunk(index, {"tool_calls": [{"index": k, **call}]})
-                yield chunk(index, {}, choice["finish_reason"], specserve=spec_choice(index, output))
+                reason = chat_finish_reason(output, parts[index].calls > 0)
+                yield chunk(index, {}, reason, specserve=spec_choice(index, output))
             case StreamUsage(u):
-                counted = sum(len(state.tokenizer.encode(t, add_special_tokens=False)) for t in thought.values() if t)
-                u["completion_tokens_details"]["reasoning_tokens"] = counted
+                thought = (p.reasoning for p in parts.values() if p.reasoning)
+                u["completion_tokens_details"]["reasoning_tokens"] = sum(
+                    len(state.tokenizer.encode(t, add_special_tokens=False)) for t in thought
+                )
                 yield sse({**head, "choices": [], "usage": u})
             case StreamFailed(err):
                 yield sse(err)
     yield sse("[DONE]")
 
 
-def _deltas(split: Split, tools: bool, logprobs: bool) -> list[dict[str, str]]:
-    """The deltas of one piece: its reasoning, then its content (held back when tools are offered;
-    an empty content delta still carries logprobs)."""
-    deltas = [{"reasoning_content": split.reasoning}] if split.reasoning else []
-    if (split.content and not tools) or logprobs:
-        deltas.append({"content": "" if tools else split.content})
-    return deltas
+class _ReplyParts:
+    """One streamed choice's reasoning, content and tool-call deltas."""
+
+    def __init__(self, reasoning: Optional[ReasoningSetup], tools: ToolFormat):
+        self.splitter = reasoning.splitter() if reasoning is not None else None
+        self.calls_stream = tools.stream()
+        self.reasoning, self.calls = "", 0  # the reasoning so far (usage), the calls sent
+
+    def feed(self, text: str, logprobs: bool) -> list[dict[str, Any]]:
+        split = self.splitter.feed(text) if self.splitter is not None else Split("", text)
+        return self._deltas(split, False, logprobs)
+
+    def finish(self) -> list[dict[str, Any]]:
+        split = self.splitter.finish() if self.splitter is not None else Split()
+        return self._deltas(split, True, False)
+
+    def _deltas(self, split: Split, last: bool, logprobs: bool) -> list[dict[str, Any]]:
+        """Its reasoning, then its content (an empty content delta still carries logprobs), then calls."""
+        self.reasoning += split.reasoning
+        content, calls = split.content, list[dict[str, Any]]()
+        if self.calls_stream is not None:
+            content, calls = self.calls_stream.feed(content)
+            if last:
+                rest, more = self.calls_stream.finish()
+                content, calls = content + rest, calls + more
+        deltas: list[dict[str, Any]] = [{"reasoning_content": split.reasoning}] if split.reasoning else []
+        if content or logprobs:
+            deltas.append({"content": content})
+        for call in calls:
+            deltas.append({"tool_calls": [{"index": self.calls, **call}]})
+            self.calls += 1
+        return deltas
 
 
 async def completion_stream(

@@ -26,6 +26,7 @@ class ServerState:
     max_request_bytes: int = 8 << 20  # larger bodies get 413
     started_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models "created"
     reasoning_parser: Optional[str] = None  # --reasoning-parser: how a reply's reasoning is told from its answer
+    tool_call_parser: str = "qwen25"  # --tool-call-parser: the format of the calls a model writes
 
     @property
     def context_length(self) -> int:

@@ -5,17 +5,17 @@ system prompt as JSON signatures inside <tools></tools>, and the model answers a
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
-one block per call. `tool_choice` "required" or a named function is enforced by a grammar (the
-blocks, each a JSON object matching one allowed function's parameters), so such a request always
-produces valid calls, with speculation on; "auto" lets the model choose and the reply is parsed;
-"none" offers no tools. Earlier turns' calls and tool results are rendered in the same format.
+one block per call (with `--tool-call-parser llama3`: bare JSON objects `{"name": ..., "parameters":
+...}` separated by "; ", as Llama 3 writes them). `tool_choice` "required" or a named function is
+enforced by a grammar (the calls, each a JSON object matching one allowed function's parameters),
+so such a request always produces valid calls, with speculation on; "auto" lets the model choose
+and the reply is parsed (server/tool_parsers.py); "none" offers no tools. Earlier turns' calls and
+tool results are rendered in the Hermes format.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
@@ -24,7 +24,6 @@ from specserve.server.errors import FieldError
 
 MAX_TOOLS = 64
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
 # The JSON inside a call block: json.dumps's separators, no free whitespace (llguidance's options).
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -87,73 +86,61 @@ def offered(tools: Optional[list[ToolDef]], choice: Optional[ToolChoice]) -> lis
     return [] if not tools or choice == "none" else list(tools)
 
 
-def system_prompt(tools: list[ToolDef]) -> str:
-    """The Hermes-style tool description, put before (or into) the conversation's system message."""
+def system_prompt(tools: list[ToolDef], fmt: str = "qwen25") -> str:
+    """The tool description put before (or into) the conversation's system message, asking for
+    calls in the tool-call parser's format: Hermes blocks, or (llama3) bare JSON objects."""
     signatures = "\n".join(
         json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)}) for t in tools
     )
-    return (
-        "You are a function calling AI model. You may call one or more functions to assist with the user "
-        f"query. Here are the available tools:\n<tools>\n{signatures}\n</tools>\nFor each function call, "
-        f"return a JSON object with the function name and arguments within {CALL_OPEN}{CALL_CLOSE} tags:\n"
-        f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_CLOSE}'
+    intro = ("You are a function calling AI model. You may call one or more functions to assist with the user "
+             f"query. Here are the available tools:\n<tools>\n{signatures}\n</tools>\n")  # fmt: skip
+    if fmt == "llama3":
+        return intro + ('To call functions, answer with only JSON objects separated by "; ", each '
+                        '{"name": <function-name>, "parameters": <args-json-object>}')  # fmt: skip
+    call = '{"name": <function-name>, "arguments": <args-json-object>}'
+    return intro + (
+        f"For each function call, return a JSON object with the function name and arguments within "
+        f"{CALL_OPEN}{CALL_CLOSE} tags:\n{CALL_OPEN}\n{call}\n{CALL_CLOSE}"
     )
 
 
-def with_tools(messages: list[dict[str, str]], tools: list[ToolDef]) -> list[dict[str, str]]:
+def with_tools(messages: list[dict[str, str]], tools: list[ToolDef], fmt: str = "qwen25") -> list[dict[str, str]]:
     if not tools:
         return messages
-    prompt = system_prompt(tools)
+    prompt = system_prompt(tools, fmt)
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}] + messages[1:]
     return [{"role": "system", "content": prompt}] + messages
 
 
-def call_grammar(tools: list[ToolDef], choice: Optional[ToolChoice], parallel: bool) -> Optional[str]:
-    """llguidance Lark for tool_choice "required" (any tool) or a named one; None when not enforced."""
+def call_grammar(tools: list[ToolDef], choice: Optional[ToolChoice], parallel: bool, fmt: str = "qwen25") -> Optional[str]:
+    """llguidance Lark for tool_choice "required" (any tool) or a named one, in the tool-call
+    parser's format; None when not enforced."""
     if choice == "required":
         allowed = tools
     elif isinstance(choice, NamedToolChoice):
         allowed = [t for t in tools if t.function.name == choice.function.name]
     else:
         return None
-    schema = {"anyOf": [_call_schema(t) for t in allowed], "x-guidance": _JSON_STYLE}
+    if fmt == "gpt-oss":
+        raise FieldError("tool_choice", "required or named calls are not forced with --tool-call-parser gpt-oss")
+    key = "parameters" if fmt == "llama3" else "arguments"
+    schema = {"anyOf": [_call_schema(t, key) for t in allowed], "x-guidance": _JSON_STYLE}
+    if fmt == "llama3":
+        repeat = ' ("; " call)*' if parallel else ""
+        return f"start: call{repeat}\ncall: %json {json.dumps(schema)}\n"
     repeat = ' ("\\n" call)*' if parallel else ""
     return f'start: call{repeat}\ncall: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\nbody: %json {json.dumps(schema)}\n'
 
 
-def _call_schema(tool: ToolDef) -> dict[str, Any]:
+def _call_schema(tool: ToolDef, key: str) -> dict[str, Any]:
     params = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": params},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.function.name}, key: params},
+        "required": ["name", key],
         "additionalProperties": False,
     }
-
-
-def parse_calls(text: str, tools: list[ToolDef]) -> tuple[Optional[str], list[dict[str, Any]]]:
-    """(content, tool_calls) of a reply: each well-formed block naming an offered tool becomes a call;
-    the text outside the blocks is the content (None when empty)."""
-    names = {t.function.name for t in tools}
-    calls = []
-    for body in _CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict):
-            calls.append(
-                {
-                    "id": f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))},
-                }
-            )
-    if not calls:
-        return text, []
-    content = _CALL.sub("", text).strip()
-    return content or None, calls
 
 
 def render_call_history(content: str, calls: list[ToolCall]) -> str:

@@ -69,3 +69,31 @@ def test_template_variables_the_server_sets_and_two_constraints_are_400(reasonin
     assert taken.status_code == 400 and taken.json()["error"]["param"] == "chat_template_kwargs"
     both = httpx.post(url, json={"model": model, "messages": MESSAGES, **FORCED, "ebnf": 'root ::= "a"'})
     assert both.status_code == 400 and "both constrain the output" in both.json()["error"]["message"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+THEN_CALL = {"regex": r'<think>\nI need the weather\.\n</think>\n\n<tool_call>\n\{"name": "get_weather", '
+                      r'"arguments": \{"city": "Paris"\}\}\n</tool_call>'}  # fmt: skip
+
+
+def test_reasoning_then_a_call_under_tool_choice_auto_whole_and_streamed(client):
+    """The reply reasons, then writes a call in its own (Hermes) format: reasoning_content and
+    tool_calls, finish_reason tool_calls; streamed, the reasoning deltas and then the call's delta."""
+    ask = dict(model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=96, temperature=0,
+               tools=[WEATHER], tool_choice="auto", extra_body=THEN_CALL)  # fmt: skip
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.reasoning_content == "I need the weather."
+    assert whole.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    kinds, calls, finish = [], [], None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            if getattr(choice.delta, "reasoning_content", None):
+                kinds.append("reasoning")
+            if choice.delta.tool_calls:
+                kinds.append("call")
+                calls += [(c.index, c.function.name, c.function.arguments) for c in choice.delta.tool_calls]
+    assert finish == "tool_calls" and calls == [(0, "get_weather", '{"city": "Paris"}')]
+    assert kinds[0] == "reasoning" and kinds[-1] == "call" and kinds.count("call") == 1

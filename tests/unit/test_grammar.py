@@ -10,7 +10,8 @@ import pytest
 from specserve.errors import InvalidRequestError
 from specserve.logits.grammar import GrammarCompiler, GrammarSpec
 from specserve.server.protocol import ChatCompletionRequest
-from specserve.server.tools import ToolDef, call_grammar, parse_calls
+from specserve.server.tool_parsers import parse_tool_calls
+from specserve.server.tools import ToolDef, call_grammar
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["n"], "additionalProperties": False}
@@ -73,10 +74,20 @@ def test_required_tool_choice_grammar_admits_exactly_valid_calls(compiler, token
     assert compiler.state(GrammarSpec("lark", lark)).valid_prefix(tokenizer.encode(good)) == len(tokenizer.encode(good))
     bad_ids = tokenizer.encode(wrong_name)
     assert compiler.state(GrammarSpec("lark", lark)).valid_prefix(bad_ids) < len(bad_ids)
-    content, calls = parse_calls(good, [WEATHER])
+    content, calls = parse_tool_calls("qwen25", {"get_weather"}, good)
     assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert parse_calls("no call here", [WEATHER]) == ("no call here", [])
-    assert parse_calls(wrong_name, [WEATHER]) == (wrong_name, [])  # not an offered tool: plain text
+    assert parse_tool_calls("qwen25", {"get_weather"}, "no call here") == ("no call here", [])
+    assert parse_tool_calls("qwen25", {"get_weather"}, wrong_name) == (wrong_name, [])  # not offered: plain text
+
+
+def test_a_forced_llama3_call_is_the_json_llama3_writes(compiler, tokenizer):
+    lark = call_grammar([WEATHER], "required", parallel=True, fmt="llama3")
+    two = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'
+    assert compiler.state(GrammarSpec("lark", lark)).valid_prefix(tokenizer.encode(two)) == len(tokenizer.encode(two))
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert compiler.state(GrammarSpec("lark", lark)).valid_prefix(tokenizer.encode(hermes)) == 0
+    content, calls = parse_tool_calls("llama3", {"get_weather"}, two)
+    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
 
 
 def _chat(**kw) -> ChatCompletionRequest:
