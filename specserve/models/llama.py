@@ -107,20 +107,25 @@ class LlamaDecoderLayer(nn.Module):
         kernels `forward` calls on CpuKernelOps, in its order (built here, where the layer's parts
         are known, so models/native_layer.py needs no model)."""
         attn, mlp = self.self_attn, self.mlp
-        assert isinstance(mlp, GatedMLP), "a mixture of experts runs op by op (NativeLayers.build is not called)"
         norms = [
             self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
             self.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
         ]  # fmt: skip
         eps = {n.eps for n in norms if n is not None}
         assert len(eps) == 1, f"one epsilon for every norm of a layer, got {sorted(eps)}"
-        bias = attn.qkv_proj.bias
+        bias, gelu = attn.qkv_proj.bias, isinstance(mlp, GatedMLP) and mlp.gelu
         return load().DecoderLayer(
             native_linear(attn.qkv_proj.kernel), None if bias is None else bias.detach(), native_linear(attn.o_proj.kernel),
-            native_linear(mlp.gate_up_proj.kernel), native_linear(mlp.down_proj.kernel),
-            [None if n is None else n.weight.detach() for n in norms],
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.window, mlp.gelu, eps.pop(),
+            *_native_mlp(mlp), [None if n is None else n.weight.detach() for n in norms],
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.window, gelu, eps.pop(),
         )  # fmt: skip
+
+
+def _native_mlp(mlp: GatedMLP | SparseMoeBlock) -> tuple[Any, Any, Any]:
+    """The native layer's gate_up, down and moe arguments: a dense MLP's two linears, or a mixture."""
+    if isinstance(mlp, SparseMoeBlock):
+        return None, None, mlp.native()
+    return native_linear(mlp.gate_up_proj.kernel), native_linear(mlp.down_proj.kernel), None
 
 
 def _loads_dense(module: nn.Module, dense: bool) -> bool:
@@ -185,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.read_from(self.lm_head.kernel)
         self.ops = ops
         # The model builds its own native twin (the backend knows ops, not models).
-        fuses = ops.fuses_layers and self.tp_size == 1 and not self.config.is_moe  # experts: op by op
+        fuses = ops.fuses_layers and self.tp_size == 1
         self.native = NativeLayers.build(list(self.layers)) if fuses else None
 
     @torch.inference_mode()

@@ -17,12 +17,15 @@ leave every token unchanged.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from specserve.errors import ConfigError
+from specserve.kernels.build import load
+from specserve.kernels.dispatch import path_id
+from specserve.kernels.linear import PackedLinear
 from specserve.models.config import ModelConfig
 from specserve.models.layers import ColumnParallelLinear, RowParallelLinear, TPContext
 from specserve.models.quant import QuantSource, QuantWeight
@@ -82,7 +85,35 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ColumnParallelLinear(hidden, [1], False, tp, dtype) if shared else None
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.gate.kernel is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return self._kernel_moe().forward(x.contiguous(), path_id())  # the CPU kernels' own
         return self.mix(x, ops).to(x.dtype)
+
+    def native(self) -> Any:
+        """This mixture as the CPU kernels run it in one call (csrc/moe.cpp MoeMlp: the same routing
+        and order of sums as mix(), its softmax in scalar float32), the packed weights shared."""
+
+        def kernel(linear: ColumnParallelLinear | RowParallelLinear) -> Any:
+            assert linear.kernel is not None, "packed for the CPU kernels"
+            return linear.kernel.native()
+
+        experts = [e for e in self.experts if isinstance(e, GatedMLP)]
+        shared = [None] * 3
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            s = self.shared_expert
+            shared = [kernel(s.gate_up_proj), kernel(s.down_proj), kernel(self.shared_expert_gate)]
+        return load().MoeMlp(
+            kernel(self.gate), [kernel(e.gate_up_proj) for e in experts], [kernel(e.down_proj) for e in experts],
+            self.top_k, self.normalize, *shared,
+        )  # fmt: skip
+
+    def _kernel_moe(self) -> Any:
+        """native(), built again whenever a packed weight or its activation setting changed."""
+        kernels = [k for m in self.modules() if isinstance(k := getattr(m, "kernel", None), PackedLinear)]
+        key = tuple((id(k), k.int8_activations) for k in kernels)
+        if getattr(self, "_native_key", None) != key:
+            self._native, self._native_key = self.native(), key
+        return self._native
 
     def mix(self, x: torch.Tensor, ops) -> torch.Tensor:
         """The float32 sum of each row's weighted experts (and gated shared expert)."""

@@ -11,6 +11,7 @@ import torch
 from tiny_gguf import MOE_TYPES, QWEN2_MOE, QWEN3_MOE, transformers_reference, write_tiny_gguf
 
 from specserve.engine import Engine
+from specserve.kernels.build import load
 from specserve.errors import ConfigError
 from specserve.models.config import ModelConfig
 from specserve.models.layers import TPContext
@@ -110,3 +111,28 @@ def test_a_mixture_under_tensor_parallelism_is_one_error():
                       moe_intermediate_size=256)  # fmt: skip
     with pytest.raises(ConfigError, match="mixture-of-experts models run on one rank"):
         SparseMoeBlock(cfg, TPContext(rank=0, size=2), torch.bfloat16)
+
+
+def test_the_kernels_mixture_matches_the_torch_one_and_is_each_rows_own(moe_files):
+    """csrc/moe.cpp (what the bf16 engine runs) against models/moe.py's torch mixture on the same
+    packed weights: within float32 rounding of the softmax, and bitwise each row's own."""
+    for name in ("qwen3moe", "qwen2moe"):
+        with Engine(model_path=moe_files[name], dtype="bfloat16", speculative_algorithm="NONE",
+                    max_total_tokens=256) as engine:  # fmt: skip
+            model = engine.runner.model
+            block, ops = model.layers[1].mlp, model.ops
+            x = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            native = block(x, ops)
+            reference = block.mix(x, ops)
+            assert (native.float() - reference).abs().max().item() <= 1e-2 * reference.abs().max().item(), name
+            alone = torch.cat([block(x[i : i + 1], ops) for i in range(x.shape[0])])
+            assert torch.equal(native.view(torch.int16), alone.view(torch.int16)), name
+
+
+def test_the_kernels_routing_breaks_ties_to_the_lower_index():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
+    weights, experts = load().moe_route(logits, 3, True)
+    assert experts.tolist() == [[1, 3, 5], [0, 1, 2]]
+    assert torch.allclose(weights, torch.full((2, 3), 1 / 3))
+    ours, theirs = load().moe_route(logits, 3, False)[0], route(logits, 3, normalize=False)[0]
+    assert torch.allclose(ours, theirs)

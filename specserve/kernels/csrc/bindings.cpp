@@ -9,6 +9,7 @@
 #include "ops.h"
 #include "decoder_layer.h"
 #include "markov.h"
+#include "moe.h"
 #include "pack.h"
 #include "torch_glue.h"
 
@@ -203,6 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &specserve::gated_mul<specserve::silu_mul_rows>, "silu(gate) * up of [rows, 2f] gate_up");
   m.def("gelu_tanh_mul", &specserve::gated_mul<specserve::gelu_tanh_mul_rows>, "gelu_tanh(gate) * up of [rows, 2f] gate_up");
   specserve::register_decoder_layer(m);
+  specserve::register_moe(m);
   specserve::register_markov(m);
   specserve::register_pack(m);
   m.def("stream_read", &specserve::stream_read, "read a uint8 buffer once with every thread (the read-bandwidth probe)");

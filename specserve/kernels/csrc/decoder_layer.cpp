@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "moe.h"
 #include "ops.h"
 #include "torch_glue.h"
 
@@ -54,19 +55,23 @@ enum Norm { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQuery, k
 
 class DecoderLayer {
  public:
-  DecoderLayer(NativeLinear qkv, c10::optional<torch::Tensor> qkv_bias, NativeLinear o, NativeLinear gate_up, NativeLinear down,
-               std::vector<c10::optional<torch::Tensor>> norms, int64_t heads, int64_t kv_heads, int64_t dim, double scale,
-               int64_t window, bool gelu, double eps)
-      : qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)), down_(std::move(down)), bias_(qkv_bias),
-        norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads), dim_(dim), scale_(float(scale)), window_(window),
-        gelu_(gelu), eps_(float(eps)) {
+  // The MLP: gate_up and down (a dense layer), or moe (a mixture of experts).
+  DecoderLayer(NativeLinear qkv, c10::optional<torch::Tensor> qkv_bias, NativeLinear o, c10::optional<NativeLinear> gate_up,
+               c10::optional<NativeLinear> down, c10::optional<MoeMlp> moe, std::vector<c10::optional<torch::Tensor>> norms,
+               int64_t heads, int64_t kv_heads, int64_t dim, double scale, int64_t window, bool gelu, double eps)
+      : qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)), down_(std::move(down)), moe_(std::move(moe)),
+        bias_(qkv_bias), norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads), dim_(dim), scale_(float(scale)),
+        window_(window), gelu_(gelu), eps_(float(eps)) {
     hidden_ = qkv_.w.k;
     TORCH_CHECK(norms_.size() == kNorms && norms_[kInput] && norms_[kPostAttention] &&
                     bool(norms_[kPreFeedforward]) == bool(norms_[kPostFeedforward]) && bool(norms_[kQuery]) == bool(norms_[kKey]),
                 "specserve decoder layer: norms are input, post-attention, [pre- and post-feedforward], [query and key]");
-    TORCH_CHECK(qkv_.w.n == (heads + 2 * kv_heads) * dim && o_.w.k == heads * dim && o_.w.n == hidden_ &&
-                    gate_up_.w.k == hidden_ && gate_up_.w.n % 2 == 0 && down_.w.k == gate_up_.w.n / 2 && down_.w.n == hidden_,
-                "specserve decoder layer: the linears' shapes do not chain");
+    TORCH_CHECK(qkv_.w.n == (heads + 2 * kv_heads) * dim && o_.w.k == heads * dim && o_.w.n == hidden_,
+                "specserve decoder layer: the attention's shapes do not chain");
+    TORCH_CHECK(moe_ ? !gate_up_ && !down_ && moe_->router.w.k == hidden_
+                     : gate_up_ && down_ && gate_up_->w.k == hidden_ && gate_up_->w.n % 2 == 0 &&
+                           down_->w.k == gate_up_->w.n / 2 && down_->w.n == hidden_,
+                "specserve decoder layer: the MLP is gate_up and down, or a mixture of experts, chaining with the attention");
     TORCH_CHECK(heads % kv_heads == 0 && dim % 2 == 0 && window >= 0, "specserve decoder layer: bad head shape or window");
     check_vector(bias_, qkv_.w.n, "qkv bias");
     for (int i = 0; i < kNorms; ++i) check_vector(norms_[i], i >= kQuery ? dim : hidden_, "norm weight");
@@ -162,7 +167,8 @@ class DecoderLayer {
   }
 
   torch::Tensor mlp(const torch::Tensor& h, Path p) const {
-    torch::Tensor gate_up = gate_up_(h, p);
+    if (moe_) return moe_->forward(h, p);
+    torch::Tensor gate_up = (*gate_up_)(h, p);
     const int64_t f = gate_up.size(1) / 2;
     auto act = torch::empty({h.size(0), f}, h.options());
     const uint16_t* gd = bf16_data(gate_up);
@@ -172,10 +178,12 @@ class DecoderLayer {
       if (gelu) gelu_tanh_mul_rows(p, gd, f, ad, b, e);
       else silu_mul_rows(p, gd, f, ad, b, e);
     });
-    return down_(act, p);
+    return (*down_)(act, p);
   }
 
-  NativeLinear qkv_, o_, gate_up_, down_;
+  NativeLinear qkv_, o_;
+  c10::optional<NativeLinear> gate_up_, down_;
+  c10::optional<MoeMlp> moe_;
   c10::optional<torch::Tensor> bias_;
   std::vector<c10::optional<torch::Tensor>> norms_;
   int64_t heads_, kv_heads_, dim_;
@@ -258,9 +266,10 @@ void register_decoder_layer(py::module& m) {
            py::arg("w_exp_lo"), py::arg("w_exp_hi"), py::arg("group"), py::arg("bits"), py::arg("code_offset"),
            py::arg("scale_super"), py::arg("zero_super"), py::arg("int8"));
   py::class_<DecoderLayer>(m, "DecoderLayer", "one decoder layer in one call (TP size 1)")
-      .def(py::init<NativeLinear, c10::optional<torch::Tensor>, NativeLinear, NativeLinear, NativeLinear,
-                    std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t, int64_t, double, int64_t, bool, double>(),
-           py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("norms"),
+      .def(py::init<NativeLinear, c10::optional<torch::Tensor>, NativeLinear, c10::optional<NativeLinear>,
+                    c10::optional<NativeLinear>, c10::optional<MoeMlp>, std::vector<c10::optional<torch::Tensor>>, int64_t,
+                    int64_t, int64_t, double, int64_t, bool, double>(),
+           py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("moe"), py::arg("norms"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("dim"), py::arg("scale"), py::arg("window"), py::arg("gelu"),
            py::arg("eps"))
       .def("forward", &DecoderLayer::forward, py::arg("out"), py::arg("residual"), py::arg("step"), py::arg("k_pool"),

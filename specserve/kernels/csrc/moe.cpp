@@ -1,0 +1,169 @@
+// A mixture-of-experts MLP in one call, for the CPU kernels (models/moe.py SparseMoeBlock). The
+// per-op path calls this same object, so the native decoder layer and the per-op layer agree by
+// construction; models/moe.py's torch implementation is the reference it is tested against.
+//
+// Routing: softmax over the router's float32 logits (max subtracted, std::exp, sum in expert order),
+// the k most probable experts, ties to the lower index, weights renormalised where the model does.
+// Compute: for each expert in index order, the rows routed to it gathered and run through its
+// fused gate/up linear, SiLU-times-up and its down linear (float32 out): its codes are read once
+// for all of them. Sums: each row's weighted expert outputs added in its own top-k order, then the
+// shared expert's gated output; the float32 result rounded to bf16 once. No row's arithmetic
+// depends on which other rows share the call.
+#include "moe.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace specserve {
+
+void moe_route_rows(const float* logits, int64_t experts, int64_t k, bool normalize, float* weights, int64_t* chosen,
+                    int64_t begin, int64_t end) {
+  std::vector<float> p(experts);
+  std::vector<bool> taken(experts);
+  for (int64_t r = begin; r < end; ++r) {
+    const float* l = logits + r * experts;
+    float top = l[0];
+    for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) sum += (p[e] = std::exp(l[e] - top));
+    for (int64_t e = 0; e < experts; ++e) p[e] /= sum, taken[e] = false;
+    float picked = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)  // strictly greater: the lower index keeps a tie
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = true;
+      chosen[r * k + j] = best;
+      weights[r * k + j] = p[best];
+      picked += p[best];
+    }
+    if (normalize)
+      for (int64_t j = 0; j < k; ++j) weights[r * k + j] /= picked;
+  }
+}
+
+MoeMlp::MoeMlp(NativeLinear router_, std::vector<NativeLinear> gate_ups_, std::vector<NativeLinear> downs_, int64_t top_k_,
+               bool normalize_, c10::optional<NativeLinear> shared_gate_up_, c10::optional<NativeLinear> shared_down_,
+               c10::optional<NativeLinear> shared_gate_)
+    : router(std::move(router_)), gate_ups(std::move(gate_ups_)), downs(std::move(downs_)), top_k(top_k_),
+      normalize(normalize_), shared_gate_up(std::move(shared_gate_up_)), shared_down(std::move(shared_down_)),
+      shared_gate(std::move(shared_gate_)) {
+  const int64_t hidden = router.w.k, experts = router.w.n;
+  TORCH_CHECK(int64_t(gate_ups.size()) == experts && downs.size() == gate_ups.size() && top_k >= 1 && top_k <= experts,
+              "specserve moe: one gate/up and one down linear per expert, 1 <= top_k <= experts");
+  for (size_t e = 0; e < gate_ups.size(); ++e)
+    TORCH_CHECK(gate_ups[e].w.k == hidden && gate_ups[e].w.n % 2 == 0 && downs[e].w.k == gate_ups[e].w.n / 2 &&
+                    downs[e].w.n == hidden,
+                "specserve moe: expert ", e, "'s linears do not chain");
+  TORCH_CHECK(bool(shared_gate_up) == bool(shared_down) && bool(shared_down) == bool(shared_gate),
+              "specserve moe: a shared expert needs its gate/up, down and gate");
+  if (shared_gate)
+    TORCH_CHECK(shared_gate->w.n == 1 && shared_gate->w.k == hidden && shared_gate_up->w.k == hidden &&
+                    shared_down->w.k == shared_gate_up->w.n / 2 && shared_down->w.n == hidden,
+                "specserve moe: the shared expert's linears do not chain");
+}
+
+namespace {
+
+torch::Tensor linear_f32(const NativeLinear& l, const torch::Tensor& x, Path path) {
+  auto out = torch::empty({x.size(0), l.w.n}, x.options().dtype(torch::kFloat32));
+  run_linear(path, l.w, l.int8, bf16_data(x), l.w.k, x.size(0), out.data_ptr(), false, false);
+  return out;
+}
+
+torch::Tensor gated(const NativeLinear& gate_up, const torch::Tensor& x, Path path) {
+  torch::Tensor gu = gate_up(x, path);
+  const int64_t f = gu.size(1) / 2;
+  auto act = torch::empty({x.size(0), f}, x.options());
+  const uint16_t* gd = bf16_data(gu);
+  uint16_t* ad = bf16_out(act);
+  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) { silu_mul_rows(path, gd, f, ad, b, e); });
+  return act;
+}
+
+}  // namespace
+
+torch::Tensor MoeMlp::expert(size_t e, const torch::Tensor& x, Path path) const {
+  return linear_f32(downs[e], gated(gate_ups[e], x, path), path);
+}
+
+torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
+  TORCH_CHECK(h.scalar_type() == torch::kBFloat16 && h.is_contiguous() && h.dim() == 2 && h.size(1) == router.w.k,
+              "specserve moe: h must be contiguous bf16 [rows, ", router.w.k, "]");
+  const int64_t rows = h.size(0), hidden = h.size(1), k = top_k, experts = router.w.n;
+  torch::Tensor logits = linear_f32(router, h, path);
+  std::vector<float> weights(rows * k);
+  std::vector<int64_t> chosen(rows * k);
+  moe_route_rows(logits.data_ptr<float>(), experts, k, normalize, weights.data(), chosen.data(), 0, rows);
+  std::vector<std::vector<int64_t>> routed(experts);  // per expert, its (row * k + slot) in row order
+  for (int64_t i = 0; i < rows * k; ++i) routed[chosen[i]].push_back(i);
+  std::vector<float> by_slot(rows * k * hidden);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (routed[e].empty()) continue;
+    const auto& at = routed[e];
+    auto index = torch::empty({int64_t(at.size())}, torch::kInt64);
+    for (size_t i = 0; i < at.size(); ++i) index.data_ptr<int64_t>()[i] = at[i] / k;
+    torch::Tensor y = expert(size_t(e), h.index_select(0, index), path);
+    const float* yd = y.data_ptr<float>();
+    for (size_t i = 0; i < at.size(); ++i)
+      for (int64_t c = 0; c < hidden; ++c) by_slot[at[i] * hidden + c] = yd[i * hidden + c] * weights[at[i]];
+  }
+  torch::Tensor s_gate, s_out;
+  if (shared_gate) {
+    s_gate = linear_f32(*shared_gate, h, path);
+    s_out = linear_f32(*shared_down, gated(*shared_gate_up, h, path), path);
+  }
+  auto out = torch::empty({rows, hidden}, h.options());
+  uint16_t* od = bf16_out(out);
+  const float* sg = shared_gate ? s_gate.data_ptr<float>() : nullptr;
+  const float* so = shared_gate ? s_out.data_ptr<float>() : nullptr;
+  const float* slots = by_slot.data();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float g = sg ? 1.0f / (1.0f + std::exp(-sg[r])) : 0.0f;
+      for (int64_t c = 0; c < hidden; ++c) {
+        float acc = slots[(r * k) * hidden + c];
+        for (int64_t j = 1; j < k; ++j) acc += slots[(r * k + j) * hidden + c];  // the row's own top-k order
+        if (so) acc += g * so[r * hidden + c];
+        od[r * hidden + c] = f32_to_bf16_torch(acc);
+      }
+    }
+  });
+  return out;
+}
+
+namespace {
+
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, int64_t k, bool normalize) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
+                  logits.is_contiguous() && k >= 1 && k <= logits.size(1),
+              "specserve moe_route: logits must be contiguous float32 [rows, experts] on the CPU, 1 <= k <= experts");
+  const int64_t rows = logits.size(0);
+  auto weights = torch::empty({rows, k}, logits.options());
+  auto chosen = torch::empty({rows, k}, logits.options().dtype(torch::kInt64));
+  moe_route_rows(logits.data_ptr<float>(), logits.size(1), k, normalize, weights.data_ptr<float>(),
+                 chosen.data_ptr<int64_t>(), 0, rows);
+  return {weights, chosen};
+}
+
+}  // namespace
+
+void register_moe(pybind11::module& m) {
+  namespace py = pybind11;
+  m.def("moe_route", &moe_route, "each row's top-k experts (ties to the lower index) and softmax weights",
+        py::arg("logits"), py::arg("k"), py::arg("normalize"));
+  py::class_<MoeMlp>(m, "MoeMlp", "a mixture-of-experts MLP in one call")
+      .def(py::init<NativeLinear, std::vector<NativeLinear>, std::vector<NativeLinear>, int64_t, bool,
+                    c10::optional<NativeLinear>, c10::optional<NativeLinear>, c10::optional<NativeLinear>>(),
+           py::arg("router"), py::arg("gate_ups"), py::arg("downs"), py::arg("top_k"), py::arg("normalize"),
+           py::arg("shared_gate_up"), py::arg("shared_down"), py::arg("shared_gate"))
+      .def("forward", [](const MoeMlp& moe, torch::Tensor h, int64_t path) { return moe.forward(h, checked_path(path)); },
+           py::arg("h"), py::arg("path"), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace specserve

@@ -1,0 +1,42 @@
+// A mixture-of-experts MLP in one call (models/moe.py): routing, the rows grouped by expert, each
+// row's sums in its own order; see moe.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "torch_glue.h"
+
+namespace specserve {
+
+// Rows [begin, end) of router logits [rows, experts] (float32) -> each row's k experts, most
+// probable first with ties to the lower index, and their softmax weights (renormalised to sum to 1
+// with `normalize`). Scalar float32 in a fixed order: the same bits on every path and machine.
+void moe_route_rows(const float* logits, int64_t experts, int64_t k, bool normalize, float* weights, int64_t* chosen,
+                    int64_t begin, int64_t end);
+
+// The MLP of a mixture-of-experts layer: a router, gated experts, an optional shared expert behind
+// a sigmoid gate (qwen2moe).
+struct MoeMlp {
+  NativeLinear router;
+  std::vector<NativeLinear> gate_ups, downs;
+  int64_t top_k;
+  bool normalize;
+  c10::optional<NativeLinear> shared_gate_up, shared_down, shared_gate;
+
+  MoeMlp(NativeLinear router_, std::vector<NativeLinear> gate_ups_, std::vector<NativeLinear> downs_, int64_t top_k_,
+         bool normalize_, c10::optional<NativeLinear> shared_gate_up_, c10::optional<NativeLinear> shared_down_,
+         c10::optional<NativeLinear> shared_gate_);
+
+  // h [rows, hidden] bf16 -> [rows, hidden] bf16.
+  torch::Tensor forward(const torch::Tensor& h, Path path) const;
+
+ private:
+  torch::Tensor expert(size_t e, const torch::Tensor& x, Path path) const;
+};
+
+// Adds moe_route and MoeMlp to the extension module.
+void register_moe(pybind11::module& m);
+
+}  // namespace specserve
