@@ -189,6 +189,13 @@ class TorchOps(OpBackend):
         return SdpaAttentionMetadata.for_windows(table, rows, prefix_lens, valid, width, kv_len, self.dtype)
 
 
+# Packing hands the heap's free pages back after about this many packed bytes, not after every
+# weight: each malloc_trim walks the heap, which holds the packed weights, so trimming after each of
+# a 30B mixture's 18,000 expert linears cost most of its 9-minute load; 32 MiB bounds what the
+# freed temporaries (reused by the next weight's) can hold in between.
+RELEASE_EVERY_BYTES = 32 << 20
+
+
 class CpuKernelOps(OpBackend):
     """specserve's bf16 CPU kernels: Q4/Q8/bf16 linears, the fused small ops and paged attention.
     With `int8_activations`, the linears over quantized weights quantize their input rows to int8
@@ -205,15 +212,20 @@ class CpuKernelOps(OpBackend):
 
     def prepare(self, module: nn.Module, cache: Optional[PackedWeightCache] = None) -> None:
         cached = cache.load() if cache is not None else None
+        unreleased = 0  # bytes packed since the heap's free pages last went back
         for name, part in module.named_modules():
             if cached is not None and name in cached and isinstance(part, _KeepsPacked):
                 part.use_packed(cached[name])  # mapped from the cache: the file's codes go unread
             elif isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
-                release_free_heap()  # this weight's parsed codes and temporaries: not resident past it
+                unreleased += part.kernel.nbytes() if isinstance(getattr(part, "kernel", None), PackedLinear) else 0
+                if unreleased >= RELEASE_EVERY_BYTES:  # the parsed codes and temporaries: not resident past it
+                    release_free_heap()
+                    unreleased = 0
             kernel = getattr(part, "kernel", None)
             if isinstance(kernel, PackedLinear):
                 kernel.quantize_activations(self.int8_activations or getattr(part, "int8_activations", False))
+        release_free_heap()
         if cache is not None and cached is None:
             cache.save_later(packed_states(module))  # the engine builder starts it (engine/builder.py)
 
