@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import statistics
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,9 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32, help="the batch compared with batch 1")
     p.add_argument("--llama-bench", default=None, help="a native llama-bench binary (scripts/llama_bench.sh builds one)")
+    p.add_argument("--llama-bench-args", default="",
+                   help="more llama-bench flags, e.g. '-mmp 0' to read the file into memory as specserve does "
+                        "(like for like where two mappings of a large file would not both fit the page cache)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--activations", default="auto",
                    help="comma-separated --cpu-activations modes, each model measured in each (auto: the file's "
@@ -92,10 +96,10 @@ def spec_figures(spec: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
-def _native(binary: str, path: str, threads: int) -> dict[str, float]:
-    """llama-bench's tg128 and pp512 tokens/s (mean of its 3 repetitions)."""
-    proc = subprocess.run([binary, "-m", path, "-t", str(threads), "-n", "128", "-p", "512", "-r", "3", "-o", "json"],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+def _native(binary: str, path: str, threads: int, extra: str = "") -> dict[str, float]:
+    """llama-bench's tg128 and pp512 tokens/s (mean of its 3 repetitions); `extra`: more flags."""
+    cmd = [binary, "-m", path, "-t", str(threads), "-n", "128", "-p", "512", "-r", "3", "-o", "json", *shlex.split(extra)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench on {path} failed:\n{proc.stderr[-2000:]}")
     from specserve.bench.bandwidth import gguf_step_bytes
@@ -175,7 +179,7 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in entries.values()}
     for run in range(ns.runs):
         for model in models:
-            native = _native(ns.llama_bench, paths[model], ns.threads) if ns.llama_bench else None
+            native = _native(ns.llama_bench, paths[model], ns.threads, ns.llama_bench_args) if ns.llama_bench else None
             for activations in resolved[model]:
                 with tempfile.TemporaryDirectory() as folder:
                     result = _offline(model, activations, ns, folder)
@@ -187,6 +191,7 @@ def run_models_bench(ns: argparse.Namespace) -> int:
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "speculation": "default" if ns.speculation else "none", "new_tokens": ns.new_tokens, "batch_size": ns.batch_size,
                               "threads": ns.threads, "spec_prompts": ns.spec_prompts, "spec_repeats": ns.spec_repeats,
+                              "llama_bench_args": ns.llama_bench_args,
                               "batch1_generations": BATCH1_RUNS, **provenance(None)}
     first = next(iter(raw.values()))[0]
     report["llama_cpp_python"] = first["llama.cpp"].get("version", "?") if ns.python_peer else None
