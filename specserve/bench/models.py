@@ -37,7 +37,7 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="the batch compared with batch 1")
     p.add_argument("--llama-bench", default=None, help="a native llama-bench binary (scripts/llama_bench.sh builds one)")
     p.add_argument("--llama-bench-args", default="",
-                   help="more llama-bench flags, e.g. '-mmp 0' to read the file into memory as specserve does "
+                   help="more llama-bench flags, e.g. '-lm none' to read the file into memory as specserve does "
                         "(like for like where two mappings of a large file would not both fit the page cache)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--activations", default="auto",
