@@ -70,6 +70,9 @@ MoeMlp::MoeMlp(NativeLinear router_, std::vector<NativeLinear> gate_ups_, std::v
 
 namespace {
 
+// Up to this many rows per active expert on average, experts run side by side (MoeMlp::forward).
+constexpr int64_t kExpertsPerThreadRows = 4;
+
 torch::Tensor linear_f32(const NativeLinear& l, const torch::Tensor& x, Path path) {
   auto out = torch::empty({x.size(0), l.w.n}, x.options().dtype(torch::kFloat32));
   run_linear(path, l.w, l.int8, bf16_data(x), l.w.k, x.size(0), out.data_ptr(), false, false);
@@ -103,8 +106,10 @@ torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
   std::vector<std::vector<int64_t>> routed(experts);  // per expert, its (row * k + slot) in row order
   for (int64_t i = 0; i < rows * k; ++i) routed[chosen[i]].push_back(i);
   std::vector<float> by_slot(rows * k * hidden);
-  for (int64_t e = 0; e < experts; ++e) {
-    if (routed[e].empty()) continue;
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e)
+    if (!routed[e].empty()) active.push_back(e);
+  auto run_expert = [&](int64_t e) {
     const auto& at = routed[e];
     auto index = torch::empty({int64_t(at.size())}, torch::kInt64);
     for (size_t i = 0; i < at.size(); ++i) index.data_ptr<int64_t>()[i] = at[i] / k;
@@ -112,7 +117,17 @@ torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
     const float* yd = y.data_ptr<float>();
     for (size_t i = 0; i < at.size(); ++i)
       for (int64_t c = 0; c < hidden; ++c) by_slot[at[i] * hidden + c] = yd[i * hidden + c] * weights[at[i]];
-  }
+  };
+  // Few rows per expert (decode, a verify window): the threads take whole experts, each streaming
+  // its own weights with no barrier between them; many rows: one expert at a time, its columns split
+  // across the threads. Either way each output is one thread's sum in one order (the kernels split
+  // by column blocks only), so the partition changes no bit.
+  if (rows * k <= kExpertsPerThreadRows * int64_t(active.size()))
+    at::parallel_for(0, int64_t(active.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) run_expert(active[i]);
+    });
+  else
+    for (int64_t e : active) run_expert(e);
   torch::Tensor s_gate, s_out;
   if (shared_gate) {
     s_gate = linear_f32(*shared_gate, h, path);
