@@ -178,12 +178,16 @@ def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, 
 
 def step_weight_bytes(model) -> int:
     """Bytes of weights a batch-1 step reads: every linear's packed weight (an embedding lookup reads
-    a row, not the table), or the parameters of a model without packed kernels."""
+    a row, not the table; of a mixture's experts, the share a token routes to: k of E), or the
+    parameters of a model without packed kernels."""
     from specserve.kernels.linear import PackedLinear
 
-    kernels = {id(m.kernel): m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), PackedLinear)}
+    cfg = model.config
+    routed = cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 1.0
+    kernels = {id(m.kernel): (m.kernel, ".experts." in name) for name, m in model.named_modules()
+               if isinstance(getattr(m, "kernel", None), PackedLinear)}  # fmt: skip
     if kernels:
-        return sum(k.nbytes() for k in kernels.values())
+        return int(sum(k.nbytes() * (routed if expert else 1.0) for k, expert in kernels.values()))
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
 
 

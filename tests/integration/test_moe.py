@@ -136,3 +136,17 @@ def test_the_kernels_routing_breaks_ties_to_the_lower_index():
     assert torch.allclose(weights, torch.full((2, 3), 1 / 3))
     ours, theirs = load().moe_route(logits, 3, False)[0], route(logits, 3, normalize=False)[0]
     assert torch.allclose(ours, theirs)
+
+
+def test_a_batch_one_step_reads_a_tokens_share_of_the_experts(moe_files):
+    """bench offline's bandwidth share counts k of E experts' weights per token, every other linear whole."""
+    from specserve.bench.offline import step_weight_bytes
+    from specserve.kernels.linear import PackedLinear
+
+    with Engine(model_path=moe_files["qwen3moe"], dtype="bfloat16", speculative_algorithm="NONE",
+                max_total_tokens=256) as engine:  # fmt: skip
+        model = engine.runner.model
+        named = [(n, m.kernel) for n, m in model.named_modules() if isinstance(getattr(m, "kernel", None), PackedLinear)]
+        experts = sum(k.nbytes() for n, k in named if ".experts." in n)
+        others = sum(k.nbytes() for n, k in {id(k): (n, k) for n, k in named}.values() if ".experts." not in n)
+        assert experts > 0 and step_weight_bytes(model) == int(others + experts * 4 / 8)
