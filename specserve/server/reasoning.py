@@ -37,7 +37,7 @@ class Split:
         return self
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker` (held back, since
     the next piece may complete the marker)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -127,7 +127,7 @@ class ThinkSplitter(_Splitter):
             self.buf, self.state = self.buf[end + len(THINK_CLOSE) :], "content-lead"
             self.reasoning_done = True
             return True
-        keep = _held_prefix(self.buf, THINK_CLOSE)
+        keep = held_prefix(self.buf, THINK_CLOSE)
         body = self.buf[: len(self.buf) - keep]
         sent = body.rstrip()  # trailing whitespace waits: it may end the reasoning
         out.reasoning += sent
@@ -171,7 +171,7 @@ class HarmonySplitter(_Splitter):
             self.reasoning_done = self.reasoning_done or self.channel == "analysis"
             self.buf, self.channel = self.buf[at + len(end) :], None
             return True
-        keep = max(_held_prefix(self.buf, e) for e in HARMONY_ENDS)
+        keep = max(held_prefix(self.buf, e) for e in HARMONY_ENDS)
         self._body(self.buf[: len(self.buf) - keep], out)
         self.buf = self.buf[len(self.buf) - keep :]
         return False

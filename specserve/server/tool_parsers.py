@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from specserve.server.reasoning import held_prefix
 from specserve.server.tools import ToolDef
 
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "gpt-oss")
@@ -32,14 +33,6 @@ HARMONY_RECIPIENT = "to=functions."
 def openai_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments)}}  # fmt: skip
-
-
-def _held_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ToolCallStream:
@@ -67,7 +60,7 @@ class ToolCallStream:
             if self.mode == "text":
                 at = self.buf.find(open_)
                 if at < 0:
-                    keep = 0 if final else _held_prefix(self.buf, open_)
+                    keep = 0 if final else held_prefix(self.buf, open_)
                     content, self.buf = content + self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
                     return content, calls
                 content, self.buf, self.mode = content + self.buf[:at], self.buf[at:], "block"
