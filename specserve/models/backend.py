@@ -218,7 +218,8 @@ class CpuKernelOps(OpBackend):
                 part.use_packed(cached[name])  # mapped from the cache: the file's codes go unread
             elif isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
-                unreleased += part.kernel.nbytes() if isinstance(getattr(part, "kernel", None), PackedLinear) else 0
+                packed = getattr(part, "kernel", None)
+                unreleased += packed.nbytes() if isinstance(packed, PackedLinear) else 0
                 if unreleased >= RELEASE_EVERY_BYTES:  # the parsed codes and temporaries: not resident past it
                     release_free_heap()
                     unreleased = 0
