@@ -99,7 +99,7 @@ def _native_layer(layer: DraftLayerParts) -> Optional[Any]:
     if len(eps) != 1:
         return None
     return load().DecoderLayer(
-        qkv.native(), None, o.native(), gate_up.native(), down.native(), norms, layer.num_heads, layer.num_kv_heads,
+        qkv.native(), None, o.native(), gate_up.native(), down.native(), None, norms, layer.num_heads, layer.num_kv_heads,
         layer.head_dim, layer.head_dim**-0.5, 0, False, eps.pop(),
     )  # fmt: skip
 
