@@ -47,6 +47,8 @@ FORWARDED_SERVE_FLAGS = (
     "shutdown_timeout",
     "engine_heartbeat_timeout",
     "engine_step_timeout",
+    "reasoning_parser",
+    "tool_call_parser",
 )
 REPLICA_START_TIMEOUT_S = 900.0
 ROUTER_START_TIMEOUT_S = 120.0

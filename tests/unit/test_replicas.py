@@ -88,3 +88,20 @@ def test_an_unsupported_value_of_a_router_field_is_a_400_naming_it(model, field,
         model.model_validate({**base, field: value})
     error = from_validation_errors(caught.value.errors())
     assert error.status == 400 and error.param == field and "only" in error.message
+
+
+def test_every_server_flag_but_the_address_reaches_the_replicas():
+    """A flag `specserve serve` adds for its HTTP side (the reasoning and tool-call parsers, limits,
+    ...) that the launcher did not forward would silently not apply behind the router."""
+    import argparse
+
+    from specserve.server.launch import add_serve_args
+    from specserve.server.replicas import FORWARDED_SERVE_FLAGS
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    server_flags = {a.dest for a in p._actions} - {"help", "host", "port"}
+    assert server_flags <= set(FORWARDED_SERVE_FLAGS), sorted(server_flags - set(FORWARDED_SERVE_FLAGS))
+    ns, _ = parse("--dp-size", "2", "--reasoning-parser", "qwen3", "--tool-call-parser", "llama3")
+    joined = " ".join(replica_argv(ns, 1, threads=1))
+    assert "--reasoning-parser qwen3" in joined and "--tool-call-parser llama3" in joined
