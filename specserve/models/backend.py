@@ -189,11 +189,13 @@ class TorchOps(OpBackend):
         return SdpaAttentionMetadata.for_windows(table, rows, prefix_lens, valid, width, kv_len, self.dtype)
 
 
-# Packing hands the heap's free pages back after about this many packed bytes, not after every
-# weight: each malloc_trim walks the heap, which holds the packed weights, so trimming after each of
-# a 30B mixture's 18,000 expert linears cost most of its 9-minute load; 32 MiB bounds what the
-# freed temporaries (reused by the next weight's) can hold in between.
-RELEASE_EVERY_BYTES = 32 << 20
+# Packing hands the heap's free pages back once the weights packed since the last time reach
+# 1/RELEASE_SHARE of all packed so far (at least RELEASE_MIN_BYTES), not after every weight: each
+# malloc_trim walks a heap that holds the packed weights, so trimming after each of a 30B mixture's
+# 18,000 expert linears cost most of its 9-minute load. What the freed temporaries can hold between
+# two trims stays a small share of the model (and a few MiB on a small one).
+RELEASE_SHARE = 64
+RELEASE_MIN_BYTES = 4 << 20
 
 
 class CpuKernelOps(OpBackend):
@@ -212,15 +214,16 @@ class CpuKernelOps(OpBackend):
 
     def prepare(self, module: nn.Module, cache: Optional[PackedWeightCache] = None) -> None:
         cached = cache.load() if cache is not None else None
-        unreleased = 0  # bytes packed since the heap's free pages last went back
+        unreleased = packed_total = 0  # bytes packed since the heap's free pages last went back, and in all
         for name, part in module.named_modules():
             if cached is not None and name in cached and isinstance(part, _KeepsPacked):
                 part.use_packed(cached[name])  # mapped from the cache: the file's codes go unread
             elif isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
                 packed = getattr(part, "kernel", None)
-                unreleased += packed.nbytes() if isinstance(packed, PackedLinear) else 0
-                if unreleased >= RELEASE_EVERY_BYTES:  # the parsed codes and temporaries: not resident past it
+                size = packed.nbytes() if isinstance(packed, PackedLinear) else 0
+                unreleased, packed_total = unreleased + size, packed_total + size
+                if unreleased >= max(RELEASE_MIN_BYTES, packed_total // RELEASE_SHARE):  # parsed codes, temporaries
                     release_free_heap()
                     unreleased = 0
             kernel = getattr(part, "kernel", None)
