@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from specserve.server.reasoning import held_prefix
-from specserve.server.tools import ToolDef
+
+if TYPE_CHECKING:  # not at run time: the server's launcher reads the parser names before it imports torch
+    from specserve.server.tools import ToolDef
 
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "gpt-oss")
 DEFAULT_TOOL_CALL_PARSER = "qwen25"

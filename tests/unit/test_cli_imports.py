@@ -5,6 +5,7 @@ runs in a fresh interpreter, since this one has torch loaded already."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -23,8 +24,11 @@ print(ns.command, "torch" in sys.modules)
 
 
 def _parse_in_fresh_python(argv: list[str], selective: bool) -> str:
+    """The parse in a fresh interpreter with a user's plain environment: no SPECSERVE_* settings
+    (another test's fault-injection variable, for one, has the parse read fault settings with torch)."""
     code = PARSE.format(argv=argv, selective=selective)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout.split()
 
 
 def test_parsing_serve_flags_imports_no_torch():

@@ -23,7 +23,7 @@ def _layer(norms=None):
     ones = torch.ones(HIDDEN, dtype=torch.bfloat16)
     return load().DecoderLayer(
         _linear((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), None, _linear(HIDDEN, HEADS * DIM), _linear(2 * FFN, HIDDEN),
-        _linear(HIDDEN, FFN), norms if norms is not None else [ones, ones, None, None, None, None],
+        _linear(HIDDEN, FFN), None, norms if norms is not None else [ones, ones, None, None, None, None],
         HEADS, KV_HEADS, DIM, DIM**-0.5, 0, False, 1e-6,
     )  # fmt: skip
 
@@ -66,9 +66,9 @@ def test_inputs_that_do_not_fit_the_layer_are_clear_errors():
         _run(layer, step, rows=3)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         _run(layer, step, table_len=1)
-    with pytest.raises(RuntimeError, match="the linears' shapes do not chain"):
+    with pytest.raises(RuntimeError, match="the attention's shapes do not chain"):
         load().DecoderLayer(_linear(HIDDEN, HIDDEN), None, _linear(HIDDEN, HEADS * DIM), _linear(2 * FFN, HIDDEN),
-                            _linear(HIDDEN, FFN), [torch.ones(HIDDEN, dtype=torch.bfloat16)] * 2 + [None] * 4,
+                            _linear(HIDDEN, FFN), None, [torch.ones(HIDDEN, dtype=torch.bfloat16)] * 2 + [None] * 4,
                             HEADS, KV_HEADS, DIM, 1.0, 0, False, 1e-6)
     with pytest.raises(RuntimeError, match="norms are input, post-attention"):
         _layer(norms=[torch.ones(HIDDEN, dtype=torch.bfloat16)] * 3 + [None] * 3)
