@@ -349,7 +349,7 @@ def _cost_model(
     if args.speculative_cost_table_path:
         cost = StepCostModel.load(args.speculative_cost_table_path)
     else:
-        prior = cost_prior(args, target.path, timing_runner, gamma, target.model.weight_cache)
+        prior = cost_prior(args, target.path, timing_runner, gamma)
         if args.speculative_dspark_sps_table_path:  # a recorded SPS table gives the target's part
             sps = SpsTable.load(args.speculative_dspark_sps_table_path)
             prior[:3] = StepCostModel.from_sps(sps.tokens, sps.steps_per_second).theta.tolist()[:3]

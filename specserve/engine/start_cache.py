@@ -118,24 +118,16 @@ def weight_cache(
     return PackedWeightCache(directory, path, tp.rank, tp.size, dtype)
 
 
-def cost_prior(
-    args: ServerArgs,
-    model_path: str,
-    timing_runner: Callable[[], ModelRunner],
-    gamma: int,
-    weights: Optional[PackedWeightCache] = None,
-) -> list[float]:
+def cost_prior(args: ServerArgs, model_path: str, timing_runner: Callable[[], ModelRunner], gamma: int) -> list[float]:
     """The cost model's prior: recorded by an earlier start with the same key, else timed on
     `timing_runner()` now (and recorded, unless `--weight-cache off`). Under TP every rank times
     it: ranks deciding apart (one reads a record, another times steps with collectives) would hang.
-    `weights`: a packed-weight save already running is waited for first, not timed alongside (the
-    builder starts a first start's save after this)."""
+    A first start's packed-weight save is not running yet: the builder starts it after this, so its
+    disk writes never share the timing."""
     directory = cache_directory(args.weight_cache) if args.tp_size == 1 else None
     record = RecordedCostPrior(directory, model_path, args, gamma) if directory else None
     prior = record.load() if record is not None else None
     if prior is None:
-        if weights is not None:
-            weights.finish()
         prior = _timed_prior(timing_runner, gamma)
         if record is not None:
             record.save(prior)

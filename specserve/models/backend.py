@@ -216,19 +216,21 @@ class CpuKernelOps(OpBackend):
         cached = cache.load() if cache is not None else None
         unreleased = packed_total = 0  # bytes packed since the heap's free pages last went back, and in all
         for name, part in module.named_modules():
+            packed_here = False
             if cached is not None and name in cached and isinstance(part, _KeepsPacked):
                 part.use_packed(cached[name])  # mapped from the cache: the file's codes go unread
             elif isinstance(part, _PacksForCpu):  # hasattr(part, "pack_for_cpu")
                 part.pack_for_cpu()
-                packed = getattr(part, "kernel", None)
-                size = packed.nbytes() if isinstance(packed, PackedLinear) else 0
-                unreleased, packed_total = unreleased + size, packed_total + size
+                packed_here = True
+            kernel = getattr(part, "kernel", None)
+            if not isinstance(kernel, PackedLinear):
+                continue
+            kernel.quantize_activations(self.int8_activations or getattr(part, "int8_activations", False))
+            if packed_here:
+                unreleased, packed_total = unreleased + kernel.nbytes(), packed_total + kernel.nbytes()
                 if unreleased >= max(RELEASE_MIN_BYTES, packed_total // RELEASE_SHARE):  # parsed codes, temporaries
                     release_free_heap()
                     unreleased = 0
-            kernel = getattr(part, "kernel", None)
-            if isinstance(kernel, PackedLinear):
-                kernel.quantize_activations(self.int8_activations or getattr(part, "int8_activations", False))
         release_free_heap()
         if cache is not None and cached is None:
             cache.save_later(packed_states(module))  # the engine builder starts it (engine/builder.py)

@@ -39,7 +39,7 @@ from specserve.server.fields import (
     fixed,
     neutral_only,
 )
-from specserve.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER
+from specserve.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, ToolFormat
 from specserve.server.tools import (
     MAX_TOOLS,
     ToolCall,
@@ -264,6 +264,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def offered_tools(self) -> list[ToolDef]:
         return offered(self.tools, self.tool_choice)
+
+    def tool_format(self, parser: str) -> ToolFormat:
+        """The offered tools' names with the server's tool-call format (`parser`)."""
+        return ToolFormat(parser, frozenset(t.function.name for t in self.offered_tools()))
 
     def template_messages(self, tool_format: str = DEFAULT_TOOL_CALL_PARSER) -> list[dict[str, str]]:
         """The conversation for the chat template, with the offered tools in the system message

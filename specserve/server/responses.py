@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from specserve.server.logprob_format import (
     chat_logprobs,
@@ -57,9 +57,8 @@ def usage(prompt_tokens: int, outputs: list[dict], reasoning_tokens: int = 0) ->
     }
 
 
-def reasoning_tokens(tokenizer: Tokenizer, choices: list[dict[str, Any]]) -> int:
-    """Tokens of the choices' reasoning_content, as the tokenizer encodes it."""
-    texts = [c["message"].get("reasoning_content") or "" for c in choices]
+def reasoning_tokens(tokenizer: Tokenizer, texts: Iterable[Optional[str]]) -> int:
+    """Tokens of the replies' reasoning texts, as the tokenizer encodes them."""
     return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
 
 
@@ -73,13 +72,14 @@ def chat_completion(
     reasoning: Optional[ReasoningSetup] = None,
 ) -> dict[str, Any]:
     choices = [chat_choice(i, o, tokenizer, tools, reasoning) for i, o in enumerate(outputs)]
+    thought = (c["message"].get("reasoning_content") for c in choices)
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_tokens, outputs, reasoning_tokens(tokenizer, choices)),
+        "usage": usage(prompt_tokens, outputs, reasoning_tokens(tokenizer, thought)),
         "specserve": spec_extension(outputs),
     }
 

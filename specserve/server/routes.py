@@ -24,7 +24,6 @@ from specserve.server.reasoning import ReasoningSetup
 from specserve.server.responses import chat_completion, text_completion
 from specserve.server.sse import chat_stream, completion_stream, generate_stream
 from specserve.server.state import ServerState
-from specserve.server.tool_parsers import ToolFormat
 
 SSE = "text/event-stream"
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
@@ -101,7 +100,7 @@ def _add_chat_route(app: FastAPI, state: ServerState) -> None:
             first = await gen.first_event()
             return StreamingResponse(chat_stream(state, body, gen, first, len(ids), reasoning), media_type=SSE)
         outputs = await collect(gen, request)
-        tools = ToolFormat(state.tool_call_parser, body.offered_tools())
+        tools = body.tool_format(state.tool_call_parser)
         return chat_completion(gen.rids[0], state.model_name, outputs, len(ids), state.tokenizer, tools, reasoning)
 
 

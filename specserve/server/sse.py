@@ -19,7 +19,7 @@ from specserve.server.generation import Generation, every_output
 from specserve.server.logprob_format import chat_logprobs, completion_logprobs, echoed_logprobs
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.reasoning import ReasoningSetup, Split
-from specserve.server.responses import chat_finish_reason, finish_reason, spec_choice, usage
+from specserve.server.responses import chat_finish_reason, finish_reason, reasoning_tokens, spec_choice, usage
 from specserve.server.state import ServerState
 from specserve.server.text_stream import TextStream
 from specserve.server.tool_parsers import ToolFormat
@@ -78,7 +78,7 @@ async def chat_stream(
 
     # Each choice's reply goes through the reasoning splitter (if any), then its answer through the
     # tool-call parser (if tools are offered): content as it comes, each call once it is complete.
-    tools = ToolFormat(state.tool_call_parser, body.offered_tools())
+    tools = body.tool_format(state.tool_call_parser)
     parts = {i: _ReplyParts(reasoning, tools) for i in range(len(gen.rids))}
     for i in range(len(gen.rids)):
         yield chunk(i, {"role": "assistant", "content": ""})
@@ -94,10 +94,8 @@ async def chat_stream(
                 reason = chat_finish_reason(output, parts[index].calls > 0)
                 yield chunk(index, {}, reason, specserve=spec_choice(index, output))
             case StreamUsage(u):
-                thought = (p.reasoning for p in parts.values() if p.reasoning)
-                u["completion_tokens_details"]["reasoning_tokens"] = sum(
-                    len(state.tokenizer.encode(t, add_special_tokens=False)) for t in thought
-                )
+                thought = (p.reasoning for p in parts.values())
+                u["completion_tokens_details"]["reasoning_tokens"] = reasoning_tokens(state.tokenizer, thought)
                 yield sse({**head, "choices": [], "usage": u})
             case StreamFailed(err):
                 yield sse(err)

@@ -17,18 +17,17 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from specserve.server.reasoning import held_prefix
-
-if TYPE_CHECKING:  # not at run time: the server's launcher reads the parser names before it imports torch
-    from specserve.server.tools import ToolDef
+# Nothing of server/tools.py here: it imports torch (through the server's errors), and the launcher
+# reads the parser names before it starts the engine.
+from specserve.server.reasoning import HARMONY_CHANNEL, HARMONY_MESSAGE, held_prefix
 
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "gpt-oss")
 DEFAULT_TOOL_CALL_PARSER = "qwen25"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-HARMONY_CALL_OPEN, HARMONY_CALL_CLOSE, HARMONY_MESSAGE = "<|channel|>", "<|call|>", "<|message|>"
+HARMONY_CALL = "<|call|>"
 HARMONY_RECIPIENT = "to=functions."
 
 
@@ -56,7 +55,7 @@ class ToolCallStream:
     def _drain(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
         if self.parser == "llama3":
             return self._llama3(final)
-        open_, close = (HERMES_OPEN, HERMES_CLOSE) if self.parser == "qwen25" else (HARMONY_CALL_OPEN, HARMONY_CALL_CLOSE)
+        open_, close = (HERMES_OPEN, HERMES_CLOSE) if self.parser == "qwen25" else (HARMONY_CHANNEL, HARMONY_CALL)
         content, calls = "", list[dict[str, Any]]()
         while True:
             if self.mode == "text":
@@ -152,18 +151,14 @@ def parse_tool_calls(parser: str, names: set[str], text: str) -> tuple[Optional[
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """A request's offered tools and the server's tool-call format."""
+    """A request's offered tools (their names) and the server's tool-call format."""
 
     parser: str
-    tools: list[ToolDef]
-
-    @property
-    def names(self) -> set[str]:
-        return {t.function.name for t in self.tools}
+    names: frozenset[str]
 
     def stream(self) -> Optional[ToolCallStream]:
         """A parser for one streamed reply; None without tools (the reply is all content)."""
-        return ToolCallStream(self.parser, self.names) if self.tools else None
+        return ToolCallStream(self.parser, set(self.names)) if self.names else None
 
     def parse(self, text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
-        return parse_tool_calls(self.parser, self.names, text) if self.tools else (text, [])
+        return parse_tool_calls(self.parser, set(self.names), text) if self.names else (text, [])

@@ -21,9 +21,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from specserve.server.errors import FieldError
+from specserve.server.tool_parsers import HERMES_CLOSE, HERMES_OPEN
 
 MAX_TOOLS = 64
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # The JSON inside a call block: json.dumps's separators, no free whitespace (llguidance's options).
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -100,7 +100,7 @@ def system_prompt(tools: list[ToolDef], fmt: str = "qwen25") -> str:
     call = '{"name": <function-name>, "arguments": <args-json-object>}'
     return intro + (
         f"For each function call, return a JSON object with the function name and arguments within "
-        f"{CALL_OPEN}{CALL_CLOSE} tags:\n{CALL_OPEN}\n{call}\n{CALL_CLOSE}"
+        f"{HERMES_OPEN}{HERMES_CLOSE} tags:\n{HERMES_OPEN}\n{call}\n{HERMES_CLOSE}"
     )
 
 
@@ -130,7 +130,7 @@ def call_grammar(tools: list[ToolDef], choice: Optional[ToolChoice], parallel: b
         repeat = ' ("; " call)*' if parallel else ""
         return f"start: call{repeat}\ncall: %json {json.dumps(schema)}\n"
     repeat = ' ("\\n" call)*' if parallel else ""
-    return f'start: call{repeat}\ncall: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\nbody: %json {json.dumps(schema)}\n'
+    return f'start: call{repeat}\ncall: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\nbody: %json {json.dumps(schema)}\n'
 
 
 def _call_schema(tool: ToolDef, key: str) -> dict[str, Any]:
@@ -146,7 +146,7 @@ def _call_schema(tool: ToolDef, key: str) -> dict[str, Any]:
 def render_call_history(content: str, calls: list[ToolCall]) -> str:
     """An earlier assistant turn with calls, as the model would have written it."""
     blocks = [
-        f"{CALL_OPEN}\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c)})}\n{CALL_CLOSE}" for c in calls
+        f"{HERMES_OPEN}\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c)})}\n{HERMES_CLOSE}" for c in calls
     ]
     return "\n".join(([content] if content else []) + blocks)
 

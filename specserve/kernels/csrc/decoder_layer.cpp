@@ -168,17 +168,7 @@ class DecoderLayer {
 
   torch::Tensor mlp(const torch::Tensor& h, Path p) const {
     if (moe_) return moe_->forward(h, p);
-    torch::Tensor gate_up = (*gate_up_)(h, p);
-    const int64_t f = gate_up.size(1) / 2;
-    auto act = torch::empty({h.size(0), f}, h.options());
-    const uint16_t* gd = bf16_data(gate_up);
-    uint16_t* ad = bf16_out(act);
-    const bool gelu = gelu_;
-    at::parallel_for(0, h.size(0), 8, [&](int64_t b, int64_t e) {
-      if (gelu) gelu_tanh_mul_rows(p, gd, f, ad, b, e);
-      else silu_mul_rows(p, gd, f, ad, b, e);
-    });
-    return (*down_)(act, p);
+    return (*down_)(gated_mlp_activation(*gate_up_, h, p, gelu_), p);
   }
 
   NativeLinear qkv_, o_;

@@ -79,20 +79,23 @@ torch::Tensor linear_f32(const NativeLinear& l, const torch::Tensor& x, Path pat
   return out;
 }
 
-torch::Tensor gated(const NativeLinear& gate_up, const torch::Tensor& x, Path path) {
+}  // namespace
+
+torch::Tensor gated_mlp_activation(const NativeLinear& gate_up, const torch::Tensor& x, Path path, bool gelu) {
   torch::Tensor gu = gate_up(x, path);
   const int64_t f = gu.size(1) / 2;
   auto act = torch::empty({x.size(0), f}, x.options());
   const uint16_t* gd = bf16_data(gu);
   uint16_t* ad = bf16_out(act);
-  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) { silu_mul_rows(path, gd, f, ad, b, e); });
+  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
+    if (gelu) gelu_tanh_mul_rows(path, gd, f, ad, b, e);
+    else silu_mul_rows(path, gd, f, ad, b, e);
+  });
   return act;
 }
 
-}  // namespace
-
 torch::Tensor MoeMlp::expert(size_t e, const torch::Tensor& x, Path path) const {
-  return linear_f32(downs[e], gated(gate_ups[e], x, path), path);
+  return linear_f32(downs[e], gated_mlp_activation(gate_ups[e], x, path), path);
 }
 
 torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
@@ -131,7 +134,7 @@ torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
   torch::Tensor s_gate, s_out;
   if (shared_gate) {
     s_gate = linear_f32(*shared_gate, h, path);
-    s_out = linear_f32(*shared_down, gated(*shared_gate_up, h, path), path);
+    s_out = linear_f32(*shared_down, gated_mlp_activation(*shared_gate_up, h, path), path);
   }
   auto out = torch::empty({rows, hidden}, h.options());
   uint16_t* od = bf16_out(out);

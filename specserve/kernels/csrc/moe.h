@@ -16,6 +16,10 @@ namespace specserve {
 void moe_route_rows(const float* logits, int64_t experts, int64_t k, bool normalize, float* weights, int64_t* chosen,
                     int64_t begin, int64_t end);
 
+// act(gate) * up of a gated MLP's fused gate/up linear on x (bf16 [rows, hidden] -> [rows, f]):
+// SiLU, or GELU-tanh with `gelu`. The dense decoder layer's MLP and every expert run it.
+torch::Tensor gated_mlp_activation(const NativeLinear& gate_up, const torch::Tensor& x, Path path, bool gelu = false);
+
 // The MLP of a mixture-of-experts layer: a router, gated experts, an optional shared expert behind
 // a sigmoid gate (qwen2moe).
 struct MoeMlp {
