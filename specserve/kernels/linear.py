@@ -21,6 +21,11 @@ from specserve.kernels.build import load
 from specserve.kernels.dispatch import path_id
 
 GROUP = 32
+# A Q4 weight's `bits` where its 4-bit codes index the E2M1 table (GGUF MXFP4, csrc/linear.h kE2M1):
+# code c is read as E2M1_CODES[c] (the doubled E2M1 value + 12), with code offset 12.
+E2M1 = -4
+E2M1_OFFSET = 12
+E2M1_CODES = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8)
 SUPER = 256  # input columns per super-value of int8 scale tables (a K-quant super-block)
 BLOCK = 16  # output columns per packed block
 Q4, Q8, BF16 = 0, 1, 2
@@ -57,7 +62,7 @@ class PackedLinear:
     # infinite or NaN value: they tell the AVX2 path when FMAs are exact (csrc/linear_avx2.cpp).
     exponents: tuple[int, int] = (-1, -1)
     group: int = GROUP  # input columns per scale: 32 or 16
-    bits: int = 4  # Q4 layout: bits per code (4, 5 or 6)
+    bits: int = 4  # Q4 layout: bits per code (4, 5 or 6), or E2M1
     # c > 0 where every offset is -c * scale (GGUF Q4_0, Q5_0, Q6_K): the integer kernels fold it
     # into their exact sums (csrc/linear_int8.h).
     code_offset: int = 0
@@ -156,6 +161,8 @@ class PackedLinear:
         blocks = self.codes.view(-1, octs, 64 + BLOCK * _HIGH_BYTES.get(self.bits, 0))[block]  # [T, oct, bytes]
         words = blocks[..., :64].contiguous().view(torch.int32)[picked, :, lane]
         codes = (words.unsqueeze(-1).long() >> _Q4_SHIFTS) & 0xF  # [T, oct, 8 columns]
+        if self.bits == E2M1:
+            codes = E2M1_CODES.long()[codes]
         if self.bits > 4:
             high_bytes = blocks[..., 64:].contiguous().view(len(block), octs, BLOCK, _HIGH_BYTES[self.bits])
             plane = high_bytes[picked, :, lane]
@@ -242,15 +249,19 @@ def pack_q4(
     supers: Supers | None = None,
 ) -> PackedLinear:
     """w = scale * q + offset per group of `group` (32 or 16) columns (codes [n, k] of `bits` (4, 5
-    or 6) bits; scale/offset [n, k/group], float32 tensors; supers as for _group_tables)."""
+    or 6) bits, or E2M1 codes read through their table; scale/offset [n, k/group], float32 tensors;
+    supers as for _group_tables)."""
     n, k = codes.shape
     if group not in (16, 32) or k % group:
         raise ConfigError(f"4-bit weights need k divisible by {group}, got {k}")
-    if bits not in (4, 5, 6) or (codes.numel() and int(codes.max()) >= 1 << bits):
-        raise ConfigError(f"packing: codes must be {bits}-bit (4, 5 or 6)")
-    packed = pack_codes(_pad_rows(codes.to(torch.uint8).contiguous(), BLOCK), bits)
-    centre = 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
+    width = 4 if bits == E2M1 else bits
+    if width not in (4, 5, 6) or (codes.numel() and int(codes.max()) >= 1 << width):
+        raise ConfigError(f"packing: codes must be {width}-bit (4, 5 or 6)")
+    packed = pack_codes(_pad_rows(codes.to(torch.uint8).contiguous(), BLOCK), width)
+    centre = E2M1_OFFSET if bits == E2M1 else 1 << (bits - 1)  # GGUF's symmetric types: w = scale * (q - centre)
     code_offset = centre if torch.equal(offset.float(), -centre * scale.float()) else 0
+    if bits == E2M1 and (code_offset != E2M1_OFFSET or group != GROUP):
+        raise ConfigError(f"packing: E2M1 codes need groups of {GROUP} and offsets of -{E2M1_OFFSET} times the scale")
     tables = _group_tables(scale, None if code_offset else offset, group, supers)
     return PackedLinear(
         Q4,

@@ -5,6 +5,8 @@ kernels (specserve/kernels/linear.py):
   Q4_0 (m = -8d), Q4_1, Q4_K (d = super-block scale x 6-bit sub-scale, m = -(super-block min x
   6-bit sub-min)); Q5_0 (m = -16d), Q5_1, Q5_K; Q6_K (d = scale x 8-bit sub-scale per 16 weights,
   m = -32d).
+- 4-bit indices into the E2M1 table with a power-of-two scale per 32 weights: MXFP4 (gpt-oss's
+  experts), w = d * (E2M1_CODES[c] - 12), in the Q4 layout with `bits` = E2M1.
 - Signed 8-bit codes with a scale per 32 weights: Q8_0 (and, with offsets, any of the above fused
   with a Q8_0 neighbour, e.g. q and k in Q5_0 with v in Q8_0).
 
@@ -26,10 +28,12 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.kernels.build import load
-from specserve.kernels.linear import SUPER, PackedLinear, Supers, pack_q4, pack_q8
+from specserve.kernels.linear import E2M1, E2M1_CODES, E2M1_OFFSET, SUPER, PackedLinear, Supers, pack_q4, pack_q8
 
 GROUP = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_BLOCK_BYTES = {
+    "Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "MXFP4": 17,
+}  # fmt: skip
 
 
 def _split_cols(start: int, count: int, group: int) -> tuple[int, int]:
@@ -46,7 +50,8 @@ def _groups(t: torch.Tensor, group: int) -> torch.Tensor:
 @dataclass
 class Q4Weight:
     """Unsigned codes [out, in] (uint8, `bits` = 4, 5 or 6 bits), per-group scale and offset
-    [out, in / group] (float32): w = scale * q + offset, in groups of 32 or 16 input columns."""
+    [out, in / group] (float32): w = scale * q + offset, in groups of 32 or 16 input columns. With
+    `bits` = E2M1 q is E2M1_CODES[code] (MXFP4: 4-bit codes, offset -12 * scale)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -70,15 +75,22 @@ class Q4Weight:
         codes = self.codes[:, start : start + count]
         return Q4Weight(codes, self.scale[:, cut], self.offset[:, cut], self.group, self.bits, supers)
 
+    def values(self) -> torch.Tensor:
+        """The q of w = scale * q + offset (uint8): the codes, or E2M1 codes' table values."""
+        return E2M1_CODES[self.codes.long()] if self.bits == E2M1 else self.codes
+
     def dequantize(self) -> torch.Tensor:
         """float32 weights, each rounded once from the exact value (as the gguf package's are)."""
-        return (self.codes.double() * _groups(self.scale, self.group) + _groups(self.offset, self.group)).float()
+        return (self.values().double() * _groups(self.scale, self.group) + _groups(self.offset, self.group)).float()
 
     def packed(self) -> PackedLinear:
         return pack_q4(self.codes, self.scale, self.offset, self.group, self.bits, self.supers)
 
     def as_q8(self) -> "Q8Weight":
-        """The same weights in the 8-bit layout (to fuse with 8-bit neighbours)."""
+        """The same weights in the 8-bit layout (to fuse with 8-bit neighbours); E2M1 codes become
+        their signed values (table - 12), with no offset."""
+        if self.bits == E2M1:
+            return Q8Weight(self.values().to(torch.int8) - E2M1_OFFSET, self.scale, None, self.group)
         return Q8Weight(self.codes.to(torch.int8), self.scale, self.offset, self.group)
 
     def regrouped(self, group: int, bits: int) -> "Q4Weight":
@@ -153,7 +165,7 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Fused parts (e.g. q, k, v) stacked by rows in one layout: all 4-bit stay 4-bit; otherwise
     all become 8-bit, in the finest group, with offsets if any part has them."""
     q4 = [p for p in parts if isinstance(p, Q4Weight)]
-    if len(q4) == len(parts):
+    if len(q4) == len(parts) and len({p.bits == E2M1 for p in q4}) == 1:  # E2M1 codes fuse only with their own
         group, bits = min(p.group for p in q4), max(p.bits for p in q4)
         q4 = [p.regrouped(group, bits) for p in q4]
         codes, scale, offset = (torch.cat([getattr(p, f) for p in q4]) for f in ("codes", "scale", "offset"))
@@ -307,9 +319,39 @@ def _parse_k(raw: np.ndarray, type_name: str) -> QuantWeight:
     return Q4Weight(codes, _tensor(scale), _tensor(offset), GROUP, bits, supers)
 
 
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's block scales: 2^(e - 128) for the E8M0 byte e (ggml's e8m0_to_fp32_half: the table
+    holds doubled E2M1 values), float32 (exact; 2^-128 and 2^-127 as subnormals)."""
+    bits = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32), (e.astype(np.uint32) - 1) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _parse_mxfp4(blocks: np.ndarray) -> Q4Weight:
+    """MXFP4 [rows, blocks, 17]: a scale byte, then 16 bytes of codes (low nibbles are elements
+    0..15, high ones 16..31). A block whose codes all read 0 (E2M1 +0 and -0) may carry any scale:
+    it is given its super-block's, so the tables stay one byte per group (kernels/linear.py
+    _group_tables) where a real file's scales span less than 2^6 per 256 columns."""
+    out = blocks.shape[0]
+    codes = _nibbles(blocks[:, :, 1:]).reshape(out, -1)
+    scale = e8m0_half(blocks[:, :, 0])  # [rows, blocks]
+    zero = ((codes & 7) == 0).reshape(out, -1, GROUP).all(axis=-1)
+    per = SUPER // GROUP
+    supers = None
+    if scale.shape[1] % per == 0:
+        grid = np.where(zero, np.inf, scale).reshape(out, -1, per)
+        top = grid.min(axis=-1)  # the smallest scale per 256 columns: the others are 2^j times it
+        top = np.where(np.isinf(top), np.float32(1.0), top).astype(np.float32)
+        scale = np.where(zero, np.repeat(top, per, axis=1), scale).astype(np.float32)
+        supers = (_tensor(top), None)
+    t_scale = _tensor(scale)
+    return Q4Weight(_tensor(codes), t_scale, -E2M1_OFFSET * t_scale, GROUP, E2M1, supers)
+
+
 def parse_quantized(raw: np.ndarray, type_name: str) -> QuantWeight:
     """Split GGUF blocks (raw uint8 [out, blocks * block_bytes]) into codes and scales."""
     raw = np.asarray(raw)
     if type_name.endswith("_K"):
         return _parse_k(raw, type_name)
+    if type_name == "MXFP4":
+        return _parse_mxfp4(raw.reshape(raw.shape[0], -1, _BLOCK_BYTES[type_name]))
     return _parse_legacy(raw.reshape(raw.shape[0], -1, _BLOCK_BYTES[type_name]), type_name)

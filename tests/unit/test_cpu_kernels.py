@@ -15,7 +15,7 @@ from specserve import envs
 from specserve.kernels import dispatch
 from specserve.kernels.attention import paged_attention
 from specserve.kernels.build import load
-from specserve.kernels.linear import BF16, Q4, Q8, pack_bf16, pack_q4, pack_q8
+from specserve.kernels.linear import BF16, E2M1, E2M1_CODES, Q4, Q8, pack_bf16, pack_q4, pack_q8
 
 AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
 VECTOR_PATHS = [p for p in dispatch.available_paths() if p != "generic"]
@@ -26,8 +26,10 @@ NO_VECTOR = pytest.mark.skipif(not VECTOR_PATHS, reason="this CPU has neither AV
 # The quantized layouts: 4-bit codes with float16 or float32 scales and offsets, 5-bit codes
 # (Q5_0, Q5_1, Q5_K), 6-bit codes in groups of 16 (Q6_K); 8-bit codes with float16 scales, with
 # offsets (8-bit fusions of the others), and in groups of 16; K-quant tables (int8 sub-values times
-# float16 super-values per 256 columns) with stored offsets (Q4_K) and with -32 * scale (Q6_K).
-QUANTIZED = ["q4", "q4_f32", "q5", "q6_g16", "q8", "q8_offset", "q8_g16", "q4_k", "q6_k"]
+# float16 super-values per 256 columns) with stored offsets (Q4_K) and with -32 * scale (Q6_K);
+# E2M1 codes read through their table with power-of-two scales (MXFP4) in K-quant-style tables.
+QUANTIZED = ["q4", "q4_f32", "q5", "q6_g16", "q8", "q8_offset", "q8_g16", "q4_k", "q6_k", "e2m1"]
+SUPER_BLOCK_KINDS = ("q4_k", "q6_k", "e2m1")  # int8 tables only where K is a multiple of 256
 KINDS = [*QUANTIZED, "bf16"]
 BOUND = {**{kind: 1e-5 for kind in QUANTIZED}, "bf16": 8e-3}
 
@@ -57,9 +59,22 @@ def k_quant_tables(kind: str, n: int, k: int, g: torch.Generator):
     return codes, scale, offset, group, bits, supers
 
 
+def e2m1_tables(n: int, k: int, g: torch.Generator):
+    """(codes, scale, offset, supers) of an MXFP4 weight as the GGUF parser gives it: power-of-two
+    scales 2^-10 .. 2^-4 per 32 columns, the smallest per 256 columns their super-value."""
+    scale = torch.exp2(-torch.randint(4, 11, (n, k // 32), generator=g).float())
+    top = scale.view(n, -1, 8).amin(-1) if k % 256 == 0 else scale[:, :1].expand(n, 1)
+    return torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), scale, -12 * scale, (top, None)
+
+
 def make_weight(kind: str, n: int, k: int, seed: int = 0):
     """(packed, float64 dense reference) of an [n, k] weight."""
     g = torch.Generator().manual_seed(seed)
+    if kind == "e2m1":
+        codes, scale, offset, supers = e2m1_tables(n, k, g)
+        packed = pack_q4(codes, scale, offset, 32, E2M1, supers if k % 256 == 0 else None)
+        assert packed.code_offset == 12 and (packed.scale.dtype == torch.int8) == (k % 256 == 0)
+        return packed, (E2M1_CODES[codes.long()].double() - 12) * expand(scale)
     if kind in ("q4_k", "q6_k"):
         codes, scale, offset, group, bits, supers = k_quant_tables(kind, n, k, g)
         packed = pack_q4(codes, scale, offset, group, bits, supers)
@@ -101,7 +116,8 @@ def run(packed, x: torch.Tensor, path: str) -> torch.Tensor:
 
 
 # N = 40 leaves a partial column block; K = 160 is 5 groups; K = 77 is odd (dense only).
-SHAPES = {**{kind: (40, 160) for kind in QUANTIZED}, "q4_k": (40, 512), "q6_k": (40, 512), "bf16": (40, 77)}
+SHAPES = {**{kind: (40, 160) for kind in QUANTIZED}, "q4_k": (40, 512), "q6_k": (40, 512),
+          "e2m1": (40, 512), "bf16": (40, 77)}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -408,16 +424,22 @@ def test_attention_refuses_a_table_slot_outside_the_pool():
         paged_attention(q, k_pool, v_pool, bad, row_req, row_len, scale)
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "e2m1"])
 def test_compact_tables_give_the_bits_of_float32_tables(kind):
     """K-quant tables (int8 x float16 super-values) and offsets computed as -c * scale are storage
     only: every path gives the bits it gives with plain float32 scales and stored offsets, with bf16
     and with integer activations."""
-    codes, scale, offset, group, bits, supers = k_quant_tables(kind, 40, 512, torch.Generator().manual_seed(8))
+    g = torch.Generator().manual_seed(8)
+    if kind == "e2m1":
+        codes, scale, offset, supers = e2m1_tables(40, 512, g)
+        group, bits = 32, E2M1
+    else:
+        codes, scale, offset, group, bits, supers = k_quant_tables(kind, 40, 512, g)
     compact = pack_q4(codes, scale, offset, group, bits, supers)
     plain = pack_q4(codes, scale, offset, group, bits)
-    stored = dataclasses.replace(plain, zero=plain.group_values(offsets=True).float(), code_offset=0)
-    assert compact.scale.dtype == torch.int8 and plain.scale.dtype == stored.zero.dtype == torch.float32
+    stored = dataclasses.replace(plain, zero=plain.group_values(offsets=True).to(plain.scale.dtype), code_offset=0)
+    plain_dtype = torch.float16 if kind == "e2m1" else torch.float32  # powers of two are float16 values
+    assert compact.scale.dtype == torch.int8 and plain.scale.dtype == stored.zero.dtype == plain_dtype
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(9)).bfloat16()
     for path in PATHS:
         outs = [run(p, x, path) for p in (compact, plain, stored)]

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 import torch
-from test_cpu_kernels import NO_VECTOR, QUANTIZED, assert_every_pair_equal, k_quant_scales, make_weight
+from test_cpu_kernels import NO_VECTOR, QUANTIZED, SUPER_BLOCK_KINDS, assert_every_pair_equal, k_quant_scales, make_weight
 
 from specserve.kernels import dispatch
-from specserve.kernels.linear import BLOCK, GROUP, Q4, pack_q4, pack_q8
+from specserve.kernels.linear import BLOCK, E2M1, GROUP, Q4, pack_q4, pack_q8
 
 PATHS = list(dispatch.available_paths())
 KINDS = [*QUANTIZED, "q4_0"]  # q4_0: offsets of exactly -8 scale, folded into the integer sums
@@ -30,7 +30,7 @@ def int8_weight(kind: str, n: int = 40, k: int = 160, seed: int = 0):
         packed, dense = pack_q4(codes, scale, -8 * scale), (codes.double() - 8) * scale.double().repeat_interleave(32, 1)
         assert packed.code_offset == 8
     else:
-        packed, dense = make_weight(kind, n, max(k, 256) if kind in ("q4_k", "q6_k") else k, seed)
+        packed, dense = make_weight(kind, n, max(k, 256) if kind in SUPER_BLOCK_KINDS else k, seed)
     packed = dataclasses.replace(packed)
     assert packed.quantize_activations()
     return packed, dense
@@ -132,7 +132,7 @@ def test_int8_paths_agree_bitwise_on_ordinary_and_edge_rows(kind):
     assert out[4].isnan().all() and out[5].isnan().all() and out[[2, 3, 6]].isfinite().all()
 
 
-@pytest.mark.parametrize("kind", ["q6_g16", "q8"])
+@pytest.mark.parametrize("kind", ["q6_g16", "q8", "e2m1"])
 def test_wide_weights_few_rows_and_extreme_codes(kind):
     """What the shapes above leave out: more than 8 column blocks (several column chunks) with a
     partial last one, 1 to 5 rows (every row tile), and the integer sums at their extremes: codes at
@@ -144,6 +144,11 @@ def test_wide_weights_few_rows_and_extreme_codes(kind):
         codes[::2] = torch.randint(0, 64, (n // 2, k), dtype=torch.uint8, generator=g)
         scale = k_quant_scales(n, k // 16, g)
         packed = pack_q4(codes, scale, -32 * scale, 16, 6)
+    elif kind == "e2m1":  # code 7 reads 24 (E2M1 6.0 doubled, + 12), the table's largest value
+        codes = torch.full((n, k), 7, dtype=torch.uint8)
+        codes[::2] = torch.randint(0, 16, (n // 2, k), dtype=torch.uint8, generator=g)
+        scale = torch.exp2(-torch.randint(4, 11, (n, k // 32), generator=g).float())
+        packed = pack_q4(codes, scale, -12 * scale, 32, E2M1)
     else:
         codes = torch.full((n, k), -128, dtype=torch.int8)
         codes[::2] = torch.randint(-128, 128, (n // 2, k), dtype=torch.int8, generator=g)

@@ -30,6 +30,7 @@ from tiny_gguf import random_k_quant
 PATHS = ["generic", *(p for p in dispatch.available_paths() if p != "generic")]
 LEGACY = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"]  # the gguf package quantizes to these
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+TABLES = ["MXFP4"]  # 4-bit codes read through a table (E2M1), quantized by the gguf package too
 LAYOUT = {"Q8_0": Q8Weight}  # the rest: unsigned codes with offsets (Q4Weight)
 
 
@@ -47,7 +48,7 @@ def reference(raw: np.ndarray, type_name: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, QType[type_name]).astype(np.float32))
 
 
-@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS)
+@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS + TABLES)
 def test_parsed_codes_dequantize_to_the_gguf_packages_weights_exactly(type_name):
     raw = raw_tensor(type_name, 24, 512)
     parsed = parse_quantized(raw, type_name)
@@ -74,7 +75,7 @@ def test_native_packing_is_the_reference_layout(bits):
     assert torch.equal(pack_codes(codes, bits), pack_codes_reference(codes, bits))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "MXFP4"])
 def test_a_planted_packing_bug_changes_the_weights_the_kernels_read(type_name, monkeypatch):
     """Mutation: a packer that swaps two lanes' words of one oct gives rows that are no longer the
     file's; the same check passes with the real packer."""
@@ -92,7 +93,7 @@ def test_a_planted_packing_bug_changes_the_weights_the_kernels_read(type_name, m
     assert not torch.equal(parsed.packed().dense_rows(rows), parsed.dequantize())
 
 
-@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS)
+@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS + TABLES)
 def test_kernels_compute_every_type_from_its_codes(type_name):
     raw = raw_tensor(type_name, 40, 512, seed=1)
     weight = reference(raw, type_name).double()
@@ -136,7 +137,7 @@ def test_tp_column_shards_are_the_weights_columns(type_name):
         parsed.cols(16, 496)
 
 
-@pytest.mark.parametrize("type_name", [*LEGACY, *K_QUANTS, "F16"])
+@pytest.mark.parametrize("type_name", [*LEGACY, *K_QUANTS, *TABLES, "F16"])
 def test_rows_read_from_the_packed_layout_are_the_weights_rows(type_name):
     """An embedding lookup in a (tied) head's packed codes gives the dequantized rows exactly."""
     if type_name == "F16":
@@ -190,7 +191,7 @@ def test_q8_of_a_dense_weight_is_ggml_q8_0_bit_for_bit():
     assert not torch.equal(halves_to_even, ours.codes[4, 32:64])
 
 
-@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS)
+@pytest.mark.parametrize("type_name", LEGACY + K_QUANTS + TABLES)
 def test_packed_weights_take_no_more_memory_than_the_files_blocks(type_name):
     """The layout keeps the file's bytes per weight: K-quant scales and offsets as int8 multiples of
     float16 super-values per 256 columns (not float32 values), offsets of -c * scale not stored."""

@@ -37,7 +37,9 @@ inline uint32_t weight_word(const PackedWeight& w, const uint8_t* block, int64_t
       const int p = int(pair % 4);
       uint32_t v;
       std::memcpy(&v, oct_codes(block, oct, w.bits) + lane * 4, 4);
-      uint32_t word = kQ4Magic | ((v >> (4 * p)) & kQ4Mask);
+      uint32_t nibbles = (v >> (4 * p)) & kQ4Mask;
+      if (w.bits == kE2M1) nibbles = e2m1_code(nibbles) | (e2m1_code(nibbles >> 16) << 16);
+      uint32_t word = kQ4Magic | nibbles;
       if (w.bits > 4) {
         const uint8_t* plane = oct_high(block, oct, w.bits);
         const uint32_t h = w.bits == 5 ? plane[lane] : uint32_t(plane[2 * lane]) | (uint32_t(plane[2 * lane + 1]) << 8);
@@ -192,11 +194,20 @@ SPECSERVE_AVX512 SPECSERVE_INLINE void store_tile(const PackedWeight& w, int64_t
   }
 }
 
+// The bf16 words (128 + table value) of E2M1 codes whose nibbles sit at bits 0 and 16 of each lane
+// of `shifted` (above them: other codes): bytes 1 and 3 index with their top bit set, so give 0.
+SPECSERVE_AVX512 inline __m512i e2m1_words(__m512i shifted) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Codes)));
+  const __m512i index = _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi32(int32_t(kQ4Mask)),
+                                                  _mm512_set1_epi32(int32_t(0x80008000u)), 0xEA);  // (a & b) | c
+  return _mm512_or_si512(_mm512_shuffle_epi8(table, index), _mm512_set1_epi32(int32_t(kQ4Magic)));
+}
+
 // R rows x NBT column blocks; every (row, column) sees the same operation sequence whatever R and NBT are.
 template <WeightFormat F, int Bits, ScaleType S, int R, int NBT>
 SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint16_t* x, int64_t ldx,
                                   const float* gs, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
-  const int64_t bytes = block_bytes(F, w.k, Bits == 0 ? 4 : Bits), G = groups(w);
+  const int64_t bytes = block_bytes(F, w.k, Bits), G = groups(w);
   const uint8_t* blocks[NBT];
   for (int j = 0; j < NBT; ++j) blocks[j] = w.codes + (b0 + j) * bytes;
   const uint16_t* rows[R];
@@ -234,7 +245,8 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
           for (int p = 0; p < 4; ++p) {
             __m512i wv[NBT];
             for (int j = 0; j < NBT; ++j) {
-              wv[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * p), mask, magic, 0xEA);  // (a & b) | c
+              if constexpr (Bits == kE2M1) wv[j] = e2m1_words(_mm512_srli_epi32(packed[j], 4 * p));
+              else wv[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * p), mask, magic, 0xEA);  // (a & b) | c
               if constexpr (Bits == 5)
                 wv[j] = _mm512_ternarylogic_epi32(wv[j], _mm512_srli_epi32(high[j], p), _mm512_set1_epi32(0x00100010), 0xF8);
               if constexpr (Bits == 6)  // a | (b & c)
@@ -275,7 +287,7 @@ struct alignas(64) PanelWord {
 // panel, for row tiles that then read them as they are instead of decoding them again.
 template <WeightFormat F, int Bits>
 SPECSERVE_AVX512 void decode_block(const PackedWeight& w, int64_t b, __m512i* panel) {
-  const uint8_t* block = w.codes + b * block_bytes(F, w.k, Bits == 0 ? 4 : Bits);
+  const uint8_t* block = w.codes + b * block_bytes(F, w.k, Bits);
   if constexpr (F == WeightFormat::Q4) {
     const __m512i magic = _mm512_set1_epi32(int32_t(kQ4Magic)), mask = _mm512_set1_epi32(int32_t(kQ4Mask));
     for (int64_t oct = 0; oct < w.k / 8; ++oct) {
@@ -285,7 +297,8 @@ SPECSERVE_AVX512 void decode_block(const PackedWeight& w, int64_t b, __m512i* pa
       __m512i high = _mm512_setzero_si512();
       if constexpr (Bits > 4) high = spread_high16<Bits>(at + 64);
       for (int p = 0; p < 4; ++p) {
-        __m512i wv = _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed, 4 * p), mask, magic, 0xEA);
+        __m512i wv = Bits == kE2M1 ? e2m1_words(_mm512_srli_epi32(packed, 4 * p))
+                                   : _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed, 4 * p), mask, magic, 0xEA);
         if constexpr (Bits == 5)
           wv = _mm512_ternarylogic_epi32(wv, _mm512_srli_epi32(high, p), _mm512_set1_epi32(0x00100010), 0xF8);
         if constexpr (Bits == 6)
@@ -423,6 +436,7 @@ SPECSERVE_AVX512 void blocks_avx512_format(const PackedWeight& w, int64_t b_begi
     case WeightFormat::Q4:
       if (w.bits == 5) blocks_avx512<WeightFormat::Q4, 5, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
       else if (w.bits == 6) blocks_avx512<WeightFormat::Q4, 6, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
+      else if (w.bits == kE2M1) blocks_avx512<WeightFormat::Q4, kE2M1, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
       else blocks_avx512<WeightFormat::Q4, 4, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate);
       break;
     case WeightFormat::Q8: blocks_avx512<WeightFormat::Q8, 0, S>(w, b_begin, b_end, x, ldx, m, gs, out, ldo, out_bf16, accumulate); break;

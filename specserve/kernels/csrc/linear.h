@@ -62,7 +62,7 @@ struct PackedWeight {
   ExponentRange exponents;  // of the values (BF16 only; quantized codes have fixed bounds)
   ScaleType scale_type = ScaleType::F16;  // of scale and zero
   int64_t group = 32;       // input columns per scale: 32 or 16
-  int bits = 4;             // Q4: bits per code (4, 5 or 6)
+  int bits = 4;             // Q4: bits per code (4, 5 or 6), or kE2M1
   int code_offset = 0;      // c > 0: every offset is -c * scale, w = scale * (q - c) (linear_int8.h)
   const uint16_t* scale_super = nullptr;  // I8: float16 [blocks][K/256][16]
   const uint16_t* zero_super = nullptr;   // I8 with stored offsets: likewise
@@ -100,8 +100,17 @@ inline float offset_at(const PackedWeight& w, int64_t b, int64_t g, int lane) {
   return w.zero ? table_value(w, w.zero, w.zero_super, b, g, lane) : float(-w.code_offset) * scale_at(w, b, g, lane);
 }
 
+// A Q4 weight's `bits` where its 4-bit codes index the E2M1 table (GGUF MXFP4) instead of being
+// values: code c reads as kE2M1Codes[c], the doubled E2M1 value plus 12 (0..24), with code offset
+// 12, so w = d * (kE2M1Codes[c] - 12) for the block's power-of-two d. A sentinel, not a width: the
+// codes take 4 bits, with no high bits.
+constexpr int kE2M1 = -4;
+constexpr int kE2M1Offset = 12;
+alignas(16) constexpr uint8_t kE2M1Codes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+inline uint32_t e2m1_code(uint32_t c) { return kE2M1Codes[c & 15u]; }
+
 // Bytes of the high bits per oct of a Q4 weight with `bits`-bit codes (16 lanes).
-constexpr int64_t high_plane_bytes(int bits) { return bits == 4 ? 0 : (bits == 5 ? 16 : 32); }
+constexpr int64_t high_plane_bytes(int bits) { return bits <= 4 ? 0 : (bits == 5 ? 16 : 32); }
 
 // Bytes of one oct of a Q4 block (nibbles, then high bits); where oct `oct` of a block starts and
 // where its high bits are.

@@ -78,6 +78,14 @@ SPECSERVE_AVX2 inline void dot_rows(const float* x, int64_t ldx, int64_t pair, c
   }
 }
 
+// The bf16 words (128 + table value) of E2M1 codes at bits 0 and 16 of each lane of `shifted`, as
+// linear.cpp's e2m1_words does for 16 lanes.
+SPECSERVE_AVX2 inline __m256i e2m1_words8(__m256i shifted) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Codes)));
+  const __m256i index = _mm256_or_si256(_mm256_and_si256(shifted, _mm256_set1_epi32(kQ4Mask)), _mm256_set1_epi32(int32_t(0x80008000u)));
+  return _mm256_or_si256(_mm256_shuffle_epi8(table, index), _mm256_set1_epi32(kQ4Magic));
+}
+
 // spread_high (linear.h) of 8 lanes (half h of the block) of one oct's high-bit plane.
 SPECSERVE_AVX2 inline __m256i spread_high8(const uint8_t* plane, int half, int bits) {
   if (bits == 5) {
@@ -145,7 +153,9 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
                 for (int h = 0; h < 2; ++h) {
                   __m256i word = _mm256_or_si256(
                       _mm256_and_si256(_mm256_srli_epi32(packed[j][h], 4 * p), _mm256_set1_epi32(kQ4Mask)), _mm256_set1_epi32(kQ4Magic));
-                  if (w.bits == 5)
+                  if (w.bits == kE2M1)
+                    word = e2m1_words8(_mm256_srli_epi32(packed[j][h], 4 * p));
+                  else if (w.bits == 5)
                     word = _mm256_or_si256(word, _mm256_and_si256(_mm256_srli_epi32(high[j][h], p), _mm256_set1_epi32(0x00100010)));
                   else if (w.bits == 6)
                     word = _mm256_or_si256(word, _mm256_and_si256(_mm256_srli_epi32(high[j][h], 2 * p), _mm256_set1_epi32(0x00300030)));

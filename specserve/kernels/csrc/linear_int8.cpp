@@ -25,6 +25,7 @@ int code_at(const PackedWeight& w, const uint8_t* block, int64_t col, int lane) 
   uint32_t v;
   std::memcpy(&v, oct_codes(block, oct, w.bits) + lane * 4, 4);
   int code = int((v >> (4 * p + 16 * h)) & 0xF);
+  if (w.bits == kE2M1) return int(e2m1_code(uint32_t(code)));
   const uint8_t* plane = oct_high(block, oct, w.bits);
   if (w.bits == 5) code |= ((plane[lane] >> (p + 4 * h)) & 1) << 4;
   if (w.bits == 6) {
@@ -123,6 +124,11 @@ SPECSERVE_AVX512 SPECSERVE_INLINE void q4_group(const PackedWeight& w, const uin
       wa[j] = _mm512_and_si512(packed, nibbles);
       wb[j] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), nibbles);
       if constexpr (Bits > 4) add_high_bits<Bits>(at + 64, wa[j], wb[j]);
+      if constexpr (Bits == kE2M1) {  // every byte one code: the table's values (0..24) instead
+        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Codes)));
+        wa[j] = _mm512_shuffle_epi8(table, wa[j]);
+        wb[j] = _mm512_shuffle_epi8(table, wb[j]);
+      }
     }
     for (int r = 0; r < R; ++r) {
       int32_t xa, xb;
@@ -292,6 +298,7 @@ SPECSERVE_AVX512 void blocks_int8_format(const PackedWeight& w, int64_t block_be
   const bool g32 = w.group == 32;
   if (w.format == Q::Q8 && g32) blocks_int8<Q::Q8, 0, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
   else if (w.format == Q::Q8) blocks_int8<Q::Q8, 0, 16, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == kE2M1) blocks_int8<Q::Q4, kE2M1, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
   else if (w.bits == 6 && g32) blocks_int8<Q::Q4, 6, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
   else if (w.bits == 6) blocks_int8<Q::Q4, 6, 16, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
   else if (w.bits == 5 && g32) blocks_int8<Q::Q4, 5, 32, S>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);

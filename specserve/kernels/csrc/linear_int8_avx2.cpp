@@ -57,6 +57,11 @@ SPECSERVE_AVX2 inline void q4_group8(const PackedWeight& w, const uint8_t* const
         wa[j][h] = _mm256_and_si256(packed, nibbles);
         wb[j][h] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), nibbles);
         if constexpr (Bits > 4) add_high_bits8<Bits>(at + 64, h, wa[j][h], wb[j][h]);
+        if constexpr (Bits == kE2M1) {  // the table's values (0..24): pair sums stay far from saturation
+          const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Codes)));
+          wa[j][h] = _mm256_shuffle_epi8(table, wa[j][h]);
+          wb[j][h] = _mm256_shuffle_epi8(table, wb[j][h]);
+        }
       }
     for (int r = 0; r < R; ++r) {
       int32_t xa, xb;
@@ -239,6 +244,7 @@ void linear_int8_blocks_avx2(const PackedWeight& w, const Int8Rows& x, int64_t m
                              int64_t block_end, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
 #if SPECSERVE_X86
   if (w.format == WeightFormat::Q8) blocks_int8_avx2<WeightFormat::Q8, 0>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
+  else if (w.bits == kE2M1) blocks_int8_avx2<WeightFormat::Q4, kE2M1>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
   else if (w.bits == 5) blocks_int8_avx2<WeightFormat::Q4, 5>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
   else if (w.bits == 6) blocks_int8_avx2<WeightFormat::Q4, 6>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);
   else blocks_int8_avx2<WeightFormat::Q4, 4>(w, block_begin, block_end, x, m, out, ldo, out_bf16, accumulate);

@@ -110,10 +110,13 @@ PackedWeight packed_weight(int64_t format, const torch::Tensor& codes, const tor
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "specserve linear: codes must be contiguous uint8");
   const auto fmt = static_cast<WeightFormat>(format);
   TORCH_CHECK(group == 32 || (group == 16 && fmt != WeightFormat::BF16), "specserve linear: groups are 32 or 16 columns");
-  TORCH_CHECK(bits == 4 || (fmt == WeightFormat::Q4 && (bits == 5 || bits == 6)), "specserve linear: codes of 4, 5 or 6 bits");
+  TORCH_CHECK(bits == 4 || (fmt == WeightFormat::Q4 && (bits == 5 || bits == 6 || bits == kE2M1)),
+              "specserve linear: codes of 4, 5 or 6 bits, or E2M1 codes");
+  TORCH_CHECK(bits != kE2M1 || group == 32, "specserve linear: E2M1 codes come in groups of 32");
   TORCH_CHECK(fmt == WeightFormat::BF16 || k % group == 0, "specserve linear: quantized K must be a multiple of ", group);
-  TORCH_CHECK(tables.code_offset >= 0 && tables.code_offset <= 128 && (tables.code_offset & (tables.code_offset - 1)) == 0,
-              "specserve linear: the code offset must be 0 or a power of two up to 128");
+  const bool power_of_two = (tables.code_offset & (tables.code_offset - 1)) == 0;
+  TORCH_CHECK(tables.code_offset >= 0 && tables.code_offset <= 128 && (power_of_two || (bits == kE2M1 && tables.code_offset == kE2M1Offset)),
+              "specserve linear: the code offset must be 0 or a power of two up to 128 (E2M1 codes: ", kE2M1Offset, ")");
   const int64_t blocks = (n + kBlockCols - 1) / kBlockCols;
   TORCH_CHECK(codes.numel() == blocks * block_bytes(fmt, k, int(bits)), "specserve linear: packed codes have the wrong size");
   const bool quantized = fmt != WeightFormat::BF16;
