@@ -49,6 +49,9 @@ class TinySpec:
     experts_used: int = 0
     expert_ff: int = 0  # each expert's intermediate size
     shared_ff: int = 0  # qwen2moe: the shared expert's intermediate size (0: none)
+    # gpt-oss: attention sinks, biases on the output projection, router and experts; its norm before
+    # the MLP is named post_attention_norm
+    gpt_oss: bool = False
 
     @property
     def vocab(self) -> int:
@@ -61,6 +64,13 @@ MOE_TYPES = {"ffn_gate_exps": QType.Q4_K, "ffn_up_exps": QType.Q4_K, "ffn_down_e
 # Tiny mixtures: 4 of 8 experts per token (renormalised), and 2 of 8 plus a gated shared expert.
 QWEN3_MOE = TinySpec("qwen3moe", head_dim=128, qk_norm=True, rope_base=1e6, experts=8, experts_used=4, expert_ff=256)
 QWEN2_MOE = TinySpec("qwen2moe", bias=True, rope_base=1e6, experts=8, experts_used=2, expert_ff=256, shared_ff=512)
+# gpt-oss: MXFP4 experts (as ggml-org's files), 2 of 8 per token, a window of 6 on layers 0 and 2,
+# YaRN over an original context of 8 (the prompts pass it); its other weights Q8_0 as those files'.
+GPT_OSS_TYPES = {"ffn_gate_exps": QType.MXFP4, "ffn_up_exps": QType.MXFP4, "ffn_down_exps": QType.MXFP4,
+                 "attn_q": QType.Q8_0, "attn_k": QType.Q8_0, "attn_v": QType.Q8_0, "attn_output": QType.Q8_0,
+                 "token_embd": QType.Q8_0, "output": QType.Q8_0}  # fmt: skip
+GPT_OSS = TinySpec("gpt-oss", layers=3, head_dim=64, bias=True, tied=False, window=6, rope_base=150000.0,
+                   yarn=(4.0, 8), experts=8, experts_used=2, expert_ff=256, gpt_oss=True)  # fmt: skip
 
 
 def transformers_reference(path: str):
@@ -74,12 +84,61 @@ def transformers_reference(path: str):
     from specserve.models.loader import load_model_config
 
     cfg = load_model_config(path)
+    if cfg.architecture == "gpt-oss":
+        return _gpt_oss_reference(path)
     sizes = {"moe_intermediate_size": cfg.moe_intermediate_size} if cfg.is_moe else {}
     if cfg.shared_expert_intermediate_size:
         sizes["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **sizes
     ).eval()
+
+
+def _gpt_oss_reference(path: str):
+    """transformers' GptOss model (float32) with the file's weights: its GGUF reader does not map
+    llama.cpp's gpt-oss tensors (split gate and up experts, their biases, attn_sinks), so the
+    weights are read by the gguf package (`gguf.quants.dequantize`) and put in transformers'
+    layout: gate and up interleaved by column, experts stacked and transposed."""
+    import gguf as gguf_package
+    import torch
+    import transformers
+
+    from specserve.models.loader import load_model_config
+
+    cfg = load_model_config(path)
+    reader = gguf_package.GGUFReader(path)
+    t = {r.name: torch.from_numpy(gguf_package.quants.dequantize(r.data, r.tensor_type).astype(np.float32)) for r in reader.tensors}
+    window = next((w for w in cfg.layer_windows if w), 0)
+    config = transformers.GptOssConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        sliding_window=window, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": True, "rope_theta": cfg.rope_theta},
+    )  # fmt: skip
+    model = transformers.GptOssForCausalLM(config).eval()
+    state = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"],
+             "lm_head.weight": t["output.weight"]}  # fmt: skip
+    for i in range(cfg.num_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            state[f"{p}self_attn.{theirs}.weight"] = t[f"{b}{ours}.weight"]
+            state[f"{p}self_attn.{theirs}.bias"] = t[f"{b}{ours}.bias"]
+        state[f"{p}self_attn.sinks"] = t[f"{b}attn_sinks.weight"]
+        state[f"{p}input_layernorm.weight"] = t[f"{b}attn_norm.weight"]
+        state[f"{p}post_attention_layernorm.weight"] = t[f"{b}post_attention_norm.weight"]
+        state[f"{p}mlp.router.weight"], state[f"{p}mlp.router.bias"] = t[f"{b}ffn_gate_inp.weight"], t[f"{b}ffn_gate_inp.bias"]
+        gate, up = t[f"{b}ffn_gate_exps.weight"], t[f"{b}ffn_up_exps.weight"]  # [E, f, hidden]
+        gate_up = torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2])  # rows gate0, up0, gate1, ...
+        state[f"{p}mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+        bias = torch.stack([t[f"{b}ffn_gate_exps.bias"], t[f"{b}ffn_up_exps.bias"]], dim=2)
+        state[f"{p}mlp.experts.gate_up_proj_bias"] = bias.reshape(bias.shape[0], -1)
+        state[f"{p}mlp.experts.down_proj"] = t[f"{b}ffn_down_exps.weight"].transpose(1, 2).contiguous()
+        state[f"{p}mlp.experts.down_proj_bias"] = t[f"{b}ffn_down_exps.bias"]
+    model.load_state_dict({k: v.reshape(model.state_dict()[k].shape) for k, v in state.items()}, strict=True)
+    return model
 
 
 def random_k_quant(rows: int, cols: int, qtype: QType, rng: np.random.Generator) -> np.ndarray:
@@ -168,7 +227,10 @@ def write_tiny_gguf(path: str, spec: TinySpec, types: dict[str, QType], seed: in
             norm(f"blk.{i}.attn_q_norm.weight", head_dim)
             norm(f"blk.{i}.attn_k_norm.weight", head_dim)
         weight(f"blk.{i}.attn_output.weight", "attn_output", spec.hidden, spec.heads * head_dim)
-        norm(f"blk.{i}.ffn_norm.weight", spec.hidden)
+        if spec.gpt_oss:
+            writer.add_tensor(f"blk.{i}.attn_output.bias", rng.normal(0, 0.1, size=spec.hidden).astype(np.float32))
+            writer.add_tensor(f"blk.{i}.attn_sinks.weight", rng.normal(0, 1.0, size=spec.heads).astype(np.float32))
+        norm(f"blk.{i}.post_attention_norm.weight" if spec.gpt_oss else f"blk.{i}.ffn_norm.weight", spec.hidden)
         if spec.sandwich:
             norm(f"blk.{i}.post_attention_norm.weight", spec.hidden)
             norm(f"blk.{i}.post_ffw_norm.weight", spec.hidden)
@@ -194,9 +256,17 @@ def _add_experts(writer: gguf.GGUFWriter, spec: TinySpec, i: int, weight, rng: n
     ffn_down_exps) and qwen2moe's shared expert with its gate vector."""
     router = rng.normal(0, 0.5, size=(spec.experts, spec.hidden)).astype(np.float32)  # spread-out routing
     writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
-    weight(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate_exps", spec.expert_ff, spec.hidden, experts=spec.experts)
-    weight(f"blk.{i}.ffn_up_exps.weight", "ffn_up_exps", spec.expert_ff, spec.hidden, experts=spec.experts)
+    if spec.gpt_oss:
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.bias", rng.normal(0, 0.5, size=spec.experts).astype(np.float32))
+    # gpt-oss's experts are larger so that its clamp (|gate|, |up| <= 7) bites on some values
+    std = 0.5 if spec.gpt_oss else 0.08
+    weight(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate_exps", spec.expert_ff, spec.hidden, std=std, experts=spec.experts)
+    weight(f"blk.{i}.ffn_up_exps.weight", "ffn_up_exps", spec.expert_ff, spec.hidden, std=std, experts=spec.experts)
     weight(f"blk.{i}.ffn_down_exps.weight", "ffn_down_exps", spec.hidden, spec.expert_ff, experts=spec.experts)
+    if spec.gpt_oss:
+        for name, size in (("ffn_gate_exps", spec.expert_ff), ("ffn_up_exps", spec.expert_ff), ("ffn_down_exps", spec.hidden)):
+            bias = rng.normal(0, 0.5, size=(spec.experts, size)).astype(np.float32)
+            writer.add_tensor(f"blk.{i}.{name}.bias", bias)
     if spec.shared_ff:
         writer.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", rng.normal(0, 0.5, size=spec.hidden).astype(np.float32))
         weight(f"blk.{i}.ffn_gate_shexp.weight", "ffn_gate_shexp", spec.shared_ff, spec.hidden)

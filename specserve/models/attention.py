@@ -50,11 +50,18 @@ class KernelAttentionMetadata:
         return cls(table, rows.repeat_interleave(width), row_len)
 
     def attend(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int = 0
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool. With a
-        sliding `window`, each row sees only its last `window` positions."""
-        return kernel_paged_attention(q, k_pool, v_pool, self.table, self.row_req, self.row_len, scale, window)
+        sliding `window`, each row sees only its last `window` positions; `sinks` (float32 [H]) join
+        each head's softmax with no value (gpt-oss)."""
+        return kernel_paged_attention(q, k_pool, v_pool, self.table, self.row_req, self.row_len, scale, window, sinks)
 
 
 @dataclass
@@ -133,10 +140,17 @@ class SdpaAttentionMetadata:
         return cls(bs, width, kv_slots, mask=_additive(mask, dtype), allowed=mask, q_pos=q_pos, q_real=real)
 
     def attend(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, window: int = 0
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """q: [T, H, D] flat new-token queries -> [T, H, D]; K/V already written to the pool. With a
-        sliding `window`, a query at position p sees the keys at positions above p - window."""
+        sliding `window`, a query at position p sees the keys at positions above p - window;
+        `sinks` (float32 [H]) join each head's softmax with no value (gpt-oss)."""
         heads, dim = q.shape[1], q.shape[2]
         mask = self._window_mask(window, q.dtype) if window and self.kv_slots.shape[1] > window else self.mask
         if self.q_gather is None:
@@ -145,9 +159,12 @@ class SdpaAttentionMetadata:
             qp = torch.cat([q, q.new_zeros(1, heads, dim)])[self.q_gather]
         k = k_pool[self.kv_slots]  # [bs, max_kv, KVH, D]
         v = v_pool[self.kv_slots]
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [bs, H, max_q, D]
+        if sinks is not None:
+            out = _attention_with_sinks(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, sinks)
+        else:
+            out = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+            )  # [bs, H, max_q, D]
         out = out.transpose(1, 2).reshape(-1, heads, dim)
         return out if self.out_scatter is None else out[self.out_scatter]
 
@@ -158,6 +175,21 @@ class SdpaAttentionMetadata:
             recent = cols > self.q_pos.unsqueeze(-1) - window
             self.window_masks[window] = _additive(self.allowed & (recent | ~self.q_real.unsqueeze(-1)), dtype)
         return self.window_masks[window]
+
+
+def _attention_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """SDPA with a sink logit per head (q [bs, H, Q, D], k/v [bs, KVH, K, D]): the softmax runs over
+    the scores and the sink, whose weight then goes nowhere (SDPA has no such column)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs @ v
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

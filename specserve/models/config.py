@@ -36,7 +36,7 @@ class ModelConfig:
     hidden_act: str = "silu"  # or "gelu_tanh"
     embed_scale: float = 1.0
     layer_windows: tuple[int, ...] = ()  # per layer: the sliding window (0: global); (): every layer global
-    rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers
+    rope_local_theta: Optional[float] = 10000.0  # RoPE base of the sliding-window layers (None: the global RoPE)
     rope_freq_factors: Optional[tuple[float, ...]] = None  # RoPE scaling (models/rope_scaling.py)
     rope_attention_factor: float = 1.0  # the scaling's cos/sin magnitude (YaRN)
     # Mixture of experts (qwen3moe, qwen2moe): every layer's MLP is `num_experts` experts of
@@ -48,6 +48,15 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # gpt-oss: a learned logit per head that joins every softmax of attention (its "sink") and a
+    # bias on the output projection; a mixture whose router and experts have biases, that routes
+    # by the softmax of the k largest logits only, and whose experts gate with the clamped SwiGLU
+    # (moe_activation "swiglu_oai": gate <= 7, -7 <= up <= 7, (up + 1) * gate * sigmoid(1.702 gate)).
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    moe_bias: bool = False
+    moe_softmax_after_topk: bool = False
+    moe_activation: str = "silu"
 
     @property
     def is_moe(self) -> bool:

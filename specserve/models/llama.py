@@ -1,4 +1,5 @@
-"""A llama-family decoder (llama, qwen2, qwen3, gemma3, SmolLM) over the paged KV pool."""
+"""A llama-family decoder (llama, qwen2, qwen3, gemma3, SmolLM, and the mixtures qwen2moe, qwen3moe,
+gpt-oss) over the paged KV pool."""
 
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [q, kv, kv], cfg.attention_bias, tp, dtype, ranges=[q_rows, kv_rows, kv_rows]
         )
-        self.o_proj = RowParallelLinear(q, cfg.hidden_size, False, tp, dtype, cols=q_rows)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, cfg.attention_out_bias, tp, dtype, cols=q_rows)
+        # gpt-oss: this rank's heads' sink logits, kept in float32 as the file has them
+        self.sinks = torch.zeros(self.num_heads) if cfg.attention_sinks else None
+        self.head_start = kv_start * group
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -52,7 +56,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qkv = self._norm_heads(qkv, self.q_norm, self.k_norm, ops)
         q = ops.rope_store(qkv, fb.positions, fb.out_cache_loc, self.num_heads, self.num_kv_heads, rope, k_pool, v_pool)
-        out = fb.attn.attend(q, k_pool, v_pool, self.scale, self.window)
+        out = fb.attn.attend(q, k_pool, v_pool, self.scale, self.window, self.sinks)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, ops: OpBackend) -> torch.Tensor:
@@ -114,10 +118,12 @@ class LlamaDecoderLayer(nn.Module):
         eps = {n.eps for n in norms if n is not None}
         assert len(eps) == 1, f"one epsilon for every norm of a layer, got {sorted(eps)}"
         bias, gelu = attn.qkv_proj.bias, isinstance(mlp, GatedMLP) and mlp.gelu
+        o_bias = attn.o_proj.bias
         return load().DecoderLayer(
             native_linear(attn.qkv_proj.kernel), None if bias is None else bias.detach(), native_linear(attn.o_proj.kernel),
             *_native_mlp(mlp), [None if n is None else n.weight.detach() for n in norms],
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, attn.window, gelu, eps.pop(),
+            attn.sinks, None if o_bias is None else o_bias.detach(),
         )  # fmt: skip
 
 
@@ -171,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors, lazy_rope, cfg.rope_attention_factor
         )
-        windowed = any(cfg.window(i) for i in range(cfg.num_layers))
+        windowed = any(cfg.window(i) for i in range(cfg.num_layers)) and cfg.rope_local_theta is not None
         self.rope_local = (
             RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else self.rope
         )
@@ -277,6 +283,12 @@ class LlamaForCausalLM(nn.Module):
                 attn.qkv_proj.load([w[f"{p}self_attn.{n}.weight"] for n in names])
             if dense(attn.o_proj, attn.o_proj.has_codes):
                 attn.o_proj.load(w[f"{p}self_attn.o_proj.weight"])
+            if attn.o_proj.bias is not None:
+                attn.o_proj.bias.data.copy_(w[f"{p}self_attn.o_proj.bias"])
+            if attn.sinks is not None:
+                attn.sinks.copy_(
+                    w[f"{p}self_attn.sinks.weight"].reshape(-1)[attn.head_start : attn.head_start + attn.num_heads]
+                )
             mlp.load_weights(f"{p}mlp.", w, codes, functools.partial(_source, codes), dense)
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.data.copy_(w[f"{p}self_attn.q_norm.weight"])

@@ -1,5 +1,5 @@
-"""Load weights and config from a GGUF file (llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe) or a
-Hugging Face directory.
+"""Load weights and config from a GGUF file (llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe,
+gpt-oss) or a Hugging Face directory.
 
 Both paths produce the same thing: a ModelConfig and a mapping of float32 tensors under
 Hugging Face parameter names, with Q/K in the rotate-half RoPE layout (a GGUF's tensors are
@@ -47,15 +47,19 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "attn_sinks": "self_attn.sinks",  # gpt-oss: one logit per head
 }
 # A mixture's experts, stacked [experts, rows, cols] in one GGUF tensor each: one weight per expert.
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # GGUF architectures the engine runs. llama.cpp's converter permutes the Q/K rows of `llama` models
 # (interleaved RoPE pairs); `qwen2`, `qwen3` and `gemma3` are stored as Hugging Face has them
 # (rotate-half, "NEOX" in llama.cpp).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")
 # Mixtures of experts, and whether llama.cpp renormalises their top-k routing weights.
-_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
+_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "gpt-oss": False}
+# gpt-oss: the norm before the MLP is `post_attention_norm` (llama's `ffn_norm`).
+_GGUF_GPT_OSS_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
+GPT_OSS_SWA_EVERY = 2  # gpt-oss: layers 0, 2, 4, ... see a sliding window, the others everything
 GEMMA3_GLOBAL_EVERY = 6
 _ROPE_PERMUTED = ("llama",)
 # Gemma 3's norms: `ffn_norm` comes before the MLP, the other two after attention and after the MLP.
@@ -238,6 +242,8 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         rope_freq_factors=scaling.freq_factors,
         rope_attention_factor=scaling.attention_factor,
     )
+    if arch == "gpt-oss":
+        return _gpt_oss_config(_moe_config(config, get, False), get, names)
     if arch in _MOE_NORM_TOPK:
         return _moe_config(config, get, _MOE_NORM_TOPK[arch])
     return _gemma3_config(config, get) if arch == "gemma3" else config
@@ -252,6 +258,24 @@ def _moe_config(config: ModelConfig, get: Callable[..., Any], norm_topk: bool) -
         moe_intermediate_size=int(get("expert_feed_forward_length")),
         norm_topk_prob=bool(get("expert_weights_norm", norm_topk)),
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)),
+    )
+
+
+def _gpt_oss_config(config: ModelConfig, get: Callable[..., Any], names: set[str]) -> ModelConfig:
+    """gpt-oss as llama.cpp runs it: a sliding window on every other layer (the first included),
+    attention sinks, biases on the output projection, router and experts, softmax over the k
+    largest router logits, the clamped SwiGLU."""
+    window = int(get("attention.sliding_window", 0))
+    windows = tuple(window if i % GPT_OSS_SWA_EVERY == 0 else 0 for i in range(config.num_layers)) if window else ()
+    return dataclasses.replace(
+        config,
+        layer_windows=windows,
+        rope_local_theta=None,  # one RoPE (with its YaRN scaling) for both kinds of layer
+        attention_sinks="blk.0.attn_sinks.weight" in names,
+        attention_out_bias="blk.0.attn_output.bias" in names,
+        moe_bias="blk.0.ffn_gate_inp.bias" in names,
+        moe_softmax_after_topk=True,
+        moe_activation="swiglu_oai",
     )
 
 
@@ -289,6 +313,8 @@ def _load_gguf(path: str) -> LoadedModel:
     weights = LazyWeights()
     quantized = GGUFCodes(reader)
     layer_names = _GGUF_SANDWICH_NAMES if config.sandwich_norms else _GGUF_LAYER_NAMES
+    if config.architecture == "gpt-oss":
+        layer_names = _GGUF_GPT_OSS_NAMES
     for tensor in reader.tensors:
         if _add_experts(gguf, tensor, weights, quantized):
             continue
@@ -303,16 +329,17 @@ def _load_gguf(path: str) -> LoadedModel:
 
 
 def _add_experts(gguf: Any, tensor: GGUFTensor, weights: LazyWeights, quantized: GGUFCodes) -> bool:
-    """A stacked expert tensor (blk.N.ffn_{gate,up,down}_exps) as one weight per expert
-    (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight); False for any other tensor."""
+    """A stacked expert tensor (blk.N.ffn_{gate,up,down}_exps, weights or gpt-oss's biases) as one
+    per expert (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight or .bias); False for any
+    other tensor."""
     parts = tensor.name.split(".")
     proj = _GGUF_EXPERT_NAMES.get(parts[2]) if parts[0] == "blk" and len(parts) == 4 else None
     if proj is None:
         return False
     for e in range(tensor.data.shape[0]):
-        name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.weight"
+        name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
         weights.add(name, functools.partial(_dequantized, gguf, tensor, 0, e))
-        if is_quantized(tensor.tensor_type.name):
+        if is_quantized(tensor.tensor_type.name) and parts[3] == "weight":
             quantized.add(name, tensor, 0, expert=e)
     return True
 

@@ -29,12 +29,26 @@ _WORD_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|{digits}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's (o200k, gpt-oss's "gpt-4o" pre-tokenizer): cased words with a contraction suffix, digits
+# in threes, punctuation runs keeping a trailing "/" or newlines.
+_GPT4O_SPLIT = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 SPLIT_REGEXES = {
     "llama-bpe": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
     "llama3": _WORD_SPLIT.format(digits=r"\p{N}{1,3}"),
     "qwen2": _WORD_SPLIT.format(digits=r"\p{N}"),
     # DeepSeek-R1's Qwen distills: Qwen2's tokenizer under its own name (llama.cpp maps it to QWEN2)
     "deepseek-r1-qwen": _WORD_SPLIT.format(digits=r"\p{N}"),
+    "gpt-4o": _GPT4O_SPLIT,
 }
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from helpers import int8_activations, layer_path_mismatches, prefill_logits
-from tiny_gguf import MOE_TYPES, QWEN2_MOE, QWEN3_MOE, TinySpec, transformers_reference, write_tiny_gguf
+from tiny_gguf import (GPT_OSS, GPT_OSS_TYPES, MOE_TYPES, QWEN2_MOE, QWEN3_MOE, TinySpec, transformers_reference,
+                       write_tiny_gguf)  # fmt: skip
 
 from specserve import envs
 from specserve.engine import Engine
@@ -46,6 +47,8 @@ MODELS = {
     # Mixtures of experts: 4 of 8 experts per token (renormalised), and 2 of 8 plus a gated shared expert.
     "qwen3moe-kquants": (QWEN3_MOE, MOE_MIX, "qwen2"),
     "qwen2moe-kquants": (QWEN2_MOE, MOE_MIX, "qwen2"),
+    # gpt-oss: MXFP4 experts with biases, attention sinks, a sliding window on alternate layers, YaRN.
+    "gpt-oss-mxfp4": (GPT_OSS, GPT_OSS_TYPES, "gpt-4o"),
 }
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [40, 98, 200, 17, 5, 250, 33, 101, 99, 1, 2, 3, 4], [100] * 5]
 NEW_TOKENS = 24
@@ -112,7 +115,7 @@ def test_bf16_output_independent_of_batch_cache_and_speculation(tiny_model):
 def test_quantized_tensors_stay_codes_on_the_cpu_kernels(tiny_model):
     """Every K-quant and legacy type is computed from its codes: no layer keeps a dequantized weight,
     and the embedding reads its rows from packed codes (the tied head's, or its own)."""
-    if "kquants" not in tiny_model and "legacy" not in tiny_model:
+    if not any(kind in tiny_model for kind in ("kquants", "legacy", "mxfp4")):
         pytest.skip("a float model: nothing quantized")
     with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=256) as engine:
         model = engine.runner.model
@@ -142,7 +145,8 @@ def test_native_layers_give_the_per_op_layers_bits(tiny_model, monkeypatch):
         with int8_activations(model) as switched:
             assert switched == 0 or layer_path_mismatches(model, PROMPTS) == []
         mlp = model.layers[0].mlp
-        flag = "gelu" if hasattr(mlp, "gelu") else "normalize"  # a mixture: its top-k weights renormalised or not
+        # a mixture: its top-k weights renormalised or not (gpt-oss: its softmax before or after the top k)
+        flag = "gelu" if hasattr(mlp, "gelu") else "softmax_after_topk" if mlp.softmax_after_topk else "normalize"
         setattr(mlp, flag, not getattr(mlp, flag))
         try:
             model.native = NativeLayers.build(list(model.layers))

@@ -1,6 +1,7 @@
-"""Mixtures of experts (qwen3moe, qwen2moe) on tiny random files: the routing and sums the
+"""Mixtures of experts (qwen3moe, qwen2moe, gpt-oss) on tiny random files: the routing and sums the
 architecture test compares with transformers can fail when planted wrong (top-k weights left
-unnormalised, the shared expert ungated), each token's MLP output is bitwise its own whatever rows
+unnormalised, the shared expert ungated; gpt-oss's sinks dropped, its softmax taken before the top
+k, its SwiGLU unclamped), each token's MLP output is bitwise its own whatever rows
 share the step (and a planted summation in the step's expert-load order breaks that), routing ties
 go to the lower expert index, and a mixture under tensor parallelism is one clear error."""
 
@@ -8,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_gguf import MOE_TYPES, QWEN2_MOE, QWEN3_MOE, transformers_reference, write_tiny_gguf
+from tiny_gguf import GPT_OSS, GPT_OSS_TYPES, MOE_TYPES, QWEN2_MOE, QWEN3_MOE, transformers_reference, write_tiny_gguf
 
 from specserve.engine import Engine
-from specserve.kernels.build import load
 from specserve.errors import ConfigError
+from specserve.kernels.build import load
+from specserve.models import moe as moe_module
+from specserve.models.attention import SdpaAttentionMetadata
 from specserve.models.config import ModelConfig
 from specserve.models.layers import TPContext
 from specserve.models.moe import SparseMoeBlock, route
@@ -23,9 +26,10 @@ PROMPT = [(7 * i + 3) % 256 for i in range(24)]
 @pytest.fixture(scope="module")
 def moe_files(tmp_path_factory) -> dict[str, str]:
     files = {}
-    for name, spec in (("qwen3moe", QWEN3_MOE), ("qwen2moe", QWEN2_MOE)):
+    for name, spec in (("qwen3moe", QWEN3_MOE), ("qwen2moe", QWEN2_MOE), ("gpt-oss", GPT_OSS)):
         path = str(tmp_path_factory.mktemp(name) / "model.gguf")
-        write_tiny_gguf(path, spec, MOE_TYPES, seed=11, pre="qwen2")
+        gpt_oss = name == "gpt-oss"
+        write_tiny_gguf(path, spec, GPT_OSS_TYPES if gpt_oss else MOE_TYPES, seed=11, pre="gpt-4o" if gpt_oss else "qwen2")
         files[name] = path
     return files
 
@@ -63,10 +67,37 @@ def test_planted_ungated_shared_expert_is_caught(moe_files, monkeypatch):
     assert _logit_error(moe_files["qwen2moe"]) > 1e-2
 
 
+def _sinks_dropped(monkeypatch):
+    real = SdpaAttentionMetadata.attend
+    monkeypatch.setattr(SdpaAttentionMetadata, "attend", lambda self, q, k, v, scale, window=0, sinks=None: real(self, q, k, v, scale, window))
+
+
+def _softmax_before_top_k(monkeypatch):
+    real = SparseMoeBlock.__init__
+
+    def before(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.softmax_after_topk = False
+
+    monkeypatch.setattr(SparseMoeBlock, "__init__", before)
+
+
+def _swiglu_unclamped(monkeypatch):
+    monkeypatch.setattr(moe_module, "SWIGLU_OAI_LIMIT", float("inf"))
+
+
+@pytest.mark.parametrize("plant", [_sinks_dropped, _softmax_before_top_k, _swiglu_unclamped],
+                         ids=["sinks-dropped", "softmax-before-top-k", "swiglu-unclamped"])  # fmt: skip
+def test_planted_gpt_oss_bugs_are_caught(moe_files, monkeypatch, plant):
+    assert _logit_error(moe_files["gpt-oss"]) < 1e-3
+    plant(monkeypatch)
+    assert _logit_error(moe_files["gpt-oss"]) > 1e-2
+
+
 def _in_load_order(self, x, ops):
     """A planted summation: experts visited most-loaded first and added into each row as they come,
     so a row's order of additions depends on which other rows share the step."""
-    weights, experts = route(self.gate.matmul(x, torch.float32), self.top_k, self.normalize)
+    weights, experts = route(self.router_logits(x), self.top_k, self.normalize, self.softmax_after_topk)
     out = torch.zeros(x.shape, dtype=torch.float32)
     active, counts = torch.unique(experts, return_counts=True)
     for e in active[torch.argsort(counts, descending=True, stable=True)].tolist():
@@ -116,7 +147,7 @@ def test_a_mixture_under_tensor_parallelism_is_one_error():
 def test_the_kernels_mixture_matches_the_torch_one_and_is_each_rows_own(moe_files):
     """csrc/moe.cpp (what the bf16 engine runs) against models/moe.py's torch mixture on the same
     packed weights: within float32 rounding of the softmax, and bitwise each row's own."""
-    for name in ("qwen3moe", "qwen2moe"):
+    for name in ("qwen3moe", "qwen2moe", "gpt-oss"):
         with Engine(model_path=moe_files[name], dtype="bfloat16", speculative_algorithm="NONE",
                     max_total_tokens=256) as engine:  # fmt: skip
             model = engine.runner.model
@@ -136,6 +167,9 @@ def test_the_kernels_routing_breaks_ties_to_the_lower_index():
     assert torch.allclose(weights, torch.full((2, 3), 1 / 3))
     ours, theirs = load().moe_route(logits, 3, False)[0], route(logits, 3, normalize=False)[0]
     assert torch.allclose(ours, theirs)
+    weights, experts = load().moe_route(logits, 3, False, True)  # gpt-oss: the softmax of the k largest logits
+    assert experts.tolist() == [[1, 3, 5], [0, 1, 2]] and torch.allclose(weights, torch.full((2, 3), 1 / 3))
+    assert torch.allclose(weights, route(logits, 3, False, softmax_after_topk=True)[0])
 
 
 def test_a_batch_one_step_reads_a_tokens_share_of_the_experts(moe_files):

@@ -247,7 +247,8 @@ def attention_case(seed: int = 0, dim: int = 64):
     return q, k_pool, v_pool, table, row_req, row_len, dim ** -0.5
 
 
-def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale, window=0):
+def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale, window=0, sinks=None):
+    """float64 attention; with `sinks` each head's logit joins its softmax, its weight going nowhere."""
     group = q.shape[1] // k_pool.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
@@ -257,9 +258,33 @@ def attention_reference(q, k_pool, v_pool, table, row_req, row_len, scale, windo
         slots = table[row_req[t], max(0, n - window) if window else 0:n]
         k = k_pool[slots].double().repeat_interleave(group, 1)
         v = v_pool[slots].double().repeat_interleave(group, 1)
-        weights = (torch.einsum("hd,lhd->hl", q[t].double(), k) * scale).softmax(-1)
+        scores = torch.einsum("hd,lhd->hl", q[t].double(), k) * scale
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().unsqueeze(1)], dim=1)
+        weights = scores.softmax(-1)[:, : len(slots)]
         out[t] = torch.einsum("hl,lhd->hd", weights, v)
     return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_sinks_take_their_share_of_each_softmax(path, monkeypatch):
+    """gpt-oss's sinks (a logit per head, no value): within bf16 rounding of float64, with and
+    without a window; a row alone as in the batch; a sink far below every score changes nothing, and
+    dropping the sinks (the bug this guards against) is far off the reference."""
+    monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+    q, k_pool, v_pool, table, row_req, row_len, scale = case = attention_case(seed=7)
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(8)) * 3
+    for window in (0, 37):
+        out = paged_attention(*case, window, sinks)
+        want = attention_reference(*case, window, sinks)
+        assert (out.double() - want).abs().max().item() <= 1.6e-2, (path, window)
+        assert (paged_attention(*case, window).double() - want).abs().max().item() > 0.05, "dropped sinks look right"
+        for t in (0, 17):
+            alone = paged_attention(q[t:t + 1], k_pool, v_pool, table, row_req[t:t + 1], row_len[t:t + 1], scale, window, sinks)
+            assert torch.equal(alone[0], out[t])
+    assert torch.equal(paged_attention(*case, 0, torch.full_like(sinks, -1e30)), paged_attention(*case))
+    with pytest.raises(RuntimeError, match="sinks must be contiguous float32"):
+        paged_attention(*case, 0, sinks[:3])
 
 
 @pytest.mark.parametrize("dim", [64, 48, 128, 32, 256])
@@ -304,7 +329,9 @@ def test_attention_paths_agree_bitwise(dim, monkeypatch):
     results = {}
     for path in PATHS:
         monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
-        results[path] = (paged_attention(*case), paged_attention(*case, 37))  # and with a sliding window
+        sinks = torch.linspace(-2.0, 3.0, case[0].shape[1])
+        # and with a sliding window, with sinks
+        results[path] = (paged_attention(*case), paged_attention(*case, 37), paged_attention(*case, 37, sinks))
     assert_every_pair_equal(results)
 
 

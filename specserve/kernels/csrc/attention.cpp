@@ -19,7 +19,14 @@ struct Task {
   int64_t kv_offset;  // kv head * dim inside a slot
   int64_t slot_stride;
   uint16_t* out;
+  float sink;  // the head's sink logit, -inf without one
 };
+
+// The softmax's max with the task's sink, and its sum of weights with the sink's (attention.h).
+inline float max_with_sink(float best, const Task& t) { return std::max(best, t.sink); }
+inline float total_with_sink(float total, float best, const Task& t) {
+  return t.sink == -std::numeric_limits<float>::infinity() ? total : total + exp_nonpositive(t.sink - best);
+}
 
 Task task_of(const PagedAttentionArgs& a, int64_t task) {
   const int64_t row = task / a.heads, head = task % a.heads;
@@ -27,7 +34,8 @@ Task task_of(const PagedAttentionArgs& a, int64_t task) {
   const int64_t len = a.row_len[row];
   const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;  // the window's first position
   return Task{a.q + (row * a.heads + head) * a.dim, a.table + a.row_req[row] * a.table_stride + first, len - first,
-              (head / group) * a.dim, a.kv_heads * a.dim, a.out + (row * a.heads + head) * a.dim};
+              (head / group) * a.dim, a.kv_heads * a.dim, a.out + (row * a.heads + head) * a.dim,
+              a.sinks ? a.sinks[head] : -std::numeric_limits<float>::infinity()};
 }
 
 // ------------------------------------------------------------------ generic path
@@ -59,13 +67,14 @@ void task_generic(const PagedAttentionArgs& a, const Task& t, float* p) {
     p[j] = score_generic(t.q, a.k_pool + t.slots[j] * t.slot_stride + t.kv_offset, D) * a.scale;
     best = std::max(best, p[j]);
   }
+  best = max_with_sink(best, t);
   const int64_t padded = (t.len + 15) / 16 * 16;
   float lanes[16] = {0};
   for (int64_t j = 0; j < padded; ++j) {
     p[j] = j < t.len ? exp_nonpositive(p[j] - best) : 0.0f;
     lanes[j % 16] += p[j];
   }
-  const float total = tree_sum16(lanes);
+  const float total = total_with_sink(tree_sum16(lanes), best, t);
   for (int64_t d = 0; d < D; ++d) {
     float o = 0.0f;
     for (int64_t j = 0; j < t.len; ++j)
@@ -130,6 +139,7 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
   }
   __m512 total[HB];
   for (int h = 0; h < HB; ++h) {
+    best[h] = max_with_sink(best[h], t[h]);
     __m512 lanes = _mm512_setzero_ps();
     const __m512 top = _mm512_set1_ps(best[h]);
     for (int64_t j = 0; j < padded; j += 16) {
@@ -138,7 +148,7 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
       _mm512_storeu_ps(p[h] + j, e);
       lanes = _mm512_add_ps(lanes, e);
     }
-    total[h] = _mm512_set1_ps(tree_sum16_avx(lanes));
+    total[h] = _mm512_set1_ps(total_with_sink(tree_sum16_avx(lanes), best[h], t[h]));
   }
   // The weighted sum of V, CB chunks of the head dimension per pass over the positions, so the
   // HB * CB sums stay in registers (each still in position order); one pass up to head size 128.
@@ -229,6 +239,7 @@ SPECSERVE_AVX2 void heads_avx2(const PagedAttentionArgs& a, const Task* t, float
   }
   float total[HB];
   for (int h = 0; h < HB; ++h) {
+    best[h] = max_with_sink(best[h], t[h]);
     // Past the end, scores of -inf give exp 0, which is what the generic path adds there.
     std::fill(p[h] + len, p[h] + padded, -std::numeric_limits<float>::infinity());
     __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -238,7 +249,7 @@ SPECSERVE_AVX2 void heads_avx2(const PagedAttentionArgs& a, const Task* t, float
       _mm256_storeu_ps(p[h] + j, e);
       lanes[(j / 8) % 2] = _mm256_add_ps(lanes[(j / 8) % 2], e);
     }
-    total[h] = tree_sum16_avx2(lanes[0], lanes[1]);
+    total[h] = total_with_sink(tree_sum16_avx2(lanes[0], lanes[1]), best[h], t[h]);
   }
   __m256 o[HB][C][2];
   for (int h = 0; h < HB; ++h)

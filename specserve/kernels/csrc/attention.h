@@ -5,7 +5,9 @@
 // of the head dimension, chunk by chunk; bf16 products exact), then a fixed tree; the max, exp by a fixed polynomial, the sum of weights in 16 lanes over
 // positions then the same tree, and the weighted sum of V in position order. A row's output thus
 // depends only on its query and the K/V of the positions it sees: prefill, extend, decode and
-// verify rows compute a token identically.
+// verify rows compute a token identically. With sinks (gpt-oss), head h's learned logit s_h joins
+// the softmax with no value: the max is taken over the scores and s_h, and after the tree of the
+// weights' sum, exp(s_h - max) is added to it (scalar, the same on every path).
 #pragma once
 
 #include <cstdint>
@@ -26,6 +28,7 @@ struct PagedAttentionArgs {
   float scale;
   uint16_t* out;            // [T, heads, dim] bf16
   int64_t window;           // > 0: a row sees only the last `window` of its positions (a sliding-window layer)
+  const float* sinks = nullptr;  // [heads] float32 logits that join each softmax (gpt-oss), or none
 };
 
 // Tasks [begin, end) of T * kv_heads (task = row * kv_heads + kv head: the query heads of one

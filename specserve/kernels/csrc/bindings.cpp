@@ -71,7 +71,7 @@ torch::Tensor packed_rows_bf16(int64_t format, torch::Tensor codes, torch::Tenso
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor table,
                               torch::Tensor row_req, torch::Tensor row_len, double scale, int64_t window,
-                              int64_t path) {
+                              int64_t path, c10::optional<torch::Tensor> sinks) {
   for (const auto* t : {&q, &k_pool, &v_pool})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous(),
                 "specserve attention: q and the K/V pools must be contiguous bf16 on CPU");
@@ -83,13 +83,17 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   TORCH_CHECK(k_pool.size(2) == dim && heads % kv_heads == 0, "specserve attention: head shapes do not match");
   TORCH_CHECK(row_req.numel() == rows && row_len.numel() == rows, "specserve attention: one request and length per row");
   TORCH_CHECK(window >= 0, "specserve attention: window must be >= 0 (0: none)");
+  TORCH_CHECK(!sinks || (sinks->device().is_cpu() && sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
+                         sinks->numel() == heads),
+              "specserve attention: sinks must be contiguous float32 [heads]");
   auto out = torch::empty_like(q);
   if (rows == 0) return out;
   const int64_t longest = check_table_slots(table, row_req.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(), rows, k_pool.size(0));
   const Path p = checked_path(path);
   PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), table.data_ptr<int64_t>(), table.stride(0),
                        row_req.data_ptr<int64_t>(), row_len.data_ptr<int64_t>(), heads, kv_heads, dim, float(scale),
-                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), window};
+                       reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), window,
+                       sinks ? sinks->data_ptr<float>() : nullptr};
   run_paged_attention(p, a, rows, longest);
   return out;
 }

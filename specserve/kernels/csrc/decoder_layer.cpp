@@ -58,10 +58,11 @@ class DecoderLayer {
   // The MLP: gate_up and down (a dense layer), or moe (a mixture of experts).
   DecoderLayer(NativeLinear qkv, c10::optional<torch::Tensor> qkv_bias, NativeLinear o, c10::optional<NativeLinear> gate_up,
                c10::optional<NativeLinear> down, c10::optional<MoeMlp> moe, std::vector<c10::optional<torch::Tensor>> norms,
-               int64_t heads, int64_t kv_heads, int64_t dim, double scale, int64_t window, bool gelu, double eps)
+               int64_t heads, int64_t kv_heads, int64_t dim, double scale, int64_t window, bool gelu, double eps,
+               c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> o_bias)
       : qkv_(std::move(qkv)), o_(std::move(o)), gate_up_(std::move(gate_up)), down_(std::move(down)), moe_(std::move(moe)),
-        bias_(qkv_bias), norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads), dim_(dim), scale_(float(scale)),
-        window_(window), gelu_(gelu), eps_(float(eps)) {
+        bias_(qkv_bias), o_bias_(o_bias), sinks_(sinks), norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads),
+        dim_(dim), scale_(float(scale)), window_(window), gelu_(gelu), eps_(float(eps)) {
     hidden_ = qkv_.w.k;
     TORCH_CHECK(norms_.size() == kNorms && norms_[kInput] && norms_[kPostAttention] &&
                     bool(norms_[kPreFeedforward]) == bool(norms_[kPostFeedforward]) && bool(norms_[kQuery]) == bool(norms_[kKey]),
@@ -74,6 +75,9 @@ class DecoderLayer {
                 "specserve decoder layer: the MLP is gate_up and down, or a mixture of experts, chaining with the attention");
     TORCH_CHECK(heads % kv_heads == 0 && dim % 2 == 0 && window >= 0, "specserve decoder layer: bad head shape or window");
     check_vector(bias_, qkv_.w.n, "qkv bias");
+    check_vector(o_bias_, hidden_, "output bias");
+    TORCH_CHECK(!sinks_ || (sinks_->scalar_type() == torch::kFloat32 && sinks_->is_contiguous() && sinks_->numel() == heads),
+                "specserve decoder layer: sinks must be contiguous float32 [heads]");
     for (int i = 0; i < kNorms; ++i) check_vector(norms_[i], i >= kQuery ? dim : hidden_, "norm weight");
   }
 
@@ -161,9 +165,11 @@ class DecoderLayer {
     auto att = torch::empty_like(q);
     PagedAttentionArgs a{bf16_data(q), bf16_data(k_pool), bf16_data(v_pool), step.table.data_ptr<int64_t>(), step.table.stride(0),
                          step.row_req.data_ptr<int64_t>(), step.row_len.data_ptr<int64_t>(), heads_, kv_heads_, dim_, scale_,
-                         bf16_out(att), window_};
+                         bf16_out(att), window_, sinks_ ? sinks_->data_ptr<float>() : nullptr};
     run_paged_attention(p, a, rows, step.longest);
-    return o_(att.view({rows, heads_ * dim_}), p);
+    torch::Tensor o = o_(att.view({rows, heads_ * dim_}), p);
+    if (o_bias_) o.add_(*o_bias_);  // as the per-op path's `y + bias`
+    return o;
   }
 
   torch::Tensor mlp(const torch::Tensor& h, Path p) const {
@@ -174,7 +180,7 @@ class DecoderLayer {
   NativeLinear qkv_, o_;
   c10::optional<NativeLinear> gate_up_, down_;
   c10::optional<MoeMlp> moe_;
-  c10::optional<torch::Tensor> bias_;
+  c10::optional<torch::Tensor> bias_, o_bias_, sinks_;
   std::vector<c10::optional<torch::Tensor>> norms_;
   int64_t heads_, kv_heads_, dim_;
   float scale_;
@@ -258,10 +264,11 @@ void register_decoder_layer(py::module& m) {
   py::class_<DecoderLayer>(m, "DecoderLayer", "one decoder layer in one call (TP size 1)")
       .def(py::init<NativeLinear, c10::optional<torch::Tensor>, NativeLinear, c10::optional<NativeLinear>,
                     c10::optional<NativeLinear>, c10::optional<MoeMlp>, std::vector<c10::optional<torch::Tensor>>, int64_t,
-                    int64_t, int64_t, double, int64_t, bool, double>(),
+                    int64_t, int64_t, double, int64_t, bool, double, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>>(),
            py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("moe"), py::arg("norms"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("dim"), py::arg("scale"), py::arg("window"), py::arg("gelu"),
-           py::arg("eps"))
+           py::arg("eps"), py::arg("sinks") = py::none(), py::arg("o_bias") = py::none())
       .def("forward", &DecoderLayer::forward, py::arg("out"), py::arg("residual"), py::arg("step"), py::arg("k_pool"),
            py::arg("v_pool"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("forward_layers", &forward_layers, "decoder layers in order in one call", py::arg("layers"), py::arg("out"),

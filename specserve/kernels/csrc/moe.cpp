@@ -13,6 +13,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -21,12 +22,37 @@
 
 namespace specserve {
 
-void moe_route_rows(const float* logits, int64_t experts, int64_t k, bool normalize, float* weights, int64_t* chosen,
-                    int64_t begin, int64_t end) {
+namespace {
+
+// Row r's k largest logits (ties to the lower index) and the softmax of those k, most probable first.
+void route_after_topk(const float* l, int64_t experts, int64_t k, std::vector<bool>& taken, float* weights,
+                      int64_t* chosen) {
+  for (int64_t e = 0; e < experts; ++e) taken[e] = false;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < experts; ++e)  // strictly greater: the lower index keeps a tie
+      if (!taken[e] && (best < 0 || l[e] > l[best])) best = e;
+    taken[best] = true;
+    chosen[j] = best;
+  }
+  const float top = l[chosen[0]];
+  float sum = 0.0f;
+  for (int64_t j = 0; j < k; ++j) sum += (weights[j] = std::exp(l[chosen[j]] - top));
+  for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
+}
+
+}  // namespace
+
+void moe_route_rows(const float* logits, int64_t experts, int64_t k, bool normalize, bool after_topk, float* weights,
+                    int64_t* chosen, int64_t begin, int64_t end) {
   std::vector<float> p(experts);
   std::vector<bool> taken(experts);
   for (int64_t r = begin; r < end; ++r) {
     const float* l = logits + r * experts;
+    if (after_topk) {
+      route_after_topk(l, experts, k, taken, weights + r * k, chosen + r * k);
+      continue;
+    }
     float top = l[0];
     for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
     float sum = 0.0f;
@@ -49,11 +75,24 @@ void moe_route_rows(const float* logits, int64_t experts, int64_t k, bool normal
 
 MoeMlp::MoeMlp(NativeLinear router_, std::vector<NativeLinear> gate_ups_, std::vector<NativeLinear> downs_, int64_t top_k_,
                bool normalize_, c10::optional<NativeLinear> shared_gate_up_, c10::optional<NativeLinear> shared_down_,
-               c10::optional<NativeLinear> shared_gate_)
+               c10::optional<NativeLinear> shared_gate_, c10::optional<torch::Tensor> router_bias_,
+               std::vector<torch::Tensor> gate_up_biases_, std::vector<torch::Tensor> down_biases_,
+               bool softmax_after_topk_, bool swiglu_oai_)
     : router(std::move(router_)), gate_ups(std::move(gate_ups_)), downs(std::move(downs_)), top_k(top_k_),
       normalize(normalize_), shared_gate_up(std::move(shared_gate_up_)), shared_down(std::move(shared_down_)),
-      shared_gate(std::move(shared_gate_)) {
+      shared_gate(std::move(shared_gate_)), router_bias(std::move(router_bias_)),
+      gate_up_biases(std::move(gate_up_biases_)), down_biases(std::move(down_biases_)),
+      softmax_after_topk(softmax_after_topk_), swiglu_oai(swiglu_oai_) {
   const int64_t hidden = router.w.k, experts = router.w.n;
+  auto float32_vector = [](const torch::Tensor& t, int64_t n) {
+    return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n;
+  };
+  TORCH_CHECK(!router_bias || float32_vector(*router_bias, experts), "specserve moe: the router bias must be float32 [experts]");
+  TORCH_CHECK(gate_up_biases.empty() || (int64_t(gate_up_biases.size()) == experts && down_biases.size() == gate_up_biases.size()),
+              "specserve moe: expert biases come for every expert, gate/up and down");
+  for (size_t e = 0; e < gate_up_biases.size(); ++e)
+    TORCH_CHECK(float32_vector(gate_up_biases[e], gate_ups[e].w.n) && float32_vector(down_biases[e], hidden),
+                "specserve moe: expert ", e, "'s biases must be float32 [2 * intermediate] and [hidden]");
   TORCH_CHECK(int64_t(gate_ups.size()) == experts && downs.size() == gate_ups.size() && top_k >= 1 && top_k <= experts,
               "specserve moe: one gate/up and one down linear per expert, 1 <= top_k <= experts");
   for (size_t e = 0; e < gate_ups.size(); ++e)
@@ -69,6 +108,10 @@ MoeMlp::MoeMlp(NativeLinear router_, std::vector<NativeLinear> gate_ups_, std::v
 }
 
 namespace {
+
+// gpt-oss's clamped SwiGLU (models/moe.py SWIGLU_OAI_*).
+constexpr float kSwigluAlpha = 1.702f;
+constexpr float kSwigluLimit = 7.0f;
 
 // Up to this many rows per active expert on average, experts run side by side (MoeMlp::forward).
 constexpr int64_t kExpertsPerThreadRows = 4;
@@ -94,8 +137,35 @@ torch::Tensor gated_mlp_activation(const NativeLinear& gate_up, const torch::Ten
   return act;
 }
 
+// gpt-oss's clamped SwiGLU of gate/up sums gu [rows, 2f] plus their bias (float32), rounded to bf16 once.
+torch::Tensor swiglu_oai_activation(const torch::Tensor& gu, const float* bias, const torch::Tensor& like) {
+  const int64_t rows = gu.size(0), f = gu.size(1) / 2;
+  auto act = torch::empty({rows, f}, like.options());
+  const float* g = gu.data_ptr<float>();
+  uint16_t* ad = bf16_out(act);
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t c = 0; c < f; ++c) {
+        const float gate = std::min(g[r * 2 * f + c] + (bias ? bias[c] : 0.0f), kSwigluLimit);
+        const float up = std::clamp(g[r * 2 * f + f + c] + (bias ? bias[f + c] : 0.0f), -kSwigluLimit, kSwigluLimit);
+        ad[r * f + c] = f32_to_bf16_torch((up + 1.0f) * (gate / (1.0f + std::exp(-kSwigluAlpha * gate))));
+      }
+  });
+  return act;
+}
+
 torch::Tensor MoeMlp::expert(size_t e, const torch::Tensor& x, Path path) const {
-  return linear_f32(downs[e], gated_mlp_activation(gate_ups[e], x, path), path);
+  if (!swiglu_oai) return linear_f32(downs[e], gated_mlp_activation(gate_ups[e], x, path), path);
+  const bool biased = !gate_up_biases.empty();
+  torch::Tensor act = swiglu_oai_activation(linear_f32(gate_ups[e], x, path), biased ? gate_up_biases[e].data_ptr<float>() : nullptr, x);
+  torch::Tensor y = linear_f32(downs[e], act, path);
+  if (biased) {
+    float* yd = y.data_ptr<float>();
+    const float* bd = down_biases[e].data_ptr<float>();
+    for (int64_t r = 0; r < y.size(0); ++r)
+      for (int64_t c = 0; c < y.size(1); ++c) yd[r * y.size(1) + c] += bd[c];
+  }
+  return y;
 }
 
 torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
@@ -103,9 +173,16 @@ torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
               "specserve moe: h must be contiguous bf16 [rows, ", router.w.k, "]");
   const int64_t rows = h.size(0), hidden = h.size(1), k = top_k, experts = router.w.n;
   torch::Tensor logits = linear_f32(router, h, path);
+  if (router_bias) {
+    float* ld = logits.data_ptr<float>();
+    const float* bd = router_bias->data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t e = 0; e < experts; ++e) ld[r * experts + e] += bd[e];
+  }
   std::vector<float> weights(rows * k);
   std::vector<int64_t> chosen(rows * k);
-  moe_route_rows(logits.data_ptr<float>(), experts, k, normalize, weights.data(), chosen.data(), 0, rows);
+  moe_route_rows(logits.data_ptr<float>(), experts, k, normalize, softmax_after_topk, weights.data(), chosen.data(), 0,
+                 rows);
   std::vector<std::vector<int64_t>> routed(experts);  // per expert, its (row * k + slot) in row order
   for (int64_t i = 0; i < rows * k; ++i) routed[chosen[i]].push_back(i);
   std::vector<float> by_slot(rows * k * hidden);
@@ -157,14 +234,14 @@ torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
 
 namespace {
 
-std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, int64_t k, bool normalize) {
+std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, int64_t k, bool normalize, bool after_topk) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
                   logits.is_contiguous() && k >= 1 && k <= logits.size(1),
               "specserve moe_route: logits must be contiguous float32 [rows, experts] on the CPU, 1 <= k <= experts");
   const int64_t rows = logits.size(0);
   auto weights = torch::empty({rows, k}, logits.options());
   auto chosen = torch::empty({rows, k}, logits.options().dtype(torch::kInt64));
-  moe_route_rows(logits.data_ptr<float>(), logits.size(1), k, normalize, weights.data_ptr<float>(),
+  moe_route_rows(logits.data_ptr<float>(), logits.size(1), k, normalize, after_topk, weights.data_ptr<float>(),
                  chosen.data_ptr<int64_t>(), 0, rows);
   return {weights, chosen};
 }
@@ -174,12 +251,15 @@ std::tuple<torch::Tensor, torch::Tensor> moe_route(torch::Tensor logits, int64_t
 void register_moe(pybind11::module& m) {
   namespace py = pybind11;
   m.def("moe_route", &moe_route, "each row's top-k experts (ties to the lower index) and softmax weights",
-        py::arg("logits"), py::arg("k"), py::arg("normalize"));
+        py::arg("logits"), py::arg("k"), py::arg("normalize"), py::arg("after_topk") = false);
   py::class_<MoeMlp>(m, "MoeMlp", "a mixture-of-experts MLP in one call")
       .def(py::init<NativeLinear, std::vector<NativeLinear>, std::vector<NativeLinear>, int64_t, bool,
-                    c10::optional<NativeLinear>, c10::optional<NativeLinear>, c10::optional<NativeLinear>>(),
+                    c10::optional<NativeLinear>, c10::optional<NativeLinear>, c10::optional<NativeLinear>,
+                    c10::optional<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, bool, bool>(),
            py::arg("router"), py::arg("gate_ups"), py::arg("downs"), py::arg("top_k"), py::arg("normalize"),
-           py::arg("shared_gate_up"), py::arg("shared_down"), py::arg("shared_gate"))
+           py::arg("shared_gate_up"), py::arg("shared_down"), py::arg("shared_gate"), py::arg("router_bias") = py::none(),
+           py::arg("gate_up_biases") = std::vector<torch::Tensor>(), py::arg("down_biases") = std::vector<torch::Tensor>(),
+           py::arg("softmax_after_topk") = false, py::arg("swiglu_oai") = false)
       .def("forward", [](const MoeMlp& moe, torch::Tensor h, int64_t path) { return moe.forward(h, checked_path(path)); },
            py::arg("h"), py::arg("path"), py::call_guard<py::gil_scoped_release>());
 }
