@@ -46,6 +46,9 @@ BLOCK_SCALES: dict[QType, tuple[tuple[int, ...], float, float]] = {
     QType.Q3_K: ((108,), 5e-4, 1.5e-3), QType.Q4_K: ((0, 2), 1e-4, 4e-4), QType.Q5_K: ((0, 2), 5e-5, 2e-4),
     QType.Q6_K: ((208,), 2e-5, 8e-5),
 }
+# MXFP4: each block's E8M0 scale byte (offset 0) drawn from this range of exponents (2^-10 .. 2^-7
+# with the table's doubled values: weights of a few hundredths), the codes random.
+E8M0_SCALES = {QType.MXFP4: (0, 118, 122)}
 PLAIN = {QType.F32: np.float32, QType.F16: np.float16}
 WEIGHT_STD = 0.02
 CHUNK_BYTES = 64 << 20  # random payload is drawn in pieces of this size (bounded memory)
@@ -79,7 +82,7 @@ def add_synth_model_args(p: argparse.ArgumentParser) -> None:
     source.add_argument("--like", help=f"a GGUF file (or its first part) whose header to copy; 'pypi-7b': {PYPI_7B}")
     source.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]),
                         help="a published config on a smaller file of its family")  # fmt: skip
-    p.add_argument("--type", default="Q4_K_M", help="--shape: llama-quantize's type (default Q4_K_M)")
+    p.add_argument("--type", default=None, help="--shape: llama-quantize's type (default Q4_K_M; gpt-oss: MXFP4)")
     p.add_argument("--llama-quantize", default=None, help="--shape: the native llama-quantize binary")
     p.add_argument("--out", default=None, help="the file to write (default: the model cache, synthetic-NAME.gguf)")
     p.add_argument("--seed", type=int, default=0)
@@ -93,11 +96,12 @@ def run_synth_model(ns: argparse.Namespace) -> int:
         write_like(source, out, ns.seed)
         check_same_header(source, out)
     else:
-        out = ns.out or synthetic_path(f"{ns.shape}-{ns.type.lower()}")
+        qtype = ns.type or (native_type(MOE_SHAPES[ns.shape]) if ns.shape in MOE_SHAPES else "Q4_K_M")
+        out = ns.out or synthetic_path(f"{ns.shape}-{qtype.lower()}")
         if ns.shape in MOE_SHAPES:
-            write_moe_shape(MOE_SHAPES[ns.shape], ns.type, out, ns.seed)
+            write_moe_shape(MOE_SHAPES[ns.shape], qtype, out, ns.seed)
         else:
-            write_shape(SHAPES[ns.shape], ns.type, ns.llama_quantize, out, ns.seed)
+            write_shape(SHAPES[ns.shape], qtype, ns.llama_quantize, out, ns.seed)
     print(f"wrote {out} ({os.path.getsize(out) / 2**30:.2f} GiB, synthetic weights)")
     return 0
 
@@ -123,8 +127,13 @@ def _string(s: str) -> bytes:
     return _u64(len(raw)) + raw
 
 
-def kv_entry(key: str, value: int | float | str) -> bytes:
-    """One metadata entry: uint32 for ints, float32 for floats, string for strings."""
+def kv_entry(key: str, value: int | float | str | list[str] | list[int]) -> bytes:
+    """One metadata entry: uint32 for ints, float32 for floats, string for strings; arrays of
+    strings or of int32 (a vocabulary's tokens and token types)."""
+    if isinstance(value, list):
+        if all(isinstance(v, str) for v in value):
+            return _string(key) + _u32(9) + _u32(8) + _u64(len(value)) + b"".join(_string(v) for v in value)
+        return _string(key) + _u32(9) + _u32(5) + _u64(len(value)) + struct.pack(f"<{len(value)}i", *value)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"{key}: unsupported value {value!r}")
     if isinstance(value, str):
@@ -206,7 +215,10 @@ def _plain_values(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]
 
 
 def random_blocks(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]:
-    """Random blocks of a quantized tensor, each block's float16 scales drawn in range."""
+    """Random blocks of a quantized tensor, each block's float16 (or E8M0) scales drawn in range."""
+    if info.tensor_type in E8M0_SCALES:
+        yield from _e8m0_blocks(info, rng)
+        return
     if info.tensor_type not in BLOCK_SCALES:
         raise ConfigError(f"synth-model: no synthetic payload for tensor type {info.tensor_type.name} ({info.name})")
     offsets, lo, hi = BLOCK_SCALES[info.tensor_type]
@@ -221,6 +233,17 @@ def random_blocks(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]
             if at == 2 and info.tensor_type in (QType.Q4_1, QType.Q5_1):
                 scale = -scale * 8  # the legacy types' offset m: about -8 d, so weights centre near 0
             raw[:, at : at + 2] = scale.view(np.uint8).reshape(count, 2)
+        yield raw.tobytes()
+
+
+def _e8m0_blocks(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]:
+    at, lo, hi = E8M0_SCALES[info.tensor_type]
+    size = GGML_QUANT_SIZES[info.tensor_type][1]
+    blocks = tensor_bytes(info) // size
+    step = max(1, CHUNK_BYTES // size)
+    for start in range(0, blocks, step):
+        raw = rng.integers(0, 256, size=(min(step, blocks - start), size), dtype=np.uint8)
+        raw[:, at] = rng.integers(lo, hi, size=raw.shape[0], dtype=np.uint8)
         yield raw.tobytes()
 
 
@@ -327,10 +350,16 @@ def write_shape(shape: Shape, qtype: str, llama_quantize: Optional[str], out: st
             os.remove(f16)
 
 
+def native_type(shape: MoeShape) -> str:
+    """The type a mixture's release comes in: gpt-oss's MXFP4 experts, else llama-quantize's Q4_K_M."""
+    return "MXFP4" if shape.arch == "gpt-oss" else "Q4_K_M"
+
+
 def write_moe_shape(shape: MoeShape, qtype: str, out: str, seed: int) -> None:
-    """A mixture's shape written block by block in llama-quantize's Q4_K_M mix (bench/synth_moe.py)."""
-    if qtype.upper() != "Q4_K_M":
-        raise ConfigError(f"synth-model: a mixture of experts is written as Q4_K_M only, not {qtype}")
+    """A mixture's shape written block by block in its release's mix (bench/synth_moe.py):
+    llama-quantize's Q4_K_M, or gpt-oss's MXFP4 experts."""
+    if qtype.upper() != native_type(shape):
+        raise ConfigError(f"synth-model: {shape.arch} is written as {native_type(shape)} only, not {qtype}")
     from specserve.models.loader import resolve_model_path
 
     donor = GGUFFile(resolve_model_path(shape.donor), header_only=True)

@@ -38,13 +38,21 @@ class MoeShape:
     expert_ff: int
     rope_base: float
     rms_eps: float
+    vocab: int = 0  # the release's vocabulary (0: the donor's); more tokens are reserved control tokens
+    window: int = 0  # gpt-oss: the sliding window of its alternate layers
+    yarn: tuple[float, int] = (0.0, 0)  # gpt-oss: YaRN's factor and original context
 
 
 MOE_SHAPES = {
     # Qwen3-30B-A3B: 48 layers of 128 experts (8 per token) of 768, per-head q/k norms, an untied head.
     "qwen3-30b-a3b": MoeShape("qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen3moe", 48, 2048, 6144, 32, 4, 128, 40960,
                               128, 8, 768, 1e6, 1e-6),  # fmt: skip
+    # gpt-oss-20b: 24 layers of 32 experts (4 per token) of 2880, 64 heads of 64, a window of 128 on
+    # alternate layers, YaRN x32 over 4096, o200k_harmony's 201,088 tokens (the donor's padded).
+    "gpt-oss-20b": MoeShape("qwen2.5-coder-0.5b-instruct-q4_k_m", "gpt-oss", 24, 2880, 2880, 64, 8, 64, 131072,
+                            32, 4, 2880, 150000.0, 1e-5, vocab=201088, window=128, yarn=(32.0, 4096)),  # fmt: skip
 }
+MXFP4_MOE = 38  # general.file_type of ggml-org's gpt-oss files (LLAMA_FTYPE_MOSTLY_MXFP4_MOE)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -55,6 +63,8 @@ def use_more_bits(i: int, n: int) -> bool:
 
 def moe_table(donor: GGUFFile, shape: MoeShape, kv_entry) -> tuple[list[bytes], list[TensorInfo]]:
     """The metadata (the shape's keys, then the donor's tokenizer entries) and the Q4_K_M tensor table."""
+    if shape.arch == "gpt-oss":
+        return gpt_oss_table(donor, shape, kv_entry)
     a = shape.arch
     keys = {"general.architecture": a, "general.name": "synthetic", "general.file_type": Q4_K_M,
             "general.quantization_version": 2, f"{a}.block_count": shape.layers, f"{a}.context_length": shape.context,
@@ -90,6 +100,62 @@ def moe_table(donor: GGUFFile, shape: MoeShape, kv_entry) -> tuple[list[bytes], 
     if any(len(i.dims) > 1 and i.dims[0] % 256 and i.tensor_type != QType.F32 for i in infos):
         raise ConfigError(f"synth-model: {shape.arch} rows must be whole K-quant blocks of 256")
     return entries, infos
+
+
+def gpt_oss_table(donor: GGUFFile, shape: MoeShape, kv_entry) -> tuple[list[bytes], list[TensorInfo]]:
+    """gpt-oss as ggml-org's MXFP4 files hold it: MXFP4 experts with float32 biases, Q8_0 attention,
+    embedding and head, float32 norms, sinks and router; its keys, then the donor's tokenizer with
+    its vocabulary padded to the release's."""
+    a, h = shape.arch, shape.hidden
+    keys = {"general.architecture": a, "general.name": "synthetic", "general.file_type": MXFP4_MOE,
+            "general.quantization_version": 2, f"{a}.block_count": shape.layers, f"{a}.context_length": shape.context,
+            f"{a}.embedding_length": h, f"{a}.feed_forward_length": shape.intermediate,
+            f"{a}.attention.head_count": shape.heads, f"{a}.attention.head_count_kv": shape.kv_heads,
+            f"{a}.attention.key_length": shape.head_dim, f"{a}.attention.value_length": shape.head_dim,
+            f"{a}.rope.freq_base": shape.rope_base, f"{a}.attention.layer_norm_rms_epsilon": shape.rms_eps,
+            f"{a}.expert_count": shape.experts, f"{a}.expert_used_count": shape.experts_used,
+            f"{a}.expert_feed_forward_length": shape.expert_ff, f"{a}.attention.sliding_window": shape.window,
+            f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.factor": shape.yarn[0],
+            f"{a}.rope.scaling.original_context_length": shape.yarn[1]}  # fmt: skip
+    entries = [kv_entry(k, v) for k, v in keys.items()] + padded_vocabulary(donor, shape.vocab, kv_entry)
+    q, kv, ff, e = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.expert_ff, shape.experts
+    infos = [_info("token_embd.weight", (h, shape.vocab), QType.Q8_0)]
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        infos += [_info(p + "attn_norm.weight", (h,), QType.F32)]
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            infos += [_info(p + name + ".weight", (h, rows), QType.Q8_0), _info(p + name + ".bias", (rows,), QType.F32)]
+        infos += [
+            _info(p + "attn_output.weight", (q, h), QType.Q8_0),
+            _info(p + "attn_output.bias", (h,), QType.F32),
+            _info(p + "attn_sinks.weight", (shape.heads,), QType.F32),
+            _info(p + "post_attention_norm.weight", (h,), QType.F32),
+            _info(p + "ffn_gate_inp.weight", (h, e), QType.F32),
+            _info(p + "ffn_gate_inp.bias", (e,), QType.F32),
+        ]
+        for name, dims, bias in (("ffn_gate_exps", (h, ff, e), (ff, e)), ("ffn_up_exps", (h, ff, e), (ff, e)),
+                                 ("ffn_down_exps", (ff, h, e), (h, e))):  # fmt: skip
+            infos += [_info(p + name + ".weight", dims, QType.MXFP4), _info(p + name + ".bias", bias, QType.F32)]
+    infos += [_info("output_norm.weight", (h,), QType.F32), _info("output.weight", (h, shape.vocab), QType.Q8_0)]
+    return entries, infos
+
+
+def padded_vocabulary(donor: GGUFFile, vocab: int, kv_entry) -> list[bytes]:
+    """The donor's tokenizer entries, its tokens and token types extended to `vocab` with reserved
+    control tokens (so the embedding and head have the release's rows)."""
+    tokens, types = donor.fields["tokenizer.ggml.tokens"], donor.fields["tokenizer.ggml.token_type"]
+    if vocab < len(tokens):
+        raise ConfigError(f"synth-model: the donor has {len(tokens)} tokens, more than {vocab}")
+    extra = range(vocab - len(tokens))
+    padded = {
+        "tokenizer.ggml.tokens": [*tokens, *(f"<|reserved_synthetic_{i}|>" for i in extra)],
+        "tokenizer.ggml.token_type": [*types, *(3 for _ in extra)],
+    }
+    return [
+        kv_entry(key, padded[key]) if key in padded else raw
+        for key, raw in zip(donor.fields, donor.kv_entries)
+        if key.startswith("tokenizer.")
+    ]
 
 
 def _info(name: str, dims: tuple[int, ...], qtype: QType) -> TensorInfo:

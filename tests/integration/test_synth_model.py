@@ -153,3 +153,31 @@ def test_a_mixture_shape_is_llama_quantizes_q4_k_m_mix_and_loads(donor, tmp_path
         cfg = engine.runner.model.config
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 256, True)
         assert torch.isfinite(prefill_logits(engine.runner.model, [1, 2, 3])).all()
+
+
+def test_gpt_oss_shape_is_ggml_orgs_mxfp4_table_and_loads(donor, tmp_path):
+    """--shape gpt-oss-20b: the full table's bytes are ggml-org's MXFP4 file's 11.27 GiB (llama-bench's
+    listing) with the release's 201,088 tokens; a thin copy (2 layers, small widths) loads in
+    specserve as gpt-oss (sinks, biases, a window on layer 0, YaRN) with finite logits, its padded
+    vocabulary read by the tokenizer."""
+    from specserve.bench.synth_model import kv_entry, tensor_bytes
+    from specserve.bench.synth_moe import MOE_SHAPES, MoeShape, moe_table
+    from specserve.engine.engine import Engine
+    from specserve.models.loader import resolve_model_path
+
+    full = MOE_SHAPES["gpt-oss-20b"]
+    _, infos = moe_table(GGUFFile(resolve_model_path(full.donor), header_only=True), full, kv_entry)
+    assert round(sum(tensor_bytes(i) for i in infos) / 2**30, 2) == 11.27
+    header = GGUFFile(donor, header_only=True)
+    vocab = len(header.fields["tokenizer.ggml.tokens"]) + 100
+    thin = MoeShape(donor, "gpt-oss", 2, 256, 256, 4, 2, 64, 1024, 8, 2, 256, 150000.0, 1e-5, vocab=vocab, window=16,
+                    yarn=(32.0, 64))  # fmt: skip
+    entries, thin_infos = moe_table(header, thin, kv_entry)
+    path = str(tmp_path / "gpt-oss.gguf")
+    write_gguf(path, entries, thin_infos, header.alignment, random_payload(0))
+    with Engine(model_path=path, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=512) as engine:
+        cfg = engine.runner.model.config
+        assert (cfg.architecture, cfg.vocab_size, cfg.layer_windows, cfg.attention_sinks, cfg.moe_bias) == (
+            "gpt-oss", vocab, (16, 0), True, True)
+        assert engine.tokenizer.vocab_size >= vocab
+        assert torch.isfinite(prefill_logits(engine.runner.model, [1, 2, 3])).all()
