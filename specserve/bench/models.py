@@ -35,6 +35,7 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="interleaved runs over all models")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32, help="the batch compared with batch 1")
+    p.add_argument("--window", type=int, default=6, help="rows of the verify step timed against a decode step")
     p.add_argument("--llama-bench", default=None, help="a native llama-bench binary (scripts/llama_bench.sh builds one)")
     p.add_argument("--llama-bench-args", default="",
                    help="more llama-bench flags, e.g. '-lm none' to read the file into memory as specserve does "
@@ -57,8 +58,8 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
 
 def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     peer = ["--peer", "llama.cpp"] if ns.python_peer else []
-    return _bench_subcommand(["offline", "--skip-hf", *peer, "--batch-size", str(ns.batch_size)],
-                             model, activations, ns, folder)
+    return _bench_subcommand(["offline", "--skip-hf", *peer, "--batch-size", str(ns.batch_size),
+                              "--window", str(ns.window)], model, activations, ns, folder)
 
 
 def _spec(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
@@ -144,6 +145,9 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
                     "prefill_vs_native": ours["prefill_tok_s"] / native["pp512_tok_s"]}
         if "step_bytes" in native and "read_bandwidth_gbs" in ours:
             figures["native_bandwidth_share"] = native["step_bytes"] * native["tg128_tok_s"] / (ours["read_bandwidth_gbs"] * 1e9)
+    if "verify_experts_per_layer" in ours:  # a mixture: the experts a verify window reads, against a decode row's
+        figures |= {"decode_experts_per_layer": ours["decode_experts_per_layer"],
+                    "verify_experts_per_layer": ours["verify_experts_per_layer"]}
     if run.get("spec"):
         figures |= spec_figures(run["spec"])
     return figures

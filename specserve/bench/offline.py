@@ -95,6 +95,32 @@ def _median_pass_s(engine, ids: list[int], prefix_len: int, repeats: int, last_l
     return statistics.median(times)
 
 
+def distinct_experts(engine, ids: list[int], prefix_len: int) -> float:
+    """A mixture's distinct experts per layer (mean over layers) that one forward over `ids` (new rows
+    after `prefix_len` cached ones) routes its rows to: the layers op by op, each mixture's input
+    routed again (the native layers route the same inputs alike: they give the per-op bits)."""
+    from specserve.models.moe import SparseMoeBlock, route
+
+    model = engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    counts: list[int] = []
+
+    def count(block: SparseMoeBlock, args: tuple) -> None:
+        _, experts = route(block.router_logits(args[0]), block.top_k, block.normalize, block.softmax_after_topk)
+        counts.append(int(torch.unique(experts).numel()))
+
+    native, model.native = model.native, None
+    hooks = [b.register_forward_pre_hook(count) for b in blocks]
+    try:
+        model(_pass(engine, ids, prefix_len, False), engine.runner.kv)
+    finally:
+        model.native = native
+        for h in hooks:
+            h.remove()
+        engine.runner.req_to_token.table.zero_()
+    return statistics.mean(counts)
+
+
 def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
     """Decode (1 row) vs verify (`--window` rows) step time, and prefill tokens/s, of the target."""
     window = _long_ids(engine.tokenizer, ns.window)
@@ -104,6 +130,9 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
     result = {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
               "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill}
     model = engine.runner.model
+    if model.config.is_moe:  # more rows touch more experts: what a verify window reads
+        result["decode_experts_per_layer"] = distinct_experts(engine, window[:1], ns.prefix_len)
+        result["verify_experts_per_layer"] = distinct_experts(engine, window, ns.prefix_len)
     if model.ops.name == "cpu-kernels":  # where the step goes, kernel by kernel: the layers op by op
         from specserve.bench.step_profile import profile_step
 

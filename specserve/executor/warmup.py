@@ -25,6 +25,14 @@ from specserve.speculative.ngram_worker import TokenHistory
 from specserve.speculative.worker import CommittedRows, DraftInput
 
 CONTEXT = 128  # tokens of context per synthetic request (fewer when the context window is smaller)
+SPREAD = 7919  # a prime stride through the vocabulary for the synthetic rows' token ids
+
+
+def spread_ids(n: int, vocab: int, device) -> torch.Tensor:
+    """n distinct-looking token ids: on a mixture of experts, rows of one token would all route to
+    the same few experts and make a verify window look cheaper than text's (more rows read more
+    experts); these route about as unrelated tokens do."""
+    return (torch.arange(1, n + 1, dtype=torch.int64, device=device) * SPREAD) % vocab
 
 
 def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> list[float]:
@@ -66,7 +74,7 @@ def _forward(runner, bs: int, width: int, ctx: int) -> None:
         rows,
         [ctx] * bs,
         [width] * bs,
-        torch.zeros(bs * width, dtype=torch.int64, device=runner.device),
+        spread_ids(bs * width, runner.model.config.vocab_size, runner.device),
         runner.req_to_token.table[rows, ctx : ctx + width].reshape(-1).tolist(),
         every_row=width > 1,
     )
@@ -81,7 +89,7 @@ def _captured_decode(runner, bs: int, ctx: int) -> None:
     runner._captured_step(1).run(
         rows,
         torch.full((bs,), ctx, dtype=torch.int64, device=dev),
-        torch.zeros(bs, 1, dtype=torch.int64, device=dev),
+        spread_ids(bs, runner.model.config.vocab_size, dev).view(bs, 1),
         ctx + 1,
     )
 

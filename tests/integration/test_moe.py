@@ -184,3 +184,20 @@ def test_a_batch_one_step_reads_a_tokens_share_of_the_experts(moe_files):
         experts = sum(k.nbytes() for n, k in named if ".experts." in n)
         others = sum(k.nbytes() for n, k in {id(k): (n, k) for n, k in named}.values() if ".experts." not in n)
         assert experts > 0 and step_weight_bytes(model) == int(others + experts * 4 / 8)
+
+
+def test_a_verify_window_reads_more_experts_than_a_decode_row(moe_files):
+    """bench offline's count of the experts a step reads: one row reads its k, a 4-row window of
+    text-like ids more; the cost prior's synthetic rows are such ids (one token repeated would route
+    every row alike and make a window look as cheap as a decode step)."""
+    from specserve.bench.offline import distinct_experts
+    from specserve.executor.warmup import spread_ids
+
+    with Engine(model_path=moe_files["qwen3moe"], dtype="bfloat16", speculative_algorithm="NONE",
+                max_total_tokens=256) as engine:  # fmt: skip
+        k = engine.runner.model.config.num_experts_per_tok
+        ids = spread_ids(4, engine.runner.model.config.vocab_size, "cpu").tolist()
+        assert len(set(ids)) == 4
+        assert distinct_experts(engine, ids[:1], 8) == k
+        assert k < distinct_experts(engine, ids, 8) <= min(engine.runner.model.config.num_experts, 4 * k)
+        assert distinct_experts(engine, ids[:1] * 4, 8) < distinct_experts(engine, ids, 8)
