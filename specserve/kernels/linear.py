@@ -132,7 +132,9 @@ class PackedLinear:
         pick = (lambda t: t) if block is None else (lambda t: t[block, :, lane])
         if table.dtype != torch.int8:
             return pick(table).double()
-        return pick(table).double() * pick(super_values).double().repeat_interleave(SUPER // self.group, dim=1)
+        values = pick(table)  # a partial last super-block: its super-value covers fewer groups
+        tops = pick(super_values).double().repeat_interleave(SUPER // self.group, dim=1)[:, : values.shape[1]]
+        return values.double() * tops
 
     def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight [len(index), k] as float32, read from the packed layout (an
@@ -199,19 +201,19 @@ def _block_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _sub_values(values: torch.Tensor, super_values: torch.Tensor, group: int) -> torch.Tensor | None:
-    """values [n, k / group] as int8 sub-values of float16 super_values [n, k / 256], if every
+    """values [n, k / group] as int8 sub-values of float16 super_values [n, ceil(k / 256)], if every
     value is exactly one times its super-value (as a K-quant's scales are), else None."""
     if not torch.equal(super_values.half().float(), super_values.float()):
         return None
-    per = SUPER // group
-    if values.shape != (super_values.shape[0], super_values.shape[1] * per):
+    per, groups = SUPER // group, values.shape[1]
+    if super_values.shape != (values.shape[0], -(-groups // per)):
         return None
     top = super_values.float().unsqueeze(-1)  # broadcast over each super-block's groups, not repeated
-    v = values.float().reshape(*super_values.shape, per)
+    v = torch.nn.functional.pad(values.float(), (0, -groups % per)).reshape(*super_values.shape, per)
     sub = v / torch.where(top == 0, 1.0, top)
     sub.masked_fill_(top.expand_as(sub) == 0, 0.0)
     ok = torch.equal(sub.round(), sub) and bool(((sub >= -128) & (sub <= 127)).all()) and torch.equal(sub * top, v)
-    return sub.to(torch.int8).reshape(values.shape) if ok else None
+    return sub.to(torch.int8).reshape(values.shape[0], -1)[:, :groups].contiguous() if ok else None
 
 
 # The per-group tables of a quantized weight: scale, offset (None: -code_offset * scale or none),

@@ -207,3 +207,14 @@ def test_packed_weights_take_no_more_memory_than_the_files_blocks(type_name):
     shard, fused = parsed.cols(256, 512).packed(), concat_rows([parsed, parsed.rows(slice(0, 16))]).packed()
     assert torch.equal(shard.dense_rows(torch.arange(32)), parsed.dequantize()[:, 256:768])
     assert shard.scale.dtype == fused.scale.dtype == packed.scale.dtype
+
+
+def test_mxfp4_rows_of_gpt_oss_width_keep_one_byte_tables():
+    """gpt-oss's rows are 2880 columns, 11.25 super-blocks of 256: the last one partial. The scales
+    still pack as int8 multiples of float16 super-values (the file's 4.25 bits per weight become
+    4.31, not float16 tables' 4.5), and the kernels still read the file's weights."""
+    raw = raw_tensor("MXFP4", 16, 2880, seed=9)
+    parsed = parse_quantized(raw, "MXFP4")
+    packed = parsed.packed()
+    assert packed.scale.dtype == torch.int8 and packed.nbytes() <= raw.nbytes * 1.02
+    assert torch.equal(packed.dense_rows(torch.arange(16)), reference(raw, "MXFP4"))

@@ -73,12 +73,13 @@ struct PackedWeight {
 inline bool has_offsets(const PackedWeight& w) { return w.zero != nullptr || w.code_offset > 0; }
 
 // Element index of group g's 16 values for column block b in a [blocks][K/group][16] table, and of
-// their super-values in an I8 table's [blocks][K/256][16] (groups are 32 or 16 columns: shifts).
+// their super-values in an I8 table's [blocks][ceil(K/256)][16] (groups are 32 or 16 columns:
+// shifts; a K that is not a multiple of 256, such as gpt-oss's 2880, ends on a partial super-block).
 inline int64_t group_at(const PackedWeight& w, int64_t b, int64_t g) {
   return (b * (w.k >> (w.group == 32 ? 5 : 4)) + g) * kBlockCols;
 }
 inline int64_t super_at(const PackedWeight& w, int64_t b, int64_t g) {
-  return (b * (w.k >> 8) + (g >> (w.group == 32 ? 3 : 4))) * kBlockCols;
+  return (b * ((w.k + kSuperCols - 1) >> 8) + (g >> (w.group == 32 ? 3 : 4))) * kBlockCols;
 }
 
 // One scale or offset (lane of group g of block b) from a table, as float (exact).

@@ -132,8 +132,7 @@ PackedWeight packed_weight(int64_t format, const torch::Tensor& codes, const tor
   w.scale_type = scale_type_of(scale);
   TORCH_CHECK(scale.is_contiguous() && scale.numel() == scales, "specserve linear: scales must be contiguous [blocks, K/group, 16]");
   const bool i8 = w.scale_type == ScaleType::I8;
-  TORCH_CHECK(!i8 || k % kSuperCols == 0, "specserve linear: int8 scales need K a multiple of ", kSuperCols);
-  const int64_t supers = blocks * (k / kSuperCols) * kBlockCols;
+  const int64_t supers = blocks * ((k + kSuperCols - 1) / kSuperCols) * kBlockCols;  // the last may be partial
   w.scale = scale.data_ptr();
   w.scale_super = super_values(tables.scale_super, i8, supers, "scales");
   if (offsets) {
