@@ -70,8 +70,9 @@ class Q4Weight:
         g0, gn = _split_cols(start, count, self.group)
         cut = slice(g0, g0 + gn)
         supers = None
-        if self.supers is not None and start % SUPER == 0 and count % SUPER == 0:  # else float32 tables
-            supers = _super_rows(self.supers, (slice(None), slice(start // SUPER, (start + count) // SUPER)))
+        end = start + count  # whole super-blocks, or up to the end (where the last may be partial)
+        if self.supers is not None and start % SUPER == 0 and (count % SUPER == 0 or end == self.codes.shape[1]):
+            supers = _super_rows(self.supers, (slice(None), slice(start // SUPER, -(-end // SUPER))))  # else float32 tables
         codes = self.codes[:, start : start + count]
         return Q4Weight(codes, self.scale[:, cut], self.offset[:, cut], self.group, self.bits, supers)
 

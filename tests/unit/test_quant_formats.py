@@ -218,3 +218,6 @@ def test_mxfp4_rows_of_gpt_oss_width_keep_one_byte_tables():
     packed = parsed.packed()
     assert packed.scale.dtype == torch.int8 and packed.nbytes() <= raw.nbytes * 1.02
     assert torch.equal(packed.dense_rows(torch.arange(16)), reference(raw, "MXFP4"))
+    # a row-parallel linear takes its columns with cols(): all of them keep the compact tables
+    assert parsed.cols(0, 2880).packed().scale.dtype == torch.int8
+    assert torch.equal(parsed.cols(256, 2624).dequantize(), parsed.dequantize()[:, 256:])
