@@ -281,6 +281,39 @@ def render_models_at_size(results: str) -> str:
         f"the packed weights a first start kept (`--weight-cache`) in the later records'. {sources}\n")
 
 
+def render_models_moe(results: str) -> str:
+    """The mixtures (synthetic weights) against native llama.cpp: decode, prefill, extra rows and the
+    experts a verify window reads against a decode row's, memory, load."""
+    data = load(results, "models_moe.json")
+    window = data.get("window", 6)
+    rows = []
+    for name, model in data["models"].items():
+        s = model["summary"]
+        experts = (f"{s['decode_experts_per_layer']['median']:.1f} vs {s['verify_experts_per_layer']['median']:.1f}"
+                   if "verify_experts_per_layer" in s else "not recorded")  # fmt: skip
+        rows.append([f"{_model_label(name)} (`{model['path']}`)", model["activations"],
+                     _median_range(s["steady_decode_tok_s"], ".1f"), _median_range(s["native_tg128_tok_s"], ".1f"),
+                     _ratio(s["decode_vs_native"]), _ratio(s["prefill_vs_native"]),
+                     _median_range(s["batch_over_batch1"], ".2f", "x"), _median_range(s["verify_over_decode"], ".2f", "x"),
+                     experts, f"{s['rss_mib']['median']:.0f} MiB (file {s['file_mib']['median']:.0f}, KV "
+                     f"{s['kv_mib']['median']:.0f})", _median_range(s["load_s"], ".1f", " s")])  # fmt: skip
+    header = ["file (synthetic weights)", "activations", "decode, batch 1 (tok/s)", "native tg128 (tok/s)",
+              "decode vs native", "prefill (512) vs native (pp512)", f"batch {data['batch_size']} / batch 1",
+              f"{window}-row verify / decode step", f"experts read per layer, decode row vs {window}-row window",
+              "resident set", "load"]  # fmt: skip
+    bandwidth = [r["specserve"]["read_bandwidth_gbs"] for m in data["models"].values() for r in m["runs"]]
+    return table(header, rows) + (
+        f"\n\nSynthetic weights (`specserve bench synth-model --shape`): speed figures only. Speculation off; our "
+        f"decode is {data['new_tokens']} tokens without the prompt's prefill (like llama-bench's tg128); native "
+        f"llama.cpp is `llama-bench {data.get('llama_bench_args', '')}` built from llama-cpp-python 0.3.36's source. "
+        f"The experts column is the distinct experts per layer (mean over layers) a decode row and the verify window "
+        f"route to (more rows read more experts, beside the window's cost). Read bandwidth probed in the runs: {min(bandwidth):.0f}-"
+        f"{max(bandwidth):.0f} GB/s. {data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved "
+        f"runs, each ratio formed within its run; the load column maps the packed weights an earlier start kept "
+        f"(`--weight-cache`), and the resident set counts those mapped pages only as far as the process touched "
+        f"them (a token reads k of E experts). {provenance(data, 'models_moe.json')}\n")
+
+
 def render_models_small_native(results: str) -> str:
     """The small files against native llama-bench with the kernels of the 1-8B work (the lead kept)."""
     data = load(results, "models_small_native.json")

@@ -84,3 +84,22 @@ def test_rendered_speculation_table_orders_cells_and_flags_differing_tokens(tmp_
     assert "same run):" in text  # a record from before --spec-repeats: one repeat per run
     text = rendered(tmp_path, "q", runs, spec_repeats=2)
     assert "same run; each run's ratio the median of 2 repeats in alternating order):" in text
+
+
+def test_the_mixtures_table_shows_the_experts_a_window_reads(tmp_path):
+    """bench models on a mixture records the distinct experts per layer of a decode row and of the
+    verify window; the mixtures' table shows both beside the window's cost."""
+    from benchmarks.render.engine import render_models_moe
+
+    run = offline_run(40, 50)
+    run["specserve"] |= {"decode_tok_s": 41.0, "read_bandwidth_gbs": 40.0, "decode_bandwidth_share": 0.5, "batch4_tok_s": 90.0,
+                         "decode_experts_per_layer": 8.0, "verify_experts_per_layer": 23.5}
+    figures = _figures(run, 4)
+    assert (figures["decode_experts_per_layer"], figures["verify_experts_per_layer"]) == (8.0, 23.5)
+    data = {"runs": 1, "new_tokens": 32, "batch_size": 4, "window": 4, "threads": 2, "commit": "abc",
+            "date": "2026-12-06", "machine": "a test machine", "llama_bench_args": "-lm none",
+            "models": {"m": {"path": "m.gguf", "activations": "int8", "summary": summarize([figures]), "runs": [run]}}}
+    (tmp_path / "models_moe.json").write_text(json.dumps(data))
+    text = render_models_moe(str(tmp_path))
+    assert "experts read per layer, decode row vs 4-row window" in text and "| 8.0 vs 23.5 |" in text
+    assert "4-row verify / decode step" in text and "llama-bench -lm none" in text and "700 MiB (file 240, KV 60)" in text
