@@ -328,9 +328,9 @@ def render_models_small_native(results: str) -> str:
         f"runs, each ratio within its run. {provenance(data, 'models_small_native.json')}\n")
 
 
-def render_startup(results: str) -> str:
+def render_startup(results: str, file: str = "startup.json") -> str:
     """Seconds from starting each server to its first token, ours against llama-server, same file."""
-    data = load(results, "startup.json")
+    data = load(results, file)
     rows = []
     for name, f in data["files"].items():
         ours, native = f["specserve"], f["llama-server"]
@@ -344,11 +344,13 @@ def render_startup(results: str) -> str:
               "resident memory then, restart vs llama-server"]
     return table(header, rows) + (
         f"\n\n`python -m benchmarks startup` (both servers at a {data['context']}-token KV, {data['threads']} threads, "
-        "the file in the page cache): seconds from starting the process to the answer of a one-token completion "
+        + ("the file in the page cache" if file == "startup.json" else
+           "this machine's 24 GiB page cache holding the file or specserve's packed copy, not always both")
+        + "): seconds from starting the process to the answer of a one-token completion "
         "sent as soon as `/health` says 200; resident memory of the server and its engine process together. "
         "specserve's first start packs the file for its kernels and keeps the packed weights "
         "(`--weight-cache`, in a fresh folder); the restarts map them. Median (lowest-highest) of "
-        f"{data['rounds']} interleaved rounds, each ratio within its round. {provenance(data, 'startup.json')}\n")
+        f"{data['rounds']} interleaved rounds, each ratio within its round. {provenance(data, file)}\n")
 
 
 def render_weight_stream(results: str) -> str:
