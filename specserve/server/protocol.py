@@ -224,6 +224,9 @@ class ChatCompletionRequest(SamplingFields):
     stream_reasoning: StrictBool = True
     # Variables for the chat template (Qwen3's enable_thinking, ...), as SGLang and transformers take them.
     chat_template_kwargs: Optional[dict[Annotated[str, Field(max_length=64)], Any]] = Field(None, max_length=16)
+    # OpenAI's, for reasoning models: gpt-oss's harmony template reads it (its system message's
+    # "Reasoning: low|medium|high"); given to the template as `reasoning_effort`.
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = None
     regex: Optional[StrictStr] = None  # SGLang's constraints on the reply: a regular expression,
     ebnf: Optional[StrictStr] = None  # or a GBNF grammar
 
@@ -268,6 +271,13 @@ class ChatCompletionRequest(SamplingFields):
     def tool_format(self, parser: str) -> ToolFormat:
         """The offered tools' names with the server's tool-call format (`parser`)."""
         return ToolFormat(parser, frozenset(t.function.name for t in self.offered_tools()))
+
+    def template_variables(self) -> Optional[dict[str, Any]]:
+        """The chat template's extra variables: `reasoning_effort`, then chat_template_kwargs
+        (which win where both name one)."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        merged = effort | (self.chat_template_kwargs or {})
+        return merged or None
 
     def template_messages(self, tool_format: str = DEFAULT_TOOL_CALL_PARSER) -> list[dict[str, str]]:
         """The conversation for the chat template, with the offered tools in the system message

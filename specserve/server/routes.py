@@ -108,7 +108,7 @@ def _render_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
     """The conversation through the model's template (with the request's template variables): its
     text and token ids."""
     try:
-        text = state.tokenizer.render_chat(body.template_messages(state.tool_call_parser), True, body.chat_template_kwargs)
+        text = state.tokenizer.render_chat(body.template_messages(state.tool_call_parser), True, body.template_variables())
     except InvalidRequestError as exc:  # a field the template refuses, named
         raise APIError(str(exc), 400, param=exc.param or "messages") from exc
     except Exception as exc:  # the template rejects the conversation (e.g. role order)
