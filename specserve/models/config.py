@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
 from specserve.models import rope_scaling
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_HF_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)  # fmt: skip
+# Hugging Face's mixtures, as the GGUF architectures the engine names them by.
+_HF_MIXTURES = {"Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}
 
 
 @dataclass(frozen=True)
@@ -78,9 +84,11 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        is_qwen2, is_qwen3 = "Qwen2ForCausalLM" in archs, "Qwen3ForCausalLM" in archs
+        mixture = next((_HF_MIXTURES[a] for a in archs if a in _HF_MIXTURES), None)
+        is_qwen2 = "Qwen2ForCausalLM" in archs or mixture == "qwen2moe"
+        is_qwen3 = "Qwen3ForCausalLM" in archs or mixture == "qwen3moe"
         scaling = rope_scaling.from_hf(rope, float(rope_theta), head_dim)
-        return cls(
+        config = cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
@@ -98,3 +106,19 @@ class ModelConfig:
             rope_freq_factors=scaling.freq_factors,
             rope_attention_factor=scaling.attention_factor,
         )
+        return config if mixture is None else _hf_mixture(config, cfg, mixture)
+
+
+def _hf_mixture(config: ModelConfig, cfg: dict[str, Any], architecture: str) -> ModelConfig:
+    """A Hugging Face mixture's routing and sizes (every layer sparse: dense layers in between are an error)."""
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ConfigError("model_path: a mixture with dense MLP layers between its sparse ones is not supported")
+    return dataclasses.replace(
+        config,
+        architecture=architecture,
+        num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),  # transformers 5 writes the latter
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", architecture == "qwen3moe")),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )

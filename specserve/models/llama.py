@@ -177,9 +177,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, positions, cfg.rope_theta, cfg.rope_freq_factors, lazy_rope, cfg.rope_attention_factor
         )
-        windowed = any(cfg.window(i) for i in range(cfg.num_layers)) and cfg.rope_local_theta is not None
+        local_theta = cfg.rope_local_theta  # None: the windowed layers share the global RoPE (gpt-oss)
+        windowed = any(cfg.window(i) for i in range(cfg.num_layers))
         self.rope_local = (
-            RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, lazy=lazy_rope) if windowed else self.rope
+            RotaryEmbedding(cfg.head_dim, positions, local_theta, lazy=lazy_rope)
+            if windowed and local_theta is not None
+            else self.rope
         )
         self.ops: OpBackend = TorchOps(dtype)
         self.tp_size = tp.size

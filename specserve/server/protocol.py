@@ -9,7 +9,7 @@ behaviour.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, cast
+from typing import Annotated, Any, Literal, Optional, Union, cast
 
 from pydantic import ConfigDict, Field, StrictBool, StrictStr, model_validator
 
@@ -39,66 +39,9 @@ from specserve.server.fields import (
     fixed,
     neutral_only,
 )
+from specserve.server.messages import ChatMessage
 from specserve.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, ToolFormat
-from specserve.server.tools import (
-    MAX_TOOLS,
-    ToolCall,
-    ToolChoice,
-    ToolDef,
-    call_grammar,
-    check_tools,
-    offered,
-    render_call_history,
-    render_tool_result,
-    with_tools,
-)
-
-
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: StrictStr
-
-
-class _Message(StrictModel):
-    content: Union[StrictStr, list[TextPart], None] = None
-    name: Optional[StrictStr] = None
-    if TYPE_CHECKING:
-        role: str  # each message type declares its own (a field there, so not here)
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-
-    def as_template_message(self) -> dict[str, str]:
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-
-
-class SystemMessage(_Message):
-    role: Literal["system", "developer"]
-
-
-class UserMessage(_Message):
-    role: Literal["user"]
-
-
-class AssistantMessage(_Message):
-    role: Literal["assistant"]
-    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)]] = None  # earlier calls
-
-    def as_template_message(self) -> dict[str, str]:
-        text = render_call_history(self.text(), self.tool_calls) if self.tool_calls else self.text()
-        return {"role": "assistant", "content": text}
-
-
-class ToolMessage(_Message):
-    role: Literal["tool"]
-    tool_call_id: StrictStr  # the call this is the result of
-
-    def as_template_message(self) -> dict[str, str]:
-        return {"role": "tool", "content": render_tool_result(self.text())}
-
-
-# One model per role, told apart by `role`: what each role may carry is in the API schema itself.
-ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+from specserve.server.tools import MAX_TOOLS, ToolChoice, ToolDef, call_grammar, check_tools, offered, with_tools
 
 
 class StreamOptions(StrictModel):

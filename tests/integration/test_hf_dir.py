@@ -61,3 +61,35 @@ def test_hf_directory_logits_match_transformers(tmp_path, hf_tokenizer, arch):
         ref_ids = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, len(ids):]
     assert out["output_ids"] == ref_ids.tolist()
     engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_hf_mixture_directory_logits_and_tokens_match_transformers(tmp_path, hf_tokenizer, arch):
+    """Qwen3-MoE (q/k norms, renormalised top-k) and Qwen2-MoE (Q/K/V biases, a gated shared expert)
+    from a Hugging Face directory: its per-expert tensors are the GGUF loader's names."""
+    common = dict(vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                  num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1,
+                  tie_word_embeddings=False)  # fmt: skip
+    if arch == "qwen3_moe":
+        config, model_cls = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True), transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48)
+        model_cls = transformers.Qwen2MoeForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    hf_tokenizer.save_pretrained(tmp_path)
+    engine = Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024, speculative_algorithm="NONE")
+    assert engine.runner.model.config.is_moe
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+        ref_ids = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, len(ids):]
+    assert (prefill_logits(engine.runner.model, ids) - ref).abs().max().item() < 1e-4
+    out = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    assert out["output_ids"] == ref_ids.tolist()
+    engine.shutdown()

@@ -201,3 +201,20 @@ def test_a_verify_window_reads_more_experts_than_a_decode_row(moe_files):
         assert distinct_experts(engine, ids[:1], 8) == k
         assert k < distinct_experts(engine, ids, 8) <= min(engine.runner.model.config.num_experts, 4 * k)
         assert distinct_experts(engine, ids[:1] * 4, 8) < distinct_experts(engine, ids, 8)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_speculation_is_lossless_on_a_mixture(moe_files, name):
+    """bf16 greedy tokens with the default speculation (NGRAM under the adaptive policy, here on the
+    tests' cheap cost table so that it drafts) equal plain decoding's, on repetitive prompts whose
+    n-grams give drafts; some steps verified drafts."""
+    from helpers import policy_args
+
+    prompts = [PROMPT + PROMPT[:12], (PROMPT[:6] * 5)[:28]]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(model_path=moe_files[name], dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=512) as engine:
+        plain = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_path=moe_files[name], dtype="bfloat16", max_total_tokens=512, **policy_args()) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == plain
+    assert sum(sum(o["meta_info"].get("spec_drafter_steps", {}).values()) for o in outs) > 0, "no step drafted"

@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as QType
 
 from specserve.kernels import dispatch
 from specserve.kernels import linear as linear_module
-from specserve.kernels.linear import pack_bf16, pack_codes, pack_codes_reference
+from specserve.kernels.linear import pack_bf16, pack_codes
+from specserve.kernels.pack_reference import pack_codes_reference
 from specserve.models.quant import (
     Q4Weight,
     Q8Weight,
