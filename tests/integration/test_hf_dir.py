@@ -36,8 +36,13 @@ def _tiny_dir(tmp_path, hf_tokenizer, arch: str):
     else:
         config = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6)
         model_cls = transformers.Qwen2ForCausalLM
+    return _saved_random(model_cls(config), tmp_path, hf_tokenizer)
+
+
+def _saved_random(model, tmp_path, hf_tokenizer):
+    """`model` with random weights (seeded), saved with the tokenizer as a Hugging Face directory."""
     torch.manual_seed(0)
-    model = model_cls(config).eval()
+    model = model.eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -76,13 +81,7 @@ def test_hf_mixture_directory_logits_and_tokens_match_transformers(tmp_path, hf_
     else:
         config = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48)
         model_cls = transformers.Qwen2MoeForCausalLM
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    hf_tokenizer.save_pretrained(tmp_path)
+    model = _saved_random(model_cls(config), tmp_path, hf_tokenizer)
     engine = Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024, speculative_algorithm="NONE")
     assert engine.runner.model.config.is_moe
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
