@@ -215,36 +215,31 @@ def _plain_values(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]
 
 
 def random_blocks(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]:
-    """Random blocks of a quantized tensor, each block's float16 (or E8M0) scales drawn in range."""
-    if info.tensor_type in E8M0_SCALES:
-        yield from _e8m0_blocks(info, rng)
-        return
-    if info.tensor_type not in BLOCK_SCALES:
+    """Random blocks of a quantized tensor, each block's scales drawn in range (_draw_scales)."""
+    if info.tensor_type not in BLOCK_SCALES and info.tensor_type not in E8M0_SCALES:
         raise ConfigError(f"synth-model: no synthetic payload for tensor type {info.tensor_type.name} ({info.name})")
-    offsets, lo, hi = BLOCK_SCALES[info.tensor_type]
-    size = GGML_QUANT_SIZES[info.tensor_type][1]
-    blocks = tensor_bytes(info) // size
-    step = max(1, CHUNK_BYTES // size)
-    for start in range(0, blocks, step):
-        count = min(step, blocks - start)
-        raw = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
-        for at in offsets:
-            scale = rng.uniform(lo, hi, size=count).astype(np.float16)
-            if at == 2 and info.tensor_type in (QType.Q4_1, QType.Q5_1):
-                scale = -scale * 8  # the legacy types' offset m: about -8 d, so weights centre near 0
-            raw[:, at : at + 2] = scale.view(np.uint8).reshape(count, 2)
-        yield raw.tobytes()
-
-
-def _e8m0_blocks(info: TensorInfo, rng: np.random.Generator) -> Iterator[bytes]:
-    at, lo, hi = E8M0_SCALES[info.tensor_type]
     size = GGML_QUANT_SIZES[info.tensor_type][1]
     blocks = tensor_bytes(info) // size
     step = max(1, CHUNK_BYTES // size)
     for start in range(0, blocks, step):
         raw = rng.integers(0, 256, size=(min(step, blocks - start), size), dtype=np.uint8)
-        raw[:, at] = rng.integers(lo, hi, size=raw.shape[0], dtype=np.uint8)
+        _draw_scales(raw, info.tensor_type, rng)
         yield raw.tobytes()
+
+
+def _draw_scales(raw: np.ndarray, qtype: QType, rng: np.random.Generator) -> None:
+    """Blocks `raw` [count, bytes] given scales in range, in place: an E8M0 byte (MXFP4) or float16 values."""
+    count = raw.shape[0]
+    if qtype in E8M0_SCALES:
+        at, lo, hi = E8M0_SCALES[qtype]
+        raw[:, at] = rng.integers(lo, hi, size=count, dtype=np.uint8)
+        return
+    offsets, lo, hi = BLOCK_SCALES[qtype]
+    for at in offsets:
+        scale = rng.uniform(lo, hi, size=count).astype(np.float16)
+        if at == 2 and qtype in (QType.Q4_1, QType.Q5_1):
+            scale = -scale * 8  # the legacy types' offset m: about -8 d, so weights centre near 0
+        raw[:, at : at + 2] = scale.view(np.uint8).reshape(count, 2)
 
 
 # --- the two sources -------------------------------------------------------------------------------

@@ -55,6 +55,19 @@ MOE_SHAPES = {
 MXFP4_MOE = 38  # general.file_type of ggml-org's gpt-oss files (LLAMA_FTYPE_MOSTLY_MXFP4_MOE)
 
 
+def shape_keys(shape: MoeShape, file_type: int) -> dict[str, int | float | str]:
+    """The published config's metadata keys under the mixture's architecture."""
+    a = shape.arch
+    return {"general.architecture": a, "general.name": "synthetic", "general.file_type": file_type,
+            "general.quantization_version": 2, f"{a}.block_count": shape.layers, f"{a}.context_length": shape.context,
+            f"{a}.embedding_length": shape.hidden, f"{a}.feed_forward_length": shape.intermediate,
+            f"{a}.attention.head_count": shape.heads, f"{a}.attention.head_count_kv": shape.kv_heads,
+            f"{a}.attention.key_length": shape.head_dim, f"{a}.attention.value_length": shape.head_dim,
+            f"{a}.rope.freq_base": shape.rope_base, f"{a}.attention.layer_norm_rms_epsilon": shape.rms_eps,
+            f"{a}.expert_count": shape.experts, f"{a}.expert_used_count": shape.experts_used,
+            f"{a}.expert_feed_forward_length": shape.expert_ff}  # fmt: skip
+
+
 def use_more_bits(i: int, n: int) -> bool:
     """llama-quantize's choice of the layers whose attn_v and ffn_down get Q6_K in a Q4_K_M file:
     the first and last eighths and every third layer between."""
@@ -65,16 +78,7 @@ def moe_table(donor: GGUFFile, shape: MoeShape, kv_entry) -> tuple[list[bytes], 
     """The metadata (the shape's keys, then the donor's tokenizer entries) and the Q4_K_M tensor table."""
     if shape.arch == "gpt-oss":
         return gpt_oss_table(donor, shape, kv_entry)
-    a = shape.arch
-    keys = {"general.architecture": a, "general.name": "synthetic", "general.file_type": Q4_K_M,
-            "general.quantization_version": 2, f"{a}.block_count": shape.layers, f"{a}.context_length": shape.context,
-            f"{a}.embedding_length": shape.hidden, f"{a}.feed_forward_length": shape.intermediate,
-            f"{a}.attention.head_count": shape.heads, f"{a}.attention.head_count_kv": shape.kv_heads,
-            f"{a}.attention.key_length": shape.head_dim, f"{a}.attention.value_length": shape.head_dim,
-            f"{a}.rope.freq_base": shape.rope_base, f"{a}.attention.layer_norm_rms_epsilon": shape.rms_eps,
-            f"{a}.expert_count": shape.experts, f"{a}.expert_used_count": shape.experts_used,
-            f"{a}.expert_feed_forward_length": shape.expert_ff}  # fmt: skip
-    entries = [kv_entry(k, v) for k, v in keys.items()]
+    entries = [kv_entry(k, v) for k, v in shape_keys(shape, Q4_K_M).items()]
     entries += [raw for key, raw in zip(donor.fields, donor.kv_entries) if key.startswith("tokenizer.")]
     vocab = len(donor.fields["tokenizer.ggml.tokens"])
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -107,14 +111,7 @@ def gpt_oss_table(donor: GGUFFile, shape: MoeShape, kv_entry) -> tuple[list[byte
     embedding and head, float32 norms, sinks and router; its keys, then the donor's tokenizer with
     its vocabulary padded to the release's."""
     a, h = shape.arch, shape.hidden
-    keys = {"general.architecture": a, "general.name": "synthetic", "general.file_type": MXFP4_MOE,
-            "general.quantization_version": 2, f"{a}.block_count": shape.layers, f"{a}.context_length": shape.context,
-            f"{a}.embedding_length": h, f"{a}.feed_forward_length": shape.intermediate,
-            f"{a}.attention.head_count": shape.heads, f"{a}.attention.head_count_kv": shape.kv_heads,
-            f"{a}.attention.key_length": shape.head_dim, f"{a}.attention.value_length": shape.head_dim,
-            f"{a}.rope.freq_base": shape.rope_base, f"{a}.attention.layer_norm_rms_epsilon": shape.rms_eps,
-            f"{a}.expert_count": shape.experts, f"{a}.expert_used_count": shape.experts_used,
-            f"{a}.expert_feed_forward_length": shape.expert_ff, f"{a}.attention.sliding_window": shape.window,
+    keys = {**shape_keys(shape, MXFP4_MOE), f"{a}.attention.sliding_window": shape.window,
             f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.factor": shape.yarn[0],
             f"{a}.rope.scaling.original_context_length": shape.yarn[1]}  # fmt: skip
     entries = [kv_entry(k, v) for k, v in keys.items()] + padded_vocabulary(donor, shape.vocab, kv_entry)

@@ -242,10 +242,9 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         rope_freq_factors=scaling.freq_factors,
         rope_attention_factor=scaling.attention_factor,
     )
-    if arch == "gpt-oss":
-        return _gpt_oss_config(_moe_config(config, get, False), get, names)
     if arch in _MOE_NORM_TOPK:
-        return _moe_config(config, get, _MOE_NORM_TOPK[arch])
+        config = _moe_config(config, get, _MOE_NORM_TOPK[arch])
+        return _gpt_oss_config(config, get, names) if arch == "gpt-oss" else config
     return _gemma3_config(config, get) if arch == "gemma3" else config
 
 

@@ -24,21 +24,16 @@ namespace specserve {
 
 namespace {
 
-// Row r's k largest logits (ties to the lower index) and the softmax of those k, most probable first.
-void route_after_topk(const float* l, int64_t experts, int64_t k, std::vector<bool>& taken, float* weights,
-                      int64_t* chosen) {
+// The k largest of values[0..experts) into chosen, largest first, ties to the lower index.
+void pick_top_k(const float* values, int64_t experts, int64_t k, std::vector<bool>& taken, int64_t* chosen) {
   for (int64_t e = 0; e < experts; ++e) taken[e] = false;
   for (int64_t j = 0; j < k; ++j) {
     int64_t best = -1;
     for (int64_t e = 0; e < experts; ++e)  // strictly greater: the lower index keeps a tie
-      if (!taken[e] && (best < 0 || l[e] > l[best])) best = e;
+      if (!taken[e] && (best < 0 || values[e] > values[best])) best = e;
     taken[best] = true;
     chosen[j] = best;
   }
-  const float top = l[chosen[0]];
-  float sum = 0.0f;
-  for (int64_t j = 0; j < k; ++j) sum += (weights[j] = std::exp(l[chosen[j]] - top));
-  for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
 }
 
 }  // namespace
@@ -49,27 +44,25 @@ void moe_route_rows(const float* logits, int64_t experts, int64_t k, bool normal
   std::vector<bool> taken(experts);
   for (int64_t r = begin; r < end; ++r) {
     const float* l = logits + r * experts;
-    if (after_topk) {
-      route_after_topk(l, experts, k, taken, weights + r * k, chosen + r * k);
+    float* w = weights + r * k;
+    int64_t* c = chosen + r * k;
+    if (after_topk) {  // the k largest logits, then the softmax of those k
+      pick_top_k(l, experts, k, taken, c);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) sum += (w[j] = std::exp(l[c[j]] - l[c[0]]));
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
       continue;
     }
     float top = l[0];
     for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
     float sum = 0.0f;
     for (int64_t e = 0; e < experts; ++e) sum += (p[e] = std::exp(l[e] - top));
-    for (int64_t e = 0; e < experts; ++e) p[e] /= sum, taken[e] = false;
+    for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    pick_top_k(p.data(), experts, k, taken, c);
     float picked = 0.0f;
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < experts; ++e)  // strictly greater: the lower index keeps a tie
-        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-      taken[best] = true;
-      chosen[r * k + j] = best;
-      weights[r * k + j] = p[best];
-      picked += p[best];
-    }
+    for (int64_t j = 0; j < k; ++j) picked += (w[j] = p[c[j]]);
     if (normalize)
-      for (int64_t j = 0; j < k; ++j) weights[r * k + j] /= picked;
+      for (int64_t j = 0; j < k; ++j) w[j] /= picked;
   }
 }
 
