@@ -327,6 +327,21 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32)
 
 
+def mxfp4_codes(raw: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """MXFP4's codes uint8 [rows, k] and which blocks of 32 hold only zeros (+0 or -0), bool
+    [rows, k / 32], from the raw blocks [rows, bytes] (csrc/pack.cpp: one pass;
+    mxfp4_codes_reference is the definition)."""
+    codes, zero = load().gguf_mxfp4_codes(_raw_tensor(raw))
+    return codes, zero.numpy().astype(bool)
+
+
+def mxfp4_codes_reference(raw: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """mxfp4_codes in numpy."""
+    out = raw.shape[0]
+    codes = _nibbles(raw.reshape(out, -1, _BLOCK_BYTES["MXFP4"])[:, :, 1:]).reshape(out, -1)
+    return _tensor(codes), ((codes & 7) == 0).reshape(out, -1, GROUP).all(axis=-1)
+
+
 def _parse_mxfp4(blocks: np.ndarray) -> Q4Weight:
     """MXFP4 [rows, blocks, 17]: a scale byte, then 16 bytes of codes (low nibbles are elements
     0..15, high ones 16..31). A block whose codes all read 0 (E2M1 +0 and -0) may carry any scale:
@@ -334,16 +349,15 @@ def _parse_mxfp4(blocks: np.ndarray) -> Q4Weight:
     _group_tables) where a real file's scales span less than 2^6 per 256 columns (the last 256 may
     be partial: gpt-oss's rows are 2880 long)."""
     out = blocks.shape[0]
-    codes = _nibbles(blocks[:, :, 1:]).reshape(out, -1)
+    codes, zero = mxfp4_codes(blocks.reshape(out, -1))
     scale = e8m0_half(blocks[:, :, 0])  # [rows, blocks]
-    zero = ((codes & 7) == 0).reshape(out, -1, GROUP).all(axis=-1)
     per, groups = SUPER // GROUP, scale.shape[1]
     grid = np.pad(np.where(zero, np.inf, scale), ((0, 0), (0, -groups % per)), constant_values=np.inf)
     top = grid.reshape(out, -1, per).min(axis=-1)  # the smallest scale per 256 columns: the others are 2^j times it
     top = np.where(np.isinf(top), np.float32(1.0), top).astype(np.float32)
     scale = np.where(zero, np.repeat(top, per, axis=1)[:, :groups], scale).astype(np.float32)
     t_scale = _tensor(scale)
-    return Q4Weight(_tensor(codes), t_scale, -E2M1_OFFSET * t_scale, GROUP, E2M1, (_tensor(top), None))
+    return Q4Weight(codes, t_scale, -E2M1_OFFSET * t_scale, GROUP, E2M1, (_tensor(top), None))
 
 
 def parse_quantized(raw: np.ndarray, type_name: str) -> QuantWeight:

@@ -24,6 +24,8 @@ from specserve.models.quant import (
     k_codes_reference,
     k_scale_min,
     k_scale_min_reference,
+    mxfp4_codes,
+    mxfp4_codes_reference,
     parse_quantized,
 )
 from tiny_gguf import random_k_quant
@@ -68,6 +70,21 @@ def test_native_k_quant_parsing_is_the_reference_on_any_bytes(type_name):
     if type_name != "Q6_K":
         for got, want in zip(k_scale_min(raw, type_name), k_scale_min_reference(raw, type_name)):
             np.testing.assert_array_equal(got, want)
+
+
+def test_native_mxfp4_parsing_is_the_reference_on_any_bytes():
+    """The one-pass MXFP4 codes and all-zero blocks equal the numpy definition on arbitrary bytes,
+    with zero blocks (+0 and -0 codes) planted among them."""
+    raw = np.random.default_rng(6).integers(0, 256, size=(7, 5 * 17), dtype=np.uint8)
+    raw[2, 1:17] = 0x88  # every code -0: a zero block
+    raw[4, 18:34] = 0x08  # +0 and -0 mixed
+    raw[5, 35:51] = 0x80
+    raw[5, 40] = 0x81  # one magnitude bit: not zero
+    codes, zero = mxfp4_codes(raw)
+    want_codes, want_zero = mxfp4_codes_reference(raw)
+    assert torch.equal(codes, want_codes)
+    np.testing.assert_array_equal(zero, want_zero)
+    assert zero[2, 0] and zero[4, 1] and not zero[5, 2]
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6])

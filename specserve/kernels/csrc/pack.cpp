@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace specserve {
 namespace {
@@ -71,6 +72,33 @@ torch::Tensor gguf_k_codes(torch::Tensor raw, const std::string& type) {
         k_codes(src + (r * blocks + b) * block_bytes, kind, dst + (r * blocks + b) * kSuper);
   });
   return codes;
+}
+
+// MXFP4 [rows, blocks * 17]: per block of 32, a scale byte then 16 bytes of E2M1 codes (low nibbles
+// are elements 0..15, high ones 16..31). Returns the codes uint8 [rows, blocks * 32] and, per block,
+// whether every code reads zero (+0 or -0: no magnitude bits), uint8 [rows, blocks].
+std::vector<torch::Tensor> gguf_mxfp4_codes(torch::Tensor raw) {
+  constexpr int64_t block_bytes = 17, group = 32;
+  const uint8_t* src = checked_blocks(raw, block_bytes, "gguf_mxfp4_codes");
+  const int64_t rows = raw.size(0), blocks = raw.size(1) / block_bytes;
+  auto codes = torch::empty({rows, blocks * group}, raw.options());
+  auto zero = torch::empty({rows, blocks}, raw.options());
+  uint8_t *dst = codes.data_ptr<uint8_t>(), *zeros = zero.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* qs = src + (r * blocks + b) * block_bytes + 1;
+        uint8_t* out = dst + (r * blocks + b) * group;
+        uint8_t magnitude = 0;
+        for (int i = 0; i < 16; ++i) {
+          out[i] = qs[i] & 0x0F;
+          out[16 + i] = qs[i] >> 4;
+          magnitude |= qs[i] & 0x77;
+        }
+        zeros[r * blocks + b] = magnitude == 0;
+      }
+  });
+  return {codes, zero};
 }
 
 // Q4_K/Q5_K's eight 6-bit scales and mins per super-block (bytes 4..15; llama.cpp get_scale_min_k4):
@@ -139,6 +167,8 @@ void register_pack(pybind11::module& m) {
   m.def("gguf_k_codes", &gguf_k_codes, "a K-quant tensor's codes, uint8 [rows, k], from its GGUF blocks",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_k_scale_min", &gguf_k_scale_min, "Q4_K/Q5_K's 6-bit scales and mins, uint8 [2, rows, k / 32]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_mxfp4_codes", &gguf_mxfp4_codes, "MXFP4's codes uint8 [rows, k] and its all-zero blocks uint8 [rows, k / 32]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_q4_codes", &pack_q4_codes, "4/5/6-bit codes [16 * blocks, k] in the Q4 kernels' layout",
         pybind11::call_guard<pybind11::gil_scoped_release>());
