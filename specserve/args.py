@@ -6,12 +6,12 @@ import argparse
 import dataclasses
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
-from specserve.names import DRAFTERS, Algorithm
+from specserve.names import DRAFTERS, LOOKUP_DRAFTERS, Algorithm
+from specserve.paths import check_writable_dir
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -64,7 +64,8 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = flag(
         None,
         "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt "
-        "lookup; the default for any other model) or NONE (no speculation)",
+        "lookup; the default for any other model, beside SUFFIX), SUFFIX (suffix matches over the request and "
+        "past outputs) or NONE (no speculation)",
         choices=SPEC_ALGORITHMS,
     )
     speculative_dspark_block_size: Optional[int] = flag(
@@ -97,9 +98,12 @@ class ServerArgs:
         choices=SPEC_POLICIES,
     )
     speculative_policy_drafters: Optional[str] = flag(
-        None,
-        "comma-separated drafters the adaptive policy chooses from (default: DSPARK,NGRAM with DSPARK; NGRAM with NGRAM)",
+        None, "drafters the adaptive policy chooses from (default: DSPARK,NGRAM,SUFFIX with DSPARK; else NGRAM,SUFFIX)"
     )
+    speculative_suffix_max_tree_depth: int = flag(24, "SUFFIX: the longest suffix of the context matched (>= 2)")
+    speculative_suffix_max_spec_factor: float = flag(1.0, "SUFFIX: at most this many drafts per matched token")
+    speculative_suffix_min_token_prob: float = flag(0.1, "SUFFIX: a draft's least share of the matched occurrences")
+    speculative_suffix_cache_tokens: int = flag(1 << 20, "SUFFIX: finished outputs' tokens kept, oldest evicted first")
     speculative_cost_table_path: Optional[str] = flag(
         None, "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up (StepCostModel.save)"
     )
@@ -174,6 +178,8 @@ class ServerArgs:
         if self.model_path is not None:
             if self.speculative_algorithm is None and self.speculative_draft_model_path is None:
                 object.__setattr__(self, "speculative_algorithm", Algorithm.NGRAM)  # frozen: set once, here
+                if self.speculative_policy_drafters is None:  # both lookups, the policy choosing per request
+                    object.__setattr__(self, "speculative_policy_drafters", ",".join(LOOKUP_DRAFTERS))
             return
         from specserve.assets import default_drafter_path
 
@@ -301,7 +307,13 @@ def _check_sizes(args: ServerArgs) -> None:
 
 def _check_speculative(args: ServerArgs) -> None:
     if args.speculative_algorithm not in SPEC_ALGORITHMS:
-        raise ConfigError(f"speculative_algorithm must be one of DSPARK, NGRAM, NONE, got {args.speculative_algorithm!r}")
+        raise ConfigError(
+            f"speculative_algorithm must be one of DSPARK, NGRAM, SUFFIX, NONE, got {args.speculative_algorithm!r}"
+        )
+    _at_least("speculative_suffix_max_tree_depth", args.speculative_suffix_max_tree_depth, 2)
+    _at_least("speculative_suffix_cache_tokens", args.speculative_suffix_cache_tokens, 0)
+    if not (args.speculative_suffix_max_spec_factor > 0 and 0 <= args.speculative_suffix_min_token_prob <= 1):
+        raise ConfigError("speculative_suffix_max_spec_factor must be > 0 and speculative_suffix_min_token_prob in [0, 1]")
     gamma = args.speculative_dspark_block_size
     if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
         raise ConfigError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
@@ -329,7 +341,7 @@ def _check_speculative(args: ServerArgs) -> None:
         unknown = set(args.policy_drafters()) - set(DRAFTERS)
         if unknown or not args.policy_drafters():
             raise ConfigError(
-                f"speculative_policy_drafters: a comma-separated subset of DSPARK,NGRAM, got "
+                f"speculative_policy_drafters: a comma-separated subset of {','.join(DRAFTERS)}, got "
                 f"{args.speculative_policy_drafters!r}"
             )
         if Algorithm.DSPARK in args.policy_drafters() and args.speculative_algorithm != Algorithm.DSPARK:
@@ -353,27 +365,7 @@ def _check_hicache(args: ServerArgs) -> None:
     if args.hicache_storage_backend == "file":
         if not args.hicache_storage_dir:
             raise ConfigError("hicache_storage_dir: required with --hicache-storage-backend file")
-        _check_writable_dir("hicache_storage_dir", args.hicache_storage_dir)
-
-
-def _check_writable_dir(name: str, path: str) -> None:
-    """`path` is a writable directory, or can be created as one: its nearest existing ancestor
-    takes a file. Probed with an anonymous temporary file (access() says yes to root even on
-    /proc); the directory itself is created by its user (the file tier)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise ConfigError(f"{name}: {probe!r} is not a directory")
-    st = os.stat(probe)
-    if probe == os.path.abspath(path) and st.st_mode & 0o077 and st.st_uid != os.geteuid():
-        raise ConfigError(f"{name}: {path!r} is open to other users and owned by another user; use a private directory")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        what = "is not writable" if probe == os.path.abspath(path) else f"cannot be created in {probe!r}"
-        raise ConfigError(f"{name}: {path!r} {what} ({exc.strerror or exc})") from None
+        check_writable_dir("hicache_storage_dir", args.hicache_storage_dir)
 
 
 def _check_distributed(args: ServerArgs) -> None:

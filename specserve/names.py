@@ -28,11 +28,13 @@ class StepMode(_Name):
 
 
 class Algorithm(_Name):
-    """A speculative algorithm; NGRAM and DSPARK are also the names of the draft workers."""
+    """A speculative algorithm; NGRAM, DSPARK and SUFFIX are also the names of the draft workers."""
 
     NONE = "NONE"
     NGRAM = "NGRAM"
     DSPARK = "DSPARK"
+    SUFFIX = "SUFFIX"
 
 
-DRAFTERS = (Algorithm.DSPARK, Algorithm.NGRAM)  # the algorithms that draft
+DRAFTERS = (Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX)  # the algorithms that draft
+LOOKUP_DRAFTERS = (Algorithm.NGRAM, Algorithm.SUFFIX)  # those that need no model: any model's default

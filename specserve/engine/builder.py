@@ -47,6 +47,7 @@ from specserve.speculative.dspark_worker import DsparkWorker
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
 from specserve.speculative.speculation import Speculation
+from specserve.speculative.suffix_worker import SUFFIX_FLAGS, SuffixConfig, SuffixWorker
 from specserve.speculative.worker import DraftWorker
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -190,8 +191,7 @@ def _captures(args: ServerArgs, cfg: ModelConfig) -> bool:
 def return_freed_memory() -> None:
     """Hand the heap's free pages back to the OS. Loading frees many tensors of a few MB (each
     checkpoint tensor's float copy) that glibc keeps in its arenas once its mmap threshold has
-    grown: about 0.8 GB of a 250 MB Gemma file's resident memory until trimmed. Elsewhere
-    (not glibc) a no-op."""
+    grown: about 0.8 GB of a 250 MB Gemma file's resident memory until trimmed (without glibc: a no-op)."""
     gc.collect()
     release_free_heap()
 
@@ -308,6 +308,8 @@ def _make_workers(
         workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))
     if args.speculative_algorithm == Algorithm.NGRAM or adaptive and Algorithm.NGRAM in args.policy_drafters():
         workers.append(NgramWorker(gamma))
+    if args.speculative_algorithm == Algorithm.SUFFIX or adaptive and Algorithm.SUFFIX in args.policy_drafters():
+        workers.append(SuffixWorker(gamma, SuffixConfig(*(getattr(args, f) for f in SUFFIX_FLAGS))))
     return workers
 
 

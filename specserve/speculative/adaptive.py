@@ -41,13 +41,25 @@ from typing import Optional, Sequence
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.acceptance import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import StepCostModel, StepShape
-from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts, plain_beats_every_plan
+from specserve.speculative.policy import (
+    DSPARK,
+    LOOKUPS,
+    NGRAM,
+    SUFFIX,
+    Candidate,
+    Decision,
+    choose_drafts,
+    plain_beats_every_plan,
+)
 
 MAX_MATCH_BUCKET = 4  # NGRAM rates are kept per suffix-match length 0..4 (4: four or more)
 # Conditional acceptance per position before any evidence: DSpark drafters are right on the first
 # draft a third of the time on chat; an NGRAM guess without a match (a repeated token) almost never.
 DSPARK_PRIOR = 0.35
 NGRAM_PRIORS = (0.02, 0.2, 0.35, 0.5, 0.6)
+# SUFFIX rates per matched-suffix bucket (suffix_worker.MATCH_BUCKETS: none, 2-3, 4-7, 8-15, 16+);
+# a walk that found nothing drafts nothing.
+SUFFIX_PRIORS = (0.0, 0.3, 0.45, 0.6, 0.7)
 
 
 @dataclass
@@ -72,7 +84,7 @@ class StepPlan:
             sum(drafts),
             sum(d == DSPARK for d in drafters),
             gamma * sum(d == DSPARK for d in drafters),
-            sum(d == NGRAM for d in drafters),
+            sum(d in LOOKUPS for d in drafters),
         )
         return cls(list(drafters), drafts, [0.0] * len(drafts), shape)
 
@@ -112,6 +124,9 @@ class AdaptivePolicy:
         # Engine-wide conditional rates: DSPARK per position; NGRAM per match length and position.
         self.dspark_rates = SurvivalEstimate(gamma, prior=DSPARK_PRIOR, decay=0.98, prior_weight=1.0)
         self.ngram_rates = [SurvivalEstimate(gamma, prior=p, decay=0.98, prior_weight=1.0) for p in NGRAM_PRIORS]
+        self.suffix_rates = [SurvivalEstimate(gamma, prior=p, decay=0.98, prior_weight=1.0) for p in SUFFIX_PRIORS]
+        # this step's SUFFIX hints per request slot: (match bucket, tokens its walk drafted)
+        self._suffix: dict[int, tuple[int, int]] = {}
         self.calibration = Calibration()  # per window with drafts
         self.step_calibration = Calibration()  # per step: the mean over its windows with drafts
         self._estimates_version = 0  # bumped whenever a survival estimate changes (see _decide)
@@ -144,11 +159,18 @@ class AdaptivePolicy:
     # ------------------------------------------------------------ planning
 
     def plan(
-        self, rows: Sequence[int], speculating: Sequence[bool], match_lens: Optional[Sequence[int]], refills: bool = True
+        self,
+        rows: Sequence[int],
+        speculating: Sequence[bool],
+        match_lens: Optional[Sequence[int]],
+        refills: bool = True,
+        suffix_hints: Optional[Sequence[tuple[int, int]]] = None,
     ) -> StepPlan:
         """speculating[i]: request i may draft at all (a request without a drafter never does);
-        refills: a slot freed early lets another request in."""
+        match_lens: NGRAM's suffix match per request; suffix_hints: SUFFIX's (match bucket, tokens
+        drafted) per request; refills: a slot freed early lets another request in."""
         bs = len(rows)
+        self._suffix = dict(zip(rows, suffix_hints)) if suffix_hints else {}
         drafters: list[Optional[str]] = [None] * bs
         drafts, predicted = [0] * bs, [1.0] * bs
         live = [i for i, row in enumerate(rows) if not self._row(row).done]
@@ -169,7 +191,7 @@ class AdaptivePolicy:
                 predicted[i] = decision.expected_tokens(cands)
         dspark = sum(d == DSPARK for d in drafters)
         dspark_rows = sum(k for d, k in zip(drafters, drafts) if d == DSPARK)
-        shape = StepShape(bs, sum(drafts), dspark, dspark_rows, sum(d == NGRAM for d in drafters))
+        shape = StepShape(bs, sum(drafts), dspark, dspark_rows, sum(d in LOOKUPS for d in drafters))
         self._match_lens = dict(zip(rows, match_lens or [0] * bs))
         return StepPlan(drafters, drafts, predicted, shape)
 
@@ -187,7 +209,7 @@ class AdaptivePolicy:
             self._estimates_version,
             self.cost.version,
             weight,
-            tuple((rows[i], min(match[i], MAX_MATCH_BUCKET), speculating[i]) for i in live),
+            tuple((rows[i], min(match[i], MAX_MATCH_BUCKET), self._suffix.get(rows[i]), speculating[i]) for i in live),
         )
         if key != self._last_key:
             if self._plain_wins(rows, live, speculating, match, weight):
@@ -229,6 +251,9 @@ class AdaptivePolicy:
         if NGRAM in self.drafters:
             buckets = {min(match[i], MAX_MATCH_BUCKET) for i in live if speculating[i]}
             bound = max([bound] + [self.ngram_rates[b].first_rate for b in buckets])
+        if SUFFIX in self.drafters:
+            buckets = {bucket for bucket, _ in self._suffix.values()} or {0}  # this step's requests (a superset of the live)
+            bound = max([bound] + [self.suffix_rates[b].first_rate for b in buckets])
         return self._plain_beats(live, min(max(bound, 0.0), 1.0) * weight)
 
     def _plain_beats(self, live: list[int], best_first: float) -> bool:
@@ -245,7 +270,7 @@ class AdaptivePolicy:
             if speculating[i]:
                 state = self._row(rows[i])
                 for name in self.drafters:
-                    hint = self._global(name, match[i]).first_rate
+                    hint = self._global(name, match[i], rows[i]).first_rate
                     best_first = max(best_first, state.own[name].first(hint))
         return not live or self._plain_beats(live, best_first * weight)
 
@@ -273,12 +298,24 @@ class AdaptivePolicy:
             self.start(row)
         return self.rows[row]
 
-    def _global(self, name: str, match_len: int) -> SurvivalEstimate:
-        return self.dspark_rates if name == DSPARK else self.ngram_rates[min(match_len, MAX_MATCH_BUCKET)]
+    def _global(self, name: str, match_len: int, row: int) -> SurvivalEstimate:
+        """The engine-wide rates a request's estimate blends with: DSpark's, or a lookup drafter's
+        for the request's current match (NGRAM: match_len; SUFFIX: this step's hint for the slot)."""
+        if name == DSPARK:
+            return self.dspark_rates
+        if name == SUFFIX:
+            return self.suffix_rates[self._suffix.get(row, (0, 0))[0]]
+        return self.ngram_rates[min(match_len, MAX_MATCH_BUCKET)]
 
     def _candidates(self, row: int, match_len: int) -> list[Candidate]:
         state = self._row(row)
-        return [Candidate(name, state.own[name].survival(self._global(name, match_len).rates)) for name in self.drafters]
+        out = []
+        for name in self.drafters:
+            survival = state.own[name].survival(self._global(name, match_len, row).rates)
+            if name == SUFFIX:  # no more drafts than its walk found: past it a window verifies filler
+                survival = survival[: self._suffix.get(row, (0, 0))[1]]
+            out.append(Candidate(name, survival))
+        return out
 
     def _explore(
         self, rows: Sequence[int], live: list[int], candidates: list[list[Candidate]], decisions: list[Decision]
@@ -316,7 +353,7 @@ class AdaptivePolicy:
             state.last_try[name] = state.steps
             self._estimates_version += 1
             state.own[name].observe(k, a)
-            self._global(name, self._match_lens.get(row, 0)).observe(k, a)
+            self._global(name, self._match_lens.get(row, 0), row).observe(k, a)
             self.calibration.record(predicted, 1 + a)
             predicted_sum, realised_sum, windows = predicted_sum + predicted, realised_sum + 1 + a, windows + 1
         if windows:

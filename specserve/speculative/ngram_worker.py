@@ -67,7 +67,7 @@ class NgramWorker:
     def commit_rows(self, rows: CommittedRows) -> None:
         return None  # NGRAM reads tokens, not hidden states
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
         if restart:
             self.histories[row] = TokenHistory(self.max_ngram, self.min_ngram)
         self.histories[row].extend(tokens)

@@ -4,7 +4,7 @@ per second under the engine's own step-cost model.
 
 A request's candidates give, per drafter, the survival s_j = P(drafts 1..j all accepted). With k
 drafts a request commits 1 + s_1 + ... + s_k tokens in expectation. The step's cost depends on the
-whole batch (rows verified, whether the DSpark drafter runs at all, its rows, NGRAM lookups), so
+whole batch (rows verified, whether the DSpark drafter runs at all, its rows, NGRAM and SUFFIX lookups), so
 the optimum is a batch decision: a fixed drafting cost that no single request repays alone can pay
 for many.
 
@@ -25,7 +25,8 @@ from specserve.errors import InternalError
 from specserve.names import Algorithm
 from specserve.speculative.cost_model import StepCostModel
 
-DSPARK, NGRAM = Algorithm.DSPARK, Algorithm.NGRAM  # the draft workers' names
+DSPARK, NGRAM, SUFFIX = Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX  # the draft workers' names
+LOOKUPS = (NGRAM, SUFFIX)  # drafters that look their drafts up on the host (the cost model's ngram_requests)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class _Plan:
                 rows += d.drafts
                 dspark += d.drafter == DSPARK
                 dspark_rows += d.drafts if d.drafter == DSPARK else 0
-                ngram += d.drafter == NGRAM
+                ngram += d.drafter in LOOKUPS
         return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark_rows, ngram)
 
 

@@ -19,6 +19,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import VerifyPlanner
+from specserve.speculative.suffix_worker import SuffixWorker
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
 
 
@@ -91,11 +92,13 @@ class Speculation:
             return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
             return StepPlan.fixed(drafters, gamma)
-        ngram = self.workers.get(Algorithm.NGRAM)
-        match_lens = None
+        ngram, suffix = self.workers.get(Algorithm.NGRAM), self.workers.get(Algorithm.SUFFIX)
+        match_lens = suffix_hints = None
         if isinstance(ngram, NgramWorker) and Algorithm.NGRAM in self.policy.drafters:
             match_lens = ngram.match_lens(rows)
-        return self.policy.plan(rows, [d is not None for d in drafters], match_lens, refills)
+        if isinstance(suffix, SuffixWorker) and Algorithm.SUFFIX in self.policy.drafters:
+            suffix_hints = suffix.hints(rows)
+        return self.policy.plan(rows, [d is not None for d in drafters], match_lens, refills, suffix_hints)
 
     def start(self, row: int) -> None:
         """A new request's prefill finished in this request slot."""
@@ -164,10 +167,11 @@ class Speculation:
         for worker in self.workers.values():
             worker.flush()
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool = False) -> None:
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool = False, new: int = 0) -> None:
+        """`new`: with restart, how many of `tokens` were generated (the rest is the prompt)."""
         for worker in self.workers.values():
             if worker.reads_tokens:
-                worker.commit_tokens(row, tokens, restart)
+                worker.commit_tokens(row, tokens, restart, new)
 
 
 def _select(sel: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

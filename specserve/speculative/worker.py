@@ -65,7 +65,7 @@ class CommittedRows:
 
 
 class DraftWorker(Protocol):
-    """One drafting algorithm. Implementations: DsparkWorker, NgramWorker. Its attributes are read-only
+    """One drafting algorithm. Implementations: DsparkWorker, NgramWorker, SuffixWorker. Its attributes are read-only
     here (properties), so a class attribute or a property of a narrower type (`Algorithm`) implements them."""
 
     @property
@@ -87,8 +87,9 @@ class DraftWorker(Protocol):
 
     def commit_rows(self, rows: CommittedRows) -> None: ...
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool) -> None:
-        """Request slot `row` committed `tokens`; `restart`: they are its whole sequence so far."""
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
+        """Request slot `row` committed `tokens`; `restart`: they are its whole sequence so far, of
+        which the last `new` were generated (the rest: its prompt)."""
 
     def flush(self) -> None:
         """Apply any committed state the worker deferred (see DsparkWorker)."""

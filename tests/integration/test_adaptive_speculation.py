@@ -51,14 +51,14 @@ def test_lossless_with_identical_plans_in_both_loops(reference):
     assert plans[True] == plans[False]  # the same drafter and draft count for every request at every step
     decisions = [d for per_req in plans[True] for d in per_req]
     drafters = {name for name, k in decisions if k}
-    assert drafters == {"DSPARK", "NGRAM"}, decisions  # both candidates were chosen somewhere
+    assert drafters == {"DSPARK", "NGRAM", "SUFFIX"}, decisions  # every candidate was chosen somewhere
     assert {k for _, k in decisions} - {0}, decisions  # and windows of different lengths
     assert len({k for _, k in decisions}) >= 3, decisions
 
 
 def test_lossless_for_every_candidate_set_at_batch_1_and_8(reference):
     prompts, want = reference
-    for drafters in ("NGRAM", "DSPARK", "DSPARK,NGRAM"):
+    for drafters in ("NGRAM", "SUFFIX", "DSPARK", "DSPARK,NGRAM", "NGRAM,SUFFIX"):
         with Engine(max_total_tokens=8192, speculative_policy_drafters=drafters, **policy_args()) as engine:
             outs = engine.generate(input_ids=prompts + prompts[:2], sampling_params=[greedy(n) for n in LENGTHS + LENGTHS[:2]])
             assert [o["output_ids"] for o in outs] == want + want[:2], drafters

@@ -41,7 +41,7 @@ def test_embedded_model_speculates_with_its_shipped_drafter_and_any_other_with_n
     assert ServerArgs(speculative_draft_model_path="/x").speculative_draft_model_path == "/x"
     other = ServerArgs(model_path="other.gguf")  # another target: no drafter is assumed, NGRAM is
     assert other.speculative_algorithm == "NGRAM" and other.speculative_policy == "adaptive"
-    assert other.policy_drafters() == ("NGRAM",) and other.speculative_draft_model_path is None
+    assert other.policy_drafters() == ("NGRAM", "SUFFIX") and other.speculative_draft_model_path is None
     assert not ServerArgs(model_path="other.gguf", speculative_algorithm="NONE").speculating
     drafted = ServerArgs(model_path="other.gguf", speculative_algorithm="DSPARK", speculative_draft_model_path="/x")
     assert drafted.speculative_algorithm == "DSPARK" and drafted.speculative_draft_model_path == "/x"

@@ -1,0 +1,140 @@
+"""SUFFIX: model-free drafts from suffix matches over the request's own tokens and over the
+outputs of the requests before it (SuffixDecoding; the index: speculative/suffix_index.py).
+
+Each request slot has an index over its prompt and output; the engine has one global index over
+finished requests' outputs, bounded by `cache_tokens` (the oldest outputs evicted first). A draft
+is whichever of the two walks scores higher (its probabilities' sum, SuffixDecoding's choice),
+at most `spec_factor` x the suffix matched, each token kept while its path holds at least
+`min_prob` of the matched occurrences. Everything here is a function of the committed tokens in
+commit order, which every tensor-parallel rank sees alike (a slot's output enters the global index
+when the slot's next request starts), so the ranks' indexes and drafts agree without a collective;
+the adaptive plan that uses them is rank 0's (speculative/adaptive.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specserve.errors import ConfigError
+from specserve.kv.pool import KVPool
+from specserve.names import Algorithm
+from specserve.speculative.suffix_index import SuffixDraft, SuffixIndex
+from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+
+# The policy's hint buckets by the suffix matched (0: nothing to draft), like NGRAM's match lengths.
+MATCH_BUCKETS = (2, 4, 8, 16)
+
+
+# ServerArgs' fields of SuffixConfig's, in its order
+SUFFIX_FLAGS = tuple(
+    f"speculative_suffix_{n}" for n in ("max_tree_depth", "max_spec_factor", "min_token_prob", "cache_tokens")
+)
+
+
+@dataclass
+class SuffixConfig:
+    """The SUFFIX flags (SGLang/vLLM names; ServerArgs checks their ranges): tree depth, spec
+    factor, token floor, the global index's budget."""
+
+    max_depth: int = 24
+    spec_factor: float = 1.0
+    min_prob: float = 0.1
+    cache_tokens: int = 1 << 20
+
+
+class _Slot:
+    """One request's index and where its output starts."""
+
+    def __init__(self, max_depth: int, tokens: list[int], prompt_len: int):
+        self.index = SuffixIndex(max_depth)
+        self.index.extend(tokens)
+        self.prompt_len = prompt_len
+        self.draft: Optional[tuple[int, int, SuffixDraft]] = None  # (tokens seen, gamma, draft) memo
+
+    def output(self) -> list[int]:
+        return self.index.tokens[self.prompt_len :]
+
+
+class SuffixWorker:
+    """The SUFFIX drafter behind the worker seam (speculative/worker.py)."""
+
+    name = Algorithm.SUFFIX
+    reads_tokens = True
+    capture_layer_ids: tuple[int, ...] = ()
+    kv_pools: list[KVPool] = []
+
+    def __init__(self, gamma: int, config: Optional[SuffixConfig] = None):
+        if gamma < 1:
+            raise ConfigError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
+        self.gamma, self.config = gamma, config or SuffixConfig()
+        self.slots: dict[int, _Slot] = {}
+        self.global_index = SuffixIndex(self.config.max_depth)
+
+    # ------------------------------------------------------------ drafting
+
+    def proposal(self, row: int, gamma: int) -> SuffixDraft:
+        """The slot's draft for its committed tokens so far (computed once per step and kept: the
+        policy's hint and the drafting read the same)."""
+        slot = self.slots[row]
+        seen = len(slot.index.tokens)
+        if slot.draft is not None and slot.draft[:2] == (seen, gamma):
+            return slot.draft[2]
+        cfg = self.config
+        context = slot.index.tokens[-cfg.max_depth - 1 :]
+        own = slot.index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
+        past = self.global_index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
+        best = past if past.score > own.score else own
+        slot.draft = (seen, gamma, best)
+        return best
+
+    def hints(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Per slot (match bucket, tokens drafted): what the adaptive policy prices SUFFIX by."""
+        out = []
+        for row in rows:
+            d = self.proposal(row, self.gamma)
+            out.append((sum(d.match_len >= b for b in MATCH_BUCKETS) if d.tokens else 0, len(d.tokens)))
+        return out
+
+    def draft(self, inp: DraftInput) -> Drafts:
+        proposals = []
+        for row, anchor in zip(inp.rows.tolist(), inp.anchors.tolist()):
+            toks = list(self.proposal(row, inp.gamma).tokens)
+            fill = toks[-1] if toks else anchor  # past the walk: never verified by a plan that knows its length
+            proposals.append(toks + [fill] * (inp.gamma - len(toks)))
+        return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
+
+    # ------------------------------------------------------------ commits
+
+    def commit_rows(self, rows: CommittedRows) -> None:
+        return None  # SUFFIX reads tokens, not hidden states
+
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
+        """`restart`: a new request in this slot, `tokens` its whole sequence, of which the last
+        `new` were generated (the rest: its prompt)."""
+        if restart:
+            self._retire(row)
+            self.slots[row] = _Slot(self.config.max_depth, tokens, len(tokens) - new)
+        else:
+            self.slots[row].index.extend(tokens)
+
+    def _retire(self, row: int) -> None:
+        """The slot's previous request's output into the global index (within its budget)."""
+        slot = self.slots.pop(row, None)
+        if slot is None or self.config.cache_tokens == 0:
+            return
+        output = slot.output()[-self.config.cache_tokens :]
+        if len(output) < 2:
+            return
+        self.global_index.append_segment(output)
+        while len(self.global_index) > self.config.cache_tokens:
+            self.global_index.evict_oldest()
+
+    def forget_outputs(self) -> None:
+        """Empty the global index (a benchmark's fresh start; slots' own indexes stay)."""
+        self.global_index = SuffixIndex(self.config.max_depth)
+
+    def flush(self) -> None:
+        return None  # the indexes are updated as tokens commit
