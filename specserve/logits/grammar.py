@@ -148,15 +148,13 @@ class GrammarState:
 
     def mask_after(self, window: Sequence[int]) -> torch.Tensor:
         """Allowed next tokens [V] (bool) once `window` (drafts the grammar allows) followed the
-        committed tokens; the state is rolled back to the committed tokens afterwards."""
-        consumed = self.matcher.try_consume_tokens(list(window)) if window else 0
-        try:
-            if consumed < len(window) or self.matcher.is_error():
-                return self._nothing_allowed()
-            return self._unpack(self.matcher.compute_bitmask())
-        finally:
-            if consumed:
-                self.matcher.rollback(consumed)
+        committed tokens. A window is consumed by a copy of the matcher: llguidance 1.9's rollback
+        after a mask computed two tokens deep can leave the matcher allowing what its grammar
+        does not (a JSON array took '":' after a string; tests/unit/test_grammar.py)."""
+        matcher = self.matcher.deep_copy() if window else self.matcher
+        if (window and matcher.try_consume_tokens(list(window)) < len(window)) or matcher.is_error():
+            return self._nothing_allowed()
+        return self._unpack(matcher.compute_bitmask())
 
     def _unpack(self, bitmask: bytes) -> torch.Tensor:
         words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)

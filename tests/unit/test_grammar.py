@@ -46,14 +46,44 @@ def test_masks_follow_the_committed_tokens_and_windows_roll_back(compiler, token
     assert state.mask_after([]).nonzero().view(-1).tolist() == list(tokenizer.eos_token_ids)
 
 
-def test_a_skipped_rollback_is_visible(compiler, tokenizer, monkeypatch):
-    """Mutation: without the rollback the drafts stay consumed, and the next mask is wrong."""
+def test_a_window_consumed_by_the_committed_matcher_is_visible(compiler, tokenizer, monkeypatch):
+    """Mutation: a window consumed by the committed matcher itself (no copy) stays consumed, and
+    the next mask is wrong."""
     state = compiler.state(GrammarSpec("json_schema", json.dumps(SCHEMA)))
     ids = tokenizer.encode('{"n": 7}')
-    monkeypatch.setattr(type(state.matcher), "rollback", lambda self, n: True, raising=False)
+    monkeypatch.setattr(type(state.matcher), "deep_copy", lambda self: self, raising=False)
     first = state.mask_after([])
     state.mask_after(ids[:2])
     assert not state.mask_after([]).equal(first)
+
+
+def token(tokenizer, text: str) -> int:
+    return next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == text)
+
+
+@pytest.mark.parametrize("via_rollback", [False, True])
+def test_masks_after_a_deep_window_match_a_fresh_matchers(compiler, tokenizer, via_rollback):
+    """Found by speculation on the extraction workload: a two-token window ['":', ' {"'] masked after
+    '{"items', then '": ["type' committed, and the next mask allowed '":' inside the array when the
+    window had been consumed and rolled back on the committed matcher (llguidance 1.9); the copy
+    gives a fresh matcher's mask. `via_rollback` plants the old way and shows it fails."""
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object"}))
+    state, fresh = compiler.state(spec), compiler.state(spec)
+    head = tokenizer.encode('{"items')
+    state.commit(head)
+    window = [token(tokenizer, '":'), token(tokenizer, ' {"')]
+    if via_rollback:
+        consumed = state.matcher.try_consume_tokens(window)
+        state.matcher.compute_bitmask()
+        state.matcher.rollback(consumed)
+    else:
+        state.mask_after(window)
+    tail = [token(tokenizer, '":'), token(tokenizer, ' ["'), token(tokenizer, "type")]
+    state.commit(tail)
+    fresh.commit(head + tail)
+    colon = token(tokenizer, '":')
+    assert not fresh.mask_after([])[colon]  # a string in an array: no colon after it
+    assert state.mask_after([]).equal(fresh.mask_after([])) != via_rollback
 
 
 @pytest.mark.parametrize("spec, message", [
