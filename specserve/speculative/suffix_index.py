@@ -8,9 +8,10 @@ nodes (a node per token and depth costs hundreds of bytes in Python): the tokens
 array, with every position listed under the two tokens that end there. The occurrences of the
 context's suffix are the listed positions whose tokens, read backwards, agree with it; the
 longest agreement is the match, and the occurrences that reach it are the matched node's
-subtree. Walking the subtree greedily (the most frequent next token, ties to the smaller id, then
-keep only the occurrences that continue with it) is walking the tree's most frequent path: the
-same draft, its probability the share of occurrences that continue along it.
+subtree. Walking the subtree greedily (the most frequent next token, then keep only the
+occurrences that continue with it) is walking the tree's most frequent path: the same draft, its
+probability the share of occurrences that continue along it. Ties go to the token of the newest
+occurrence (prompt lookup's rule, which the replay of recorded outputs found the better one).
 
 Segments (a request's output) are appended whole and evicted oldest first; a position never
 matches across a segment boundary (a separator sits between segments). Memory is about one list
@@ -138,14 +139,14 @@ class SuffixIndex:
         probs: list[float] = []
         live = ends
         for step in range(1, limit + 1):
-            counts: dict[int, int] = {}
+            counts: dict[int, int] = {}  # in order of the newest occurrence continuing with each token
             for p in live:
                 i = p - base + step
                 if i < size and toks[i] != SEPARATOR:
                     counts[toks[i]] = counts.get(toks[i], 0) + 1
             if not counts:
                 break
-            tok = min(counts, key=lambda t: (-counts[t], t))
+            tok = max(counts, key=counts.__getitem__)  # the first of the most frequent: the newest
             prob = counts[tok] / total
             if prob < min_prob:
                 break

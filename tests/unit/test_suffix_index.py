@@ -18,7 +18,7 @@ from specserve.speculative.worker import DraftInput
 def brute_force(segments: list[list[int]], context: list[int], depth: int, limit: int, min_prob: float):
     """The suffix tree's answer by definition: every occurrence (before the context's own end) of
     the longest suffix of `context` up to `depth`, at least 2 long, inside one segment; then the most
-    frequent next token (ties to the smaller id) among those still on the path, while its share of
+    frequent next token (ties to the newest occurrence's) among those still on the path, while its share of
     all occurrences is at least min_prob."""
     best, ends = 0, []
     for s, seg in enumerate(segments):
@@ -37,7 +37,8 @@ def brute_force(segments: list[list[int]], context: list[int], depth: int, limit
         nxt = [segments[s][p + step] for s, p in live if p + step < len(segments[s])]
         if not nxt:
             break
-        tok = min(set(nxt), key=lambda t: (-nxt.count(t), t))
+        newest = {t: max(i for i, u in enumerate(nxt) if u == t) for t in nxt}  # live: oldest first
+        tok = max(set(nxt), key=lambda t: (nxt.count(t), newest[t]))
         if nxt.count(tok) / len(ends) < min_prob:
             break
         drafted.append(tok)
