@@ -147,3 +147,30 @@ def _ms(s: dict[str, float]) -> str:
 def _rates(s: dict[str, float]) -> list[float]:
     """Steps per ms at the range's ends (a shorter step is the faster)."""
     return [1.0 / s["max"], 1.0 / s["min"]]
+
+
+def render_spec_workloads(results: str, file: str = "spec_workloads.json") -> str:
+    """Every drafter and the default against NONE on the workloads where speculation matters
+    (bench/workloads.py), per batch size, with accept lengths and what the default chose."""
+    data = load(results, file)
+    rows = _rows(data)
+    configs = [c for c in ("NGRAM", "SUFFIX", "DSPARK", "DEFAULT") if any(k[2] == c for k in rows)]
+    body = []
+    for workload, bs in sorted({(w, b) for w, b, _ in rows}):
+        none = rows[(workload, bs, "NONE")]
+        cells = []
+        for config in configs:
+            row = rows[(workload, bs, config)]
+            accept = f", {row['accept_length']:.2f} per step" if row.get("accept_length") else ""
+            cells.append(f"{versus(row['ratio_to_none'], row['runs_tokens_per_s'], none['runs_tokens_per_s'])}{accept}")
+        chosen = rows[(workload, bs, "DEFAULT")].get("drafter_steps", {}) if "DEFAULT" in configs else {}
+        body.append([workload, bs, f"{none['tokens_per_s']:.1f}"] + cells + [", ".join(f"{k} {v}" for k, v in chosen.items())])
+    same = all(r["identical_to_none"] for r in data["table"])
+    header = ["workload", "batch", "NONE tok/s"] + [f"{c} vs NONE" for c in configs] + ["DEFAULT's request-steps by drafter"]
+    counts = ", ".join(f"{w} {n}" for w, n in data.get("workload_prompts", {}).items())
+    return table(header, body) + (
+        f"\n\n`specserve bench spec`, greedy, {data['new_tokens']} new tokens, requests per workload: {counts}; "
+        f"median of {data['repeats']} interleaved repeats (a ratio is bold only where every run beat every run of "
+        f"NONE). Tokens equal NONE's in every run: {'yes' if same else '**no**'}. SUFFIX's global index: "
+        f"{data['suffix_index_mib_per_million_tokens']:.0f} MiB per million tokens at worst (no bigram repeating). "
+        f"{provenance(data, file)}\n")

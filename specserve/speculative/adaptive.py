@@ -36,7 +36,7 @@ drafter no DSpark window paid, so those windows only cost throughput.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.acceptance import Calibration, SurvivalEstimate
@@ -232,8 +232,27 @@ class AdaptivePolicy:
             self._weight_key, self._weight = key, min(1.0, row * live / self.cost.predict(StepShape(live)))
         return self._weight
 
+    def needs_suffix_hints(
+        self, rows: Sequence[int], speculating: Sequence[bool], match_lens: Optional[Sequence[int]], refills: bool = True
+    ) -> bool:
+        """Whether this step's plan may depend on SUFFIX's hints (a lookup per request, the cost
+        that matters in a large batch): not when plain decoding wins even with every request in
+        SUFFIX's best bucket and no request is due to explore; then the plan is the same without them."""
+        if SUFFIX not in self.drafters:
+            return False
+        live = [i for i, row in enumerate(rows) if not self._row(row).done]
+        match = [match_lens[i] if match_lens else 0 for i in range(len(rows))]
+        weight = self.token_weight(len(live), refills)
+        every = range(len(SUFFIX_PRIORS))
+        return not self._plain_wins_by_bound(live, speculating, match, weight, every) or self._stale(rows, live)
+
     def _plain_wins_by_bound(
-        self, live: list[int], speculating: Sequence[bool], match: Sequence[int], weight: float
+        self,
+        live: list[int],
+        speculating: Sequence[bool],
+        match: Sequence[int],
+        weight: float,
+        suffix_buckets: Optional[Iterable[int]] = None,
     ) -> bool:
         """_plain_wins from an upper bound of every request's first-draft survival, in a few reads:
         a blend of a request's own rate and its hint is at most the larger of the two, so the bound
@@ -252,8 +271,9 @@ class AdaptivePolicy:
             buckets = {min(match[i], MAX_MATCH_BUCKET) for i in live if speculating[i]}
             bound = max([bound] + [self.ngram_rates[b].first_rate for b in buckets])
         if SUFFIX in self.drafters:
-            buckets = {bucket for bucket, _ in self._suffix.values()} or {0}  # this step's requests (a superset of the live)
-            bound = max([bound] + [self.suffix_rates[b].first_rate for b in buckets])
+            if suffix_buckets is None:  # this step's requests' (a superset of the live)
+                suffix_buckets = {bucket for bucket, _ in self._suffix.values()} or {0}
+            bound = max([bound] + [self.suffix_rates[b].first_rate for b in suffix_buckets])
         return self._plain_beats(live, min(max(bound, 0.0), 1.0) * weight)
 
     def _plain_beats(self, live: list[int], best_first: float) -> bool:
@@ -321,23 +341,25 @@ class AdaptivePolicy:
         self, rows: Sequence[int], live: list[int], candidates: list[list[Candidate]], decisions: list[Decision]
     ) -> list[Decision]:
         """At most one window per step tries a drafter its request has not used for explore_every
-        of its steps, and only a drafter the engine has not explored for explore_every planned steps."""
+        of its steps, and only a drafter the engine has not explored for explore_every planned steps;
+        with every draft the drafter has for it (gamma; SUFFIX: what its walk found, never none)."""
         due = self._explorable()
         if not due:
             return decisions
         stale = []
         for j, i in enumerate(live):
             state = self._row(rows[i])
-            for name in due if candidates[j] else ():
+            offered = {c.drafter: len(c.survival) for c in candidates[j] if c.survival}
+            for name in due:
                 idle = state.steps - state.last_try.get(name, 0)
-                if idle >= self.explore_every and decisions[j].drafter != name:
-                    stale.append((-idle, j, name))
+                if name in offered and idle >= self.explore_every and decisions[j].drafter != name:
+                    stale.append((-idle, j, name, offered[name]))
         if not stale:
             return decisions
-        _, j, name = min(stale)
+        _, j, name, drafts = min(stale)
         self._explored[name] = self._plans
         out = list(decisions)
-        out[j] = Decision(name, self.gamma)
+        out[j] = Decision(name, drafts)
         return out
 
     # ------------------------------------------------------------ learning

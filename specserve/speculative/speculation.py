@@ -96,9 +96,10 @@ class Speculation:
         match_lens = suffix_hints = None
         if isinstance(ngram, NgramWorker) and Algorithm.NGRAM in self.policy.drafters:
             match_lens = ngram.match_lens(rows)
-        if isinstance(suffix, SuffixWorker) and Algorithm.SUFFIX in self.policy.drafters:
+        speculating = [d is not None for d in drafters]
+        if isinstance(suffix, SuffixWorker) and self.policy.needs_suffix_hints(rows, speculating, match_lens, refills):
             suffix_hints = suffix.hints(rows)
-        return self.policy.plan(rows, [d is not None for d in drafters], match_lens, refills, suffix_hints)
+        return self.policy.plan(rows, speculating, match_lens, refills, suffix_hints)
 
     def start(self, row: int) -> None:
         """A new request's prefill finished in this request slot."""

@@ -68,8 +68,9 @@ def test_stop_inside_an_accepted_run_emits_nothing_past_it(fp32_engine):
     spec.scheduler.check_integrity()
 
 
-def test_ngram_sampling_is_seeded_and_reproducible():
-    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", **policy_args(), speculative_dspark_block_size=4)
+@pytest.mark.parametrize("drafter", ["NGRAM", "SUFFIX"])
+def test_lookup_sampling_is_seeded_and_reproducible(drafter):
+    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm=drafter, **policy_args(), speculative_dspark_block_size=4)
     prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[0]}])
     params = {"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_new_tokens": 32}
     a = spec.generate(input_ids=[prompt, prompt[:-3]], sampling_params=[params, {**params, "temperature": 0}])

@@ -1,27 +1,16 @@
-"""SUFFIX speculative decoding through the verify/accept path: lossless in fp32 greedy, seeded
-sampling reproducible, and a repeated task drafted from the earlier requests' outputs."""
+"""SUFFIX speculative decoding through the verify/accept path: lossless in fp32 greedy, and a
+repeated task drafted from the earlier requests' outputs (seeded sampling: test_ngram_spec.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import chat_prompts, policy_args
+from helpers import policy_args
 
 from specserve import Engine
-from test_ngram_spec import CONTENTS, GREEDY
+from test_ngram_spec import CONTENTS, GREEDY, prompts, reference  # noqa: F401 (the shared fixtures)
 
 FIXED = {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"}
-
-
-@pytest.fixture(scope="module")
-def prompts(fp32_engine):
-    return chat_prompts(fp32_engine, CONTENTS)
-
-
-@pytest.fixture(scope="module")
-def reference(fp32_engine, prompts):
-    fp32_engine.scheduler.ledger.tree.reset()
-    return [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts, sampling_params=GREEDY)]
 
 
 @pytest.mark.parametrize("gamma,policy", [(3, FIXED), (7, FIXED), (5, {"speculative_algorithm": "SUFFIX", **policy_args()})])
@@ -50,14 +39,3 @@ def test_a_repeated_task_drafts_from_past_outputs(fp32_engine, prompts, referenc
     # committed past the length limit (the forward stream commits them; the scheduler cuts the reply)
     held = suffix.global_index.tokens[:-1]
     assert held[: len(first["output_ids"])] == first["output_ids"] and len(held) <= len(first["output_ids"]) + 5
-
-
-def test_suffix_sampling_is_seeded_and_reproducible():
-    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_dspark_block_size=4, **FIXED)
-    prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[0]}])
-    params = {"temperature": 0.7, "top_p": 0.9, "seed": 5, "max_new_tokens": 32}
-    a = spec.generate(input_ids=[prompt, prompt[:-3]], sampling_params=[params, {**params, "temperature": 0}])
-    b = spec.generate(input_ids=prompt, sampling_params=params)
-    assert a[0]["output_ids"] == b["output_ids"]
-    assert a[0]["meta_info"]["spec_verify_ct"] > 0
-    spec.scheduler.check_integrity()

@@ -9,7 +9,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy
 from specserve.speculative.cost_model import StepCostModel
 from specserve.speculative.ngram_worker import TokenHistory
-from specserve.speculative.policy import DSPARK, NGRAM
+from specserve.speculative.policy import DSPARK, NGRAM, SUFFIX
 
 GAMMA = 4
 # 10 ms a step, 1 ms a request, 0.5 ms a verified draft, 0.5 ms to run DSpark at all.
@@ -280,3 +280,25 @@ def test_a_bound_that_ignores_own_evidence_fails_the_bound_check(monkeypatch):
     monkeypatch.setattr(AdaptivePolicy, "_plain_wins_by_bound", hints_only)
     violations, _, _ = _bound_violations(random.Random(7))
     assert violations > 0
+
+
+def test_suffix_hints_are_skipped_only_where_the_plan_cannot_use_them():
+    """A batch where no draft can pay (every drafted row costs a second) plans plainly without
+    SUFFIX's lookups, and the plan is the one the hints would give; where drafting pays they are needed."""
+    rows, speculating, match = list(range(8)), [True] * 8, [0] * 8
+    costly = policy(NEVER_PAYS, drafters=(NGRAM, SUFFIX))
+    assert not costly.needs_suffix_hints(rows, speculating, match)
+    without = costly.plan(rows, speculating, match)
+    with_hints = policy(NEVER_PAYS, drafters=(NGRAM, SUFFIX)).plan(rows, speculating, match, True, [(4, GAMMA)] * 8)
+    assert without.drafts == with_hints.drafts == [0] * 8
+    assert policy(drafters=(NGRAM, SUFFIX)).needs_suffix_hints(rows, speculating, match)
+
+
+def test_suffix_is_offered_only_the_drafts_its_walk_found_even_when_explored():
+    p = policy(drafters=(NGRAM, SUFFIX), explore_every=1)
+    for step in range(6):
+        plan = p.plan([0], [True], [0], True, [(4, 2)])  # a long match, two tokens drafted
+        assert plan.drafts[0] <= (2 if plan.drafters[0] == SUFFIX else GAMMA), plan
+        p.observe_accept([0], plan, [min(plan.drafts[0], 1)])
+    nothing = p.plan([0], [True], [0], True, [(0, 0)])  # no walk: SUFFIX never drafts
+    assert nothing.drafters[0] != SUFFIX
