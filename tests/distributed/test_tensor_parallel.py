@@ -18,7 +18,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
-# DSPARK: the default candidates (the shipped drafter and NGRAM) under the adaptive policy, its
+# DSPARK: the default candidates (the shipped drafter, NGRAM and SUFFIX) under the adaptive policy, its
 # cost table frozen so that every run plans the same (helpers.policy_args).
 ALGORITHMS = {"NONE": {"speculative_algorithm": "NONE"}, "DSPARK": {"speculative_algorithm": "DSPARK", **policy_args()}}
 PLAN_KEYS = ("spec_draft_len_histogram", "spec_drafter_steps", "spec_verify_ct", "spec_correct_drafts_histogram")
