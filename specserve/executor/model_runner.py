@@ -309,7 +309,8 @@ class ModelRunner:
 
     def _plan(self, step: StepInput, gamma: int) -> StepPlan:
         """This step's drafter and draft count per request: rank 0's under tensor parallelism."""
-        plan = self.speculation.plan(step.drafters, step.rows, gamma, step.refills)
+        greedy = [p.is_greedy for p in step.params]
+        plan = self.speculation.plan(step.drafters, step.rows, gamma, step.refills, greedy)
         return plan if self.tp is None else self.tp.agree_plan(plan, sorted(self.speculation.workers))
 
     def _epilogue(self, width: int) -> DsparkVerifyEpilogue:

@@ -83,11 +83,19 @@ class Speculation:
 
     # ------------------------------------------------------------ planning and drafting
 
-    def plan(self, drafters: Sequence[Optional[str]], rows: list[int], gamma: int, refills: bool = True) -> StepPlan:
+    def plan(
+        self,
+        drafters: Sequence[Optional[str]],
+        rows: list[int],
+        gamma: int,
+        refills: bool = True,
+        greedy: Optional[list[bool]] = None,
+    ) -> StepPlan:
         """Each request's drafter and draft count for this step, before any drafter runs: the one
         decision to speculate. A step of more than `disable_batch_size` requests has no drafts (its
         rows already fill the compute verify windows would need): it runs as a plain decode step.
-        refills: a slot freed early lets a request in (see AdaptivePolicy.plan)."""
+        refills: a slot freed early lets a request in (see AdaptivePolicy.plan); greedy[i]: request
+        i decodes greedily (SUFFIX drafts a sampled one from its own tokens only)."""
         if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
             return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
@@ -98,7 +106,7 @@ class Speculation:
             match_lens = ngram.match_lens(rows)
         speculating = [d is not None for d in drafters]
         if isinstance(suffix, SuffixWorker) and self.policy.needs_suffix_hints(rows, speculating, match_lens, refills):
-            suffix_hints = suffix.hints(rows)
+            suffix_hints = suffix.hints(rows, greedy)
         return self.policy.plan(rows, speculating, match_lens, refills, suffix_hints)
 
     def start(self, row: int) -> None:

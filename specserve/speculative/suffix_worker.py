@@ -3,7 +3,9 @@ outputs of the requests before it (SuffixDecoding; the index: speculative/suffix
 
 Each request slot has an index over its prompt and output; the engine has one global index over
 finished requests' outputs, bounded by `cache_tokens` (the oldest outputs evicted first). A draft
-is whichever of the two walks scores higher (its probabilities' sum, SuffixDecoding's choice),
+is whichever of the two walks scores higher (its probabilities' sum, SuffixDecoding's choice; a
+sampled request drafts from its own tokens only, so that its seeded tokens, which depend on the
+drafts, do not depend on the requests before it),
 at most `spec_factor` x the suffix matched, each token kept while its path holds at least
 `min_prob` of the matched occurrences. Everything here is a function of the committed tokens in
 commit order, which every tensor-parallel rank sees alike (a slot's output enters the global index
@@ -52,7 +54,7 @@ class _Slot:
         self.index = SuffixIndex(max_depth)
         self.index.extend(tokens)
         self.prompt_len = prompt_len
-        self.draft: Optional[tuple[int, int, SuffixDraft]] = None  # (tokens seen, gamma, draft) memo
+        self.draft: Optional[tuple[int, int, bool, SuffixDraft]] = None  # (tokens seen, gamma, global?, draft)
 
     def output(self) -> list[int]:
         return self.index.tokens[self.prompt_len :]
@@ -75,33 +77,35 @@ class SuffixWorker:
 
     # ------------------------------------------------------------ drafting
 
-    def proposal(self, row: int, gamma: int) -> SuffixDraft:
+    def proposal(self, row: int, gamma: int, use_global: bool = True) -> SuffixDraft:
         """The slot's draft for its committed tokens so far (computed once per step and kept: the
-        policy's hint and the drafting read the same)."""
+        policy's hint and the drafting read the same); use_global: past outputs may draft."""
         slot = self.slots[row]
-        seen = len(slot.index.tokens)
-        if slot.draft is not None and slot.draft[:2] == (seen, gamma):
-            return slot.draft[2]
+        key = (len(slot.index.tokens), gamma, use_global)
+        if slot.draft is not None and slot.draft[:3] == key:
+            return slot.draft[3]
         cfg = self.config
         context = slot.index.tokens[-cfg.max_depth - 1 :]
-        own = slot.index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
-        past = self.global_index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
-        best = past if past.score > own.score else own
-        slot.draft = (seen, gamma, best)
+        best = slot.index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
+        if use_global:
+            past = self.global_index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
+            best = past if past.score > best.score else best
+        slot.draft = (*key, best)
         return best
 
-    def hints(self, rows: list[int]) -> list[tuple[int, int]]:
-        """Per slot (match bucket, tokens drafted): what the adaptive policy prices SUFFIX by."""
+    def hints(self, rows: list[int], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
+        """Per slot (match bucket, tokens drafted): what the adaptive policy prices SUFFIX by;
+        greedy[i]: request i decodes greedily (None: all do)."""
         out = []
-        for row in rows:
-            d = self.proposal(row, self.gamma)
+        for i, row in enumerate(rows):
+            d = self.proposal(row, self.gamma, greedy is None or greedy[i])
             out.append((sum(d.match_len >= b for b in MATCH_BUCKETS) if d.tokens else 0, len(d.tokens)))
         return out
 
     def draft(self, inp: DraftInput) -> Drafts:
         proposals = []
-        for row, anchor in zip(inp.rows.tolist(), inp.anchors.tolist()):
-            toks = list(self.proposal(row, inp.gamma).tokens)
+        for row, anchor, params in zip(inp.rows.tolist(), inp.anchors.tolist(), inp.params):
+            toks = list(self.proposal(row, inp.gamma, params.is_greedy).tokens)
             fill = toks[-1] if toks else anchor  # past the walk: never verified by a plan that knows its length
             proposals.append(toks + [fill] * (inp.gamma - len(toks)))
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))

@@ -111,7 +111,7 @@ def test_speculative_statistics_in_extension_field(client):
     out = chat(client, PROMPTS[2], max_tokens=24)
     ext = out.model_extra["specserve"]["choices"][0]
     steps = sum(ext["spec_draft_len_histogram"].values())  # every decode step, with drafts or without
-    assert steps > 0 and set(ext["spec_drafter_steps"]) <= {"DSPARK", "NGRAM"}
+    assert steps > 0 and set(ext["spec_drafter_steps"]) <= {"DSPARK", "NGRAM", "SUFFIX"}
     assert ext.get("spec_verify_ct", 0) == steps - ext["spec_draft_len_histogram"].get("0", 0)
     if ext.get("spec_verify_ct"):
         assert ext["spec_accept_length"] >= 1.0 and ext["spec_predicted_accept_length"] >= 1.0

@@ -116,7 +116,7 @@ def test_metrics_parse_and_carry_speculative_statistics(http):
     assert m["specserve_spec_predicted_accept_length_count"] >= 1
     assert m["specserve_spec_cost_model_residual"] > 0
     drafters = labelled(http, "specserve_spec_drafter_steps_total")
-    assert drafters and set(drafters) <= {"DSPARK", "NGRAM"} and sum(drafters.values()) >= 1
+    assert drafters and set(drafters) <= {"DSPARK", "NGRAM", "SUFFIX"} and sum(drafters.values()) >= 1
     assert m["specserve_generation_tokens_total"] >= 16
     assert m["specserve_time_to_first_token_seconds_count"] >= 1
     assert 0 < m["specserve_kv_total_tokens"]

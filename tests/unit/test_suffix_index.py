@@ -9,6 +9,7 @@ import torch
 
 from specserve.args import ServerArgs
 from specserve.errors import ConfigError
+from specserve.sampling_params import SamplingParams
 from specserve.speculative import suffix_index as suffix_module
 from specserve.speculative.suffix_index import SuffixIndex
 from specserve.speculative.suffix_worker import SuffixConfig, SuffixWorker
@@ -128,10 +129,10 @@ def test_eviction_drops_the_oldest_segments_entries():
     assert (1, 2) not in index.index and index.draft([0, 4, 5], 3).tokens == (6,)
 
 
-def worker_input(rows: list[int], gamma: int) -> DraftInput:
+def worker_input(rows: list[int], gamma: int, temperature: float = 0.0) -> DraftInput:
     n = len(rows)
     return DraftInput(torch.tensor(rows), torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
-                      torch.zeros(n, dtype=torch.int64), [None] * n, [0] * n, gamma)
+                      torch.zeros(n, dtype=torch.int64), [SamplingParams(temperature=temperature)] * n, [0] * n, gamma)
 
 
 def test_a_finished_output_drafts_for_the_next_request_and_the_budget_holds():
@@ -147,6 +148,10 @@ def test_a_finished_output_drafts_for_the_next_request_and_the_budget_holds():
     drafts = worker.draft(worker_input([0], 4)).tokens.tolist()[0]
     assert drafts[:3] == answer[3:6]  # a 3-token match, spec factor 1: 3 drafts (then filler)
     assert worker.hints([0]) == [(1, 3)]  # matches of 2-3 tokens: bucket 1
+    # a sampled request drafts from its own tokens only (its seeded tokens then never depend on
+    # earlier requests): here nothing
+    assert worker.hints([0], greedy=[False]) == [(0, 0)]
+    assert worker.draft(worker_input([0], 4, temperature=0.7)).tokens.tolist()[0][:3] != answer[3:6]
     for n in range(3):  # more outputs than the budget
         worker.commit_tokens(0, [n, 100 + n, 200 + n], restart=True, new=1)
         worker.commit_tokens(0, [300 + n, 400 + n, 500 + n], restart=False)
