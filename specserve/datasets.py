@@ -37,11 +37,17 @@ def mtbench_first_turns() -> list[dict[str, str]]:
     return [{"category": r["category"], "prompt": r["turns"][0]} for r in mtbench_questions()]
 
 
+def humaneval_problems() -> list[dict[str, str]]:
+    """The 164 HumanEval problems as the package holds them (prompt, canonical_solution, entry_point, ...)."""
+    with gzip.open(package_file(*HUMANEVAL), "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def humaneval_prompts() -> list[dict[str, str]]:
     """The 164 HumanEval problems, asked as chat turns ("complete this function")."""
-    with gzip.open(package_file(*HUMANEVAL), "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [{"category": "humaneval", "prompt": "Complete this Python function.\n\n" + r["prompt"]} for r in rows]
+    return [
+        {"category": "humaneval", "prompt": "Complete this Python function.\n\n" + r["prompt"]} for r in humaneval_problems()
+    ]
 
 
 def jsonl_prompts(path: str) -> list[dict[str, str]]:
@@ -59,7 +65,7 @@ def jsonl_prompts(path: str) -> list[dict[str, str]]:
     return out
 
 
-def _sharegpt_records():
+def sharegpt_records():
     """ShareGPT V3 records in file order. The packaged file is cut off at the end, so records are
     decoded one by one and the truncated tail is dropped."""
     with open(package_file(*SHAREGPT)) as f:
@@ -83,7 +89,7 @@ def sharegpt_first_turns(limit: int, seed: int = 0, max_chars: int = 2000) -> li
     """Up to `limit` first human turns from ShareGPT V3, shuffled with `seed`, MT-Bench excluded."""
     excluded = {q["prompt"].strip() for q in _mtbench_or_empty()}
     prompts = []
-    for record in _sharegpt_records():
+    for record in sharegpt_records():
         first = _first(record.get("conversations") or [], "human")
         if 8 <= len(first) <= max_chars and first not in excluded:
             prompts.append(first)
@@ -94,7 +100,7 @@ def sharegpt_first_turns(limit: int, seed: int = 0, max_chars: int = 2000) -> li
 def sharegpt_first_exchanges():
     """(first human turn, first assistant answer) of every ShareGPT V3 conversation, in file order
     ('' where a side is missing)."""
-    for record in _sharegpt_records():
+    for record in sharegpt_records():
         turns = record.get("conversations") or []
         yield _first(turns, "human"), _first(turns, "gpt")
 

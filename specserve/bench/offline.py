@@ -57,11 +57,16 @@ def _chat_ids(tokenizer, n: int) -> list[list[int]]:
 
 
 def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Each text as a user's chat turn, or as plain text for a base model without a chat template
-    (Gemma 3 270M)."""
+    """Each text as a user's chat turn (request_ids)."""
+    return [request_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
+def request_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A chat request's prompt ids; for a base model without a chat template (Gemma 3 270M), its
+    turns' text."""
     if getattr(tokenizer, "chat_template", True) is None:
-        return [tokenizer.encode(t) for t in texts]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+        return tokenizer.encode("\n\n".join(m["content"] for m in messages))
+    return tokenizer.apply_chat_template(messages)
 
 
 def _long_ids(tokenizer, n: int) -> list[int]:

@@ -28,6 +28,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.args import ServerArgs, number_list
+from specserve.bench.offline import request_ids
 from specserve.bench.workloads import load_workloads
 from specserve.datasets import mtbench_first_turns
 
@@ -68,7 +69,7 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
         raise ConfigError(f"--configs: choose from {list(CONFIGS)}, NONE included (the baseline); got {ns.configs!r}")
     sizes = number_list("--batch-sizes", ns.batch_sizes)
     limits = {"mtbench": ns.num_prompts, "humaneval": ns.humaneval_prompts}
-    names = [w for w in ns.workloads.split(",") if w.strip() and limits.get(w.strip(), 1) > 0]
+    names = [w for w in (part.strip() for part in ns.workloads.split(",")) if w and limits.get(w, 1) > 0]
     workloads = {name: load_workloads(name, limits.get(name, ns.workload_prompts))[name] for name in names}
     runs, cost, tokenizer = [], None, None
     for bs in sizes:
@@ -114,13 +115,6 @@ def engine_kwargs(args: ServerArgs, name: str) -> dict[str, Any]:
     if name == "DSPARK" or name == "DEFAULT":
         base["speculative_draft_model_path"] = args.speculative_draft_model_path
     return {**base, **CONFIGS[name]}
-
-
-def request_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """A chat request's prompt ids; for a base model without a chat template, its turns' text."""
-    if getattr(tokenizer, "chat_template", True) is None:
-        return tokenizer.encode("\n\n".join(m["content"] for m in messages))
-    return tokenizer.apply_chat_template(messages)
 
 
 def run_once(engine, prompts: list[list[int]], categories: list[str], bs: int,

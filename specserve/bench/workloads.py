@@ -14,11 +14,10 @@ Deterministic: the same requests on every machine for the same packages.
 
 from __future__ import annotations
 
-import gzip
 import json
 from typing import Any, Callable
 
-from specserve.datasets import HUMANEVAL, _sharegpt_records, humaneval_prompts, mtbench_first_turns, package_file
+from specserve.datasets import humaneval_problems, humaneval_prompts, mtbench_first_turns, sharegpt_records
 from specserve.errors import ConfigError
 
 Request = dict[str, Any]
@@ -51,15 +50,10 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def _humaneval_rows() -> list[dict[str, str]]:
-    with gzip.open(package_file(*HUMANEVAL), "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def multiturn(limit: int, max_chars: int = 1500) -> list[Request]:
     """ShareGPT conversations at their second user turn: [user, assistant, user]."""
     out: list[Request] = []
-    for record in _sharegpt_records():
+    for record in sharegpt_records():
         turns = [t for t in record.get("conversations") or [] if t.get("from") in ("human", "gpt")]
         start = next((i for i, t in enumerate(turns) if t["from"] == "human"), None)
         if start is None or len(turns) < start + 3:
@@ -79,7 +73,7 @@ def multiturn(limit: int, max_chars: int = 1500) -> list[Request]:
 
 def code_edit(limit: int) -> list[Request]:
     """HumanEval solutions (prompt and canonical solution) with one of CODE_EDITS asked."""
-    rows = _humaneval_rows()[:limit]
+    rows = humaneval_problems()[:limit]
     return [
         {
             "category": "code-edit",
@@ -95,7 +89,7 @@ def code_edit(limit: int) -> list[Request]:
 def extraction(limit: int, max_chars: int = 800) -> list[Request]:
     """ShareGPT first user turns (from the file's end, away from multiturn's) to a JSON object."""
     texts: list[str] = []
-    for record in _sharegpt_records():
+    for record in sharegpt_records():
         turns = record.get("conversations") or []
         first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "").strip()
         if 40 <= len(first) <= max_chars:
@@ -113,7 +107,7 @@ def extraction(limit: int, max_chars: int = 800) -> list[Request]:
 
 def repeated_task(limit: int) -> list[Request]:
     """One instruction (CARD) over HumanEval functions' signatures and docstrings."""
-    rows = _humaneval_rows()[-limit:]
+    rows = humaneval_problems()[-limit:]
     return [{"category": "repeated-task", "messages": _user(CARD.format(code=r["prompt"].strip()))} for r in rows]
 
 

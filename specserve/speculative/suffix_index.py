@@ -11,7 +11,7 @@ longest agreement is the match, and the occurrences that reach it are the matche
 subtree. Walking the subtree greedily (the most frequent next token, then keep only the
 occurrences that continue with it) is walking the tree's most frequent path: the same draft, its
 probability the share of occurrences that continue along it. Ties go to the token of the newest
-occurrence (prompt lookup's rule, which the replay of recorded outputs found the better one).
+occurrence (prompt lookup's rule).
 
 Segments (a request's output) are appended whole and evicted oldest first; a position never
 matches across a segment boundary (a separator sits between segments). Memory is about one list
@@ -55,6 +55,7 @@ class SuffixIndex:
         self.base = 0
         self.index: dict[tuple[int, int], list[int]] = {}  # bigram -> absolute end positions, ascending
         self.segments: deque[int] = deque()  # lengths of the segments held (separator included), oldest first
+        self._open = 0  # absolute position where the open segment starts
 
     def __len__(self) -> int:
         """Tokens held (separators not counted)."""
@@ -66,7 +67,9 @@ class SuffixIndex:
         """A new segment (e.g. a finished request's output), then a separator."""
         self.extend(tokens)
         self.extend([SEPARATOR])
-        self.segments.append(len(self.tokens) + self.base - self._segment_start())
+        end = self.base + len(self.tokens)
+        self.segments.append(end - self._open)
+        self._open = end
 
     def extend(self, tokens: Sequence[int]) -> None:
         """More tokens at the end of the current (open) segment."""
@@ -75,9 +78,6 @@ class SuffixIndex:
             toks.append(tok)
             if len(toks) >= 2 and toks[-2] != SEPARATOR and tok != SEPARATOR:
                 index.setdefault((toks[-2], tok), []).append(self.base + len(toks) - 1)
-
-    def _segment_start(self) -> int:
-        return self.base + sum(self.segments)
 
     def evict_oldest(self) -> int:
         """Drop the oldest closed segment; the tokens it held."""
