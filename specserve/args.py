@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
-from specserve.names import DRAFTERS, LOOKUP_DRAFTERS, Algorithm
+from specserve.names import DRAFTERS, LOOKUP_DRAFTERS, MODEL_DRAFTERS, Algorithm
 from specserve.paths import check_writable_dir
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
@@ -65,7 +65,7 @@ class ServerArgs:
         None,
         "DSPARK (block drafter; the embedded model's default, with its shipped drafter), NGRAM (prompt "
         "lookup; the default for any other model, beside SUFFIX), SUFFIX (suffix matches over the request and "
-        "past outputs) or NONE (no speculation)",
+        "past outputs), STANDALONE (a draft model) or NONE (no speculation)",
         choices=SPEC_ALGORITHMS,
     )
     speculative_dspark_block_size: Optional[int] = flag(
@@ -73,8 +73,8 @@ class ServerArgs:
     )
     speculative_draft_model_path: Optional[str] = flag(
         None,
-        "DSpark drafter directory (config.json + model.safetensors, from `specserve train-drafter`); default "
-        "for the embedded model: the shipped one",
+        "DSPARK: the drafter directory (config.json + model.safetensors, from `specserve train-drafter`; default "
+        "for the embedded model: the shipped one); STANDALONE: a model (GGUF) with the target's vocabulary",
     )
     speculative_draft_weights: str = flag(
         "q8", "the DSpark drafter's linears and reduced head on CPU: q8 (ggml Q8_0 codes), or bf16", choices=("bf16", "q8")
@@ -197,7 +197,9 @@ class ServerArgs:
         if self.speculative_policy_drafters:
             return tuple(d.strip().upper() for d in self.speculative_policy_drafters.split(",") if d.strip())
         assert self.speculative_algorithm is not None, "asked only while speculating"
-        return DRAFTERS if self.speculative_algorithm == Algorithm.DSPARK else (self.speculative_algorithm,)
+        if self.speculative_algorithm in MODEL_DRAFTERS:  # the model drafter, and the lookups beside it
+            return (self.speculative_algorithm, *LOOKUP_DRAFTERS)
+        return (self.speculative_algorithm,)
 
     def verify_mode(self) -> str:
         """The flag, else $SPECSERVE_RAGGED_VERIFY_MODE, else static."""
@@ -308,7 +310,7 @@ def _check_sizes(args: ServerArgs) -> None:
 def _check_speculative(args: ServerArgs) -> None:
     if args.speculative_algorithm not in SPEC_ALGORITHMS:
         raise ConfigError(
-            f"speculative_algorithm must be one of DSPARK, NGRAM, SUFFIX, NONE, got {args.speculative_algorithm!r}"
+            f"speculative_algorithm must be one of {', '.join(map(str, DRAFTERS))}, NONE, got {args.speculative_algorithm!r}"
         )
     _at_least("speculative_suffix_max_tree_depth", args.speculative_suffix_max_tree_depth, 2)
     _at_least("speculative_suffix_cache_tokens", args.speculative_suffix_cache_tokens, 0)
@@ -322,6 +324,8 @@ def _check_speculative(args: ServerArgs) -> None:
             "speculative_draft_model_path: DSPARK needs a drafter directory "
             "(make a random one with `specserve init-drafter --out DIR`)"
         )
+    if args.speculative_algorithm == Algorithm.STANDALONE and not args.speculative_draft_model_path:
+        raise ConfigError("speculative_draft_model_path: STANDALONE needs a GGUF with the target's vocabulary")
     if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
         raise ConfigError(
             f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got {args.speculative_dspark_verify_mode!r}"
@@ -344,8 +348,8 @@ def _check_speculative(args: ServerArgs) -> None:
                 f"speculative_policy_drafters: a comma-separated subset of {','.join(DRAFTERS)}, got "
                 f"{args.speculative_policy_drafters!r}"
             )
-        if Algorithm.DSPARK in args.policy_drafters() and args.speculative_algorithm != Algorithm.DSPARK:
-            raise ConfigError("speculative_policy_drafters: DSPARK needs --speculative-algorithm DSPARK (its drafter)")
+        for name in sorted(set(MODEL_DRAFTERS) & set(args.policy_drafters()) - {args.speculative_algorithm}):
+            raise ConfigError(f"speculative_policy_drafters: {name} needs --speculative-algorithm {name} (its model)")
 
 
 def _check_hicache(args: ServerArgs) -> None:

@@ -28,13 +28,17 @@ class StepMode(_Name):
 
 
 class Algorithm(_Name):
-    """A speculative algorithm; NGRAM, DSPARK and SUFFIX are also the names of the draft workers."""
+    """A speculative algorithm; all but NONE are also the names of the draft workers."""
 
     NONE = "NONE"
     NGRAM = "NGRAM"
     DSPARK = "DSPARK"
     SUFFIX = "SUFFIX"
+    STANDALONE = "STANDALONE"
 
 
-DRAFTERS = (Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX)  # the algorithms that draft
+DRAFTERS = (Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX, Algorithm.STANDALONE)  # the algorithms that draft
 LOOKUP_DRAFTERS = (Algorithm.NGRAM, Algorithm.SUFFIX)  # those that need no model: any model's default
+# Those that run a model of their own, from --speculative-draft-model-path (one per engine): the cost
+# model prices either as "the drafting model" (a fixed part when it runs, a part per draft).
+MODEL_DRAFTERS = (Algorithm.DSPARK, Algorithm.STANDALONE)

@@ -1,8 +1,10 @@
 """`specserve bench spec`: speculative decoding configurations side by side in one run.
 
-Configurations: NONE (plain decoding), NGRAM, SUFFIX and DSPARK with the policy turned off (every
-request drafts gamma tokens with that drafter), and DEFAULT (what `specserve serve` runs: the
-adaptive policy over DSPARK, NGRAM and SUFFIX, or the two lookups for a model without a drafter).
+Configurations: NONE (plain decoding), NGRAM, SUFFIX, DSPARK and STANDALONE (the draft model of
+--speculative-draft-model-path) with the policy turned off (every request drafts gamma tokens with
+that drafter), and DEFAULT (what `specserve serve` runs: the adaptive policy over DSPARK, NGRAM and
+SUFFIX, over STANDALONE, NGRAM and SUFFIX given --speculative-algorithm STANDALONE, or the two
+lookups for a model without a drafter).
 Workloads (bench/workloads.py): MT-Bench first turns (by category at batch 1), HumanEval,
 multi-turn chat, code editing, JSON extraction and a repeated task, greedy. SUFFIX's index of past
 outputs starts empty at every run, so a repeat never drafts from its own earlier answers. Batch size b is a server's concurrency: every prompt is submitted at once to
@@ -37,6 +39,7 @@ CONFIGS = {
     "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_policy": "fixed"},
     "SUFFIX": {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"},
     "DSPARK": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"},
+    "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_policy": "fixed"},
     "DEFAULT": {},
 }
 # The issue's targets: DEFAULT >= 0.98x NONE everywhere; at batch 1 >= the best fixed configuration
@@ -112,8 +115,10 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
 
 def engine_kwargs(args: ServerArgs, name: str) -> dict[str, Any]:
     base = {k: v for k, v in vars(args).items() if not k.startswith("speculative_")}
-    if name == "DSPARK" or name == "DEFAULT":
+    if name in ("DSPARK", "STANDALONE", "DEFAULT"):
         base["speculative_draft_model_path"] = args.speculative_draft_model_path
+    if name == "DEFAULT" and args.speculative_algorithm == "STANDALONE":  # serve's default with a draft model
+        base["speculative_algorithm"] = "STANDALONE"
     return {**base, **CONFIGS[name]}
 
 

@@ -18,6 +18,7 @@ from specserve import envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
+from specserve.engine.draft_model import drafter_memory, standalone_worker
 from specserve.engine.memory import DEFAULT_KV_FRACTION, KVRequest, cpu_kv_tokens, weights_bytes
 from specserve.engine.prefix_cache import build_prefix_cache
 from specserve.engine.start_cache import cost_prior, weight_cache
@@ -132,7 +133,7 @@ def build_rank(args: ServerArgs, dist_cfg: Optional[DistConfig]) -> EngineParts:
     sanitizer = StreamSanitizer() if envs.env_flag(envs.STREAM_SANITIZER) else None
     forward_stream, copy_stream = _make_streams(args, faults, sanitizer)
     req_to_token = ReqToTokenPool(args.max_running_requests + 1, target.max_positions, args.device, stream=forward_stream)
-    workers = _make_workers(args, drafter, gamma, size, dtype, req_to_token)
+    workers = _make_workers(args, target, gamma, size, req_to_token)
     consensus = RankConsensusChecker.from_env(dist)
     pools = [kv] + [p for w in workers for p in w.kv_pools]
     tree = build_prefix_cache(args, size, allocator, pools, (forward_stream, copy_stream), dist, tp_rank, consensus)
@@ -238,17 +239,12 @@ def _kv_pool_size(
 ) -> int:
     """Token slots of the KV pools (the target's and the drafter's share them), equal on every rank;
     the model's files and the pools checked against the free memory first."""
-    per_token = KVPool.bytes_per_token(cfg.num_layers, local_kv_heads, cfg.head_dim, dtype)
-    model_bytes = weights_bytes(path)
-    if args.speculative_algorithm == Algorithm.DSPARK and args.speculative_draft_model_path:
-        dc = read_drafter_config(args.speculative_draft_model_path)
-        per_token += KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype)
-        model_bytes += weights_bytes(args.speculative_draft_model_path)
+    draft_per_token, draft_bytes = drafter_memory(args, dtype)
     req = KVRequest(
-        bytes_per_token=per_token,
+        bytes_per_token=KVPool.bytes_per_token(cfg.num_layers, local_kv_heads, cfg.head_dim, dtype) + draft_per_token,
         max_useful_tokens=args.max_running_requests * max_positions,
         context_tokens=max_positions,
-        model_bytes=model_bytes // args.tp_size,  # each rank packs its shard
+        model_bytes=weights_bytes(path) // args.tp_size + draft_bytes,  # each rank packs its shard; drafters whole
         ranks_on_host=args.tp_size // args.nnodes,
     )
     size = kv_pool_tokens(args, req)
@@ -287,15 +283,12 @@ def _make_streams(args: ServerArgs, faults: FaultConfig, sanitizer: Optional[Str
 
 
 def _make_workers(
-    args: ServerArgs,
-    drafter: Optional[DsparkDrafter],
-    gamma: int,
-    size: int,
-    dtype: torch.dtype,
-    req_to_token: ReqToTokenPool,
+    args: ServerArgs, target: _Target, gamma: int, size: int, req_to_token: ReqToTokenPool
 ) -> list[DraftWorker]:
-    """The drafters: the draft K/V of DSPARK share the target's token slots, so one allocator serves both."""
+    """The drafters: the draft K/V of DSPARK and STANDALONE share the target's token slots, so one
+    allocator serves all."""
     workers: list[DraftWorker] = []
+    drafter, dtype = target.drafter, target.dtype
     adaptive = args.speculating and args.speculative_policy == "adaptive"
     if drafter is not None:
         dc = drafter.config
@@ -306,6 +299,10 @@ def _make_workers(
         # Deferred injection under the adaptive policy, unless the host tier copies the pools too.
         defer = adaptive and not args.enable_hierarchical_cache
         workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))
+    if args.speculative_algorithm == Algorithm.STANDALONE:
+        captures, vocab = _captures(args, target.config), target.config.vocab_size
+        table, positions = req_to_token.table, target.max_positions
+        workers.append(standalone_worker(args, target.tokenizer, vocab, size, dtype, table, positions, captures))
     if args.speculative_algorithm == Algorithm.NGRAM or adaptive and Algorithm.NGRAM in args.policy_drafters():
         workers.append(NgramWorker(gamma))
     if args.speculative_algorithm == Algorithm.SUFFIX or adaptive and Algorithm.SUFFIX in args.policy_drafters():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -58,14 +58,32 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
             bs: timer(partial(_captured_decode, runner, bs, ctx)) if runner.capture.covers(bs) else step[(bs, 1)]
             for bs in (1, batch)
         }
-        draft = {}
-        dspark = runner.speculation.worker(Algorithm.DSPARK)
-        if dspark is not None:
-            draft = {bs: timer(partial(_draft, runner, dspark, bs, gamma, ctx)) for bs in (1, batch)}
+        drafting = _drafting_cost(runner, timer, batch, gamma, ctx)
     finally:
         runner.speculation.flush()  # the synthetic rows go now, before any request holds their slots
         table[:batch] = saved
-    return _fit(step, plain, draft, batch, gamma, timer(_ngram_lookup))
+    return _fit(step, plain, drafting, batch, gamma, timer(_ngram_lookup))
+
+
+def _drafting_cost(runner, timer: "_Timer", batch: int, gamma: int, ctx: int) -> tuple[float, float]:
+    """The drafting model's fixed part and part per draft (0, 0 without one). DSPARK drafts a
+    block in one pass, so its part per draft is a row of its heads: from drafting at batch 1 and
+    at `batch`. STANDALONE drafts one token per decode step of its model: from drafting 1 and
+    gamma tokens at batch 1 (its steps cost nearly the same at a larger batch, so the cost model's
+    part per drafted row overprices a batch's drafts, never underprices them)."""
+    dspark = runner.speculation.worker(Algorithm.DSPARK)
+    if dspark is not None:
+        draft = {bs: timer(partial(_draft, runner, dspark, bs, gamma, ctx)) for bs in (1, batch)}
+        row = max(0.0, (draft[batch] - draft[1]) / ((batch - 1) * gamma))
+        return max(0.0, draft[1] - gamma * row), row
+    standalone = runner.speculation.worker(Algorithm.STANDALONE)
+    if standalone is None:
+        return 0.0, 0.0
+    ids = spread_ids(ctx + 1, runner.model.config.vocab_size, "cpu").tolist()
+    standalone.commit_tokens(0, ids, restart=True, new=1)  # the synthetic request's tokens, the anchor last
+    one, full = (timer(partial(_draft, runner, standalone, 1, gamma, ctx, k)) for k in (1, gamma))
+    row = max(0.0, (full - one) / max(gamma - 1, 1))
+    return max(0.0, one - row), row
 
 
 def _forward(runner, bs: int, width: int, ctx: int) -> None:
@@ -94,7 +112,7 @@ def _captured_decode(runner, bs: int, ctx: int) -> None:
     )
 
 
-def _draft(runner, worker, bs: int, gamma: int, ctx: int) -> None:
+def _draft(runner, worker, bs: int, gamma: int, ctx: int, needed: Optional[int] = None) -> None:
     dev = runner.device
     rows = torch.arange(bs, device=dev)
     worker.draft(
@@ -106,6 +124,7 @@ def _draft(runner, worker, bs: int, gamma: int, ctx: int) -> None:
             [SamplingParams(temperature=0.0)] * bs,
             [0] * bs,
             gamma,
+            needed,
         )
     )
 
@@ -143,22 +162,19 @@ class _Timer:
 def _fit(
     step: dict[tuple[int, int], float],
     plain: dict[int, float],
-    draft: dict[int, float],
+    drafting: tuple[float, float],
     batch: int,
     gamma: int,
     ngram_s: float,
 ) -> list[float]:
     """Plain decode steps give the fixed and per-request parts; eager steps over full windows the
     part per verified row and, against plain decode, the fixed cost of taking the verify path;
-    the drafter's two timings give its fixed and per-row parts."""
+    the drafting model's parts are measured by `_drafting_cost`."""
     per_request = (plain[batch] - plain[1]) / (batch - 1)
     fixed = plain[1] - per_request
     per_row = statistics.mean((step[(bs, gamma + 1)] - step[(bs, 1)]) / (bs * gamma) for bs in (1, batch))
     verify_step = statistics.mean(step[(bs, 1)] - plain[bs] for bs in (1, batch))
-    dspark_step = dspark_row = 0.0
-    if draft:
-        dspark_row = max(0.0, (draft[batch] - draft[1]) / ((batch - 1) * gamma))
-        dspark_step = max(0.0, draft[1] - gamma * dspark_row)
+    dspark_step, dspark_row = drafting
     coefficients = dict(
         fixed=fixed,
         requests=per_request,

@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+from specserve.names import MODEL_DRAFTERS
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.acceptance import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import StepCostModel, StepShape
@@ -45,6 +46,7 @@ from specserve.speculative.policy import (
     DSPARK,
     LOOKUPS,
     NGRAM,
+    STANDALONE,
     SUFFIX,
     Candidate,
     Decision,
@@ -60,6 +62,7 @@ NGRAM_PRIORS = (0.02, 0.2, 0.35, 0.5, 0.6)
 # SUFFIX rates per matched-suffix bucket (suffix_worker.MATCH_BUCKETS: none, 2-3, 4-7, 8-15, 16+);
 # a walk that found nothing drafts nothing.
 SUFFIX_PRIORS = (0.0, 0.3, 0.45, 0.6, 0.7)
+STANDALONE_PRIOR = 0.6  # a draft model of the target's family agrees with it on most tokens of most text
 
 
 @dataclass
@@ -82,8 +85,8 @@ class StepPlan:
         shape = StepShape(
             len(drafters),
             sum(drafts),
-            sum(d == DSPARK for d in drafters),
-            gamma * sum(d == DSPARK for d in drafters),
+            sum(d in MODEL_DRAFTERS for d in drafters),
+            gamma * sum(d in MODEL_DRAFTERS for d in drafters),
             sum(d in LOOKUPS for d in drafters),
         )
         return cls(list(drafters), drafts, [0.0] * len(drafts), shape)
@@ -121,8 +124,9 @@ class AdaptivePolicy:
         self.explore_every = explore_every
         self.min_gain = min_gain  # a plan must beat plain decoding by this fraction (prediction errors)
         self.rows: dict[int, _Row] = {}
-        # Engine-wide conditional rates: DSPARK per position; NGRAM per match length and position.
+        # Engine-wide conditional rates: DSPARK's and STANDALONE's per position; NGRAM per match length and position.
         self.dspark_rates = SurvivalEstimate(gamma, prior=DSPARK_PRIOR, decay=0.98, prior_weight=1.0)
+        self.standalone_rates = SurvivalEstimate(gamma, prior=STANDALONE_PRIOR, decay=0.98, prior_weight=1.0)
         self.ngram_rates = [SurvivalEstimate(gamma, prior=p, decay=0.98, prior_weight=1.0) for p in NGRAM_PRIORS]
         self.suffix_rates = [SurvivalEstimate(gamma, prior=p, decay=0.98, prior_weight=1.0) for p in SUFFIX_PRIORS]
         # this step's SUFFIX hints per request slot: (match bucket, tokens its walk drafted)
@@ -189,8 +193,8 @@ class AdaptivePolicy:
             if decision.drafter is not None and decision.drafts > 0:
                 drafters[i], drafts[i] = decision.drafter, decision.drafts
                 predicted[i] = decision.expected_tokens(cands)
-        dspark = sum(d == DSPARK for d in drafters)
-        dspark_rows = sum(k for d, k in zip(drafters, drafts) if d == DSPARK)
+        dspark = sum(d in MODEL_DRAFTERS for d in drafters)
+        dspark_rows = sum(k for d, k in zip(drafters, drafts) if d in MODEL_DRAFTERS)
         shape = StepShape(bs, sum(drafts), dspark, dspark_rows, sum(d in LOOKUPS for d in drafters))
         self._match_lens = dict(zip(rows, match_lens or [0] * bs))
         return StepPlan(drafters, drafts, predicted, shape)
@@ -265,8 +269,9 @@ class AdaptivePolicy:
             own = [est.first_rate for row in self.rows.values() for est in row.own.values() if est.tested[0] > 0]
             self._own_bound, self._own_bound_version = max(own, default=0.0), self._estimates_version
         bound = self._own_bound
-        if DSPARK in self.drafters:
-            bound = max(bound, self.dspark_rates.first_rate)
+        for name, rates in ((DSPARK, self.dspark_rates), (STANDALONE, self.standalone_rates)):
+            if name in self.drafters:
+                bound = max(bound, rates.first_rate)
         if NGRAM in self.drafters:
             buckets = {min(match[i], MAX_MATCH_BUCKET) for i in live if speculating[i]}
             bound = max([bound] + [self.ngram_rates[b].first_rate for b in buckets])
@@ -323,6 +328,8 @@ class AdaptivePolicy:
         for the request's current match (NGRAM: match_len; SUFFIX: this step's hint for the slot)."""
         if name == DSPARK:
             return self.dspark_rates
+        if name == STANDALONE:
+            return self.standalone_rates
         if name == SUFFIX:
             return self.suffix_rates[self._suffix.get(row, (0, 0))[0]]
         return self.ngram_rates[min(match_len, MAX_MATCH_BUCKET)]

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from specserve.errors import InternalError
-from specserve.names import Algorithm
+from specserve.names import MODEL_DRAFTERS, Algorithm
 from specserve.speculative.cost_model import StepCostModel
 
-DSPARK, NGRAM, SUFFIX = Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX  # the draft workers' names
+DSPARK, NGRAM, SUFFIX, STANDALONE = Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX, Algorithm.STANDALONE
 LOOKUPS = (NGRAM, SUFFIX)  # drafters that look their drafts up on the host (the cost model's ngram_requests)
 
 
@@ -78,8 +78,8 @@ class _Plan:
             tokens += d.expected_tokens(c)
             if d.drafter is not None and d.drafts > 0:
                 rows += d.drafts
-                dspark += d.drafter == DSPARK
-                dspark_rows += d.drafts if d.drafter == DSPARK else 0
+                dspark += d.drafter in MODEL_DRAFTERS
+                dspark_rows += d.drafts if d.drafter in MODEL_DRAFTERS else 0
                 ngram += d.drafter in LOOKUPS
         return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark_rows, ngram)
 
@@ -97,7 +97,7 @@ def choose_drafts(
     best, best_rate = plain, plain_rate
     coef = cost.coefficients()
     for dspark_runs in (False, True):
-        if dspark_runs and not any(c.drafter == DSPARK for cands in requests for c in cands):
+        if dspark_runs and not any(c.drafter in MODEL_DRAFTERS for cands in requests for c in cands):
             continue
         options = [_priced_options(cands, coef, dspark_runs) for cands in requests]
         rate = best_rate
@@ -120,10 +120,11 @@ def _priced_options(
     its drafts a verified row and a row of the drafter's heads (it computes the first k)."""
     out = [(1.0, 0.0, Decision())]
     for c in candidates:
-        if c.drafter == DSPARK and not dspark_runs:
+        model = c.drafter in MODEL_DRAFTERS
+        if model and not dspark_runs:
             continue
-        per_row = coef["verify_rows"] + (coef["dspark_rows"] if c.drafter == DSPARK else 0.0)
-        extra = 0.0 if c.drafter == DSPARK else coef["ngram_requests"]
+        per_row = coef["verify_rows"] + (coef["dspark_rows"] if model else 0.0)
+        extra = 0.0 if model else coef["ngram_requests"]
         out += [(c.expected_tokens(k), per_row * k + extra, Decision(c.drafter, k)) for k in range(1, len(c.survival) + 1)]
     return out
 

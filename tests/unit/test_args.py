@@ -22,6 +22,8 @@ def test_verify_mode_comes_from_flag_then_environment_then_static(monkeypatch):
     ({"speculative_dspark_block_size": 16}, "speculative_dspark_block_size"),
     ({"speculative_algorithm": "DSPARK", "model_path": "other.gguf"}, "speculative_draft_model_path"),
     ({"speculative_dspark_verify_mode": "ragged"}, "speculative_dspark_verify_mode"),
+    ({"speculative_algorithm": "STANDALONE", "model_path": "other.gguf"}, "speculative_draft_model_path"),
+    ({"model_path": "other.gguf", "speculative_policy_drafters": "STANDALONE,NGRAM"}, "speculative_policy_drafters"),
 ])
 def test_bad_speculative_settings_name_their_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -45,6 +47,8 @@ def test_embedded_model_speculates_with_its_shipped_drafter_and_any_other_with_n
     assert not ServerArgs(model_path="other.gguf", speculative_algorithm="NONE").speculating
     drafted = ServerArgs(model_path="other.gguf", speculative_algorithm="DSPARK", speculative_draft_model_path="/x")
     assert drafted.speculative_algorithm == "DSPARK" and drafted.speculative_draft_model_path == "/x"
+    standalone = ServerArgs(model_path="other.gguf", speculative_algorithm="STANDALONE", speculative_draft_model_path="/x")
+    assert standalone.policy_drafters() == ("STANDALONE", "NGRAM", "SUFFIX")
 
 
 # ---------------------------------------------------------------- ranges and types of every field
