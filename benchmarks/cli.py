@@ -41,6 +41,14 @@ COMMANDS: tuple[Command, ...] = (
         engine_flags=True,
     ),
     Command(
+        "standalone-cost",
+        "a STANDALONE step at batch 1 against a plain decode step per target file, and the acceptance "
+        "at which the draft model pays (composed)",
+        "benchmarks.standalone_cost:add_standalone_cost_args",
+        "benchmarks.standalone_cost:run_standalone_cost",
+        engine_flags=True,
+    ),
+    Command(
         "router",
         "2 replicas behind SGLang's router on MT-Bench conversations: cache-aware vs "
         "round-robin hit rate and TTFT, 1 vs 2 replicas throughput",

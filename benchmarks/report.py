@@ -45,7 +45,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "spec-ready": speculation.render_spec_ready, "spec-workloads": speculation.render_spec_workloads,
     "spec-workloads-qwen": lambda r: speculation.render_spec_workloads(r, "spec_workloads_qwen.json"),
     "spec-workloads-default": lambda r: speculation.render_spec_workloads(r, "spec_workloads_default.json"),
-    "dspark-step": speculation.render_dspark_step, "prefetch": speculation.render_prefetch, "overlap": speculation.render_overlap,
+    "standalone-cost": speculation.render_standalone_cost, "dspark-step": speculation.render_dspark_step, "prefetch": speculation.render_prefetch, "overlap": speculation.render_overlap,
     "kernel-paths-avx2": lambda r: engine.kernel_paths_table(r, "kernel_paths.json"),
     "kernel-paths-avx512": lambda r: engine.kernel_paths_table(r, "kernel_paths_avx512.json"),
     "offline": engine.render_offline, "models": engine.render_models, "models-at-size": engine.render_models_at_size, "models-moe": engine.render_models_moe, "startup": engine.render_startup, "startup-moe": lambda r: engine.render_startup(r, "startup_moe.json"), "models-small-native": engine.render_models_small_native, "weight-stream": engine.render_weight_stream, "step-profile": engine.render_step_profile, "quality": engine.render_quality,

@@ -3,7 +3,9 @@
 # with 16 parallel slots (continuous batching), all on the embedded GGUF and the same 2 cores:
 # starts the three servers on free ports, runs `specserve bench serving` with llama-server as the
 # baseline of the ratios, and stops them. llama-server is built as scripts/llama_cpp_build.sh says.
-# Usage: bash scripts/serving_bench.sh [OUT.json] [PLOT.png]   (extra bench flags in BENCH_FLAGS)
+# With LLAMA_SPEC_TYPE set (e.g. ngram-mod), a fourth server: llama-server speculating with it.
+# Usage: bash scripts/serving_bench.sh [OUT.json] [PLOT.png]   (extra bench flags in BENCH_FLAGS,
+# e.g. BENCH_FLAGS="--dataset multiturn" for whole conversations)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_results/serving_mtbench.json}
@@ -12,9 +14,9 @@ WORK=${LLAMA_WORK:-/tmp/llama-bench}
 bash scripts/llama_cpp_build.sh "$WORK" llama-server
 SERVER="$WORK/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 MODEL=$(.venv/bin/python -c "from specserve.models.loader import default_model_path; print(default_model_path())")
-read -r P1 P2 P3 < <(.venv/bin/python -c "
+read -r P1 P2 P3 P4 < <(.venv/bin/python -c "
 import socket
-socks = [socket.socket() for _ in range(3)]
+socks = [socket.socket() for _ in range(4)]
 for s in socks: s.bind(('127.0.0.1', 0))
 print(*[s.getsockname()[1] for s in socks])")
 LOGS=$(mktemp -d)
@@ -26,7 +28,17 @@ PIDS+=($!)
 PIDS+=($!)
 .venv/bin/specserve serve --port "$P3" > "$LOGS/default.log" 2>&1 &
 PIDS+=($!)
-for port in "$P1" "$P2" "$P3"; do
+PORTS=("$P1" "$P2" "$P3")
+TARGETS=(--target "llama-server=http://127.0.0.1:$P1" --target "specserve-none=http://127.0.0.1:$P2"
+         --target "specserve-default=http://127.0.0.1:$P3")
+if [ -n "${LLAMA_SPEC_TYPE:-}" ]; then
+  "$SERVER" -m "$MODEL" -t 2 -tb 2 -np 16 -c 16384 --jinja --spec-type "$LLAMA_SPEC_TYPE" --host 127.0.0.1 \
+    --port "$P4" > "$LOGS/llama-server-spec.log" 2>&1 &
+  PIDS+=($!)
+  PORTS+=("$P4")
+  TARGETS+=(--target "llama-server-$LLAMA_SPEC_TYPE=http://127.0.0.1:$P4")
+fi
+for port in "${PORTS[@]}"; do
   for _ in $(seq 600); do
     curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null && break
     sleep 1
@@ -34,6 +46,5 @@ for port in "$P1" "$P2" "$P3"; do
   curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null || { echo "server on $port did not start; logs in $LOGS" >&2; exit 1; }
 done
 # shellcheck disable=SC2086
-.venv/bin/specserve bench serving --target llama-server=http://127.0.0.1:$P1 \
-  --target specserve-none=http://127.0.0.1:$P2 --target specserve-default=http://127.0.0.1:$P3 \
+.venv/bin/specserve bench serving "${TARGETS[@]}" \
   --num-prompts 32 --max-tokens 128 --concurrency 1,4,16 --repeats 3 ${BENCH_FLAGS:-} --out "$OUT" --plot "$PLOT"

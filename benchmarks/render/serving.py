@@ -56,8 +56,11 @@ def _median_range(cell: dict[str, float], fmt: str) -> str:
     return f"{cell['median']:{fmt}} ({cell['min']:{fmt}}-{cell['max']:{fmt}})"
 
 
-def render_serving(results: str) -> str:
-    data = load(results, "serving_mtbench.json")
+DATASETS = {"mt-bench": "MT-Bench first turns", "multiturn": "multi-turn conversations (ShareGPT, turn 2 onward)"}
+
+
+def render_serving(results: str, file: str = "serving_mtbench.json") -> str:
+    data = load(results, file)
     rows_by = {(r["target"], r["concurrency"]): r for r in data["summary"]}
     runs = data["runs"]
     targets = list(dict.fromkeys(r["target"] for r in data["summary"]))
@@ -74,25 +77,29 @@ def render_serving(results: str) -> str:
                     + [" / ".join(f"{x['tpot_p50_ms']['median']:.1f}" for x in cells),
                        " / ".join(f"{x['ttft_p50_ms']['median']:.0f}" for x in cells)])
     failed = sum(r["failed"] for r in runs)
-    pair = f" {_last_over_second(runs, targets)}" if len(targets) >= 3 else ""
+    pairs = [(t, "llama-server") for t in targets if t.startswith("llama-server-")]
+    pairs += [(targets[-1 - len(pairs)], targets[1])] if len(targets) >= 3 else []
+    pair = "".join(f" {_over(runs, a, b)}" for a, b in pairs)
     accept = [f"{r['target']} {r['accept_length']:.2f} at concurrency {r['concurrency']}" for r in runs
               if r.get("accept_length") and r["repeat"] == 0]
     servers = data.get("servers", {})
     said = "; ".join(f"{t}: {s.get('speculative_algorithm')}, {s.get('speculative_policy')} policy"
                      for t, s in servers.items() if s)
     return table(header, rows) + (
-        f"\n\n{data['num_prompts']} MT-Bench first turns, streamed, greedy, up to {data['max_tokens']} tokens; "
+        f"\n\n{data['num_prompts']} {DATASETS.get(data.get('dataset', 'mt-bench'), data.get('dataset'))}, streamed, "
+        f"greedy, up to {data['max_tokens']} tokens; "
         f"median (lowest-highest) of {data['repeats']} rounds, the targets interleaved in each, each ratio formed "
         f"within its round (bold: every run beat every run of {base}; \"within noise\": the runs overlap); "
         f"failed requests: {failed}.{pair} Accept length (first round): {', '.join(accept) or 'not reported'}. "
         + (f"Servers as they reported themselves: {said}. " if said else "") +
-        f"{provenance(data, 'serving_mtbench.json')}\n")
+        f"{provenance(data, file)}\n")
 
 
-def _last_over_second(runs: list[dict], targets: list[str]) -> str:
-    """The last target's throughput over the second's at each concurrency, each ratio formed within
-    its round: median (lowest-highest), a gain or a loss only where the two targets' runs do not overlap."""
-    a, b = targets[-1], targets[1]
+def _over(runs: list[dict], a: str, b: str) -> str:
+    """Target a's throughput over target b's at each concurrency (speculation over none: the last
+    specserve target over the second, a llama-server with a --spec-type over the plain one), each
+    ratio formed within its round: median (lowest-highest), a gain or a loss only where the two
+    targets' runs do not overlap."""
     cells = []
     for c in sorted({r["concurrency"] for r in runs}):
         mine = {r["repeat"]: r["output_tokens_per_s"] for r in runs if r["target"] == a and r["concurrency"] == c}

@@ -4,6 +4,7 @@ normal loop."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from benchmarks.render.common import load, provenance, table, versus
@@ -154,7 +155,7 @@ def render_spec_workloads(results: str, file: str = "spec_workloads.json") -> st
     (bench/workloads.py), per batch size, with accept lengths and what the default chose."""
     data = load(results, file)
     rows = _rows(data)
-    configs = [c for c in ("NGRAM", "SUFFIX", "DSPARK", "DEFAULT") if any(k[2] == c for k in rows)]
+    configs = [c for c in ("NGRAM", "SUFFIX", "DSPARK", "STANDALONE", "DEFAULT") if any(k[2] == c for k in rows)]
     body = []
     for workload, bs in sorted({(w, b) for w, b, _ in rows}):
         none = rows[(workload, bs, "NONE")]
@@ -174,3 +175,49 @@ def render_spec_workloads(results: str, file: str = "spec_workloads.json") -> st
         f"NONE). Tokens equal NONE's in every run: {'yes' if same else '**no**'}. SUFFIX's global index: "
         f"{data['suffix_index_mib_per_million_tokens']:.0f} MiB per million tokens at worst (no bigram repeating). "
         f"{provenance(data, file)}\n")
+
+
+def render_standalone_cost(results: str, file: str = "standalone_cost.json") -> str:
+    """A STANDALONE step against a plain decode step per target, and the break-even acceptance
+    composed from it (`python -m benchmarks standalone-cost`)."""
+    data = load(results, file)
+    body = []
+    for target in data["targets"]:
+        for k, row in target["drafts"].items():
+            ratio, even = row["step_over_decode"], row["break_even_acceptance"]
+            body.append([target["target"], f"{target['decode_step_ms']['median']:.1f}", k,
+                         f"{row['step_ms']['median']:.1f}",
+                         f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}]",
+                         f"{even['median']:.2f} [{even['min']:.2f}-{even['max']:.2f}]"])
+    header = ["target", "decode step ms", "drafts k", "STANDALONE step ms", "step / decode step",
+              "break-even acceptance per token (composed)"]
+    return table(header, body) + (
+        f"\n\nDraft model `{data['draft_model']}`, batch 1, greedy; a step's time is (t({data['new_tokens']} tokens) "
+        f"- t(1 token)) / steps of one request, median [lowest-highest] of {data['repeats']} interleaved repeats. "
+        "The targets are synthetic (the published tensor tables, random weights): they reject nearly every draft, "
+        "so each STANDALONE step is a steady one (the anchor caught up, k - 1 draft decode steps, k + 1 target rows). "
+        "The break-even acceptance is the per-token acceptance a at which a window's expected tokens "
+        "(1 - a^(k+1)) / (1 - a) repay that step: a price, composed from the measured cost, not a measured speed-up "
+        f"(acceptance belongs to a pair of real models). {provenance(data, file)}\n" + _standalone_floor(results))
+
+
+def _standalone_floor(results: str, file: str = "spec_standalone_1.5b.json") -> str:
+    """End to end on the first target, where the drafts fail: what every window drafted costs, and
+    whether the default (adaptive over STANDALONE and the lookups) keeps to NONE's speed."""
+    data = load(results, file)
+    rows = _rows(data)
+    cells = []
+    for config in ("STANDALONE", "DEFAULT"):
+        for (workload, bs, name), row in sorted(rows.items()):
+            if name == config:
+                none = rows[(workload, bs, "NONE")]
+                cells.append(f"{config} {versus(row['ratio_to_none'], row['runs_tokens_per_s'], none['runs_tokens_per_s'])} "
+                             f"on {workload} at batch {bs}")
+    same = all(r["identical_to_none"] for r in data["table"])
+    # The file's drafter is this draft model (a GGUF), not a DSpark drafter to check against the shipped one.
+    draft = os.path.basename(data["drafter"]["path"])
+    data = {k: v for k, v in data.items() if k != "drafter"}
+    return (f"\nEnd to end with the same draft model (`{draft}`) on the first target (`specserve bench spec --configs "
+            f"NONE,STANDALONE,DEFAULT`, {data['new_tokens']} new tokens, prefill included, median of {data['repeats']} "
+            f"interleaved repeats), against NONE: {'; '.join(cells)}; tokens equal NONE's: {'yes' if same else '**no**'}. "
+            f"{provenance(data, file)}\n")

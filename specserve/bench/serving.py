@@ -19,12 +19,13 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from specserve.args import number_list
 from specserve.errors import ConfigError
 
 DEFAULT_CONCURRENCIES = "1,4,16,64"
+Prompt = Union[str, list[dict[str, str]]]  # a user message, or a whole conversation
 
 
 def add_serving_bench_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +34,9 @@ def add_serving_bench_args(p: argparse.ArgumentParser) -> None:
                         "the ratios). Default: specserve=http://127.0.0.1:30000")
     p.add_argument("--model", default=None, help="model id to send (default: each server's first /v1/models)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", default="mt-bench", help="mt-bench | sharegpt | random | a .jsonl of prompts")
+    p.add_argument("--dataset", default="mt-bench",
+                   help="mt-bench | sharegpt | random | a .jsonl of prompts | a workload of `bench spec` (multiturn, "
+                        "code-edit, extraction, repeated-task: whole conversations)")
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--random-input-words", type=int, default=64, help="prompt length for --dataset random")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -84,9 +87,13 @@ class RunResult:
     repeat: int = 0  # the round of --repeats this run belongs to
 
 
-def load_bench_prompts(dataset: str, n: int, seed: int, random_words: int) -> list[str]:
+def load_bench_prompts(dataset: str, n: int, seed: int, random_words: int) -> list[Prompt]:
+    """User messages, or for a `bench spec` workload whole conversations (message lists)."""
+    from specserve.bench.workloads import WORKLOADS, load_workloads
     from specserve.datasets import load_prompts, sharegpt_first_turns
 
+    if dataset in WORKLOADS:
+        return [item["messages"] for item in load_workloads(dataset, n)[dataset]]
     if dataset == "sharegpt":
         return sharegpt_first_turns(n, seed=seed)
     if dataset == "random":
@@ -122,8 +129,9 @@ class Target:
             r.raise_for_status()
             self.model = r.json()["data"][0]["id"]
 
-    async def request(self, http, prompt: str, max_tokens: int, temperature: float, timeout: float) -> RequestResult:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    async def request(self, http, prompt: Prompt, max_tokens: int, temperature: float, timeout: float) -> RequestResult:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                 "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
         start = time.perf_counter()
         ttft, text, usage_tokens, accept = None, [], None, None
@@ -153,7 +161,7 @@ class Target:
         return RequestResult(True, ttft if ttft is not None else latency, latency, tokens, accept)
 
 
-async def run_one(target: Target, prompts: list[str], concurrency: int, rate: Optional[float], ns,
+async def run_one(target: Target, prompts: list[Prompt], concurrency: int, rate: Optional[float], ns,
                   progress) -> RunResult:
     import httpx
 
@@ -165,7 +173,7 @@ async def run_one(target: Target, prompts: list[str], concurrency: int, rate: Op
         gate = asyncio.Semaphore(concurrency)
         rng = random.Random(ns.seed)
 
-        async def one(prompt: str) -> RequestResult:
+        async def one(prompt: Prompt) -> RequestResult:
             async with gate:
                 res = await target.request(http, prompt, ns.max_tokens, ns.temperature, ns.timeout)
             progress.update(1)
@@ -194,7 +202,7 @@ def summarize(name: str, concurrency: int, rate: Optional[float], results: list[
                      sorted({r.error for r in results if not r.ok})[:5])
 
 
-async def warm_up(target: Target, prompts: list[str], ns) -> None:
+async def warm_up(target: Target, prompts: list[Prompt], ns) -> None:
     import httpx
 
     async with httpx.AsyncClient(timeout=ns.timeout) as http:

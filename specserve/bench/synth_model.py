@@ -71,9 +71,11 @@ class Shape:
 
 
 SHAPES = {
-    # Qwen2.5-1.5B and -3B (config.json of the Qwen2.5 release): qwen2, tied head, 151936 tokens.
+    # Qwen2.5-1.5B, -3B and -7B (config.json of the Qwen2.5 release): qwen2, 151936 tokens here (the
+    # donor's, tied; the 7B release has its own head of 152064 rows: the same bytes read per step).
     "qwen2.5-1.5b": Shape("qwen2.5-coder-0.5b-instruct-q4_k_m", 28, 1536, 8960, 12, 2, 128, 32768),
     "qwen2.5-3b": Shape("qwen2.5-coder-0.5b-instruct-q4_k_m", 36, 2048, 11008, 16, 2, 128, 32768),
+    "qwen2.5-7b": Shape("qwen2.5-coder-0.5b-instruct-q4_k_m", 28, 3584, 18944, 28, 4, 128, 32768),
 }
 
 

@@ -13,7 +13,7 @@ import urllib.request
 from typing import Any
 
 from specserve.models.summary import describe_parameters
-from specserve.names import Algorithm
+from specserve.names import MODEL_DRAFTERS
 
 logger = logging.getLogger("specserve.startup")
 
@@ -46,7 +46,7 @@ def _speculation(info: dict[str, Any]) -> str:
         return "off"
     drafters = []
     for drafter in info["speculative_drafters"]:
-        if drafter == Algorithm.DSPARK and info["speculative_draft_model_path"]:
+        if drafter in MODEL_DRAFTERS and info["speculative_draft_model_path"]:
             drafter += f" ({os.path.basename(os.path.normpath(info['speculative_draft_model_path']))})"
         drafters.append(drafter)
     return f"{info['speculative_policy']} policy over {', '.join(drafters)}, up to {info['num_draft_tokens']} drafts a step"

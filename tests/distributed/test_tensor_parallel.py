@@ -12,6 +12,8 @@ import time
 import pytest
 from helpers import cheap_drafting_table, policy_args
 
+from specserve.models.loader import default_model_path
+
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
            "Explain recursion to a child in two sentences."]
@@ -19,8 +21,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
 # DSPARK: the default candidates (the shipped drafter, NGRAM and SUFFIX) under the adaptive policy, its
-# cost table frozen so that every run plans the same (helpers.policy_args).
-ALGORITHMS = {"NONE": {"speculative_algorithm": "NONE"}, "DSPARK": {"speculative_algorithm": "DSPARK", **policy_args()}}
+# cost table frozen so that every run plans the same (helpers.policy_args). STANDALONE: the embedded model as
+# its own draft model (replicated on every rank), beside NGRAM and SUFFIX.
+ALGORITHMS = {"NONE": {"speculative_algorithm": "NONE"}, "DSPARK": {"speculative_algorithm": "DSPARK", **policy_args()},
+              "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": default_model_path(),
+                             **policy_args()}}
 PLAN_KEYS = ("spec_draft_len_histogram", "spec_drafter_steps", "spec_verify_ct", "spec_correct_drafts_histogram")
 
 
@@ -49,13 +54,13 @@ def tp1_outputs():
 def test_tp2_tokens_and_speculation_plans_equal_tp1(tp1_outputs, algorithm, overlap, dtype):
     from specserve import Engine
 
-    if dtype == "bfloat16" and not overlap and algorithm == "NONE":
-        pytest.skip("the loops compute the same steps (tests/integration); bf16 NONE runs in the overlap loop")
+    if dtype == "bfloat16" and not overlap and algorithm in ("NONE", "STANDALONE"):
+        pytest.skip("the loops compute the same steps (tests/integration); bf16 runs them in the overlap loop")
     with Engine(dtype=dtype, max_total_tokens=4096, tp_size=2, disable_overlap_schedule=not overlap,
                 collective_timeout=120, **ALGORITHMS[algorithm]) as engine:
         outs = engine.generate(PROMPTS, sampling_params=GREEDY)
     assert tokens_and_plans(outs) == tp1_outputs[dtype, algorithm]  # same tokens, same drafters and draft counts
-    if algorithm == "DSPARK":
+    if algorithm != "NONE":
         assert all(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in outs)
 
 

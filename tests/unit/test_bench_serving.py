@@ -49,3 +49,16 @@ def test_rendered_ratio_is_a_gain_only_when_the_runs_do_not_overlap(tmp_path, ou
     row = next(line for line in text.splitlines() if line.startswith("| 1 |"))
     assert marked in row
     assert "median (lowest-highest) of 3 rounds" in text
+
+
+def test_a_spec_workload_is_sent_as_whole_conversations():
+    """--dataset multiturn: each request is a conversation whose last message is the user's next
+    turn, after at least one earlier exchange (turn 2 onward)."""
+    from specserve.bench.serving import load_bench_prompts
+
+    conversations = load_bench_prompts("multiturn", 3, 0, 0)
+    assert len(conversations) == 3
+    for messages in conversations:
+        roles = [m["role"] for m in messages]
+        assert roles[-1] == "user" and "assistant" in roles and roles.count("user") >= 2, roles
+    assert all(isinstance(p, str) for p in load_bench_prompts("random", 2, 0, 8))
