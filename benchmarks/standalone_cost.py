@@ -3,9 +3,9 @@ the acceptance at which a draft model pays.
 
 For each target file: an engine without speculation and one STANDALONE engine per draft count k
 (the policy turned off: every step drafts k tokens with the draft model and verifies them), batch
-1, greedy, the same short prompt. A step's seconds come from two generations of one prompt, of 1
-and of n tokens: (t_n - t_1) / decode or verify steps, so the prefill (and the draft model's
-catch-up over the prompt) drop out. On a synthetic target (random weights) nearly every draft is
+1, greedy, the same short prompt, each engine warmed up by one untimed round. A step's seconds come
+from two generations of one prompt, of 1 and of n tokens: (t_n - t_1) / decode or verify steps, so
+the prefill (and the draft model's catch-up over the prompt) drop out. On a synthetic target (random weights) nearly every draft is
 rejected, so each STANDALONE step is a steady one: the anchor caught up, k - 1 draft decode steps,
 the target over k + 1 rows. The step's cost over a plain decode step, r(k), then prices the draft
 model, and the break-even acceptance is the per-token acceptance a at which a window's expected
@@ -61,6 +61,8 @@ def _measure_target(path: str, draft: str, drafts: list[int], new_tokens: int, r
     steps: dict[int, list[float]] = {k: [] for k in engines}
     accepted: dict[int, list[float]] = {k: [] for k in engines}
     try:
+        for engine in engines.values():  # untimed: a new engine's first steps make what later steps reuse
+            _step_seconds(engine, new_tokens)
         for _ in range(repeats):
             for k, engine in engines.items():
                 seconds, accept = _step_seconds(engine, new_tokens)

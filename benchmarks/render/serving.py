@@ -86,8 +86,9 @@ def render_serving(results: str, file: str = "serving_mtbench.json") -> str:
     said = "; ".join(f"{t}: {s.get('speculative_algorithm')}, {s.get('speculative_policy')} policy"
                      for t, s in servers.items() if s)
     return table(header, rows) + (
-        f"\n\n{data['num_prompts']} {DATASETS.get(data.get('dataset', 'mt-bench'), data.get('dataset'))}, streamed, "
-        f"greedy, up to {data['max_tokens']} tokens; "
+        f"\n\n{data['num_prompts']} {DATASETS.get(data.get('dataset', 'mt-bench'), data.get('dataset'))} a run"
+        + (" (each run, round and concurrency, its own: no request repeats)" if data.get("distinct_prompts") else "")
+        + f", streamed, greedy, up to {data['max_tokens']} tokens; "
         f"median (lowest-highest) of {data['repeats']} rounds, the targets interleaved in each, each ratio formed "
         f"within its round (bold: every run beat every run of {base}; \"within noise\": the runs overlap); "
         f"failed requests: {failed}.{pair} Accept length (first round): {', '.join(accept) or 'not reported'}. "

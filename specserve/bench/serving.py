@@ -37,7 +37,10 @@ def add_serving_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="mt-bench",
                    help="mt-bench | sharegpt | random | a .jsonl of prompts | a workload of `bench spec` (multiturn, "
                         "code-edit, extraction, repeated-task: whole conversations)")
-    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--num-prompts", type=int, default=80, help="requests per run")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="every run (round and concurrency) its own prompts, the warm-up others again: no request "
+                        "repeats, which a prefix cache or a drafter over past outputs would otherwise see")
     p.add_argument("--random-input-words", type=int, default=64, help="prompt length for --dataset random")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -287,16 +290,20 @@ def run_serving_bench(ns: argparse.Namespace) -> int:
         raise ConfigError("--concurrency must list integers >= 1")
     targets_spec = parse_targets(ns.target)
     tokenizer = load_tokenizer(resolve_model_path(None))
-    prompts = load_bench_prompts(ns.dataset, ns.num_prompts, ns.seed, ns.random_input_words)
-    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     if ns.repeats < 1:
         raise ConfigError("--repeats must be >= 1")
+    slices = ns.repeats * len(concurrencies) if ns.distinct_prompts else 1
+    extra = ns.warmup if ns.distinct_prompts else 0
+    pool = load_bench_prompts(ns.dataset, ns.num_prompts * slices + extra, ns.seed, ns.random_input_words)
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     targets = [Target(name, url, ns.model, ns.api_key, count) for name, url in targets_spec]
     for target in targets:
-        asyncio.run(warm_up(target, prompts, ns))
+        asyncio.run(warm_up(target, pool[len(pool) - extra :] if extra else pool, ns))
     runs: list[RunResult] = []
     for repeat in range(ns.repeats):  # rounds: every target at every concurrency, the targets interleaved
-        for c in concurrencies:
+        for i, c in enumerate(concurrencies):
+            at = (repeat * len(concurrencies) + i) % slices * ns.num_prompts
+            prompts = pool[at : at + ns.num_prompts]  # the same for every target of this run
             for target in targets:
                 with tqdm(total=len(prompts), desc=f"{target.name} c={c} #{repeat}", unit="req", leave=False) as bar:
                     run = asyncio.run(run_one(target, prompts, c, ns.request_rate, ns, bar))
@@ -308,7 +315,8 @@ def run_serving_bench(ns: argparse.Namespace) -> int:
     servers = {name: server_settings(url) for name, url in targets_spec}
     drafters = [s["speculative_draft_model_path"] for s in servers.values() if s.get("speculative_draft_model_path")]
     report = {**provenance(drafters[0] if drafters else None), "servers": servers,
-              "dataset": ns.dataset, "num_prompts": len(prompts), "max_tokens": ns.max_tokens,
+              "dataset": ns.dataset, "num_prompts": ns.num_prompts, "distinct_prompts": ns.distinct_prompts,
+              "max_tokens": ns.max_tokens,
               "temperature": ns.temperature, "request_rate": ns.request_rate, "repeats": ns.repeats,
               "runs": [asdict(r) for r in runs], "ratios": ratios(runs), "summary": summary(runs)}
     for row in report["summary"]:
