@@ -46,6 +46,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "spec-ready": speculation.render_spec_ready, "spec-workloads": speculation.render_spec_workloads,
     "spec-workloads-qwen": lambda r: speculation.render_spec_workloads(r, "spec_workloads_qwen.json"),
     "spec-workloads-default": lambda r: speculation.render_spec_workloads(r, "spec_workloads_default.json"),
+    "spec-workloads-qwen-batched": lambda r: speculation.render_spec_workloads(r, "spec_workloads_qwen_batched.json"),
     "standalone-cost": speculation.render_standalone_cost, "dspark-step": speculation.render_dspark_step, "prefetch": speculation.render_prefetch, "overlap": speculation.render_overlap,
     "kernel-paths-avx2": lambda r: engine.kernel_paths_table(r, "kernel_paths.json"),
     "kernel-paths-avx512": lambda r: engine.kernel_paths_table(r, "kernel_paths_avx512.json"),
