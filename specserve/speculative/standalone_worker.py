@@ -27,14 +27,12 @@ from typing import Optional, Protocol
 import torch
 
 from specserve.kv.pool import KVPool
+from specserve.models.dspark import DRAFT_COUNTER_OFFSET  # the draft uniforms' counter slots, past the accept's
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.names import Algorithm
 from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
-
-# The draft uniforms' counter slots (sampler.draw_counter): past the accept's, beside DSPARK's.
-DRAFT_COUNTER_OFFSET = 32
 
 
 class DecodeSteps(Protocol):
