@@ -49,6 +49,12 @@ COMMANDS: tuple[Command, ...] = (
         engine_flags=True,
     ),
     Command(
+        "host-waits",
+        "where each speculation configuration's launches still wait on the device (counts, greedy and sampled)",
+        "benchmarks.host_waits:add_host_waits_args",
+        "benchmarks.host_waits:run_host_waits",
+    ),
+    Command(
         "router",
         "2 replicas behind SGLang's router on MT-Bench conversations: cache-aware vs "
         "round-robin hit rate and TTFT, 1 vs 2 replicas throughput",

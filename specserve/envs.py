@@ -51,6 +51,7 @@ def env_int_set(name: str) -> Optional[frozenset[int]]:
 
 
 STREAM_SANITIZER = "SPECSERVE_STREAM_SANITIZER"
+HOST_WAITS = "SPECSERVE_HOST_WAITS"  # "count" or "error": the host-wait detector inside launch (runtime/host_waits.py)
 FAULT_COPY_DELAY_MS = "SPECSERVE_FAULT_COPY_DELAY_MS"
 FAULT_FORWARD_DELAY_MS = "SPECSERVE_FAULT_FORWARD_DELAY_MS"
 FAULT_COPY_LAG_MS = "SPECSERVE_FAULT_COPY_LAG_MS"
@@ -67,3 +68,13 @@ CPU_KERNEL_PATH = "SPECSERVE_CPU_KERNEL_PATH"  # force a CPU kernel path: generi
 KERNEL_CACHE_DIR = "SPECSERVE_KERNEL_CACHE_DIR"  # where the C++ kernels are built (default ~/.cache/specserve)
 WEIGHT_CACHE_DIR = "SPECSERVE_WEIGHT_CACHE_DIR"  # --weight-cache auto: where (default ~/.cache/specserve/packed)
 PREFETCH_BYTES = "SPECSERVE_PREFETCH_BYTES"  # read by the C++ kernels at load: prefetch distance (16384; 0: off)
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> Optional[str]:
+    """One of `choices` (any case), or None when unset or empty."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {os.environ[name]!r}")
+    return raw

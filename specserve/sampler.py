@@ -25,21 +25,55 @@ def counter_uniform(seed: int, counter: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
+def _signed(c: int) -> int:
+    """A 64-bit pattern as the int64 that holds it (torch's int64 arithmetic wraps modulo 2^64)."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def seeds_tensor(seeds: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """Request seeds (in [0, 2^64)) as int64 bit patterns on `device`."""
+    return torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """`counter_uniform` elementwise on the device: int64 seeds (bit patterns, `seeds_tensor`) and
+    counters -> float64 uniforms, bit-identical to the host function."""
+    z = seeds * _signed(0x9E3779B97F4A7C15) + counters + 1
+    for shift, mul in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = (z ^ _shr(z, shift)) * _signed(mul)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() / float(1 << 53)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor, counters: torch.Tensor
+) -> torch.Tensor:
+    """logits [n, V] -> one token id per row, on the logits' device, without reading anything back:
+    greedy rows take the argmax, the others draw from `filtered_probs` at the uniform of their
+    (seed, counter) (int64 tensors [n], see `seeds_tensor`)."""
+    greedy = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        return greedy
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    probs = filtered_probs(logits[index], [params[i] for i in rows])
+    picked = inverse_cdf(probs, counter_uniforms(seeds[index], counters[index]))
+    return greedy.index_copy(0, index, picked)
+
+
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int]
 ) -> list[int]:
-    """logits [n, V] float32 -> one token id per row."""
-    greedy = logits.argmax(dim=-1)
-    if all(p.is_greedy for p in params):
-        return greedy.tolist()
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    probs = filtered_probs(logits[rows], [params[i] for i in rows])
-    u = torch.tensor([counter_uniform(seeds[i], counters[i]) for i in rows], dtype=torch.float64, device=logits.device)
-    picked = inverse_cdf(probs, u)
-    out = greedy.tolist()
-    for i, tok in zip(rows, picked.tolist()):
-        out[i] = tok
-    return out
+    """`sample_tokens` from host lists, read back (for host-side callers and tests)."""
+    dev = logits.device
+    counts = torch.tensor(list(counters), dtype=torch.int64, device=dev)
+    return sample_tokens(logits, params, seeds_tensor(seeds, dev), counts).tolist()
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -72,9 +106,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = idx.clamp(max=probs.shape[1] - 1)
     # Never land on a zero-probability token when u falls on a flat stretch of the CDF.
     zero = probs.gather(1, idx.unsqueeze(1)).squeeze(1) == 0
-    if zero.any():
-        idx = torch.where(zero, probs.argmax(-1), idx)
-    return idx
+    return torch.where(zero, probs.argmax(-1), idx)  # unconditional: asking whether any is would wait
 
 
 def draw_counter(step_counter: int, slot: int) -> int:

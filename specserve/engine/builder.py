@@ -38,6 +38,7 @@ from specserve.models.loader import head_weight, load_model, resolve_model_path
 from specserve.models.summary import model_summary
 from specserve.names import Algorithm
 from specserve.runtime.faults import FaultConfig
+from specserve.runtime.host_waits import HostWaitDetector
 from specserve.runtime.sanitizer import StreamSanitizer
 from specserve.runtime.stream import Stream
 from specserve.scheduler.loops import NormalLoop, OverlapLoop
@@ -179,6 +180,7 @@ def _runner_factory(
         capture=CaptureConfig(_captures(args, target.config), args.cuda_graph_max_bs, args.enable_torch_compile),
         tp=tp,
         grammars=GrammarCompiler(tokenizer.backend.to_str, target.config.vocab_size, tokenizer.eos_token_ids),
+        host_waits=HostWaitDetector.from_env(exempt=(streams[1],)),  # the copy stream's D2H is the allowed one
     )
 
 
@@ -304,7 +306,7 @@ def _make_workers(
         table, positions = req_to_token.table, target.max_positions
         workers.append(standalone_worker(args, target.tokenizer, vocab, size, dtype, table, positions, captures))
     if args.speculative_algorithm == Algorithm.NGRAM or adaptive and Algorithm.NGRAM in args.policy_drafters():
-        workers.append(NgramWorker(gamma))
+        workers.append(NgramWorker.on_device(gamma, req_to_token.table))
     if args.speculative_algorithm == Algorithm.SUFFIX or adaptive and Algorithm.SUFFIX in args.policy_drafters():
         workers.append(SuffixWorker(gamma, SuffixConfig(*(getattr(args, f) for f in SUFFIX_FLAGS))))
     return workers

@@ -219,6 +219,7 @@ class CapturedStep:
             attn=meta,
             logit_rows=torch.arange(n, device=prefix.device),
             capture_layer_ids=self.capture_layer_ids,
+            position_bound=kv_len,  # >= every prefix + W (the caller's kv_bound)
         )
         logits = self.model(fb, self.kv)
         self.logits_out[:n].copy_(logits)

@@ -1,7 +1,8 @@
 """The one path by which a step's committed tokens reach every party that reads them.
 
 Every step kind (a prefill chunk, a decode step, a verify step) ends by handing its outcome to
-`CommitPath.commit`, which tells, in this order:
+`CommitPath.commit`, which tells, in this order (the device parties 1-2 at once, the host parties
+0 and 3-5 at once or late, see CommitPath):
 0. the speculation policy (a verify step): each window's accepted drafts against its plan;
 1. the drafters that read the target's hidden rows (DSpark): the rows this pass committed;
 2. the FutureMap: each request's next anchor (its last committed token) and lengths, which the
@@ -15,7 +16,7 @@ Every step kind (a prefill chunk, a decode step, a verify step) ends by handing 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,33 +32,75 @@ from specserve.speculative.worker import CommittedRows
 
 @dataclass
 class Committed:
-    """What one step committed for some of its requests (indices into the step)."""
+    """What one step committed for some of its requests (indices into the step), on the device:
+    nothing here has been read back, so the step's launch never waits for it."""
 
     indices: list[int]
-    tokens: list[list[int]]  # per request: its committed tokens (the last is the next anchor)
-    seq_lens: torch.Tensor  # per request, on the device: its sequence length after the commit
-    out_lens: list[int]  # per request: its output length after the commit
+    tokens: torch.Tensor  # [n, W]: per request its committed tokens, the first `lens` of its row
+    lens: torch.Tensor  # [n]: tokens committed per request (>= 1; the last is the next anchor)
+    seq_lens: torch.Tensor  # [n]: sequence length after the commit
+    out_lens: torch.Tensor  # [n]: output length after the commit
     first: bool = False  # a prefill's first token: the request starts here
     plan: Optional[StepPlan] = None  # a verify step's plan, and below its accepted drafts per window
-    correct: list[int] = field(default_factory=list)
+    correct: Optional[torch.Tensor] = None
 
     @staticmethod
     def nothing() -> "Committed":
-        return Committed([], [], torch.empty(0, dtype=torch.int64), [])
+        empty = torch.empty(0, dtype=torch.int64)
+        return Committed([], empty.view(0, 1), empty, empty, empty)
+
+    @staticmethod
+    def one_each(
+        indices: list[int], tokens: torch.Tensor, seq_lens: torch.Tensor, out_lens: torch.Tensor, first: bool = False
+    ) -> "Committed":
+        """One token per request (a decode step, a prefill's first token)."""
+        return Committed(indices, tokens.view(-1, 1), torch.ones_like(tokens), seq_lens, out_lens, first)
 
     @staticmethod
     def accepted(out: AcceptOuts, out_lens: torch.Tensor, plan: StepPlan) -> "Committed":
         """A verify step's commit, from its owned accept results: each window's first commit_lens tokens."""
-        commit_lens = out.commit_lens.tolist()
-        tokens = [toks[:n] for toks, n in zip(out.out_tokens.tolist(), commit_lens)]
-        outs = [m + n for m, n in zip(out_lens.tolist(), commit_lens)]
-        return Committed(
-            list(range(len(tokens))), tokens, out.new_seq_lens, outs, plan=plan, correct=out.correct_len.tolist()
-        )
+        indices, lens = list(range(out.commit_lens.shape[0])), out.commit_lens
+        correct = out.correct_len
+        return Committed(indices, out.out_tokens, lens, out.new_seq_lens, out_lens + lens, plan=plan, correct=correct)
+
+    def anchors(self) -> torch.Tensor:
+        """Each request's last committed token, the next step's anchor (a gather, no read)."""
+        return self.tokens.gather(1, (self.lens - 1).unsqueeze(1)).squeeze(1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host parties read, for the step's one late copy (see `HostCommit.of`)."""
+        correct = self.correct if self.correct is not None else self.lens
+        return [self.tokens, self.lens, self.out_lens, correct]
+
+
+@dataclass
+class HostCommit:
+    """A commit as the host parties read it: plain values."""
+
+    indices: list[int]
+    tokens: list[list[int]]
+    out_lens: list[int]
+    first: bool
+    plan: Optional[StepPlan]
+    correct: list[int]
+
+    @staticmethod
+    def of(done: Committed, values: list[torch.Tensor]) -> "HostCommit":
+        """From `done.tensors()` or their host copies (reading the device ones is a wait)."""
+        rows, lens, outs, correct = (v.tolist() for v in values)
+        tokens = [row[:n] for row, n in zip(rows, lens)]
+        return HostCommit(done.indices, tokens, outs, done.first, done.plan, correct)
 
 
 class CommitPath:
-    """Fans a step's commit out to the future map, the drafters, the request logits and the policy."""
+    """Fans a step's commit out to the future map, the drafters, the request logits and the policy.
+
+    The device parties (the FutureMap, the drafters that read hidden rows, the token table) are told at once, on the
+    forward stream. The host parties read plain tokens, so telling them means reading the step's
+    results back: `commit` does that at once only when one of them must know the tokens before the
+    next step is launched (a drafter that drafts from token histories, a request whose penalties or
+    grammar state advance on the host); otherwise it leaves them to `commit_host`, which the runner
+    calls with the step's late host copies once the step has been resolved."""
 
     def __init__(self, future: FutureMap, speculation: Speculation, request_logits: RequestLogits, device: str):
         self.future = future
@@ -71,22 +114,43 @@ class CommitPath:
             return None
         return CommittedRows(hidden, positions, slots)
 
-    def commit(self, step: StepInput, done: Committed, rows: Optional[CommittedRows] = None) -> None:
-        """Tell every party what this step committed, in the order of the module docstring."""
+    def commit(self, step: StepInput, done: Committed, rows: Optional[CommittedRows] = None) -> bool:
+        """Tell the device parties now, and the host parties now if one must know before the next
+        launch (in the order of the module docstring). Returns whether the host parties still wait
+        for `commit_host`."""
+        if rows is not None and self.speculation.reads_rows:
+            self.speculation.commit_rows(rows)
+        if done.indices:
+            req_rows = torch.tensor([step.rows[i] for i in done.indices], dtype=torch.int64, device=self.device)
+            self.future.write(req_rows, done.anchors(), done.seq_lens, done.out_lens)
+            self._write_token_table(step, done, req_rows)
+        if not self.host_needs_now(step):
+            return bool(done.indices) or done.plan is not None
+        self.commit_host(step, HostCommit.of(done, done.tensors()))
+        return False
+
+    def _write_token_table(self, step: StepInput, done: Committed, req_rows: torch.Tensor) -> None:
+        """The request tokens on the device (speculative/token_table.py): a prefill's whole sequence
+        from the host, then every committed token at its position."""
+        table = self.speculation.token_table
+        if table is None:
+            return
+        for i in done.indices if done.first else ():
+            fill = step.fills[i]
+            assert fill is not None, "the batch fills in the tokens of every sampling request"
+            table.write_sequence(step.rows[i], fill)
+        table.write(req_rows, done.tokens, done.lens, done.seq_lens)
+
+    def host_needs_now(self, step: StepInput) -> bool:
+        """Whether a host party must see this step's tokens before the next step is launched."""
+        return self.speculation.tokens_early or any(p.penalises or p.constrained for p in step.params)
+
+    def commit_host(self, step: StepInput, done: HostCommit) -> None:
+        """The host parties: the policy, the token-reading drafters, the request logits."""
         policy = self.speculation.policy
         if policy is not None and done.plan is not None:
             policy.observe_accept([step.rows[i] for i in done.indices], done.plan, done.correct)
-        if rows is not None and self.speculation.reads_rows:
-            self.speculation.commit_rows(rows)
-        if not done.indices:
-            return
         req_rows = [step.rows[i] for i in done.indices]
-        self.future.write(
-            torch.tensor(req_rows, dtype=torch.int64, device=self.device),
-            torch.tensor([toks[-1] for toks in done.tokens], dtype=torch.int64, device=self.device),
-            done.seq_lens,
-            torch.tensor(done.out_lens, dtype=torch.int64, device=self.device),
-        )
         for i, row, toks, out_len in zip(done.indices, req_rows, done.tokens, done.out_lens):
             if self.speculation.reads_tokens:
                 seen = toks
@@ -109,8 +173,10 @@ def verified_rows(
     window_slots: torch.Tensor,
     verify_lens: Optional[list[int]],
 ) -> CommittedRows:
-    """Exactly a verify step's committed rows for the drafters: positions S..S+commit_len-1 of
-    each window (hidden: the verified rows, packed window by window).
+    """A verify step's rows for the drafters, every window row in a fixed shape [bs * W]: the
+    committed ones (positions S..S+commit_len-1 of each window) at their token slots, the others
+    at the scratch slot 0 (as a captured step's padding rows), so no count is read back to pick
+    them out (hidden: the verified rows, packed window by window).
 
     Reads the owned `commit_lens` and the step's own `prefix`, never an accept buffer: a view of
     one would hold the next step's values by the time a later step reads it."""
@@ -120,7 +186,9 @@ def verified_rows(
     committed = col < commit_lens.unsqueeze(1)  # [bs, W]
     lens = verify_lens or [width] * bs
     packed_row = torch.tensor([0, *itertools.accumulate(lens)][:-1], device=window_slots.device).unsqueeze(1) + col
-    return CommittedRows(hidden[packed_row[committed]], (prefix.unsqueeze(1) + col)[committed], window_slots[committed])
+    packed_row = packed_row.clamp(max=hidden.shape[0] - 1)  # past a short window: not committed, any row
+    slots = torch.where(committed, window_slots, torch.zeros_like(window_slots))
+    return CommittedRows(hidden[packed_row.reshape(-1)], (prefix.unsqueeze(1) + col).reshape(-1), slots.reshape(-1))
 
 
 def tighter(lens: Optional[list[int]], limits: Optional[list[int]]) -> Optional[list[int]]:

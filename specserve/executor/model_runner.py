@@ -1,18 +1,16 @@
 """ModelRunner: runs one StepInput on the forward stream and copies its results back.
 
-A step is split the way the overlap loop needs it:
 - `launch(step)` (host): submits the step to the forward stream, orders the copy stream after it
-  and submits the device-to-host copy of the step's results; returns a StepHandle at once.
-- the step itself (forward stream): decode and verify steps take their anchors and prefix lengths
-  from the FutureMap (written by the previous step). A verify step goes one way: plan and draft
-  (Speculation, rank 0's windows under TP), the target over the windows, the accept (one call
-  into the verify epilogue, which returns owned results, rank 0's under TP), then the results:
-  logprobs, the policy's observation and the commit (CommitPath: drafters, FutureMap, ...).
-- `resolve(handle)` (host): waits for the copy's event and turns the host copies into outcomes,
-  one StepOutcome per request whatever the step.
-The runner never sees the scheduler: what a step needs arrives in its StepInput or was passed
-to the constructor. It carries no fault injection: executor/faulty_runner.py's subclass does,
-chosen by `make_runner` when a fault flag is set.
+  and submits the device-to-host copy of the step's results; returns a StepHandle at once, and
+  must never wait for the device (runtime/host_waits.py counts where it does).
+- the step (forward stream): decode and verify steps read anchors and lengths from the FutureMap.
+  A verify step plans and drafts (rank 0's windows under TP), runs the target over the windows,
+  accepts (owned results), records logprobs and commits (CommitPath). Tokens are sampled on the
+  device; the host parties of the commit read them late unless one must know them before the
+  next launch.
+- `resolve(handle)` (host): waits for the copy's event, tells the late host parties, and turns
+  the host copies into one StepOutcome per request whatever the step.
+The runner never sees the scheduler; fault injection lives in executor/faulty_runner.py.
 """
 
 from __future__ import annotations
@@ -24,19 +22,20 @@ from typing import Optional
 import torch
 
 from specserve.executor.captured_step import CaptureConfig, CapturedStep, VerifyPath
-from specserve.executor.commit_path import CommitPath, Committed, tighter, verified_rows
+from specserve.executor.commit_path import CommitPath, Committed, HostCommit, tighter, verified_rows
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
 from specserve.executor.step_handle import StepHandle
-from specserve.executor.step_io import EXTEND, VERIFY, PromptLogprobs, StepInput, StepOutcome
+from specserve.executor.step_io import EXTEND, VERIFY, StepInput, StepOutcome
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.logits.grammar import GrammarCompiler
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.faults import CopyLag
+from specserve.runtime.host_waits import HostWaitDetector, optional_watch
 from specserve.runtime.stream import Event, Stream
-from specserve.sampler import draw_counter, sample
+from specserve.sampler import draw_counter, sample_tokens, seeds_tensor
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, VerifyWindows
 from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.cost_model import StepShape
@@ -65,6 +64,7 @@ class ModelRunner:
         capture: Optional[CaptureConfig] = None,
         tp: Optional[TPDecisions] = None,
         grammars: Optional[GrammarCompiler] = None,
+        host_waits: Optional[HostWaitDetector] = None,
     ):
         self.model = model
         self.kv = kv
@@ -82,6 +82,7 @@ class ModelRunner:
         self.tp = tp  # rank 0's sampled tokens, drafts, verify lengths and accept results, on every rank
         self.request_logits = RequestLogits(grammars)  # penalties' histories, grammar states (forward stream)
         self.commits = CommitPath(self.future, self.speculation, self.request_logits, device)
+        self.host_waits = host_waits  # counts (or refuses) the host's waits on the device inside launch
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -95,12 +96,13 @@ class ModelRunner:
 
     def launch(self, step: StepInput) -> StepHandle:
         """Queue the step on the forward stream and its device-to-host copy after it; returns at once."""
-        if self.tp is not None:
-            self.tp.agree_on_batch_shape(step.size, step.num_tokens)
-        handle = StepHandle(step)
-        self.forward.submit(self._step, handle)
-        Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
-        self._queue_copy(handle)
+        with optional_watch(self.host_waits, cuda=self.forward.device.type == "cuda"):
+            if self.tp is not None:
+                self.tp.agree_on_batch_shape(step.size, step.num_tokens)
+            handle = StepHandle(step)
+            self.forward.submit(self._step, handle)
+            Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
+            self._queue_copy(handle)
         return handle
 
     def _queue_copy(self, handle: StepHandle) -> None:
@@ -112,6 +114,8 @@ class ModelRunner:
         assert handle.done is not None, "launch records the copy's event"
         handle.done.synchronize()
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
+        if handle.pending is not None:  # the host parties, from the late copy (see CommitPath)
+            self.commits.commit_host(handle.step, HostCommit.of(handle.pending, handle.host_out[handle.commit_at :]))
         return handle.outcomes()
 
     def _copy_to_host(self, handle: StepHandle) -> None:
@@ -128,23 +132,29 @@ class ModelRunner:
     def _step(self, handle: StepHandle) -> None:
         """One step on the forward stream. A decode step of a speculating engine (VERIFY) is planned
         first: with drafts it verifies windows, without any it is a plain decode step."""
+        with optional_watch(self.host_waits, cuda=self.forward.device.type == "cuda"):  # a threaded stream's too
+            self._run_step(handle)
+
+    def _run_step(self, handle: StepHandle) -> None:
         step = handle.step
         start = time.perf_counter()
         if step.mode == EXTEND:
-            handle.device_out = [self._extend(step, handle.logprobs, handle.prompt_logprobs)]
+            handle.device_out = [self._extend(step, handle)]
+            handle.keep_commit()
             return
         plan = handle.plan = self._plan(step, step.width - 1) if step.mode == VERIFY else None
         if plan is not None and plan.speculates:
-            handle.device_out = self._verify(step, plan, handle.logprobs).tensors()
+            handle.device_out = self._verify(step, plan, handle).tensors()
             shape = plan.shape
         else:
-            handle.device_out = [self._decode(step, handle.logprobs)]
+            handle.device_out = [self._decode(step, handle)]
             shape = StepShape(step.size)
+        handle.keep_commit()
         policy = self.speculation.policy
         if policy is not None and self.forward.device.type == "cpu":  # CUDA steps run asynchronously
             policy.observe_step(shape, time.perf_counter() - start)
 
-    def _extend(self, step: StepInput, logprobs: dict[int, list], prompt: dict[int, PromptLogprobs]) -> torch.Tensor:
+    def _extend(self, step: StepInput, handle: StepHandle) -> torch.Tensor:
         every_row = step.prompt_logprobs if any(step.prompt_logprobs) else False
         fb = self._forward_batch(
             step.rows,
@@ -157,8 +167,8 @@ class ModelRunner:
         )
         logits = self.model(fb, self.kv)
         if every_row:  # score the prompt rows, keep each sampling request's last row
-            logits = self.request_logits.prompt_logprobs(prompt, step, logits)
-        tokens = torch.zeros(step.size, dtype=torch.int64)
+            logits = self.request_logits.prompt_logprobs(handle.prompt_logprobs, step, logits)
+        tokens = torch.zeros(step.size, dtype=torch.int64, device=self.device)
         wanted = [i for i, s in enumerate(step.sample) if s]
         done = Committed.nothing()  # a chunk before its prompt's last commits rows only
         if wanted:
@@ -167,27 +177,23 @@ class ModelRunner:
                 fills = step.fills[i]
                 assert fills is not None, "a sampling request's prefill carries its tokens"
                 self.request_logits.start(step.rows[i], step.params[i], fills, step.out_lens[i])
-            logits = self.request_logits.shape(logits.cpu(), rows, params)
-            picked = torch.tensor(
-                sample(logits, params, [step.seeds[i] for i in wanted], [step.out_lens[i] for i in wanted])
-            )
-            picked = self._agree([picked], "runner.extend_tokens")[0]
-            firsts = picked.tolist()
-            self.request_logits.record_logprobs(logprobs, wanted, logits, params, firsts)
+            out_lens = self._to_device([step.out_lens[i] for i in wanted])
+            seeds = [step.seeds[i] for i in wanted]
+            picked = self._pick(handle, wanted, logits, rows, params, seeds, out_lens, "runner.extend_tokens")
             tokens[wanted] = picked
-            seq = torch.tensor([step.prefix_lens[i] + step.extend_lens[i] for i in wanted], device=self.device)
-            done = Committed(wanted, [[t] for t in firsts], seq, [step.out_lens[i] + 1 for i in wanted], first=True)
-        self.commits.commit(step, done, self.commits.rows(fb.captured_hidden, fb.positions, fb.out_cache_loc))
+            seq = self._to_device([step.prefix_lens[i] + step.extend_lens[i] for i in wanted])
+            done = Committed.one_each(wanted, picked, seq, out_lens + 1, first=True)
+        computed = self.commits.rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
+        handle.commit(done, self.commits.commit(step, done, computed))
         return tokens
 
-    def _decode(self, step: StepInput, logprobs: dict[int, list]) -> torch.Tensor:
+    def _decode(self, step: StepInput, handle: StepHandle) -> torch.Tensor:
         """One row per request: sample, commit. A sampling request of a speculating engine draws the
         uniform a one-row window would (its bonus column; see speculative/accept.py), so its token
         does not depend on whether this step drafted."""
-        rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
+        rows = self._to_device(step.rows)
         anchors, prefix, out_lens = self.future.read(rows)
-        outputs = out_lens.tolist()
-        counters = [draw_counter(n, step.width - 1) if step.mode == VERIFY else n for n in outputs]
+        counters = draw_counter(out_lens, step.width - 1) if step.mode == VERIFY else out_lens
         if self.capture.covers(step.size):
             out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
             computed = self.commits.rows(out.hidden, out.positions, out.slots)
@@ -199,14 +205,25 @@ class ModelRunner:
             )
             logits = self.model(fb, self.kv)
             computed = self.commits.rows(fb.captured_hidden, fb.positions, fb.out_cache_loc)
-        logits = self.request_logits.shape(logits.cpu(), step.rows, step.params)
-        picked = torch.tensor(sample(logits, step.params, step.seeds, counters), dtype=torch.int64)
-        tokens = self._agree([picked], "runner.decode_tokens")[0]
-        picked_list = tokens.tolist()
-        self.request_logits.record_logprobs(logprobs, range(step.size), logits, step.params, picked_list)
-        done = Committed(list(range(step.size)), [[t] for t in picked_list], prefix + 1, [n + 1 for n in outputs])
-        self.commits.commit(step, done, computed)
+        indices = list(range(step.size))
+        tokens = self._pick(handle, indices, logits, step.rows, step.params, step.seeds, counters, "runner.decode_tokens")
+        done = Committed.one_each(indices, tokens, prefix + 1, out_lens + 1)
+        handle.commit(done, self.commits.commit(step, done, computed))
         return tokens
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """Host integers as an int64 tensor on the device (a host-to-device copy: no wait)."""
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _pick(self, handle: StepHandle, indices: list[int], logits, rows, params, seeds, counters, site) -> torch.Tensor:
+        """One token per row, on the device: logits shaped, sampled, rank 0's under TP; logprobs
+        recorded where a request asks (read back at once: a wait, only then)."""
+        logits = self.request_logits.shape(logits, rows, params)
+        picked = sample_tokens(logits, params, seeds_tensor(seeds, self.device), counters)
+        picked = self._agree([picked], site)[0]
+        if any(p.logprobs for p in params):
+            self.request_logits.record_logprobs(handle.logprobs, indices, logits, params, picked.tolist())
+        return picked
 
     def _captured_step(self, width: int) -> CapturedStep:
         """The captured step for this window width, made (and registered as persistent) on first use."""
@@ -230,33 +247,16 @@ class ModelRunner:
             self._captured[width] = step
         return step
 
-    def _forward_batch(
-        self,
-        rows: list[int],
-        prefix_lens: list[int],
-        extend_lens: list[int],
-        input_ids: torch.Tensor,
-        slots: list[int],
-        every_row,
-        sample: Optional[list[bool]] = None,
-    ) -> ForwardBatch:
+    def _forward_batch(self, rows, prefix_lens, extend_lens, input_ids, slots, every_row, sample=None) -> ForwardBatch:
         """Tensors for one pass (see ForwardBatch.for_requests for which rows get logits)."""
+        table, ops, layers = self.req_to_token.table, self.model.ops, self.capture_layer_ids
         return ForwardBatch.for_requests(
-            self.req_to_token.table,
-            rows,
-            prefix_lens,
-            extend_lens,
-            input_ids,
-            slots,
-            every_row,
-            sample,
-            self.model.ops,
-            self.capture_layer_ids,
+            table, rows, prefix_lens, extend_lens, input_ids, slots, every_row, sample, ops, layers
         )
 
     # ------------------------------------------------------------ speculative verify (forward stream)
 
-    def _verify(self, step: StepInput, plan: StepPlan, logprobs: dict[int, list]) -> AcceptOuts:
+    def _verify(self, step: StepInput, plan: StepPlan, handle: StepHandle) -> AcceptOuts:
         """Draft as planned, verify the windows, accept (owned results, rank 0's under TP), then
         the results: logprobs, the policy's observation, the commit."""
         epilogue = self._epilogue(step.width)
@@ -275,12 +275,12 @@ class ModelRunner:
         )
         out = epilogue.accept(windows)  # owned: nothing below reads the *_buf tensors
         done = Committed.accepted(out, out_lens, plan)
-        self.request_logits.window_logprobs(
-            logprobs, step.params, logits, layout, [len(t) for t in done.tokens], done.tokens
-        )
+        if any(p.logprobs for p in step.params):  # read back at once: a wait, only when asked
+            toks = HostCommit.of(done, done.tensors()).tokens
+            self.request_logits.window_logprobs(handle.logprobs, step.params, logits, layout, [len(t) for t in toks], toks)
         reads_rows = self.speculation.reads_rows
         computed = self._verified_rows(hidden, out, prefix, window_slots, verify_lens) if reads_rows else None
-        self.commits.commit(step, done, computed)  # the policy, the drafters, the FutureMap, ...
+        handle.commit(done, self.commits.commit(step, done, computed))  # the policy, the drafters, the FutureMap, ...
         return out
 
     def _draft_windows(
@@ -332,7 +332,9 @@ class ModelRunner:
     ) -> Proposal:
         """Fill ids[:, 1:] with each request's drafts as planned; returns their distributions
         and verify lengths."""
-        return self.speculation.propose(plan.drafters, rows, ids, prefix, out_lens, step.params, step.seeds, plan.drafts)
+        return self.speculation.propose(
+            plan.drafters, rows, ids, prefix, out_lens, step.params, step.seeds, plan.drafts, step.kv_bound or None
+        )
 
     def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from specserve.executor.commit_path import Committed
 from specserve.executor.step_io import PromptLogprobs, StepInput, StepOutcome, VerifyStats
 from specserve.runtime.stream import Event
 from specserve.speculative.accept import AcceptOuts
@@ -25,6 +26,24 @@ class StepHandle:
     done: Optional[Event] = None
     logprobs: dict[int, list] = field(default_factory=dict)  # request index -> TokenLogprobs (forward stream)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # request index -> its chunk's
+    pending: Optional[Committed] = None  # a commit the host parties read late, from host_out[commit_at:]
+    commit_at: int = 0
+    _committed: Optional[Committed] = None
+
+    def commit(self, done: Committed, host_parties_wait: bool) -> None:
+        """The step's commit (forward stream); kept for the late host parties if they still wait."""
+        self._committed = done if host_parties_wait else None
+
+    def keep_commit(self) -> None:
+        """After device_out is set: the pending commit's tensors join the step's one late copy."""
+        if self._committed is not None:
+            self.pending, self._committed = self._committed, None
+            self.commit_at = len(self.device_out)
+            self.device_out = self.device_out + self.pending.tensors()
+
+    def _results(self) -> list[torch.Tensor]:
+        """The host copies of the step's own results (without the commit's)."""
+        return self.host_out[: self.commit_at] if self.pending is not None else self.host_out
 
     def outcomes(self) -> list[StepOutcome]:
         """Each request's outcome, from the host copies only (the copy's event has fired)."""
@@ -37,12 +56,12 @@ class StepHandle:
         its windows), the window's statistics."""
         plan = self.plan
         if plan is None:  # a prefill chunk (a token only where one is sampled) or a plain decode step
-            return [[t] if s else [] for t, s in zip(self.host_out[0].tolist(), self.step.sample)], [None] * self.step.size
+            return [[t] if s else [] for t, s in zip(self._results()[0].tolist(), self.step.sample)], [None] * self.step.size
         if plan.speculates:
-            out = AcceptOuts(*self.host_out)
+            out = AcceptOuts(*self._results())
             commit, rows, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
             tokens = [row[:n] for row, n in zip(rows, commit)]
         else:  # no drafts: each request's one decoded token
-            tokens, trimmed = [[t] for t in self.host_out[0].tolist()], [0] * self.step.size
+            tokens, trimmed = [[t] for t in self._results()[0].tolist()], [0] * self.step.size
         windows = zip(plan.drafters, plan.drafts, plan.predicted, trimmed)
         return tokens, [VerifyStats(drafter, k, predicted, cap) for drafter, k, predicted, cap in windows]

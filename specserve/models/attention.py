@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.attention import paged_attention as kernel_paged_attention
+from specserve.runtime.host_waits import device_code
 
 
 @dataclass
@@ -109,10 +110,10 @@ class SdpaAttentionMetadata:
         if max_q > 1:
             starts = torch.cumsum(ext, 0) - ext
             flat = starts.unsqueeze(1) + torch.arange(max_q, device=device).unsqueeze(0)
-            q_gather = torch.where(q_valid, flat, torch.full_like(flat, int(ext.sum())))
-            out_scatter = (
-                torch.arange(bs, device=device).unsqueeze(1) * max_q + torch.arange(max_q, device=device).unsqueeze(0)
-            )[q_valid]
+            # From the host lists, not the device tensors: reading those would wait for the device.
+            q_gather = torch.where(q_valid, flat, torch.full_like(flat, sum(extend_lens)))
+            scatter = [b * max_q + i for b, n in enumerate(extend_lens) for i in range(n)]
+            out_scatter = torch.tensor(scatter, dtype=torch.int64, device=device)
         additive = _additive(mask, dtype) if max_q > 1 or min(seq_lens) != max_kv else None
         return cls(bs, max_q, kv_slots, q_gather, out_scatter, additive, mask, q_pos, q_valid)
 
@@ -204,10 +205,13 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     """The drafter's block queries [bs, g, H, D] over keys/values [bs, C + g, KVH, D] -> [bs, g, H, D],
     bidirectional inside the block. With bs = 1 and a mask [1, 1, C + g], the masked columns are
     dropped instead, so the computation's shape is the request's own: batching another request
-    next to it cannot change its result."""
-    if mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1]:  # not a training batch's 2-D mask
-        keep = mask.reshape(-1) == 0
-        keys, values, mask = keys[:, keep], values[:, keep], None
+    next to it cannot change its result. That is the CPU kernels' way to batch invariance, and a
+    CPU kernel reading its own mask is no host wait (on CUDA the masked attention runs instead)."""
+    one_row = mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1]  # not a training batch's 2-D mask
+    if one_row and q.device.type == "cpu":
+        with device_code():
+            keep = mask.reshape(-1) == 0
+            keys, values, mask = keys[:, keep], values[:, keep], None
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
     )

@@ -31,7 +31,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.models.quant import Q8Weight
-from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
+from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor
 from specserve.sampling_params import SamplingParams
 
 # Draft sampling draws its uniforms from counters disjoint from the verify's (those use j < 32).
@@ -304,7 +304,7 @@ class DsparkDrafter(nn.Module):
         kv: KVPool,
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
-        counters: Sequence[int],
+        counters: "Sequence[int] | torch.Tensor",
         drafts: Optional[int] = None,
     ) -> DraftOut:
         """Draft g tokens per request (the first `drafts` of them: the same tokens, without the rest).
@@ -335,11 +335,10 @@ class DsparkDrafter(nn.Module):
         width = ctx_slots.shape[1]
         ctx_valid = torch.arange(width, device=anchors.device).unsqueeze(0) < prefix_lens.unsqueeze(1)
         slots = ctx_slots.masked_fill(~ctx_valid, 0)
-        mask = None
-        if not bool(ctx_valid.all()):
-            keep = torch.cat([ctx_valid, ctx_valid.new_ones(bs, g)], 1)
-            mask = torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-            mask = mask.view(bs, 1, 1, -1)
+        # Always masked: asking whether every column is valid would read the prefixes back.
+        keep = torch.cat([ctx_valid, ctx_valid.new_ones(bs, g)], 1)
+        mask = torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+        mask = mask.view(bs, 1, 1, -1)
         for i, layer in enumerate(self.layers):
             x = layer(x, kv.k[i][slots], kv.v[i][slots], mask, cos, sin, self.ops)
         return self.ops.rms_norm(x, self.norm)
@@ -351,7 +350,7 @@ class DsparkDrafter(nn.Module):
         base_logits: torch.Tensor,
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
-        counters: Sequence[int],
+        counters: "Sequence[int] | torch.Tensor",
     ) -> DraftOut:
         """Left to right: logits_k = U_k + W2 W1[prev_k]; pick x_k; prev_{k+1} = x_k."""
         bs, g, _ = base_logits.shape
@@ -362,22 +361,22 @@ class DsparkDrafter(nn.Module):
         tokens = torch.empty(bs, g, dtype=torch.int64, device=anchors.device)
         vocab = self.config.vocab_size
         probs = base_logits.new_zeros(bs, g, vocab) if sampled else None
+        if sampled:
+            rows = torch.tensor(sampled, dtype=torch.int64, device=anchors.device)
+            row_seeds = seeds_tensor([seeds[i] for i in sampled], anchors.device)
+            row_counters = torch.as_tensor(counters, dtype=torch.int64, device=anchors.device)[rows]
         prev, embedded = anchors.long(), []
         for k in range(g):
             e = self.markov_w1(prev)
             embedded.append(e)
             logits = base_logits[:, k] + self.markov_w2(e).float()
             pick = self.to_target(logits.argmax(-1))
-            if probs is not None:  # some request samples
+            if probs is not None:  # some request samples: drawn on the device, nothing read back
                 probs[:, k] = F.one_hot(pick, vocab).float()
-                q = filtered_probs(logits[sampled].cpu(), [params[i] for i in sampled])
-                u = torch.tensor(
-                    [counter_uniform(seeds[i], draw_counter(counters[i], DRAFT_COUNTER_OFFSET + k)) for i in sampled],
-                    dtype=torch.float64,
-                )
-                rows = torch.tensor(sampled, device=anchors.device)
-                pick[rows] = self.to_target(inverse_cdf(q, u).to(pick.device))
-                probs[rows, k] = self.to_target_probs(q.to(probs.device))
+                q = filtered_probs(logits[rows], [params[i] for i in sampled])
+                u = counter_uniforms(row_seeds, draw_counter(row_counters, DRAFT_COUNTER_OFFSET + k))
+                pick = pick.index_copy(0, rows, self.to_target(inverse_cdf(q, u)))
+                probs[rows, k] = self.to_target_probs(q)
             tokens[:, k] = pick
             prev = pick
         return self._draft_out(hidden, tokens, torch.stack(embedded, 1), probs)

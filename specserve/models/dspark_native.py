@@ -26,6 +26,7 @@ from specserve.kernels.linear import PackedLinear, concat_columns
 from specserve.kv.pool import KVPool
 from specserve.models.backend import OpBackend
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding
+from specserve.runtime.host_waits import device_code
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,19 @@ class NativeDraftBlock:
                 )
                 self.warned = True
             return None
+        with device_code():  # a CPU kernel's own inputs (this path exists on CPU alone)
+            return self._hidden(drafter, anchors, prefix_lens, ctx_slots, kv, rows)
+
+    def _hidden(
+        self,
+        drafter: DrafterParts,
+        anchors: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        ctx_slots: torch.Tensor,
+        kv: KVPool,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        bs, g = anchors.shape[0], drafter.block_size
         ids = torch.full((bs, g), drafter.config.mask_token_id, dtype=torch.int64)
         ids[:, 0] = anchors
         residual = drafter.embed(ids.reshape(-1)).to(drafter.dtype).contiguous().clone()

@@ -22,6 +22,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # rows of the flat batch whose logits are wanted
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads
     captured_hidden: torch.Tensor | None = None  # [T, len(capture_layer_ids) * H], filled by the model
+    position_bound: int | None = None  # known on the host: every position is below it (None: unknown)
 
     @classmethod
     def for_requests(
@@ -59,4 +60,5 @@ class ForwardBatch:
             attn=meta,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             capture_layer_ids=capture_layer_ids,
+            position_bound=max(seq_lens, default=0),
         )

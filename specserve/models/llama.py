@@ -205,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> torch.Tensor:
         if self.lazy_rope and fb.positions.numel():
-            top = int(fb.positions.max()) + 1
+            # The host's bound where the caller knows one: reading the positions would wait for the device.
+            top = fb.position_bound if fb.position_bound is not None else int(fb.positions.max()) + 1
             self.rope.cover(top)
             self.rope_local.cover(top)
         residual = self.embed_tokens(fb.input_ids)

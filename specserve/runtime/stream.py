@@ -23,8 +23,9 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -254,6 +255,8 @@ class Event:
         if rec is None:
             return
         host = current_stream()
+        for observe in getattr(_tls, "wait_observers", ()):
+            observe(f"Event.synchronize() on {rec.stream.name}")
         _wait_flag(rec, host)
         if rec.cuda_event is not None:
             rec.cuda_event.synchronize()
@@ -263,6 +266,18 @@ class Event:
     def query(self) -> bool:
         rec = self._record
         return rec is None or (rec.flag.is_set() and (rec.cuda_event is None or rec.cuda_event.query()))
+
+
+@contextmanager
+def observe_host_waits(observer: Callable[[str], None]) -> Iterator[None]:
+    """Tell `observer` of every host wait for an event on this thread inside the block (the
+    host-wait detector, runtime/host_waits.py)."""
+    previous = getattr(_tls, "wait_observers", ())
+    _tls.wait_observers = (*previous, observer)
+    try:
+        yield
+    finally:
+        _tls.wait_observers = previous
 
 
 def _wait_flag(rec: _Record, waiter: Stream) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from specserve.errors import InternalError
-from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
+from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor
 from specserve.sampling_params import SamplingParams
 
 # Rank 0's values of these int64 CPU tensors, as owned copies, on every rank (TPDecisions.agree).
@@ -292,11 +292,9 @@ def accept_windows(
         full[keep.reshape(-1)] = logits
         logits = full
     target = verify_target_probs(logits.view(bs, width, -1), params)
-    uniforms = torch.tensor(
-        [[counter_uniform(seed, draw_counter(n, j)) for j in range(width)] for seed, n in zip(seeds, out_lens.tolist())],
-        dtype=torch.float64,
-        device=logits.device,
-    )
+    columns = torch.arange(width, dtype=torch.int64, device=logits.device)
+    counters = draw_counter(out_lens.to(logits.device).unsqueeze(1), columns.unsqueeze(0))  # on the device: no read back
+    uniforms = counter_uniforms(seeds_tensor(seeds, logits.device).unsqueeze(1), counters)
     epilogue.accept_sampling(bs, ids, target, draft_probs(target.shape[-1]), uniforms, prefix, lens)
 
 

@@ -37,6 +37,7 @@ class DsparkWorker:
 
     name = Algorithm.DSPARK
     reads_tokens = False
+    tokens_early = False
 
     def __init__(self, drafter: DsparkDrafter, kv: KVPool, req_to_token: torch.Tensor, max_pending_rows: int = 0):
         self.drafter = drafter
@@ -56,9 +57,11 @@ class DsparkWorker:
 
     def draft(self, inp: DraftInput) -> Drafts:
         self.flush()
-        ctx_slots = self.table[inp.rows, : int(inp.prefix_lens.max())]
+        # The host's bound on the context where the step gives one: reading the prefixes would wait.
+        width = inp.ctx_bound if inp.ctx_bound is not None else int(inp.prefix_lens.max())
+        ctx_slots = self.table[inp.rows, : min(width, self.table.shape[1])]
         out = self.drafter.propose(
-            inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds, inp.out_lens.tolist(), inp.needed
+            inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds, inp.out_lens, inp.needed
         )
         return _filled(Drafts(out.tokens, out.probs, out.confidence), inp.gamma)
 

@@ -1,12 +1,19 @@
-"""NGRAM: model-free drafts by suffix match over the request's own tokens (prompt lookup)."""
+"""NGRAM: model-free drafts by suffix match over the request's own tokens (prompt lookup).
+
+The drafts come from the request's tokens on the device (TokenTable, written as steps commit), so
+drafting never waits for the host to learn the last step's tokens. The host keeps the same
+histories too, fed late (after the step is resolved), for the speculation policy's match hints."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from specserve.errors import ConfigError
 from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
+from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 
 
@@ -42,25 +49,41 @@ class TokenHistory:
 
 
 class NgramWorker:
-    """The NGRAM drafter behind the worker seam: it keeps each request slot's committed tokens
-    (prompt and outputs, as the forward stream commits them) and drafts from them."""
+    """The NGRAM drafter behind the worker seam: it drafts from each request slot's tokens on the
+    device (`token_table`), and keeps host histories of them for the policy's hints. Without a
+    table (tests, tools) it drafts from the host histories, which must then be fed before the next
+    step is launched (`tokens_early`)."""
 
     name = Algorithm.NGRAM
     reads_tokens = True
     capture_layer_ids: tuple[int, ...] = ()
     kv_pools: list[KVPool] = []
 
-    def __init__(self, gamma: int, max_ngram: int = 4, min_ngram: int = 1):
+    def __init__(self, gamma: int, max_ngram: int = 4, min_ngram: int = 1, token_table: Optional[TokenTable] = None):
         if gamma < 1:
             raise ConfigError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
         self.gamma, self.max_ngram, self.min_ngram = gamma, max_ngram, min_ngram
         self.histories: dict[int, TokenHistory] = {}
+        self.token_table = token_table
+
+    @staticmethod
+    def on_device(gamma: int, req_to_token: torch.Tensor) -> "NgramWorker":
+        """The serving drafter: a token table shaped after the request-to-token table."""
+        return NgramWorker(gamma, token_table=TokenTable.like(req_to_token))
+
+    @property
+    def tokens_early(self) -> bool:
+        return self.token_table is None
 
     def match_lens(self, rows: list[int]) -> list[int]:
         """The suffix match length of each request slot: what the speculation policy's NGRAM hint reads."""
         return [self.histories[row].match(1)[0] for row in rows]
 
     def draft(self, inp: DraftInput) -> Drafts:
+        if self.token_table is not None:  # on the device: the host's bound, not the prefixes read back
+            width = (inp.ctx_bound if inp.ctx_bound is not None else int(inp.prefix_lens.max())) + 1
+            table = self.token_table
+            return Drafts(table.propose(inp.rows, inp.prefix_lens, width, inp.gamma, self.min_ngram, self.max_ngram))
         proposals = [self.histories[row].match(inp.gamma)[1] for row in inp.rows.tolist()]
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
 

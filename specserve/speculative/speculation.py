@@ -73,6 +73,9 @@ class Speculation:
         # Whether any drafter reads committed target rows / tokens: the executor skips gathering them otherwise.
         self.reads_rows = bool(readers)
         self.reads_tokens = any(w.reads_tokens for w in workers)
+        self.tokens_early = any(w.tokens_early for w in workers)
+        # Request tokens on the device, written by CommitPath (a drafter's, e.g. NGRAM's).
+        self.token_table = next((t for w in workers if (t := getattr(w, "token_table", None)) is not None), None)
 
     def worker(self, name: str) -> Optional[DraftWorker]:
         return self.workers.get(name)
@@ -124,11 +127,12 @@ class Speculation:
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
         counts: Optional[Sequence[int]] = None,
+        ctx_bound: Optional[int] = None,
     ) -> Proposal:
         """Fill ids[:, 1:] (ids[:, 0] holds the anchors): each request's drafter proposes its window;
         a request without a drafter repeats its anchor (the verify still yields its bonus token).
         counts: each request's planned draft count (None: gamma each); a drafter is told the most
-        any of its windows verifies."""
+        any of its windows verifies; ctx_bound: a host bound on every prefix (see DraftInput)."""
         bs, gamma = ids.shape[0], ids.shape[1] - 1
         proposal, confidence = Proposal(), None
         for name, index in _groups(drafters, bs).items():
@@ -151,6 +155,7 @@ class Speculation:
                     [seeds[i] for i in index],
                     gamma,
                     None if counts is None else max(1, max(counts[i] for i in index)),
+                    ctx_bound,
                 )
             )
             ids[target, 1:] = drafts.tokens

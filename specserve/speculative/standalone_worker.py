@@ -49,6 +49,7 @@ class StandaloneWorker:
 
     name = Algorithm.STANDALONE
     reads_tokens = True
+    tokens_early = True  # drafts from host state
     capture_layer_ids: tuple[int, ...] = ()
 
     def __init__(

@@ -65,6 +65,7 @@ class SuffixWorker:
 
     name = Algorithm.SUFFIX
     reads_tokens = True
+    tokens_early = True  # drafts from host state
     capture_layer_ids: tuple[int, ...] = ()
     kv_pools: list[KVPool] = []
 

@@ -37,6 +37,9 @@ class DraftInput:
     # The most drafts any of these windows verifies (None: gamma): a drafter may compute only the
     # first `needed` and fill the rest, which no verify reads.
     needed: Optional[int] = None
+    # Known on the host: every prefix length is below it (the step's K/V bound; None: unknown),
+    # so a drafter sizes its context without reading the prefix lengths back.
+    ctx_bound: Optional[int] = None
 
 
 @dataclass
@@ -78,6 +81,11 @@ class DraftWorker(Protocol):
     @property
     def reads_tokens(self) -> bool:
         """Wants commit_tokens."""
+
+    @property
+    def tokens_early(self) -> bool:
+        """Must have step N's tokens (commit_tokens) before step N+1 is launched: drafts from host
+        state, so the launch waits for the device (runtime/host_waits.py counts it)."""
 
     @property
     def kv_pools(self) -> list[KVPool]:

@@ -265,7 +265,9 @@ def spy_positions(runner, positions: list) -> None:
     original = drafter.inject
 
     def inject(hidden, pos, slots, kv):
-        positions.append(pos.tolist())
+        # Every window row is injected (a fixed shape, nothing read back); the uncommitted ones go to
+        # the scratch slot 0, so the committed positions are those with a real slot.
+        positions.append(pos[slots != 0].tolist())
         return original(hidden, pos, slots, kv)
 
     drafter.inject = inject

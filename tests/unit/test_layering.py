@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"envs", "errors"},
     "distributed": {"args", "envs", "errors"},
     "kv": {"runtime", "distributed", "errors"},
-    "models": {"kernels", "kv", "sampler", "sampling_params", "errors"},
+    "models": {"kernels", "kv", "runtime", "sampler", "sampling_params", "errors"},
     "tokenizer": {"models", "errors"},
     "speculative": {"names", "models", "kv", "sampler", "sampling_params", "runtime", "errors"},
     "executor": {"names", "speculative", "models", "kv", "runtime", "distributed", "sampler", "sampling_params", "logits",

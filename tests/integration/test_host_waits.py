@@ -1,0 +1,128 @@
+"""The overlap loop's launches never wait on the device (issue: the overlap loop pays on CUDA).
+
+With SPECSERVE_HOST_WAITS=count every engine's runner counts the points inside `launch` where the
+host would wait for the device (runtime/host_waits.py: value reads of device tensors, copies back,
+data-dependent shapes, event waits). Here they must be zero on the real embedded model, overlap
+loop, for NONE and for DSPARK with fixed windows (the shipped drafter, so drafts are accepted),
+greedy and sampled, with the same tokens as the normal loop. A planted `.item()` inside the step
+must be found, at its line, and refused in the error mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import chat_prompts
+
+from specserve import Engine
+from specserve.executor.model_runner import ModelRunner
+from specserve.speculative.dspark_worker import DsparkWorker
+
+CONTENTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
+            "List the days of the week.", "Write a haiku about rain."]
+SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 20},
+           {"temperature": 1.0, "top_k": 20, "seed": 12, "max_new_tokens": 20},
+           {"temperature": 0.7, "min_p": 0.05, "seed": 13, "max_new_tokens": 20},
+           {"temperature": 0, "max_new_tokens": 20}]
+GREEDY = [{"temperature": 0, "max_new_tokens": 24}] * len(CONTENTS)
+KINDS = {"none": {"speculative_algorithm": "NONE"},
+         "dspark-static": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"}}
+
+
+def make_engine(kind: str, overlap: bool = True) -> Engine:
+    return Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **KINDS[kind])
+
+
+@pytest.fixture(scope="module")
+def counting_engines():
+    """One counting engine per kind, overlap loop (the switch is read when an engine is built)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSERVE_HOST_WAITS", "count")
+        engines = {kind: make_engine(kind) for kind in KINDS}
+    yield engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(counting_engines):
+    return chat_prompts(counting_engines["none"], CONTENTS)
+
+
+def tokens(outs: list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def run(engine: Engine, prompts, params) -> tuple[list[list[int]], list]:
+    """The engine's tokens, and the waits its launches counted (prefills, decode and verify steps)."""
+    engine.scheduler.ledger.tree.reset()
+    engine.runner.host_waits.reset()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    return tokens(outs), engine.runner.host_waits.reset()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_overlap_launches_never_wait(kind, params, counting_engines, prompts):
+    engine = counting_engines[kind]
+    overlapped = engine.loop.overlapped_steps
+    got, waits = run(engine, prompts, params)
+    assert waits == [], f"{kind}: the host waited inside launch at {sorted({(w.op, w.site) for w in waits})}"
+    assert engine.loop.overlapped_steps - overlapped > 10, "the overlap loop never overlapped"
+    if kind == "dspark-static":
+        stats = engine.runner.speculation.policy
+        assert stats is None  # fixed windows: every request drafts every step
+    normal = make_engine(kind, overlap=False)
+    try:
+        normal.scheduler.ledger.tree.reset()
+        assert tokens(normal.generate(input_ids=prompts, sampling_params=params)) == got
+    finally:
+        normal.shutdown()
+
+
+def test_dspark_verify_steps_accept_drafts(counting_engines, prompts):
+    """The zero above covers real verify steps: the shipped drafter's drafts are accepted."""
+    engine = counting_engines["dspark-static"]
+    engine.scheduler.ledger.tree.reset()
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > 0
+
+
+def plant_item(monkeypatch, where: str) -> None:
+    """The bug the detector exists for: one `.item()` inside the step (the decode's sampling, or
+    the DSpark drafter's drafting)."""
+    if where == "decode":
+        original = ModelRunner._pick
+
+        def planted_pick(self, handle, indices, logits, *args):
+            logits[0, 0].item()  # planted wait
+            return original(self, handle, indices, logits, *args)
+
+        monkeypatch.setattr(ModelRunner, "_pick", planted_pick)
+    else:
+        original_draft = DsparkWorker.draft
+
+        def planted_draft(self, inp):
+            inp.prefix_lens.max().item()  # planted wait
+            return original_draft(self, inp)
+
+        monkeypatch.setattr(DsparkWorker, "draft", planted_draft)
+
+
+@pytest.mark.parametrize("kind,where", [("none", "decode"), ("dspark-static", "draft")])
+def test_a_planted_item_is_counted_at_its_line(kind, where, counting_engines, prompts, monkeypatch):
+    plant_item(monkeypatch, where)
+    _, waits = run(counting_engines[kind], prompts, GREEDY)
+    planted = [w for w in waits if w.op == "item()" and "planted" in w.site]
+    assert planted and len(planted) == len(waits), waits
+
+
+def test_a_planted_item_fails_the_request_in_error_mode(prompts, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HOST_WAITS", "error")
+    engine = make_engine("none")
+    try:
+        plant_item(monkeypatch, "decode")
+        with pytest.raises(Exception, match="the host waits on the device inside a step's launch: item"):
+            engine.generate(input_ids=prompts[0], sampling_params=GREEDY[0])
+    finally:
+        engine.shutdown()
