@@ -34,6 +34,8 @@ def add_host_waits_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {', '.join(CONFIGS)}")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--packed-windows", action="store_true",
+                   help="CPU's verify choice (planned windows packed, a wait) instead of CUDA's static windows")
     p.add_argument("--out", default=None)
 
 
@@ -48,7 +50,9 @@ def run_host_waits(args: argparse.Namespace) -> int:
         results = [row for name in names for row in _census(name, args)]
     finally:
         os.environ.pop("SPECSERVE_HOST_WAITS") if previous is None else os.environ.update(SPECSERVE_HOST_WAITS=previous)
-    emit_report({**provenance(), "new_tokens": args.new_tokens, "dtype": args.dtype, "results": results}, args.out)
+    report = {**provenance(), "new_tokens": args.new_tokens, "dtype": args.dtype,
+              "static_windows": not args.packed_windows, "results": results}
+    emit_report(report, args.out)
     return 0
 
 
@@ -65,6 +69,7 @@ def _census(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         return original(step)
 
     engine.runner.launch = counted
+    engine.runner.capture.static_windows = not args.packed_windows  # CUDA's choice unless asked
     assert isinstance(engine.runner, ModelRunner) and engine.runner.host_waits is not None
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
     rows = []

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 import torch  # noqa: E402
 
 FAULT_VARS = ("SPECSERVE_STREAM_SANITIZER", "SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS", "SPECSERVE_FAULT_COPY_LAG_MS",
-              "SPECSERVE_FAULT_COPY_DELAY_MS", "SPECSERVE_FAULT_FORWARD_DELAY_MS")
+              "SPECSERVE_FAULT_COPY_DELAY_MS", "SPECSERVE_FAULT_FORWARD_DELAY_MS", "SPECSERVE_HOST_WAITS")
 TEXTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
          "List the days of the week, then the months of the year.", "ab ab ab ab ab ab ab ab ab ab",
          "Write a haiku about rain.", "the cat the cat the cat sat", "Name three primary colours.", "x"]
@@ -265,6 +265,42 @@ def sanitizer_catches_alias(setup: Setup) -> dict:
     raise AssertionError("the planted alias fault ran to the end without a stream hazard")
 
 
+def no_host_waits(setup: Setup) -> dict:
+    """Launches that never wait on the device (SPECSERVE_HOST_WAITS=error: the host-wait detector and,
+    on CUDA, torch's sync debug mode around every launch) for NONE, NGRAM, DSPARK and DSPARK-compact,
+    greedy and seeded sampling, overlap loop with graphs; then a planted `.item()` in the step must
+    be refused."""
+    from specserve.executor.model_runner import ModelRunner
+
+    params: list[dict[str, Any]] = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True} for _ in TEXTS]
+    for i in (1, 4, 6):
+        params[i].update(temperature=0.8, top_p=0.9, seed=i)
+    out: dict[str, Any] = {}
+    with env(SPECSERVE_HOST_WAITS="error"):
+        for algorithm in ("NONE", "NGRAM", "DSPARK", "DSPARK-compact"):
+            with setup.engine(algorithm) as engine:
+                engine.runner.capture.static_windows = True  # CUDA's default; the CPU run checks the same path
+                generate(engine, setup.prompts, params)
+                out[algorithm] = {"overlapped_steps": engine.loop.overlapped_steps,
+                                  "verify_steps": engine.scheduler.stats.verify_steps}
+        original = ModelRunner._pick
+
+        def planted(self, handle, indices, logits, *args):
+            logits[0, 0].item()  # the planted wait
+            return original(self, handle, indices, logits, *args)
+
+        ModelRunner._pick = planted
+        try:
+            with setup.engine("NONE") as engine:
+                greedy(engine, setup.prompts[:1], new_tokens=4)
+        except Exception as exc:  # the detector's HostWaitError, or CUDA's sync debug mode error, via the stream
+            out["planted_item"] = str(exc)[:240]
+        finally:
+            ModelRunner._pick = original
+    assert "planted_item" in out, "a planted .item() in the step ran without a host-wait error"
+    return out
+
+
 def alias_with_late_copies(setup: Setup, reference: list[list[int]]) -> dict:
     """The seed's symptom on real CUDA streams (recorded, not asserted: whether a late copy reads the
     next step's values depends on the GPU's timing), and the same lag without the fault (asserted
@@ -399,6 +435,7 @@ def main() -> int:
             ("loops_and_graphs", loops_and_graphs(setup, reference)),
             ("sanitizer_silent", lambda: sanitizer_silent(setup, reference)),
             ("sanitizer_catches_alias", lambda: sanitizer_catches_alias(setup)),
+            ("no_host_waits", lambda: no_host_waits(setup)),
             ("alias_with_late_copies", lambda: alias_with_late_copies(setup, reference)),
             ("hicache_reload", lambda: hicache_reload(setup)),
             ("bf16_consistency", lambda: bf16_consistency(setup)),

@@ -47,14 +47,15 @@ class VerifyPath(str, enum.Enum):
 
     @staticmethod
     def select(step: StepInput, verify_lens: Optional[list[int]], capture: "CaptureConfig") -> "VerifyPath":
-        """The one selector of how a verify step runs: captured when every row of every window is
-        verified at a captured batch size, and then with the greedy accept folded in unless some
-        request samples or shapes its logits (penalties, bias, a grammar); else eagerly."""
-        if verify_lens is not None or not capture.covers(step.size):
+        """The one selector of how a verify step runs: captured at a captured batch size when every
+        row of every window is verified (or static_windows caps the accept instead), and then with
+        the greedy accept folded in unless some request samples, shapes its logits (penalties, bias,
+        a grammar) or has a verify length; else eagerly over the verified rows."""
+        if not capture.covers(step.size) or (verify_lens is not None and not capture.static_windows):
             return VerifyPath.EAGER
-        if all(p.is_greedy and not p.shapes_logits for p in step.params):
+        if verify_lens is None and all(p.is_greedy and not p.shapes_logits for p in step.params):
             return VerifyPath.FOLDED
-        return VerifyPath.CAPTURED
+        return VerifyPath.CAPTURED  # with verify lengths: every row computed, the accept capped at them
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -81,9 +82,20 @@ class CaptureConfig:
     max_bs: int = 32  # --cuda-graph-max-bs: larger batches run eagerly
     compile: bool = False  # --enable-torch-compile: torch.compile the step on CPU
     pad_batches: Optional[bool] = None  # pad to batch buckets (default: only for CUDA graphs; tests set it on CPU)
+    # Windows verified whole in the captured step, the accept capped at planned lengths, instead of
+    # packing the planned rows: packing needs the prefixes on the host (a wait), and on CUDA the
+    # extra rows are nearly free. Default: on CUDA only (CPU rows cost compute); tests set it on CPU.
+    static_windows: Optional[bool] = None
 
     def covers(self, bs: int) -> bool:
         return self.enabled and bs <= self.max_bs
+
+    def fitted(self, max_bs: int, device: "str | torch.device") -> "CaptureConfig":
+        """This config for a runner of at most max_bs requests on `device` (defaults resolved)."""
+        self.max_bs = min(self.max_bs, max_bs)
+        if self.static_windows is None:
+            self.static_windows = torch.device(device).type == "cuda"
+        return self
 
 
 @dataclass

@@ -142,8 +142,13 @@ class CommitPath:
         table.write(req_rows, done.tokens, done.lens, done.seq_lens)
 
     def host_needs_now(self, step: StepInput) -> bool:
-        """Whether a host party must see this step's tokens before the next step is launched."""
-        return self.speculation.tokens_early or any(p.penalises or p.constrained for p in step.params)
+        """Whether a host party must see this step's tokens before the next step is launched: a
+        drafter drafting from host state, a request's penalties or grammar advancing on the host, or
+        the speculation policy (its next plan must see this step in either loop: sampled tokens
+        depend on the drafts, and the loops must agree on them)."""
+        if self.speculation.tokens_early or self.speculation.policy is not None:
+            return True
+        return any(p.penalises or p.constrained for p in step.params)
 
     def commit_host(self, step: StepInput, done: HostCommit) -> None:
         """The host parties: the policy, the token-reading drafters, the request logits."""

@@ -76,8 +76,7 @@ class ModelRunner:
         self.copy = copy_stream or Stream("copy", device)
         self.future = FutureMap(req_to_token.table.shape[0], device)
         self.epilogue: Optional[DsparkVerifyEpilogue] = None  # made at the first verify step
-        self.capture = capture or CaptureConfig(max_bs=max_bs)
-        self.capture.max_bs = min(self.capture.max_bs, max_bs)
+        self.capture = (capture or CaptureConfig(max_bs=max_bs)).fitted(max_bs, device)
         self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
         self.tp = tp  # rank 0's sampled tokens, drafts, verify lengths and accept results, on every rank
         self.request_logits = RequestLogits(grammars)  # penalties' histories, grammar states (forward stream)
@@ -332,9 +331,9 @@ class ModelRunner:
     ) -> Proposal:
         """Fill ids[:, 1:] with each request's drafts as planned; returns their distributions
         and verify lengths."""
-        return self.speculation.propose(
-            plan.drafters, rows, ids, prefix, out_lens, step.params, step.seeds, plan.drafts, step.kv_bound or None
-        )
+        static = bool(self.capture.static_windows and self.capture.covers(step.size))
+        args = (plan.drafters, rows, ids, prefix, out_lens, step.params, step.seeds, plan.drafts, step.kv_bound or None)
+        return self.speculation.propose(*args, compact=not static)
 
     def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""
@@ -373,14 +372,8 @@ class ModelRunner:
         packed = self.model(fb, self.kv)
         return packed, fb.captured_hidden, None if verify_lens is None else keep
 
-    def _verified_rows(
-        self,
-        hidden: Optional[torch.Tensor],
-        out: AcceptOuts,
-        prefix: torch.Tensor,
-        window_slots: torch.Tensor,
-        verify_lens: Optional[list[int]],
-    ) -> CommittedRows:
+    def _verified_rows(self, hidden, out: AcceptOuts, prefix, window_slots, verify_lens) -> CommittedRows:
+        """The drafters' rows of a verify step (a seam the tests plant faults at)."""
         return verified_rows(hidden, out.commit_lens, prefix, window_slots, verify_lens)
 
     def discard_captured(self) -> None:

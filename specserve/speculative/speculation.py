@@ -128,11 +128,14 @@ class Speculation:
         seeds: Sequence[int],
         counts: Optional[Sequence[int]] = None,
         ctx_bound: Optional[int] = None,
+        compact: bool = True,
     ) -> Proposal:
         """Fill ids[:, 1:] (ids[:, 0] holds the anchors): each request's drafter proposes its window;
         a request without a drafter repeats its anchor (the verify still yields its bonus token).
         counts: each request's planned draft count (None: gamma each); a drafter is told the most
-        any of its windows verifies; ctx_bound: a host bound on every prefix (see DraftInput)."""
+        any of its windows verifies; ctx_bound: a host bound on every prefix (see DraftInput);
+        compact: the planner may shorten windows (False: it would read the confidences back for
+        nothing, the windows being verified whole, see CaptureConfig.static_windows)."""
         bs, gamma = ids.shape[0], ids.shape[1] - 1
         proposal, confidence = Proposal(), None
         for name, index in _groups(drafters, bs).items():
@@ -164,7 +167,7 @@ class Speculation:
             if drafts.confidence is not None:
                 confidence = torch.ones(bs, gamma, device=ids.device) if confidence is None else confidence
                 confidence[target] = drafts.confidence.float()
-        if self.planner is not None and confidence is not None:
+        if self.planner is not None and confidence is not None and compact:
             proposal.verify_lens = self.planner.verify_lens(confidence)
         return proposal
 

@@ -279,6 +279,7 @@ def check_injection(drafter_dir, prompts, reference, mutation):
         # Nothing else moved either.
         others = torch.ones(draft_kv.k[i].shape[0], dtype=torch.bool)
         others[torch.tensor(window[:commit])] = False
+        others[0] = False  # the scratch slot: the uncommitted rows of a fixed-shape injection go there
         assert torch.equal(draft_kv.k[i][others], before_k[i][others]), "draft K written outside the window"
 
 

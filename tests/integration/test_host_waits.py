@@ -3,12 +3,18 @@
 With SPECSERVE_HOST_WAITS=count every engine's runner counts the points inside `launch` where the
 host would wait for the device (runtime/host_waits.py: value reads of device tensors, copies back,
 data-dependent shapes, event waits). Here they must be zero on the real embedded model, overlap
-loop, for NONE and for DSPARK with fixed windows (the shipped drafter, so drafts are accepted),
-greedy and sampled, with the same tokens as the normal loop. A planted `.item()` inside the step
-must be found, at its line, and refused in the error mode.
+loop, for NONE, NGRAM, DSPARK with fixed windows (the shipped drafter, so drafts are accepted) and
+DSPARK compact, greedy and sampled, with the same tokens as the normal loop. The runners take CUDA's verify choice (CaptureConfig.static_windows:
+planned windows verified whole, the accept capped) since that is the path these zeros are for; on
+CPU by default planned windows are packed, which reads the prefixes back (counted, and free there).
+A planted `.item()` inside the step must be found, at its line, and refused in the error mode.
+SUFFIX still drafts from host state, and the adaptive policy plans from each step's results before
+the next launch: `python -m benchmarks host-waits` shows where they wait.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -26,20 +32,39 @@ SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 20},
            {"temperature": 0, "max_new_tokens": 20}]
 GREEDY = [{"temperature": 0, "max_new_tokens": 24}] * len(CONTENTS)
 KINDS = {"none": {"speculative_algorithm": "NONE"},
-         "dspark-static": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"}}
+         "ngram": {"speculative_algorithm": "NGRAM", "speculative_policy": "fixed"},
+         "dspark-static": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"},
+         "dspark-compact": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed",
+                            "speculative_dspark_verify_mode": "compact"}}
 
 
-def make_engine(kind: str, overlap: bool = True) -> Engine:
-    return Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **KINDS[kind])
+def make_engine(kind: str, tmp_path_factory, overlap: bool = True) -> Engine:
+    kw = dict(KINDS[kind])
+    if kind == "dspark-compact":
+        table = tmp_path_factory.mktemp("sps") / "sps.json"
+        table.write_text(json.dumps({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}))
+        kw["speculative_dspark_sps_table_path"] = str(table)
+    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)
+    engine.runner.capture.static_windows = True  # CUDA's verify choice (see the module docstring)
+    return engine
 
 
 @pytest.fixture(scope="module")
-def counting_engines():
+def counting_engines(tmp_path_factory):
     """One counting engine per kind, overlap loop (the switch is read when an engine is built)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECSERVE_HOST_WAITS", "count")
-        engines = {kind: make_engine(kind) for kind in KINDS}
+        engines = {kind: make_engine(kind, tmp_path_factory) for kind in KINDS}
     yield engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def normal_engines(tmp_path_factory):
+    """The normal loop's engine per kind, made when first asked for."""
+    engines: dict[str, Engine] = {}
+    yield lambda kind: engines.setdefault(kind, make_engine(kind, tmp_path_factory, overlap=False))
     for engine in engines.values():
         engine.shutdown()
 
@@ -63,21 +88,16 @@ def run(engine: Engine, prompts, params) -> tuple[list[list[int]], list]:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_overlap_launches_never_wait(kind, params, counting_engines, prompts):
+def test_overlap_launches_never_wait(kind, params, counting_engines, normal_engines, prompts):
     engine = counting_engines[kind]
-    overlapped = engine.loop.overlapped_steps
+    overlapped, verify = engine.loop.overlapped_steps, engine.scheduler.stats.verify_steps
     got, waits = run(engine, prompts, params)
     assert waits == [], f"{kind}: the host waited inside launch at {sorted({(w.op, w.site) for w in waits})}"
     assert engine.loop.overlapped_steps - overlapped > 10, "the overlap loop never overlapped"
-    if kind == "dspark-static":
-        stats = engine.runner.speculation.policy
-        assert stats is None  # fixed windows: every request drafts every step
-    normal = make_engine(kind, overlap=False)
-    try:
-        normal.scheduler.ledger.tree.reset()
-        assert tokens(normal.generate(input_ids=prompts, sampling_params=params)) == got
-    finally:
-        normal.shutdown()
+    assert (engine.scheduler.stats.verify_steps > verify) == (kind != "none"), "a speculating engine verified nothing"
+    normal = normal_engines(kind)
+    normal.scheduler.ledger.tree.reset()
+    assert tokens(normal.generate(input_ids=prompts, sampling_params=params)) == got
 
 
 def test_dspark_verify_steps_accept_drafts(counting_engines, prompts):
@@ -117,9 +137,9 @@ def test_a_planted_item_is_counted_at_its_line(kind, where, counting_engines, pr
     assert planted and len(planted) == len(waits), waits
 
 
-def test_a_planted_item_fails_the_request_in_error_mode(prompts, monkeypatch):
+def test_a_planted_item_fails_the_request_in_error_mode(prompts, monkeypatch, tmp_path_factory):
     monkeypatch.setenv("SPECSERVE_HOST_WAITS", "error")
-    engine = make_engine("none")
+    engine = make_engine("none", tmp_path_factory)
     try:
         plant_item(monkeypatch, "decode")
         with pytest.raises(Exception, match="the host waits on the device inside a step's launch: item"):
