@@ -78,13 +78,14 @@ def _census(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             engine.scheduler.ledger.tree.reset()
             engine.runner.host_waits.reset()
             launches.clear()
+            overlapped = engine.loop.overlapped_steps
             engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": args.new_tokens})
             waits = engine.runner.host_waits.reset()
             sites = collections.Counter(f"{w.op} at {w.site}" for w in waits).most_common()
             total = sum(launches.values())
             rows.append({"config": name, "mode": mode, "launches": dict(launches), "waits": len(waits),
                          "waits_per_launch": len(waits) / total if total else 0.0,
-                         "overlapped_steps": engine.loop.overlapped_steps,
+                         "overlapped_steps": engine.loop.overlapped_steps - overlapped,
                          "sites": [{"where": s, "count": n} for s, n in sites]})
     finally:
         engine.shutdown()

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from specserve.runtime.staging import staged
 from specserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -38,7 +39,7 @@ def _shr(z: torch.Tensor, shift: int) -> torch.Tensor:
 
 def seeds_tensor(seeds: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """Request seeds (in [0, 2^64)) as int64 bit patterns on `device`."""
-    return torch.tensor([_signed(s) for s in seeds], dtype=torch.int64, device=device)
+    return staged([_signed(s) for s in seeds], torch.int64, device)
 
 
 def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def sample_tokens(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return greedy
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    index = staged(rows, torch.int64, logits.device)
     probs = filtered_probs(logits[index], [params[i] for i in rows])
     picked = inverse_cdf(probs, counter_uniforms(seeds[index], counters[index]))
     return greedy.index_copy(0, index, picked)
@@ -72,7 +73,7 @@ def sample(
 ) -> list[int]:
     """`sample_tokens` from host lists, read back (for host-side callers and tests)."""
     dev = logits.device
-    counts = torch.tensor(list(counters), dtype=torch.int64, device=dev)
+    counts = staged(list(counters), torch.int64, dev)
     return sample_tokens(logits, params, seeds_tensor(seeds, dev), counts).tolist()
 
 
@@ -80,12 +81,12 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """The distribution each request samples from: temperature, then top-k, top-p, min-p (on the
     logits' device)."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev).unsqueeze(1)
+    temps = staged([p.temperature for p in params], torch.float32, dev).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+    top_k = staged([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, dev)
+    top_p = staged([p.top_p for p in params], torch.float32, dev)
+    min_p = staged([p.min_p for p in params], torch.float32, dev)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)

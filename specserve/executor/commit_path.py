@@ -24,6 +24,7 @@ import torch
 from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits
 from specserve.executor.step_io import StepInput
+from specserve.runtime.staging import staged
 from specserve.speculative.accept import AcceptOuts
 from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.speculation import Speculation
@@ -121,7 +122,7 @@ class CommitPath:
         if rows is not None and self.speculation.reads_rows:
             self.speculation.commit_rows(rows)
         if done.indices:
-            req_rows = torch.tensor([step.rows[i] for i in done.indices], dtype=torch.int64, device=self.device)
+            req_rows = staged([step.rows[i] for i in done.indices], torch.int64, self.device)
             self.future.write(req_rows, done.anchors(), done.seq_lens, done.out_lens)
             self._write_token_table(step, done, req_rows)
         if not self.host_needs_now(step):
@@ -190,7 +191,7 @@ def verified_rows(
     col = torch.arange(width, device=window_slots.device).unsqueeze(0)
     committed = col < commit_lens.unsqueeze(1)  # [bs, W]
     lens = verify_lens or [width] * bs
-    packed_row = torch.tensor([0, *itertools.accumulate(lens)][:-1], device=window_slots.device).unsqueeze(1) + col
+    packed_row = staged([0, *itertools.accumulate(lens)][:-1], torch.int64, window_slots.device).unsqueeze(1) + col
     packed_row = packed_row.clamp(max=hidden.shape[0] - 1)  # past a short window: not committed, any row
     slots = torch.where(committed, window_slots, torch.zeros_like(window_slots))
     return CommittedRows(hidden[packed_row.reshape(-1)], (prefix.unsqueeze(1) + col).reshape(-1), slots.reshape(-1))

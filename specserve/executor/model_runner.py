@@ -34,6 +34,7 @@ from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.faults import CopyLag
 from specserve.runtime.host_waits import HostWaitDetector, optional_watch
+from specserve.runtime.staging import staged
 from specserve.runtime.stream import Event, Stream
 from specserve.sampler import draw_counter, sample_tokens, seeds_tensor
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, VerifyWindows
@@ -159,7 +160,7 @@ class ModelRunner:
             step.rows,
             step.prefix_lens,
             step.extend_lens,
-            torch.tensor(step.input_ids, dtype=torch.int64, device=self.device),
+            staged(step.input_ids, torch.int64, self.device),
             step.out_cache_loc,
             every_row=every_row,
             sample=step.sample,
@@ -212,7 +213,7 @@ class ModelRunner:
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """Host integers as an int64 tensor on the device (a host-to-device copy: no wait)."""
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return staged(values, torch.int64, self.device)
 
     def _pick(self, handle: StepHandle, indices: list[int], logits, rows, params, seeds, counters, site) -> torch.Tensor:
         """One token per row, on the device: logits shaped, sampled, rank 0's under TP; logprobs
@@ -259,7 +260,7 @@ class ModelRunner:
         """Draft as planned, verify the windows, accept (owned results, rank 0's under TP), then
         the results: logprobs, the policy's observation, the commit."""
         epilogue = self._epilogue(step.width)
-        rows = torch.tensor(step.rows, dtype=torch.int64, device=self.device)
+        rows = self._to_device(step.rows)
         anchors, prefix, out_lens = self.future.read(rows)
         ids, proposal, verify_lens = self._draft_windows(step, plan, rows, anchors, prefix, out_lens)
         columns = torch.arange(step.width, device=prefix.device)
@@ -278,7 +279,8 @@ class ModelRunner:
             toks = HostCommit.of(done, done.tensors()).tokens
             self.request_logits.window_logprobs(handle.logprobs, step.params, logits, layout, [len(t) for t in toks], toks)
         reads_rows = self.speculation.reads_rows
-        computed = self._verified_rows(hidden, out, prefix, window_slots, verify_lens) if reads_rows else None
+        packed = verify_lens if keep is not None else None  # a captured step's hidden rows are every row
+        computed = self._verified_rows(hidden, out, prefix, window_slots, packed) if reads_rows else None
         handle.commit(done, self.commits.commit(step, done, computed))  # the policy, the drafters, the FutureMap, ...
         return out
 
@@ -367,7 +369,7 @@ class ModelRunner:
         window rows they are ([bs, W]; None: every row, the strided [bs * W, V] layout)."""
         bs, width = ids.shape
         lens = verify_lens or [width] * bs
-        keep = torch.arange(width, device=self.device).unsqueeze(0) < torch.tensor(lens, device=self.device).unsqueeze(1)
+        keep = torch.arange(width, device=self.device).unsqueeze(0) < self._to_device(lens).unsqueeze(1)
         fb = self._forward_batch(step.rows, prefix.tolist(), lens, ids[keep], window_slots[keep].tolist(), every_row=True)
         packed = self.model(fb, self.kv)
         return packed, fb.captured_hidden, None if verify_lens is None else keep

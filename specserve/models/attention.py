@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from specserve.kernels.attention import paged_attention as kernel_paged_attention
 from specserve.runtime.host_waits import device_code
+from specserve.runtime.staging import staged
 
 
 @dataclass
@@ -38,8 +39,8 @@ class KernelAttentionMetadata:
     def build(
         cls, table: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int], device: str
     ) -> "KernelAttentionMetadata":
-        row_req = torch.tensor([r for r, e in zip(rows, extend_lens) for _ in range(e)], device=device)
-        row_len = torch.tensor([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], device=device)
+        row_req = staged([r for r, e in zip(rows, extend_lens) for _ in range(e)], torch.int64, device)
+        row_len = staged([p + 1 for s, e in zip(seq_lens, extend_lens) for p in range(s - e, s)], torch.int64, device)
         return cls(table, row_req, row_len)
 
     @classmethod
@@ -95,11 +96,11 @@ class SdpaAttentionMetadata:
     ) -> "SdpaAttentionMetadata":
         bs = len(seq_lens)
         max_q, max_kv = max(extend_lens), max(seq_lens)
-        seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-        ext = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+        seq = staged(seq_lens, torch.int64, device)
+        ext = staged(extend_lens, torch.int64, device)
         cols = torch.arange(max_kv, device=device)
         kv_valid = cols.unsqueeze(0) < seq.unsqueeze(1)
-        kv_slots = table[torch.tensor(rows, dtype=torch.int64, device=device), :max_kv].masked_fill(~kv_valid, 0)
+        kv_slots = table[staged(rows, torch.int64, device), :max_kv].masked_fill(~kv_valid, 0)
         # Query row i of request b sits at absolute position prefix_b + i and sees columns <= it.
         q_pos = (seq - ext).unsqueeze(1) + torch.arange(max_q, device=device).unsqueeze(0)
         mask = (cols.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & kv_valid.unsqueeze(1)
@@ -113,7 +114,7 @@ class SdpaAttentionMetadata:
             # From the host lists, not the device tensors: reading those would wait for the device.
             q_gather = torch.where(q_valid, flat, torch.full_like(flat, sum(extend_lens)))
             scatter = [b * max_q + i for b, n in enumerate(extend_lens) for i in range(n)]
-            out_scatter = torch.tensor(scatter, dtype=torch.int64, device=device)
+            out_scatter = staged(scatter, torch.int64, device)
         additive = _additive(mask, dtype) if max_q > 1 or min(seq_lens) != max_kv else None
         return cls(bs, max_q, kv_slots, q_gather, out_scatter, additive, mask, q_pos, q_valid)
 

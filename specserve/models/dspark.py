@@ -31,6 +31,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.models.quant import Q8Weight
+from specserve.runtime.staging import staged
 from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor
 from specserve.sampling_params import SamplingParams
 
@@ -335,10 +336,8 @@ class DsparkDrafter(nn.Module):
         width = ctx_slots.shape[1]
         ctx_valid = torch.arange(width, device=anchors.device).unsqueeze(0) < prefix_lens.unsqueeze(1)
         slots = ctx_slots.masked_fill(~ctx_valid, 0)
-        # Always masked: asking whether every column is valid would read the prefixes back.
-        keep = torch.cat([ctx_valid, ctx_valid.new_ones(bs, g)], 1)
-        mask = torch.zeros(keep.shape, dtype=self.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-        mask = mask.view(bs, 1, 1, -1)
+        keep = torch.cat([ctx_valid, ctx_valid.new_ones(bs, g)], 1)  # always masked: no prefix read back
+        mask = torch.where(keep, 0.0, float("-inf")).to(self.dtype).view(bs, 1, 1, -1)
         for i, layer in enumerate(self.layers):
             x = layer(x, kv.k[i][slots], kv.v[i][slots], mask, cos, sin, self.ops)
         return self.ops.rms_norm(x, self.norm)
@@ -362,9 +361,10 @@ class DsparkDrafter(nn.Module):
         vocab = self.config.vocab_size
         probs = base_logits.new_zeros(bs, g, vocab) if sampled else None
         if sampled:
-            rows = torch.tensor(sampled, dtype=torch.int64, device=anchors.device)
+            rows = staged(sampled, torch.int64, anchors.device)
             row_seeds = seeds_tensor([seeds[i] for i in sampled], anchors.device)
-            row_counters = torch.as_tensor(counters, dtype=torch.int64, device=anchors.device)[rows]
+            tensor = isinstance(counters, torch.Tensor)
+            row_counters = (counters if tensor else staged(list(counters), torch.int64, anchors.device))[rows]
         prev, embedded = anchors.long(), []
         for k in range(g):
             e = self.markov_w1(prev)

@@ -9,6 +9,7 @@ import torch
 
 from specserve.models.attention import AttentionMetadata
 from specserve.models.backend import OpBackend
+from specserve.runtime.staging import staged
 
 
 @dataclass
@@ -55,10 +56,10 @@ class ForwardBatch:
         meta = ops.attention_metadata(table, list(rows), seq_lens, list(extend_lens), dev)
         return cls(
             input_ids=input_ids,
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=torch.tensor(list(slots), dtype=torch.int64, device=dev),
+            positions=staged(positions, torch.int64, dev),
+            out_cache_loc=staged(list(slots), torch.int64, dev),
             attn=meta,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            logit_rows=staged(logit_rows, torch.int64, dev),
             capture_layer_ids=capture_layer_ids,
             position_bound=max(seq_lens, default=0),
         )

@@ -14,13 +14,15 @@ place it, and records a wait wherever the host needs a device tensor's values:
   the device if any of its tensor inputs is.
 - a wait: a device tensor's value read (`item`, `tolist`, `bool`, `int`, `float`, `index`,
   formatting), its copy to the host (`.cpu()`, `.numpy()`, a host tensor written from it), an op
-  whose output size depends on its values (`nonzero`, boolean-mask indexing, `unique`, ...), and
-  an explicit `Event.synchronize` / `Stream.synchronize` (stream.py reports them).
+  whose output size depends on its values (`nonzero`, boolean-mask indexing, `unique`, ...), a
+  blocking copy of host values to the device (`torch.tensor(values, device=...)`, `.to(device)`
+  of a host tensor without `non_blocking`: on CUDA they synchronise the stream; runtime/staging.py
+  queues them instead), and an explicit `Event.synchronize` / `Stream.synchronize`.
 
 Work on the copy stream is exempt: its device-to-host copy is the one the design allows (pinned
-and non-blocking on CUDA). What is not a wait: launching kernels, a host-to-device copy, reading a
-host tensor. `mode="error"` raises HostWaitError at the first wait (CUDA's sync debug mode);
-`mode="count"` records them all, with their call sites.
+and non-blocking on CUDA). What is not a wait: launching kernels, a non-blocking copy to the
+device, reading a host tensor. `mode="error"` raises HostWaitError at the first wait (CUDA's sync
+debug mode); `mode="count"` records them all, with their call sites.
 """
 
 from __future__ import annotations
@@ -162,11 +164,24 @@ class _Mode(TorchFunctionMode):
         on_device = any(_on_device(t) for t in tensors)
         if on_device and _waits(name, args, tensors):
             self.detector.record(f"{name}()")
+        elif _copies_up(name, args, kwargs, on_device):
+            self.detector.record(f"{name}() to the device, blocking")
         out = func(*args, **kwargs)
         if name == "to" and out is args[0] and not on_device:
             out = out.view_as(out)  # on CPU .to(device) returns its input: a new view carries the device tag
         _place(name, args, kwargs, tensors, on_device, out)
         return out
+
+
+def _copies_up(name: str, args: tuple, kwargs: dict, on_device: bool) -> bool:
+    """A blocking copy of host values to the device: on CUDA it synchronises the stream (see
+    runtime/staging.py, which queues the copy instead)."""
+    if name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
+        return not (args and isinstance(args[0], torch.Tensor))
+    if name in ("to", "cuda") and not on_device and not kwargs.get("non_blocking", False):
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        return name == "cuda" or target is not None
+    return False
 
 
 def _waits(name: str, args: tuple, tensors: list[torch.Tensor]) -> bool:

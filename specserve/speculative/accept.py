@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from specserve.errors import InternalError
+from specserve.runtime.staging import staged
 from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor
 from specserve.sampling_params import SamplingParams
 
@@ -278,7 +279,7 @@ def accept_windows(
     The uniforms derive from (request seed, output length, row), so every rank and every batch
     composition draws the same numbers."""
     bs, width = ids.shape
-    lens = None if verify_lens is None else torch.tensor(verify_lens, dtype=torch.int64, device=ids.device)
+    lens = None if verify_lens is None else staged(verify_lens, torch.int64, ids.device)
     if all(p.is_greedy for p in params):
         if keep is None:
             epilogue.accept_greedy(bs, ids, logits, prefix, lens)

@@ -15,6 +15,7 @@ import torch
 from specserve.errors import InternalError
 from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
+from specserve.runtime.staging import staged
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
 from specserve.speculative.ngram_worker import NgramWorker
@@ -139,7 +140,7 @@ class Speculation:
         bs, gamma = ids.shape[0], ids.shape[1] - 1
         proposal, confidence = Proposal(), None
         for name, index in _groups(drafters, bs).items():
-            sel = None if len(index) == bs else torch.tensor(index, device=ids.device)
+            sel = None if len(index) == bs else staged(index, torch.int64, ids.device)
             pick: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t) if sel is None else partial(_select, sel)
             target = slice(None) if sel is None else sel
             if name is None:

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from specserve.runtime.staging import staged
+
 
 class TokenTable:
     """Tokens per (request slot, position) on the device; see the module docstring."""
@@ -34,7 +36,7 @@ class TokenTable:
 
     def write_sequence(self, row: int, tokens: Sequence[int]) -> None:
         """Slot `row` now holds a request whose tokens are `tokens` (a prefill's: host values)."""
-        self.tokens[row, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.int64, device=self.tokens.device)
+        self.tokens[row, : len(tokens)] = staged(list(tokens), torch.int64, self.tokens.device)
 
     def write(self, rows: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, last: torch.Tensor) -> None:
         """Per request row: its first `lens` tokens of `tokens` [n, W] at positions ending at `last`

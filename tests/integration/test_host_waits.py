@@ -146,3 +146,34 @@ def test_a_planted_item_fails_the_request_in_error_mode(prompts, monkeypatch, tm
             engine.generate(input_ids=prompts[0], sampling_params=GREEDY[0])
     finally:
         engine.shutdown()
+
+
+def test_static_windows_commit_and_inject_as_packed_rows(prompts):
+    """Planned windows verified whole in the captured step (static_windows, CUDA's choice) accept and
+    feed the drafter exactly as the packed rows do (CPU's choice), under the adaptive policy with
+    the shipped drafter, where windows have planned lengths: the same tokens and accepted drafts."""
+    from helpers import policy_args
+
+    runs, planned = {}, {}
+    for static in (True, False):
+        engine = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="DSPARK",
+                        speculative_policy_drafters="DSPARK,NGRAM", **policy_args())
+        engine.runner.capture.static_windows = static
+        original, lens_seen = engine.runner._draft_windows, []
+
+        def spy(*args, original=original, lens_seen=lens_seen):
+            ids, proposal, verify_lens = original(*args)
+            lens_seen.append(verify_lens is not None)
+            return ids, proposal, verify_lens
+
+        engine.runner._draft_windows = spy
+        try:
+            outs = engine.generate(input_ids=prompts, sampling_params=[{**GREEDY[0], "max_new_tokens": 40}] * len(prompts))
+        finally:
+            engine.shutdown()
+        runs[static] = [(o["output_ids"], o["meta_info"]["spec_verify_ct"], o["meta_info"]["spec_num_correct_drafts"])
+                        for o in outs]
+        planned[static] = sum(lens_seen)
+    assert planned[True] > 0 and planned[False] > 0, "no window had a planned length"
+    assert sum(r[2] for r in runs[True]) > 0, "nothing accepted: the injection was not exercised"
+    assert runs[True] == runs[False]

@@ -8,6 +8,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.runtime.host_waits import HostWaitDetector, HostWaitError, device_code, host_resident
+from specserve.runtime.staging import staged
 from specserve.runtime.stream import Event, Stream, async_d2h
 
 
@@ -39,10 +40,18 @@ def test_results_of_device_ops_stay_on_the_device(dev):
     assert ops == ["tolist()"]
 
 
-def test_a_tensor_made_with_a_device_is_on_the_device():
-    # torch.tensor(values, device=...) is a host-to-device copy: no wait, but its values then live there.
-    assert watched(lambda: torch.tensor([1, 2], device="cpu").tolist()) == ["tolist()"]
+def test_values_copied_up_live_on_the_device():
+    # staged: built on the host, copied without blocking; its values then live on the device.
+    assert watched(lambda: staged([1, 2], torch.int64, "cpu").tolist()) == ["tolist()"]
     assert watched(lambda: torch.zeros(3).to("cpu", non_blocking=True).sum().item()) == ["item()"]
+    assert watched(lambda: torch.arange(4, device="cpu").sum().item()) == ["item()"]  # made there: no copy
+
+
+def test_a_blocking_copy_up_is_a_wait():
+    # On CUDA a blocking copy from pageable memory synchronises the stream (runtime/staging.py).
+    assert watched(lambda: torch.tensor([1, 2], device="cpu")) == ["tensor() to the device, blocking"]
+    assert watched(lambda: torch.ones(2).to("cpu")) == ["to() to the device, blocking"]
+    assert watched(lambda: torch.tensor([1.0]).to(torch.device("cpu"), non_blocking=True)) == []
 
 
 def test_host_tensors_are_read_freely(dev):
@@ -67,7 +76,7 @@ def test_launching_device_work_and_writing_device_tensors_is_no_wait(dev):
     def body():
         out = torch.empty_like(dev)
         out.copy_(dev * 3)
-        out[torch.tensor([0, 1], device="cpu")] = dev[:2]  # an integer index: a gather, no count needed
+        out[staged([0, 1], torch.int64, "cpu")] = dev[:2]  # an integer index: a gather, no count needed
         out.index_copy_(0, torch.arange(2, device="cpu"), dev[2:4])
     assert watched(body) == []
 

@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "paths": {"errors"},
     "args": {"names", "assets", "envs", "errors", "paths"},
     "datasets": {"errors"},
-    "sampler": {"sampling_params"},
+    "sampler": {"sampling_params", "runtime"},
     "logits": {"sampling_params", "errors"},
     "runtime": {"envs", "errors"},
     "kernels": {"envs", "errors"},
