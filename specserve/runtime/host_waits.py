@@ -46,7 +46,7 @@ _SKIP_FRAMES = ("torch/", "specserve/runtime/host_waits.py", "specserve/runtime/
 
 # Reads of a tensor's values into Python: on CUDA each is a device-to-host copy and a stream sync.
 _VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "__format__"}
-_VALUE_READS |= {"__repr__", "__str__", "__array__", "numpy"}
+_VALUE_READS |= {"__repr__", "__str__", "__array__", "numpy", "equal", "allclose", "is_nonzero", "__contains__"}
 # Ops whose output shape depends on the input's values: the host must learn a count first.
 _DATA_DEPENDENT = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"}
 _DATA_DEPENDENT |= {"nonzero_static_fallback"}
@@ -188,6 +188,13 @@ def _waits(name: str, args: tuple, tensors: list[torch.Tensor]) -> bool:
     """Whether this call on (some) device tensors makes the host wait for them."""
     if name in _VALUE_READS or name in _DATA_DEPENDENT or name == "cpu":
         return True
+    if (
+        name == "where"
+        and len(args) == 1
+        or name == "repeat_interleave"
+        and any(isinstance(a, torch.Tensor) and _on_device(a) for a in args[1:2])
+    ):
+        return True  # nonzero in disguise; repeats from the device: the output size is a device value
     if name == "__getitem__" or name == "__setitem__":
         index = args[1] if len(args) > 1 else None
         masks = [t for t in tree_flatten(index)[0] if isinstance(t, torch.Tensor) and t.dtype == torch.bool]
@@ -204,6 +211,8 @@ def _place(name: str, args: tuple, kwargs: dict, inputs: list[torch.Tensor], on_
     """Tag the call's new tensors host- or device-resident (see the module docstring)."""
     if name in ("cpu", "numpy", "tolist", "item"):
         host = True
+    elif name == "cuda":
+        host = False
     elif name == "to" or name in _FACTORIES or name.endswith("_like"):
         target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
         if target is not None:

@@ -29,7 +29,8 @@ def dev():
 @pytest.mark.parametrize("read", [
     lambda t: t.tolist(), lambda t: t[0].item(), lambda t: bool(t[1]), lambda t: int(t[2]), lambda t: float(t[2]),
     lambda t: t.cpu(), lambda t: t.numpy(), lambda t: t.nonzero(), lambda t: t[t > 2], lambda t: torch.unique(t),
-    lambda t: f"{t[0]}", lambda t: range(t[3]),
+    lambda t: f"{t[0]}", lambda t: range(t[3]), lambda t: torch.equal(t, t), lambda t: 3 in t,
+    lambda t: torch.where(t > 2), lambda t: torch.arange(3).repeat_interleave(t[:3]),
 ])
 def test_every_read_of_device_values_is_a_wait(dev, read):
     assert len(watched(lambda: read(dev))) == 1
