@@ -1,5 +1,5 @@
 """The host-wait detector on its own: what counts as the host waiting on the device, what does not,
-and its error mode (the engine-level assertions are in tests/integration/test_host_waits.py)."""
+and its error mode (the engine-level assertions: tests/integration/test_host_waits.py)."""
 
 from __future__ import annotations
 
