@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import traceback
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -100,15 +101,26 @@ class HostWaitDetector:
                 self._tls.depth = depth
             return
         previous = torch.cuda.get_sync_debug_mode() if cuda else None
+        caught: list[warnings.WarningMessage] = []
         try:
             if cuda:
                 torch.cuda.set_sync_debug_mode("error" if self.mode == "error" else "warn")
-            with _Mode(self), streams.observe_host_waits(self.stream_wait):
+            with warnings.catch_warnings(record=True) as caught, _Mode(self), streams.observe_host_waits(self.stream_wait):
+                warnings.simplefilter("always")
                 yield
         finally:
             self._tls.depth = 0
             if cuda:
                 torch.cuda.set_sync_debug_mode(previous)
+            self._count_sync_warnings(caught)
+
+    def _count_sync_warnings(self, caught: list[warnings.WarningMessage]) -> None:
+        """In count mode CUDA's sync debug mode warns: each such warning is a wait; others pass on."""
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                self.record(f"CUDA: {str(w.message)[:80]}")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     def stream_wait(self, what: str) -> None:
         """stream.py's report of an Event or Stream synchronize on this thread."""

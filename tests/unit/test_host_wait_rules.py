@@ -114,3 +114,15 @@ def test_the_switch_reads_count_or_error(monkeypatch):
     monkeypatch.setenv("SPECSERVE_HOST_WAITS", "loud")
     with pytest.raises(ConfigError, match="SPECSERVE_HOST_WAITS must be one of count, error"):
         HostWaitDetector.from_env()
+
+
+def test_sync_warnings_count_and_other_warnings_pass_on():
+    """CUDA's sync debug mode warns in count mode (emulated here): each such warning is a wait."""
+    import warnings
+
+    detector = HostWaitDetector("count")
+    with pytest.warns(UserWarning, match="unrelated"):
+        with detector.watching():
+            warnings.warn("called a synchronizing CUDA operation")
+            warnings.warn("unrelated")
+    assert [w.op for w in detector.waits] == ["CUDA: called a synchronizing CUDA operation"]
