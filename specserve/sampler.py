@@ -7,7 +7,7 @@ a batch, after a retraction, or on another tensor-parallel rank.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, overload
 
 import torch
 
@@ -110,7 +110,15 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(zero, probs.argmax(-1), idx)  # unconditional: asking whether any is would wait
 
 
-def draw_counter(step_counter: int, slot: int) -> int:
+@overload
+def draw_counter(step_counter: int, slot: int) -> int: ...
+
+
+@overload
+def draw_counter(step_counter: torch.Tensor, slot: "int | torch.Tensor") -> torch.Tensor: ...
+
+
+def draw_counter(step_counter, slot):
     """The counter of one uniform draw: a request's per-step counter with the slot in its low 6 bits
     (accept's rejection sampling, the drafter's sampled drafts and the runner share this layout)."""
     return (step_counter << 6) + slot

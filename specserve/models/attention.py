@@ -208,8 +208,7 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     dropped instead, so the computation's shape is the request's own: batching another request
     next to it cannot change its result. That is the CPU kernels' way to batch invariance, and a
     CPU kernel reading its own mask is no host wait (on CUDA the masked attention runs instead)."""
-    one_row = mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1]  # not a training batch's 2-D mask
-    if one_row and q.device.type == "cpu":
+    if mask is not None and q.shape[0] == 1 and mask.numel() == mask.shape[-1] and q.device.type == "cpu":  # not 2-D
         with device_code():
             keep = mask.reshape(-1) == 0
             keys, values, mask = keys[:, keep], values[:, keep], None

@@ -363,8 +363,8 @@ class DsparkDrafter(nn.Module):
         if sampled:
             rows = staged(sampled, torch.int64, anchors.device)
             row_seeds = seeds_tensor([seeds[i] for i in sampled], anchors.device)
-            tensor = isinstance(counters, torch.Tensor)
-            row_counters = (counters if tensor else staged(list(counters), torch.int64, anchors.device))[rows]
+            counts = counters if isinstance(counters, torch.Tensor) else staged(list(counters), torch.int64, anchors.device)
+            row_counters = counts[rows]
         prev, embedded = anchors.long(), []
         for k in range(g):
             e = self.markov_w1(prev)

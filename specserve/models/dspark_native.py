@@ -160,6 +160,7 @@ class NativeDraftBlock:
         bs, g = anchors.shape[0], drafter.block_size
         ids = torch.full((bs, g), drafter.config.mask_token_id, dtype=torch.int64)
         ids[:, 0] = anchors
+        assert drafter.embed is not None, "hidden() returns None before attach"
         residual = drafter.embed(ids.reshape(-1)).to(drafter.dtype).contiguous().clone()
         positions = (prefix_lens.long().unsqueeze(1) + torch.arange(g)).reshape(-1)
         width = ctx_slots.shape[1]

@@ -100,7 +100,7 @@ class HostWaitDetector:
             finally:
                 self._tls.depth = depth
             return
-        previous = torch.cuda.get_sync_debug_mode() if cuda else None
+        previous = torch.cuda.get_sync_debug_mode() if cuda else 0
         caught: list[warnings.WarningMessage] = []
         try:
             if cuda:
@@ -127,7 +127,8 @@ class HostWaitDetector:
         self.record(what)
 
     def record(self, op: str) -> None:
-        if streams.current_stream().id in self.exempt_ids or getattr(_kernel, "depth", 0):
+        in_kernel: int = getattr(_kernel, "depth", 0)
+        if in_kernel or streams.current_stream().id in self.exempt_ids:
             return
         wait = HostWait(op, _user_frame())
         with self._lock:
