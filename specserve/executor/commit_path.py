@@ -99,8 +99,7 @@ class CommitPath:
     The device parties (the FutureMap, the drafters that read hidden rows, the token table) are told at once, on the
     forward stream. The host parties read plain tokens, so telling them means reading the step's
     results back: `commit` does that at once only when one of them must know the tokens before the
-    next step is launched (a drafter that drafts from token histories, a request whose penalties or
-    grammar state advance on the host); otherwise it leaves them to `commit_host`, which the runner
+    next step is launched (`host_needs_now`); otherwise it leaves them to `commit_host`, which the runner
     calls with the step's late host copies once the step has been resolved."""
 
     def __init__(self, future: FutureMap, speculation: Speculation, request_logits: RequestLogits, device: str):

@@ -30,9 +30,9 @@ from __future__ import annotations
 import threading
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -105,7 +105,7 @@ class HostWaitDetector:
         try:
             if cuda:
                 torch.cuda.set_sync_debug_mode("error" if self.mode == "error" else "warn")
-            with warnings.catch_warnings(record=True) as caught, _Mode(self), streams.observe_host_waits(self.stream_wait):
+            with warnings.catch_warnings(record=True) as caught, _Mode(self), streams.observe_host_waits(self.record):
                 warnings.simplefilter("always")
                 yield
         finally:
@@ -121,10 +121,6 @@ class HostWaitDetector:
                 self.record(f"CUDA: {str(w.message)[:80]}")
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-
-    def stream_wait(self, what: str) -> None:
-        """stream.py's report of an Event or Stream synchronize on this thread."""
-        self.record(what)
 
     def record(self, op: str) -> None:
         in_kernel: int = getattr(_kernel, "depth", 0)
@@ -251,13 +247,6 @@ def _user_frame() -> str:
     return "<unknown>"
 
 
-def optional_watch(detector: Optional[HostWaitDetector], cuda: bool = False):
+def optional_watch(detector: Optional[HostWaitDetector], cuda: bool = False) -> ContextManager[None]:
     """`detector.watching()` or a no-op context."""
-    if detector is None:
-        return _nothing()
-    return detector.watching(cuda)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+    return nullcontext() if detector is None else detector.watching(cuda)

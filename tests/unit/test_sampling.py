@@ -216,3 +216,18 @@ def test_filtered_probs_stays_on_the_logits_device():
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.01), SamplingParams(temperature=1.0)]
     probs = filtered_probs(torch.randn(2, 10, device="meta"), params)
     assert probs.device.type == "meta" and probs.shape == (2, 10)
+
+
+def test_device_uniforms_are_the_host_uniforms_bit_for_bit():
+    """counter_uniforms (on the device, int64 wrap-around) equals counter_uniform (Python integers)
+    for seeds across the whole 64-bit range, including those past 2^63, and large counters."""
+    import random
+
+    from specserve.sampler import counter_uniforms, seeds_tensor
+
+    rng = random.Random(5)
+    seeds = [rng.randrange(2**64) for _ in range(300)] + [0, 2**63 - 1, 2**63, 2**64 - 1]
+    counters = [rng.randrange(2**40) for _ in seeds]
+    got = counter_uniforms(seeds_tensor(seeds, "cpu"), torch.tensor(counters))
+    want = torch.tensor([counter_uniform(s, c) for s, c in zip(seeds, counters)], dtype=torch.float64)
+    assert torch.equal(got, want)
