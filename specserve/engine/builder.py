@@ -48,8 +48,10 @@ from specserve.speculative.cost_model import StepCostModel
 from specserve.speculative.dspark_worker import DsparkWorker
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
+from specserve.speculative.policy import LOOKUPS
 from specserve.speculative.speculation import Speculation
-from specserve.speculative.suffix_worker import SUFFIX_FLAGS, SuffixConfig, SuffixWorker
+from specserve.speculative.suffix_worker import SuffixConfig, SuffixWorker
+from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import DraftWorker
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -303,13 +305,12 @@ def _make_workers(
         workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))
     if args.speculative_algorithm == Algorithm.STANDALONE:
         captures, vocab = _captures(args, target.config), target.config.vocab_size
-        table, positions = req_to_token.table, target.max_positions
-        workers.append(standalone_worker(args, target.tokenizer, vocab, size, dtype, table, positions, captures))
-    if args.speculative_algorithm == Algorithm.NGRAM or adaptive and Algorithm.NGRAM in args.policy_drafters():
-        workers.append(NgramWorker.on_device(gamma, req_to_token.table))
-    if args.speculative_algorithm == Algorithm.SUFFIX or adaptive and Algorithm.SUFFIX in args.policy_drafters():
-        workers.append(SuffixWorker(gamma, SuffixConfig(*(getattr(args, f) for f in SUFFIX_FLAGS))))
-    return workers
+        table, positions, tokenizer = req_to_token.table, target.max_positions, target.tokenizer
+        workers.append(standalone_worker(args, tokenizer, vocab, size, dtype, table, positions, captures))
+    on = {name: args.speculative_algorithm == name or adaptive and name in args.policy_drafters() for name in LOOKUPS}
+    tokens = TokenTable.like(req_to_token.table) if any(on.values()) else None  # one table for both
+    workers += [NgramWorker(gamma, token_table=tokens)] if on[Algorithm.NGRAM] else []
+    return workers + ([SuffixWorker(gamma, SuffixConfig.of(args), tokens)] if on[Algorithm.SUFFIX] else [])
 
 
 def _make_speculation(

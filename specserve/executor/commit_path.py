@@ -163,7 +163,7 @@ class CommitPath:
                     fill = step.fills[i]
                     assert fill is not None, "the batch fills in the tokens of every sampling request"
                     seen = fill + toks
-                self.speculation.commit_tokens(row, seen, restart=done.first, new=len(toks))
+                self.speculation.commit_tokens(row, seen, done.first, len(toks), step.launch)
             self.request_logits.commit(row, toks)
             if done.first:
                 self.speculation.start(row)

@@ -16,6 +16,7 @@ The runner never sees the scheduler; fault injection lives in executor/faulty_ru
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from typing import Optional
 
@@ -83,6 +84,7 @@ class ModelRunner:
         self.request_logits = RequestLogits(grammars)  # penalties' histories, grammar states (forward stream)
         self.commits = CommitPath(self.future, self.speculation, self.request_logits, device)
         self.host_waits = host_waits  # counts (or refuses) the host's waits on the device inside launch
+        self._launches = itertools.count(1)
 
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
@@ -99,6 +101,7 @@ class ModelRunner:
         with optional_watch(self.host_waits, cuda=self.forward.device.type == "cuda"):
             if self.tp is not None:
                 self.tp.agree_on_batch_shape(step.size, step.num_tokens)
+            step.launch = next(self._launches)
             handle = StepHandle(step)
             self.forward.submit(self._step, handle)
             Event().record(self.forward).wait(self.copy)  # the copy reads what the step produced
@@ -335,7 +338,7 @@ class ModelRunner:
         and verify lengths."""
         static = bool(self.capture.static_windows and self.capture.covers(step.size))
         args = (plan.drafters, rows, ids, prefix, out_lens, step.params, step.seeds, plan.drafts, step.kv_bound or None)
-        return self.speculation.propose(*args, compact=not static)
+        return self.speculation.propose(*args, compact=not static, launch=step.launch)
 
     def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""

@@ -41,6 +41,7 @@ class StepInput:
     prompt_logprobs: list[bool] = field(default_factory=list)  # extend: logprobs of this chunk's prompt tokens
     kv_bound: int = 0  # decode/verify: K/V slots the longest request holds (>= its prefix + window)
     refills: bool = True  # decode/verify: a slot freed early lets a request in (waiting, or not a closed batch)
+    launch: int = 0  # the runner's launch count, set by ModelRunner.launch (DeviceSegments orders by it)
 
     @property
     def size(self) -> int:

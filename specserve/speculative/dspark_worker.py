@@ -85,7 +85,7 @@ class DsparkWorker:
         self.pending, self.pending_rows = [], 0
         self.drafter.inject(hidden, positions, slots, self.kv)
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         return None  # the context is the target's hidden states, received by commit_rows
 
 

@@ -66,11 +66,6 @@ class NgramWorker:
         self.histories: dict[int, TokenHistory] = {}
         self.token_table = token_table
 
-    @staticmethod
-    def on_device(gamma: int, req_to_token: torch.Tensor) -> "NgramWorker":
-        """The serving drafter: a token table shaped after the request-to-token table."""
-        return NgramWorker(gamma, token_table=TokenTable.like(req_to_token))
-
     @property
     def tokens_early(self) -> bool:
         return self.token_table is None
@@ -90,7 +85,7 @@ class NgramWorker:
     def commit_rows(self, rows: CommittedRows) -> None:
         return None  # NGRAM reads tokens, not hidden states
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         if restart:
             self.histories[row] = TokenHistory(self.max_ngram, self.min_ngram)
         self.histories[row].extend(tokens)

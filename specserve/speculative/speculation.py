@@ -21,6 +21,7 @@ from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import VerifyPlanner
 from specserve.speculative.suffix_worker import SuffixWorker
+from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
 
 
@@ -74,9 +75,16 @@ class Speculation:
         # Whether any drafter reads committed target rows / tokens: the executor skips gathering them otherwise.
         self.reads_rows = bool(readers)
         self.reads_tokens = any(w.reads_tokens for w in workers)
-        self.tokens_early = any(w.tokens_early for w in workers)
-        # Request tokens on the device, written by CommitPath (a drafter's, e.g. NGRAM's).
-        self.token_table = next((t for w in workers if (t := getattr(w, "token_table", None)) is not None), None)
+
+    @property
+    def tokens_early(self) -> bool:
+        """Some drafter drafts from host state (see DraftWorker.tokens_early; SUFFIX's may change)."""
+        return any(w.tokens_early for w in self.workers.values())
+
+    @property
+    def token_table(self) -> Optional[TokenTable]:
+        """Request tokens on the device, written by CommitPath (the drafters share one: NGRAM's, SUFFIX's)."""
+        return next((t for w in self.workers.values() if (t := getattr(w, "token_table", None)) is not None), None)
 
     def worker(self, name: str) -> Optional[DraftWorker]:
         return self.workers.get(name)
@@ -130,13 +138,15 @@ class Speculation:
         counts: Optional[Sequence[int]] = None,
         ctx_bound: Optional[int] = None,
         compact: bool = True,
+        launch: Optional[int] = None,
     ) -> Proposal:
         """Fill ids[:, 1:] (ids[:, 0] holds the anchors): each request's drafter proposes its window;
         a request without a drafter repeats its anchor (the verify still yields its bonus token).
         counts: each request's planned draft count (None: gamma each); a drafter is told the most
         any of its windows verifies; ctx_bound: a host bound on every prefix (see DraftInput);
         compact: the planner may shorten windows (False: it would read the confidences back for
-        nothing, the windows being verified whole, see CaptureConfig.static_windows)."""
+        nothing, the windows being verified whole, see CaptureConfig.static_windows); launch: the
+        step's launch count (DraftInput.launch)."""
         bs, gamma = ids.shape[0], ids.shape[1] - 1
         proposal, confidence = Proposal(), None
         for name, index in _groups(drafters, bs).items():
@@ -160,6 +170,7 @@ class Speculation:
                     gamma,
                     None if counts is None else max(1, max(counts[i] for i in index)),
                     ctx_bound,
+                    launch,
                 )
             )
             ids[target, 1:] = drafts.tokens
@@ -185,11 +196,12 @@ class Speculation:
         for worker in self.workers.values():
             worker.flush()
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool = False, new: int = 0) -> None:
-        """`new`: with restart, how many of `tokens` were generated (the rest is the prompt)."""
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool = False, new: int = 0, launch: int = 0) -> None:
+        """`new`: with restart, how many of `tokens` were generated (the rest is the prompt);
+        `launch`: the committing step's launch count."""
         for worker in self.workers.values():
             if worker.reads_tokens:
-                worker.commit_tokens(row, tokens, restart, new)
+                worker.commit_tokens(row, tokens, restart, new, launch)
 
 
 def _select(sel: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

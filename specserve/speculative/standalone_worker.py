@@ -165,7 +165,7 @@ class StandaloneWorker:
     def commit_rows(self, rows: CommittedRows) -> None:
         return None  # the draft model reads tokens, not the target's hidden states
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         if restart:
             self.histories[row] = list(tokens)
             self.fed[row] = []

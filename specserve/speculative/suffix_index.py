@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional, Sequence
 
 SEPARATOR = -1  # between segments: never equal to a token, so no match or draft crosses it
@@ -37,11 +38,14 @@ class SuffixDraft:
     tokens: tuple[int, ...] = ()
     probs: tuple[float, ...] = ()
     match_len: int = 0
+    hits: int = 0  # the matched occurrences that continue along each drafted token, summed
+    total: int = 0  # the occurrences matched: probs[j] = (continuing along tokens[: j + 1]) / total
 
     @property
-    def score(self) -> float:
-        """The expected accepted drafts if each probability were the chance of acceptance."""
-        return sum(self.probs)
+    def score(self) -> Fraction:
+        """The expected accepted drafts if each probability were the chance of acceptance (sum of
+        probs), exactly: the device walk (suffix_device.py) compares the same counts."""
+        return Fraction(self.hits, self.total) if self.total else Fraction(0)
 
 
 class SuffixIndex:
@@ -137,6 +141,7 @@ class SuffixIndex:
         size = len(toks)
         drafted: list[int] = []
         probs: list[float] = []
+        hits = 0
         live = ends
         for step in range(1, limit + 1):
             counts: dict[int, int] = {}  # in order of the newest occurrence continuing with each token
@@ -152,8 +157,9 @@ class SuffixIndex:
                 break
             drafted.append(tok)
             probs.append(prob)
+            hits += counts[tok]
             live = [p for p in live if p - base + step < size and toks[p - base + step] == tok]
-        return SuffixDraft(tuple(drafted), tuple(probs), match_len)
+        return SuffixDraft(tuple(drafted), tuple(probs), match_len, hits, total)
 
 
 def measure_bytes_per_token(tokens: int, seed: int = 0, vocab: int = 32000, segment: int = 256) -> float:

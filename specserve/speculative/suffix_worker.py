@@ -11,6 +11,11 @@ at most `spec_factor` x the suffix matched, each token kept while its path holds
 commit order, which every tensor-parallel rank sees alike (a slot's output enters the global index
 when the slot's next request starts), so the ranks' indexes and drafts agree without a collective;
 the adaptive plan that uses them is rank 0's (speculative/adaptive.py).
+
+With a token table the drafts can be computed on the device instead (`drafts_on_device`, CUDA's
+choice: speculative/suffix_device.py), the same drafts token for token, so a launch never waits
+for the last step's tokens; the host indexes then only give the adaptive policy its hints.
+On CPU the host walk is the cheaper one (a few list reads against some hundred tensor ops).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import torch
 from specserve.errors import ConfigError
 from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
+from specserve.runtime.staging import staged
+from specserve.speculative.suffix_device import DeviceDraft, DeviceSegments, WalkLimits, walk
 from specserve.speculative.suffix_index import SuffixDraft, SuffixIndex
+from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 
 # The policy's hint buckets by the suffix matched (0: nothing to draft), like NGRAM's match lengths.
@@ -46,6 +54,11 @@ class SuffixConfig:
     min_prob: float = 0.1
     cache_tokens: int = 1 << 20
 
+    @staticmethod
+    def of(args: object) -> "SuffixConfig":
+        """From ServerArgs' SUFFIX flags."""
+        return SuffixConfig(*(getattr(args, f) for f in SUFFIX_FLAGS))
+
 
 class _Slot:
     """One request's index and where its output starts."""
@@ -65,16 +78,33 @@ class SuffixWorker:
 
     name = Algorithm.SUFFIX
     reads_tokens = True
-    tokens_early = True  # drafts from host state
     capture_layer_ids: tuple[int, ...] = ()
     kv_pools: list[KVPool] = []
 
-    def __init__(self, gamma: int, config: Optional[SuffixConfig] = None):
+    def __init__(
+        self,
+        gamma: int,
+        config: Optional[SuffixConfig] = None,
+        token_table: Optional[TokenTable] = None,
+        drafts_on_device: Optional[bool] = None,
+    ):
+        """drafts_on_device (needs token_table; None: on CUDA): draft from the device's tokens."""
         if gamma < 1:
             raise ConfigError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
         self.gamma, self.config = gamma, config or SuffixConfig()
         self.slots: dict[int, _Slot] = {}
         self.global_index = SuffixIndex(self.config.max_depth)
+        self.token_table = token_table
+        self.segments = DeviceSegments(token_table.tokens.device) if token_table is not None else None
+        if drafts_on_device is None:
+            drafts_on_device = token_table is not None and token_table.tokens.device.type == "cuda"
+        self.drafts_on_device = drafts_on_device
+        self._last_launch = 0
+
+    @property
+    def tokens_early(self) -> bool:
+        """Drafting from the host indexes needs the last step's tokens before the next launch."""
+        return not self.drafts_on_device
 
     # ------------------------------------------------------------ drafting
 
@@ -104,6 +134,8 @@ class SuffixWorker:
         return out
 
     def draft(self, inp: DraftInput) -> Drafts:
+        if self.drafts_on_device:
+            return Drafts(self._device_draft(inp).filled(inp.anchors))
         proposals = []
         for row, anchor, params in zip(inp.rows.tolist(), inp.anchors.tolist(), inp.params):
             toks = list(self.proposal(row, inp.gamma, params.is_greedy).tokens)
@@ -111,35 +143,67 @@ class SuffixWorker:
             proposals.append(toks + [fill] * (inp.gamma - len(toks)))
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
 
+    def _device_draft(self, inp: DraftInput) -> DeviceDraft:
+        """The host proposal's drafts, walked on the device (suffix_device.py): the request's own
+        tokens from the token table, the earlier outputs from the device segments."""
+        assert self.token_table is not None and self.segments is not None, "drafts_on_device needs a token table"
+        table, cfg = self.token_table, self.config
+        width = min((inp.ctx_bound if inp.ctx_bound is not None else int(inp.prefix_lens.max())) + 1, table.scratch)
+        own = table.tokens[inp.rows, :width]
+        limits = WalkLimits(cfg.max_depth, cfg.spec_factor, cfg.min_prob)
+        if inp.launch is not None:
+            self._last_launch = max(self._last_launch, inp.launch)
+        best = walk(own, inp.prefix_lens + 1, own, inp.prefix_lens, inp.gamma, limits)
+        past_tokens = self.segments.held(inp.launch)  # applies the host's changes due by this launch
+        greedy = [p.is_greedy for p in inp.params]
+        if past_tokens.shape[0] < 2 or not any(greedy):
+            return best
+        n = own.shape[0]
+        searched = past_tokens.unsqueeze(0).expand(n, -1)
+        visible = torch.full((n,), past_tokens.shape[0], dtype=torch.int64, device=own.device)
+        past = walk(searched, visible, own, inp.prefix_lens, inp.gamma, limits)
+        take = past.beats(best) & staged(greedy, torch.bool, own.device)
+        return best.choose(past, take)
+
     # ------------------------------------------------------------ commits
 
     def commit_rows(self, rows: CommittedRows) -> None:
         return None  # SUFFIX reads tokens, not hidden states
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         """`restart`: a new request in this slot, `tokens` its whole sequence, of which the last
         `new` were generated (the rest: its prompt)."""
+        self._last_launch = max(self._last_launch, launch)
         if restart:
-            self._retire(row)
+            self._retire(row, launch)
             self.slots[row] = _Slot(self.config.max_depth, tokens, len(tokens) - new)
         else:
             self.slots[row].index.extend(tokens)
 
-    def _retire(self, row: int) -> None:
-        """The slot's previous request's output into the global index (within its budget)."""
+    def _retire(self, row: int, launch: int) -> None:
+        """The slot's previous request's output into the global index (within its budget), and
+        the same change told to the device segments."""
         slot = self.slots.pop(row, None)
         if slot is None or self.config.cache_tokens == 0:
             return
         output = slot.output()[-self.config.cache_tokens :]
         if len(output) < 2:
             return
-        self.global_index.append_segment(output)
-        while len(self.global_index) > self.config.cache_tokens:
-            self.global_index.evict_oldest()
+        index, segments = self.global_index, self.segments
+        index.append_segment(output)
+        if segments is not None:
+            segments.change(launch, "append", output)
+        while len(index) > self.config.cache_tokens:
+            base = index.base
+            index.evict_oldest()
+            if segments is not None:
+                segments.change(launch, "evict", index.base - base)
 
     def forget_outputs(self) -> None:
         """Empty the global index (a benchmark's fresh start; slots' own indexes stay)."""
         self.global_index = SuffixIndex(self.config.max_depth)
+        if self.segments is not None:  # after every change told so far
+            self.segments.change(self._last_launch, "clear")
 
     def flush(self) -> None:
         return None  # the indexes are updated as tokens commit

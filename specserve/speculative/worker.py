@@ -40,6 +40,7 @@ class DraftInput:
     # Known on the host: every prefix length is below it (the step's K/V bound; None: unknown),
     # so a drafter sizes its context without reading the prefix lengths back.
     ctx_bound: Optional[int] = None
+    launch: Optional[int] = None  # the step's launch count (StepInput.launch; None: a tool's draft)
 
 
 @dataclass
@@ -95,9 +96,10 @@ class DraftWorker(Protocol):
 
     def commit_rows(self, rows: CommittedRows) -> None: ...
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0) -> None:
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         """Request slot `row` committed `tokens`; `restart`: they are its whole sequence so far, of
-        which the last `new` were generated (the rest: its prompt)."""
+        which the last `new` were generated (the rest: its prompt); `launch`: the committing step's
+        launch count (StepInput.launch)."""
 
     def flush(self) -> None:
         """Apply any committed state the worker deferred (see DsparkWorker)."""

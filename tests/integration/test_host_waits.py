@@ -3,13 +3,15 @@
 With SPECSERVE_HOST_WAITS=count every engine's runner counts the points inside `launch` where the
 host would wait for the device (runtime/host_waits.py: value reads of device tensors, copies back,
 data-dependent shapes, event waits). Here they must be zero on the real embedded model, overlap
-loop, for NONE, NGRAM, DSPARK with fixed windows (the shipped drafter, so drafts are accepted) and
-DSPARK compact, greedy and sampled, with the same tokens as the normal loop. The runners take CUDA's verify choice (CaptureConfig.static_windows:
+loop, for NONE, NGRAM, SUFFIX drafting on the device, DSPARK with fixed windows (the shipped
+drafter, so drafts are accepted) and DSPARK compact, greedy and sampled, with the same tokens as
+the normal loop. The runners take CUDA's verify choice (CaptureConfig.static_windows:
 planned windows verified whole, the accept capped) since that is the path these zeros are for; on
 CPU by default planned windows are packed, which reads the prefixes back (counted, and free there).
 A planted `.item()` inside the step must be found, at its line, and refused in the error mode.
-SUFFIX still drafts from host state, and the adaptive policy plans from each step's results before
-the next launch: `python -m benchmarks host-waits` shows where they wait.
+SUFFIX on the device drafts what it drafts on the host, token for token. The adaptive policy still
+plans from each step's results before the next launch: `python -m benchmarks host-waits` shows
+where it waits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from helpers import chat_prompts
 
 from specserve import Engine
 from specserve.executor.model_runner import ModelRunner
+from specserve.names import Algorithm
 from specserve.speculative.dspark_worker import DsparkWorker
 
 CONTENTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
@@ -33,6 +36,7 @@ SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 20},
 GREEDY = [{"temperature": 0, "max_new_tokens": 24}] * len(CONTENTS)
 KINDS = {"none": {"speculative_algorithm": "NONE"},
          "ngram": {"speculative_algorithm": "NGRAM", "speculative_policy": "fixed"},
+         "suffix": {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"},
          "dspark-static": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"},
          "dspark-compact": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed",
                             "speculative_dspark_verify_mode": "compact"}}
@@ -46,6 +50,8 @@ def make_engine(kind: str, tmp_path_factory, overlap: bool = True) -> Engine:
         kw["speculative_dspark_sps_table_path"] = str(table)
     engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)
     engine.runner.capture.static_windows = True  # CUDA's verify choice (see the module docstring)
+    if kind == "suffix":  # CUDA's SUFFIX: drafts walked on the device
+        engine.runner.speculation.workers[Algorithm.SUFFIX].drafts_on_device = True
     return engine
 
 
@@ -100,12 +106,30 @@ def test_overlap_launches_never_wait(kind, params, counting_engines, normal_engi
     assert tokens(normal.generate(input_ids=prompts, sampling_params=params)) == got
 
 
-def test_dspark_verify_steps_accept_drafts(counting_engines, prompts):
-    """The zero above covers real verify steps: the shipped drafter's drafts are accepted."""
-    engine = counting_engines["dspark-static"]
+@pytest.mark.parametrize("kind", ["dspark-static", "suffix"])
+def test_verify_steps_accept_drafts(kind, counting_engines, prompts):
+    """The zero above covers real verify steps: the drafts are accepted."""
+    engine = counting_engines[kind]
     engine.scheduler.ledger.tree.reset()
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > 0
+
+
+def test_suffix_drafts_on_the_device_as_on_the_host(normal_engines, prompts, tmp_path_factory):
+    """Sampled requests draft from their own tokens only, so the device walk and the host walk
+    must give each step the same drafts: the same tokens and the same accepted drafts, normal loop."""
+    device_engine = normal_engines("suffix")
+    host_engine = make_engine("suffix", tmp_path_factory, overlap=False)
+    host_engine.runner.speculation.workers[Algorithm.SUFFIX].drafts_on_device = False
+    try:
+        runs = []
+        for engine in (device_engine, host_engine):
+            engine.scheduler.ledger.tree.reset()
+            outs = engine.generate(input_ids=prompts[:3], sampling_params=SAMPLED[:3])
+            runs.append([(o["output_ids"], o["meta_info"]["spec_num_correct_drafts"]) for o in outs])
+    finally:
+        host_engine.shutdown()
+    assert runs[0] == runs[1] and sum(r[1] for r in runs[0]) > 0
 
 
 def plant_item(monkeypatch, where: str) -> None:

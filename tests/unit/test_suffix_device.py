@@ -1,0 +1,127 @@
+"""SUFFIX's device walk against the host index, token for token, and the device segments' order.
+
+The device drafts (speculative/suffix_device.py) must be the host proposal's exactly: the own
+index walked over a token table row, the global one over the device segments (appends and
+evictions mirrored), their choice by exact score; a sampled request never drafts from the global
+tokens. The segments apply a change only to a draft two launches later, and a change that comes
+later than that is refused (a broken ordering would otherwise make ranks draft differently).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.errors import InternalError
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.suffix_device import DeviceSegments
+from specserve.speculative.suffix_index import SEPARATOR
+from specserve.speculative.suffix_worker import SuffixConfig, SuffixWorker
+from specserve.speculative.token_table import TokenTable
+from specserve.speculative.worker import DraftInput
+
+GREEDY, SAMPLED = SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3)
+
+
+def texts(rng: random.Random, phrases: list[list[int]], count: int, length: int, vocab: int = 40) -> list[list[int]]:
+    """Repetitive token sequences (a small vocabulary, phrases reused) so that suffixes match."""
+    out = []
+    for _ in range(count):
+        seq: list[int] = []
+        while len(seq) < length:
+            seq += rng.choice(phrases) if rng.random() < 0.8 else [rng.randrange(vocab)]
+        out.append(seq[:length])
+    return out
+
+
+def fed(worker: SuffixWorker, table: TokenTable, row: int, tokens: list[int], prompt: int, launch: int) -> None:
+    """Slot `row` holds a request with these tokens (the first `prompt` its prompt), on both sides."""
+    worker.commit_tokens(row, tokens[: prompt + 1], restart=True, new=1, launch=launch)
+    if len(tokens) > prompt + 1:
+        worker.commit_tokens(row, tokens[prompt + 1 :], restart=False, launch=launch)
+    table.write_sequence(row, tokens)
+
+
+def draft_input(rows: list[int], lens: list[int], table: TokenTable, gamma: int, params, launch=None) -> DraftInput:
+    anchors = torch.tensor([int(table.tokens[r, n - 1]) for r, n in zip(rows, lens)])
+    prefix = torch.tensor([n - 1 for n in lens])
+    return DraftInput(torch.tensor(rows), anchors, prefix, torch.zeros(len(rows), dtype=torch.int64), params,
+                      [0] * len(rows), gamma, None, max(lens) + 1, launch)
+
+
+def host_drafts(worker: SuffixWorker, inp: DraftInput) -> torch.Tensor:
+    worker.drafts_on_device = False
+    try:
+        return worker.draft(inp).tokens
+    finally:
+        worker.drafts_on_device = True
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("config", [SuffixConfig(), SuffixConfig(max_depth=4, spec_factor=0.5, min_prob=0.3),
+                                    SuffixConfig(max_depth=2, min_prob=0.0, cache_tokens=300),
+                                    SuffixConfig(max_depth=3, spec_factor=2.0, min_prob=0.25)])
+def test_device_drafts_equal_the_host_proposals(seed, config):
+    rng = random.Random(seed)
+    gamma, slots = 6, 8
+    table = TokenTable(slots, 512)
+    worker = SuffixWorker(gamma, config, table, drafts_on_device=True)
+    phrases = [[rng.randrange(40) for _ in range(rng.randint(2, 6))] for _ in range(12)]
+    finished = texts(rng, phrases, 10, 120)  # earlier requests in slot 0: their outputs enter the global index
+    for i, seq in enumerate(finished):
+        fed(worker, table, 0, seq, 30, launch=i)
+    live = [texts(rng, phrases, 1, rng.choice([3, 8, 30, 200]))[0] for _ in range(slots - 1)]
+    lens = []
+    for row, seq in enumerate(live, start=1):
+        fed(worker, table, row, seq, rng.randint(0, len(seq) - 1), launch=len(finished))
+        lens.append(len(seq))
+    rows = list(range(1, slots))
+    params = [GREEDY if i % 3 else SAMPLED for i in range(len(rows))]
+    inp = draft_input(rows, lens, table, gamma, params)
+    device = worker.draft(inp).tokens
+    assert torch.equal(device, host_drafts(worker, inp))
+    # The global index took part: without it some greedy request drafts otherwise.
+    own_only = worker.draft(draft_input(rows, lens, table, gamma, [SAMPLED] * len(rows))).tokens
+    assert not torch.equal(own_only, device)
+    held = worker.segments.held(None)
+    assert held.shape[0] == len(worker.global_index.tokens) and held.tolist() == worker.global_index.tokens
+    assert len(worker.global_index) > 0
+
+
+def test_a_draft_from_the_global_index_only_for_greedy_requests():
+    """A request whose own tokens match nothing but whose suffix occurred in an earlier output:
+    greedy, it drafts the earlier continuation; sampled, it repeats its anchor."""
+    table = TokenTable(4, 64)
+    worker = SuffixWorker(4, SuffixConfig(), table, drafts_on_device=True)
+    fed(worker, table, 0, [1, 2, 3, 4, 5, 6, 7, 8], 2, launch=1)
+    fed(worker, table, 0, [9, 9], 1, launch=2)  # retires the first request's output [4..8] (after its prompt)
+    fed(worker, table, 1, [20, 21, 4, 5], 3, launch=2)
+    fed(worker, table, 2, [20, 21, 4, 5], 3, launch=2)
+    inp = draft_input([1, 2], [4, 4], table, 4, [GREEDY, SAMPLED], launch=4)
+    out = worker.draft(inp).tokens
+    assert out.tolist() == [[6, 7, 7, 7], [5, 5, 5, 5]]  # spec_factor 1: as many as matched and torch.equal(out, host_drafts(worker, inp))
+
+
+def test_segments_apply_a_change_two_launches_later_in_order():
+    segments = DeviceSegments("cpu", capacity=4)
+    segments.change(5, "append", [1, 2, 3])
+    segments.change(4, "append", [7, 8])
+    assert segments.held(6).tolist() == [7, 8, SEPARATOR]  # launch 5's change is not due yet
+    assert segments.held(7).tolist() == [7, 8, SEPARATOR, 1, 2, 3, SEPARATOR]  # grown past its capacity
+    segments.change(7, "evict", 3)
+    segments.change(7, "append", [4, 4])
+    assert segments.held(9).tolist() == [1, 2, 3, SEPARATOR, 4, 4, SEPARATOR]
+    segments.change(9, "clear")
+    assert segments.held(11).tolist() == []
+
+
+def test_a_change_later_than_its_draft_is_refused():
+    """Mutation of the ordering it relies on: a host party telling launch k's change after launch
+    k + 2 drafted fails loudly instead of leaving the ranks' segments to the timing."""
+    segments = DeviceSegments("cpu")
+    segments.held(10)
+    with pytest.raises(InternalError, match="launch 8's change arrived after launch 10's draft"):
+        segments.change(8, "append", [1, 2])
+    segments.change(9, "append", [1, 2])  # still due at launch 11
