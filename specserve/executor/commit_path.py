@@ -9,7 +9,8 @@ Every step kind (a prefill chunk, a decode step, a verify step) ends by handing 
    next step reads on the forward stream;
 3. the drafters that read tokens (n-gram): the committed tokens (a prefill: the prompt and its
    first token, from scratch);
-4. the request logits: penalty histories and grammar states advance by the committed tokens;
+4. the request logits: penalty counts (on the device, at once) and grammar states (on the host)
+   advance by the committed tokens;
 5. the speculation policy: a prefill starts the request's record; the tokens feed its estimates.
 """
 
@@ -96,11 +97,12 @@ class HostCommit:
 class CommitPath:
     """Fans a step's commit out to the future map, the drafters, the request logits and the policy.
 
-    The device parties (the FutureMap, the drafters that read hidden rows, the token table) are told at once, on the
-    forward stream. The host parties read plain tokens, so telling them means reading the step's
-    results back: `commit` does that at once only when one of them must know the tokens before the
-    next step is launched (`host_needs_now`); otherwise it leaves them to `commit_host`, which the runner
-    calls with the step's late host copies once the step has been resolved."""
+    The device parties (the FutureMap, the drafters that read hidden rows, the token table, the
+    penalty counts) are told at once, on the forward stream. The host parties read plain tokens, so
+    telling them means reading the step's results back: `commit` does that at once only when one of
+    them must know the tokens before the next step is launched (`host_needs_now`); otherwise it
+    leaves them to `commit_host`, which the runner calls with the step's late host copies once the
+    step has been resolved."""
 
     def __init__(self, future: FutureMap, speculation: Speculation, request_logits: RequestLogits, device: str):
         self.future = future
@@ -124,6 +126,8 @@ class CommitPath:
             req_rows = staged([step.rows[i] for i in done.indices], torch.int64, self.device)
             self.future.write(req_rows, done.anchors(), done.seq_lens, done.out_lens)
             self._write_token_table(step, done, req_rows)
+            if self.request_logits.counts_tokens:  # penalty counts, on the device
+                self.request_logits.commit_counts([step.rows[i] for i in done.indices], done.tokens, done.lens)
         if not self.host_needs_now(step):
             return bool(done.indices) or done.plan is not None
         self.commit_host(step, HostCommit.of(done, done.tensors()))
@@ -143,12 +147,12 @@ class CommitPath:
 
     def host_needs_now(self, step: StepInput) -> bool:
         """Whether a host party must see this step's tokens before the next step is launched: a
-        drafter drafting from host state, a request's penalties or grammar advancing on the host, or
-        the speculation policy (its next plan must see this step in either loop: sampled tokens
+        drafter drafting from host state, a request's grammar advancing on the host, or the
+        speculation policy (its next plan must see this step in either loop: sampled tokens
         depend on the drafts, and the loops must agree on them)."""
         if self.speculation.tokens_early or self.speculation.policy is not None:
             return True
-        return any(p.penalises or p.constrained for p in step.params)
+        return any(p.constrained for p in step.params)
 
     def commit_host(self, step: StepInput, done: HostCommit) -> None:
         """The host parties: the policy, the token-reading drafters, the request logits."""

@@ -2,41 +2,87 @@
 
 Penalties and grammars need the tokens before each row, and the runner is the only place that
 knows them in time: in the overlap loop the scheduler learns step N's tokens after step N+1 was
-launched. So the runner keeps, per request slot, the prompt and committed output of each request
-it penalises and the grammar state of each it constrains: set when a prefill samples (the whole
-sequence, also after a retraction), then advanced by every token a decode or verify step commits,
-whichever drafter proposed it. A verify row is shaped as if the window's drafts before it were
-committed (penalty counts, grammar state), which they are exactly when the row's token is kept.
+launched. So the runner keeps, per request slot, the token counts of each request it penalises,
+on the device, and the grammar state of each it constrains, on the host: set when a prefill
+samples (the whole sequence, also after a retraction), then advanced by every token a decode or
+verify step commits, whichever drafter proposed it. The counts advance on the forward stream from
+the step's own results (`commit_counts`), so a penalised request never makes the host wait; a
+grammar advances on the host (`commit`), so a constrained request does (its next mask depends on
+the token). A verify row is shaped as if the window's drafts before it were committed (penalty
+counts, grammar state), which they are exactly when the row's token is kept.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import torch
 
 from specserve.executor.step_io import PromptLogprobs, StepInput
 from specserve.logits.grammar import GrammarCompiler, GrammarSpec, GrammarState
 from specserve.logits.logprobs import TokenLogprob, token_logprobs
-from specserve.logits.penalties import shape_logits
+from specserve.logits.penalties import seen_tokens, shape_by_counts, token_counts
+from specserve.runtime.staging import staged
 from specserve.sampling_params import SamplingParams
 
 
+@dataclass
+class WindowDrafts:
+    """Per shaped verify row, the drafts before it in its window: the first lens[r] of ids[r]
+    (device tokens [n, gamma]; lens known on the host)."""
+
+    ids: torch.Tensor
+    lens: list[int]
+
+    def counts(self, vocab: int) -> torch.Tensor:
+        """[n, V] float32: each row's drafts counted (no read back)."""
+        gamma = self.ids.shape[1]
+        before = torch.arange(gamma, device=self.ids.device).unsqueeze(0) < staged(
+            self.lens, torch.int64, self.ids.device
+        ).unsqueeze(1)
+        counts = torch.zeros(self.ids.shape[0], vocab, dtype=torch.float32, device=self.ids.device)
+        return counts.scatter_add_(1, self.ids, before.float())
+
+    def host(self) -> list[list[int]]:
+        """The drafts as host lists (a read back: a grammar's mask needs them)."""
+        return [row[:n] for row, n in zip(self.ids.tolist(), self.lens)]
+
+
+class _Penalised:
+    """A penalised request's token counts on the device: its output's, and its prompt's tokens
+    (made at the first shaping, which knows the vocabulary and device)."""
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self.prompt, self.output = prompt, output
+        self.counts: Optional[torch.Tensor] = None  # [V] float32
+        self.prompt_seen: Optional[torch.Tensor] = None  # [V] bool
+
+    def tensors(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None or self.prompt_seen is None:
+            self.counts = token_counts([self.output], 1, vocab, device)[0]
+            self.prompt_seen = seen_tokens([self.prompt], 1, vocab, device)[0]
+        return self.counts, self.prompt_seen
+
+
+Windows = Union[WindowDrafts, Sequence[Sequence[int]]]
+
+
 class RequestLogits:
-    """Token histories of the requests whose logits are shaped, and the shaping and logprobs of a step's rows."""
+    """Token counts and grammar states of the requests whose logits are shaped, and the shaping and
+    logprobs of a step's rows."""
 
     def __init__(self, grammars: Optional[GrammarCompiler] = None) -> None:
         self.grammars = grammars
-        self._prompts: dict[int, list[int]] = {}
-        self._outputs: dict[int, list[int]] = {}
+        self._penalised: dict[int, _Penalised] = {}
         self._states: dict[int, GrammarState] = {}
 
     def start(self, row: int, params: SamplingParams, fill: Sequence[int], out_len: int) -> None:
         """Slot `row` holds a request whose tokens so far are `fill`, the last `out_len` of them output."""
         cut = len(fill) - out_len
-        self._prompts.pop(row, None), self._outputs.pop(row, None), self._states.pop(row, None)
+        self._penalised.pop(row, None), self._states.pop(row, None)
         if params.penalises:
-            self._prompts[row], self._outputs[row] = list(fill[:cut]), list(fill[cut:])
+            self._penalised[row] = _Penalised(list(fill[:cut]), list(fill[cut:]))
         spec = GrammarSpec.of(params)
         if spec is not None:
             if self.grammars is None:
@@ -45,10 +91,25 @@ class RequestLogits:
             state.commit(fill[cut:])
 
     def commit(self, row: int, tokens: Sequence[int]) -> None:
-        if row in self._outputs:
-            self._outputs[row].extend(tokens)
+        """Host side: a constrained request's grammar advances by its committed tokens."""
         if row in self._states:
             self._states[row].commit(tokens)
+
+    def commit_counts(self, rows: Sequence[int], tokens: torch.Tensor, lens: torch.Tensor) -> None:
+        """Forward stream: the penalised requests among `rows` count their committed tokens, the
+        first lens[i] of tokens[i] (device values, never read back)."""
+        for i, row in enumerate(rows):
+            state = self._penalised.get(row)
+            if state is None:
+                continue
+            assert state.counts is not None, "a penalised request's logits were shaped before its tokens commit"
+            kept = torch.arange(tokens.shape[1], device=tokens.device) < lens[i]
+            state.counts.index_put_((tokens[i],), kept.float(), accumulate=True)
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Some request slot counts its tokens (commit_counts has work)."""
+        return bool(self._penalised)
 
     def draft_limits(self, rows: Sequence[int], drafts: list[list[int]]) -> Optional[list[int]]:
         """Verify length per window when a grammar ends some early (1 + the drafts it allows), else None."""
@@ -57,11 +118,7 @@ class RequestLogits:
         return [1 + (self._states[row].valid_prefix(d) if row in self._states else len(d)) for row, d in zip(rows, drafts)]
 
     def shape(
-        self,
-        logits: torch.Tensor,
-        rows: Sequence[int],
-        params: Sequence[SamplingParams],
-        windows: Optional[Sequence[Sequence[int]]] = None,
+        self, logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams], windows: Optional[Windows] = None
     ) -> torch.Tensor:
         """logits [n, V], one row per (slot, params) -> the same logits, shaped where a request asks for it.
         `windows[r]`: tokens between the request's committed output and row r (a verify row's drafts)."""
@@ -71,14 +128,27 @@ class RequestLogits:
             return logits
         out = logits.clone()  # never write into a captured step's logits buffer
         if penalised:
-            outputs = [self._outputs[rows[r]] + list(windows[r] if windows else ()) for r in penalised]
-            out[penalised] = shape_logits(
-                logits[penalised], [params[r] for r in penalised], [self._prompts[rows[r]] for r in penalised], outputs
-            ).to(logits.dtype)
+            out.index_copy_(
+                0, staged(penalised, torch.int64, out.device), self._penalties(logits, rows, params, penalised, windows)
+            )
+        host_windows = windows.host() if isinstance(windows, WindowDrafts) and constrained else windows
         for r in constrained:
-            allowed = self._states[rows[r]].mask_after(windows[r] if windows else ())
+            allowed = self._states[rows[r]].mask_after(host_windows[r] if host_windows else ())
             out[r].masked_fill_(~allowed.to(out.device), float("-inf"))
         return out
+
+    def _penalties(self, logits, rows, params, penalised: list[int], windows: Optional[Windows]) -> torch.Tensor:
+        """The penalised rows' shaped logits, from the device counts (plus each row's drafts)."""
+        vocab, device = logits.shape[1], logits.device
+        counts, seen = zip(*(self._penalised[rows[r]].tensors(vocab, device) for r in penalised))
+        total = torch.stack(counts)
+        if isinstance(windows, WindowDrafts):
+            total = total + windows.counts(vocab).index_select(0, staged(penalised, torch.int64, device))
+        elif windows:
+            total = total + token_counts([windows[r] for r in penalised], len(penalised), vocab, device)
+        sel = staged(penalised, torch.int64, device)
+        shaped = shape_by_counts(logits.index_select(0, sel), [params[r] for r in penalised], total, torch.stack(seen))
+        return shaped.to(logits.dtype)
 
     def shape_windows(
         self,
@@ -92,10 +162,9 @@ class RequestLogits:
         window `ids` [bs, W]; untouched (and no host work) when no request shapes its logits."""
         if not any(p.shapes_logits for p in params):
             return logits
-        drafts = ids[:, 1:].tolist()
-        return self.shape(
-            logits, [rows[i] for i, _ in layout], [params[i] for i, _ in layout], [drafts[i][:j] for i, j in layout]
-        )
+        drafts = ids[:, 1:].index_select(0, staged([i for i, _ in layout], torch.int64, ids.device))
+        windows = WindowDrafts(drafts, [j for _, j in layout])
+        return self.shape(logits, [rows[i] for i, _ in layout], [params[i] for i, _ in layout], windows)
 
     @staticmethod
     def logprobs(

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from specserve.runtime.staging import staged
 from specserve.sampling_params import SamplingParams
 
 
@@ -28,36 +29,52 @@ def shape_logits(
 ) -> torch.Tensor:
     """logits [n, V] -> float32 [n, V] with row r's bias and penalties applied, given the prompt
     and the output tokens before that row (`prompts[r]`, `outputs[r]`)."""
+    n, vocab = logits.shape
+    return shape_by_counts(
+        logits, params, token_counts(outputs, n, vocab, logits.device), seen_tokens(prompts, n, vocab, logits.device)
+    )
+
+
+def shape_by_counts(
+    logits: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor, prompt_seen: torch.Tensor
+) -> torch.Tensor:
+    """shape_logits from device state: counts [n, V] of the output tokens before each row (float32),
+    prompt_seen [n, V] the prompt's tokens. Nothing is read back."""
     out = logits.float().clone()
-    n, vocab = out.shape
     _add_bias(out, params)
-    counts = _token_counts(outputs, n, vocab, out.device)
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=out.device).unsqueeze(1)
-    if bool((rep != 1.0).any()):
-        seen = counts > 0
-        rows, toks = _flat(prompts, out.device)
-        seen[rows, toks] = True
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = staged([p.repetition_penalty for p in params], torch.float32, out.device).unsqueeze(1)
+        seen = (counts > 0) | prompt_seen
         out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=out.device).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=out.device).unsqueeze(1)
+    freq = staged([p.frequency_penalty for p in params], torch.float32, out.device).unsqueeze(1)
+    pres = staged([p.presence_penalty for p in params], torch.float32, out.device).unsqueeze(1)
     return out - (freq * counts + pres * (counts > 0).float())
 
 
 def _add_bias(out: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     for r, p in enumerate(params):
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=out.device)
-            out[r, ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=out.device)
+            ids = staged(list(p.logit_bias), torch.int64, out.device)
+            out[r, ids] += staged(list(p.logit_bias.values()), torch.float32, out.device)
 
 
-def _token_counts(outputs: Sequence[Sequence[int]], n: int, vocab: int, device) -> torch.Tensor:
+def token_counts(outputs: Sequence[Sequence[int]], n: int, vocab: int, device) -> torch.Tensor:
+    """[n, V] float32: how often each token occurs in outputs[r]."""
     counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
     rows, toks = _flat(outputs, device)
-    counts.index_put_((rows, toks), torch.ones(len(toks), device=device), accumulate=True)
+    counts.index_put_((rows, toks), torch.ones(toks.shape[0], device=device), accumulate=True)
     return counts
 
 
+def seen_tokens(lists: Sequence[Sequence[int]], n: int, vocab: int, device) -> torch.Tensor:
+    """[n, V] bool: the tokens in lists[r]."""
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+    rows, toks = _flat(lists, device)
+    seen[rows, toks] = True
+    return seen
+
+
 def _flat(lists: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.tensor([r for r, tokens in enumerate(lists) for _ in tokens], dtype=torch.int64, device=device)
-    toks = torch.tensor([t for tokens in lists for t in tokens], dtype=torch.int64, device=device)
+    rows = staged([r for r, tokens in enumerate(lists) for _ in tokens], torch.int64, device)
+    toks = staged([t for tokens in lists for t in tokens], torch.int64, device)
     return rows, toks

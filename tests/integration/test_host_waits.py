@@ -5,7 +5,7 @@ host would wait for the device (runtime/host_waits.py: value reads of device ten
 data-dependent shapes, event waits). Here they must be zero on the real embedded model, overlap
 loop, for NONE, NGRAM, SUFFIX drafting on the device, DSPARK with fixed windows (the shipped
 drafter, so drafts are accepted) and DSPARK compact, greedy and sampled, with the same tokens as
-the normal loop. The runners take CUDA's verify choice (CaptureConfig.static_windows:
+the normal loop, also with penalties and a logit bias (their token counts kept on the device). The runners take CUDA's verify choice (CaptureConfig.static_windows:
 planned windows verified whole, the accept capped) since that is the path these zeros are for; on
 CPU by default planned windows are packed, which reads the prefixes back (counted, and free there).
 A planted `.item()` inside the step must be found, at its line, and refused in the error mode.
@@ -34,6 +34,10 @@ SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 20},
            {"temperature": 0.7, "min_p": 0.05, "seed": 13, "max_new_tokens": 20},
            {"temperature": 0, "max_new_tokens": 20}]
 GREEDY = [{"temperature": 0, "max_new_tokens": 24}] * len(CONTENTS)
+PENALISED = [{"temperature": 0, "frequency_penalty": 0.5, "max_new_tokens": 20},
+             {"temperature": 0.8, "seed": 5, "presence_penalty": 0.4, "repetition_penalty": 1.2, "max_new_tokens": 20},
+             {"temperature": 0, "logit_bias": {"11": 2.0}, "max_new_tokens": 20},
+             {"temperature": 0, "max_new_tokens": 20}]
 KINDS = {"none": {"speculative_algorithm": "NONE"},
          "ngram": {"speculative_algorithm": "NGRAM", "speculative_policy": "fixed"},
          "suffix": {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"},
@@ -93,7 +97,7 @@ def run(engine: Engine, prompts, params) -> tuple[list[list[int]], list]:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED, PENALISED], ids=["greedy", "sampled", "penalised"])
 def test_overlap_launches_never_wait(kind, params, counting_engines, normal_engines, prompts):
     engine = counting_engines[kind]
     overlapped, verify = engine.loop.overlapped_steps, engine.scheduler.stats.verify_steps

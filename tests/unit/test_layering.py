@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "args": {"names", "assets", "envs", "errors", "paths"},
     "datasets": {"errors"},
     "sampler": {"sampling_params", "runtime"},
-    "logits": {"sampling_params", "errors"},
+    "logits": {"sampling_params", "runtime", "errors"},
     "runtime": {"envs", "errors"},
     "kernels": {"envs", "errors"},
     "distributed": {"args", "envs", "errors"},

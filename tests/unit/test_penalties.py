@@ -36,13 +36,44 @@ def test_verify_rows_count_the_drafts_before_them():
     shaper = RequestLogits()
     p = SamplingParams(frequency_penalty=1.0)
     shaper.start(row=7, params=p, fill=[10, 11, 12, 3], out_len=1)  # prompt 10 11 12, output [3]
-    shaper.commit(7, [4])
-    logits = torch.zeros(3, 8)
+    shaper.shape(torch.zeros(1, 16), [7], [p])  # the first shaping makes the counts
+    shaper.commit_counts([7], torch.tensor([[4, 6]]), torch.tensor([1]))  # commits 4 (6: past its length)
+    logits = torch.zeros(3, 16)
     # the rows of one window [anchor=4, d1=5, d2=5]: row j follows d_1..d_j
     out = shaper.shape(logits, [7, 7, 7], [p] * 3, [[], [5], [5, 5]])
     assert out[:, 3].tolist() == [-1, -1, -1] and out[:, 4].tolist() == [-1, -1, -1]
     assert out[:, 5].tolist() == [0, -1, -2]
-    assert torch.equal(logits, torch.zeros(3, 8))  # never written in place (a captured step's buffer)
+    assert torch.equal(logits, torch.zeros(3, 16))  # never written in place (a captured step's buffer)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_counts_shape_as_the_host_histories(seed):
+    """The counts kept on the device (committed window by window, drafts counted per verify row)
+    shape every row bit for bit as shape_logits over the host token lists."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, gamma = 12, 3
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.3,
+                             logit_bias={"2": 1.5}), SamplingParams(frequency_penalty=1.0)]
+    shaper, prompts, outputs = RequestLogits(), [], []
+    for row, p in enumerate(params):
+        fill = torch.randint(vocab, (6,), generator=gen).tolist()
+        shaper.start(row, p, fill, out_len=2)
+        prompts.append(fill[:4]), outputs.append(fill[4:])
+    shaper.shape(torch.zeros(2, vocab), [0, 1], params)
+    for _ in range(3):
+        window = torch.randint(vocab, (2, gamma + 1), generator=gen)
+        lens = torch.randint(1, gamma + 2, (2,), generator=gen)
+        shaper.commit_counts([0, 1], window, lens)
+        for row in range(2):
+            outputs[row] += window[row, : int(lens[row])].tolist()
+    layout = [(i, j) for i in range(2) for j in range(gamma + 1)]
+    ids = torch.randint(vocab, (2, gamma + 1), generator=gen)
+    logits = torch.randn(len(layout), vocab, generator=gen)
+    got = shaper.shape_windows(logits, [0, 1], params, ids, layout)
+    drafts = ids[:, 1:].tolist()
+    want = shape_logits(logits, [params[i] for i, _ in layout], [prompts[i] for i, _ in layout],
+                        [outputs[i] + drafts[i][:j] for i, j in layout])
+    assert torch.equal(got, want)
 
 
 def test_a_request_without_shaping_forgets_the_slot_history():
@@ -50,6 +81,8 @@ def test_a_request_without_shaping_forgets_the_slot_history():
     shaper.start(1, SamplingParams(presence_penalty=1.0), [1, 2], 1)
     shaper.start(1, SamplingParams(), [5, 6], 0)  # the slot is reused
     shaper.commit(1, [9])
+    shaper.commit_counts([1], torch.tensor([[9]]), torch.tensor([1]))
+    assert not shaper.counts_tokens
     logits = torch.randn(1, 10)
     assert shaper.shape(logits, [1], [SamplingParams()]) is logits
 
