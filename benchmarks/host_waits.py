@@ -27,15 +27,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 CONTENTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
             "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.", "Write a haiku about rain."]
-MODES = {"greedy": {"temperature": 0}, "sampled": {"temperature": 0.8, "top_p": 0.9, "seed": 7}}
+MODES = {"greedy": {"temperature": 0}, "sampled": {"temperature": 0.8, "top_p": 0.9, "seed": 7},
+         "penalised": {"temperature": 0.8, "seed": 7, "frequency_penalty": 0.5, "presence_penalty": 0.3}}
 
 
 def add_host_waits_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {', '.join(CONFIGS)}")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--packed-windows", action="store_true",
-                   help="CPU's verify choice (planned windows packed, a wait) instead of CUDA's static windows")
+    p.add_argument("--cpu-choices", action="store_true",
+                   help="CPU's choices (planned windows packed, SUFFIX walked on the host: both wait) instead of CUDA's")
     p.add_argument("--out", default=None)
 
 
@@ -51,7 +52,7 @@ def run_host_waits(args: argparse.Namespace) -> int:
     finally:
         os.environ.pop("SPECSERVE_HOST_WAITS") if previous is None else os.environ.update(SPECSERVE_HOST_WAITS=previous)
     report = {**provenance(), "new_tokens": args.new_tokens, "dtype": args.dtype,
-              "static_windows": not args.packed_windows, "results": results}
+              "static_windows": not args.cpu_choices, "suffix_on_device": not args.cpu_choices, "results": results}
     emit_report(report, args.out)
     return 0
 
@@ -69,7 +70,10 @@ def _census(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         return original(step)
 
     engine.runner.launch = counted
-    engine.runner.capture.static_windows = not args.packed_windows  # CUDA's choice unless asked
+    engine.runner.capture.static_windows = not args.cpu_choices  # CUDA's choices unless asked
+    for worker in engine.runner.speculation.workers.values():
+        if hasattr(worker, "drafts_on_device"):
+            worker.drafts_on_device = not args.cpu_choices
     assert isinstance(engine.runner, ModelRunner) and engine.runner.host_waits is not None
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
     rows = []
