@@ -335,9 +335,9 @@ def _make_speculation(
             closed_batch_pricing=not args.speculative_disable_closed_batch_pricing,
         )
     elif drafter is not None and args.verify_mode() != "static":
-        path = args.speculative_dspark_sps_table_path
-        planner = VerifyPlanner(SpsTable.load(path) if path else None)
-    return Speculation(workers, planner, policy, disable_batch_size=args.speculative_disable_batch_size)
+        planner = VerifyPlanner(SpsTable.load(p) if (p := args.speculative_dspark_sps_table_path) else None)
+    lagged = torch.device(args.device).type == "cuda"  # where a plan that waits costs the overlap
+    return Speculation(workers, planner, policy, args.speculative_disable_batch_size, lagged)
 
 
 def _cost_model(

@@ -16,6 +16,7 @@ Every step kind (a prefill chunk, a decode step, a verify step) ends by handing 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Optional
@@ -27,8 +28,8 @@ from specserve.executor.request_logits import RequestLogits
 from specserve.executor.step_io import StepInput
 from specserve.runtime.staging import staged
 from specserve.speculative.accept import AcceptOuts
-from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.speculation import Speculation
+from specserve.speculative.step_plan import StepPlan
 from specserve.speculative.worker import CommittedRows
 
 
@@ -150,12 +151,21 @@ class CommitPath:
         drafter drafting from host state, a request's grammar advancing on the host, or the
         speculation policy (its next plan must see this step in either loop: sampled tokens
         depend on the drafts, and the loops must agree on them)."""
-        if self.speculation.tokens_early or self.speculation.policy is not None:
+        if self.speculation.tokens_early or (self.speculation.policy is not None and not self.speculation.lagged):
             return True
         return any(p.constrained for p in step.params)
 
     def commit_host(self, step: StepInput, done: HostCommit) -> None:
-        """The host parties: the policy, the token-reading drafters, the request logits."""
+        """The host parties: the request logits' grammars now; the policy and the token-reading
+        drafters now, or two launches later when the speculation is `lagged`."""
+        for i, toks in zip(done.indices, done.tokens):
+            self.request_logits.commit(step.rows[i], toks)
+        if self.speculation.lagged:
+            self.speculation.news.put(step.launch, functools.partial(self._speculation_parties, step, done))
+        else:
+            self._speculation_parties(step, done)
+
+    def _speculation_parties(self, step: StepInput, done: HostCommit) -> None:
         policy = self.speculation.policy
         if policy is not None and done.plan is not None:
             policy.observe_accept([step.rows[i] for i in done.indices], done.plan, done.correct)
@@ -168,7 +178,6 @@ class CommitPath:
                     assert fill is not None, "the batch fills in the tokens of every sampling request"
                     seen = fill + toks
                 self.speculation.commit_tokens(row, seen, done.first, len(toks), step.launch)
-            self.request_logits.commit(row, toks)
             if done.first:
                 self.speculation.start(row)
             if policy is not None:

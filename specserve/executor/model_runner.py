@@ -6,8 +6,7 @@
 - the step (forward stream): decode and verify steps read anchors and lengths from the FutureMap.
   A verify step plans and drafts (rank 0's windows under TP), runs the target over the windows,
   accepts (owned results), records logprobs and commits (CommitPath). Tokens are sampled on the
-  device; the host parties of the commit read them late unless one must know them before the
-  next launch.
+  device; the commit's host parties read them late unless one must know them at once.
 - `resolve(handle)` (host): waits for the copy's event, tells the late host parties, and turns
   the host copies into one StepOutcome per request whatever the step.
 The runner never sees the scheduler; fault injection lives in executor/faulty_runner.py.
@@ -39,9 +38,9 @@ from specserve.runtime.staging import staged
 from specserve.runtime.stream import Event, Stream
 from specserve.sampler import draw_counter, sample_tokens, seeds_tensor
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, VerifyWindows
-from specserve.speculative.adaptive import StepPlan
 from specserve.speculative.cost_model import StepShape
 from specserve.speculative.speculation import Proposal, Speculation
+from specserve.speculative.step_plan import StepPlan
 from specserve.speculative.worker import CommittedRows
 
 
@@ -176,6 +175,7 @@ class ModelRunner:
         done = Committed.nothing()  # a chunk before its prompt's last commits rows only
         if wanted:
             params, rows = [step.params[i] for i in wanted], [step.rows[i] for i in wanted]
+            self.speculation.starting(rows, step.launch)
             for i in wanted:
                 fills = step.fills[i]
                 assert fills is not None, "a sampling request's prefill carries its tokens"
@@ -314,7 +314,7 @@ class ModelRunner:
     def _plan(self, step: StepInput, gamma: int) -> StepPlan:
         """This step's drafter and draft count per request: rank 0's under tensor parallelism."""
         greedy = [p.is_greedy for p in step.params]
-        plan = self.speculation.plan(step.drafters, step.rows, gamma, step.refills, greedy)
+        plan = self.speculation.plan(step.drafters, step.rows, gamma, step.refills, greedy, step.launch)
         return plan if self.tp is None else self.tp.agree_plan(plan, sorted(self.speculation.workers))
 
     def _epilogue(self, width: int) -> DsparkVerifyEpilogue:

@@ -131,7 +131,9 @@ class RequestLogits:
             out.index_copy_(
                 0, staged(penalised, torch.int64, out.device), self._penalties(logits, rows, params, penalised, windows)
             )
-        host_windows = windows.host() if isinstance(windows, WindowDrafts) and constrained else windows
+        host_windows: Optional[Sequence[Sequence[int]]] = None  # a grammar's mask needs the drafts as values
+        if constrained and windows is not None:
+            host_windows = windows.host() if isinstance(windows, WindowDrafts) else windows
         for r in constrained:
             allowed = self._states[rows[r]].mask_after(host_windows[r] if host_windows else ())
             out[r].masked_fill_(~allowed.to(out.device), float("-inf"))

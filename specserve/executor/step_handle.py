@@ -12,7 +12,7 @@ from specserve.executor.commit_path import Committed
 from specserve.executor.step_io import PromptLogprobs, StepInput, StepOutcome, VerifyStats
 from specserve.runtime.stream import Event
 from specserve.speculative.accept import AcceptOuts
-from specserve.speculative.adaptive import StepPlan
+from specserve.speculative.step_plan import StepPlan
 
 
 @dataclass

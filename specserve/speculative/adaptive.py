@@ -53,6 +53,7 @@ from specserve.speculative.policy import (
     choose_drafts,
     plain_beats_every_plan,
 )
+from specserve.speculative.step_plan import StepPlan
 
 MAX_MATCH_BUCKET = 4  # NGRAM rates are kept per suffix-match length 0..4 (4: four or more)
 # Conditional acceptance per position before any evidence: DSpark drafters are right on the first
@@ -63,33 +64,6 @@ NGRAM_PRIORS = (0.02, 0.2, 0.35, 0.5, 0.6)
 # a walk that found nothing drafts nothing.
 SUFFIX_PRIORS = (0.0, 0.3, 0.45, 0.6, 0.7)
 STANDALONE_PRIOR = 0.6  # a draft model of the target's family agrees with it on most tokens of most text
-
-
-@dataclass
-class StepPlan:
-    """One verify step's decisions, per request, and the step's shape for the cost model."""
-
-    drafters: list[Optional[str]]  # None: no drafts (one verified row)
-    drafts: list[int]  # k, 0..gamma
-    predicted: list[float]  # expected accept length 1 + s_1 + .. + s_k
-    shape: StepShape
-
-    @property
-    def speculates(self) -> bool:
-        return any(self.drafts)
-
-    @classmethod
-    def fixed(cls, drafters: Sequence[Optional[str]], gamma: int) -> "StepPlan":
-        """Every request with a drafter verifies all gamma drafts (the policy turned off)."""
-        drafts = [gamma if d is not None else 0 for d in drafters]
-        shape = StepShape(
-            len(drafters),
-            sum(drafts),
-            sum(d in MODEL_DRAFTERS for d in drafters),
-            gamma * sum(d in MODEL_DRAFTERS for d in drafters),
-            sum(d in LOOKUPS for d in drafters),
-        )
-        return cls(list(drafters), drafts, [0.0] * len(drafts), shape)
 
 
 @dataclass
@@ -196,8 +170,8 @@ class AdaptivePolicy:
         dspark = sum(d in MODEL_DRAFTERS for d in drafters)
         dspark_rows = sum(k for d, k in zip(drafters, drafts) if d in MODEL_DRAFTERS)
         shape = StepShape(bs, sum(drafts), dspark, dspark_rows, sum(d in LOOKUPS for d in drafters))
-        self._match_lens = dict(zip(rows, match_lens or [0] * bs))
-        return StepPlan(drafters, drafts, predicted, shape)
+        buckets = [(m, self._suffix_bucket(row)) for m, row in zip(match, rows)]
+        return StepPlan(drafters, drafts, predicted, shape, buckets)
 
     def _decide(
         self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], match: Sequence[int], weight: float
@@ -295,7 +269,7 @@ class AdaptivePolicy:
             if speculating[i]:
                 state = self._row(rows[i])
                 for name in self.drafters:
-                    hint = self._global(name, match[i], rows[i]).first_rate
+                    hint = self._global(name, match[i], self._suffix_bucket(rows[i])).first_rate
                     best_first = max(best_first, state.own[name].first(hint))
         return not live or self._plain_beats(live, best_first * weight)
 
@@ -323,7 +297,10 @@ class AdaptivePolicy:
             self.start(row)
         return self.rows[row]
 
-    def _global(self, name: str, match_len: int, row: int) -> SurvivalEstimate:
+    def _suffix_bucket(self, row: int) -> int:
+        return self._suffix.get(row, (0, 0))[0]
+
+    def _global(self, name: str, match_len: int, suffix_bucket: int) -> SurvivalEstimate:
         """The engine-wide rates a request's estimate blends with: DSpark's, or a lookup drafter's
         for the request's current match (NGRAM: match_len; SUFFIX: this step's hint for the slot)."""
         if name == DSPARK:
@@ -331,14 +308,14 @@ class AdaptivePolicy:
         if name == STANDALONE:
             return self.standalone_rates
         if name == SUFFIX:
-            return self.suffix_rates[self._suffix.get(row, (0, 0))[0]]
+            return self.suffix_rates[suffix_bucket]
         return self.ngram_rates[min(match_len, MAX_MATCH_BUCKET)]
 
     def _candidates(self, row: int, match_len: int) -> list[Candidate]:
         state = self._row(row)
         out = []
         for name in self.drafters:
-            survival = state.own[name].survival(self._global(name, match_len, row).rates)
+            survival = state.own[name].survival(self._global(name, match_len, self._suffix_bucket(row)).rates)
             if name == SUFFIX:  # no more drafts than its walk found: past it a window verifies filler
                 survival = survival[: self._suffix.get(row, (0, 0))[1]]
             out.append(Candidate(name, survival))
@@ -374,15 +351,20 @@ class AdaptivePolicy:
     def observe_accept(self, rows: Sequence[int], plan: StepPlan, accepted: Sequence[int]) -> None:
         """The accepted drafts of each window of a planned step."""
         predicted_sum, realised_sum, windows = 0.0, 0, 0
-        for row, name, k, predicted, a in zip(rows, plan.drafters, plan.drafts, plan.predicted, accepted):
+        buckets = plan.buckets or [(0, 0)] * len(rows)
+        for row, name, k, predicted, a, (match, bucket) in zip(
+            rows, plan.drafters, plan.drafts, plan.predicted, accepted, buckets
+        ):
             state = self._row(row)
+            if state.done:  # a step after its last (the overlap loop's extra one): nothing to learn
+                continue
             state.steps += 1
             if name is None or k == 0:
                 continue
             state.last_try[name] = state.steps
             self._estimates_version += 1
             state.own[name].observe(k, a)
-            self._global(name, self._match_lens.get(row, 0), row).observe(k, a)
+            self._global(name, match, bucket).observe(k, a)
             self.calibration.record(predicted, 1 + a)
             predicted_sum, realised_sum, windows = predicted_sum + predicted, realised_sum + 1 + a, windows + 1
         if windows:

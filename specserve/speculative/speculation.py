@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -17,12 +17,16 @@ from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
 from specserve.runtime.staging import staged
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.adaptive import AdaptivePolicy, StepPlan
+from specserve.speculative.adaptive import AdaptivePolicy
+from specserve.speculative.lagged import LAG, LaggedFeed
 from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import VerifyPlanner
+from specserve.speculative.step_plan import StepPlan
 from specserve.speculative.suffix_worker import SuffixWorker
 from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -56,7 +60,10 @@ class Speculation:
         planner: Optional[VerifyPlanner] = None,
         policy: Optional[AdaptivePolicy] = None,
         disable_batch_size: Optional[int] = None,
+        lagged_plans: bool = False,
     ):
+        """lagged_plans (CUDA's choice): the policy plans launch k from the commits of launches up
+        to k - 2 (see `lagged`)."""
         self.workers = {w.name: w for w in workers}
         self.planner = planner
         self.policy = policy
@@ -75,6 +82,17 @@ class Speculation:
         # Whether any drafter reads committed target rows / tokens: the executor skips gathering them otherwise.
         self.reads_rows = bool(readers)
         self.reads_tokens = any(w.reads_tokens for w in workers)
+        self.lagged_plans = lagged_plans
+        self.news: LaggedFeed[Callable[[], None]] = LaggedFeed("speculation policy")  # see `lagged`
+        self._started: dict[int, int] = {}  # request slot -> the launch of its latest request's prefill
+
+    @property
+    def lagged(self) -> bool:
+        """The policy and its hints learn each commit two launches later (speculative/lagged.py), so
+        a plan never waits for the last step's results and both loops plan alike; a request's first
+        step after its prefill then plans no drafts (nothing of it is known yet). Only where every
+        drafter drafts from device state (a host-fed drafter needs the tokens at once anyway)."""
+        return self.lagged_plans and self.policy is not None and not self.tokens_early
 
     @property
     def tokens_early(self) -> bool:
@@ -102,24 +120,36 @@ class Speculation:
         gamma: int,
         refills: bool = True,
         greedy: Optional[list[bool]] = None,
+        launch: Optional[int] = None,
     ) -> StepPlan:
         """Each request's drafter and draft count for this step, before any drafter runs: the one
         decision to speculate. A step of more than `disable_batch_size` requests has no drafts (its
         rows already fill the compute verify windows would need): it runs as a plain decode step.
         refills: a slot freed early lets a request in (see AdaptivePolicy.plan); greedy[i]: request
-        i decodes greedily (SUFFIX drafts a sampled one from its own tokens only)."""
+        i decodes greedily (SUFFIX drafts a sampled one from its own tokens only); launch: this
+        step's launch count (with `lagged`, the commits it sees)."""
         if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
             return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
             return StepPlan.fixed(drafters, gamma)
+        known = [True] * len(rows)
+        if self.lagged and launch is not None:
+            for tell in self.news.due(launch):
+                tell()
+            known = [self._started.get(row, 0) <= launch - LAG for row in rows]
         ngram, suffix = self.workers.get(Algorithm.NGRAM), self.workers.get(Algorithm.SUFFIX)
         match_lens = suffix_hints = None
         if isinstance(ngram, NgramWorker) and Algorithm.NGRAM in self.policy.drafters:
-            match_lens = ngram.match_lens(rows)
-        speculating = [d is not None for d in drafters]
+            match_lens = _where_known(known, rows, ngram.match_lens, 0)
+        speculating = [d is not None and k for d, k in zip(drafters, known)]
         if isinstance(suffix, SuffixWorker) and self.policy.needs_suffix_hints(rows, speculating, match_lens, refills):
-            suffix_hints = suffix.hints(rows, greedy)
+            suffix_hints = _where_known(known, rows, lambda some: suffix.hints(some, _kept(known, greedy)), (0, 0))
         return self.policy.plan(rows, speculating, match_lens, refills, suffix_hints)
+
+    def starting(self, rows: Sequence[int], launch: int) -> None:
+        """Forward stream: these slots' new requests' prefills are launch `launch`."""
+        for row in rows:
+            self._started[row] = launch
 
     def start(self, row: int) -> None:
         """A new request's prefill finished in this request slot."""
@@ -202,6 +232,18 @@ class Speculation:
         for worker in self.workers.values():
             if worker.reads_tokens:
                 worker.commit_tokens(row, tokens, restart, new, launch)
+
+
+def _kept(known: list[bool], values: Optional[list[bool]]) -> Optional[list[bool]]:
+    return None if values is None else [v for v, k in zip(values, known) if k]
+
+
+def _where_known(known: list[bool], rows: list[int], look: Callable[[list[int]], list[T]], unknown: T) -> list[T]:
+    """look(rows) for the rows whose requests are known, `unknown` for the others, in rows' order."""
+    if all(known):
+        return look(rows)
+    found = iter(look([row for row, k in zip(rows, known) if k]))
+    return [next(found) if k else unknown for k in known]
 
 
 def _select(sel: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -12,14 +12,13 @@ match backwards against the context, keeps the longest, and walks the most frequ
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from specserve.errors import InternalError
 from specserve.runtime.staging import staged
+from specserve.speculative.lagged import LaggedFeed
 from specserve.speculative.suffix_index import SEPARATOR
 
 NO_TOKEN = -2  # a column with nothing to read: never equal to a token or to the separator
@@ -145,40 +144,23 @@ class DeviceSegments:
     """The global index's tokens on the device, as the host index holds them (segments, each closed
     by a separator, evicted oldest first).
 
-    The host tells it what changed (`append`, `evict`, `clear`) tagged with the launch whose commit
-    changed the host index; a draft for launch k applies the changes of launches up to k - 2. The
-    host has learnt those in either loop before it launches step k (the overlap loop resolves step
-    k - 1 only after launching step k), so both loops, every tensor-parallel rank and a threaded
-    stream draft from the same tokens, whenever the host parties ran."""
+    The host tells it what changed (`change`: 'append' tokens, 'evict' positions, 'clear') tagged
+    with the launch whose commit changed the host index; a draft for launch k applies the changes
+    of launches up to k - 2 (speculative/lagged.py), so both loops, every tensor-parallel rank and
+    a threaded stream draft from the same tokens, whenever the host parties ran."""
 
     def __init__(self, device: torch.device | str, capacity: int = 4096):
         self.buffer = torch.full((capacity,), SEPARATOR, dtype=torch.int64, device=device)
         self.start = self.end = 0  # the held tokens: buffer[start:end]
-        self._pending: list[tuple[int, int, str, Sequence[int] | int]] = []  # (launch, order, what, tokens or size)
-        self._order = 0
-        self._applied_through: Optional[int] = None  # the last launch whose changes a draft applied
-        self._lock = threading.Lock()  # the host parties may run on the host thread while a threaded stream drafts
+        self._changes: LaggedFeed[tuple[str, Sequence[int] | int]] = LaggedFeed("suffix segments")
 
     def change(self, launch: int, what: str, arg: Sequence[int] | int = 0) -> None:
-        """Host side: the host index changed at the commit of `launch` ('append' tokens, 'evict'
-        size positions, 'clear')."""
-        with self._lock:
-            if self._applied_through is not None and launch <= self._applied_through:
-                raise InternalError(
-                    f"suffix segments: launch {launch}'s change arrived after launch "
-                    f"{self._applied_through + 2}'s draft (the host must learn step k before launching k + 2)"
-                )
-            self._pending.append((launch, self._order, what, arg))
-            self._order += 1
+        """Host side: the host index changed at the commit of `launch`."""
+        self._changes.put(launch, (what, arg))
 
     def held(self, launch: Optional[int]) -> torch.Tensor:
         """Forward side: the tokens a draft for `launch` searches (None: every change told)."""
-        with self._lock:
-            due = sorted(c for c in self._pending if launch is None or c[0] <= launch - 2)
-            self._pending = [c for c in self._pending if not (launch is None or c[0] <= launch - 2)]
-            if launch is not None:
-                self._applied_through = max(self._applied_through or 0, launch - 2)
-        for _, _, what, arg in due:
+        for what, arg in self._changes.due(launch):
             if what == "append":
                 assert not isinstance(arg, int)
                 self._append([*arg, SEPARATOR])

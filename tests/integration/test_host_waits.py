@@ -9,9 +9,9 @@ the normal loop, also with penalties and a logit bias (their token counts kept o
 planned windows verified whole, the accept capped) since that is the path these zeros are for; on
 CPU by default planned windows are packed, which reads the prefixes back (counted, and free there).
 A planted `.item()` inside the step must be found, at its line, and refused in the error mode.
-SUFFIX on the device drafts what it drafts on the host, token for token. The adaptive policy still
-plans from each step's results before the next launch: `python -m benchmarks host-waits` shows
-where it waits.
+SUFFIX on the device drafts what it drafts on the host, token for token. The adaptive policy (the
+default) plans as on CUDA, from the commits two launches back (speculative/lagged.py): both loops
+then plan, draft and accept alike.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from helpers import chat_prompts
+from helpers import chat_prompts, policy_args
 
 from specserve import Engine
 from specserve.executor.model_runner import ModelRunner
@@ -43,7 +43,8 @@ KINDS = {"none": {"speculative_algorithm": "NONE"},
          "suffix": {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"},
          "dspark-static": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"},
          "dspark-compact": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed",
-                            "speculative_dspark_verify_mode": "compact"}}
+                            "speculative_dspark_verify_mode": "compact"},
+         "default": {}}  # the adaptive policy over DSPARK, NGRAM and SUFFIX, planning two launches late
 
 
 def make_engine(kind: str, tmp_path_factory, overlap: bool = True) -> Engine:
@@ -52,10 +53,14 @@ def make_engine(kind: str, tmp_path_factory, overlap: bool = True) -> Engine:
         table = tmp_path_factory.mktemp("sps") / "sps.json"
         table.write_text(json.dumps({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}))
         kw["speculative_dspark_sps_table_path"] = str(table)
+    if kind == "default":
+        kw.update(policy_args())  # a frozen cost table: the plans may not depend on timings
     engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)
     engine.runner.capture.static_windows = True  # CUDA's verify choice (see the module docstring)
-    if kind == "suffix":  # CUDA's SUFFIX: drafts walked on the device
-        engine.runner.speculation.workers[Algorithm.SUFFIX].drafts_on_device = True
+    speculation = engine.runner.speculation
+    if Algorithm.SUFFIX in speculation.workers:  # CUDA's SUFFIX: drafts walked on the device
+        speculation.workers[Algorithm.SUFFIX].drafts_on_device = True
+    speculation.lagged_plans = True  # CUDA's policy: plans from the commits two launches back
     return engine
 
 
@@ -108,6 +113,39 @@ def test_overlap_launches_never_wait(kind, params, counting_engines, normal_engi
     normal = normal_engines(kind)
     normal.scheduler.ledger.tree.reset()
     assert tokens(normal.generate(input_ids=prompts, sampling_params=params)) == got
+
+
+def test_lagged_plans_accept_alike_in_both_loops(prompts, tmp_path_factory):
+    """The adaptive policy planning from the commits two launches back plans each step of a request
+    alike in both loops: the same sampled tokens, verify steps and accepted drafts (one request at
+    a time: in a batch the overlap loop's extra step for a finished request joins the batch its
+    plan prices, which the normal loop's does not; tokens stay exact samples either way)."""
+    runs = []
+    for overlap in (True, False):
+        engine = make_engine("default", tmp_path_factory, overlap=overlap)
+        try:
+            outs = [engine.generate(input_ids=p, sampling_params=s) for p, s in zip(prompts, SAMPLED[:3])]
+        finally:
+            engine.shutdown()
+        runs.append([(o["output_ids"], o["meta_info"]["spec_verify_ct"], o["meta_info"]["spec_num_correct_drafts"])
+                     for o in outs])
+    assert runs[0] == runs[1] and sum(r[2] for r in runs[0]) > 0
+
+
+def test_a_commit_told_after_its_plan_is_refused(counting_engines, prompts, monkeypatch):
+    """Mutation of the ordering lagged plans rely on: a host party telling step j's commit after
+    launch j + 2 planned (a loop running two steps ahead) fails the request loudly."""
+    from specserve.speculative.lagged import LaggedFeed
+
+    original = LaggedFeed.put
+
+    def late(self, launch, item):
+        return original(self, launch - 3, item)  # as if it came three launches late
+
+    monkeypatch.setattr(LaggedFeed, "put", late)
+    engine = counting_engines["default"]
+    with pytest.raises(Exception, match="arrived after launch"):
+        engine.generate(input_ids=prompts[0], sampling_params={"temperature": 0, "max_new_tokens": 12})
 
 
 @pytest.mark.parametrize("kind", ["dspark-static", "suffix"])

@@ -1,0 +1,41 @@
+"""StepPlan: one verify step's decisions per request (drafter, draft count), as the policy made
+them or as the drafters' fixed windows give them (speculative/adaptive.py, speculation.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from specserve.names import MODEL_DRAFTERS
+from specserve.speculative.cost_model import StepShape
+from specserve.speculative.policy import LOOKUPS
+
+
+@dataclass
+class StepPlan:
+    """One verify step's decisions, per request, and the step's shape for the cost model."""
+
+    drafters: list[Optional[str]]  # None: no drafts (one verified row)
+    drafts: list[int]  # k, 0..gamma
+    predicted: list[float]  # expected accept length 1 + s_1 + .. + s_k
+    shape: StepShape
+    # per request the rates it was priced by: (NGRAM match length, SUFFIX match bucket); what its
+    # acceptance teaches, also when it is observed after later plans (Speculation.lagged)
+    buckets: Optional[list[tuple[int, int]]] = None
+
+    @property
+    def speculates(self) -> bool:
+        return any(self.drafts)
+
+    @classmethod
+    def fixed(cls, drafters: Sequence[Optional[str]], gamma: int) -> "StepPlan":
+        """Every request with a drafter verifies all gamma drafts (the policy turned off)."""
+        drafts = [gamma if d is not None else 0 for d in drafters]
+        shape = StepShape(
+            len(drafters),
+            sum(drafts),
+            sum(d in MODEL_DRAFTERS for d in drafters),
+            gamma * sum(d in MODEL_DRAFTERS for d in drafters),
+            sum(d in LOOKUPS for d in drafters),
+        )
+        return cls(list(drafters), drafts, [0.0] * len(drafts), shape)
