@@ -36,7 +36,8 @@ def add_host_waits_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cpu-choices", action="store_true",
-                   help="CPU's choices (planned windows packed, SUFFIX walked on the host: both wait) instead of CUDA's")
+                   help="CPU's choices (planned windows packed, SUFFIX walked on the host, plans from the last step: "
+                        "all wait) instead of CUDA's")
     p.add_argument("--out", default=None)
 
 
@@ -52,7 +53,8 @@ def run_host_waits(args: argparse.Namespace) -> int:
     finally:
         os.environ.pop("SPECSERVE_HOST_WAITS") if previous is None else os.environ.update(SPECSERVE_HOST_WAITS=previous)
     report = {**provenance(), "new_tokens": args.new_tokens, "dtype": args.dtype,
-              "static_windows": not args.cpu_choices, "suffix_on_device": not args.cpu_choices, "results": results}
+              "static_windows": not args.cpu_choices, "suffix_on_device": not args.cpu_choices,
+              "lagged_plans": not args.cpu_choices, "results": results}
     emit_report(report, args.out)
     return 0
 
@@ -71,7 +73,9 @@ def _census(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     engine.runner.launch = counted
     engine.runner.capture.static_windows = not args.cpu_choices  # CUDA's choices unless asked
-    for worker in engine.runner.speculation.workers.values():
+    speculation = engine.runner.speculation
+    speculation.lagged_plans = not args.cpu_choices  # the adaptive policy plans from commits two launches back
+    for worker in speculation.workers.values():
         if hasattr(worker, "drafts_on_device"):
             worker.drafts_on_device = not args.cpu_choices
     assert isinstance(engine.runner, ModelRunner) and engine.runner.host_waits is not None
