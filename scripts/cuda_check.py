@@ -155,7 +155,7 @@ class Setup:
         spec: dict[str, Any] = {"speculative_algorithm": algorithm.split("-")[0]}
         if algorithm == "DSPARK":
             spec.update(speculative_draft_model_path=self.drafter, speculative_policy="fixed")
-        if algorithm == "NGRAM":
+        if algorithm in ("NGRAM", "SUFFIX"):
             spec.update(speculative_policy="fixed", speculative_dspark_block_size=3)
         if algorithm == "DSPARK-policy":  # DSPARK and NGRAM under the adaptive policy, its decisions frozen
             from helpers import policy_args
@@ -265,11 +265,23 @@ def sanitizer_catches_alias(setup: Setup) -> dict:
     raise AssertionError("the planted alias fault ran to the end without a stream hazard")
 
 
+def cuda_choices(engine: Any) -> None:
+    """CUDA's defaults, so that a CPU run checks the same paths: planned windows verified whole,
+    SUFFIX walked on the device, the adaptive policy planning from the commits two launches back."""
+    engine.runner.capture.static_windows = True
+    speculation = engine.runner.speculation
+    speculation.lagged_plans = True
+    for worker in speculation.workers.values():
+        if hasattr(worker, "drafts_on_device"):
+            worker.drafts_on_device = True
+
+
 def no_host_waits(setup: Setup) -> dict:
     """Launches that never wait on the device (SPECSERVE_HOST_WAITS=error: the host-wait detector and,
-    on CUDA, torch's sync debug mode around every launch) for NONE, NGRAM, DSPARK and DSPARK-compact,
-    greedy and seeded sampling, overlap loop with graphs; then a planted `.item()` in the step must
-    be refused."""
+    on CUDA, torch's sync debug mode around every launch) for NONE, NGRAM, SUFFIX, DSPARK,
+    DSPARK-compact and the adaptive policy (DSPARK-policy), greedy and seeded sampling, overlap loop
+    with graphs, CUDA's choices (on CPU set as on CUDA); then a planted `.item()` in the step must be
+    refused."""
     from specserve.executor.model_runner import ModelRunner
 
     params: list[dict[str, Any]] = [{"temperature": 0, "max_new_tokens": 24, "ignore_eos": True} for _ in TEXTS]
@@ -277,9 +289,9 @@ def no_host_waits(setup: Setup) -> dict:
         params[i].update(temperature=0.8, top_p=0.9, seed=i)
     out: dict[str, Any] = {}
     with env(SPECSERVE_HOST_WAITS="error"):
-        for algorithm in ("NONE", "NGRAM", "DSPARK", "DSPARK-compact"):
+        for algorithm in ("NONE", "NGRAM", "SUFFIX", "DSPARK", "DSPARK-compact", "DSPARK-policy"):
             with setup.engine(algorithm) as engine:
-                engine.runner.capture.static_windows = True  # CUDA's default; the CPU run checks the same path
+                cuda_choices(engine)
                 generate(engine, setup.prompts, params)
                 out[algorithm] = {"overlapped_steps": engine.loop.overlapped_steps,
                                   "verify_steps": engine.scheduler.stats.verify_steps}

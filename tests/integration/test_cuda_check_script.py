@@ -24,7 +24,8 @@ def test_checks_pass_on_cpu(tmp_path):
                                      "no_host_waits", "alias_with_late_copies", "hicache_reload"}
     waits = record["checks"]["no_host_waits"]["value"]
     assert "the host waits on the device inside a step's launch: item" in waits["planted_item"]
-    assert all(waits[a]["overlapped_steps"] > 10 for a in ("NONE", "NGRAM", "DSPARK", "DSPARK-compact"))
+    assert all(waits[a]["overlapped_steps"] > 10
+               for a in ("NONE", "NGRAM", "SUFFIX", "DSPARK", "DSPARK-compact", "DSPARK-policy"))
     loops = record["checks"]["loops_and_graphs"]["value"]
     assert len(loops) == 20 and all(v["same_as_sync_eager"] and v["greedy_as_none"] for v in loops.values())
     assert any(v["accepted_drafts"] for k, v in loops.items() if k.startswith("NGRAM"))  # acceptance was exercised
