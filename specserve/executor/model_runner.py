@@ -117,7 +117,7 @@ class ModelRunner:
         handle.done.synchronize()
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
         if handle.pending is not None:  # the host parties, from the late copy (see CommitPath)
-            self.commits.commit_host(handle.step, HostCommit.of(handle.pending, handle.host_out[handle.commit_at :]))
+            self.commits.commit_host(handle.step, HostCommit.of(handle.pending, handle.commit_values()))
         return handle.outcomes()
 
     def _copy_to_host(self, handle: StepHandle) -> None:
@@ -220,12 +220,12 @@ class ModelRunner:
 
     def _pick(self, handle: StepHandle, indices: list[int], logits, rows, params, seeds, counters, site) -> torch.Tensor:
         """One token per row, on the device: logits shaped, sampled, rank 0's under TP; logprobs
-        recorded where a request asks (read back at once: a wait, only then)."""
+        computed where a request asks (read with the step's late copy)."""
         logits = self.request_logits.shape(logits, rows, params)
         picked = sample_tokens(logits, params, seeds_tensor(seeds, self.device), counters)
         picked = self._agree([picked], site)[0]
-        if any(p.logprobs for p in params):
-            self.request_logits.record_logprobs(handle.logprobs, indices, logits, params, picked.tolist())
+        if (found := self.request_logits.record_logprobs(indices, logits, params, picked)) is not None:
+            handle.logprobs.append(found)
         return picked
 
     def _captured_step(self, width: int) -> CapturedStep:
@@ -278,9 +278,8 @@ class ModelRunner:
         )
         out = epilogue.accept(windows)  # owned: nothing below reads the *_buf tensors
         done = Committed.accepted(out, out_lens, plan)
-        if any(p.logprobs for p in step.params):  # read back at once: a wait, only when asked
-            toks = HostCommit.of(done, done.tensors()).tokens
-            self.request_logits.window_logprobs(handle.logprobs, step.params, logits, layout, [len(t) for t in toks], toks)
+        if (found := self.request_logits.window_logprobs(step.params, logits, layout, out.out_tokens)) is not None:
+            handle.logprobs.append(found)
         reads_rows = self.speculation.reads_rows
         packed = verify_lens if keep is not None else None  # a captured step's hidden rows are every row
         computed = self._verified_rows(hidden, out, prefix, window_slots, packed) if reads_rows else None

@@ -21,7 +21,7 @@ import torch
 
 from specserve.executor.step_io import PromptLogprobs, StepInput
 from specserve.logits.grammar import GrammarCompiler, GrammarSpec, GrammarState
-from specserve.logits.logprobs import TokenLogprob, token_logprobs
+from specserve.logits.logprobs import DeviceLogprobs, device_logprobs, token_logprobs
 from specserve.logits.penalties import seen_tokens, shape_by_counts, token_counts
 from specserve.runtime.staging import staged
 from specserve.sampling_params import SamplingParams
@@ -169,50 +169,33 @@ class RequestLogits:
         return self.shape(logits, [rows[i] for i, _ in layout], [params[i] for i, _ in layout], windows)
 
     @staticmethod
-    def logprobs(
-        logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
-    ) -> list[Optional[TokenLogprob]]:
-        """Per row, its token's logprob (None where the request did not ask)."""
-        wanted = [r for r, p in enumerate(params) if p.logprobs]
-        out: list[Optional[TokenLogprob]] = [None] * len(params)
-        if wanted:
-            found = token_logprobs(logits[wanted], [tokens[r] for r in wanted], [params[r].top_logprobs for r in wanted])
-            for r, lp in zip(wanted, found):
-                out[r] = lp
-        return out
-
     def record_logprobs(
-        self,
-        into: dict[int, list],
-        indices: Sequence[int],
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        tokens: Sequence[int],
-    ) -> None:
-        """A decode or prefill step's logprobs (one token per row), by request index, where asked."""
-        for i, lp in zip(indices, self.logprobs(logits, params, tokens)):
-            if lp is not None:
-                into[i] = [lp]
+        indices: Sequence[int], logits: torch.Tensor, params: Sequence[SamplingParams], tokens: torch.Tensor
+    ) -> Optional[DeviceLogprobs]:
+        """A decode or prefill step's logprobs (one token per row, `tokens` on the device) of the
+        rows whose request asks, by request index (`indices[r]`); None when none asks."""
+        wanted = [r for r, p in enumerate(params) if p.logprobs]
+        if not wanted:
+            return None
+        sel = staged(wanted, torch.int64, logits.device)
+        top = [params[r].top_logprobs for r in wanted]
+        return device_logprobs(logits.index_select(0, sel), tokens.index_select(0, sel), top, [indices[r] for r in wanted])
 
+    @staticmethod
     def window_logprobs(
-        self,
-        into: dict[int, list],
-        params: Sequence[SamplingParams],
-        logits: torch.Tensor,
-        layout: list[tuple[int, int]],
-        commit_lens: list[int],
-        out_tokens: list[list[int]],
-    ) -> None:
-        """A verify step's logprobs of each committed token, by request index: window column k's
-        token (an accepted draft, or the bonus) is the one row k predicted."""
-        picked = [r for r, (i, j) in enumerate(layout) if params[i].logprobs and j < commit_lens[i]]
+        params: Sequence[SamplingParams], logits: torch.Tensor, layout: list[tuple[int, int]], out_tokens: torch.Tensor
+    ) -> Optional[DeviceLogprobs]:
+        """A verify step's logprobs: row (i, j) of `layout` predicted window column j's token,
+        out_tokens[i, j] (an accepted draft or the bonus, when committed: DeviceLogprobs.read
+        keeps the columns below each request's commit length)."""
+        picked = [r for r, (i, _) in enumerate(layout) if params[i].logprobs]
         if not picked:
-            return
-        found = self.logprobs(
-            logits[picked], [params[layout[r][0]] for r in picked], [out_tokens[layout[r][0]][layout[r][1]] for r in picked]
-        )
-        for r, lp in zip(picked, found):
-            into.setdefault(layout[r][0], []).append(lp)
+            return None
+        dev = logits.device
+        req, col = [layout[r][0] for r in picked], [layout[r][1] for r in picked]
+        tokens = out_tokens[staged(req, torch.int64, dev), staged(col, torch.int64, dev)]
+        rows = logits.index_select(0, staged(picked, torch.int64, dev))
+        return device_logprobs(rows, tokens, [params[i].top_logprobs for i in req], req, col)
 
     @staticmethod
     def prompt_logprobs(into: dict[int, PromptLogprobs], step: StepInput, logits: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ is the same whether a plain decode, a verify row or a bonus produced it (same ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -22,16 +22,53 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass
+class DeviceLogprobs:
+    """Logprobs computed on the device, read with the step's one late copy (`read`): per row the
+    request it belongs to, its window column (None: one row per request) and its top count."""
+
+    requests: list[int]
+    columns: Optional[list[int]]
+    top_n: list[int]
+    tensors: list[torch.Tensor]  # token [n], its logprob [n], top ids [n, K], top logprobs [n, K]
+
+    def read(
+        self, host: Sequence[torch.Tensor], commit_lens: Optional[Sequence[int]] = None
+    ) -> dict[int, list[TokenLogprob]]:
+        """From the host copies of `tensors`: per request its rows' TokenLogprobs in order, a
+        window's only up to its commit length (the columns whose tokens were committed)."""
+        tokens, chosen, ids, values = (t.tolist() for t in host)
+        out: dict[int, list[TokenLogprob]] = {}
+        for r, (i, n) in enumerate(zip(self.requests, self.top_n)):
+            if self.columns is not None and commit_lens is not None and self.columns[r] >= commit_lens[i]:
+                continue
+            top = tuple(zip(ids[r][:n], values[r][:n]))
+            out.setdefault(i, []).append(TokenLogprob(int(tokens[r]), float(chosen[r]), top))
+        return out
+
+
+def device_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    top_n: Sequence[int],
+    requests: Sequence[int],
+    columns: Optional[Sequence[int]] = None,
+) -> DeviceLogprobs:
+    """logits [n, V] (already shaped) and the token chosen at each row (a device tensor): the
+    logprobs and top entries, nothing read back."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens.view(-1, 1)).squeeze(1)
+    best = logp.topk(max(top_n, default=0), dim=-1)
+    cols = None if columns is None else list(columns)
+    return DeviceLogprobs(list(requests), cols, list(top_n), [tokens.view(-1), chosen, best.indices, best.values])
+
+
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprob]:
-    """logits [n, V] (already shaped), the token chosen at each row and how many top entries each wants."""
+    """logits [n, V] (already shaped), the token chosen at each row and how many top entries each
+    wants, read at once (a prompt's logprobs)."""
     if not len(tokens):
         return []
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.int64, device=logp.device).unsqueeze(1))
-    k = max(top_n)
-    best = logp.topk(k, dim=-1) if k else None
-    out = []
-    for r, (tok, n) in enumerate(zip(tokens, top_n)):
-        top = tuple(zip(best.indices[r, :n].tolist(), best.values[r, :n].tolist())) if n and best is not None else ()
-        out.append(TokenLogprob(int(tok), float(chosen[r, 0]), top))
-    return out
+    ids = torch.tensor(list(tokens), dtype=torch.int64, device=logits.device)
+    found = device_logprobs(logits, ids, top_n, range(len(tokens)))
+    read = found.read(found.tensors)
+    return [read[r][0] for r in range(len(tokens))]

@@ -115,6 +115,36 @@ def test_overlap_launches_never_wait(kind, params, counting_engines, normal_engi
     assert tokens(normal.generate(input_ids=prompts, sampling_params=params)) == got
 
 
+LOGPROBS = [{"temperature": 0, "logprobs": True, "top_logprobs": 2, "max_new_tokens": 16},
+            {"temperature": 0.8, "seed": 9, "logprobs": True, "max_new_tokens": 16},
+            {"temperature": 0, "max_new_tokens": 16}, {"temperature": 0, "logprobs": True, "max_new_tokens": 16}]
+
+
+@pytest.mark.parametrize("kind", ["none", "dspark-static", "default"])
+def test_logprobs_are_read_late(kind, counting_engines, normal_engines, prompts):
+    """Logprobs are computed on the device and read with the step's late copy: no wait, and the
+    same tokens and logprobs as the normal loop (a window's only for its committed tokens)."""
+    def run_logprobs(engine):
+        engine.scheduler.ledger.tree.reset()
+        if engine.runner.host_waits is not None:  # the counting engine's
+            engine.runner.host_waits.reset()
+        outs = engine.generate(input_ids=prompts, sampling_params=LOGPROBS)
+        return [(o["output_ids"], o["meta_info"].get("output_token_logprobs"), o["meta_info"].get("output_top_logprobs"))
+                for o in outs]
+
+    engine = counting_engines[kind]
+    got = run_logprobs(engine)
+    waits = engine.runner.host_waits.reset()
+    assert waits == [], f"{kind}: the host waited inside launch at {sorted({(w.op, w.site) for w in waits})}"
+    assert all(lps is not None and [t for _, t, _ in lps] == ids for ids, lps, _ in got[:2])
+    assert got[2][1] is None and all(len(top) == 2 for top in got[0][2])
+    normal = run_logprobs(normal_engines(kind))
+    assert [g[0] for g in got] == [n[0] for n in normal]
+    for (_, mine, _), (_, theirs, _) in zip(got, normal):
+        if mine is not None:
+            assert [lp for lp, _, _ in mine] == pytest.approx([lp for lp, _, _ in theirs], abs=1e-5)
+
+
 def test_lagged_plans_accept_alike_in_both_loops(prompts, tmp_path_factory):
     """The adaptive policy planning from the commits two launches back plans each step of a request
     alike in both loops: the same sampled tokens, verify steps and accepted drafts (one request at

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
-from specserve.logits.logprobs import token_logprobs
+from specserve.logits.logprobs import TokenLogprob, token_logprobs
 from specserve.logits.penalties import shape_logits
 from specserve.sampling_params import SamplingParams
 
@@ -94,8 +94,26 @@ def test_logprobs_and_top_alternatives():
     assert found[0].logprob == pytest.approx(1 - norm, abs=1e-6)
     assert [t for t, _ in found[0].top] == [2, 1] and found[0].top[0][1] == pytest.approx(3 - norm, abs=1e-6)
     assert found[1].top == () and found[1].token == 2
-    picked = RequestLogits.logprobs(logits, [SamplingParams(), SamplingParams(logprobs=True)], [0, 2])
-    assert picked[0] is None and picked[1].token == 2
+    params = [SamplingParams(), SamplingParams(logprobs=True, top_logprobs=1)]
+    part = RequestLogits.record_logprobs([5, 6], logits, params, torch.tensor([0, 2]))  # requests 5 and 6
+    assert part is not None and list(part.read(part.tensors)) == [6]
+    assert part.read(part.tensors)[6] == [TokenLogprob(2, found[1].logprob, ((2, found[1].logprob),))]
+    assert RequestLogits.record_logprobs([0, 1], logits, [SamplingParams()] * 2, torch.tensor([0, 2])) is None
+
+
+def test_window_logprobs_keep_the_committed_columns():
+    """A verify step's logprobs are computed for every row and read back late: a request keeps the
+    columns below its commit length, each the logprob of the token committed there."""
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    layout = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    out_tokens = torch.tensor([[3, 1, 4], [2, 0, 0]])
+    params = [SamplingParams(logprobs=True), SamplingParams(logprobs=True, top_logprobs=2)]
+    part = RequestLogits.window_logprobs(params, logits, layout, out_tokens)
+    got = part.read(part.tensors, commit_lens=[2, 3])
+    logp = torch.log_softmax(logits, -1)
+    assert [t.token for t in got[0]] == [3, 1] and [t.token for t in got[1]] == [2, 0, 0]
+    assert got[0][1].logprob == pytest.approx(float(logp[1, 1])) and got[1][2].logprob == pytest.approx(float(logp[5, 0]))
+    assert [tok for tok, _ in got[1][0].top] == logp[3].topk(2).indices.tolist() and got[0][0].top == ()
 
 
 def test_verify_layout_of_packed_rows():
