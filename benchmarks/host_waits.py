@@ -28,7 +28,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 CONTENTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
             "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.", "Write a haiku about rain."]
 MODES = {"greedy": {"temperature": 0}, "sampled": {"temperature": 0.8, "top_p": 0.9, "seed": 7},
-         "penalised": {"temperature": 0.8, "seed": 7, "frequency_penalty": 0.5, "presence_penalty": 0.3}}
+         "penalised": {"temperature": 0.8, "seed": 7, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+         "logprobs": {"temperature": 0, "logprobs": True, "top_logprobs": 2}}
 
 
 def add_host_waits_args(p: argparse.ArgumentParser) -> None:

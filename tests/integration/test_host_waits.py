@@ -5,7 +5,8 @@ host would wait for the device (runtime/host_waits.py: value reads of device ten
 data-dependent shapes, event waits). Here they must be zero on the real embedded model, overlap
 loop, for NONE, NGRAM, SUFFIX drafting on the device, DSPARK with fixed windows (the shipped
 drafter, so drafts are accepted) and DSPARK compact, greedy and sampled, with the same tokens as
-the normal loop, also with penalties and a logit bias (their token counts kept on the device). The runners take CUDA's verify choice (CaptureConfig.static_windows:
+the normal loop, also with penalties and a logit bias (their token counts kept on the device)
+and with logprobs (computed on the device, read with the step's late copy). The runners take CUDA's verify choice (CaptureConfig.static_windows:
 planned windows verified whole, the accept capped) since that is the path these zeros are for; on
 CPU by default planned windows are packed, which reads the prefixes back (counted, and free there).
 A planted `.item()` inside the step must be found, at its line, and refused in the error mode.
