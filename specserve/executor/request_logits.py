@@ -35,14 +35,14 @@ class WindowDrafts:
     ids: torch.Tensor
     lens: list[int]
 
-    def counts(self, vocab: int) -> torch.Tensor:
-        """[n, V] float32: each row's drafts counted (no read back)."""
-        gamma = self.ids.shape[1]
-        before = torch.arange(gamma, device=self.ids.device).unsqueeze(0) < staged(
-            self.lens, torch.int64, self.ids.device
-        ).unsqueeze(1)
-        counts = torch.zeros(self.ids.shape[0], vocab, dtype=torch.float32, device=self.ids.device)
-        return counts.scatter_add_(1, self.ids, before.float())
+    def counts(self, rows: list[int], vocab: int) -> torch.Tensor:
+        """[len(rows), V] float32: these rows' drafts counted (no read back)."""
+        dev = self.ids.device
+        ids = self.ids.index_select(0, staged(rows, torch.int64, dev))
+        lens = staged([self.lens[r] for r in rows], torch.int64, dev)
+        before = torch.arange(ids.shape[1], device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=dev)
+        return counts.scatter_add_(1, ids, before.float())
 
     def host(self) -> list[list[int]]:
         """The drafts as host lists (a read back: a grammar's mask needs them)."""
@@ -145,7 +145,7 @@ class RequestLogits:
         counts, seen = zip(*(self._penalised[rows[r]].tensors(vocab, device) for r in penalised))
         total = torch.stack(counts)
         if isinstance(windows, WindowDrafts):
-            total = total + windows.counts(vocab).index_select(0, staged(penalised, torch.int64, device))
+            total = total + windows.counts(penalised, vocab)
         elif windows:
             total = total + token_counts([windows[r] for r in penalised], len(penalised), vocab, device)
         sel = staged(penalised, torch.int64, device)

@@ -128,16 +128,19 @@ class Speculation:
         refills: a slot freed early lets a request in (see AdaptivePolicy.plan); greedy[i]: request
         i decodes greedily (SUFFIX drafts a sampled one from its own tokens only); launch: this
         step's launch count (with `lagged`, the commits it sees)."""
+        known = [True] * len(rows)
+        if self.lagged and launch is not None:  # before any early return: the news never piles up
+            for tell in self.news.due(launch):
+                tell()
+            known = [self._started.get(row, 0) <= launch - LAG for row in rows]
+        suffix = self.workers.get(Algorithm.SUFFIX)
+        if isinstance(suffix, SuffixWorker):
+            suffix.advance(launch)
         if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
             return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
             return StepPlan.fixed(drafters, gamma)
-        known = [True] * len(rows)
-        if self.lagged and launch is not None:
-            for tell in self.news.due(launch):
-                tell()
-            known = [self._started.get(row, 0) <= launch - LAG for row in rows]
-        ngram, suffix = self.workers.get(Algorithm.NGRAM), self.workers.get(Algorithm.SUFFIX)
+        ngram = self.workers.get(Algorithm.NGRAM)
         match_lens = suffix_hints = None
         if isinstance(ngram, NgramWorker) and Algorithm.NGRAM in self.policy.drafters:
             match_lens = _where_known(known, rows, ngram.match_lens, 0)

@@ -7,7 +7,14 @@ device. For each request the walk finds the bigram ending at its anchor among th
 (the newest `max_candidates + 1` occurrences, as the index's lookup), extends each occurrence's
 match backwards against the context, keeps the longest, and walks the most frequent continuation
 (ties to the newest occurrence) while its share of the matched occurrences stays at least
-`min_prob`: the host index's draft token for token, its score as exact counts (`hits / total`).
+`min_prob`: over the same tokens, the host index's draft token for token, its score as exact
+counts (`hits / total`). The device segments hold the earlier outputs of the commits two launches
+back (see DeviceSegments), so a greedy request's draft from them can differ from the host walk's
+at the same launch of the normal loop, alike in both loops and on every rank.
+
+Cost: a walk compares every searched token per request, so a step's global walk is O(requests x
+held tokens) (`--speculative-suffix-cache-tokens` bounds the held tokens); the host index finds the
+occurrences through a bigram table instead. A device bigram index would make it O(candidates).
 """
 
 from __future__ import annotations
@@ -20,8 +27,6 @@ import torch
 from specserve.runtime.staging import staged
 from specserve.speculative.lagged import LaggedFeed
 from specserve.speculative.suffix_index import SEPARATOR
-
-NO_TOKEN = -2  # a column with nothing to read: never equal to a token or to the separator
 
 
 @dataclass
@@ -75,13 +80,16 @@ def walk(
     column anchor_at [n] (the context is the columns up to it)."""
     n, width = searched.shape
     dev = searched.device
-    col = torch.arange(width, device=dev).unsqueeze(0)
     last = own.gather(1, anchor_at.unsqueeze(1))  # the context's last token and the one before it
     before = own.gather(1, (anchor_at - 1).clamp(min=0).unsqueeze(1))
-    prev = torch.cat([torch.full((n, 1), NO_TOKEN, dtype=searched.dtype, device=dev), searched[:, :-1]], 1)
-    hit = (searched == last) & (prev == before) & (col < visible.unsqueeze(1))
+    # Column c ends the bigram where c >= 1; compared as slices, so an expanded `searched` (the
+    # global tokens) is never copied per request, and the columns are int32 (the [n, C] temporaries
+    # are the walk's largest: C is up to the global index's budget).
+    col = torch.arange(1, width, dtype=torch.int32, device=dev).unsqueeze(0)
+    hit = (searched[:, 1:] == last) & (searched[:, :-1] == before) & (col < visible.unsqueeze(1))
     # The newest max_candidates + 1 occurrences, newest first; the context's own end is never one.
-    ends = torch.where(hit, col.expand(n, -1), -1).topk(min(limits.max_candidates + 1, width), dim=1).values
+    k = min(limits.max_candidates + 1, width - 1)
+    ends = torch.where(hit, col, -1).topk(k, dim=1).values.long() if k > 0 else torch.full((n, 1), -1, device=dev)
     valid = (ends >= 0) & (ends < (visible - 1).unsqueeze(1)) & (anchor_at >= 1).unsqueeze(1)
     match = _match_lengths(searched, ends, own, anchor_at, limits.max_depth)
     match = torch.where(valid, match, 0)

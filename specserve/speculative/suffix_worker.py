@@ -13,8 +13,9 @@ when the slot's next request starts), so the ranks' indexes and drafts agree wit
 the adaptive plan that uses them is rank 0's (speculative/adaptive.py).
 
 With a token table the drafts can be computed on the device instead (`drafts_on_device`, CUDA's
-choice: speculative/suffix_device.py), the same drafts token for token, so a launch never waits
-for the last step's tokens; the host indexes then only give the adaptive policy its hints.
+choice: speculative/suffix_device.py), the same walk over the same tokens (the earlier outputs
+as of two launches back), so a launch never waits for the last step's tokens; the host indexes
+then only give the adaptive policy its hints.
 On CPU the host walk is the cheaper one (a few list reads against some hundred tensor ops).
 """
 
@@ -94,12 +95,24 @@ class SuffixWorker:
         self.gamma, self.config = gamma, config or SuffixConfig()
         self.slots: dict[int, _Slot] = {}
         self.global_index = SuffixIndex(self.config.max_depth)
-        self.token_table = token_table
+        self._table = token_table
         self.segments = DeviceSegments(token_table.tokens.device) if token_table is not None else None
         if drafts_on_device is None:
             drafts_on_device = token_table is not None and token_table.tokens.device.type == "cuda"
-        self.drafts_on_device = drafts_on_device
+        self.drafts_on_device = drafts_on_device  # chosen before the first request (the device state starts there)
         self._last_launch = 0
+
+    @property
+    def token_table(self) -> Optional[TokenTable]:
+        """The request tokens on the device, when the drafts are walked there (CommitPath writes a
+        table only while some drafter reads it)."""
+        return self._table if self.drafts_on_device else None
+
+    def advance(self, launch: Optional[int]) -> None:
+        """Forward stream, every planned step: the device segments take the changes due by this
+        launch, so they are never held back while nobody drafts with SUFFIX."""
+        if self.drafts_on_device and self.segments is not None:
+            self.segments.held(launch)
 
     @property
     def tokens_early(self) -> bool:
@@ -144,8 +157,8 @@ class SuffixWorker:
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
 
     def _device_draft(self, inp: DraftInput) -> DeviceDraft:
-        """The host proposal's drafts, walked on the device (suffix_device.py): the request's own
-        tokens from the token table, the earlier outputs from the device segments."""
+        """The host proposal's walk on the device (suffix_device.py): the request's own tokens from
+        the token table, the earlier outputs from the device segments (as of two launches back)."""
         assert self.token_table is not None and self.segments is not None, "drafts_on_device needs a token table"
         table, cfg = self.token_table, self.config
         width = min((inp.ctx_bound if inp.ctx_bound is not None else int(inp.prefix_lens.max())) + 1, table.scratch)
@@ -189,7 +202,7 @@ class SuffixWorker:
         output = slot.output()[-self.config.cache_tokens :]
         if len(output) < 2:
             return
-        index, segments = self.global_index, self.segments
+        index, segments = self.global_index, self.segments if self.drafts_on_device else None
         index.append_segment(output)
         if segments is not None:
             segments.change(launch, "append", output)
@@ -202,7 +215,7 @@ class SuffixWorker:
     def forget_outputs(self) -> None:
         """Empty the global index (a benchmark's fresh start; slots' own indexes stay)."""
         self.global_index = SuffixIndex(self.config.max_depth)
-        if self.segments is not None:  # after every change told so far
+        if self.segments is not None and self.drafts_on_device:  # after every change told so far
             self.segments.change(self._last_launch, "clear")
 
     def flush(self) -> None:
