@@ -212,12 +212,12 @@ def test_planted_draft_cache_faults_are_caught(tiny_pair, monkeypatch, fault):
     target, _ = tiny_pair
     original = StandaloneWorker.commit_tokens
 
-    def faulty(worker, row, tokens, restart, new=0):
+    def faulty(worker, row, tokens, restart, new=0, launch=0):
         if fault == "keeps_rejected_drafts" and not restart:
             worker.histories[row].extend(tokens)
             return
         kept = worker.fed.get(row, [])
-        original(worker, row, tokens, restart, new)
+        original(worker, row, tokens, restart, new, launch)
         if fault == "keeps_state_across_requests" and restart:
             worker.fed[row] = kept
 
