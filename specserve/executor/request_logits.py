@@ -98,13 +98,15 @@ class RequestLogits:
     def commit_counts(self, rows: Sequence[int], tokens: torch.Tensor, lens: torch.Tensor) -> None:
         """Forward stream: the penalised requests among `rows` count their committed tokens, the
         first lens[i] of tokens[i] (device values, never read back)."""
+        kept = None
         for i, row in enumerate(rows):
             state = self._penalised.get(row)
             if state is None:
                 continue
             assert state.counts is not None, "a penalised request's logits were shaped before its tokens commit"
-            kept = torch.arange(tokens.shape[1], device=tokens.device) < lens[i]
-            state.counts.index_put_((tokens[i],), kept.float(), accumulate=True)
+            if kept is None:  # [n, W]: which of each row's tokens were committed
+                kept = (torch.arange(tokens.shape[1], device=tokens.device) < lens.unsqueeze(1)).float()
+            state.counts.index_put_((tokens[i],), kept[i], accumulate=True)
 
     @property
     def counts_tokens(self) -> bool:
@@ -128,9 +130,8 @@ class RequestLogits:
             return logits
         out = logits.clone()  # never write into a captured step's logits buffer
         if penalised:
-            out.index_copy_(
-                0, staged(penalised, torch.int64, out.device), self._penalties(logits, rows, params, penalised, windows)
-            )
+            sel = staged(penalised, torch.int64, out.device)
+            out.index_copy_(0, sel, self._penalties(logits, rows, params, penalised, sel, windows))
         host_windows: Optional[Sequence[Sequence[int]]] = None  # a grammar's mask needs the drafts as values
         if constrained and windows is not None:
             host_windows = windows.host() if isinstance(windows, WindowDrafts) else windows
@@ -139,8 +140,11 @@ class RequestLogits:
             out[r].masked_fill_(~allowed.to(out.device), float("-inf"))
         return out
 
-    def _penalties(self, logits, rows, params, penalised: list[int], windows: Optional[Windows]) -> torch.Tensor:
-        """The penalised rows' shaped logits, from the device counts (plus each row's drafts)."""
+    def _penalties(
+        self, logits, rows, params, penalised: list[int], sel: torch.Tensor, windows: Optional[Windows]
+    ) -> torch.Tensor:
+        """The penalised rows' (indices `penalised`, on the device `sel`) shaped logits, from the
+        device counts (plus each row's drafts)."""
         vocab, device = logits.shape[1], logits.device
         counts, seen = zip(*(self._penalised[rows[r]].tensors(vocab, device) for r in penalised))
         total = torch.stack(counts)
@@ -148,7 +152,6 @@ class RequestLogits:
             total = total + windows.counts(penalised, vocab)
         elif windows:
             total = total + token_counts([windows[r] for r in penalised], len(penalised), vocab, device)
-        sel = staged(penalised, torch.int64, device)
         shaped = shape_by_counts(logits.index_select(0, sel), [params[r] for r in penalised], total, torch.stack(seen))
         return shaped.to(logits.dtype)
 

@@ -58,7 +58,7 @@ class DsparkWorker:
     def draft(self, inp: DraftInput) -> Drafts:
         self.flush()
         # The host's bound on the context where the step gives one: reading the prefixes would wait.
-        width = inp.ctx_bound if inp.ctx_bound is not None else int(inp.prefix_lens.max())
+        width = inp.context_bound()
         ctx_slots = self.table[inp.rows, : min(width, self.table.shape[1])]
         out = self.drafter.propose(
             inp.anchors, inp.prefix_lens, ctx_slots, self.kv, inp.params, inp.seeds, inp.out_lens, inp.needed

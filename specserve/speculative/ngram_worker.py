@@ -76,8 +76,7 @@ class NgramWorker:
 
     def draft(self, inp: DraftInput) -> Drafts:
         if self.token_table is not None:  # on the device: the host's bound, not the prefixes read back
-            width = (inp.ctx_bound if inp.ctx_bound is not None else int(inp.prefix_lens.max())) + 1
-            table = self.token_table
+            table, width = self.token_table, inp.context_bound() + 1
             return Drafts(table.propose(inp.rows, inp.prefix_lens, width, inp.gamma, self.min_ngram, self.max_ngram))
         proposals = [self.histories[row].match(inp.gamma)[1] for row in inp.rows.tolist()]
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))

@@ -161,7 +161,7 @@ class SuffixWorker:
         the token table, the earlier outputs from the device segments (as of two launches back)."""
         assert self.token_table is not None and self.segments is not None, "drafts_on_device needs a token table"
         table, cfg = self.token_table, self.config
-        width = min((inp.ctx_bound if inp.ctx_bound is not None else int(inp.prefix_lens.max())) + 1, table.scratch)
+        width = min(inp.context_bound() + 1, table.scratch)
         own = table.tokens[inp.rows, :width]
         limits = WalkLimits(cfg.max_depth, cfg.spec_factor, cfg.min_prob)
         if inp.launch is not None:

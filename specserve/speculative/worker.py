@@ -42,6 +42,10 @@ class DraftInput:
     ctx_bound: Optional[int] = None
     launch: Optional[int] = None  # the step's launch count (StepInput.launch; None: a tool's draft)
 
+    def context_bound(self) -> int:
+        """A bound on every prefix length: the host's ctx_bound, else the largest read back (a wait)."""
+        return self.ctx_bound if self.ctx_bound is not None else int(self.prefix_lens.max())
+
 
 @dataclass
 class Drafts:
