@@ -38,7 +38,7 @@ def add_host_waits_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cpu-choices", action="store_true",
                    help="CPU's choices (planned windows packed, SUFFIX walked on the host, plans from the last step: "
-                        "all wait) instead of CUDA's")
+                        "all wait) instead of CUDA's and the opt-in lagged plans")
     p.add_argument("--out", default=None)
 
 

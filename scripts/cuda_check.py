@@ -267,7 +267,8 @@ def sanitizer_catches_alias(setup: Setup) -> dict:
 
 def cuda_choices(engine: Any) -> None:
     """CUDA's defaults, so that a CPU run checks the same paths: planned windows verified whole,
-    SUFFIX walked on the device, the adaptive policy planning from the commits two launches back."""
+    SUFFIX walked on the device; and the opt-in lagged plans (the adaptive policy planning from the
+    commits two launches back), whose waits this check covers too."""
     engine.runner.capture.static_windows = True
     speculation = engine.runner.speculation
     speculation.lagged_plans = True

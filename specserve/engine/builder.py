@@ -336,8 +336,8 @@ def _make_speculation(
         )
     elif drafter is not None and args.verify_mode() != "static":
         planner = VerifyPlanner(SpsTable.load(p) if (p := args.speculative_dspark_sps_table_path) else None)
-    lagged = torch.device(args.device).type == "cuda"  # where a plan that waits costs the overlap
-    return Speculation(workers, planner, policy, args.speculative_disable_batch_size, lagged)
+    # Lagged plans stay opt-in (Speculation.lagged_plans): see docs/speculative-decoding.md.
+    return Speculation(workers, planner, policy, args.speculative_disable_batch_size)
 
 
 def _cost_model(

@@ -62,8 +62,8 @@ class Speculation:
         disable_batch_size: Optional[int] = None,
         lagged_plans: bool = False,
     ):
-        """lagged_plans (CUDA's choice): the policy plans launch k from the commits of launches up
-        to k - 2 (see `lagged`)."""
+        """lagged_plans (opt-in, meant for CUDA): the policy plans launch k from the commits of
+        launches up to k - 2 (see `lagged`)."""
         self.workers = {w.name: w for w in workers}
         self.planner = planner
         self.policy = policy
