@@ -102,14 +102,46 @@ def test_fp32_greedy_tokens_and_logits_identical_to_transformers(tiny_model, ref
     assert (logits - ref).abs().max().item() < LOGITS_ATOL
 
 
+def _speculated(model_path: str) -> tuple[list[list[int]], int]:
+    """bf16 greedy tokens under speculation, and how many drafted tokens verify accepted: the leg
+    proves nothing unless output tokens came from accepted drafts. The model drafts for itself
+    (STANDALONE, every step: the fixed policy), so most drafts are its own next tokens, decoded
+    one row at a time, and verify must take them in a window of rows to the same bits."""
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    with Engine(model_path=model_path, dtype="bfloat16", speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=model_path, speculative_policy="fixed", max_total_tokens=2048) as engine:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    return [o["output_ids"] for o in outs], sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outs)
+
+
 def test_bf16_output_independent_of_batch_cache_and_speculation(tiny_model):
     with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=2048) as engine:
         alone = [_greedy(engine, [p])[0] for p in PROMPTS]
         batched = _greedy(engine, PROMPTS)
         cached = _greedy(engine, PROMPTS[::-1])[::-1]  # the prompts' KV is in the radix cache now
-    with Engine(model_path=tiny_model, dtype="bfloat16", speculative_algorithm="NGRAM", max_total_tokens=2048) as engine:
-        speculated = _greedy(engine, PROMPTS)
+    speculated, accepted = _speculated(tiny_model)
     assert alone == batched == cached == speculated
+    assert accepted > 0, "no drafted token was accepted: the speculative leg compared plain decoding with itself"
+
+
+def test_the_speculative_leg_fails_when_no_draft_is_accepted(tmp_path, monkeypatch):
+    """Mutation: the drafter planted to propose a token the model never emits (the last vocabulary
+    id). The tokens still equal plain decoding's (verify rejects every draft), so only the accepted
+    count tells this run from one that checked speculation, and it must say 0."""
+    import torch
+
+    from specserve.speculative.standalone_worker import StandaloneWorker
+    from specserve.speculative.worker import Drafts
+
+    spec, types, pre = MODELS["qwen2-kquants"]
+    path = str(tmp_path / "model.gguf")
+    write_tiny_gguf(path, spec, types, seed=len("qwen2-kquants"), pre=pre)
+    never = load_model_config(path).vocab_size - 1
+    monkeypatch.setattr(StandaloneWorker, "draft",
+                        lambda self, inp: Drafts(torch.full((len(inp.rows), inp.gamma), never, dtype=torch.int64)))
+    tokens, accepted = _speculated(path)
+    assert never not in {t for seq in tokens for t in seq}
+    assert accepted == 0
 
 
 def test_quantized_tensors_stay_codes_on_the_cpu_kernels(tiny_model):

@@ -90,18 +90,38 @@ def test_device_drafts_equal_the_host_proposals(seed, config):
     assert len(worker.global_index) > 0
 
 
-def test_a_draft_from_the_global_index_only_for_greedy_requests():
-    """A request whose own tokens match nothing but whose suffix occurred in an earlier output:
-    greedy, it drafts the earlier continuation; sampled, it repeats its anchor."""
+def greedy_and_sampled_after_an_earlier_output() -> tuple[SuffixWorker, DraftInput]:
+    """Two requests whose own tokens match nothing but whose suffix [4, 5] occurred in an earlier
+    request's output [4..8]: row 1 greedy, row 2 sampled."""
     table = TokenTable(4, 64)
     worker = SuffixWorker(4, SuffixConfig(), table, drafts_on_device=True)
     fed(worker, table, 0, [1, 2, 3, 4, 5, 6, 7, 8], 2, launch=1)
     fed(worker, table, 0, [9, 9], 1, launch=2)  # retires the first request's output [4..8] (after its prompt)
     fed(worker, table, 1, [20, 21, 4, 5], 3, launch=2)
     fed(worker, table, 2, [20, 21, 4, 5], 3, launch=2)
-    inp = draft_input([1, 2], [4, 4], table, 4, [GREEDY, SAMPLED], launch=4)
-    out = worker.draft(inp).tokens
-    assert out.tolist() == [[6, 7, 7, 7], [5, 5, 5, 5]]  # spec_factor 1: as many as matched and torch.equal(out, host_drafts(worker, inp))
+    return worker, draft_input([1, 2], [4, 4], table, 4, [GREEDY, SAMPLED], launch=4)
+
+
+def test_a_draft_from_the_global_index_only_for_greedy_requests():
+    """Greedy, it drafts the earlier continuation; sampled, it repeats its anchor; the device walk
+    and the host walk agree."""
+    worker, inp = greedy_and_sampled_after_an_earlier_output()
+    device = worker.draft(inp).tokens
+    assert device.tolist() == [[6, 7, 7, 7], [5, 5, 5, 5]]  # spec_factor 1: as many as matched
+    assert host_drafts(worker, inp).tolist() == device.tolist()
+
+
+def test_the_host_device_comparison_catches_a_planted_device_fault(monkeypatch):
+    """Mutation: the device walk offers the global index to sampled requests too (its greedy mask
+    planted all true). The host walk does not, so the comparison above must fail."""
+    import specserve.speculative.suffix_worker as suffix_worker
+
+    real = suffix_worker.staged
+    monkeypatch.setattr(suffix_worker, "staged", lambda flags, *a: real([True] * len(flags), *a))
+    worker, inp = greedy_and_sampled_after_an_earlier_output()
+    device = worker.draft(inp).tokens
+    assert device.tolist() == [[6, 7, 7, 7], [6, 7, 7, 7]]  # the fault took effect on the device...
+    assert host_drafts(worker, inp).tolist() != device.tolist()  # ...and the host walk tells it apart
 
 
 def test_segments_apply_a_change_two_launches_later_in_order():
