@@ -12,8 +12,15 @@ from gguf import GGMLQuantizationType as Q
 from helpers import prefill_logits
 from tiny_gguf import TinySpec, write_tiny_gguf
 
-from specserve.bench.synth_model import (BLOCK_SCALES, Shape, check_same_header, shape_table, write_gguf, write_like,
-                                          random_payload)
+from specserve.bench.synth_model import (
+    BLOCK_SCALES,
+    Shape,
+    check_same_header,
+    random_payload,
+    shape_table,
+    write_gguf,
+    write_like,
+)
 from specserve.models.gguf_file import GGUFFile
 
 # Every block type specserve serves, plus F16 and F32 (norms, biases).
@@ -56,6 +63,7 @@ def test_blocks_have_their_scales_in_range_and_values_are_finite(synthetic):
             offsets, lo, hi = BLOCK_SCALES[tensor.tensor_type]
             size = gguf.GGML_QUANT_SIZES[tensor.tensor_type][1]
             d = np.ascontiguousarray(tensor.data.reshape(-1, size)[:, offsets[0] : offsets[0] + 2]).view(np.float16)
+            d = np.abs(d)  # Q4_0 and Q5_0 draw d's sign (bench/synth_model.py SIGNED_D)
             assert d.min() >= np.float16(lo) and d.max() <= np.float16(hi), tensor.name
     assert seen == {t for t in TYPES.values() if t in BLOCK_SCALES}
 
@@ -181,3 +189,42 @@ def test_gpt_oss_shape_is_ggml_orgs_mxfp4_table_and_loads(donor, tmp_path):
             "gpt-oss", vocab, (16, 0), True, True)
         assert engine.tokenizer.vocab_size >= vocab
         assert torch.isfinite(prefill_logits(engine.runner.model, [1, 2, 3])).all()
+
+
+def _experts_one_row_and_window(donor: str, path: str) -> tuple[float, float]:
+    """A thin Qwen3-30B-A3B-like mixture in the Q4_K_M mix (2 layers of 64 experts, 8 per token)
+    written by the writer: the distinct experts per layer one row and a 4-row window of random
+    tokens route to (bench/offline.py distinct_experts, after 8 cached rows)."""
+    from specserve.bench.offline import distinct_experts
+    from specserve.bench.synth_model import kv_entry
+    from specserve.bench.synth_moe import MoeShape, moe_table
+    from specserve.engine.engine import Engine
+
+    shape = MoeShape(donor, "qwen3moe", 2, 256, 512, 4, 2, 64, 1024, 64, 8, 256, 1e6, 1e-6)
+    header = GGUFFile(donor, header_only=True)
+    entries, infos = moe_table(header, shape, kv_entry)
+    assert {Q.Q4_K, Q.Q6_K} <= {i.tensor_type for i in infos}
+    write_gguf(path, entries, infos, header.alignment, random_payload(0))
+    with Engine(model_path=path, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=256) as engine:
+        ids = np.random.default_rng(1).integers(0, engine.runner.model.config.vocab_size, size=4).tolist()
+        return distinct_experts(engine, ids[:1], 8), distinct_experts(engine, ids, 8)
+
+
+def test_a_synthetic_mixtures_window_spreads_over_experts_as_a_real_ones(donor, tmp_path, monkeypatch):
+    """Zero-mean payloads (bench/synth_model.py _zero_mean): a 4-row window of random tokens reads
+    far more experts than one row (64 experts, 8 per token: about 26 for unrelated rows). Planted, the
+    old draw (a K-quant's dmin in d's positive range, its min codes random: every weight about +0.05)
+    collapses every token onto the same 8 experts."""
+    import specserve.bench.synth_model as sm
+
+    one, window = _experts_one_row_and_window(donor, str(tmp_path / "zero-mean.gguf"))
+    assert one == 8 and window >= 16, (one, window)
+
+    def old_offsets(raw: np.ndarray, qtype: Q, d: np.ndarray) -> None:
+        offsets, lo, hi = BLOCK_SCALES[qtype]
+        if len(offsets) > 1:
+            sm._put_f16(raw, offsets[1], np.random.default_rng(0).uniform(lo, hi, size=raw.shape[0]))
+
+    monkeypatch.setattr(sm, "_zero_mean", old_offsets)
+    one, window = _experts_one_row_and_window(donor, str(tmp_path / "old.gguf"))
+    assert one == 8 and window <= 9, (one, window)
