@@ -38,7 +38,7 @@ def gguf_step_bytes(path: str) -> int:
     embedding table (one row of it is read), which is read whole only as the tied head of a file
     without `output.weight`; of a mixture's stacked experts (`*_exps`), the share a token routes
     to (expert_used_count of expert_count)."""
-    from specserve.bench.synth_model import tensor_bytes
+    from specserve.bench.synth_payload import tensor_bytes
     from specserve.models.gguf_file import GGUFFile
 
     reader = GGUFFile(path, header_only=True)

@@ -12,15 +12,8 @@ from gguf import GGMLQuantizationType as Q
 from helpers import prefill_logits
 from tiny_gguf import TinySpec, write_tiny_gguf
 
-from specserve.bench.synth_model import (
-    BLOCK_SCALES,
-    Shape,
-    check_same_header,
-    random_payload,
-    shape_table,
-    write_gguf,
-    write_like,
-)
+from specserve.bench.synth_model import Shape, check_same_header, shape_table, write_gguf, write_like
+from specserve.bench.synth_payload import BLOCK_SCALES, random_payload
 from specserve.models.gguf_file import GGUFFile
 
 # Every block type specserve serves, plus F16 and F32 (norms, biases).
@@ -63,7 +56,7 @@ def test_blocks_have_their_scales_in_range_and_values_are_finite(synthetic):
             offsets, lo, hi = BLOCK_SCALES[tensor.tensor_type]
             size = gguf.GGML_QUANT_SIZES[tensor.tensor_type][1]
             d = np.ascontiguousarray(tensor.data.reshape(-1, size)[:, offsets[0] : offsets[0] + 2]).view(np.float16)
-            d = np.abs(d)  # Q4_0 and Q5_0 draw d's sign (bench/synth_model.py SIGNED_D)
+            d = np.abs(d)  # Q4_0 and Q5_0 draw d's sign (bench/synth_payload.py SIGNED_D)
             assert d.min() >= np.float16(lo) and d.max() <= np.float16(hi), tensor.name
     assert seen == {t for t in TYPES.values() if t in BLOCK_SCALES}
 
@@ -121,7 +114,7 @@ def test_a_published_shape_on_the_donors_table(donor, tmp_path):
 def test_step_bytes_leave_out_the_embedding_table_unless_it_is_the_head(donor, tmp_path):
     """bench/bandwidth.py gguf_step_bytes: what llama.cpp streams per batch-1 step."""
     from specserve.bench.bandwidth import gguf_step_bytes
-    from specserve.bench.synth_model import tensor_bytes
+    from specserve.bench.synth_payload import tensor_bytes
 
     infos = GGUFFile(donor, header_only=True).infos
     table = next(tensor_bytes(i) for i in infos if i.name == "token_embd.weight")
@@ -137,7 +130,8 @@ def test_a_mixture_shape_is_llama_quantizes_q4_k_m_mix_and_loads(donor, tmp_path
     layers, small widths) loads in specserve as a mixture with finite logits, and a batch-1 step
     reads a token's share of the experts."""
     from specserve.bench.bandwidth import gguf_step_bytes
-    from specserve.bench.synth_model import kv_entry, tensor_bytes
+    from specserve.bench.synth_model import kv_entry
+    from specserve.bench.synth_payload import tensor_bytes
     from specserve.bench.synth_moe import MOE_SHAPES, MoeShape, moe_table, use_more_bits
     from specserve.engine.engine import Engine
     from specserve.models.loader import resolve_model_path
@@ -168,7 +162,8 @@ def test_gpt_oss_shape_is_ggml_orgs_mxfp4_table_and_loads(donor, tmp_path):
     listing) with the release's 201,088 tokens; a thin copy (2 layers, small widths) loads in
     specserve as gpt-oss (sinks, biases, a window on layer 0, YaRN) with finite logits, its padded
     vocabulary read by the tokenizer."""
-    from specserve.bench.synth_model import kv_entry, tensor_bytes
+    from specserve.bench.synth_model import kv_entry
+    from specserve.bench.synth_payload import tensor_bytes
     from specserve.bench.synth_moe import MOE_SHAPES, MoeShape, moe_table
     from specserve.engine.engine import Engine
     from specserve.models.loader import resolve_model_path
@@ -211,11 +206,11 @@ def _experts_one_row_and_window(donor: str, path: str) -> tuple[float, float]:
 
 
 def test_a_synthetic_mixtures_window_spreads_over_experts_as_a_real_ones(donor, tmp_path, monkeypatch):
-    """Zero-mean payloads (bench/synth_model.py _zero_mean): a 4-row window of random tokens reads
+    """Zero-mean payloads (bench/synth_payload.py _zero_mean): a 4-row window of random tokens reads
     far more experts than one row (64 experts, 8 per token: about 26 for unrelated rows). Planted, the
     old draw (a K-quant's dmin in d's positive range, its min codes random: every weight about +0.05)
     collapses every token onto the same 8 experts."""
-    import specserve.bench.synth_model as sm
+    import specserve.bench.synth_payload as sm
 
     one, window = _experts_one_row_and_window(donor, str(tmp_path / "zero-mean.gguf"))
     assert one == 8 and window >= 16, (one, window)

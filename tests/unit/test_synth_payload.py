@@ -1,4 +1,4 @@
-"""bench/synth_model.py's random blocks are zero-mean like trained weights, per (sub-)block and not
+"""bench/synth_payload.py's random blocks are zero-mean like trained weights, per (sub-)block and not
 only on average: a shared mean puts every hidden state on one direction and a mixture's router
 then picks the same experts for every token. Planted, the old draw (a K-quant's dmin in d's
 positive range, its min codes random; Q4_0's d always positive) and a dmin right only on average
@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K
 
-import specserve.bench.synth_model as sm
+import specserve.bench.synth_payload as sm
 from specserve.models.gguf_file import TensorInfo
 
 BLOCK_TYPES = [*sm.BLOCK_SCALES, *sm.E8M0_SCALES]
