@@ -4,27 +4,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specserve import envs
+from specserve.args_checks import (
+    CPU_ACTIVATIONS,
+    DTYPES,
+    SCHEDULE_POLICIES,
+    SPEC_ALGORITHMS,
+    SPEC_POLICIES,
+    SUFFIX_SCOPES,
+    VERIFY_MODES,
+    validate_server_args,
+)
+from specserve.args_checks import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE  # re-exported: engine/builder.py
+from specserve.args_checks import MAX_DRAFT_TOKENS as MAX_DRAFT_TOKENS
 from specserve.errors import ConfigError
-from specserve.names import DRAFTERS, LOOKUP_DRAFTERS, MODEL_DRAFTERS, Algorithm
-from specserve.paths import check_writable_dir
+from specserve.names import LOOKUP_DRAFTERS, MODEL_DRAFTERS, Algorithm, SuffixScope
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
-DTYPES = ("auto", "float32", "bfloat16")
-CPU_ACTIVATIONS = ("auto", "bf16", "int8")  # auto: resolved per model file when the engine builds (models/int8_gate.py)
-MAX_DRAFT_TOKENS = 15
-DEFAULT_BLOCK_SIZE = 5
-SPEC_ALGORITHMS = (None, *Algorithm)
-VERIFY_MODES = ("static", "compact")
-SPEC_POLICIES = ("adaptive", "fixed")
 VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_STORAGE_MAX_BYTES = 4 << 30
-MAX_SEED = 2**64 - 1
+DEFAULT_WEIGHT_CACHE_MAX_GIB = 64.0  # fixed, not a disk share: one cap on every machine; a 70B at Q4 or several 7-8B
 
 
 def flag(default: Any, help: str, **metadata: Any) -> Any:
@@ -46,6 +48,11 @@ class ServerArgs:
         choices=("auto", "none"),
     )
     weight_cache: str = flag("auto", "packed weights (and the cost prior) kept for the next start: auto, off or a folder")
+    weight_cache_max_gib: Optional[float] = flag(
+        None,
+        "GiB the weight cache keeps over all models and TP ranks, least recently used evicted first (default: "
+        f"${envs.WEIGHT_CACHE_MAX_GIB}, else {DEFAULT_WEIGHT_CACHE_MAX_GIB:g}: a fixed size, alike on every disk)",
+    )
     cpu_activations: str = flag(
         "auto",
         "activations of the CPU kernels' quantized linears: int8 (rows quantized per 32 columns, integer dot products, "
@@ -104,6 +111,12 @@ class ServerArgs:
     speculative_suffix_max_spec_factor: float = flag(1.0, "SUFFIX: at most this many drafts per matched token")
     speculative_suffix_min_token_prob: float = flag(0.1, "SUFFIX: a draft's least share of the matched occurrences")
     speculative_suffix_cache_tokens: int = flag(1 << 20, "SUFFIX: finished outputs' tokens kept, oldest evicted first")
+    speculative_suffix_scope: str = flag(
+        SuffixScope.GLOBAL.value,
+        "SUFFIX: global: a greedy request also drafts from earlier requests' outputs (one operator's server); "
+        "request: from its own prompt and output only, no outputs kept (tenants whose timing must not leak)",
+        choices=SUFFIX_SCOPES,
+    )
     speculative_cost_table_path: Optional[str] = flag(
         None, "JSON step-cost table to start the adaptive policy from instead of the start-up warm-up (StepCostModel.save)"
     )
@@ -241,151 +254,6 @@ class ServerArgs:
 def _cli_type(annotation: Any) -> type:
     text = str(annotation)
     return int if "int" in text else float if "float" in text else str
-
-
-def validate_server_args(args: ServerArgs) -> None:
-    """Raise ValueError naming the field and its allowed range (one line: the CLI prints it as is)."""
-    _check_types(args)
-    _check_choices(args)
-    _check_sizes(args)
-    _check_speculative(args)
-    if args.chat_template is not None and not os.path.isfile(args.chat_template):
-        raise ConfigError(f"chat_template: {args.chat_template!r} is not a file")
-    _check_hicache(args)
-    _check_distributed(args)
-
-
-def _check_types(args: ServerArgs) -> None:
-    """Every field holds its annotated type: a wrong type fails here, not deep inside a step."""
-    for f in dataclasses.fields(args):
-        value, text = getattr(args, f.name), str(f.type)
-        if value is None and "Optional" in text:
-            continue
-        if text == "bool":
-            ok, kind = isinstance(value, bool), "true or false"
-        elif "int" in text:
-            ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        elif "float" in text:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            kind = "a finite number"
-        else:
-            ok, kind = isinstance(value, str), "a string"
-        if not ok:
-            raise ConfigError(f"{f.name} must be {kind}, got {value!r}")
-
-
-def _check_choices(args: ServerArgs) -> None:
-    if args.dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {DTYPES}, got {args.dtype!r}")
-    if args.cpu_activations not in CPU_ACTIVATIONS:
-        raise ConfigError(f"cpu_activations must be one of {CPU_ACTIVATIONS}, got {args.cpu_activations!r}")
-    if args.quantization not in ("auto", "none"):
-        raise ConfigError(f"quantization must be 'auto' or 'none', got {args.quantization!r}")
-    if args.schedule_policy not in SCHEDULE_POLICIES:
-        raise ConfigError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
-    if args.log_level.lower() not in LOG_LEVELS:
-        raise ConfigError(f"log_level must be one of {LOG_LEVELS}, got {args.log_level!r}")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {args.device!r}")
-
-
-def _at_least(name: str, value: Optional[int | float], low: int | float) -> None:
-    if value is not None and value < low:
-        raise ConfigError(f"{name} must be >= {low}, got {value}")
-
-
-def _check_sizes(args: ServerArgs) -> None:
-    if args.mem_fraction_static is not None and not 0.0 < args.mem_fraction_static <= 0.95:
-        raise ConfigError(f"mem_fraction_static must be in (0, 0.95], got {args.mem_fraction_static}")
-    _at_least("max_total_tokens", args.max_total_tokens, 16)
-    _at_least("max_running_requests", args.max_running_requests, 1)
-    _at_least("cuda_graph_max_bs", args.cuda_graph_max_bs, 1)
-    _at_least("max_prefill_tokens", args.max_prefill_tokens, 1)
-    _at_least("context_length", args.context_length, 2)
-    _at_least("num_threads", args.num_threads, 1)
-    if not 0 <= args.random_seed <= MAX_SEED:
-        raise ConfigError(f"random_seed must be in [0, 2^64), got {args.random_seed}")
-
-
-def _check_speculative(args: ServerArgs) -> None:
-    if args.speculative_algorithm not in SPEC_ALGORITHMS:
-        raise ConfigError(
-            f"speculative_algorithm must be one of {', '.join(map(str, DRAFTERS))}, NONE, got {args.speculative_algorithm!r}"
-        )
-    _at_least("speculative_suffix_max_tree_depth", args.speculative_suffix_max_tree_depth, 2)
-    _at_least("speculative_suffix_cache_tokens", args.speculative_suffix_cache_tokens, 0)
-    if not (args.speculative_suffix_max_spec_factor > 0 and 0 <= args.speculative_suffix_min_token_prob <= 1):
-        raise ConfigError("speculative_suffix_max_spec_factor must be > 0 and speculative_suffix_min_token_prob in [0, 1]")
-    gamma = args.speculative_dspark_block_size
-    if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
-        raise ConfigError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
-    if args.speculative_algorithm == Algorithm.DSPARK and not args.speculative_draft_model_path:
-        raise ConfigError(
-            "speculative_draft_model_path: DSPARK needs a drafter directory "
-            "(make a random one with `specserve init-drafter --out DIR`)"
-        )
-    if args.speculative_algorithm == Algorithm.STANDALONE and not args.speculative_draft_model_path:
-        raise ConfigError("speculative_draft_model_path: STANDALONE needs a GGUF with the target's vocabulary")
-    if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
-        raise ConfigError(
-            f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got {args.speculative_dspark_verify_mode!r}"
-        )
-    _at_least("speculative_disable_batch_size", args.speculative_disable_batch_size, 0)
-    _at_least("speculative_explore_interval", args.speculative_explore_interval, 0)
-    if not 0.0 <= args.speculative_min_gain <= 1.0:
-        raise ConfigError(f"speculative_min_gain must be in [0, 1], got {args.speculative_min_gain}")
-    if args.speculative_policy not in SPEC_POLICIES:
-        raise ConfigError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
-    if args.speculating and args.speculative_policy == "adaptive":
-        if args.speculative_dspark_verify_mode == "compact":
-            raise ConfigError(
-                "speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
-                "fixed; the adaptive policy chooses every window's length itself"
-            )
-        unknown = set(args.policy_drafters()) - set(DRAFTERS)
-        if unknown or not args.policy_drafters():
-            raise ConfigError(
-                f"speculative_policy_drafters: a comma-separated subset of {','.join(DRAFTERS)}, got "
-                f"{args.speculative_policy_drafters!r}"
-            )
-        for name in sorted(set(MODEL_DRAFTERS) & set(args.policy_drafters()) - {args.speculative_algorithm}):
-            raise ConfigError(f"speculative_policy_drafters: {name} needs --speculative-algorithm {name} (its model)")
-
-
-def _check_hicache(args: ServerArgs) -> None:
-    _at_least("hicache_storage_max_bytes", args.hicache_storage_max_bytes, 1)
-    if args.hicache_storage_backend not in (None, "file"):
-        raise ConfigError(f"hicache_storage_backend must be 'file', got {args.hicache_storage_backend!r}")
-    if not args.enable_hierarchical_cache:
-        if args.hicache_storage_backend:
-            raise ConfigError("hicache_storage_backend: the file tier needs --enable-hierarchical-cache")
-        return
-    if args.disable_radix_cache:
-        raise ConfigError("enable_hierarchical_cache: needs the radix cache (drop --disable-radix-cache)")
-    if args.hicache_ratio <= 0 or (args.hicache_size is not None and args.hicache_size < 1):
-        raise ConfigError("hicache_ratio must be > 0 and hicache_size >= 1")
-    if args.hicache_write_policy not in ("write_through", "write_through_selective", "write_back"):
-        raise ConfigError(f"hicache_write_policy: unknown policy {args.hicache_write_policy!r}")
-    if args.hicache_storage_backend == "file":
-        if not args.hicache_storage_dir:
-            raise ConfigError("hicache_storage_dir: required with --hicache-storage-backend file")
-        check_writable_dir("hicache_storage_dir", args.hicache_storage_dir)
-
-
-def _check_distributed(args: ServerArgs) -> None:
-    _at_least("tp_size", args.tp_size, 1)
-    if args.nnodes < 1 or args.tp_size % args.nnodes:
-        raise ConfigError(f"nnodes must be >= 1 and divide tp_size={args.tp_size}, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"node_rank must be in [0, {args.nnodes}), got {args.node_rank}")
-    if args.nnodes > 1 and not args.dist_init_addr:
-        raise ConfigError("dist_init_addr: required with nnodes > 1 (host:port of node 0)")
-    if args.dist_init_addr is not None:
-        host, _, port = args.dist_init_addr.rpartition(":")
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ConfigError(f"dist_init_addr must be host:port with a port in [1, 65535], got {args.dist_init_addr!r}")
-    if args.collective_timeout <= 0:
-        raise ConfigError(f"collective_timeout must be > 0 seconds, got {args.collective_timeout}")
 
 
 def number_list(flag: str, text: str, kind: type = int) -> list:

@@ -276,7 +276,7 @@ def _generate(ns: argparse.Namespace, args: ServerArgs) -> int:
 
 
 def _init_drafter(ns: argparse.Namespace) -> int:
-    from specserve.args import MAX_DRAFT_TOKENS
+    from specserve.args_checks import MAX_DRAFT_TOKENS
     from specserve.models.dspark import DsparkConfig
     from specserve.models.dspark_checkpoint import init_drafter, save_drafter
     from specserve.models.loader import load_model_config

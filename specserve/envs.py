@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -28,6 +29,20 @@ def env_int(name: str, default: int = 0, minimum: int = 0) -> int:
         raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def env_optional_float(name: str, minimum: float = 0.0) -> Optional[float]:
+    """A finite number >= minimum; None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(f"{name} must be a finite number >= {minimum:g}, got {raw!r}")
     return value
 
 
@@ -67,6 +82,7 @@ FAULT_SKIP_COLLECTIVE = "SPECSERVE_FAULT_SKIP_COLLECTIVE"  # test hook "SITE:RAN
 CPU_KERNEL_PATH = "SPECSERVE_CPU_KERNEL_PATH"  # force a CPU kernel path: generic or avx512_bf16
 KERNEL_CACHE_DIR = "SPECSERVE_KERNEL_CACHE_DIR"  # where the C++ kernels are built (default ~/.cache/specserve)
 WEIGHT_CACHE_DIR = "SPECSERVE_WEIGHT_CACHE_DIR"  # --weight-cache auto: where (default ~/.cache/specserve/packed)
+WEIGHT_CACHE_MAX_GIB = "SPECSERVE_WEIGHT_CACHE_MAX_GIB"  # --weight-cache-max-gib unset: the cap (else args.py's default)
 PREFETCH_BYTES = "SPECSERVE_PREFETCH_BYTES"  # read by the C++ kernels at load: prefetch distance (16384; 0: off)
 
 

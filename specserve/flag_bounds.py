@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from specserve.args import MAX_DRAFT_TOKENS, MAX_SEED
+from specserve.args_checks import MAX_DRAFT_TOKENS, MAX_SEED
 from specserve.errors import ConfigError
 from specserve.server.heartbeat import HEARTBEAT_S
 

@@ -1,6 +1,7 @@
-"""The engine's closed sets of names, as types: step modes and speculative algorithms (drafters).
+"""The engine's closed sets of names, as types: step modes, speculative algorithms (drafters) and
+SUFFIX's draft scopes.
 
-Both are `str` enums, so a member equals its string (flags, JSON, metrics labels stay strings) while
+All are `str` enums, so a member equals its string (flags, JSON, metrics labels stay strings) while
 the code compares and passes members, never literals."""
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class Algorithm(_Name):
     DSPARK = "DSPARK"
     SUFFIX = "SUFFIX"
     STANDALONE = "STANDALONE"
+
+
+class SuffixScope(_Name):
+    """Whose tokens a SUFFIX draft may come from: GLOBAL, also the outputs of earlier requests (kept
+    in an index every request reads); REQUEST, only the request's own prompt and output."""
+
+    GLOBAL = "global"
+    REQUEST = "request"
 
 
 DRAFTERS = (Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX, Algorithm.STANDALONE)  # the algorithms that draft

@@ -162,7 +162,7 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 def run_models_bench(ns: argparse.Namespace) -> int:
     from specserve.bench.llamacpp import BATCH1_RUNS
     from specserve.bench.provenance import emit_report, provenance
-    from specserve.args import CPU_ACTIVATIONS
+    from specserve.args_checks import CPU_ACTIVATIONS
     from specserve.models.int8_gate import resolve_cpu_activations
     from specserve.models.loader import resolve_model_path
 

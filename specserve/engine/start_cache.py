@@ -1,5 +1,6 @@
-"""What a start keeps for the next one: where (`--weight-cache`), and the speculation cost model's
-prior as an earlier start timed it, kept beside the packed weights (models/packed_cache.py).
+"""What a start keeps for the next one: where (`--weight-cache`), how much (`--weight-cache-max-gib`),
+and the speculation cost model's prior as an earlier start timed it, kept beside the packed weights
+(models/packed_cache.py).
 
 Timing the prior (executor/warmup.py: a dozen synthetic steps) costs seconds per start on a large
 model, and it depends only on the model file, the packing code, the engine's flags and the machine.
@@ -20,7 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from specserve import envs
-from specserve.args import ServerArgs
+from specserve.args import DEFAULT_WEIGHT_CACHE_MAX_GIB, ServerArgs
+from specserve.engine.memory import GIB
 from specserve.executor import warmup
 from specserve.executor.faulty_runner import ModelRunner
 from specserve.executor.warmup import measure_cost_prior
@@ -115,7 +117,35 @@ def weight_cache(
     directory = cache_directory(args.weight_cache)
     if directory is None or not codes or not packs_codes or not path.endswith(".gguf"):
         return None
-    return PackedWeightCache(directory, path, tp.rank, tp.size, dtype)
+    return PackedWeightCache(directory, path, tp.rank, tp.size, dtype, weight_cache_max_bytes(args))
+
+
+def weight_cache_max_bytes(args: ServerArgs) -> int:
+    """The cap on the cache folder's packed weights: `--weight-cache-max-gib`, else
+    SPECSERVE_WEIGHT_CACHE_MAX_GIB, else the default (args.py says why that size)."""
+    gib = args.weight_cache_max_gib
+    if gib is None:
+        gib = envs.env_optional_float(envs.WEIGHT_CACHE_MAX_GIB)
+    return int((DEFAULT_WEIGHT_CACHE_MAX_GIB if gib is None else gib) * GIB)
+
+
+def weight_cache_report(args: ServerArgs, cache: Optional[PackedWeightCache]) -> dict[str, Any]:
+    """What the start-up block says of this rank's packed-weight cache (server/startup.py): its
+    state (off, mapped, writing, not kept), entry path, bytes, the cap, and why it keeps none."""
+    if cache_directory(args.weight_cache) is None:
+        switch = "--weight-cache off" if args.weight_cache == "off" else f"{envs.WEIGHT_CACHE_DIR}=off"
+        return {"state": "off", "reason": switch}
+    if cache is None or cache.outcome is None:  # weight_cache() above made none for this model
+        why = "only a GGUF's quantized weights packed for the CPU kernels are kept"
+        return {"state": "not kept", "reason": why}
+    outcome = cache.outcome
+    return {
+        "state": outcome.state,
+        "path": cache.path,
+        "bytes": outcome.nbytes,
+        "max_bytes": cache.max_bytes,
+        "reason": outcome.reason,
+    }
 
 
 def cost_prior(args: ServerArgs, model_path: str, timing_runner: Callable[[], ModelRunner], gamma: int) -> list[float]:

@@ -8,8 +8,10 @@ key maps that file (`torch.load(mmap=True)`: the pages come from the page cache,
 and skips the GGUF's codes entirely. The key holds what decides the packed bytes: the model file
 (real path, size, modification time), the packing sources (the kernel build's fingerprint and the
 Python of models/ and kernels/), the TP shape and the dtype. A file that does not match, or does not read, is
-repacked and written again; a disk without room keeps no cache (logged). Results are bitwise those
-of packing (tests/integration/test_packed_cache.py)."""
+repacked and written again. Before a write the least recently used entries of other models are
+evicted to keep the folder under its cap (`--weight-cache-max-gib`: models/packed_cache_cap.py); a
+model whose packed weights alone pass the cap, or a disk without room, keeps no cache (one line
+says so). Results are bitwise those of packing (tests/integration/test_packed_cache.py)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,22 @@ import logging
 import os
 import shutil
 import threading
+import weakref
 from functools import lru_cache
 from typing import Any, Optional
 
 import torch
 
 from specserve.kernels.linear import PackedLinear
+from specserve.models.packed_cache_cap import (
+    CacheOutcome,
+    cache_entries,
+    describe_bytes,
+    entries_to_evict,
+    evict,
+    mark_used,
+    notice_level,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +46,8 @@ CACHE_FORMAT = 1  # bump when what a cache file holds changes shape
 HEADROOM_BYTES = 1 << 30  # a cache is written only if the disk keeps this much free after it
 # The Python half of packing: every module of these packages may change the packed bytes.
 _PACKING_PACKAGES = ("models", "kernels")
+# The caches whose entry this process has mapped (while their model lives): never evicted by it.
+_MAPPED: weakref.WeakSet[PackedWeightCache] = weakref.WeakSet()
 
 
 @lru_cache(maxsize=1)
@@ -67,9 +81,9 @@ def kernel_machine() -> str:
 
 class PackedWeightCache:
     """One model file's packed linears on disk, for one TP rank and dtype: `load()` them (mapped) or
-    `save()` them after packing."""
+    `save()` them after packing, the folder's entries together kept under `max_bytes`."""
 
-    def __init__(self, directory: str, model_path: str, tp_rank: int, tp_size: int, dtype: torch.dtype):
+    def __init__(self, directory: str, model_path: str, tp_rank: int, tp_size: int, dtype: torch.dtype, max_bytes: int):
         real, size, mtime_ns = file_identity(model_path)
         self.identity = {"format": CACHE_FORMAT, "path": real, "size": size, "mtime_ns": mtime_ns,
                          "packing": packing_fingerprint(), "tp": [tp_rank, tp_size], "dtype": str(dtype)}  # fmt: skip
@@ -80,6 +94,8 @@ class PackedWeightCache:
         )
         self.directory = directory
         self.path = f"{self._prefix}-{key}.pt"
+        self.max_bytes = max_bytes
+        self.outcome: Optional[CacheOutcome] = None  # mapped, writing or not kept (the start-up block)
         self._writer: Optional[threading.Thread] = None  # a background save (save_in_background)
         self._pending: Optional[dict[str, PackedLinear]] = None  # kept by save_later
 
@@ -96,6 +112,9 @@ class PackedWeightCache:
             logger.warning("packed-weight cache %s unreadable (%s): packing from the model file", self.path, exc)
             return None
         logger.info("packed weights mapped from %s", self.path)
+        mark_used(self.path)  # the cap evicts the least recently used entries first
+        _MAPPED.add(self)
+        self.outcome = CacheOutcome("mapped", packed_bytes(kernels))
         return kernels
 
     def save_later(self, kernels: dict[str, PackedLinear]) -> None:
@@ -105,13 +124,14 @@ class PackedWeightCache:
         self._pending = kernels
 
     def save_in_background(self, kernels: Optional[dict[str, PackedLinear]] = None) -> None:
-        """save() (of `kernels`, else of those save_later() kept; a no-op without any) on a thread
-        of its own: the engine serves meanwhile (the kernels only read the tensors it writes out);
-        finish() waits for it, as does the interpreter's exit."""
+        """save() (of `kernels`, else of those save_later() kept; a no-op without any): whether it
+        is kept, and the evictions that make room, now; the write on a thread of its own, while the
+        engine serves (the kernels only read the tensors it writes out); finish() waits for it, as
+        does the interpreter's exit."""
         kernels, self._pending = kernels if kernels is not None else self._pending, None
-        if kernels is None or self._writer is not None:
+        if kernels is None or self._writer is not None or not self._make_room(kernels):
             return
-        self._writer = threading.Thread(target=self._save_logged, args=(kernels,), name="packed-weight-cache")
+        self._writer = threading.Thread(target=self._write_logged, args=(kernels,), name="packed-weight-cache")
         self._writer.start()
 
     def finish(self) -> None:
@@ -119,20 +139,51 @@ class PackedWeightCache:
         if self._writer is not None:
             self._writer.join()
 
-    def _save_logged(self, kernels: dict[str, PackedLinear]) -> None:
+    def _write_logged(self, kernels: dict[str, PackedLinear]) -> None:
         try:
-            self.save(kernels)
+            self._write(kernels)
         except Exception as exc:  # a full or read-only disk (torch reports some as RuntimeError): the
             # engine runs on and the next start packs again
             logger.warning("packed-weight cache %s not written: %s", self.path, exc)
+            self.outcome = CacheOutcome("not kept", packed_bytes(kernels), f"not written: {exc}")
 
     def save(self, kernels: dict[str, PackedLinear]) -> None:
-        """Write the kernels (atomically, replacing this model's older entries) if the disk has room."""
-        size = sum(k.nbytes() for k in kernels.values())
+        """Write the kernels (atomically, replacing this model's older entries) if they fit: under
+        the cap once older entries are evicted, and on the disk."""
+        if self._make_room(kernels):
+            self._write(kernels)
+
+    def _make_room(self, kernels: dict[str, PackedLinear]) -> bool:
+        """Evict what the cap needs for these kernels and say "writing"; or evict nothing, say why
+        the entry is not kept (one line) and return False. Decided before the write starts, so the
+        start-up block reads the outcome."""
+        size = packed_bytes(kernels)
         os.makedirs(self.directory, exist_ok=True)
-        if shutil.disk_usage(self.directory).free < size + HEADROOM_BYTES:
-            logger.warning("packed-weight cache: %s has no room for %.0f MiB; not kept", self.directory, size / 2**20)
-            return
+        # This model's own entries (older keys) are replaced by the write, not kept beside it.
+        others = [e for e in cache_entries(self.directory) if not e.path.startswith(f"{self._prefix}-")]
+        evicted = entries_to_evict(others, size, self.max_bytes, keep={c.path for c in list(_MAPPED)})
+        freed = sum(e.nbytes for e in evicted or [])
+        reason = self._refusal(size, evicted is not None, shutil.disk_usage(self.directory).free + freed)
+        if reason is not None:
+            logger.log(notice_level(logger), "packed-weight cache: %s; not kept", reason)
+            self.outcome = CacheOutcome("not kept", size, reason)
+            return False
+        evict(evicted or [], self.max_bytes)
+        self.outcome = CacheOutcome("writing", size)
+        return True
+
+    def _refusal(self, size: int, fits_beside_mapped: bool, free_after_eviction: int) -> Optional[str]:
+        """Why an entry of `size` bytes is not written, or None."""
+        wanted, cap = describe_bytes(size), describe_bytes(self.max_bytes)
+        if size > self.max_bytes:
+            return f"{wanted} of packed weights is over the {cap} cap (--weight-cache-max-gib)"
+        if not fits_beside_mapped:
+            return f"the entries this process maps leave no room for {wanted} under the {cap} cap"
+        if free_after_eviction < size + HEADROOM_BYTES:
+            return f"{self.directory} has no room for {wanted} (and {describe_bytes(HEADROOM_BYTES)} to spare)"
+        return None
+
+    def _write(self, kernels: dict[str, PackedLinear]) -> None:
         blob: dict[str, Any] = {"identity": self.identity, "kernels": {n: _fields(k) for n, k in kernels.items()}}
         temporary = f"{self.path}.{os.getpid()}.tmp"
         try:
@@ -148,7 +199,12 @@ class PackedWeightCache:
                 os.remove(path)
             except FileNotFoundError:
                 pass  # another process removed it first
-        logger.info("packed weights kept in %s (%.0f MiB) for the next start", self.path, size / 2**20)
+        size = describe_bytes(packed_bytes(kernels))
+        logger.log(notice_level(logger), "packed weights kept in %s (%s) for the next start", self.path, size)
+
+
+def packed_bytes(kernels: dict[str, PackedLinear]) -> int:
+    return sum(k.nbytes() for k in kernels.values())
 
 
 def _fields(kernel: PackedLinear) -> dict[str, Any]:

@@ -117,6 +117,7 @@ def _ready_info(engine) -> dict[str, Any]:
     """What the HTTP side logs at start-up (server/startup.py) and serves in /server_info."""
     import torch
 
+    from specserve.engine.start_cache import weight_cache_report
     from specserve.models.loader import resolve_model_path
     from specserve.models.summary import cpu_kernel_path, quantized_linears
 
@@ -141,6 +142,7 @@ def _ready_info(engine) -> dict[str, Any]:
         "speculative_policy": args.speculative_policy if args.speculating else None,
         "speculative_drafters": list(args.policy_drafters()) if args.speculating else [],
         "speculative_draft_model_path": args.speculative_draft_model_path,
+        "weight_cache": weight_cache_report(args, getattr(engine.runner.model, "weight_cache", None)),  # rank 0's
     }
 
 

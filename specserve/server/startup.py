@@ -1,5 +1,5 @@
-"""What `specserve serve` says when it starts: one short block (model, compute, KV cache,
-speculation, address) once the engine is up, then one "ready" line once the server answers, as
+"""What `specserve serve` says when it starts: one short block (model, compute, KV cache, weight
+cache, speculation, address) once the engine is up, then one "ready" line once the server answers, as
 SGLang's and llama.cpp's servers do. Logged at INFO (the default for `serve`; `--log-level
 warning` quiets them)."""
 
@@ -12,6 +12,7 @@ import time
 import urllib.request
 from typing import Any
 
+from specserve.models.packed_cache_cap import describe_bytes
 from specserve.models.summary import describe_parameters
 from specserve.names import MODEL_DRAFTERS
 
@@ -34,11 +35,26 @@ def startup_block(name: str, info: dict[str, Any], url: str, seconds: float) -> 
         f"  compute      {info['dtype']} on {info['device']}, {kernels}, {info['threads']} threads, TP {info['tp_size']}",
         f"  KV cache     {info['kv_total_tokens']:,} tokens; context {info['context_length']:,}; "
         f"up to {info['max_running_requests']} running requests",
+        f"  weight cache {_weight_cache(info['weight_cache'], info['tp_size'])}",
         f"  speculation  {_speculation(info)}",
         f"  engine       pid {info['pid']}, up after {seconds:.1f} s",
         f"  address      {url} (OpenAI API under /v1; /health, /metrics)",
     ]
     return "\n".join(lines)
+
+
+def _weight_cache(cache: dict[str, Any], tp_size: int) -> str:
+    """Off, reused (mapped), writing (where and how much), or not kept and why (engine/start_cache.py)."""
+    if cache["state"] == "off":
+        return f"off ({cache['reason']})"
+    if cache["state"] == "not kept":
+        return f"not kept: {cache['reason']}"
+    ranks = f"; each of the {tp_size} TP ranks keeps its own" if tp_size > 1 else ""
+    size = describe_bytes(cache["bytes"])
+    if cache["state"] == "mapped":
+        return f"reused: {cache['path']} ({size}) mapped, nothing written{ranks}"
+    cap = describe_bytes(cache["max_bytes"])
+    return f"writing {size} to {cache['path']} (cap {cap} over all models, least recently used evicted first){ranks}"
 
 
 def _speculation(info: dict[str, Any]) -> str:

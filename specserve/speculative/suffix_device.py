@@ -62,7 +62,7 @@ class DeviceDraft:
 
 @dataclass(frozen=True)
 class WalkLimits:
-    """The SUFFIX flags the walk obeys (SuffixConfig's, less the global budget)."""
+    """The SUFFIX flags the walk obeys (SuffixConfig's, less the global budget and scope)."""
 
     max_depth: int
     spec_factor: float

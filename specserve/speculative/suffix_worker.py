@@ -12,6 +12,10 @@ commit order, which every tensor-parallel rank sees alike (a slot's output enter
 when the slot's next request starts), so the ranks' indexes and drafts agree without a collective;
 the adaptive plan that uses them is rank 0's (speculative/adaptive.py).
 
+The global index is shared by every request, so under `scope="request"` it is neither fed nor
+read: a greedy request's speed (its accepted drafts) would otherwise reveal whether another
+tenant's earlier output continued its text (docs/server.md, Security).
+
 With a token table the drafts can be computed on the device instead (`drafts_on_device`, CUDA's
 choice: speculative/suffix_device.py), the same walk over the same tokens (the earlier outputs
 as of two launches back), so a launch never waits for the last step's tokens; the host indexes
@@ -28,7 +32,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.kv.pool import KVPool
-from specserve.names import Algorithm
+from specserve.names import Algorithm, SuffixScope
 from specserve.runtime.staging import staged
 from specserve.speculative.suffix_device import DeviceDraft, DeviceSegments, WalkLimits, walk
 from specserve.speculative.suffix_index import SuffixDraft, SuffixIndex
@@ -41,19 +45,30 @@ MATCH_BUCKETS = (2, 4, 8, 16)
 
 # ServerArgs' fields of SuffixConfig's, in its order
 SUFFIX_FLAGS = tuple(
-    f"speculative_suffix_{n}" for n in ("max_tree_depth", "max_spec_factor", "min_token_prob", "cache_tokens")
+    f"speculative_suffix_{n}" for n in ("max_tree_depth", "max_spec_factor", "min_token_prob", "cache_tokens", "scope")
 )
 
 
 @dataclass
 class SuffixConfig:
     """The SUFFIX flags (SGLang/vLLM names; ServerArgs checks their ranges): tree depth, spec
-    factor, token floor, the global index's budget."""
+    factor, token floor, the global index's budget, and whose tokens a draft may come from."""
 
     max_depth: int = 24
     spec_factor: float = 1.0
     min_prob: float = 0.1
     cache_tokens: int = 1 << 20
+    scope: str = SuffixScope.GLOBAL
+
+    def __post_init__(self) -> None:
+        scopes = tuple(s.value for s in SuffixScope)
+        if self.scope not in scopes:  # a typo must not quietly share outputs between requests
+            raise ConfigError(f"speculative_suffix_scope must be one of {scopes}, got {self.scope!r}")
+
+    @property
+    def shares_outputs(self) -> bool:
+        """Whether finished outputs are kept in the global index and drafted from."""
+        return self.scope == SuffixScope.GLOBAL
 
     @staticmethod
     def of(args: object) -> "SuffixConfig":
@@ -131,7 +146,7 @@ class SuffixWorker:
         cfg = self.config
         context = slot.index.tokens[-cfg.max_depth - 1 :]
         best = slot.index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
-        if use_global:
+        if use_global and cfg.shares_outputs:
             past = self.global_index.draft(context, gamma, cfg.min_prob, cfg.spec_factor)
             best = past if past.score > best.score else best
         slot.draft = (*key, best)
@@ -167,6 +182,8 @@ class SuffixWorker:
         if inp.launch is not None:
             self._last_launch = max(self._last_launch, inp.launch)
         best = walk(own, inp.prefix_lens + 1, own, inp.prefix_lens, inp.gamma, limits)
+        if not cfg.shares_outputs:
+            return best
         past_tokens = self.segments.held(inp.launch)  # applies the host's changes due by this launch
         greedy = [p.is_greedy for p in inp.params]
         if past_tokens.shape[0] < 2 or not any(greedy):
@@ -197,7 +214,7 @@ class SuffixWorker:
         """The slot's previous request's output into the global index (within its budget), and
         the same change told to the device segments."""
         slot = self.slots.pop(row, None)
-        if slot is None or self.config.cache_tokens == 0:
+        if slot is None or self.config.cache_tokens == 0 or not self.config.shares_outputs:
             return
         output = slot.output()[-self.config.cache_tokens :]
         if len(output) < 2:

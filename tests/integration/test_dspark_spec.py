@@ -18,7 +18,7 @@ import torch
 from helpers import chat_prompts, policy_args
 
 from specserve import Engine
-from specserve.args import MAX_DRAFT_TOKENS
+from specserve.args_checks import MAX_DRAFT_TOKENS
 from specserve.models.dspark_checkpoint import read_drafter_config
 from specserve.scheduler.loops import NormalLoop
 

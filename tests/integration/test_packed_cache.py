@@ -14,8 +14,11 @@ from tiny_gguf import TinySpec, write_tiny_gguf
 
 import specserve.models.loader as loader
 import specserve.models.packed_cache as packed_cache
+from specserve.args import ServerArgs
 from specserve.engine import Engine
+from specserve.engine.start_cache import weight_cache_max_bytes
 from specserve.models.backend import packed_states
+from specserve.models.packed_cache_cap import describe_bytes
 
 SPEC = TinySpec("qwen2", hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, bias=True)
 TYPES = {n: QType.Q4_K for n in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "token_embd")}
@@ -96,7 +99,7 @@ def test_a_torn_cache_file_is_repacked_and_replaced(model, tmp_path):
         f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
     assert run(model, folder)[0] == tokens
     assert entries(folder) == [name]
-    cache = packed_cache.PackedWeightCache(folder, model, 0, 1, torch.bfloat16)
+    cache = packed_cache.PackedWeightCache(folder, model, 0, 1, torch.bfloat16, weight_cache_max_bytes(ServerArgs()))
     assert cache.path == os.path.join(folder, name) and cache.load() is not None
 
 
@@ -108,3 +111,16 @@ def test_off_keeps_nothing_and_auto_uses_the_configured_folder(model, tmp_path, 
     assert entries(str(tmp_path / "auto")) == []
     run(model, "auto")
     assert len(entries(str(tmp_path / "auto"))) == 1
+
+
+def test_an_offline_first_start_says_in_one_line_it_sees_by_default_where_and_how_much_it_wrote(model, tmp_path, caplog):
+    caplog.set_level(ServerArgs().log_level.upper())  # the offline Engine's default level (engine.py's basicConfig)
+    folder = str(tmp_path / "cache")
+    _, packed = run(model, folder)
+    (name,) = entries(folder)
+    size = sum(t.numel() * t.element_size() for tensors in packed.values() for t in tensors.values())
+    shown = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert shown == [("WARNING", f"packed weights kept in {os.path.join(folder, name)} ({describe_bytes(size)}) for the next start")]
+    caplog.clear()
+    run(model, folder)
+    assert caplog.records == []  # a restart maps it: nothing to say at that level

@@ -39,3 +39,19 @@ def test_a_repeated_task_drafts_from_past_outputs(fp32_engine, prompts, referenc
     # committed past the length limit (the forward stream commits them; the scheduler cuts the reply)
     held = suffix.global_index.tokens[:-1]
     assert held[: len(first["output_ids"])] == first["output_ids"] and len(held) <= len(first["output_ids"]) + 5
+
+
+def test_a_request_scoped_engine_never_drafts_from_past_outputs(fp32_engine, prompts, reference):
+    """The same request again under --speculative-suffix-scope request: its drafts come from its own
+    tokens only, so it accepts exactly as many as the first run (above, under the default global
+    scope, the second run accepts more), and no output is kept."""
+    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_dspark_block_size=5,
+                  speculative_suffix_scope="request", **FIXED)
+    first = spec.generate(input_ids=prompts[5], sampling_params=GREEDY)
+    spec.scheduler.ledger.tree.reset()
+    second = spec.generate(input_ids=prompts[5], sampling_params=GREEDY)
+    assert first["output_ids"] == second["output_ids"] == reference[5]
+    first_hits, second_hits = (o["meta_info"].get("spec_num_correct_drafts", 0) for o in (first, second))
+    assert second_hits == first_hits, (first_hits, second_hits)
+    suffix = spec.runner.speculation.worker("SUFFIX")
+    assert not suffix.config.shares_outputs and len(suffix.global_index) == 0

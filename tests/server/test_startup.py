@@ -32,6 +32,7 @@ def test_default_serve_logs_the_block_and_ready_and_exits_cleanly(tmp_path):
         compute = r"compute +bfloat16 on cpu, (avx512_bf16|avx2_fma|generic) kernels, bf16 activations, \d+ threads, TP 1"
         assert re.search(compute, block)  # the default file failed the int8 gate (models/int8_gate.py)
         assert re.search(r"KV cache +[\d,]+ tokens; context 8,192", block)
+        assert "  weight cache off (SPECSERVE_WEIGHT_CACHE_DIR=off)" in block  # the test suite's setting (conftest.py)
         assert re.search(r"speculation +adaptive policy over DSPARK \(smollm2-135m-instruct\), NGRAM", block)
         assert f"address      {srv.url} (OpenAI API under /v1" in block
         assert log.index("serving ") < log.index("ready: "), "the ready line comes after the block"

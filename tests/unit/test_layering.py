@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "sampling_params": {"errors"},
     "paths": {"errors"},
-    "args": {"names", "assets", "envs", "errors", "paths"},
+    "args_checks": {"names", "errors", "paths"},
+    "args": {"names", "assets", "envs", "errors", "paths", "args_checks"},
     "datasets": {"errors"},
     "sampler": {"sampling_params", "runtime"},
     "logits": {"sampling_params", "runtime", "errors"},
@@ -46,15 +47,15 @@ ALLOWED: dict[str, set[str]] = {
     "executor": {"names", "speculative", "models", "kv", "runtime", "distributed", "sampler", "sampling_params", "logits",
                  "errors"},
     "scheduler": {"names", "executor", "kv", "sampling_params", "errors", "logits"},
-    "engine": {"names", "scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
+    "engine": {"args_checks", "names", "scheduler", "executor", "speculative", "models", "kv", "runtime", "distributed", "tokenizer",
                "sampler", "sampling_params", "args", "envs", "errors", "logits"},
     "server": {"names", "engine", "tokenizer", "models", "sampling_params", "args", "errors", "logits"},
     "train": {"names", "engine", "models", "kv", "tokenizer", "datasets", "sampler", "sampling_params", "args", "assets",
               "kernels", "errors"},
-    "bench": {"names", "engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
+    "bench": {"args_checks", "names", "engine", "scheduler", "executor", "speculative", "models", "kernels", "kv", "tokenizer", "datasets", "args",
               "sampling_params", "logits", "envs", "errors"},
-    "flag_bounds": {"args", "server", "errors"},  # the heartbeat bound is the server's interval
-    "cli": {"names", "args", "bench", "engine", "models", "sampling_params", "server", "train", "errors", "flag_bounds"},
+    "flag_bounds": {"args_checks", "server", "errors"},  # the heartbeat bound is the server's interval
+    "cli": {"names", "args", "args_checks", "bench", "engine", "models", "sampling_params", "server", "train", "errors", "flag_bounds"},
     "(root)": {"engine", "sampling_params"},  # specserve/__init__.py: the public names
 }
 # The layer the issue names explicitly: models/ holds nn.Modules and what they read, nothing above.
