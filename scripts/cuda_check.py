@@ -37,6 +37,10 @@ import torch  # noqa: E402
 
 FAULT_VARS = ("SPECSERVE_STREAM_SANITIZER", "SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS", "SPECSERVE_FAULT_COPY_LAG_MS",
               "SPECSERVE_FAULT_COPY_DELAY_MS", "SPECSERVE_FAULT_FORWARD_DELAY_MS", "SPECSERVE_HOST_WAITS")
+# Every check the script runs, in its order (the speed checks, one per --speed-models entry, after
+# them); benchmarks/render/cuda.py reads this tuple to say which ones a record never ran.
+CHECKS = ("loops_and_graphs", "sanitizer_silent", "sanitizer_catches_alias", "no_host_waits", "alias_with_late_copies",
+          "hicache_reload", "bf16_consistency", "cpu_agreement")
 TEXTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",
          "List the days of the week, then the months of the year.", "ab ab ab ab ab ab ab ab ab ab",
          "Write a haiku about rain.", "the cat the cat the cat sat", "Name three primary colours.", "x"]
@@ -444,16 +448,18 @@ def main() -> int:
         with setup.engine("NONE", overlap=False, graphs=False) as engine:
             reference = mixed(engine, setup.prompts)
         record["reference_tokens"] = reference
-        plan: list[tuple[str, Callable[[], Any]]] = [
-            ("loops_and_graphs", loops_and_graphs(setup, reference)),
-            ("sanitizer_silent", lambda: sanitizer_silent(setup, reference)),
-            ("sanitizer_catches_alias", lambda: sanitizer_catches_alias(setup)),
-            ("no_host_waits", lambda: no_host_waits(setup)),
-            ("alias_with_late_copies", lambda: alias_with_late_copies(setup, reference)),
-            ("hicache_reload", lambda: hicache_reload(setup)),
-            ("bf16_consistency", lambda: bf16_consistency(setup)),
-            ("cpu_agreement", lambda: cpu_agreement(setup, reference)),
-        ]
+        check_fns: dict[str, Callable[[], Any]] = {
+            "loops_and_graphs": loops_and_graphs(setup, reference),
+            "sanitizer_silent": lambda: sanitizer_silent(setup, reference),
+            "sanitizer_catches_alias": lambda: sanitizer_catches_alias(setup),
+            "no_host_waits": lambda: no_host_waits(setup),
+            "alias_with_late_copies": lambda: alias_with_late_copies(setup, reference),
+            "hicache_reload": lambda: hicache_reload(setup),
+            "bf16_consistency": lambda: bf16_consistency(setup),
+            "cpu_agreement": lambda: cpu_agreement(setup, reference),
+        }
+        assert tuple(check_fns) == CHECKS, "CHECKS names every check, in order"
+        plan: list[tuple[str, Callable[[], Any]]] = list(check_fns.items())
         for size in filter(None, ns.speed_models.split(",")):
             plan.append((f"speed_{size}", lambda size=size: speed(
                 setup if size == "tiny" else Setup(*tiny_model(folder, size), ns.device, setup.prompts), ns.runs)))

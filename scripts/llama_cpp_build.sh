@@ -10,7 +10,7 @@ shift
 mkdir -p "$WORK"
 SRC="$WORK/llama_cpp_python-0.3.36/vendor/llama.cpp"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
-  .venv/bin/python -m pip download -q llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d "$WORK"
+  .venv/bin/python -m pip download -q llama-cpp-python==0.3.36 --no-deps --no-binary llama-cpp-python -d "$WORK"  # its build tools as wheels
   tar xzf "$WORK/llama_cpp_python-0.3.36.tar.gz" -C "$WORK"
 fi
 if [ ! -f "$SRC/build/CMakeCache.txt" ]; then

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import os
 from typing import Any
 
-from benchmarks.render.common import load, provenance, table, versus
+from benchmarks.render.common import REPO, load, provenance, table, versus
 
 CONFIGS = ("overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager")
 
@@ -29,6 +31,16 @@ def _value(checks: dict[str, Any], name: str) -> Any:
     return check["value"] if check and check["ok"] else None
 
 
+def script_checks() -> tuple[str, ...]:
+    """The checks scripts/cuda_check.py runs today (its CHECKS tuple, read without importing torch)."""
+    with open(os.path.join(REPO, "scripts", "cuda_check.py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CHECKS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise ValueError("scripts/cuda_check.py has no CHECKS tuple")
+
+
 def render_cuda_check(results: str) -> str:
     data = load(results, "cuda_check.json")
     checks = data["checks"]
@@ -42,8 +54,11 @@ def render_cuda_check(results: str) -> str:
     bf16 = _value(checks, "bf16_consistency")
     silent, caught = _value(checks, "sanitizer_silent"), _value(checks, "sanitizer_catches_alias")
     machine = {**data, "machine": f"{data['device']}, torch {data['torch']}, CUDA {data['cuda']}"}
+    never = [n for n in script_checks() if n not in checks]
     lines = [f"- {len(passed)} of {len(checks)} checks passed ({', '.join(f'`{n}`' for n in checks)}), "
-             f"failed: {', '.join(data['failed']) or 'none'}."]
+             f"failed: {', '.join(data['failed']) or 'none'}."
+             + (f" Not run on a GPU yet (the script gained them after this record): {', '.join(f'`{n}`' for n in never)}."
+                if never else "")]
     if loops:
         lines.append(f"- Every algorithm under the overlap and the sync loop, with CUDA graphs and eager "
                      f"({len(loops)} engines): the same fp32 output as that algorithm's sync + eager run "

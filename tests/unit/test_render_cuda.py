@@ -24,6 +24,21 @@ def test_failed_and_skipped_checks_are_named_not_rendered(tmp_path):
     assert "| overlap vs sync loop (graphs) |" in text  # the speed table still renders
 
 
+def test_a_check_the_record_never_ran_is_named_as_not_run_on_a_gpu(tmp_path):
+    """A check the script has but the record lacks (the script gained it after the GPU run) is said
+    to be unrun, so no document reads as if it ran; one the record holds is not."""
+    from benchmarks.render.cuda import script_checks
+
+    with open(os.path.join(REPO, "bench_results", "cuda_check.json")) as f:
+        record = json.load(f)
+    assert "no_host_waits" in script_checks() and "loops_and_graphs" in script_checks()
+    record["checks"]["no_host_waits"] = record["checks"]["cpu_agreement"]
+    del record["checks"]["bf16_consistency"]
+    (tmp_path / "cuda_check.json").write_text(json.dumps(record))
+    text = render_cuda_check(str(tmp_path))
+    assert "Not run on a GPU yet (the script gained them after this record): `bf16_consistency`." in text
+
+
 def test_every_speed_check_is_a_column_set_named_by_its_model(tmp_path):
     with open(os.path.join(REPO, "bench_results", "cuda_check.json")) as f:
         record = json.load(f)
