@@ -39,15 +39,26 @@ def _rewind(llm, n_tokens: int) -> None:
     llm._ctx.memory_seq_rm(-1, n_tokens, -1) if hasattr(llm._ctx, "memory_seq_rm") else llm._ctx.kv_cache_seq_rm(-1, n_tokens, -1)
 
 
-def greedy_decode_tok_s(llm, prompt: list[int], new_tokens: int) -> float:
-    """Prompt eval plus `new_tokens` greedy decode steps (argmax of the last logits), as tokens/s."""
+def last_logits(llm) -> np.ndarray:
+    """The logits of the last token evaluated. `Llama.scores` holds them only when the model was
+    opened with logits_all (else its rows stay zero, and an argmax over them decodes token 0 at
+    every step): read them from the context, whose last batch computed the last token's only."""
+    if llm._logits_all:
+        return llm.scores[llm.n_tokens - 1]
+    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+
+
+def greedy_decode_tok_s(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """Prompt eval plus `new_tokens` greedy decode steps (argmax of the last logits): tokens/s, and
+    the tokens decoded (so a caller can see the peer generated text, not a constant)."""
     llm.reset()
     start = time.perf_counter()
     llm.eval(prompt)
+    tokens = []
     for _ in range(new_tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        llm.eval([token])
-    return new_tokens / (time.perf_counter() - start)
+        tokens.append(int(np.argmax(last_logits(llm))))
+        llm.eval(tokens[-1:])
+    return new_tokens / (time.perf_counter() - start), tokens
 
 
 def step_times_ms(llm, prefix: list[int], rows: list[int], repeats: int) -> dict[str, float]:
@@ -83,9 +94,10 @@ def bench_llama_cpp(model_path: str, threads: int, prompt: list[int], new_tokens
 
     llm = open_llama(model_path, threads)
     greedy_decode_tok_s(llm, prompt, 8)  # warm-up
-    runs = [greedy_decode_tok_s(llm, prompt, new_tokens) for _ in range(BATCH1_RUNS)]
+    timed = [greedy_decode_tok_s(llm, prompt, new_tokens) for _ in range(BATCH1_RUNS)]
+    runs = [rate for rate, _ in timed]
     result: dict[str, Any] = {"version": llama_cpp.__version__, "batch1_tok_s": statistics.median(runs),
-                              "batch1_tok_s_runs": runs}
+                              "batch1_tok_s_runs": runs, "batch1_output_ids": timed[0][1]}
     result.update(step_times_ms(llm, prefix, window, repeats))
     result["prefill_tok_s"] = prefill_tok_s(llm, long_prompt, repeats)
     llm.close()
