@@ -1,20 +1,30 @@
-"""`python -m benchmarks startup`: seconds from starting a server to its first answered token, ours
-against native `llama-server` on the same file, in interleaved rounds.
+"""`python -m benchmarks startup`: from starting a server to its first token and to its first
+full-speed token, ours against native `llama-server` on the same file, cold and warm, in
+interleaved rounds.
 
-Each start runs `specserve serve --model-path F` (plus the flags after `--`) or `llama-server -m F
--t THREADS`, on a free loopback port, and records from the moment the process is started: when
-`/health` first answers 200 (ready), when a one-token `/v1/completions` request made right then
-returns (first token), and the resident memory of the server and its children then. Per file: one
-unrecorded llama-server start (the file into the page cache), then specserve's first start with an
-empty weight cache (`--weight-cache` in a temporary folder: it packs the file and keeps the packed
-weights), then interleaved rounds of a specserve restart (mapping them) and a llama-server start.
-Reports the medians [min-max] and the ratio ours / native of the first-token times within each round.
+Each start runs `specserve serve --model-path F --speculative-algorithm NONE` (plus the flags after
+`--`) or `llama-server -m F -t THREADS` (with its warm-up, and with `--no-warmup`) on a free
+loopback port, and records from the moment the process is started: when `/health` first answers
+200 (ready), and the arrival of each token of a 64-token streamed `/v1/completions` request made
+right then: the first token, and the first full-speed token (the first whose gap to the one
+before is within 10% of the median gap of tokens 32-64: a server that maps its weights lazily
+answers its first token early and pays the page-in on the next ones, one that warms up pays it
+before `/health`); then the resident memory of the server and its children.
+
+The page cache is set for each start: cold (dropped: `echo 3 > /proc/sys/vm/drop_caches`, as root)
+or warm on its own (the files that server reads at start read through just before: llama-server's
+GGUF; specserve's GGUF, then the packed weights a first start kept, so a file and its packed copy
+that do not both fit leave the packed copy cached). Per file: specserve's first start (warm GGUF,
+an empty `--weight-cache` in a temporary folder: it packs the file and keeps the packed weights),
+then rounds of every server in every state, interleaved. Reports medians [min-max] and, within each
+round, llama-server's seconds over ours (a speed-up: above 1 specserve is first).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import socket
 import statistics
@@ -26,6 +36,11 @@ from typing import Any, Optional
 
 POLL_S = 0.05
 START_TIMEOUT_S = 600.0
+READ_CHUNK = 64 << 20
+FULL_SPEED_GAP = 1.10  # a token within 10% of the steady gap counts as full speed
+STEADY_TOKENS = (32, 64)  # the tokens whose gaps set the steady gap
+SERVERS = ("specserve", "llama-server", "llama-server --no-warmup")
+STATES = ("cold", "warm")
 
 
 def add_startup_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +48,8 @@ def add_startup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server", required=True, help="a native llama-server binary (scripts/llama_cpp_build.sh)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per file")
     p.add_argument("--threads", type=int, default=2, help="threads for both servers")
+    p.add_argument("--tokens", type=int, default=STEADY_TOKENS[1], help="tokens streamed per start")
+    p.add_argument("--states", default=",".join(STATES), help="page-cache states to start in: cold, warm")
     p.add_argument("--context", type=int, default=4096,
                    help="tokens of KV both servers hold (specserve --context-length and --max-total-tokens, "
                         "llama-server -c): the same cache on each side")  # fmt: skip
@@ -53,35 +70,67 @@ def _rss_mib(pid: int) -> float:
     return sum(_rss(p) for p in [pid, *_descendants(pid)]) / 2**20
 
 
-def _commands(kind: str, path: str, port: int, ns: argparse.Namespace) -> list[str]:
-    if kind == "specserve":
+def _commands(server: str, path: str, port: int, ns: argparse.Namespace) -> list[str]:
+    if server == "specserve":
         return [sys.executable, "-m", "specserve.cli", "serve", "--model-path", path, "--port", str(port),
                 "--num-threads", str(ns.threads), "--context-length", str(ns.context), "--max-total-tokens", str(ns.context),
-                "--weight-cache", ns.weight_cache, *(a for a in ns.serve_args if a != "--")]  # fmt: skip
+                "--weight-cache", ns.weight_cache, "--speculative-algorithm", "NONE",
+                *(a for a in ns.serve_args if a != "--")]  # fmt: skip
     return [ns.llama_server, "-m", path, "--port", str(port), "-t", str(ns.threads), "-c", str(ns.context),
-            "--host", "127.0.0.1"]  # fmt: skip
+            "--host", "127.0.0.1", *server.split()[1:]]  # fmt: skip
 
 
-def time_start(kind: str, path: str, ns: argparse.Namespace, settle=None) -> dict[str, float]:
-    """One start of one server: seconds to ready and to the first token, resident MiB then;
-    `settle()` runs before the server is stopped (untimed)."""
+def full_speed_at(arrivals: list[float]) -> Optional[float]:
+    """The arrival of the first full-speed token: the first whose gap to the token before is within
+    FULL_SPEED_GAP of the median gap over STEADY_TOKENS (None with too few tokens to tell)."""
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]  # gaps[i]: token i + 1 after token i
+    lo, hi = STEADY_TOKENS
+    if len(gaps) < lo:
+        return None
+    steady = statistics.median(gaps[lo - 1 : hi - 1])
+    return next(arrivals[i + 1] for i, gap in enumerate(gaps) if gap <= FULL_SPEED_GAP * steady)
+
+
+def _stream_arrivals(url: str, body: dict[str, Any]) -> list[float]:
+    """Monotonic arrival time of each streamed chunk of tokens (a choice with a `text` field before
+    the finish: a server may hold back a token that ends inside a UTF-8 character, sending two at once)."""
+    import httpx
+
+    arrivals = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=START_TIMEOUT_S) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"answered {reply.status_code}: {reply.read()[:300]!r}")
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if any("text" in c and (c.get("text") or not c.get("finish_reason")) for c in chunk.get("choices", [])):
+                arrivals.append(time.monotonic())
+    return arrivals
+
+
+def time_start(server: str, path: str, ns: argparse.Namespace, settle=None) -> dict[str, float]:
+    """One start of one server: seconds to ready, to the first token and to the first full-speed
+    token, resident MiB after the request; `settle()` runs before the server is stopped (untimed)."""
     import httpx
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         started = time.monotonic()
-        proc = subprocess.Popen(_commands(kind, path, port, ns), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_commands(server, path, port, ns), stdout=log, stderr=subprocess.STDOUT)
         try:
             ready = _wait_healthy(proc, url, started, log)
-            body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
-            if kind == "specserve":
+            body: dict[str, Any] = {"prompt": "Hello", "max_tokens": ns.tokens, "temperature": 0, "ignore_eos": True}
+            if server == "specserve":
                 body["model"] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=START_TIMEOUT_S)
-            first = time.monotonic() - started
-            if reply.status_code != 200:
-                raise RuntimeError(f"{kind} answered {reply.status_code}: {reply.text[:300]}")
-            result = {"ready_s": ready, "first_token_s": first, "rss_mib": _rss_mib(proc.pid)}
+            arrivals = _stream_arrivals(url, body)
+            if len(arrivals) <= STEADY_TOKENS[0]:
+                raise RuntimeError(f"{server} streamed {len(arrivals)} chunks for {ns.tokens} tokens")
+            full = full_speed_at(arrivals)
+            result = {"ready_s": ready, "first_token_s": arrivals[0] - started,
+                      "full_speed_s": (full if full is not None else arrivals[-1]) - started,
+                      "rss_mib": _rss_mib(proc.pid)}  # fmt: skip
             if settle is not None:
                 settle()
             return result
@@ -119,52 +168,81 @@ def _wait_for_cache(folder: str) -> None:
         time.sleep(POLL_S)
 
 
+def drop_page_cache() -> None:
+    subprocess.run(["sync"], check=True)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as exc:
+        raise RuntimeError(f"startup: cold starts need root to drop the page cache ({exc}); pass --states warm") from None
+
+
+def read_through(paths: list[str]) -> None:
+    """Each file read once, in order, so that its pages are in the page cache (the last most recent)."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(READ_CHUNK):
+                pass
+
+
+def prepare(state: str, server: str, path: str, ns: argparse.Namespace) -> None:
+    """The page cache as this start should find it."""
+    if state == "cold":
+        drop_page_cache()
+        return
+    packed = sorted(glob.glob(os.path.join(ns.weight_cache, "*.pt"))) if server == "specserve" else []
+    read_through([path, *packed])
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def bench_file(path: str, ns: argparse.Namespace) -> dict[str, Any]:
-    """specserve's first (packing) start, then interleaved rounds of restarts against llama-server."""
-    kinds = ("specserve", "llama-server")
-    time_start("llama-server", path, ns)  # the file into the page cache
+    """specserve's first (packing) start, then interleaved rounds of every server in every state."""
+    states = [s for s in ns.states.split(",") if s]
     with tempfile.TemporaryDirectory() as folder:
         ns.weight_cache = folder
+        read_through([path])
         first = time_start("specserve", path, ns, settle=lambda: _wait_for_cache(folder))
         print(f"{os.path.basename(path)} specserve first start: {first}", file=sys.stderr, flush=True)
-        runs = _rounds(kinds, path, ns)
-    out: dict[str, Any] = {"file_mib": os.path.getsize(path) / 2**20, "specserve_first_start": first}
-    for kind, rows in runs.items():
-        out[kind] = {key: _spread([r[key] for r in rows]) for key in rows[0]}
-    ratios = [a["first_token_s"] / b["first_token_s"] for a, b in zip(runs["specserve"], runs["llama-server"])]
-    out["first_token_ratio"] = _spread(ratios)
-    return out
+        runs = _rounds(states, path, ns)
+    return {"file_mib": os.path.getsize(path) / 2**20, "specserve_first_start": first, "states": summarize(runs)}
 
 
-def _rounds(kinds: tuple[str, ...], path: str, ns: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+def _rounds(states: list[str], path: str, ns: argparse.Namespace) -> dict[str, dict[str, list[dict[str, float]]]]:
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {s: {k: [] for k in SERVERS} for s in states}
     for _ in range(ns.rounds):
-        for kind in kinds:
-            runs[kind].append(time_start(kind, path, ns))
-            print(f"{os.path.basename(path)} {kind}: {runs[kind][-1]}", file=sys.stderr, flush=True)
+        for state in states:
+            for server in SERVERS:
+                prepare(state, server, path, ns)
+                runs[state][server].append(time_start(server, path, ns))
+                print(f"{os.path.basename(path)} {state} {server}: {runs[state][server][-1]}", file=sys.stderr, flush=True)
     return runs
+
+
+def summarize(runs: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
+    """Per state: each server's figures as spreads, and per llama-server mode the speed-ups (its
+    seconds over specserve's, formed within each round) to the first and the first full-speed token."""
+    out: dict[str, Any] = {}
+    for state, by_server in runs.items():
+        ours = by_server["specserve"]
+        out[state] = {server: {key: _spread([r[key] for r in rows]) for key in rows[0]} for server, rows in by_server.items()}
+        out[state]["speedup"] = {
+            server: {key: _spread([theirs[key] / mine[key] for mine, theirs in zip(ours, by_server[server])])
+                     for key in ("first_token_s", "full_speed_s")}
+            for server in SERVERS if server != "specserve"}  # fmt: skip
+    return out
 
 
 def run_startup(ns: argparse.Namespace) -> int:
     from specserve.bench.provenance import emit_report, provenance
 
-    report: dict[str, Any] = {"rounds": ns.rounds, "threads": ns.threads, "context": ns.context,
+    report: dict[str, Any] = {"rounds": ns.rounds, "threads": ns.threads, "context": ns.context, "tokens": ns.tokens,
+                              "full_speed_gap": FULL_SPEED_GAP, "steady_tokens": list(STEADY_TOKENS),
                               "serve_args": [a for a in ns.serve_args if a != "--"], "files": {}}  # fmt: skip
     for path in ns.model_path:
         report["files"][os.path.basename(path)] = bench_file(path, ns)
     report |= provenance(None)
     emit_report(report, ns.out)
     return 0
-
-
-def first_token_line(name: str, row: dict[str, Any], machine: Optional[str] = None) -> str:
-    """One line for a report: both first-token times and their ratio, with spreads."""
-    ours, native, ratio = row["specserve"]["first_token_s"], row["llama-server"]["first_token_s"], row["first_token_ratio"]
-    where = f" ({machine})" if machine else ""
-    return (f"{name}{where}: first token {ours['median']:.1f} s [{ours['min']:.1f}-{ours['max']:.1f}] after start, "
-            f"llama-server {native['median']:.1f} s [{native['min']:.1f}-{native['max']:.1f}]: "
-            f"{ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}]")  # fmt: skip
