@@ -7,7 +7,7 @@ Each start runs `specserve serve --model-path F --speculative-algorithm NONE` (p
 loopback port, and records from the moment the process is started: when `/health` first answers
 200 (ready), and the arrival of each token of a 64-token streamed `/v1/completions` request made
 right then: the first token, and the first full-speed token (the first whose gap to the one
-before is within 10% of the median gap of tokens 32-64: a server that maps its weights lazily
+before is within 10% of the median gap of tokens 32-64, either way: a server that maps its weights lazily
 answers its first token early and pays the page-in on the next ones, one that warms up pays it
 before `/health`); then the resident memory of the server and its children.
 
@@ -41,6 +41,7 @@ FULL_SPEED_GAP = 1.10  # a token within 10% of the steady gap counts as full spe
 STEADY_TOKENS = (32, 64)  # the tokens whose gaps set the steady gap
 SERVERS = ("specserve", "llama-server", "llama-server --no-warmup")
 STATES = ("cold", "warm")
+ARRIVALS: list[list[float]] = []  # every timed start's token arrivals (s after its start), kept in the record
 
 
 def add_startup_args(p: argparse.ArgumentParser) -> None:
@@ -82,13 +83,15 @@ def _commands(server: str, path: str, port: int, ns: argparse.Namespace) -> list
 
 def full_speed_at(arrivals: list[float]) -> Optional[float]:
     """The arrival of the first full-speed token: the first whose gap to the token before is within
-    FULL_SPEED_GAP of the median gap over STEADY_TOKENS (None with too few tokens to tell)."""
+    10% of the median gap over STEADY_TOKENS, either way (two tokens read together, a gap near 0,
+    are not a sign of speed), or the last token's where none is; None with too few to tell."""
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]  # gaps[i]: token i + 1 after token i
     lo, hi = STEADY_TOKENS
     if len(gaps) < lo:
         return None
     steady = statistics.median(gaps[lo - 1 : hi - 1])
-    return next(arrivals[i + 1] for i, gap in enumerate(gaps) if gap <= FULL_SPEED_GAP * steady)
+    within = (i for i, gap in enumerate(gaps) if abs(gap - steady) <= (FULL_SPEED_GAP - 1) * steady)
+    return arrivals[next(within, len(gaps) - 1) + 1]
 
 
 def _stream_arrivals(url: str, body: dict[str, Any]) -> list[float]:
@@ -131,6 +134,7 @@ def time_start(server: str, path: str, ns: argparse.Namespace, settle=None) -> d
             result = {"ready_s": ready, "first_token_s": arrivals[0] - started,
                       "full_speed_s": (full if full is not None else arrivals[-1]) - started,
                       "rss_mib": _rss_mib(proc.pid)}  # fmt: skip
+            ARRIVALS.append([round(t - started, 4) for t in arrivals])
             if settle is not None:
                 settle()
             return result
@@ -206,8 +210,11 @@ def bench_file(path: str, ns: argparse.Namespace) -> dict[str, Any]:
         read_through([path])
         first = time_start("specserve", path, ns, settle=lambda: _wait_for_cache(folder))
         print(f"{os.path.basename(path)} specserve first start: {first}", file=sys.stderr, flush=True)
+        ARRIVALS.clear()
         runs = _rounds(states, path, ns)
-    return {"file_mib": os.path.getsize(path) / 2**20, "specserve_first_start": first, "states": summarize(runs)}
+    return {"file_mib": os.path.getsize(path) / 2**20, "specserve_first_start": first, "states": summarize(runs),
+            "arrivals_s": {"order": [f"{state} {server}" for state in states for server in SERVERS],
+                           "starts": list(ARRIVALS)}}  # fmt: skip
 
 
 def _rounds(states: list[str], path: str, ns: argparse.Namespace) -> dict[str, dict[str, list[dict[str, float]]]]:
