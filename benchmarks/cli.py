@@ -75,6 +75,12 @@ COMMANDS: tuple[Command, ...] = (
         "benchmarks.weight_stream:run_weight_stream",
     ),
     Command(
+        "moe-routing",
+        "a mixture's distinct experts per layer, a row against a window, random ids and text, two contexts",
+        "benchmarks.moe_routing:add_moe_routing_args",
+        "benchmarks.moe_routing:run_moe_routing",
+    ),
+    Command(
         "startup",
         "seconds from starting the server to its first token, against native llama-server on the same file",
         "benchmarks.startup:add_startup_args",
