@@ -31,7 +31,11 @@ def machine_text(data: dict[str, Any]) -> str:
 
 def provenance(data: dict[str, Any], file: str) -> str:
     """`bench_results/F` (machine; commit and date when recorded; the drafter, marked when it is
-    not the shipped one): the line under a rendered part."""
+    not the shipped one): the line under a rendered part. A record from a commit with uncommitted
+    changes ('-dirty') is refused: nobody could rebuild what measured it."""
+    if str(data.get("commit", "")).endswith("-dirty"):
+        raise ValueError(f"{file}: measured at {data['commit']}, a tree with uncommitted changes; measure it again "
+                         "from a clean commit before a document cites it")
     when = ", ".join(f"{k} {data[k]}" for k in ("commit", "date") if data.get(k)) or "commit and date not recorded"
     drafter = ""
     if data.get("drafter"):

@@ -219,23 +219,27 @@ def render_models(results: str) -> str:
     native = all("decode_vs_native" in m["summary"] for m in data["models"].values())
     for name, model in data["models"].items():
         s = model["summary"]
-        row = [f"{_model_label(name)} (`{model['path']}`; speculation: {_speculation(model)})", _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"]),
-               _ratio(s["decode_step_speedup"])]
-        row += [_ratio(s["decode_vs_native"]), _ratio(s["prefill_vs_native"])] if native else []
-        row += [_ratio(s["prefill_vs_llama_cpp_python"]), _median_range(s["verify_over_decode"], ".2f", "x"),
-                _median_range(s["batch_over_batch1"], ".1f", "x"),
+        # Only whole calls against whole calls: the bare forward's step and prefill times (ours) are not
+        # set against llama-cpp-python's Llama.eval, which includes its wrapper (native pp512 is a bare forward).
+        row = [f"{_model_label(name)} (`{model['path']}`; speculation: {_speculation(model)})",
+               _median_range(s["decode_tok_s"], ".1f"), _ratio(s["decode_vs_llama_cpp_python"])]
+        # Not decode against native tg128: this record decodes with each model's default speculation,
+        # llama-bench without any (models_small_native.json has the kernels alone against it).
+        row += [_ratio(s["prefill_vs_native"])] if native else []
+        row += [_median_range(s["verify_over_decode"], ".2f", "x"), _median_range(s["batch_over_batch1"], ".1f", "x"),
                 _memory(s), _median_range(s["load_s"], ".1f", " s")]
         rows.append(row)
-    header = ["model", "decode, batch 1 (tok/s)", "vs llama-cpp-python", "decode step, speed vs llama-cpp-python"]
-    header += ["vs native llama.cpp (tg128)", "prefill vs native (pp512)"] if native else []
-    header += ["prefill (512) vs llama-cpp-python", "6-row verify / decode step", f"batch {data['batch_size']} / batch 1",
-               "resident memory", "load"]
+    header = ["model", "decode, batch 1 (tok/s)", "vs llama-cpp-python (whole generations, timing only)"]
+    header += ["prefill vs native (pp512)"] if native else []
+    header += ["6-row verify / decode step", f"batch {data['batch_size']} / batch 1", "resident memory", "load"]
     return table(header, rows) + (
         f"\n\nbf16, with int8 activations where the row says so (each file's default under `--cpu-activations auto`, "
         f"or `--activations` asked for them), each model with its default speculation, {data['new_tokens']} new tokens after a chat prompt (plain text for a base model) whose "
         "prefill counts in the batch-1 time (llama-bench's tg128 has no prompt"
         + (f"; the median of {data['batch1_generations']} generations, ours and llama-cpp-python's" if "batch1_generations" in data else "")
-        + f"); the decode step is one row after 256 cached ones. {data['threads']} threads; median (lowest-highest) of "
+        + "; llama-cpp-python's generations in this record decoded token 0 at every step, its `scores` being filled "
+        "only with `logits_all`: a timing, not a generation, fixed in specserve/bench/llamacpp.py since"
+        + f"). {data['threads']} threads; median (lowest-highest) of "
         f"{data['runs']} interleaved runs, each ratio formed within its run; llama-cpp-python "
         f"{data['llama_cpp_python']}. {provenance(data, 'models.json')}\n") + _models_spec_table(data)
 
@@ -281,13 +285,37 @@ def render_models_at_size(results: str) -> str:
         f"the packed weights a first start kept (`--weight-cache`) in the later records'. {sources}\n")
 
 
+# The mixtures' records, newest first: a file re-measured in a newer record is rendered from it only
+# (the Qwen3 file since its payload became zero-mean; gpt-oss's MXFP4 payload was symmetric before).
+MOE_RECORDS = ("models_moe.json", "models_moe_540aed6.json")
+
+
+def _moe_models(results: str) -> dict[str, tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Each mixture file's newest rows, one per activations: the record's model name -> (record
+    file, record, model)."""
+    rows: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}
+    seen: set[tuple[str, str]] = set()
+    for file in MOE_RECORDS:
+        if file != MOE_RECORDS[0] and not os.path.exists(os.path.join(results, file)):
+            continue  # an older record is optional
+        record = load(results, file)
+        for name, model in record["models"].items():
+            key = (os.path.basename(model["path"]), model["activations"])
+            if key not in seen:
+                seen.add(key)
+                rows[name] = (file, record, model)
+    return rows
+
+
 def render_models_moe(results: str) -> str:
     """The mixtures (synthetic weights) against native llama.cpp: decode, prefill, extra rows and the
     experts a verify window reads against a decode row's, memory, load."""
-    data = load(results, "models_moe.json")
+    models = _moe_models(results)
+    used = {file: record for file, record, _ in models.values()}
+    data = used[MOE_RECORDS[0]]
     window = data.get("window", 6)
     rows = []
-    for name, model in data["models"].items():
+    for name, (_, _, model) in models.items():
         s = model["summary"]
         experts = (f"{s['decode_experts_per_layer']['median']:.1f} vs {s['verify_experts_per_layer']['median']:.1f}"
                    if "verify_experts_per_layer" in s else "not recorded")  # fmt: skip
@@ -301,7 +329,7 @@ def render_models_moe(results: str) -> str:
               "decode vs native", "prefill (512) vs native (pp512)", f"batch {data['batch_size']} / batch 1",
               f"{window}-row verify / decode step", f"experts read per layer, decode row vs {window}-row window",
               "resident set", "load"]  # fmt: skip
-    bandwidth = [r["specserve"]["read_bandwidth_gbs"] for m in data["models"].values() for r in m["runs"]]
+    bandwidth = [r["specserve"]["read_bandwidth_gbs"] for _, _, m in models.values() for r in m["runs"]]
     return table(header, rows) + (
         f"\n\nSynthetic weights (`specserve bench synth-model --shape`): speed figures only. Speculation off; our "
         f"decode is {data['new_tokens']} tokens without the prompt's prefill (like llama-bench's tg128); native "
@@ -311,7 +339,20 @@ def render_models_moe(results: str) -> str:
         f"{max(bandwidth):.0f} GB/s. {data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved "
         f"runs, each ratio formed within its run; the load column maps the packed weights an earlier start kept "
         f"(`--weight-cache`), and the resident set counts those mapped pages only as far as the process touched "
-        f"them (a token reads k of E experts). {provenance(data, 'models_moe.json')}\n")
+        f"them (a token reads k of E experts). Each file's row from the newest record that measured it: "
+        f"{' '.join(provenance(record, file) for file, record in used.items())}\n")
+
+
+def render_moe_routing(results: str) -> str:
+    """The distinct experts per layer a row and a window route to, per token kind and context."""
+    data = load(results, "moe_routing.json")
+    rows = [[kind, f"{v['row']:.1f}", f"{v['window']:.1f}"] for kind, v in data["figures"].items()]
+    header = ["token ids, context", "one row", f"{data['window']}-row window"]
+    return table(header, rows) + (
+        f"\n\n`python -m benchmarks moe-routing --model-path {os.path.basename(data['model'])}` (synthetic weights): "
+        f"distinct experts per layer, mean over layers, of {data['experts']} with {data['experts_per_token']} per "
+        f"token (a window's rows routed apart would read up to {data['window'] * data['experts_per_token']}). "
+        f"{provenance(data, 'moe_routing.json')}\n")
 
 
 def render_models_small_native(results: str) -> str:
@@ -328,29 +369,72 @@ def render_models_small_native(results: str) -> str:
         f"runs, each ratio within its run. {provenance(data, 'models_small_native.json')}\n")
 
 
+def _start_cells(server: dict[str, Any]) -> str:
+    return (f"{server['first_token_s']['median']:.1f} / {server['full_speed_s']['median']:.1f} s "
+            f"({server['rss_mib']['median']:.0f} MiB)")
+
+
 def render_startup(results: str, file: str = "startup.json") -> str:
-    """Seconds from starting each server to its first token, ours against llama-server, same file."""
+    """Per file and page-cache state: seconds to the first token and to the first full-speed token,
+    specserve's restart against llama-server with and without its warm-up, as speed-ups."""
     data = load(results, file)
+    if any("states" not in f for f in data["files"].values()):
+        return _render_first_token_starts(data, file)
     rows = []
     for name, f in data["files"].items():
-        ours, native = f["specserve"], f["llama-server"]
-        first = f.get("specserve_first_start")
-        rows.append([f"`{name}`", f"{f['file_mib']:.0f} MiB", f"{first['first_token_s']:.1f} s" if first else "not recorded",
-                     _median_range(ours["first_token_s"], ".1f", " s"), _median_range(native["first_token_s"], ".1f", " s"),
-                     _median_range(f["first_token_ratio"], ".1f", "x"),
-                     f"{ours['rss_mib']['median']:.0f} vs {native['rss_mib']['median']:.0f} MiB"])  # fmt: skip
-    header = ["file (synthetic weights)", "file", "specserve, first start (packs the file)",
-              "specserve restart (maps the packed weights)", "llama-server", "restart / llama-server",
-              "resident memory then, restart vs llama-server"]
+        first = f["specserve_first_start"]
+        for state, by_server in f["states"].items():
+            up = by_server["speedup"]
+            rows.append([f"`{name}` ({f['file_mib']:.0f} MiB)", state, _start_cells(by_server["specserve"]),
+                         _start_cells(by_server["llama-server"]), _start_cells(by_server["llama-server --no-warmup"]),
+                         f"{_median_range(up['llama-server']['first_token_s'], '.2f', 'x')} / "
+                         f"{_median_range(up['llama-server']['full_speed_s'], '.2f', 'x')}",
+                         f"{_median_range(up['llama-server --no-warmup']['first_token_s'], '.2f', 'x')} / "
+                         f"{_median_range(up['llama-server --no-warmup']['full_speed_s'], '.2f', 'x')}",
+                         f"{first['first_token_s']:.1f} / {first['full_speed_s']:.1f} s"])  # fmt: skip
+    header = ["file (synthetic weights)", "page cache", "specserve restart: first / full-speed token (resident)",
+              "llama-server", "llama-server --no-warmup", "speed-up vs llama-server: first / full-speed",
+              "vs llama-server --no-warmup", "specserve first start (packs the file)"]
+    gap = round((data["full_speed_gap"] - 1) * 100)
+    lo, hi = data["steady_tokens"]
     return table(header, rows) + (
         f"\n\n`python -m benchmarks startup` (both servers at a {data['context']}-token KV, {data['threads']} threads, "
-        + ("the file in the page cache" if file == "startup.json" else
-           "this machine's 24 GiB page cache holding the file or specserve's packed copy, not always both")
-        + "): seconds from starting the process to the answer of a one-token completion "
-        "sent as soon as `/health` says 200; resident memory of the server and its engine process together. "
-        "specserve's first start packs the file for its kernels and keeps the packed weights "
-        "(`--weight-cache`, in a fresh folder); the restarts map them. Median (lowest-highest) of "
-        f"{data['rounds']} interleaved rounds, each ratio within its round. {provenance(data, file)}\n")
+        f"speculation off): seconds from starting the process to the first streamed token of a {data['tokens']}-token "
+        f"completion sent as soon as `/health` says 200, and to the first full-speed token (the first whose gap is "
+        f"within {gap}% of the median gap of tokens {lo}-{hi}: a server that maps its weights lazily pays the page-in "
+        "after its first token, one that warms up pays it before `/health`); resident memory of the server and its "
+        "engine process after the request. Cold: the page cache dropped before the start; warm: the files that "
+        "server reads read through just before it (llama-server's GGUF; specserve's GGUF, then its packed copy, "
+        "so a file and a copy that do not both fit leave the copy cached). Speed-ups are llama-server's seconds over "
+        "ours within each round (above 1x specserve is first). specserve's first start, once per file with the "
+        "GGUF warm, packs the file for its kernels and keeps the packed weights (`--weight-cache`, in a fresh "
+        f"folder); the restarts map them. Median (lowest-highest) of {data['rounds']} interleaved rounds. "
+        f"{provenance(data, file)}\n")
+
+
+def _render_first_token_starts(data: dict[str, Any], file: str) -> str:
+    """A record of the earlier start-up bench: a one-token answer after each start, warm page cache,
+    llama-server with its warm-up only."""
+    rows = []
+    for name, f in data["files"].items():
+        ours, native, ratio = f["specserve"], f["llama-server"], f["first_token_ratio"]
+        speedup = {"median": 1 / ratio["median"], "min": 1 / ratio["max"], "max": 1 / ratio["min"]}
+        rows.append([f"`{name}`", f"{f['file_mib']:.0f} MiB", f"{f['specserve_first_start']['first_token_s']:.1f} s",
+                     _median_range(ours["first_token_s"], ".1f", " s"), _median_range(native["first_token_s"], ".1f", " s"),
+                     _median_range(speedup, ".2f", "x"),
+                     f"{ours['rss_mib']['median']:.0f} vs {native['rss_mib']['median']:.0f} MiB"])  # fmt: skip
+    header = ["file (synthetic weights)", "file", "specserve, first start (packs the file)",
+              "specserve restart (maps the packed weights)", "llama-server",
+              "restart's speed-up (llama-server's seconds over ours)", "resident memory then, restart vs llama-server"]
+    return table(header, rows) + (
+        f"\n\nThe earlier `python -m benchmarks startup` (both servers at a {data['context']}-token KV, "
+        f"{data['threads']} threads, the page cache holding the file or specserve's packed copy, not always both): "
+        "seconds from starting the process to the answer of a one-token completion sent as soon as `/health` says 200. "
+        "Not like for like: llama-server's start includes its warm-up, which touches the whole file (its resident "
+        "memory then), while specserve's restart maps the packed weights lazily and pays their page-in on the requests "
+        "after the first token (its resident memory then). The bench now measures cold and warm starts to the first "
+        "full-speed token as well (the 1.5-7B table above); it has not yet run on these files. Median (lowest-highest) "
+        f"of {data['rounds']} interleaved rounds. {provenance(data, file)}\n")
 
 
 def render_weight_stream(results: str) -> str:

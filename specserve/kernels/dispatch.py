@@ -29,7 +29,11 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_model() -> str:
-    return _cpuinfo("model name") or "unknown"
+    """The model name, with the family and model numbers where the name alone does not tell the
+    generation (a virtual machine's "AMD EPYC" is Zen 4 or Zen 5, whose speeds differ)."""
+    name = _cpuinfo("model name") or "unknown"
+    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    return f"{name} (family {family} model {model})" if family and model and not any(c.isdigit() for c in name) else name
 
 
 def machine_description() -> str:

@@ -66,6 +66,19 @@ def test_provenance_names_the_machine_commit_and_marks_a_drafter_that_is_not_shi
     assert "commit and date not recorded" in report.provenance({"machine": "AMD EPYC"}, "old.json")
 
 
+def test_a_record_from_a_dirty_tree_is_refused(tmp_path):
+    """A figure measured on uncommitted code cannot be rebuilt: the report fails rather than cite it
+    (planted: the README's at-size record marked dirty)."""
+    results = tmp_path / "bench_results"
+    shutil.copytree(report.RESULTS, results)
+    data = json.loads((results / "models_at_size.json").read_text())
+    assert not data["commit"].endswith("-dirty")
+    data["commit"] += "-dirty"
+    (results / "models_at_size.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="models_at_size.json: measured at .*-dirty, a tree with uncommitted changes"):
+        report.differences(results=str(results))
+
+
 def test_a_ratio_is_a_gain_only_when_every_run_beats_every_baseline_run():
     from benchmarks.render.common import versus
 
