@@ -41,7 +41,6 @@ FULL_SPEED_GAP = 1.10  # a token within 10% of the steady gap counts as full spe
 STEADY_TOKENS = (32, 64)  # the tokens whose gaps set the steady gap
 SERVERS = ("specserve", "llama-server", "llama-server --no-warmup")
 STATES = ("cold", "warm")
-ARRIVALS: list[list[float]] = []  # every timed start's token arrivals (s after its start), kept in the record
 
 
 def add_startup_args(p: argparse.ArgumentParser) -> None:
@@ -112,9 +111,10 @@ def _stream_arrivals(url: str, body: dict[str, Any]) -> list[float]:
     return arrivals
 
 
-def time_start(server: str, path: str, ns: argparse.Namespace, settle=None) -> dict[str, float]:
+def time_start(server: str, path: str, ns: argparse.Namespace, settle=None) -> tuple[dict[str, float], list[float]]:
     """One start of one server: seconds to ready, to the first token and to the first full-speed
-    token, resident MiB after the request; `settle()` runs before the server is stopped (untimed)."""
+    token, resident MiB after the request; and each token's arrival, seconds after the start.
+    `settle()` runs before the server is stopped (untimed)."""
     import httpx
 
     port = _free_port()
@@ -134,10 +134,9 @@ def time_start(server: str, path: str, ns: argparse.Namespace, settle=None) -> d
             result = {"ready_s": ready, "first_token_s": arrivals[0] - started,
                       "full_speed_s": (full if full is not None else arrivals[-1]) - started,
                       "rss_mib": _rss_mib(proc.pid)}  # fmt: skip
-            ARRIVALS.append([round(t - started, 4) for t in arrivals])
             if settle is not None:
                 settle()
-            return result
+            return result, [round(t - started, 4) for t in arrivals]
         finally:
             proc.terminate()
             try:
@@ -208,24 +207,27 @@ def bench_file(path: str, ns: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         ns.weight_cache = folder
         read_through([path])
-        first = time_start("specserve", path, ns, settle=lambda: _wait_for_cache(folder))
+        first, _ = time_start("specserve", path, ns, settle=lambda: _wait_for_cache(folder))
         print(f"{os.path.basename(path)} specserve first start: {first}", file=sys.stderr, flush=True)
-        ARRIVALS.clear()
-        runs = _rounds(states, path, ns)
+        runs, arrivals = _rounds(states, path, ns)
     return {"file_mib": os.path.getsize(path) / 2**20, "specserve_first_start": first, "states": summarize(runs),
             "arrivals_s": {"order": [f"{state} {server}" for state in states for server in SERVERS],
-                           "starts": list(ARRIVALS)}}  # fmt: skip
+                           "starts": arrivals}}  # fmt: skip
 
 
-def _rounds(states: list[str], path: str, ns: argparse.Namespace) -> dict[str, dict[str, list[dict[str, float]]]]:
+def _rounds(states: list[str], path: str, ns: argparse.Namespace):
+    """Each state's and server's figures per round, and every start's token arrivals in the order run."""
     runs: dict[str, dict[str, list[dict[str, float]]]] = {s: {k: [] for k in SERVERS} for s in states}
+    arrivals: list[list[float]] = []
     for _ in range(ns.rounds):
         for state in states:
             for server in SERVERS:
                 prepare(state, server, path, ns)
-                runs[state][server].append(time_start(server, path, ns))
-                print(f"{os.path.basename(path)} {state} {server}: {runs[state][server][-1]}", file=sys.stderr, flush=True)
-    return runs
+                result, times = time_start(server, path, ns)
+                runs[state][server].append(result)
+                arrivals.append(times)
+                print(f"{os.path.basename(path)} {state} {server}: {result}", file=sys.stderr, flush=True)
+    return runs, arrivals
 
 
 def summarize(runs: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
