@@ -20,10 +20,47 @@ PARSED: dict = {}  # (path, mtime) -> the LoadedModel parsed from it (parse_each
 UNIT_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + os.sep
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`-n 2`) each worker gets its share of the cores: torch's default of one
+    thread per core in every worker would put two threads on each core, and OpenMP threads that
+    spin waiting for a busy core slow both workers. Servers and ranks the tests spawn inherit it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if not str(item.path).startswith(UNIT_TESTS):
             item.add_marker(pytest.mark.slow)
+
+
+# Modules whose engines peak at 7-12 GB resident (measured with VmHWM per module): one at a time,
+# on one worker, so that two of them never meet in 24 GB.
+LARGE_MEMORY_MODULES = frozenset(f"tests/integration/{name}.py" for name in (
+    "test_host_waits", "test_qwen2_gguf", "test_gemma3_gguf", "test_standalone_spec"))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: a worker per core, as far as memory allows one per 10 GiB."""
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(os.cpu_count() or 1, int(memory_gib // 10)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist each test module runs whole on one worker, so the engines a module
+    shares are built once (pytest 9 ignores the node ids xdist's `loadgroup` rewrites, and
+    `loadscope` would split a module's test classes)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "large-memory" if module in LARGE_MEMORY_MODULES else module
+
+    return ModuleScheduling(config, log)
 
 
 def _glibc():
