@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import xdist_groups
 
 from specserve.models.loader import default_model_path
 
@@ -37,30 +38,12 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-# Modules whose engines peak at 7-12 GB resident (measured with VmHWM per module): one at a time,
-# on one worker, so that two of them never meet in 24 GB.
-LARGE_MEMORY_MODULES = frozenset(f"tests/integration/{name}.py" for name in (
-    "test_host_waits", "test_qwen2_gguf", "test_gemma3_gguf", "test_standalone_spec"))
-
-
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: a worker per core, as far as memory allows one per 10 GiB."""
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(os.cpu_count() or 1, int(memory_gib // 10)))
+    return xdist_groups.auto_workers()
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist each test module runs whole on one worker, so the engines a module
-    shares are built once (pytest 9 ignores the node ids xdist's `loadgroup` rewrites, and
-    `loadscope` would split a module's test classes)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "large-memory" if module in LARGE_MEMORY_MODULES else module
-
-    return ModuleScheduling(config, log)
+    return xdist_groups.module_scheduling(config, log)
 
 
 def _glibc():
