@@ -378,8 +378,6 @@ def render_startup(results: str, file: str = "startup.json") -> str:
     """Per file and page-cache state: seconds to the first token and to the first full-speed token,
     specserve's restart against llama-server with and without its warm-up, as speed-ups."""
     data = load(results, file)
-    if any("states" not in f for f in data["files"].values()):
-        return _render_first_token_starts(data, file)
     rows = []
     for name, f in data["files"].items():
         first = f["specserve_first_start"]
@@ -410,31 +408,6 @@ def render_startup(results: str, file: str = "startup.json") -> str:
         "GGUF warm, packs the file for its kernels and keeps the packed weights (`--weight-cache`, in a fresh "
         f"folder); the restarts map them. Median (lowest-highest) of {data['rounds']} interleaved rounds. "
         f"{provenance(data, file)}\n")
-
-
-def _render_first_token_starts(data: dict[str, Any], file: str) -> str:
-    """A record of the earlier start-up bench: a one-token answer after each start, warm page cache,
-    llama-server with its warm-up only."""
-    rows = []
-    for name, f in data["files"].items():
-        ours, native, ratio = f["specserve"], f["llama-server"], f["first_token_ratio"]
-        speedup = {"median": 1 / ratio["median"], "min": 1 / ratio["max"], "max": 1 / ratio["min"]}
-        rows.append([f"`{name}`", f"{f['file_mib']:.0f} MiB", f"{f['specserve_first_start']['first_token_s']:.1f} s",
-                     _median_range(ours["first_token_s"], ".1f", " s"), _median_range(native["first_token_s"], ".1f", " s"),
-                     _median_range(speedup, ".2f", "x"),
-                     f"{ours['rss_mib']['median']:.0f} vs {native['rss_mib']['median']:.0f} MiB"])  # fmt: skip
-    header = ["file (synthetic weights)", "file", "specserve, first start (packs the file)",
-              "specserve restart (maps the packed weights)", "llama-server",
-              "restart's speed-up (llama-server's seconds over ours)", "resident memory then, restart vs llama-server"]
-    return table(header, rows) + (
-        f"\n\nThe earlier `python -m benchmarks startup` (both servers at a {data['context']}-token KV, "
-        f"{data['threads']} threads, the page cache holding the file or specserve's packed copy, not always both): "
-        "seconds from starting the process to the answer of a one-token completion sent as soon as `/health` says 200. "
-        "Not like for like: llama-server's start includes its warm-up, which touches the whole file (its resident "
-        "memory then), while specserve's restart maps the packed weights lazily and pays their page-in on the requests "
-        "after the first token (its resident memory then). The bench now measures cold and warm starts to the first "
-        "full-speed token as well (the 1.5-7B table above); it has not yet run on these files. Median (lowest-highest) "
-        f"of {data['rounds']} interleaved rounds. {provenance(data, file)}\n")
 
 
 def render_weight_stream(results: str) -> str:
