@@ -20,13 +20,29 @@ INSTALL = ('pip install llama-cpp-python==0.3.36 (with CMAKE_ARGS turning AMX of
            'specserve/bench/llamacpp.py)')
 
 
-def open_llama(model_path: str, threads: int, n_ctx: int = 4096):
+def open_llama(model_path: str, threads: int, n_ctx: int = 4096, logits_all: bool = False):
+    """logits_all keeps every position's logits (`Llama.scores`), not only the last one's."""
     try:
         from llama_cpp import Llama
     except ImportError:
         raise ConfigError(f"--peer llama.cpp needs llama-cpp-python: {INSTALL}") from None
     return Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                 verbose=False)
+                 logits_all=logits_all, verbose=False)
+
+
+def teacher_forced_logits(model_path: str, threads: int, n_ctx: int):
+    """A function from token ids to llama.cpp's float32 logits at every position (one sequence,
+    evaluated from an empty cache): the peer's side of a teacher-forced quality comparison."""
+    import torch
+
+    llm = open_llama(model_path, threads, n_ctx, logits_all=True)
+
+    def logits_of(ids: list[int]) -> torch.Tensor:
+        llm.reset()
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+    return logits_of
 
 
 # Batch-1 generations timed (median kept): one is a fraction of a second on a shared machine.

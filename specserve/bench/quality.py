@@ -4,7 +4,10 @@ and with int8 activations.
 On the same GGUF weights: perplexity of real assistant answers (ShareGPT exchanges from the end
 of the file, chat-templated, scored on the answer tokens only) in fp32 and in bf16, and the
 greedy match rate of bf16 against fp32 on MT-Bench first turns (the share of outputs that are
-identical, and the mean share of tokens before the first difference).
+identical, and the mean share of tokens before the first difference). Teacher-forced, on the same
+answers: each variant's top-1 agreement with fp32 (the share of positions whose most likely next
+token is fp32's). `--peer-llama-cpp` scores llama.cpp itself the same way (llama-cpp-python with
+every position's logits, the same file and token ids): the quality its users already accept.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def add_quality_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", choices=("float32", "bf16"), default="float32",
                    help="what int8 activations are judged against: an fp32 run (the full gate) or, where fp32 "
                         "weights do not fit in memory (7B and up), bf16 activations on the same file")
+    p.add_argument("--peer-llama-cpp", action="store_true",
+                   help="score llama.cpp too (llama-cpp-python, every position's logits) on the same file and "
+                        "token ids: its perplexity and its top-1 agreement with fp32")
     p.add_argument("--record", action="store_true",
                    help="write the int8 gate's verdict on this model file into the shipped record that "
                         "--cpu-activations auto reads (specserve/assets/quality/int8.json)")
@@ -62,14 +68,23 @@ def scored_texts(tokenizer, count: int, max_tokens: int) -> list[tuple[list[int]
     return out
 
 
-def perplexity(model, texts: list[tuple[list[int], int]]) -> float:
-    nll, count = 0.0, 0
+def teacher_forced(logits_of, texts: list[tuple[list[int], int]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Perplexity of the answer tokens, and each answer position's top-1 token, the real text fed
+    in at every position (so one model's miss does not move the other's context)."""
+    nll, count, top1 = 0.0, 0, []
     for ids, start in texts:
-        logp = torch.log_softmax(all_logits(model, ids)[start - 1:-1].double(), dim=-1)
+        logits = logits_of(ids)[start - 1:-1].double()
         target = torch.tensor(ids[start:])
-        nll -= logp.gather(1, target.unsqueeze(1)).sum().item()
+        nll -= torch.log_softmax(logits, dim=-1).gather(1, target.unsqueeze(1)).sum().item()
         count += len(target)
-    return math.exp(nll / count)
+        top1.append(logits.argmax(dim=-1))
+    return {"perplexity": math.exp(nll / count), "scored_tokens": count}, top1
+
+
+def top1_agreement(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """The share of positions where both put the same token first."""
+    same = sum(int((a == b).sum()) for a, b in zip(reference, other))
+    return same / sum(len(a) for a in reference)
 
 
 def match_rate(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
@@ -88,6 +103,19 @@ VARIANTS = {"bfloat16": {"dtype": "bfloat16", "cpu_activations": "bf16"},
             "int8_activations": {"dtype": "bfloat16", "cpu_activations": "int8"}}
 
 
+def _llama_cpp_arm(args: ServerArgs, texts: list[tuple[list[int], int]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """llama.cpp on the same file and the same token ids, as its users run it (its CPU matmuls
+    quantize activations to 8 bits)."""
+    from specserve.bench.llamacpp import teacher_forced_logits
+    from specserve.models.loader import resolve_model_path
+
+    logits_of = teacher_forced_logits(resolve_model_path(args.model_path), torch.get_num_threads(),
+                                      n_ctx=max(len(ids) for ids, _ in texts))
+    scored, top1 = teacher_forced(logits_of, texts)
+    print(f"llama.cpp: perplexity {scored['perplexity']:.4f}", flush=True)
+    return scored, top1
+
+
 def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.bench.offline import prompt_ids
     from specserve.bench.provenance import provenance
@@ -96,24 +124,29 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.models.loader import resolve_model_path
 
     report: dict[str, Any] = {**provenance(), "threads": torch.get_num_threads(), "num_prompts": ns.num_prompts,
-                              "new_tokens": ns.new_tokens, "model": args.model_path or "embedded default"}
+                              "new_tokens": ns.new_tokens, "num_texts": ns.num_texts, "max_tokens": ns.max_tokens,
+                              "model": args.model_path or "embedded default"}  # fmt: skip
     greedy = {"temperature": 0, "max_new_tokens": ns.new_tokens}
-    outputs = {}
+    outputs, top1 = {}, {}
     runs = VARIANTS if ns.reference == "bf16" else {"float32": {"dtype": "float32"}, **VARIANTS}
     for name, settings in runs.items():
         with Engine(**vars(args.replace(**settings, speculative_algorithm="NONE"))) as engine:
             texts = scored_texts(engine.tokenizer, ns.num_texts, ns.max_tokens)
             prompts = prompt_ids(engine.tokenizer, [q["prompt"] for q in mtbench_first_turns()[:ns.num_prompts]])
-            ppl = perplexity(engine.runner.model, texts)
+            report[name], top1[name] = teacher_forced(lambda ids: all_logits(engine.runner.model, ids), texts)
             outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
-            report[name] = {"perplexity": ppl, "scored_tokens": sum(len(i) - s for i, s in texts)}
-        print(f"{name}: perplexity {ppl:.4f}", flush=True)
+        print(f"{name}: perplexity {report[name]['perplexity']:.4f}", flush=True)
+    if ns.peer_llama_cpp:
+        report["llama.cpp"], top1["llama.cpp"] = _llama_cpp_arm(args, texts)
+    if "float32" in top1:
+        for name in top1.keys() - {"float32"}:
+            report[name]["top1_vs_fp32"] = top1_agreement(top1["float32"], top1[name])
+            report[name]["over_fp32_perplexity"] = report[name]["perplexity"] / report["float32"]["perplexity"]
     if ns.reference == "bf16":
         report["int8_activations"]["greedy_vs_bf16"] = match_rate(outputs["bfloat16"], outputs["int8_activations"])
         report["int8_gate"] = int8_verdict_vs_bf16(report)
     else:
         for name in VARIANTS:
-            report[name]["over_fp32_perplexity"] = report[name]["perplexity"] / report["float32"]["perplexity"]
             report[name]["greedy_vs_fp32"] = match_rate(outputs["float32"], outputs[name])
         report["int8_activations"]["greedy_vs_bf16"] = match_rate(outputs["bfloat16"], outputs["int8_activations"])
         report["int8_gate"] = int8_verdict(report)
