@@ -90,6 +90,31 @@ def render_quality(results: str) -> str:
     return table(head, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
+TOP1_FILES = ("quality_top1_smollm2.json", "quality_top1_qwen2.5-coder-0.5b.json", "quality_top1_gemma-3-270m.json")
+
+
+def _scored(arm: dict[str, Any]) -> str:
+    return f"{arm['top1_vs_fp32']:.2%} ({arm['perplexity']:.4f}, {arm['over_fp32_perplexity'] - 1:+.2%})"
+
+
+def render_quality_top1(results: str) -> str:
+    """Per real file: teacher-forced top-1 agreement with fp32 and perplexity, specserve's bf16 and
+    int8 activations against llama.cpp itself on the same token ids."""
+    rows, notes = [], []
+    for name in TOP1_FILES:
+        data = load(results, name)
+        model = os.path.basename(data["model"]) if data["model"] != "embedded default" else "default (SmolLM2-135M Q4_1)"
+        bf16, int8, peer = data["bfloat16"], data["int8_activations"], data["llama.cpp"]
+        paired = int8["top1_vs_llama_cpp"]
+        rows.append([model, f"{data['float32']['scored_tokens']:,}", f"{data['float32']['perplexity']:.4f}",
+                     _scored(bf16), _scored(int8), _scored(peer),
+                     f"{paired['only_ours']} - {paired['only_theirs']} (noise {paired['noise']:.0f})"])  # fmt: skip
+        notes.append(f"{model}: {provenance(data, name)}")
+    head = ["model file", "scored tokens", "fp32 perplexity", "specserve bf16: top-1 = fp32 (perplexity, vs fp32)",
+            "specserve int8", "llama.cpp (its 8-bit activations)", "top-1 = fp32 by int8 only - by llama.cpp only"]
+    return table(head, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
 def render_seed_failure(results: str) -> str:
     data = load(results, "seed_failure.json")
     aliased, owned = data["aliased"], data["owned"]

@@ -87,6 +87,15 @@ def top1_agreement(reference: list[torch.Tensor], other: list[torch.Tensor]) -> 
     return same / sum(len(a) for a in reference)
 
 
+def top1_paired(reference: list[torch.Tensor], ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> dict[str, Any]:
+    """Positions where only ours puts the reference's token first, and where only theirs does: the
+    paired count that says whether a difference in agreement is more than noise (about the square
+    root of their sum, as for a sign test)."""
+    only_ours = sum(int(((o == r) & (t != r)).sum()) for r, o, t in zip(reference, ours, theirs))
+    only_theirs = sum(int(((o != r) & (t == r)).sum()) for r, o, t in zip(reference, ours, theirs))
+    return {"only_ours": only_ours, "only_theirs": only_theirs, "noise": math.sqrt(only_ours + only_theirs)}
+
+
 def match_rate(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
     prefix = []
     for a, b in zip(reference, other):
@@ -142,6 +151,8 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
         for name in top1.keys() - {"float32"}:
             report[name]["top1_vs_fp32"] = top1_agreement(top1["float32"], top1[name])
             report[name]["over_fp32_perplexity"] = report[name]["perplexity"] / report["float32"]["perplexity"]
+            if "llama.cpp" in top1 and name != "llama.cpp":
+                report[name]["top1_vs_llama_cpp"] = top1_paired(top1["float32"], top1[name], top1["llama.cpp"])
     if ns.reference == "bf16":
         report["int8_activations"]["greedy_vs_bf16"] = match_rate(outputs["bfloat16"], outputs["int8_activations"])
         report["int8_gate"] = int8_verdict_vs_bf16(report)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from specserve.bench.quality import teacher_forced, top1_agreement
+from specserve.bench.quality import teacher_forced, top1_agreement, top1_paired
 
 
 def _one_hot_logits(ids: list[int], vocab: int, guess) -> torch.Tensor:
@@ -33,3 +33,12 @@ def test_top1_agreement_counts_positions_not_texts():
     assert top1_agreement(reference, [torch.tensor([1, 0, 3]), torch.tensor([0])]) == 2 / 4
     shifted = teacher_forced(lambda x: _one_hot_logits(x, 8, lambda i: x[i]), [([5, 6, 1, 2, 3], 2)])[1]
     assert top1_agreement([torch.tensor([1, 2, 3])], shifted) == 0.0  # an off-by-one read of the logits fails
+
+
+def test_paired_counts_tell_who_alone_matched_the_reference():
+    reference = [torch.tensor([1, 2, 3, 4])]
+    ours, theirs = [torch.tensor([1, 2, 0, 0])], [torch.tensor([1, 0, 3, 0])]
+    paired = top1_paired(reference, ours, theirs)
+    assert (paired["only_ours"], paired["only_theirs"]) == (1, 1)  # position 0 both, position 3 neither
+    assert math.isclose(paired["noise"], math.sqrt(2))
+    assert top1_paired(reference, reference, theirs)["only_theirs"] == 0
