@@ -22,7 +22,7 @@ UNIT_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit") + 
 
 
 def pytest_configure(config) -> None:
-    """Under pytest-xdist (`-n 2`) each worker gets its share of the cores: torch's default of one
+    """Under pytest-xdist (`-n auto`) each worker gets its share of the cores: torch's default of one
     thread per core in every worker would put two threads on each core, and OpenMP threads that
     spin waiting for a busy core slow both workers. Servers and ranks the tests spawn inherit it."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

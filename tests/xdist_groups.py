@@ -14,10 +14,13 @@ LARGE_MEMORY_MODULES = frozenset(f"tests/integration/{name}.py" for name in (
 GIB_PER_WORKER = 10
 
 
+def memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def auto_workers() -> int:
     """A worker per core, as far as memory allows one per GIB_PER_WORKER."""
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(os.cpu_count() or 1, int(memory_gib // GIB_PER_WORKER)))
+    return max(1, min(os.cpu_count() or 1, int(memory_gib() // GIB_PER_WORKER)))
 
 
 def worker_group(nodeid: str) -> str:

@@ -68,6 +68,11 @@ def render_step_profile(results: str) -> str:
 QUALITY_FILES = ("quality_bf16_vs_fp32.json", "quality_qwen.json", "quality_gemma.json")
 
 
+def _quality_model(data: dict[str, Any]) -> str:
+    """A quality record's model file, as its rows name it."""
+    return os.path.basename(data["model"]) if data["model"] != "embedded default" else "default (SmolLM2-135M Q4_1)"
+
+
 def render_quality(results: str) -> str:
     rows, notes = [], []
     for name in QUALITY_FILES:
@@ -76,7 +81,7 @@ def render_quality(results: str) -> str:
         data = load(results, name)
         gate = data["int8_gate"]  # the verdict recorded with the figures (and shipped by --record)
         fp32, bf16, int8 = data["float32"], data["bfloat16"], data["int8_activations"]
-        model = os.path.basename(data["model"]) if data["model"] != "embedded default" else "default (SmolLM2-135M Q4_1)"
+        model = _quality_model(data)
         only = gate["greedy_only"]
         rows.append([model, f"{fp32['perplexity']:.4f}",
                      *(f"{v['perplexity']:.4f} ({v['over_fp32_perplexity'] - 1:+.3%})" for v in (bf16, int8)),
@@ -103,7 +108,7 @@ def render_quality_top1(results: str) -> str:
     rows, notes = [], []
     for name in TOP1_FILES:
         data = load(results, name)
-        model = os.path.basename(data["model"]) if data["model"] != "embedded default" else "default (SmolLM2-135M Q4_1)"
+        model = _quality_model(data)
         bf16, int8, peer = data["bfloat16"], data["int8_activations"], data["llama.cpp"]
         paired = int8["top1_vs_llama_cpp"]
         rows.append([model, f"{data['float32']['scored_tokens']:,}", f"{data['float32']['perplexity']:.4f}",
@@ -399,6 +404,10 @@ def _start_cells(server: dict[str, Any]) -> str:
             f"({server['rss_mib']['median']:.0f} MiB)")
 
 
+def _speedups(up: dict[str, Any]) -> str:
+    return f"{_median_range(up['first_token_s'], '.2f', 'x')} / {_median_range(up['full_speed_s'], '.2f', 'x')}"
+
+
 def render_startup(results: str, file: str = "startup.json") -> str:
     """Per file and page-cache state: seconds to the first token and to the first full-speed token,
     specserve's restart against llama-server with and without its warm-up, as speed-ups."""
@@ -410,10 +419,7 @@ def render_startup(results: str, file: str = "startup.json") -> str:
             up = by_server["speedup"]
             rows.append([f"`{name}` ({f['file_mib']:.0f} MiB)", state, _start_cells(by_server["specserve"]),
                          _start_cells(by_server["llama-server"]), _start_cells(by_server["llama-server --no-warmup"]),
-                         f"{_median_range(up['llama-server']['first_token_s'], '.2f', 'x')} / "
-                         f"{_median_range(up['llama-server']['full_speed_s'], '.2f', 'x')}",
-                         f"{_median_range(up['llama-server --no-warmup']['first_token_s'], '.2f', 'x')} / "
-                         f"{_median_range(up['llama-server --no-warmup']['full_speed_s'], '.2f', 'x')}",
+                         _speedups(up["llama-server"]), _speedups(up["llama-server --no-warmup"]),
                          f"{first['first_token_s']:.1f} / {first['full_speed_s']:.1f} s"])  # fmt: skip
     header = ["file (synthetic weights)", "page cache", "specserve restart: first / full-speed token (resident)",
               "llama-server", "llama-server --no-warmup", "speed-up vs llama-server: first / full-speed",
