@@ -56,7 +56,8 @@ class ServerArgs:
     cpu_activations: str = flag(
         "auto",
         "activations of the CPU kernels' quantized linears: int8 (rows quantized per 32 columns, integer dot products, "
-        "as llama.cpp computes), bf16, or auto: int8 on the model files `bench quality --record` passed, else bf16",
+        "as llama.cpp computes), bf16 (exact: within bf16 rounding of fp32), or auto: int8 for quantized weights on "
+        "CPU, bf16 for float weights and off the CPU (models/activations.py)",
         choices=CPU_ACTIVATIONS,
     )
     device: str = flag("cpu", "cpu or cuda")

@@ -19,7 +19,7 @@ ServerArgs = Any
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
 DTYPES = ("auto", "float32", "bfloat16")
-CPU_ACTIVATIONS = ("auto", "bf16", "int8")  # auto: resolved per model file when the engine builds (models/int8_gate.py)
+CPU_ACTIVATIONS = ("auto", "bf16", "int8")  # auto: resolved by weight type when the engine builds (models/activations.py)
 MAX_DRAFT_TOKENS = 15
 DEFAULT_BLOCK_SIZE = 5  # every drafter's window when --speculative-dspark-block-size is unset
 SPEC_ALGORITHMS = (None, *Algorithm)

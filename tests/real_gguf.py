@@ -99,7 +99,7 @@ def bf16_perplexity_ratio(bf16_engine, fp32_model, max_tokens: int = 384) -> flo
 
 
 def check_auto_runs_int8_losslessly(path: str, bf16_engine, prompts: list[list[int]]) -> None:
-    """A file whose quality-gate pass is recorded: the default (`--cpu-activations auto`) runs int8
+    """A quantized file: the default (`--cpu-activations auto`, models/activations.py) runs int8
     activations, and NGRAM under them gives the tokens of plain int8 decoding (the bf16 engine's
     linears switched to int8, its prefix cache emptied on both sides of the switch: cached K/V hold
     the activations they were computed with)."""

@@ -4,6 +4,7 @@ failure, the soak, what TP 2 and the consensus checker cost)."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -64,34 +65,33 @@ def render_step_profile(results: str) -> str:
     return table(header, rows) + f"\n\n{provenance(data, 'offline_bf16_kernels.json')}\n"
 
 
-# The quality gate's records, one per model file (`bench quality --record --out F`).
-QUALITY_FILES = ("quality_bf16_vs_fp32.json", "quality_qwen.json", "quality_gemma.json")
-
-
 def _quality_model(data: dict[str, Any]) -> str:
     """A quality record's model file, as its rows name it."""
     return os.path.basename(data["model"]) if data["model"] != "embedded default" else "default (SmolLM2-135M Q4_1)"
 
 
+def _greedy_pair(pair: dict[str, Any]) -> str:
+    return f"{pair['only_ours']} - {pair['only_theirs']} (noise {pair['noise']:.1f})"
+
+
 def render_quality(results: str) -> str:
+    """Per real file: greedy MT-Bench answers identical to fp32's, specserve's bf16 and int8
+    activations and llama.cpp itself, with the paired counts (`bench quality --peer-llama-cpp`)."""
     rows, notes = [], []
-    for name in QUALITY_FILES:
-        if not os.path.exists(os.path.join(results, name)):
-            continue
+    for name in TOP1_FILES:
         data = load(results, name)
-        gate = data["int8_gate"]  # the verdict recorded with the figures (and shipped by --record)
-        fp32, bf16, int8 = data["float32"], data["bfloat16"], data["int8_activations"]
         model = _quality_model(data)
-        only = gate["greedy_only"]
-        rows.append([model, f"{fp32['perplexity']:.4f}",
-                     *(f"{v['perplexity']:.4f} ({v['over_fp32_perplexity'] - 1:+.3%})" for v in (bf16, int8)),
-                     *(f"{gate['greedy_identical'][k]} of {gate['prompts']}" for k in ("bf16", "int8")),
-                     f"{only['bf16']} - {only['int8']} = {only['bf16'] - only['int8']} (noise {gate['greedy_noise']:.1f})",
-                     "**int8**" if gate["int8"] else "bf16"])
-        notes.append(f"{model}: {fp32['scored_tokens']:,} scored ShareGPT tokens, {data.get('num_prompts', '?')} "
-                     f"MT-Bench first turns. {provenance(data, name)}")
-    head = ["model file", "fp32 perplexity", "bf16 activations", "int8 activations", "greedy = fp32, bf16",
-            "greedy = fp32, int8", "matched by bf16 only - by int8 only", "`auto` runs"]
+        arms = [data[k]["greedy_vs_fp32"] for k in ("bfloat16", "int8_activations", "llama.cpp")]
+        only = data["int8_gate"]["greedy_only"]
+        prompts = len(arms[0]["identical_each"])
+        rows.append([model, *(f"{sum(a['identical_each'])} of {prompts} ({a['mean_matching_prefix']:.0%})" for a in arms),
+                     _greedy_pair({"only_ours": only["int8"], "only_theirs": only["bf16"],
+                                   "noise": math.sqrt(only["int8"] + only["bf16"])}),
+                     _greedy_pair(data["int8_activations"]["greedy_vs_llama_cpp"])])  # fmt: skip
+        notes.append(f"{model}: {data['num_prompts']} MT-Bench first turns, {data['new_tokens']} new tokens. "
+                     f"{provenance(data, name)}")
+    head = ["model file", "greedy = fp32: specserve bf16 (mean share before the first difference)", "specserve int8",
+            "llama.cpp", "int8 only - bf16 only", "int8 only - llama.cpp only"]
     return table(head, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 

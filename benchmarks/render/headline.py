@@ -41,9 +41,9 @@ def _at_size(records: dict[str, dict[str, Any]]) -> str:
     runs = " or ".join(sorted({str(d["runs"]) for d in records.values()}))
     return (f"- **Batch-1 decode at 1.5-7B, speculation off on both sides** (synthetic weights: real tensor tables, "
             f"random values) against native `llama-bench` tg128 on the same file, as a user's own file runs by default "
-            f"(bf16 activations): {_per_model(_by_activations(records, 'bf16'), 'decode_vs_native')}; with "
-            f"`--cpu-activations int8` (opt-in: the default picks int8 only for files that passed the quality gate): "
-            f"{_per_model(_by_activations(records, 'int8'), 'decode_vs_native')}. Median (lowest-highest) of {runs} "
+            f"(int8 activations for quantized weights): {_per_model(_by_activations(records, 'int8'), 'decode_vs_native')}"
+            f"; with `--cpu-activations bf16` (the exact mode): "
+            f"{_per_model(_by_activations(records, 'bf16'), 'decode_vs_native')}. Median (lowest-highest) of {runs} "
             f"interleaved runs. {' '.join(provenance(d, f) for f, d in records.items())}\n")
 
 

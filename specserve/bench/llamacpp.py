@@ -45,6 +45,23 @@ def teacher_forced_logits(model_path: str, threads: int, n_ctx: int):
     return logits_of
 
 
+def greedy_outputs(model_path: str, threads: int, prompts: list[list[int]], new_tokens: int,
+                   stop_ids: tuple[int, ...]) -> list[list[int]]:
+    """llama.cpp's greedy answers to token-id prompts, as the engine decodes them: argmax of each
+    step's logits, at most `new_tokens`, ending after an end-of-sequence token."""
+    llm = open_llama(model_path, threads, n_ctx=max(len(p) for p in prompts) + new_tokens)
+    outputs = []
+    for prompt in prompts:
+        llm.reset()
+        llm.eval(prompt)
+        tokens: list[int] = []
+        while len(tokens) < new_tokens and not (tokens and tokens[-1] in stop_ids):
+            tokens.append(int(np.argmax(last_logits(llm))))
+            llm.eval(tokens[-1:])
+        outputs.append(tokens)
+    return outputs
+
+
 # Batch-1 generations timed (median kept): one is a fraction of a second on a shared machine.
 BATCH1_RUNS = 3
 

@@ -163,7 +163,7 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     from specserve.bench.llamacpp import BATCH1_RUNS
     from specserve.bench.provenance import emit_report, provenance
     from specserve.args_checks import CPU_ACTIVATIONS
-    from specserve.models.int8_gate import resolve_cpu_activations
+    from specserve.models.activations import choose_cpu_activations
     from specserve.models.loader import resolve_model_path
 
     models = [m.strip() for m in ns.models.split(",") if m.strip()]
@@ -177,8 +177,8 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     modes = [a.strip() for a in ns.activations.split(",") if a.strip()]
     if not modes or any(a not in CPU_ACTIVATIONS for a in modes):
         raise ConfigError(f"--activations: a comma-separated list of {', '.join(CPU_ACTIVATIONS)}, got {ns.activations!r}")
-    # auto as each file's own default (models/int8_gate.py), each resolved choice once
-    resolved = {m: list(dict.fromkeys(resolve_cpu_activations(a, paths[m], "cpu") for a in modes)) for m in models}
+    # auto as the engine resolves it (models/activations.py), each resolved choice once
+    resolved = {m: list(dict.fromkeys(choose_cpu_activations(a, "cpu", "auto")[0] for a in modes)) for m in models}
     entries = {(m, a): m if a == "bf16" else f"{m}, int8 activations" for m in models for a in resolved[m]}
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in entries.values()}
     for run in range(ns.runs):

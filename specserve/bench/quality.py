@@ -7,7 +7,9 @@ greedy match rate of bf16 against fp32 on MT-Bench first turns (the share of out
 identical, and the mean share of tokens before the first difference). Teacher-forced, on the same
 answers: each variant's top-1 agreement with fp32 (the share of positions whose most likely next
 token is fp32's). `--peer-llama-cpp` scores llama.cpp itself the same way (llama-cpp-python with
-every position's logits, the same file and token ids): the quality its users already accept.
+every position's logits, the same file and token ids) and takes its greedy answers to the same
+prompts: the quality its users already accept, which `--cpu-activations auto`'s rule is set
+against (models/activations.py).
 """
 
 from __future__ import annotations
@@ -35,11 +37,9 @@ def add_quality_bench_args(p: argparse.ArgumentParser) -> None:
                    help="what int8 activations are judged against: an fp32 run (the full gate) or, where fp32 "
                         "weights do not fit in memory (7B and up), bf16 activations on the same file")
     p.add_argument("--peer-llama-cpp", action="store_true",
-                   help="score llama.cpp too (llama-cpp-python, every position's logits) on the same file and "
-                        "token ids: its perplexity and its top-1 agreement with fp32")
-    p.add_argument("--record", action="store_true",
-                   help="write the int8 gate's verdict on this model file into the shipped record that "
-                        "--cpu-activations auto reads (specserve/assets/quality/int8.json)")
+                   help="score llama.cpp too (llama-cpp-python) on the same file and token ids: its perplexity, its "
+                        "top-1 agreement with fp32 (every position's logits) and its greedy answers against fp32's")
+
 
 
 def all_logits(model, ids: list[int]) -> torch.Tensor:
@@ -106,31 +106,47 @@ def match_rate(reference: list[list[int]], other: list[list[int]]) -> dict[str, 
             "identical_each": each}  # per prompt, for the int8 gate's paired test
 
 
+def greedy_paired(report: dict[str, Any], theirs: str) -> dict[str, Any]:
+    """Prompts whose greedy answer equals fp32's for int8 activations only, and for `theirs` only,
+    with the paired noise (about the square root of their sum)."""
+    ours_each = report["int8_activations"]["greedy_vs_fp32"]["identical_each"]
+    theirs_each = report[theirs]["greedy_vs_fp32"]["identical_each"]
+    only_ours = sum(o and not t for o, t in zip(ours_each, theirs_each))
+    only_theirs = sum(t and not o for o, t in zip(ours_each, theirs_each))
+    return {"only_ours": only_ours, "only_theirs": only_theirs, "noise": math.sqrt(only_ours + only_theirs)}
+
+
 # The variants compared with float32 (the reference): bf16 activations, and int8 activations
 # (--cpu-activations int8), both on the same packed weights.
 VARIANTS = {"bfloat16": {"dtype": "bfloat16", "cpu_activations": "bf16"},
             "int8_activations": {"dtype": "bfloat16", "cpu_activations": "int8"}}
 
 
-def _llama_cpp_arm(args: ServerArgs, texts: list[tuple[list[int], int]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def _llama_cpp_arm(args: ServerArgs, texts: list[tuple[list[int], int]], prompts: list[list[int]], new_tokens: int,
+                   stop_ids: tuple[int, ...]) -> tuple[dict[str, Any], list[torch.Tensor], list[list[int]]]:
     """llama.cpp on the same file and the same token ids, as its users run it (its CPU matmuls
-    quantize activations to 8 bits)."""
-    from specserve.bench.llamacpp import teacher_forced_logits
+    quantize activations to 8 bits): scored teacher-forced, and its greedy answers."""
+    from specserve.bench.llamacpp import greedy_outputs, teacher_forced_logits
     from specserve.models.loader import resolve_model_path
 
-    logits_of = teacher_forced_logits(resolve_model_path(args.model_path), torch.get_num_threads(),
-                                      n_ctx=max(len(ids) for ids, _ in texts))
+    path, threads = resolve_model_path(args.model_path), torch.get_num_threads()
+    logits_of = teacher_forced_logits(path, threads, n_ctx=max(len(ids) for ids, _ in texts))
     scored, top1 = teacher_forced(logits_of, texts)
     print(f"llama.cpp: perplexity {scored['perplexity']:.4f}", flush=True)
-    return scored, top1
+    return scored, top1, greedy_outputs(path, threads, prompts, new_tokens, stop_ids)
+
+
+def until_stop(outputs: list[list[int]], stop_ids: tuple[int, ...]) -> list[list[int]]:
+    """Each answer up to its first end-of-sequence token (left out), so an engine that returns the
+    token and one that does not compare alike."""
+    return [next((o[:i] for i, t in enumerate(o) if t in stop_ids), o) for o in outputs]
 
 
 def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     from specserve.bench.offline import prompt_ids
     from specserve.bench.provenance import provenance
     from specserve.engine import Engine
-    from specserve.models.int8_gate import int8_verdict, int8_verdict_vs_bf16, record_verdict
-    from specserve.models.loader import resolve_model_path
+    from specserve.bench.int8_gate import int8_verdict, int8_verdict_vs_bf16
 
     report: dict[str, Any] = {**provenance(), "threads": torch.get_num_threads(), "num_prompts": ns.num_prompts,
                               "new_tokens": ns.new_tokens, "num_texts": ns.num_texts, "max_tokens": ns.max_tokens,
@@ -143,10 +159,13 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
             texts = scored_texts(engine.tokenizer, ns.num_texts, ns.max_tokens)
             prompts = prompt_ids(engine.tokenizer, [q["prompt"] for q in mtbench_first_turns()[:ns.num_prompts]])
             report[name], top1[name] = teacher_forced(lambda ids: all_logits(engine.runner.model, ids), texts)
-            outputs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+            stop_ids = tuple(engine.tokenizer.eos_token_ids)
+            answers = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+            outputs[name] = until_stop(answers, stop_ids)
         print(f"{name}: perplexity {report[name]['perplexity']:.4f}", flush=True)
     if ns.peer_llama_cpp:
-        report["llama.cpp"], top1["llama.cpp"] = _llama_cpp_arm(args, texts)
+        report["llama.cpp"], top1["llama.cpp"], answers = _llama_cpp_arm(args, texts, prompts, ns.new_tokens, stop_ids)
+        outputs["llama.cpp"] = until_stop(answers, stop_ids)
     if "float32" in top1:
         for name in top1.keys() - {"float32"}:
             report[name]["top1_vs_fp32"] = top1_agreement(top1["float32"], top1[name])
@@ -157,15 +176,14 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
         report["int8_activations"]["greedy_vs_bf16"] = match_rate(outputs["bfloat16"], outputs["int8_activations"])
         report["int8_gate"] = int8_verdict_vs_bf16(report)
     else:
-        for name in VARIANTS:
+        for name in outputs.keys() - {"float32"}:
             report[name]["greedy_vs_fp32"] = match_rate(outputs["float32"], outputs[name])
+        if "llama.cpp" in outputs:  # the int8 gate's greedy count, llama.cpp in bf16's place
+            report["int8_activations"]["greedy_vs_llama_cpp"] = greedy_paired(report, "llama.cpp")
         report["int8_activations"]["greedy_vs_bf16"] = match_rate(outputs["bfloat16"], outputs["int8_activations"])
         report["int8_gate"] = int8_verdict(report)
         report["int8_gate_vs_bf16"] = int8_verdict_vs_bf16(report)  # the cheap gate's verdict beside the full one
     print(json.dumps(report, indent=2))
-    if ns.record:
-        record_verdict(resolve_model_path(args.model_path), report["int8_gate"],
-                       {k: report[k] for k in ("commit", "date", "machine")})
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -22,7 +22,7 @@ from specserve.engine.inputs import Params, Prompt, normalize_inputs, normalize_
 from specserve.engine.messages import AbortRequest, AddRequest, Command, Drain, FlushCache, Shutdown
 from specserve.engine.output import request_output
 from specserve.logits.grammar import GrammarSpec
-from specserve.models.int8_gate import with_resolved_activations
+from specserve.models.activations import choose_cpu_activations, with_resolved_activations
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.req import Req
 from specserve.scheduler.scheduler import StepResult
@@ -41,7 +41,10 @@ class Engine:
     """
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
-        args = with_resolved_activations(ServerArgs.from_kwargs(model_path=model_path, **kwargs))  # once, for every rank
+        asked = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        # What the quantized linears compute with, and why (the start-up block says both).
+        self.cpu_activations_reason = choose_cpu_activations(asked.cpu_activations, asked.device, asked.quantization)[1]
+        args = with_resolved_activations(asked)  # once, for every rank
         self._workers: list = []
         self.rank_figures: Optional[list[dict]] = None  # every rank's measured figures, after shutdown
         dist_cfg = None
@@ -65,6 +68,7 @@ class Engine:
         """The engine of one non-zero tensor-parallel rank (see rank_main)."""
         engine = cls.__new__(cls)
         engine._workers, engine.rank_figures = [], None
+        engine.cpu_activations_reason = choose_cpu_activations(args.cpu_activations, args.device, args.quantization)[1]
         engine._build(args, dist_cfg)
         return engine
 

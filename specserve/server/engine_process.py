@@ -135,6 +135,7 @@ def _ready_info(engine) -> dict[str, Any]:
         "device": args.device,
         "kernel_path": cpu_kernel_path(args.device, engine.model.dtype),
         "cpu_activations": args.cpu_activations,
+        "cpu_activations_reason": engine.cpu_activations_reason,
         "quantized_linears": args.quantization == "auto" and quantized_linears(engine.model.summary),
         "threads": torch.get_num_threads(),
         "tp_size": args.tp_size,

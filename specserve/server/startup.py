@@ -26,13 +26,12 @@ def startup_block(name: str, info: dict[str, Any], url: str, seconds: float) -> 
     model = info["model"]
     weights = ", ".join(f"{kind} x{count}" for kind, count in model["weights"].items())
     kernels = f"{info['kernel_path']} kernels" if info["kernel_path"] else "torch ops"
-    if info["kernel_path"] and info.get("quantized_linears"):  # the quantized linears' activations (models/int8_gate.py)
-        kernels += f", {info['cpu_activations']} activations"
     lines = [
         f"serving {name}",
         f"  model        {os.path.basename(info['model_path'])}: {model['architecture']}, "
         f"{describe_parameters(model['parameters'])} parameters; weights {weights}",
         f"  compute      {info['dtype']} on {info['device']}, {kernels}, {info['threads']} threads, TP {info['tp_size']}",
+        *_activations(info),
         f"  KV cache     {info['kv_total_tokens']:,} tokens; context {info['context_length']:,}; "
         f"up to {info['max_running_requests']} running requests",
         f"  weight cache {_weight_cache(info['weight_cache'], info['tp_size'])}",
@@ -41,6 +40,14 @@ def startup_block(name: str, info: dict[str, Any], url: str, seconds: float) -> 
         f"  address      {url} (OpenAI API under /v1; /health, /metrics)",
     ]
     return "\n".join(lines)
+
+
+def _activations(info: dict[str, Any]) -> list[str]:
+    """The quantized linears' activations and why (models/activations.py); no line where the flag
+    sets nothing (torch ops, or no quantized weights)."""
+    if not (info["kernel_path"] and info.get("quantized_linears")):
+        return []
+    return [f"  activations  {info['cpu_activations']} for the quantized linears ({info['cpu_activations_reason']})"]
 
 
 def _weight_cache(cache: dict[str, Any], tp_size: int) -> str:

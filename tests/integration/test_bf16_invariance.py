@@ -28,7 +28,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 40}
 
 @pytest.fixture(scope="module")
 def bf16_engine():
-    engine = Engine(dtype="bfloat16", max_total_tokens=8192, speculative_algorithm="NONE")
+    engine = Engine(dtype="bfloat16", cpu_activations="bf16", max_total_tokens=8192, speculative_algorithm="NONE")
     yield engine
     engine.shutdown()
 
@@ -151,7 +151,7 @@ SAME_ACCEPTANCE = {"NGRAM", "DSPARK static", "DSPARK sync eager"}
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_output_is_identical_alone_batched_cold_and_warm(name, greedy_reference):
     prompts, reference = greedy_reference
-    with Engine(dtype="bfloat16", max_total_tokens=8192, **CONFIGS[name]) as engine:
+    with Engine(dtype="bfloat16", cpu_activations="bf16", max_total_tokens=8192, **CONFIGS[name]) as engine:
         cold = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
         warm = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
         engine.scheduler.ledger.tree.reset()

@@ -23,7 +23,7 @@ TOKENS = 320
 
 @pytest.fixture(scope="module")
 def bf16_engine():
-    with Engine(dtype="bfloat16", max_total_tokens=4096, speculative_algorithm="NONE") as engine:
+    with Engine(dtype="bfloat16", cpu_activations="bf16", max_total_tokens=4096, speculative_algorithm="NONE") as engine:
         yield engine
 
 

@@ -99,8 +99,8 @@ def test_bf16_ngram_lossless_and_chat_template_only_when_given(path, bf16_engine
 
 
 def test_auto_runs_int8_on_this_file_and_ngram_stays_lossless(path, bf16_engine):
-    """The shipped record holds this file's pass of the quality gate, so the default runs int8
-    activations; NGRAM under them gives plain int8 decoding's tokens (past the sliding window too)."""
+    """The default rule (models/activations.py) runs int8 activations on this file's quantized
+    linears; NGRAM under them gives plain int8 decoding's tokens (past the sliding window too)."""
     prompts = [bf16_engine.tokenizer.encode(p) for p in PROMPTS[3:]] + [_long_prompt(bf16_engine)]
     real_gguf.check_auto_runs_int8_losslessly(path, bf16_engine, prompts)
 
@@ -117,6 +117,6 @@ def test_bf16_perplexity_within_one_percent_of_fp32(bf16_engine, fp32_engine):
     dequantized weights, on held-out text."""
     ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
     assert abs(ratio - 1.0) <= 0.01, f"bf16 perplexity is {ratio:.4f}x fp32's"
-    with int8_activations(bf16_engine.runner.model):  # --cpu-activations int8 (this file's default under auto)
+    with int8_activations(bf16_engine.runner.model):  # --cpu-activations int8 (the default under auto)
         ratio = bf16_perplexity_ratio(bf16_engine, fp32_engine.runner.model)
     assert abs(ratio - 1.0) <= 0.02, f"with int8 activations, perplexity is {ratio:.4f}x fp32's"

@@ -10,6 +10,7 @@ import time
 import httpx
 
 from helpers import MODEL, ServerProcess
+from specserve.models.activations import INT8_REASON
 
 
 def wait_for(srv: ServerProcess, pattern: str, timeout_s: float = 60) -> str:
@@ -29,8 +30,9 @@ def test_default_serve_logs_the_block_and_ready_and_exits_cleanly(tmp_path):
         block = log[log.index("serving "):]
         assert f"serving {MODEL}" in block
         assert re.search(r"model +SmolLM2-135M-Instruct\.Q4_1\.gguf: llama, 134\.5M parameters; weights Q4_1 x210", block)
-        compute = r"compute +bfloat16 on cpu, (avx512_bf16|avx2_fma|generic) kernels, bf16 activations, \d+ threads, TP 1"
-        assert re.search(compute, block)  # the default file failed the int8 gate (models/int8_gate.py)
+        compute = r"compute +bfloat16 on cpu, (avx512_bf16|avx2_fma|generic) kernels, \d+ threads, TP 1"
+        assert re.search(compute, block)
+        assert f"  activations  int8 for the quantized linears ({INT8_REASON})" in block  # models/activations.py
         assert re.search(r"KV cache +[\d,]+ tokens; context 8,192", block)
         assert "  weight cache off (SPECSERVE_WEIGHT_CACHE_DIR=off)" in block  # the test suite's setting (conftest.py)
         assert re.search(r"speculation +adaptive policy over DSPARK \(smollm2-135m-instruct\), NGRAM", block)

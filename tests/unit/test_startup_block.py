@@ -8,6 +8,7 @@ import specserve.models.packed_cache as packed_cache
 from specserve.args import ServerArgs
 from specserve.engine.start_cache import weight_cache_max_bytes, weight_cache_report
 from specserve.kernels.linear import Q8, PackedLinear
+from specserve.models.activations import INT8_REASON
 from specserve.models.packed_cache_cap import describe_bytes
 from specserve.models.summary import describe_parameters
 from specserve.server.startup import startup_block
@@ -44,12 +45,15 @@ def test_speculation_line_names_the_policy_and_the_drafters():
         startup_block("m", info, "http://h:1", 1.0)
 
 
-def test_compute_line_names_the_quantized_linears_activations_on_the_cpu_kernels():
-    info = {**INFO, "dtype": "bfloat16", "kernel_path": "avx512_bf16", "cpu_activations": "int8"}
-    assert "  compute      bfloat16 on cpu, avx512_bf16 kernels, int8 activations, 2 threads, TP 2" in \
-        startup_block("m", info, "http://h:1", 1.0)
-    dense = startup_block("m", {**info, "quantized_linears": False}, "http://h:1", 1.0)
-    assert "  compute      bfloat16 on cpu, avx512_bf16 kernels, 2 threads, TP 2" in dense
+def test_activations_line_names_the_quantized_linears_activations_and_why_on_the_cpu_kernels():
+    info = {**INFO, "dtype": "bfloat16", "kernel_path": "avx512_bf16", "cpu_activations": "int8",
+            "cpu_activations_reason": INT8_REASON}
+    block = startup_block("m", info, "http://h:1", 1.0).splitlines()
+    assert "  compute      bfloat16 on cpu, avx512_bf16 kernels, 2 threads, TP 2" in block
+    assert f"  activations  int8 for the quantized linears ({INT8_REASON})" in block
+    assert block.index("  activations  int8 for the quantized linears (" + INT8_REASON + ")") == 3  # after compute
+    for quiet in ({**info, "quantized_linears": False}, {**info, "kernel_path": None}):  # nothing the flag sets
+        assert "activations" not in startup_block("m", quiet, "http://h:1", 1.0)
 
 
 def test_parameter_counts_read_as_people_write_them():

@@ -1,15 +1,21 @@
-"""`--cpu-activations auto` (models/int8_gate.py): the quality gate's rule, its record, and the
-choice it makes per model file."""
+"""`--cpu-activations auto` (models/activations.py): one rule by weight type, the measurements it
+stands on, and the greedy gate `bench quality` still reports beside them (bench/int8_gate.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from specserve.args import ServerArgs
-from specserve.models.int8_gate import (RECORD, int8_verdict, int8_verdict_vs_bf16, load_record, record_verdict,
-                                        resolve_cpu_activations)
+from specserve.bench.int8_gate import int8_verdict, int8_verdict_vs_bf16
+from specserve.bench.quality import greedy_paired, until_stop
+from specserve.models.activations import DEQUANTIZED_REASON, INT8_REASON, OFF_CPU_REASON, choose_cpu_activations, \
+    with_resolved_activations
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench_results")
+TOP1_RECORDS = ("quality_top1_smollm2.json", "quality_top1_qwen2.5-coder-0.5b.json", "quality_top1_gemma-3-270m.json")
 
 
 def report(int8_perplexity: float, bf16_each: list[bool], int8_each: list[bool]) -> dict:
@@ -57,56 +63,36 @@ def test_the_bf16_reference_gate_needs_perplexity_within_0_3_percent_of_bf16_and
     assert not early["int8"] and early["perplexity_ok"] and not early["greedy_ok"]
 
 
-def fake_model(tmp_path, name: str, content: bytes):
-    path = tmp_path / name
-    path.write_bytes(content)
-    return str(path)
-
-
-def test_auto_picks_int8_only_for_a_recorded_passing_file(tmp_path):
-    record = str(tmp_path / "quality" / "int8.json")
-    passing = fake_model(tmp_path, "a.gguf", b"GGUF-passing-model")
-    failing = fake_model(tmp_path, "b.gguf", b"GGUF-failing-model")
-    lookalike = fake_model(tmp_path, "c.gguf", b"GGUF-passing-modeX")  # same size, other bytes
-    unmeasured = fake_model(tmp_path, "d.gguf", b"GGUF-never-measured-model")
-    stamp = {"commit": "c0ffee", "date": "today", "machine": "here"}
-    record_verdict(passing, int8_verdict(report(1.0003, *matches(32, 18, 2, 1))), stamp, record)
-    record_verdict(failing, int8_verdict(report(1.0040, *matches(32, 18, 2, 1))), stamp, record)
-    with pytest.raises(ValueError, match="num-prompts"):  # too few prompts to ship a verdict
-        record_verdict(passing, int8_verdict(report(1.0003, *matches(8, 5, 0, 0))), stamp, record)
-    assert [e["file"] for e in load_record(record)] == ["a.gguf", "b.gguf"]
-
-    def auto(path, device="cpu"):
-        return resolve_cpu_activations("auto", path, device, record)
-
-    assert auto(passing) == "int8"
-    assert [auto(failing), auto(lookalike), auto(unmeasured)] == ["bf16"] * 3
-    assert auto(passing, device="cuda") == "bf16"  # the flag sets only the CPU kernels
-    assert auto(str(tmp_path / "missing.gguf")) == "bf16"  # the engine reports the missing file itself
-    assert [resolve_cpu_activations(c, passing, "cpu", record) for c in ("bf16", "int8")] == ["bf16", "int8"]
-    assert resolve_cpu_activations("int8", failing, "cpu", record) == "int8"  # an explicit choice stands
-
-    # a re-measured file replaces its verdict rather than adding a second one
-    record_verdict(passing, int8_verdict(report(1.0040, *matches(32, 18, 2, 1))), stamp, record)
-    assert len(load_record(record)) == 2 and auto(passing) == "bf16"
-
-
-def test_auto_is_the_default_and_the_default_model_resolves_to_bf16():
+def test_auto_takes_int8_for_quantized_weights_on_cpu_and_bf16_elsewhere():
     assert ServerArgs().cpu_activations == "auto"  # resolved when the engine builds (Engine)
-    default = [e for e in load_record() if e["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"]
-    assert len(default) == 1 and not default[0]["int8"]  # the shipped record: the default file failed
-    assert resolve_cpu_activations("auto", None, "cpu") == "bf16"
+    assert choose_cpu_activations("auto", "cpu", "auto") == ("int8", INT8_REASON)
+    assert choose_cpu_activations("auto", "cuda:0", "auto") == ("bf16", OFF_CPU_REASON)  # the flag sets CPU kernels only
+    assert choose_cpu_activations("auto", "cpu", "none") == ("bf16", DEQUANTIZED_REASON)  # no codes left to take int8
+    for choice in ("bf16", "int8"):  # an explicit choice stands, and says it was asked for
+        assert choose_cpu_activations(choice, "cpu", "auto") == (choice, f"--cpu-activations {choice}")
+    assert with_resolved_activations(ServerArgs()).cpu_activations == "int8"  # the default file too (no record read)
+    assert with_resolved_activations(ServerArgs(cpu_activations="bf16")).cpu_activations == "bf16"
     with pytest.raises(ValueError, match="cpu_activations"):
         ServerArgs(cpu_activations="int4")
 
 
-def test_the_shipped_record_is_well_formed():
-    with open(RECORD) as f:
-        files = json.load(f)["files"]
-    assert files, "no verdicts recorded"
-    for entry in files:
-        assert set(entry) >= {"file", "bytes", "sha256", "int8", "perplexity_over_fp32", "greedy_identical", "greedy_only",
-                              "commit"}
-        assert entry["prompts"] >= 32
-        assert len(entry["sha256"]) == 64 and entry["bytes"] > 0
-        assert entry["int8"] == (entry["perplexity_ok"] and entry["greedy_ok"])
+def test_the_rule_stands_on_the_committed_measurements_against_llama_cpp():
+    """The rule's premise, read from the committed records (`bench quality --peer-llama-cpp`): on
+    every real file int8 activations put fp32's token first no less often than llama.cpp's own
+    8-bit activations beyond paired noise, at a perplexity no further from fp32's. A re-measured
+    record that broke it fails here, so the default cannot outlive its evidence."""
+    for name in TOP1_RECORDS:
+        with open(os.path.join(RESULTS, name)) as f:
+            data = json.load(f)
+        int8, peer = data["int8_activations"], data["llama.cpp"]
+        paired = int8["top1_vs_llama_cpp"]
+        assert paired["only_theirs"] - paired["only_ours"] <= 2 * paired["noise"], name
+        assert int8["over_fp32_perplexity"] <= peer["over_fp32_perplexity"] * 1.001, name
+
+
+def test_greedy_answers_compare_up_to_the_end_of_sequence_and_pair_against_a_third_arm():
+    assert until_stop([[5, 6, 2, 7], [5, 6], [2]], (2,)) == [[5, 6], [5, 6], []]
+    report = {"int8_activations": {"greedy_vs_fp32": {"identical_each": [True, True, False, False, True]}},
+              "llama.cpp": {"greedy_vs_fp32": {"identical_each": [True, False, True, False, False]}}}
+    paired = greedy_paired(report, "llama.cpp")
+    assert (paired["only_ours"], paired["only_theirs"]) == (2, 1) and paired["noise"] == pytest.approx(3 ** 0.5)
