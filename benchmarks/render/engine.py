@@ -315,6 +315,30 @@ def render_models_at_size(results: str) -> str:
         f"the packed weights a first start kept (`--weight-cache`) in the later records'. {sources}\n")
 
 
+def render_models_vs_ik(results: str, name: str = "models_vs_ik.json") -> str:
+    """The default configuration against both peers on the same files, side by side in one run:
+    native llama.cpp's llama-bench and ik_llama.cpp's (with its row repacking)."""
+    data = load(results, name)
+    rows = []
+    for label, model in data["models"].items():
+        s = model["summary"]
+        rows.append([f"{_model_label(label)} (`{model['path']}`)", model["activations"],
+                     _median_range(s["steady_decode_tok_s"], ".1f"), _median_range(s["native_tg128_tok_s"], ".1f"),
+                     _median_range(s["ik_tg128_tok_s"], ".1f"), _ratio(s["decode_vs_native"]), _ratio(s["decode_vs_ik"]),
+                     f"{s['prefill_tok_s']['median']:.0f} vs {s['native_pp512_tok_s']['median']:.0f} vs "
+                     f"{s['ik_pp512_tok_s']['median']:.0f}", _ratio(s["prefill_vs_native"]), _ratio(s["prefill_vs_ik"]),
+                     _median_range(s["verify_over_decode"], ".2f", "x")])  # fmt: skip
+    header = ["file (synthetic weights)", "activations", "decode, batch 1 (tok/s)", "native tg128", "ik tg128",
+              "decode vs native", "decode vs ik", "prefill 512 tok/s: ours vs native vs ik", "prefill vs native",
+              "prefill vs ik", f"{data.get('window', 6)}-row verify / decode step"]
+    return table(header, rows) + (
+        f"\n\nSpeculation off on every side; our decode is {data['new_tokens']} tokens without the prompt's prefill "
+        f"(like llama-bench's tg128). Native llama.cpp: `llama-bench {data['llama_bench_args']}` built from "
+        f"llama-cpp-python 0.3.36's source; ik_llama.cpp: `llama-bench {data['ik_llama_bench_args']}` built by "
+        f"`../shared/tools/build-ik-llama-bench`. {data['threads']} threads; median (lowest-highest) of {data['runs']} "
+        f"interleaved runs, each ratio formed within its run. {provenance(data, name)}\n")
+
+
 # The mixtures' records, newest first: a file re-measured in a newer record is rendered from it only
 # (the Qwen3 file since its payload became zero-mean; gpt-oss's MXFP4 payload was symmetric before).
 MOE_RECORDS = ("models_moe.json", "models_moe_540aed6.json")

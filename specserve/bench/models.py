@@ -5,7 +5,7 @@ steps, 512-token prefill, batch N, resident memory and load time, then llama-cpp
 same token ids), `specserve bench spec` (the model's default speculation against NONE on MT-Bench
 first turns and HumanEval, greedy, at batch 1 and 16; skipped with --spec-prompts 0) and, with
 `--llama-bench`, native llama.cpp's `llama-bench` (tg128 and pp512; build it with
-scripts/llama_bench.sh). The summary gives each figure's median and range over the runs;
+scripts/llama_bench.sh), and with `--ik-llama-bench` ik_llama.cpp's, the same way with `-rtr 1`. The summary gives each figure's median and range over the runs;
 a ratio is formed within each run (same machine state) before its median is taken.
 """
 
@@ -40,6 +40,11 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-bench-args", default="",
                    help="more llama-bench flags, e.g. '-lm none' to read the file into memory as specserve does "
                         "(like for like where two mappings of a large file would not both fit the page cache)")  # fmt: skip
+    p.add_argument("--ik-llama-bench", default=None,
+                   help="ik_llama.cpp's llama-bench too (../shared/tools/build-ik-llama-bench builds it), on the same "
+                        "files and threads: the fastest CPU peer")
+    p.add_argument("--ik-llama-bench-args", default="-rtr 1",
+                   help="ik_llama.cpp's flags (default -rtr 1: its run-time row repacking, as its users run it)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--activations", default="auto",
                    help="comma-separated --cpu-activations modes, each model measured in each (auto: the file's "
@@ -145,6 +150,11 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
                     "prefill_vs_native": ours["prefill_tok_s"] / native["pp512_tok_s"]}
         if "step_bytes" in native and "read_bandwidth_gbs" in ours:
             figures["native_bandwidth_share"] = native["step_bytes"] * native["tg128_tok_s"] / (ours["read_bandwidth_gbs"] * 1e9)
+    ik = run.get("ik_llama.cpp")
+    if ik:
+        decode = ours.get("decode_tok_s", ours["batch1_tok_s"])
+        figures |= {"ik_tg128_tok_s": ik["tg128_tok_s"], "ik_pp512_tok_s": ik["pp512_tok_s"],
+                    "decode_vs_ik": decode / ik["tg128_tok_s"], "prefill_vs_ik": ours["prefill_tok_s"] / ik["pp512_tok_s"]}
     if "verify_experts_per_layer" in ours:  # a mixture: the experts a verify window reads, against a decode row's
         figures |= {"decode_experts_per_layer": ours["decode_experts_per_layer"],
                     "verify_experts_per_layer": ours["verify_experts_per_layer"]}
@@ -174,6 +184,9 @@ def run_models_bench(ns: argparse.Namespace) -> int:
         raise ConfigError(f"bench models compares against llama.cpp and needs llama-cpp-python: {INSTALL}")
     if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
         raise ConfigError(f"--llama-bench: {ns.llama_bench!r} is not an executable (scripts/llama_bench.sh builds one)")
+    if ns.ik_llama_bench and not os.access(ns.ik_llama_bench, os.X_OK):
+        raise ConfigError(f"--ik-llama-bench: {ns.ik_llama_bench!r} is not an executable "
+                          "(../shared/tools/build-ik-llama-bench builds one)")
     modes = [a.strip() for a in ns.activations.split(",") if a.strip()]
     if not modes or any(a not in CPU_ACTIVATIONS for a in modes):
         raise ConfigError(f"--activations: a comma-separated list of {', '.join(CPU_ACTIVATIONS)}, got {ns.activations!r}")
@@ -184,18 +197,21 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     for run in range(ns.runs):
         for model in models:
             native = _native(ns.llama_bench, paths[model], ns.threads, ns.llama_bench_args) if ns.llama_bench else None
+            ik = _native(ns.ik_llama_bench, paths[model], ns.threads, ns.ik_llama_bench_args) if ns.ik_llama_bench else None
             for activations in resolved[model]:
                 with tempfile.TemporaryDirectory() as folder:
                     result = _offline(model, activations, ns, folder)
                     if ns.spec_prompts > 0:
                         result["spec"] = _spec(model, activations, ns, folder)
                 result |= {"activations": activations} | ({"native": native} if native else {})
+                result |= {"ik_llama.cpp": ik} if ik else {}
                 raw[entries[model, activations]].append(result)
                 print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "speculation": "default" if ns.speculation else "none", "new_tokens": ns.new_tokens, "batch_size": ns.batch_size, "window": ns.window,
                               "threads": ns.threads, "spec_prompts": ns.spec_prompts, "spec_repeats": ns.spec_repeats,
                               "llama_bench_args": ns.llama_bench_args,
+                              "ik_llama_bench_args": ns.ik_llama_bench_args if ns.ik_llama_bench else None,
                               "batch1_generations": BATCH1_RUNS, **provenance(None)}
     first = next(iter(raw.values()))[0]
     report["llama_cpp_python"] = first["llama.cpp"].get("version", "?") if ns.python_peer else None
