@@ -230,9 +230,13 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
     }
   TileTables<S, Group, NBT> tables;
   for (int64_t g = 0; g < G; ++g) {
+    // Each integer sum starts at its code offset's term, -c * sx (exact: the same integers as
+    // subtracting it after, one operation fewer per row and block).
     __m512i part[R][NBT];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NBT; ++j) part[r][j] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(-w.code_offset * group_code_sum(x, r0 + r, g, Group));
+      for (int j = 0; j < NBT; ++j) part[r][j] = start;
+    }
     if constexpr (F == WeightFormat::Q4) q4_group<Bits, Group, R, NBT>(w, blocks, rows, g, part);
     else q8_group<Group, R, NBT>(w, blocks, rows, g, part);
     __m512 d[NBT], mv[NBT];
@@ -240,11 +244,9 @@ SPECSERVE_AVX512 void tile_int8(const PackedWeight& w, int64_t b0, const Int8Row
     for (int r = 0; r < R; ++r) {  // a row's scalars once for all its blocks
       const int32_t sx = group_code_sum(x, r0 + r, g, Group);
       const __m512 dx = _mm512_set1_ps(block_scale(x, r0 + r, g, Group));
-      const __m512i offset = _mm512_set1_epi32(w.code_offset * sx);
       const __m512 sxf = _mm512_set1_ps(float(sx));
       for (int j = 0; j < NBT; ++j) {
-        const __m512i isum = w.code_offset ? _mm512_sub_epi32(part[r][j], offset) : part[r][j];
-        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d[j], dx), _mm512_cvtepi32_ps(isum), acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(d[j], dx), _mm512_cvtepi32_ps(part[r][j]), acc[r][j]);
         if (general) acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(mv[j], dx), sxf, acc[r][j]);
       }
     }

@@ -123,9 +123,13 @@ SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8
       acc[r][j][1] = _mm256_load_ps(lanes + 8);
     }
   for (int64_t g = 0; g < G; ++g) {
+    // Each integer sum starts at its code offset's term, -c * sx (exact: the same integers as
+    // subtracting it after, one operation fewer per row and block half).
     __m256i part[R][NBT][2];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NBT; ++j) part[r][j][0] = part[r][j][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) {
+      const __m256i start = _mm256_set1_epi32(-w.code_offset * group_code_sum(x, r0 + r, g, w.group));
+      for (int j = 0; j < NBT; ++j) part[r][j][0] = part[r][j][1] = start;
+    }
     if constexpr (F == WeightFormat::Q4) q4_group8<Bits, R, NBT>(w, blocks, rows, g, part);
     else q8_group8<R, NBT>(w, blocks, rows, g, part);
     // linear_int8.h's arithmetic per 8 lanes: a block half's scales once for all rows, a row's
@@ -139,11 +143,9 @@ SPECSERVE_AVX2 void tile_int8_avx2(const PackedWeight& w, int64_t b0, const Int8
     for (int r = 0; r < R; ++r) {
       const int32_t sx = group_code_sum(x, r0 + r, g, w.group);
       const __m256 vdx = _mm256_set1_ps(block_scale(x, r0 + r, g, w.group)), sxf = _mm256_set1_ps(float(sx));
-      const __m256i offset = _mm256_set1_epi32(w.code_offset * sx);
       for (int j = 0; j < NBT; ++j)
         for (int h = 0; h < 2; ++h) {
-          const __m256i isum = w.code_offset ? _mm256_sub_epi32(part[r][j][h], offset) : part[r][j][h];
-          acc[r][j][h] = _mm256_fmadd_ps(_mm256_mul_ps(d[j][h], vdx), _mm256_cvtepi32_ps(isum), acc[r][j][h]);
+          acc[r][j][h] = _mm256_fmadd_ps(_mm256_mul_ps(d[j][h], vdx), _mm256_cvtepi32_ps(part[r][j][h]), acc[r][j][h]);
           if (general) acc[r][j][h] = _mm256_fmadd_ps(_mm256_mul_ps(mv[j][h], vdx), sxf, acc[r][j][h]);
         }
     }
