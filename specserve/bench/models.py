@@ -45,6 +45,9 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
                         "files and threads: the fastest CPU peer")
     p.add_argument("--ik-llama-bench-args", default="-rtr 1",
                    help="ik_llama.cpp's flags (default -rtr 1: its run-time row repacking, as its users run it)")
+    p.add_argument("--depths", default="",
+                   help="context depths (tokens), e.g. 4096,8192: batch-1 decode after that much context on every "
+                        "side (ours from the prefix cache, llama-bench -d, ik_llama.cpp's -gp DEPTH,32)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--activations", default="auto",
                    help="comma-separated --cpu-activations modes, each model measured in each (auto: the file's "
@@ -64,7 +67,7 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
 def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     peer = ["--peer", "llama.cpp"] if ns.python_peer else []
     return _bench_subcommand(["offline", "--skip-hf", *peer, "--batch-size", str(ns.batch_size),
-                              "--window", str(ns.window)], model, activations, ns, folder)
+                              "--window", str(ns.window), "--depths", ns.depths], model, activations, ns, folder)
 
 
 def _spec(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
@@ -117,6 +120,45 @@ def _native(binary: str, path: str, threads: int, extra: str = "") -> dict[str, 
     return result
 
 
+DEPTH_NEW_TOKENS = 32  # tokens generated after the context on every side
+
+
+def _peer_at_depths(binary: str, path: str, threads: int, depths: list[int], extra: str, ik: bool) -> dict[str, float]:
+    """A llama-bench's batch-1 decode tokens/s after each context depth (the mean of 2 repetitions;
+    the context's prefill untimed): native `-d DEPTH -n 32`, ik_llama.cpp's `-gp DEPTH,32`."""
+    result = {}
+    for depth in depths:
+        at = ["-gp", f"{depth},{DEPTH_NEW_TOKENS}", "-n", "0"] if ik else ["-d", str(depth), "-n", str(DEPTH_NEW_TOKENS)]
+        cmd = [binary, "-m", path, "-t", str(threads), *at, "-p", "0", "-r", "2", "-o", "json", *shlex.split(extra)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-bench at depth {depth} on {path} failed:\n{proc.stderr[-2000:]}")
+        result[str(depth)] = float(json.loads(proc.stdout)[0]["avg_ts"])
+    return result
+
+
+def _depth_peers(ns: argparse.Namespace, path: str, depths: list[int]) -> dict[str, dict[str, float]]:
+    """Each llama-bench given, at every depth asked for."""
+    peers = {}
+    if depths and ns.llama_bench:
+        peers["native_depths"] = _peer_at_depths(ns.llama_bench, path, ns.threads, depths, ns.llama_bench_args, False)
+    if depths and ns.ik_llama_bench:
+        peers["ik_depths"] = _peer_at_depths(ns.ik_llama_bench, path, ns.threads, depths, ns.ik_llama_bench_args, True)
+    return peers
+
+
+def _depth_figures(run: dict[str, Any]) -> dict[str, float]:
+    """Per depth: our decode tokens/s there, each peer's, and ours over theirs (within the run)."""
+    figures = {}
+    for depth, ours in run["specserve"].get("decode_at_depth_tok_s", {}).items():
+        figures[f"decode_at_{depth}_tok_s"] = ours
+        for key, peer in (("native", "native_depths"), ("ik", "ik_depths")):
+            if peer in run:
+                figures[f"{key}_decode_at_{depth}_tok_s"] = run[peer][depth]
+                figures[f"decode_at_{depth}_vs_{key}"] = ours / run[peer][depth]
+    return figures
+
+
 def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
     """One run's figures of one model, ratios formed within the run."""
     ours = run["specserve"]
@@ -160,7 +202,7 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
                     "verify_experts_per_layer": ours["verify_experts_per_layer"]}
     if run.get("spec"):
         figures |= spec_figures(run["spec"])
-    return figures
+    return figures | _depth_figures(run)
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -172,6 +214,7 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
 def run_models_bench(ns: argparse.Namespace) -> int:
     from specserve.bench.llamacpp import BATCH1_RUNS
     from specserve.bench.provenance import emit_report, provenance
+    from specserve.args import number_list
     from specserve.args_checks import CPU_ACTIVATIONS
     from specserve.models.activations import choose_cpu_activations
     from specserve.models.loader import resolve_model_path
@@ -190,6 +233,7 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     modes = [a.strip() for a in ns.activations.split(",") if a.strip()]
     if not modes or any(a not in CPU_ACTIVATIONS for a in modes):
         raise ConfigError(f"--activations: a comma-separated list of {', '.join(CPU_ACTIVATIONS)}, got {ns.activations!r}")
+    depths = number_list("--depths", ns.depths)
     # auto as the engine resolves it (models/activations.py), each resolved choice once
     resolved = {m: list(dict.fromkeys(choose_cpu_activations(a, "cpu", "auto")[0] for a in modes)) for m in models}
     entries = {(m, a): m if a == "bf16" else f"{m}, int8 activations" for m in models for a in resolved[m]}
@@ -198,19 +242,21 @@ def run_models_bench(ns: argparse.Namespace) -> int:
         for model in models:
             native = _native(ns.llama_bench, paths[model], ns.threads, ns.llama_bench_args) if ns.llama_bench else None
             ik = _native(ns.ik_llama_bench, paths[model], ns.threads, ns.ik_llama_bench_args) if ns.ik_llama_bench else None
+            depth_peers = _depth_peers(ns, paths[model], depths)
             for activations in resolved[model]:
                 with tempfile.TemporaryDirectory() as folder:
                     result = _offline(model, activations, ns, folder)
                     if ns.spec_prompts > 0:
                         result["spec"] = _spec(model, activations, ns, folder)
                 result |= {"activations": activations} | ({"native": native} if native else {})
-                result |= {"ik_llama.cpp": ik} if ik else {}
+                result |= ({"ik_llama.cpp": ik} if ik else {}) | depth_peers
                 raw[entries[model, activations]].append(result)
                 print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "speculation": "default" if ns.speculation else "none", "new_tokens": ns.new_tokens, "batch_size": ns.batch_size, "window": ns.window,
                               "threads": ns.threads, "spec_prompts": ns.spec_prompts, "spec_repeats": ns.spec_repeats,
-                              "llama_bench_args": ns.llama_bench_args,
+                              "llama_bench_args": ns.llama_bench_args, "depths": depths,
+                              "depth_new_tokens": DEPTH_NEW_TOKENS if depths else None,
                               "ik_llama_bench_args": ns.ik_llama_bench_args if ns.ik_llama_bench else None,
                               "batch1_generations": BATCH1_RUNS, **provenance(None)}
     first = next(iter(raw.values()))[0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specserve.args import ServerArgs
+from specserve.args import ServerArgs, number_list
 from specserve.bench.llamacpp import BATCH1_RUNS
 from specserve.engine.memory import weights_bytes
 
@@ -49,6 +49,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prefill")
     p.add_argument("--repeats", type=int, default=10, help="timed passes per step shape (median kept)")
     p.add_argument("--hf-batch", action="store_true", help="also run transformers at the batch size (slow)")
+    p.add_argument("--depths", default="",
+                   help="context depths (tokens) at which batch-1 decode is also timed, e.g. 4096,8192 "
+                        "(like llama-bench -d)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -178,11 +181,13 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     bn = sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
     engine.scheduler.ledger.tree.reset()
     shapes = step_shapes(engine, ns)
+    depths = {str(d): decode_at_depth(engine, d, params) for d in number_list("--depths", ns.depths)}
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
     layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
     engine.shutdown()
     return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, **decode, f"batch{ns.batch_size}_tok_s": bn, **shapes,
-            "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory}
+            "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory,
+            **({"decode_at_depth_tok_s": depths} if depths else {})}
 
 
 def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +213,29 @@ def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, 
     bandwidth = read_bandwidth_gbs()
     return {"decode_tok_s": rate, "weights_streamed_mib": streamed / 2**20, "read_bandwidth_gbs": bandwidth,
             "decode_bandwidth_share": share_of_bandwidth(streamed, rate, bandwidth)}
+
+
+def decode_at_depth(engine, depth: int, params: dict[str, Any]) -> float:
+    """Batch-1 decode tokens/s after `depth` tokens of context, like `llama-bench -d`: the context
+    prefilled once and kept in the prefix cache, then (N - 1) tokens over the time an N-token
+    request takes beyond a 1-token one (each the median of BATCH1_RUNS), both starting from the
+    cached context."""
+    prompt = _long_ids(engine.tokenizer, depth)
+    engine.scheduler.ledger.tree.reset()
+    engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 1})  # the context, cached
+
+    def seconds(new_tokens: int) -> float:
+        runs = []
+        for _ in range(BATCH1_RUNS):
+            t = time.perf_counter()
+            engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": new_tokens})
+            runs.append(time.perf_counter() - t)
+        return statistics.median(runs)
+
+    n = params["max_new_tokens"]
+    rate = (n - 1) / (seconds(n) - seconds(1))
+    engine.scheduler.ledger.tree.reset()
+    return rate
 
 
 def step_weight_bytes(model) -> int:
