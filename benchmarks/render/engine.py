@@ -339,6 +339,29 @@ def render_models_vs_ik(results: str, name: str = "models_vs_ik.json") -> str:
         f"interleaved runs, each ratio formed within its run. {provenance(data, name)}\n")
 
 
+def render_long_context(results: str, name: str = "models_long_context.json") -> str:
+    """Batch-1 decode after 4k and 8k tokens of context, ours against both peers in one run."""
+    data = load(results, name)
+    rows = []
+    for label, model in data["models"].items():
+        s = model["summary"]
+        for depth in data["depths"]:
+            rows.append([f"`{model['path']}`", model["activations"], f"{depth:,}",
+                         _median_range(s[f"decode_at_{depth}_tok_s"], ".1f"),
+                         _median_range(s[f"native_decode_at_{depth}_tok_s"], ".1f"),
+                         _median_range(s[f"ik_decode_at_{depth}_tok_s"], ".1f"),
+                         _ratio(s[f"decode_at_{depth}_vs_native"]), _ratio(s[f"decode_at_{depth}_vs_ik"])])  # fmt: skip
+    header = ["file (synthetic weights)", "activations", "context (tokens)", "decode (tok/s)", "native",
+              "ik_llama.cpp", "vs native", "vs ik"]
+    return table(header, rows) + (
+        f"\n\n{data['depth_new_tokens']} tokens generated after the context on every side: ours from the prefix "
+        "cache (the context prefilled once, then an N-token request's time beyond a 1-token one), native "
+        f"`llama-bench -d DEPTH -n {data['depth_new_tokens']}`, ik_llama.cpp `llama-bench -gp DEPTH,"
+        f"{data['depth_new_tokens']} {data['ik_llama_bench_args']}`; K/V bf16 on ours, f16 on theirs (each default). "
+        f"{data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved runs, each ratio within "
+        f"its run. {provenance(data, name)}\n")
+
+
 # The mixtures' records, newest first: a file re-measured in a newer record is rendered from it only
 # (the Qwen3 file since its payload became zero-mean; gpt-oss's MXFP4 payload was symmetric before).
 MOE_RECORDS = ("models_moe.json", "models_moe_540aed6.json")
