@@ -198,17 +198,7 @@ def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, 
     share of it the decode uses."""
     from specserve.bench.bandwidth import read_bandwidth_gbs, share_of_bandwidth
 
-    def seconds(new_tokens: int) -> float:
-        runs = []
-        for _ in range(BATCH1_RUNS):
-            engine.scheduler.ledger.tree.reset()
-            t = time.perf_counter()
-            engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": new_tokens})
-            runs.append(time.perf_counter() - t)
-        return statistics.median(runs)
-
-    n = params["max_new_tokens"]
-    rate = (n - 1) / (seconds(n) - seconds(1))
+    rate = _decode_rate_beyond_first(engine, prompt, params, from_cold=True)
     streamed = step_weight_bytes(engine.runner.model)
     bandwidth = read_bandwidth_gbs()
     return {"decode_tok_s": rate, "weights_streamed_mib": streamed / 2**20, "read_bandwidth_gbs": bandwidth,
@@ -224,18 +214,28 @@ def decode_at_depth(engine, depth: int, params: dict[str, Any]) -> float:
     engine.scheduler.ledger.tree.reset()
     engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 1})  # the context, cached
 
+    rate = _decode_rate_beyond_first(engine, prompt, params, from_cold=False)
+    engine.scheduler.ledger.tree.reset()
+    return rate
+
+
+def _decode_rate_beyond_first(engine, prompt: list[int], params: dict[str, Any], from_cold: bool) -> float:
+    """(N - 1) tokens over the time an N-token request takes beyond a 1-token one, each the median
+    of BATCH1_RUNS requests; the prompt dropped from the prefix cache before each (`from_cold`) or
+    left there."""
+
     def seconds(new_tokens: int) -> float:
         runs = []
         for _ in range(BATCH1_RUNS):
+            if from_cold:
+                engine.scheduler.ledger.tree.reset()
             t = time.perf_counter()
             engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": new_tokens})
             runs.append(time.perf_counter() - t)
         return statistics.median(runs)
 
     n = params["max_new_tokens"]
-    rate = (n - 1) / (seconds(n) - seconds(1))
-    engine.scheduler.ledger.tree.reset()
-    return rate
+    return (n - 1) / (seconds(n) - seconds(1))
 
 
 def step_weight_bytes(model) -> int:
