@@ -36,9 +36,9 @@ def add_prefetch_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _dspark_step(ns: argparse.Namespace, bytes_ahead: str | None, out: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != envs.PREFETCH_BYTES}
-    if bytes_ahead is not None:
-        env[envs.PREFETCH_BYTES] = bytes_ahead
+    env = {k: v for k, v in os.environ.items() if k not in (envs.PREFETCH_BYTES, envs.PREFETCH_BYTES_WIDE)}
+    if bytes_ahead is not None:  # "0": off for every tile height
+        env[envs.PREFETCH_BYTES] = env[envs.PREFETCH_BYTES_WIDE] = bytes_ahead
     cmd = [sys.executable, "-m", "specserve.cli", "bench", "dspark-step", "--draft-weights", "q8", "--batch-sizes",
            ns.batch_sizes, "--num-prompts", str(ns.num_prompts), "--new-tokens", str(ns.new_tokens),
            "--num-threads", str(ns.num_threads), "--out", out]

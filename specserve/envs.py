@@ -83,7 +83,8 @@ CPU_KERNEL_PATH = "SPECSERVE_CPU_KERNEL_PATH"  # force a CPU kernel path: generi
 KERNEL_CACHE_DIR = "SPECSERVE_KERNEL_CACHE_DIR"  # where the C++ kernels are built (default ~/.cache/specserve)
 WEIGHT_CACHE_DIR = "SPECSERVE_WEIGHT_CACHE_DIR"  # --weight-cache auto: where (default ~/.cache/specserve/packed)
 WEIGHT_CACHE_MAX_GIB = "SPECSERVE_WEIGHT_CACHE_MAX_GIB"  # --weight-cache-max-gib unset: the cap (else args.py's default)
-PREFETCH_BYTES = "SPECSERVE_PREFETCH_BYTES"  # read by the C++ kernels at load: prefetch distance (16384; 0: off)
+PREFETCH_BYTES = "SPECSERVE_PREFETCH_BYTES"  # read by the C++ kernels at load: prefetch distance, 1-2 rows (4096; 0: off)
+PREFETCH_BYTES_WIDE = "SPECSERVE_PREFETCH_BYTES_WIDE"  # the same for tiles of 3+ rows (32768; 0: off)
 
 
 def env_choice(name: str, choices: tuple[str, ...]) -> Optional[str]:

@@ -393,7 +393,7 @@ SPECSERVE_AVX512 void blocks_avx512(const PackedWeight& w, int64_t b_begin, int6
   // of 6 rows: a weight word is decoded once per tile, and decoding (Q8: three conversions per 16
   // weights) costs as much as the dot products, so a 6-row verify window pays it once, not twice.
   constexpr int64_t kChunk = 8;
-  const PackedWeight first = streaming(w);  // the first row tile of a chunk reads it from memory
+  const PackedWeight first = streaming(w, m);  // the first row tile of a chunk reads it from memory
   if constexpr (F != WeightFormat::BF16) {
     if (m >= kPanelRows && w.k <= kPanelMaxK) {  // many row tiles: decode each chunk once for them all
       const int64_t stride = pairs(w);
@@ -451,10 +451,15 @@ SPECSERVE_AVX512 void blocks_avx512_format(const PackedWeight& w, int64_t b_begi
 
 }  // namespace
 
-extern const int64_t kPrefetchBytes = [] {
-  const char* v = std::getenv("SPECSERVE_PREFETCH_BYTES");
-  return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : int64_t(16384);
-}();
+namespace {
+int64_t prefetch_setting(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : fallback;
+}
+}  // namespace
+
+extern const int64_t kPrefetchBytes = prefetch_setting("SPECSERVE_PREFETCH_BYTES", 4096);
+extern const int64_t kPrefetchBytesWide = prefetch_setting("SPECSERVE_PREFETCH_BYTES_WIDE", 32768);
 
 int64_t block_bytes(WeightFormat format, int64_t k, int bits) {
   switch (format) {

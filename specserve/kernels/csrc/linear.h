@@ -275,17 +275,22 @@ void group_sums(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t gr
 
 // How far ahead of its reads a tile asks for weight codes (bytes; SPECSERVE_PREFETCH_BYTES at
 // load, 0 for none). A decode step streams every weight from memory once, and a verify window
-// adds enough arithmetic per byte that the hardware prefetchers fall behind: asking about 16 KiB
-// ahead (a few 16-column blocks) let the reads and the arithmetic overlap on the AMD EPYC this
-// was tuned on. Only the first row tile of a column chunk streams (`streaming`); the later ones
+// adds enough arithmetic per byte that the hardware prefetchers fall behind: asking ahead lets the
+// reads and the arithmetic overlap (16 KiB on the AMD EPYC this was first tuned on). Only the first row tile of a column chunk streams (`streaming`); the later ones
 // find the chunk in cache, and prefetching there only cost time (a batch-8 verify step got
 // slower). A prefetch never faults, so reading past the last block is harmless; results do not
 // depend on it.
+// A tile of three or more rows spends longer on each block, so it asks further ahead
+// (kPrefetchBytesWide, SPECSERVE_PREFETCH_BYTES_WIDE): on the Zen 5 EPYC of the models_vs_ik
+// record, 4 KiB gave the 1-row sweep of the 1.5B file's linears its best time and 32 KiB the
+// 4-row sweep (`python -m benchmarks weight-stream`, 4 alternations of 2-32 KiB).
 extern const int64_t kPrefetchBytes;
+extern const int64_t kPrefetchBytesWide;
 
-inline PackedWeight streaming(const PackedWeight& w) {
+// w for the first row tile of a linear over m rows.
+inline PackedWeight streaming(const PackedWeight& w, int64_t m) {
   PackedWeight s = w;
-  s.prefetch = kPrefetchBytes;
+  s.prefetch = m >= 3 ? kPrefetchBytesWide : kPrefetchBytes;
   return s;
 }
 

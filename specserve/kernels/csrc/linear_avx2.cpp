@@ -249,7 +249,7 @@ void linear_blocks_avx2(const PackedWeight& w, const Avx2Rows& rows_in, int64_t 
   const int64_t G = w.format == WeightFormat::BF16 ? 0 : w.k / w.group;
   const size_t elem = out_bf16 ? 2 : 4;
   constexpr int64_t kChunk = 8;  // column chunks outside, row tiles inside: a chunk stays in cache
-  const PackedWeight first = streaming(w);  // the first row tile of a chunk reads it from memory
+  const PackedWeight first = streaming(w, m);  // the first row tile of a chunk reads it from memory
   for (int64_t c = block_begin; c < block_end; c += kChunk) {
     const int64_t c_end = std::min(block_end, c + kChunk);
     for (int64_t r = 0; r < m;) {

@@ -168,7 +168,7 @@ template <WeightFormat F, int Bits>
 SPECSERVE_AVX2 void blocks_int8_avx2(const PackedWeight& w, int64_t b_begin, int64_t b_end, const Int8Rows& x,
                                      int64_t m, void* out, int64_t ldo, bool out_bf16, bool accumulate) {
   constexpr int64_t kChunk = 8;
-  const PackedWeight first = streaming(w);  // the first row tile of a chunk reads it from memory
+  const PackedWeight first = streaming(w, m);  // the first row tile of a chunk reads it from memory
   for (int64_t c = b_begin; c < b_end; c += kChunk) {
     const int64_t c_end = std::min(b_end, c + kChunk);
     int64_t r = 0;
