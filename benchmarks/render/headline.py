@@ -76,13 +76,16 @@ def _small_files(data: dict[str, Any]) -> str:
             f"{data['runs']} interleaved runs, {data['threads']} threads. {provenance(data, 'models_small_native.json')}\n")
 
 
-def _vs_ik(data: dict[str, Any]) -> str:
+VS_IK = "models_vs_ik_prefetch.json"  # the newest record of the default against ik_llama.cpp
+
+
+def _vs_ik(data: dict[str, Any], name: str) -> str:
     """The default configuration against ik_llama.cpp, the fastest CPU peer, on the same files."""
     models = list(data["models"].values())
     return (f"- **Against ik_llama.cpp** (`llama-bench -rtr 1`, the engine demanding CPU users pick) at 1.5-7B, "
             f"specserve's defaults, speculation off on both sides: decode {_per_model(models, 'decode_vs_ik')}; "
             f"prefill of 512 tokens {_per_model(models, 'prefill_vs_ik')}. Median (lowest-highest) of {data['runs']} "
-            f"interleaved runs, {data['threads']} threads. {provenance(data, 'models_vs_ik.json')}\n")
+            f"interleaved runs, {data['threads']} threads. {provenance(data, name)}\n")
 
 
 def render_headline(results: str) -> str:
@@ -97,7 +100,7 @@ def render_headline(results: str) -> str:
              if r["exit_code"] == 0 and not r["rank_divergences"] and r["events_checked"] == r["events_recorded"]]
     sizes = {f: load(results, f) for f in SIZE_RECORDS if os.path.exists(os.path.join(results, f))}
     return (
-        _at_size(sizes) + _vs_ik(load(results, "models_vs_ik.json")) + _startup(load(results, "startup.json")) + _small_files(load(results, "models_small_native.json")) +
+        _at_size(sizes) + _vs_ik(load(results, VS_IK), VS_IK) + _startup(load(results, "startup.json")) + _small_files(load(results, "models_small_native.json")) +
         f"- **Serving, neither side speculating**: `specserve serve --speculative-algorithm NONE` against "
         f"`llama-server` ({serving['num_prompts']} MT-Bench first turns, streamed, greedy) at concurrency {top}: "
         f"{cell['output_tokens_per_s']['median']:.1f} against {summary[(peer, top)]['output_tokens_per_s']['median']:.1f} "
