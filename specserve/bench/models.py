@@ -105,16 +105,21 @@ def spec_figures(spec: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
-def _native(binary: str, path: str, threads: int, extra: str = "") -> dict[str, float]:
-    """llama-bench's tg128 and pp512 tokens/s (mean of its 3 repetitions); `extra`: more flags."""
-    cmd = [binary, "-m", path, "-t", str(threads), "-n", "128", "-p", "512", "-r", "3", "-o", "json", *shlex.split(extra)]
+def _llama_bench_tests(binary: str, path: str, threads: int, test_args: list[str], extra: str) -> list[dict[str, Any]]:
+    """One llama-bench run on `path` (`test_args`: what it times; `extra`: more flags): its JSON tests."""
+    cmd = [binary, "-m", path, "-t", str(threads), *test_args, "-o", "json", *shlex.split(extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench on {path} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"llama-bench {' '.join(test_args)} on {path} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def _native(binary: str, path: str, threads: int, extra: str = "") -> dict[str, float]:
+    """llama-bench's tg128 and pp512 tokens/s (mean of its 3 repetitions); `extra`: more flags."""
     from specserve.bench.bandwidth import gguf_step_bytes
 
     result = {"step_bytes": float(gguf_step_bytes(path))}
-    for test in json.loads(proc.stdout):
+    for test in _llama_bench_tests(binary, path, threads, ["-n", "128", "-p", "512", "-r", "3"], extra):
         name = "tg128_tok_s" if test["n_gen"] else "pp512_tok_s"
         result[name] = float(test["avg_ts"])
     return result
@@ -129,11 +134,7 @@ def _peer_at_depths(binary: str, path: str, threads: int, depths: list[int], ext
     result = {}
     for depth in depths:
         at = ["-gp", f"{depth},{DEPTH_NEW_TOKENS}", "-n", "0"] if ik else ["-d", str(depth), "-n", str(DEPTH_NEW_TOKENS)]
-        cmd = [binary, "-m", path, "-t", str(threads), *at, "-p", "0", "-r", "2", "-o", "json", *shlex.split(extra)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"llama-bench at depth {depth} on {path} failed:\n{proc.stderr[-2000:]}")
-        result[str(depth)] = float(json.loads(proc.stdout)[0]["avg_ts"])
+        result[str(depth)] = float(_llama_bench_tests(binary, path, threads, [*at, "-p", "0", "-r", "2"], extra)[0]["avg_ts"])
     return result
 
 

@@ -42,9 +42,9 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
         asked = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        # What the quantized linears compute with, and why (the start-up block says both).
-        self.cpu_activations_reason = choose_cpu_activations(asked.cpu_activations, asked.device, asked.quantization)[1]
-        args = with_resolved_activations(asked)  # once, for every rank
+        # What the quantized linears compute with, and why (the start-up block says both); once, for every rank.
+        chosen, self.cpu_activations_reason = choose_cpu_activations(asked.cpu_activations, asked.device, asked.quantization)
+        args = asked.replace(cpu_activations=chosen)
         self._workers: list = []
         self.rank_figures: Optional[list[dict]] = None  # every rank's measured figures, after shutdown
         dist_cfg = None
@@ -68,7 +68,7 @@ class Engine:
         """The engine of one non-zero tensor-parallel rank (see rank_main)."""
         engine = cls.__new__(cls)
         engine._workers, engine.rank_figures = [], None
-        engine.cpu_activations_reason = choose_cpu_activations(args.cpu_activations, args.device, args.quantization)[1]
+        engine.cpu_activations_reason = None  # rank 0 resolved the activations and reports why
         engine._build(args, dist_cfg)
         return engine
 
