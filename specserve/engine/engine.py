@@ -43,7 +43,8 @@ class Engine:
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
         asked = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         # What the quantized linears compute with, and why (the start-up block says both); once, for every rank.
-        chosen, self.cpu_activations_reason = choose_cpu_activations(asked.cpu_activations, asked.device, asked.quantization)
+        chosen, reason = choose_cpu_activations(asked.cpu_activations, asked.device, asked.quantization)
+        self.cpu_activations_reason: Optional[str] = reason
         args = asked.replace(cpu_activations=chosen)
         self._workers: list = []
         self.rank_figures: Optional[list[dict]] = None  # every rank's measured figures, after shutdown
