@@ -5,7 +5,9 @@
 # baseline of the ratios, and stops them. llama-server is built as scripts/llama_cpp_build.sh says.
 # With LLAMA_SPEC_TYPE set (e.g. ngram-mod), a fourth server: llama-server speculating with it.
 # Usage: bash scripts/serving_bench.sh [OUT.json] [PLOT.png]   (extra bench flags in BENCH_FLAGS,
-# e.g. BENCH_FLAGS="--dataset multiturn" for whole conversations)
+# e.g. BENCH_FLAGS="--dataset multiturn" for whole conversations). SERVE_MODEL=PATH serves another GGUF
+# (e.g. a synthetic full-size file); SPECSERVE_ARMS="none" leaves out the default-speculation server
+# (a file with random weights drafts nothing worth verifying).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_results/serving_mtbench.json}
@@ -13,7 +15,8 @@ PLOT=${2:-${OUT%.json}.png}
 WORK=${LLAMA_WORK:-/tmp/llama-bench}
 bash scripts/llama_cpp_build.sh "$WORK" llama-server
 SERVER="$WORK/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
-MODEL=$(.venv/bin/python -c "from specserve.models.loader import default_model_path; print(default_model_path())")
+MODEL=${SERVE_MODEL:-$(.venv/bin/python -c "from specserve.models.loader import default_model_path; print(default_model_path())")}
+ARMS=${SPECSERVE_ARMS:-none default}
 read -r P1 P2 P3 P4 < <(.venv/bin/python -c "
 import socket
 socks = [socket.socket() for _ in range(4)]
@@ -24,13 +27,19 @@ PIDS=()
 trap 'kill "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 "$SERVER" -m "$MODEL" -t 2 -tb 2 -np 16 -c 16384 --jinja --host 127.0.0.1 --port "$P1" > "$LOGS/llama-server.log" 2>&1 &
 PIDS+=($!)
-.venv/bin/specserve serve --port "$P2" --speculative-algorithm NONE > "$LOGS/none.log" 2>&1 &
-PIDS+=($!)
-.venv/bin/specserve serve --port "$P3" > "$LOGS/default.log" 2>&1 &
-PIDS+=($!)
-PORTS=("$P1" "$P2" "$P3")
-TARGETS=(--target "llama-server=http://127.0.0.1:$P1" --target "specserve-none=http://127.0.0.1:$P2"
-         --target "specserve-default=http://127.0.0.1:$P3")
+PORTS=("$P1")
+TARGETS=(--target "llama-server=http://127.0.0.1:$P1")
+for arm in $ARMS; do
+  case $arm in
+    none) port=$P2; flags=(--speculative-algorithm NONE) ;;
+    default) port=$P3; flags=() ;;
+    *) echo "unknown SPECSERVE_ARMS entry: $arm (none, default)" >&2; exit 2 ;;
+  esac
+  .venv/bin/specserve serve --model-path "$MODEL" --port "$port" "${flags[@]}" > "$LOGS/$arm.log" 2>&1 &
+  PIDS+=($!)
+  PORTS+=("$port")
+  TARGETS+=(--target "specserve-$arm=http://127.0.0.1:$port")
+done
 if [ -n "${LLAMA_SPEC_TYPE:-}" ]; then
   "$SERVER" -m "$MODEL" -t 2 -tb 2 -np 16 -c 16384 --jinja --spec-type "$LLAMA_SPEC_TYPE" --host 127.0.0.1 \
     --port "$P4" > "$LOGS/llama-server-spec.log" 2>&1 &
@@ -47,4 +56,5 @@ for port in "${PORTS[@]}"; do
 done
 # shellcheck disable=SC2086
 .venv/bin/specserve bench serving "${TARGETS[@]}" \
-  --num-prompts 32 --max-tokens 128 --concurrency 1,4,16 --repeats 3 ${BENCH_FLAGS:-} --out "$OUT" --plot "$PLOT"
+  --num-prompts ${NUM_PROMPTS:-32} --max-tokens ${MAX_TOKENS:-128} --concurrency 1,4,16 --repeats 3 ${BENCH_FLAGS:-} \
+  --out "$OUT" --plot "$PLOT"
