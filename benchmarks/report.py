@@ -41,7 +41,7 @@ BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- render: (?P<name>[\w-]+) -->\n
 RENDERERS: dict[str, Callable[[str], str]] = {
     "grammar": serving.render_grammar, "grammar-engine": serving.render_grammar_engine,
     "router": serving.render_router, "serving": serving.render_serving,
-    "serving-multiturn": lambda r: serving.render_serving(r, "serving_multiturn.json"), "hicache": serving.render_hicache,
+    "serving-multiturn": lambda r: serving.render_serving(r, "serving_multiturn.json"), "serving-1-5b": lambda r: serving.render_serving(r, "serving_1.5b.json"), "hicache": serving.render_hicache,
     "spec-policy": speculation.render_spec_policy, "spec-policy-notes": speculation.render_spec_policy_notes,
     "spec-ready": speculation.render_spec_ready, "spec-workloads": speculation.render_spec_workloads,
     "spec-workloads-qwen": lambda r: speculation.render_spec_workloads(r, "spec_workloads_qwen.json"),

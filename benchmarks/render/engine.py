@@ -362,6 +362,33 @@ def render_long_context(results: str, name: str = "models_long_context.json") ->
         f"its run. {provenance(data, name)}\n")
 
 
+def render_batched(results: str, name: str = "models_batched.json") -> str:
+    """Aggregate decode at each batch size against llama-batched-bench's S_TG, and what a B-row step
+    costs against a 1-row one, in one run."""
+    from specserve.bench.offline import BATCHED_NEW_TOKENS, BATCHED_PROMPT_TOKENS
+
+    data = load(results, name)
+    rows = []
+    for model in data["models"].values():
+        s = model["summary"]
+        for batch in data["batched"]:
+            rows.append([f"`{model['path']}`", model["activations"], str(batch),
+                         _median_range(s[f"batched_{batch}_tok_s"], ".1f"),
+                         _median_range(s[f"native_batched_{batch}_tok_s"], ".1f"),
+                         _ratio(s[f"batched_{batch}_vs_native"]),
+                         _median_range(s[f"step_{batch}_rows_over_1"], ".2f", "x")])  # fmt: skip
+    header = ["file (synthetic weights)", "activations", "batch", "aggregate decode (tok/s)",
+              "native S_TG", "vs native", "step of B rows / 1 row (ours)"]
+    return table(header, rows) + (
+        f"\n\n{BATCHED_PROMPT_TOKENS}-token prompts, distinct, each decoding {BATCHED_NEW_TOKENS} tokens with the "
+        "batch: ours with the prompts prefilled once and kept in the prefix cache, the N-token requests' time "
+        "beyond 1-token ones (the first tokens cancel), "
+        f"native `llama-batched-bench -npp {BATCHED_PROMPT_TOKENS} -ntg {BATCHED_NEW_TOKENS} -npl B` (its S_TG, "
+        "one run of each batch per round). Speculation off. "
+        f"{data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved runs, each ratio within "
+        f"its run. {provenance(data, name)}\n")
+
+
 # The mixtures' records, newest first: a file re-measured in a newer record is rendered from it only
 # (the Qwen3 file since its payload became zero-mean; gpt-oss's MXFP4 payload was symmetric before).
 MOE_RECORDS = ("models_moe.json", "models_moe_540aed6.json")

@@ -3,6 +3,7 @@ serving sweep against llama.cpp's server, and HiCache."""
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from benchmarks.render.common import load, provenance, table, versus
@@ -82,11 +83,13 @@ def render_serving(results: str, file: str = "serving_mtbench.json") -> str:
     pair = "".join(f" {_over(runs, a, b)}" for a, b in pairs)
     accept = [f"{r['target']} {r['accept_length']:.2f} at concurrency {r['concurrency']}" for r in runs
               if r.get("accept_length") and r["repeat"] == 0]
+    served = sorted(set(data.get("models", {}).values()) - {""})
     servers = data.get("servers", {})
     said = "; ".join(f"{t}: {s.get('speculative_algorithm')}, {s.get('speculative_policy')} policy"
                      for t, s in servers.items() if s)
     return table(header, rows) + (
-        f"\n\n{data['num_prompts']} {DATASETS.get(data.get('dataset', 'mt-bench'), data.get('dataset'))} a run"
+        f"\n\n" + (f"Served model (as each server named it): {', '.join(f'`{m}`' for m in served)}. " if served else "")
+        + f"{data['num_prompts']} {DATASETS.get(data.get('dataset', 'mt-bench'), data.get('dataset'))} a run"
         + (" (each run, round and concurrency, its own: no request repeats)" if data.get("distinct_prompts") else "")
         + f", streamed, greedy, up to {data['max_tokens']} tokens; "
         f"median (lowest-highest) of {data['repeats']} rounds, the targets interleaved in each, each ratio formed "
@@ -127,3 +130,21 @@ def render_hicache(results: str) -> str:
             f"{radix['ttft_ms_mean']:.0f} ms against {hier['ttft_ms_mean']:.0f} ms mean ({data['ttft_ratio']:.1f}x), "
             f"{radix['ttft_ms_p50']:.0f} against {hier['ttft_ms_p50']:.0f} ms median. "
             f"{provenance(data, 'hicache_mtbench.json')}\n")
+
+
+def render_load(results: str, file: str = "load_1.5b_20min.json") -> str:
+    """A `bench load` soak: what was sent and answered, the checks, and the server's memory."""
+    data = load(results, file)
+    model = next((a for prev, a in zip(data["serve_args"], data["serve_args"][1:]) if prev == "--model-path"), "default")
+    hostile = data["sent"].get("hostile", 0)
+    checks = ", ".join(f"{name.replace('_', ' ')} {'yes' if ok else 'NO'}" for name, ok in data["checks"].items())
+    return (f"`specserve bench load --minutes {data['minutes']:g} --clients {data['clients']} --max-tokens "
+            f"{','.join(map(str, data['max_tokens']))}` on `{os.path.basename(model)}`: {sum(data['sent'].values()):,} "
+            f"requests in {data['seconds'] / 60:.1f} minutes, {data['valid_sent']:,} valid ones of which "
+            f"{data['valid_answered']:,} answered whole and {data['valid_failures']} failed; {hostile:,} hostile ones, "
+            f"{hostile - data['hostile_not_4xx']:,} answered 4xx; {data['completion_tokens']:,} completion tokens "
+            f"({data['completion_tokens_per_s']:.1f}/s, disconnects and aborts included); KV tokens held at the end "
+            f"{data['kv_request_tokens_at_end']:.0f}; resident memory {data['rss_baseline_mib']:.0f} MiB after the "
+            f"first minute, {data['rss_end_mib']:.0f} MiB at the end ({data['rss_growth']:+.2%}), peak "
+            f"{data['rss_peak_mib']:.0f} MiB. Checks: {checks}; {'passed' if data['passed'] else 'FAILED'}. "
+            f"{provenance(data, file)}\n")

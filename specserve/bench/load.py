@@ -5,8 +5,11 @@ concurrent clients for `--minutes`. Each client loops over request kinds: valid 
 valid completions, valid `/generate`, a stream it drops mid-way (disconnect), a request it drops
 before the first byte (abort), and hostile requests (out-of-range or wrongly typed fields).
 
+Valid requests take `--max-tokens` (a list mixes output lengths: each request draws one).
+
 Checks, each reported with the figures behind it, and a non-zero exit if one fails:
-- no valid request gets a 5xx or a stream that ends in an error;
+- no valid request gets a 5xx or a stream that ends in an error, and every one sent was answered
+  whole (none lost);
 - every hostile request gets a 4xx, and the server stays healthy;
 - when the clients stop and the engine is idle, no KV slot is held by a request;
 - the resident memory of the server and its engine (summed) grows less than `--max-rss-growth`
@@ -30,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from specserve.bench.provenance import emit_report, provenance
 from specserve.errors import ConfigError
 
 KINDS = ("chat_stream", "completion", "generate", "disconnect", "abort", "hostile")
@@ -40,7 +44,8 @@ STARTUP_TIMEOUT_S = 600.0
 def add_load_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=48, help="per valid request")
+    p.add_argument("--max-tokens", type=_token_budgets, default=[48],
+                   help="per valid request; a comma-separated list mixes lengths (each request draws one)")
     p.add_argument("--hostile-share", type=float, default=0.1)
     p.add_argument("--disconnect-share", type=float, default=0.1, help="streams dropped mid-way")
     p.add_argument("--abort-share", type=float, default=0.05, help="requests dropped before their first byte")
@@ -49,6 +54,16 @@ def add_load_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then flags for `specserve serve`")
+
+
+def _token_budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-tokens takes positive integers separated by commas, not {text!r}")
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"--max-tokens takes positive integers separated by commas, not {text!r}")
+    return budgets
 
 
 @dataclass
@@ -104,9 +119,12 @@ class Client:
         target = self.tally.hostile_not_4xx if kind == "hostile" else self.tally.valid_failures
         target.append(f"{kind}: {why}"[:300])
 
+    def _budget(self) -> int:
+        return self.rng.choice(self.ns.max_tokens)
+
     def _chat(self, stream: bool) -> dict:
         return {"model": self.model, "messages": [{"role": "user", "content": self.rng.choice(self.prompts)}],
-                "max_tokens": self.ns.max_tokens, "temperature": self.rng.choice((0, 0.8)), "stream": stream,
+                "max_tokens": self._budget(), "temperature": self.rng.choice((0, 0.8)), "stream": stream,
                 "stream_options": {"include_usage": True} if stream else None}
 
     async def chat_stream(self) -> None:
@@ -138,13 +156,13 @@ class Client:
         self.tally.ok[kind] += 1
 
     async def completion(self) -> None:
-        body = {"model": self.model, "prompt": self.rng.choice(self.prompts), "max_tokens": self.ns.max_tokens,
+        body = {"model": self.model, "prompt": self.rng.choice(self.prompts), "max_tokens": self._budget(),
                 "temperature": 0}
         await self._plain("completion", "/v1/completions", body)
 
     async def generate(self) -> None:
         body = {"text": self.rng.choice(self.prompts),
-                "sampling_params": {"max_new_tokens": self.ns.max_tokens, "temperature": 0.7,
+                "sampling_params": {"max_new_tokens": self._budget(), "temperature": 0.7,
                                     "seed": self.rng.getrandbits(32)}}
         await self._plain("generate", "/generate", body)
 
@@ -311,7 +329,10 @@ async def run_load(ns: argparse.Namespace, server: LiveServer) -> dict[str, Any]
 def _report(ns, tally: Tally, elapsed: float, m: dict[str, float], health: int, rss: dict[str, int]) -> dict[str, Any]:
     base = rss.get("baseline")  # None when the run ended before the baseline time: not measured
     growth = rss["end"] / base - 1 if base else None
-    report = {"clients": ns.clients, "seconds": round(elapsed, 1), "sent": dict(tally.sent), "ok": dict(tally.ok),
+    valid = ("chat_stream", "completion", "generate")  # each should end in a whole answer
+    report = {"minutes": ns.minutes, "clients": ns.clients, "max_tokens": ns.max_tokens, "seconds": round(elapsed, 1),
+              "sent": dict(tally.sent), "ok": dict(tally.ok),
+              "valid_sent": sum(tally.sent[k] for k in valid), "valid_answered": sum(tally.ok[k] for k in valid),
               "statuses": dict(sorted(tally.statuses.items())), "completion_tokens": tally.tokens,
               "completion_tokens_per_s": round(tally.tokens / elapsed, 2),
               "valid_failures": len(tally.valid_failures), "valid_failure_examples": tally.valid_failures[:5],
@@ -322,6 +343,7 @@ def _report(ns, tally: Tally, elapsed: float, m: dict[str, float], health: int, 
               "rss_end_mib": round(rss["end"] / 2**20, 1), "rss_peak_mib": round(rss.get("peak", 0) / 2**20, 1),
               "rss_growth": round(growth, 4) if growth is not None else None}
     report["checks"] = {"no_5xx_on_valid_requests": not tally.valid_failures,
+                        "every_valid_request_answered": report["valid_sent"] == report["valid_answered"],
                         "hostile_requests_all_4xx": not tally.hostile_not_4xx,
                         "no_kv_held_at_end": report["kv_request_tokens_at_end"] == 0,
                         "healthy_at_end": health == 200,
@@ -343,9 +365,6 @@ def run_load_bench(ns: argparse.Namespace) -> int:
     finally:
         code = server.stop()
     report["server_exit_code"] = code
-    text = json.dumps(report, indent=1)
-    print(text, flush=True)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text + "\n")
+    report = {**provenance(), "serve_args": serve_args, **report}
+    emit_report(report, ns.out)
     return 0 if report["passed"] and code == 0 else 1

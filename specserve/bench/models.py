@@ -48,6 +48,12 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="",
                    help="context depths (tokens), e.g. 4096,8192: batch-1 decode after that much context on every "
                         "side (ours from the prefix cache, llama-bench -d, ik_llama.cpp's -gp DEPTH,32)")
+    p.add_argument("--batched", default="",
+                   help="batch sizes, e.g. 1,4,16: aggregate decode of that many 128-token prompts decoding 32 "
+                        "tokens together (ours: whole requests less 1-token ones; --llama-batched-bench's S_TG)")
+    p.add_argument("--llama-batched-bench", default=None,
+                   help="native llama-batched-bench (scripts/llama_cpp_build.sh WORK llama-batched-bench), run at "
+                        "the --batched sizes: -npp 128 -ntg 32 -npl B")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--activations", default="auto",
                    help="comma-separated --cpu-activations modes, each model measured in each (auto: the file's "
@@ -67,7 +73,8 @@ def add_models_bench_args(p: argparse.ArgumentParser) -> None:
 def _offline(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
     peer = ["--peer", "llama.cpp"] if ns.python_peer else []
     return _bench_subcommand(["offline", "--skip-hf", *peer, "--batch-size", str(ns.batch_size),
-                              "--window", str(ns.window), "--depths", ns.depths], model, activations, ns, folder)
+                              "--window", str(ns.window), "--depths", ns.depths, "--batched", ns.batched],
+                             model, activations, ns, folder)
 
 
 def _spec(model: str, activations: str, ns: argparse.Namespace, folder: str) -> dict[str, Any]:
@@ -148,6 +155,36 @@ def _depth_peers(ns: argparse.Namespace, path: str, depths: list[int]) -> dict[s
     return peers
 
 
+def _batched_peer(binary: str, path: str, threads: int, batches: list[int]) -> dict[str, float]:
+    """llama-batched-bench's aggregate decode tokens/s (S_TG) at each batch size, its prompts and
+    generations the shape of ours (offline.BATCHED_*), the K/V sized for the largest batch."""
+    from specserve.bench.offline import BATCHED_NEW_TOKENS, BATCHED_PROMPT_TOKENS
+
+    context = max(batches) * (BATCHED_PROMPT_TOKENS + BATCHED_NEW_TOKENS) + 256
+    cmd = [binary, "-m", path, "-t", str(threads), "-tb", str(threads), "-c", str(context),
+           "-npp", str(BATCHED_PROMPT_TOKENS), "-ntg", str(BATCHED_NEW_TOKENS), "-npl", ",".join(map(str, batches)),
+           "--output-format", "jsonl"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench on {path} failed:\n{proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {str(row["pl"]): float(row["speed_tg"]) for row in rows}
+
+
+def _batched_figures(run: dict[str, Any]) -> dict[str, float]:
+    """Per batch size: our aggregate decode tokens/s, native's S_TG and ours over it; and each
+    batch's step time over batch 1's (a B-row step priced against a 1-row one), within the run."""
+    ours, figures = run["specserve"].get("batched_decode_tok_s", {}), {}
+    for batch, rate in ours.items():
+        figures[f"batched_{batch}_tok_s"] = rate
+        if "1" in ours:
+            figures[f"step_{batch}_rows_over_1"] = ours["1"] * int(batch) / rate
+        if batch in run.get("native_batched", {}):
+            figures[f"native_batched_{batch}_tok_s"] = run["native_batched"][batch]
+            figures[f"batched_{batch}_vs_native"] = rate / run["native_batched"][batch]
+    return figures
+
+
 def _depth_figures(run: dict[str, Any]) -> dict[str, float]:
     """Per depth: our decode tokens/s there, each peer's, and ours over theirs (within the run)."""
     figures = {}
@@ -203,7 +240,7 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
                     "verify_experts_per_layer": ours["verify_experts_per_layer"]}
     if run.get("spec"):
         figures |= spec_figures(run["spec"])
-    return figures | _depth_figures(run)
+    return figures | _depth_figures(run) | _batched_figures(run)
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -222,8 +259,9 @@ def run_models_bench(ns: argparse.Namespace) -> int:
 
     models = [m.strip() for m in ns.models.split(",") if m.strip()]
     paths = {m: resolve_model_path(None if m == "default" else m) for m in models}
-    if not ns.python_peer and not ns.llama_bench:
-        raise ConfigError("bench models --no-python-peer needs --llama-bench: a peer to compare with")
+    if not ns.python_peer and not (ns.llama_bench or ns.llama_batched_bench):
+        raise ConfigError("bench models --no-python-peer needs --llama-bench or --llama-batched-bench: a peer to "
+                          "compare with")
     if ns.python_peer and importlib.util.find_spec("llama_cpp") is None:  # fail before minutes of ours
         raise ConfigError(f"bench models compares against llama.cpp and needs llama-cpp-python: {INSTALL}")
     if ns.llama_bench and not os.access(ns.llama_bench, os.X_OK):
@@ -235,6 +273,10 @@ def run_models_bench(ns: argparse.Namespace) -> int:
     if not modes or any(a not in CPU_ACTIVATIONS for a in modes):
         raise ConfigError(f"--activations: a comma-separated list of {', '.join(CPU_ACTIVATIONS)}, got {ns.activations!r}")
     depths = number_list("--depths", ns.depths)
+    batches = number_list("--batched", ns.batched)
+    if ns.llama_batched_bench and not (batches and os.access(ns.llama_batched_bench, os.X_OK)):
+        raise ConfigError(f"--llama-batched-bench: {ns.llama_batched_bench!r} must be an executable, run at --batched "
+                          "sizes (scripts/llama_cpp_build.sh WORK llama-batched-bench builds one)")
     # auto as the engine resolves it (models/activations.py), each resolved choice once
     resolved = {m: list(dict.fromkeys(choose_cpu_activations(a, "cpu", "auto")[0] for a in modes)) for m in models}
     entries = {(m, a): m if a == "bf16" else f"{m}, int8 activations" for m in models for a in resolved[m]}
@@ -243,20 +285,22 @@ def run_models_bench(ns: argparse.Namespace) -> int:
         for model in models:
             native = _native(ns.llama_bench, paths[model], ns.threads, ns.llama_bench_args) if ns.llama_bench else None
             ik = _native(ns.ik_llama_bench, paths[model], ns.threads, ns.ik_llama_bench_args) if ns.ik_llama_bench else None
-            depth_peers = _depth_peers(ns, paths[model], depths)
+            peer_extras = _depth_peers(ns, paths[model], depths)
+            if ns.llama_batched_bench:
+                peer_extras["native_batched"] = _batched_peer(ns.llama_batched_bench, paths[model], ns.threads, batches)
             for activations in resolved[model]:
                 with tempfile.TemporaryDirectory() as folder:
                     result = _offline(model, activations, ns, folder)
                     if ns.spec_prompts > 0:
                         result["spec"] = _spec(model, activations, ns, folder)
                 result |= {"activations": activations} | ({"native": native} if native else {})
-                result |= ({"ik_llama.cpp": ik} if ik else {}) | depth_peers
+                result |= ({"ik_llama.cpp": ik} if ik else {}) | peer_extras
                 raw[entries[model, activations]].append(result)
                 print(f"run {run + 1}/{ns.runs} {entries[model, activations]}: "
                       + json.dumps(_figures(result, ns.batch_size)), flush=True)
     report: dict[str, Any] = {"runs": ns.runs, "speculation": "default" if ns.speculation else "none", "new_tokens": ns.new_tokens, "batch_size": ns.batch_size, "window": ns.window,
                               "threads": ns.threads, "spec_prompts": ns.spec_prompts, "spec_repeats": ns.spec_repeats,
-                              "llama_bench_args": ns.llama_bench_args, "depths": depths,
+                              "llama_bench_args": ns.llama_bench_args, "depths": depths, "batched": batches,
                               "depth_new_tokens": DEPTH_NEW_TOKENS if depths else None,
                               "ik_llama_bench_args": ns.ik_llama_bench_args if ns.ik_llama_bench else None,
                               "batch1_generations": BATCH1_RUNS, **provenance(None)}

@@ -38,6 +38,11 @@ PROMPTS = [
 ]
 
 
+# The batched decode's shape, llama-batched-bench's -npp and -ntg in the figures compared with it.
+BATCHED_PROMPT_TOKENS = 128
+BATCHED_NEW_TOKENS = 32
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
@@ -52,6 +57,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="",
                    help="context depths (tokens) at which batch-1 decode is also timed, e.g. 4096,8192 "
                         "(like llama-bench -d)")
+    p.add_argument("--batched", default="",
+                   help="batch sizes at which aggregate decode is also timed, e.g. 1,4,16: that many distinct "
+                        f"{BATCHED_PROMPT_TOKENS}-token prompts decoding {BATCHED_NEW_TOKENS} tokens together "
+                        f"(like llama-batched-bench -npp {BATCHED_PROMPT_TOKENS} -ntg {BATCHED_NEW_TOKENS})")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -182,12 +191,14 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     engine.scheduler.ledger.tree.reset()
     shapes = step_shapes(engine, ns)
     depths = {str(d): decode_at_depth(engine, d, params) for d in number_list("--depths", ns.depths)}
+    batched = {str(b): batched_decode(engine, b, params) for b in number_list("--batched", ns.batched)}
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
     layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
     engine.shutdown()
     return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, **decode, f"batch{ns.batch_size}_tok_s": bn, **shapes,
             "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory,
-            **({"decode_at_depth_tok_s": depths} if depths else {})}
+            **({"decode_at_depth_tok_s": depths} if depths else {}),
+            **({"batched_decode_tok_s": batched} if batched else {})}
 
 
 def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
@@ -219,10 +230,24 @@ def decode_at_depth(engine, depth: int, params: dict[str, Any]) -> float:
     return rate
 
 
-def _decode_rate_beyond_first(engine, prompt: list[int], params: dict[str, Any], from_cold: bool) -> float:
-    """(N - 1) tokens over the time an N-token request takes beyond a 1-token one, each the median
-    of BATCH1_RUNS requests; the prompt dropped from the prefix cache before each (`from_cold`) or
-    left there."""
+def batched_decode(engine, batch: int, params: dict[str, Any]) -> float:
+    """Aggregate decode tokens/s of `batch` distinct BATCHED_PROMPT_TOKENS-token prompts decoding
+    together, like llama-batched-bench's S_TG: batch * (N - 1) tokens, N = BATCHED_NEW_TOKENS, over
+    the time the N-token requests take beyond 1-token ones (each the median of BATCH1_RUNS), the
+    prompts prefilled once and kept in the prefix cache, so the first tokens cancel and no prefill
+    is timed (llama-batched-bench times its prefill apart)."""
+    prompts = [_long_ids(engine.tokenizer, BATCHED_PROMPT_TOKENS + i)[i:] for i in range(batch)]  # no shared prefix
+    engine.scheduler.ledger.tree.reset()
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})  # the prompts, cached
+    rate = _decode_rate_beyond_first(engine, prompts, {**params, "max_new_tokens": BATCHED_NEW_TOKENS}, from_cold=False)
+    engine.scheduler.ledger.tree.reset()
+    return rate
+
+
+def _decode_rate_beyond_first(engine, prompt: list, params: dict[str, Any], from_cold: bool) -> float:
+    """(N - 1) tokens per row over the time an N-token request takes beyond a 1-token one, each
+    the median of BATCH1_RUNS requests; the prompt (token ids, or a batch of them decoding together)
+    dropped from the prefix cache before each (`from_cold`) or left there."""
 
     def seconds(new_tokens: int) -> float:
         runs = []
@@ -234,8 +259,8 @@ def _decode_rate_beyond_first(engine, prompt: list[int], params: dict[str, Any],
             runs.append(time.perf_counter() - t)
         return statistics.median(runs)
 
-    n = params["max_new_tokens"]
-    return (n - 1) / (seconds(n) - seconds(1))
+    n, rows = params["max_new_tokens"], len(prompt) if prompt and isinstance(prompt[0], list) else 1
+    return rows * (n - 1) / (seconds(n) - seconds(1))
 
 
 def step_weight_bytes(model) -> int:

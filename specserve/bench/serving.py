@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -315,6 +316,7 @@ def run_serving_bench(ns: argparse.Namespace) -> int:
     servers = {name: server_settings(url) for name, url in targets_spec}
     drafters = [s["speculative_draft_model_path"] for s in servers.values() if s.get("speculative_draft_model_path")]
     report = {**provenance(drafters[0] if drafters else None), "servers": servers,
+              "models": {t.name: os.path.basename(t.model or "") for t in targets},  # the id each server served
               "dataset": ns.dataset, "num_prompts": ns.num_prompts, "distinct_prompts": ns.distinct_prompts,
               "max_tokens": ns.max_tokens,
               "temperature": ns.temperature, "request_rate": ns.request_rate, "repeats": ns.repeats,

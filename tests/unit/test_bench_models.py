@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from specserve.bench.models import _figures, summarize
+from specserve.bench.models import _batched_peer, _figures, summarize
 from benchmarks.render.engine import render_models
 
 
@@ -106,3 +106,26 @@ def test_the_mixtures_table_shows_the_experts_a_window_reads(tmp_path):
     text = render_models_moe(str(tmp_path))
     assert "experts read per layer, decode row vs 4-row window" in text and "| 8.0 vs 23.5 |" in text
     assert "4-row verify / decode step" in text and "llama-bench -lm none" in text and "700 MiB (file 240, KV 60)" in text
+
+
+def test_batched_figures_price_each_batch_against_batch_1_and_native_s_tg():
+    run = offline_run(40, 50)
+    run["specserve"]["batched_decode_tok_s"] = {"1": 10.0, "4": 32.0, "16": 80.0}
+    run["native_batched"] = {"1": 8.0, "4": 20.0, "16": 40.0}
+    figures = _figures(run, 32)
+    assert figures["step_4_rows_over_1"] == 1.25  # 4 rows in 0.125 s against 1 row in 0.1 s
+    assert figures["step_16_rows_over_1"] == 2.0 and figures["batched_16_vs_native"] == 2.0
+    assert figures["native_batched_4_tok_s"] == 20.0 and figures["batched_1_vs_native"] == 1.25
+
+
+def test_the_batched_peer_reads_s_tg_from_llama_batched_bench_jsonl(tmp_path):
+    fake = tmp_path / "llama-batched-bench"  # prints what the real one does with --output-format jsonl
+    fake.write_text("#!/bin/sh\necho 'main: n_kv_max = 5376'\n"
+                    "echo '{\"n_kv_max\": 5376, \"pp\": 128, \"tg\": 32, \"pl\": 1, \"speed_tg\": 30.5}'\n"
+                    "echo '{\"n_kv_max\": 5376, \"pp\": 128, \"tg\": 32, \"pl\": 16, \"speed_tg\": 101.25}'\n"
+                    "echo \"$@\" > \"$0.args\"\n")
+    fake.chmod(0o755)
+    assert _batched_peer(str(fake), "m.gguf", 2, [1, 16]) == {"1": 30.5, "16": 101.25}
+    args = (tmp_path / "llama-batched-bench.args").read_text().split()
+    assert args[args.index("-npl") + 1] == "1,16" and args[args.index("-npp") + 1] == "128"
+    assert int(args[args.index("-c") + 1]) >= 16 * (128 + 32)  # room for every sequence's K/V

@@ -232,9 +232,9 @@ def test_bf16_exponent_range_marks_values_the_fast_sums_cannot_take():
         assert bf16_exponent_range(torch.tensor([1.0, bad]).bfloat16()) == (-1, -1)
 
 
-def attention_case(seed: int = 0, dim: int = 64):
+def attention_case(seed: int = 0, dim: int = 64, kv_heads: int = 3, heads: int = 9):
     g = torch.Generator().manual_seed(seed)
-    slots, kv_heads, heads = 300, 3, 9
+    slots = 300
     k_pool = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
     v_pool = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
     table = torch.zeros(3, 256, dtype=torch.int64)
@@ -324,9 +324,10 @@ def test_sliding_window_attention_sees_the_last_window_positions(path, monkeypat
 
 
 @NO_VECTOR
+@pytest.mark.parametrize("group", [3, 7, 12])  # one pass of a group (up to 8 query heads), or two
 @pytest.mark.parametrize("dim", [64, 128, 32, 256])
-def test_attention_paths_agree_bitwise(dim, monkeypatch):
-    case = attention_case(seed=5, dim=dim)
+def test_attention_paths_agree_bitwise(dim, group, monkeypatch):
+    case = attention_case(seed=5, dim=dim, kv_heads=2, heads=2 * group)
     results = {}
     for path in PATHS:
         monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)

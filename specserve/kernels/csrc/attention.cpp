@@ -86,8 +86,10 @@ void task_generic(const PagedAttentionArgs& a, const Task& t, float* p) {
 // ------------------------------------------------------------------ AVX-512 path (dim % 16 == 0)
 
 #if SPECSERVE_X86
-// HB query heads of one KV group at once: each K/V row is loaded once for all of them, and the
-// heads' independent chains keep the FMA units busy; every head's operations are those of HB = 1.
+// HB query heads of one KV group at once (up to kMaxGroupPass, so every GQA group of the served
+// models, 6 or 7 heads at Qwen2.5 1.5B and 7B, is one pass): each K/V row is read once for all of
+// them, and the heads' independent chains keep the FMA units busy; every head's operations are
+// those of HB = 1, so the block sizes below change speed, never a result.
 template <int C, int HB>
 SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, float* scratch) {
   const int64_t len = t[0].len, padded = (len + 15) / 16 * 16;
@@ -107,7 +109,7 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
   // (each one the chain of a lone (head, position), as score_generic computes it), so the
   // instruction's latency is hidden; K is read as stored, two bf16 per lane, no conversion. The
   // lanes of 16 positions are then summed together (tree_sum16x16: tree_sum16's adds, vectorised).
-  constexpr int JB = 4;
+  constexpr int JB = HB <= 4 ? 4 : 2;  // HB * JB <= 16 accumulators
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     __m512 lanes[HB][16];
     for (int64_t j = j0; j < std::min<int64_t>(j0 + 16, len); j += JB) {
@@ -151,8 +153,9 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
     total[h] = _mm512_set1_ps(total_with_sink(tree_sum16_avx(lanes), best[h], t[h]));
   }
   // The weighted sum of V, CB chunks of the head dimension per pass over the positions, so the
-  // HB * CB sums stay in registers (each still in position order); one pass up to head size 128.
-  constexpr int CB = C >= 16 ? 4 : C;
+  // HB * CB sums stay in registers (each still in position order); the passes read disjoint
+  // columns of V, so V is read once in all.
+  constexpr int CB = std::min(C, HB <= 4 ? 4 : 2);  // HB * CB <= 16 sums
   for (int c0 = 0; c0 < C; c0 += CB) {
     __m512 o[HB][CB];
     for (int h = 0; h < HB; ++h)
@@ -173,13 +176,17 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
 
 template <int C>
 SPECSERVE_AVX512 void group_avx512(const PagedAttentionArgs& a, const Task* t, int64_t heads, float* scratch) {
-  int64_t h = 0;
-  for (; h + 4 <= heads; h += 4) heads_avx512<C, 4>(a, t + h, scratch);
-  switch (heads - h) {
-    case 3: heads_avx512<C, 3>(a, t + h, scratch); break;
-    case 2: heads_avx512<C, 2>(a, t + h, scratch); break;
-    case 1: heads_avx512<C, 1>(a, t + h, scratch); break;
-    default: break;
+  for (int64_t h = 0; h < heads; h += kMaxGroupPass) {
+    switch (std::min<int64_t>(heads - h, kMaxGroupPass)) {
+      case 8: heads_avx512<C, 8>(a, t + h, scratch); break;
+      case 7: heads_avx512<C, 7>(a, t + h, scratch); break;
+      case 6: heads_avx512<C, 6>(a, t + h, scratch); break;
+      case 5: heads_avx512<C, 5>(a, t + h, scratch); break;
+      case 4: heads_avx512<C, 4>(a, t + h, scratch); break;
+      case 3: heads_avx512<C, 3>(a, t + h, scratch); break;
+      case 2: heads_avx512<C, 2>(a, t + h, scratch); break;
+      default: heads_avx512<C, 1>(a, t + h, scratch); break;
+    }
   }
 }
 

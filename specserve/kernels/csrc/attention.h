@@ -31,8 +31,11 @@ struct PagedAttentionArgs {
   const float* sinks = nullptr;  // [heads] float32 logits that join each softmax (gpt-oss), or none
 };
 
+// Query heads one pass of a KV group's task computes side by side (a larger group takes more passes).
+constexpr int kMaxGroupPass = 8;
+
 // Tasks [begin, end) of T * kv_heads (task = row * kv_heads + kv head: the query heads of one
-// KV group); scratch holds >= 4 * (max(row_len) + 16) floats.
+// KV group); scratch holds >= kMaxGroupPass * (max(row_len) + 16) floats.
 void paged_attention_tasks(Path path, const PagedAttentionArgs& a, int64_t begin, int64_t end, float* scratch);
 
 }  // namespace specserve

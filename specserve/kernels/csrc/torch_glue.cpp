@@ -155,7 +155,7 @@ void run_linear(Path path, const PackedWeight& w, bool int8, const uint16_t* x, 
 
 void run_paged_attention(Path path, const PagedAttentionArgs& a, int64_t rows, int64_t longest) {
   at::parallel_for(0, rows * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(4 * ((longest + 15) / 16 * 16 + 16));
+    std::vector<float> scratch(kMaxGroupPass * ((longest + 15) / 16 * 16 + 16));
     paged_attention_tasks(path, a, begin, end, scratch.data());
   });
 }
