@@ -362,7 +362,7 @@ def render_long_context(results: str, name: str = "models_long_context.json") ->
         f"its run. {provenance(data, name)}\n")
 
 
-def render_batched(results: str, name: str = "models_batched.json") -> str:
+def render_batched(results: str, name: str = "models_vs_peers.json") -> str:
     """Aggregate decode at each batch size against llama-batched-bench's S_TG, and what a B-row step
     costs against a 1-row one, in one run."""
     from specserve.bench.offline import BATCHED_NEW_TOKENS, BATCHED_PROMPT_TOKENS
@@ -387,6 +387,33 @@ def render_batched(results: str, name: str = "models_batched.json") -> str:
         "one run of each batch per round). Speculation off. "
         f"{data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved runs, each ratio within "
         f"its run. {provenance(data, name)}\n")
+
+
+def render_arithmetic(results: str, name: str = "models_vs_peers.json") -> str:
+    """Decode, the verify window and prefill priced against the machine: int8 multiply-adds per
+    cycle per core against VPDPBUSD's measured peak, weight bytes a second against the read bandwidth."""
+    data = load(results, name)
+    rows = []
+    for model in data["models"].values():
+        s, window = model["summary"], model["runs"][0]["specserve"]["window"]
+        prefill = model["runs"][0]["specserve"]["prefill_len"]
+        for shape, label in (("decode", "decode, 1 row"), ("window", f"verify window, {window} rows"),
+                             ("prefill", f"prefill, {prefill} rows")):
+            rows.append([f"`{model['path']}`", label, _median_range(s[f"{shape}_macs_per_cycle_per_core"], ".1f"),
+                         _median_range({k: 100 * v for k, v in s[f"{shape}_share_of_int8_peak"].items()}, ".1f", "%"),
+                         _median_range(s[f"{shape}_weight_gb_s"], ".1f"),
+                         _median_range({k: 100 * v for k, v in s[f"{shape}_bandwidth_share"].items()}, ".0f", "%")])
+    first = next(iter(data["models"].values()))["summary"]
+    header = ["file (synthetic weights)", "step", "int8 multiply-adds per cycle per core", "of VPDPBUSD's peak",
+              "weights read (GB/s)", "of the read bandwidth"]
+    return table(header, rows) + (
+        f"\n\nThe peak and the clock are measured in each run on every thread at once (`csrc/probe.cpp`): "
+        f"VPDPBUSD in independent chains, {_median_range(first['int8_macs_per_cycle_per_core_peak'], '.0f')} "
+        f"multiply-adds per cycle per core, at {_median_range(first['clock_ghz'], '.2f', ' GHz')}. A step's "
+        "multiply-adds are its linears' weights times its rows (the embedding lookup none); its weight bytes "
+        "the packed weights, read once a step whatever its rows. Read bandwidth as the decode figures' "
+        f"(`bench/bandwidth.py`). {data['threads']} threads; median (lowest-highest) of {data['runs']} runs. "
+        f"{provenance(data, name)}\n")
 
 
 # The mixtures' records, newest first: a file re-measured in a newer record is rendered from it only

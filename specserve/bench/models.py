@@ -185,6 +185,29 @@ def _batched_figures(run: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
+def _arithmetic_figures(ours: dict[str, Any]) -> dict[str, float]:
+    """Decode, the verify window and prefill as int8 multiply-adds per cycle per core, as a share of
+    VPDPBUSD's measured peak (bench/arithmetic.py), and as weight bytes per second, a share of the
+    read bandwidth; recorded since the probes were (an AVX-512 machine, packed weights)."""
+    from specserve.bench.arithmetic import macs_per_cycle_per_core, share_of_int8_peak
+
+    if not ours.get("linear_macs_per_row") or not ours.get("int8_dot_per_s") or "window" not in ours:
+        return {}
+    macs, window = ours["linear_macs_per_row"], ours["window"]
+    step_s = {"decode": ours["decode_1_row_ms"] / 1e3, "window": ours[f"verify_{window}_rows_ms"] / 1e3,
+              "prefill": ours["prefill_len"] / ours["prefill_tok_s"]}
+    rows = {"decode": 1, "window": window, "prefill": ours["prefill_len"]}
+    figures = {"clock_ghz": ours["clock_ghz"], "int8_macs_per_cycle_per_core_peak": ours["int8_macs_per_cycle_per_core_peak"]}
+    for shape, seconds in step_s.items():
+        rate = rows[shape] * macs / seconds
+        figures[f"{shape}_macs_per_cycle_per_core"] = macs_per_cycle_per_core(rate, ours)
+        figures[f"{shape}_share_of_int8_peak"] = share_of_int8_peak(rate, ours)
+        if "weights_streamed_mib" in ours:  # each step reads the weights once, whatever its rows
+            figures[f"{shape}_weight_gb_s"] = ours["weights_streamed_mib"] * 2**20 / seconds / 1e9
+            figures[f"{shape}_bandwidth_share"] = figures[f"{shape}_weight_gb_s"] / ours["read_bandwidth_gbs"]
+    return figures
+
+
 def _depth_figures(run: dict[str, Any]) -> dict[str, float]:
     """Per depth: our decode tokens/s there, each peer's, and ours over theirs (within the run)."""
     figures = {}
@@ -240,7 +263,7 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
                     "verify_experts_per_layer": ours["verify_experts_per_layer"]}
     if run.get("spec"):
         figures |= spec_figures(run["spec"])
-    return figures | _depth_figures(run) | _batched_figures(run)
+    return figures | _depth_figures(run) | _batched_figures(run) | _arithmetic_figures(ours)
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -145,7 +145,8 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
     verify = _median_pass_s(engine, window, ns.prefix_len, ns.repeats, last_logit_only=False)
     prefill = _median_pass_s(engine, _long_ids(engine.tokenizer, ns.prefill_len), 0, max(2, ns.repeats // 3), True)
     result = {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
-              "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill}
+              "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill, "window": ns.window,
+              "prefill_len": ns.prefill_len}
     model = engine.runner.model
     if model.config.is_moe:  # more rows touch more experts: what a verify window reads
         result["decode_experts_per_layer"] = distinct_experts(engine, window[:1], ns.prefix_len)
@@ -165,6 +166,7 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
 
 
 def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
+    from specserve.bench.arithmetic import machine_arithmetic, row_macs
     from specserve.engine import Engine
     from specserve.kernels.dispatch import path_name
 
@@ -193,10 +195,11 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     depths = {str(d): decode_at_depth(engine, d, params) for d in number_list("--depths", ns.depths)}
     batched = {str(b): batched_decode(engine, b, params) for b in number_list("--batched", ns.batched)}
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
+    arithmetic = {"linear_macs_per_row": row_macs(engine.runner.model), **machine_arithmetic()} if kernel_path != "none" else {}
     layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
     engine.shutdown()
     return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, **decode, f"batch{ns.batch_size}_tok_s": bn, **shapes,
-            "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory,
+            "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory, **arithmetic,
             **({"decode_at_depth_tok_s": depths} if depths else {}),
             **({"batched_decode_tok_s": batched} if batched else {})}
 
@@ -267,14 +270,11 @@ def step_weight_bytes(model) -> int:
     """Bytes of weights a batch-1 step reads: every linear's packed weight (an embedding lookup reads
     a row, not the table; of a mixture's experts, the share a token routes to: k of E), or the
     parameters of a model without packed kernels."""
-    from specserve.kernels.linear import PackedLinear
+    from specserve.bench.arithmetic import packed_kernels
 
-    cfg = model.config
-    routed = cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 1.0
-    kernels = {id(m.kernel): (m.kernel, ".experts." in name) for name, m in model.named_modules()
-               if isinstance(getattr(m, "kernel", None), PackedLinear)}  # fmt: skip
+    kernels = packed_kernels(model)
     if kernels:
-        return int(sum(k.nbytes() * (routed if expert else 1.0) for k, expert in kernels.values()))
+        return int(sum(k.nbytes() * share for k, share in kernels))
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
 
 

@@ -69,7 +69,7 @@ def _path_for(raw: str) -> int:
     if name not in PATHS:
         raise ConfigError(f"{envs.CPU_KERNEL_PATH} must be one of {sorted(PATHS)}, got {name!r}")
     if name not in available_paths():
-        needs = {"avx512_bf16": "AVX512-BF16", "avx2_fma": "AVX2 and FMA"}[name]
+        needs = {"avx512_bf16": "AVX512-BF16 with VNNI and VBMI", "avx2_fma": "AVX2 and FMA"}[name]
         raise ConfigError(f"{envs.CPU_KERNEL_PATH}={name} but this CPU lacks {needs}")
     return PATHS[name]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specserve.bench.models import _batched_peer, _figures, summarize
 from benchmarks.render.engine import render_models
 
@@ -129,3 +131,17 @@ def test_the_batched_peer_reads_s_tg_from_llama_batched_bench_jsonl(tmp_path):
     args = (tmp_path / "llama-batched-bench.args").read_text().split()
     assert args[args.index("-npl") + 1] == "1,16" and args[args.index("-npp") + 1] == "128"
     assert int(args[args.index("-c") + 1]) >= 16 * (128 + 32)  # room for every sequence's K/V
+
+
+def test_arithmetic_figures_price_each_step_against_the_measured_peak_and_bandwidth():
+    run = offline_run(40, 50)
+    run["specserve"] |= {"linear_macs_per_row": 1e9, "window": 4, "verify_4_rows_ms": 50.0, "decode_1_row_ms": 40.0,
+                         "prefill_len": 512, "prefill_tok_s": 256.0, "clock_ghz": 2.5, "probe_threads": 2,
+                         "int8_dot_per_s": 2.5e9 * 2 * 2, "int8_macs_per_cycle_per_core_peak": 128.0,
+                         "weights_streamed_mib": 1000.0, "read_bandwidth_gbs": 50.0}
+    figures = _figures(run, 32)
+    assert figures["decode_macs_per_cycle_per_core"] == pytest.approx(1e9 / 0.04 / 5e9)  # 5
+    assert figures["window_macs_per_cycle_per_core"] == pytest.approx(4e9 / 0.05 / 5e9)  # 16
+    assert figures["prefill_share_of_int8_peak"] == pytest.approx(256e9 / (1e10 * 64))
+    assert figures["decode_bandwidth_share"] == pytest.approx(1000 * 2**20 / 0.04 / 1e9 / 50)
+    assert "decode_macs_per_cycle_per_core" not in _figures(offline_run(40, 50), 32)  # not recorded: no figure

@@ -17,7 +17,7 @@ from specserve.kernels.attention import paged_attention
 from specserve.kernels.build import load
 from specserve.kernels.linear import BF16, E2M1, E2M1_CODES, Q4, Q8, pack_bf16, pack_q4, pack_q8
 
-AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512vbmi"}
 VECTOR_PATHS = [p for p in dispatch.available_paths() if p != "generic"]
 PATHS = ["generic", *VECTOR_PATHS]
 NO_VECTOR = pytest.mark.skipif(not VECTOR_PATHS, reason="this CPU has neither AVX512-BF16 nor AVX2: only the generic path")

@@ -7,6 +7,7 @@
 #include "attention.h"
 #include "linear.h"
 #include "ops.h"
+#include "probe.h"
 #include "decoder_layer.h"
 #include "markov.h"
 #include "moe.h"
@@ -212,5 +213,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   specserve::register_markov(m);
   specserve::register_pack(m);
   m.def("stream_read", &specserve::stream_read, "read a uint8 buffer once with every thread (the read-bandwidth probe)");
+  m.def("clock_ghz", &specserve::clock_ghz, "the mean core clock over every thread, from a dependent add chain");
+  m.def("int8_dot_per_second", [](int64_t path, int64_t steps) { return specserve::int8_dot_per_second(specserve::checked_path(path), steps); },
+        "VPDPBUSD instructions per second over every thread (0 off the AVX-512 path)");
   m.def("rope_store", &specserve::rope_store, "RoPE of q and k; k and v stored to their slots; returns q");
 }

@@ -87,15 +87,15 @@ SPECSERVE_AVX512 inline void add_high_bits(const uint8_t* plane, __m512i& wa, __
     wa = _mm512_mask_add_epi8(wa, _mm512_test_epi8_mask(h, _mm512_set1_epi32(0x40100401)), wa, sixteen);
     wb = _mm512_mask_add_epi8(wb, _mm512_test_epi8_mask(h, _mm512_set1_epi32(int32_t(0x80200802u))), wb, sixteen);
   } else if constexpr (Bits == 6) {  // plane uint16: bits 2p.. = column 2p, bits 8 + 2p.. = column 2p + 1
-    // per lane the plane's (low, low, high, high) bytes: each byte's 2-bit fields are its columns'
-    const __m512i dup = _mm512_set_epi32(0x0D0D0C0C, 0x09090808, 0x05050404, 0x01010000, 0x0D0D0C0C, 0x09090808,
-                                         0x05050404, 0x01010000, 0x0D0D0C0C, 0x09090808, 0x05050404, 0x01010000,
-                                         0x0D0D0C0C, 0x09090808, 0x05050404, 0x01010000);
-    const __m512i t = _mm512_shuffle_epi8(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane))), dup);
-    // bytes 0 and 2 take their field from a shifted copy, bytes 1 and 3 from another (c ? a : b)
-    const __m512i even = _mm512_set1_epi32(0x00300030), high = _mm512_set1_epi32(0x30303030);
-    const __m512i ha = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 4), t, even, 0xE4);
-    const __m512i hb = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 2), _mm512_srli_epi32(t, 2), even, 0xE4);
+    // Qword i: the planes of lanes 2i and 2i + 1 (bits 0-15 and 16-31); VPMULTISHIFTQB takes each
+    // byte's 8 bits from its qword at a bit offset of its own: the field of that byte's column,
+    // starting 4 bits early so that it lands on bits 4-5 (the rest is masked off below).
+    const __m512i t = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)));
+    // wa's bytes are columns (0, 4, 1, 5): fields at bits 0, 4, 8, 12 of a lane; wb's (2, 6, 3, 7): 2, 6, 10, 14
+    // (bytes 4-7: lane 2i + 1, 16 bits on); offsets 4 early, mod 64, lowest byte first
+    const __m512i ha = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(int64_t(0x1814100C0804003Cull)), t);
+    const __m512i hb = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(int64_t(0x1A16120E0A06023Eull)), t);
+    const __m512i high = _mm512_set1_epi32(0x30303030);
     wa = _mm512_ternarylogic_epi32(wa, ha, high, 0xF8);  // a | (b & c)
     wb = _mm512_ternarylogic_epi32(wb, hb, high, 0xF8);
   }

@@ -12,9 +12,10 @@
 
 #include "simd.h"
 
-// Vector code is compiled for AVX512-BF16 (and VNNI, which every CPU with it has) function by
-// function, so the library still loads (and runs the generic path) on CPUs without it.
-#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni")))
+// Vector code is compiled for AVX512-BF16 with VNNI and VBMI (every CPU with BF16 but Cooper Lake,
+// which takes the AVX2 path) function by function, so the library still loads (and runs the
+// generic path) on CPUs without them. VBMI's byte shifts place the 6-bit codes' high bits.
+#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vnni,avx512vbmi")))
 
 namespace specserve {
 

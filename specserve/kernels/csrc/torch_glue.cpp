@@ -16,7 +16,8 @@ bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("avx512vbmi");
 #else
   return false;
 #endif
