@@ -41,7 +41,7 @@ BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- render: (?P<name>[\w-]+) -->\n
 RENDERERS: dict[str, Callable[[str], str]] = {
     "grammar": serving.render_grammar, "grammar-engine": serving.render_grammar_engine,
     "router": serving.render_router, "serving": serving.render_serving,
-    "serving-multiturn": lambda r: serving.render_serving(r, "serving_multiturn.json"), "serving-1-5b": lambda r: serving.render_serving(r, "serving_1.5b.json"), "hicache": serving.render_hicache,
+    "serving-multiturn": lambda r: serving.render_serving(r, "serving_multiturn.json"), "serving-1-5b": lambda r: serving.render_serving(r, "serving_1.5b.json"), "serving-7b": lambda r: serving.render_serving(r, "serving_7b.json"), "hicache": serving.render_hicache,
     "spec-policy": speculation.render_spec_policy, "spec-policy-notes": speculation.render_spec_policy_notes,
     "spec-ready": speculation.render_spec_ready, "spec-workloads": speculation.render_spec_workloads,
     "spec-workloads-qwen": lambda r: speculation.render_spec_workloads(r, "spec_workloads_qwen.json"),
@@ -50,7 +50,7 @@ RENDERERS: dict[str, Callable[[str], str]] = {
     "standalone-cost": speculation.render_standalone_cost, "dspark-step": speculation.render_dspark_step, "prefetch": speculation.render_prefetch, "overlap": speculation.render_overlap,
     "kernel-paths-avx2": lambda r: engine.kernel_paths_table(r, "kernel_paths.json"),
     "kernel-paths-avx512": lambda r: engine.kernel_paths_table(r, "kernel_paths_avx512.json"),
-    "offline": engine.render_offline, "models": engine.render_models, "models-at-size": engine.render_models_at_size, "models-vs-ik": engine.render_models_vs_ik, "models-vs-ik-prefetch": lambda r: engine.render_models_vs_ik(r, "models_vs_ik_prefetch.json"), "long-context": engine.render_long_context, "models-moe": engine.render_models_moe, "moe-routing": engine.render_moe_routing, "startup": engine.render_startup, "startup-moe": lambda r: engine.render_startup(r, "startup_moe.json"), "models-small-native": engine.render_models_small_native, "weight-stream": engine.render_weight_stream, "step-profile": engine.render_step_profile, "quality": engine.render_quality, "quality-top1": engine.render_quality_top1,
+    "offline": engine.render_offline, "models": engine.render_models, "models-at-size": engine.render_models_at_size, "models-vs-ik": engine.render_models_vs_ik, "models-vs-ik-prefetch": lambda r: engine.render_models_vs_ik(r, "models_vs_ik_prefetch.json"), "long-context": engine.render_long_context, "models-vs-peers": lambda r: engine.render_models_vs_ik(r, "models_vs_peers.json"), "batched": engine.render_batched, "arithmetic": engine.render_arithmetic, "models-moe": engine.render_models_moe, "moe-routing": engine.render_moe_routing, "startup": engine.render_startup, "startup-moe": lambda r: engine.render_startup(r, "startup_moe.json"), "models-small-native": engine.render_models_small_native, "weight-stream": engine.render_weight_stream, "step-profile": engine.render_step_profile, "quality": engine.render_quality, "quality-top1": engine.render_quality_top1,
     "linear-rows": engine.render_linear_rows,
     "seed-failure": engine.render_seed_failure, "soak": engine.render_soak, "tp-cost": engine.render_tp_cost,
     "cuda-check": cuda.render_cuda_check, "cuda-threaded": cuda.render_cuda_threaded, "drafter-line": drafter.render_drafter_line, "drafter-shapes": drafter.render_drafter_shapes,

@@ -76,7 +76,7 @@ def _small_files(data: dict[str, Any]) -> str:
             f"{data['runs']} interleaved runs, {data['threads']} threads. {provenance(data, 'models_small_native.json')}\n")
 
 
-VS_IK = "models_vs_ik_prefetch.json"  # the newest record of the default against ik_llama.cpp
+VS_IK = "models_vs_peers.json"  # the newest record of the default against ik_llama.cpp
 
 
 def _vs_ik(data: dict[str, Any], name: str) -> str:
