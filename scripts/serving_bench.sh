@@ -35,7 +35,7 @@ for arm in $ARMS; do
     default) port=$P3; flags=() ;;
     *) echo "unknown SPECSERVE_ARMS entry: $arm (none, default)" >&2; exit 2 ;;
   esac
-  .venv/bin/specserve serve --model-path "$MODEL" --port "$port" "${flags[@]}" > "$LOGS/$arm.log" 2>&1 &
+  .venv/bin/specserve serve --model-path "$MODEL" --port "$port" ${flags[@]+"${flags[@]}"} > "$LOGS/$arm.log" 2>&1 &
   PIDS+=($!)
   PORTS+=("$port")
   TARGETS+=(--target "specserve-$arm=http://127.0.0.1:$port")

@@ -372,10 +372,11 @@ def render_batched(results: str, name: str = "models_vs_peers.json") -> str:
     for model in data["models"].values():
         s = model["summary"]
         for batch in data["batched"]:
+            native = f"native_batched_{batch}_tok_s" in s  # with --llama-batched-bench
             rows.append([f"`{model['path']}`", model["activations"], str(batch),
                          _median_range(s[f"batched_{batch}_tok_s"], ".1f"),
-                         _median_range(s[f"native_batched_{batch}_tok_s"], ".1f"),
-                         _ratio(s[f"batched_{batch}_vs_native"]),
+                         _median_range(s[f"native_batched_{batch}_tok_s"], ".1f") if native else "not run",
+                         _ratio(s[f"batched_{batch}_vs_native"]) if native else "",
                          _median_range(s[f"step_{batch}_rows_over_1"], ".2f", "x")])  # fmt: skip
     header = ["file (synthetic weights)", "activations", "batch", "aggregate decode (tok/s)",
               "native S_TG", "vs native", "step of B rows / 1 row (ours)"]
@@ -384,7 +385,7 @@ def render_batched(results: str, name: str = "models_vs_peers.json") -> str:
         "batch: ours with the prompts prefilled once and kept in the prefix cache, the N-token requests' time "
         "beyond 1-token ones (the first tokens cancel), "
         f"native `llama-batched-bench -npp {BATCHED_PROMPT_TOKENS} -ntg {BATCHED_NEW_TOKENS} -npl B` (its S_TG, "
-        "one run of each batch per round). Speculation off. "
+        f"one run of each batch per round). Speculation {'off' if data['speculation'] == 'none' else 'at its default'}. "
         f"{data['threads']} threads; median (lowest-highest) of {data['runs']} interleaved runs, each ratio within "
         f"its run. {provenance(data, name)}\n")
 
@@ -397,12 +398,17 @@ def render_arithmetic(results: str, name: str = "models_vs_peers.json") -> str:
     for model in data["models"].values():
         s, window = model["summary"], model["runs"][0]["specserve"]["window"]
         prefill = model["runs"][0]["specserve"]["prefill_len"]
+        # Records before the head's share was kept count it for every prefill row: an upper bound.
+        at_most = "head_macs" not in model["runs"][0]["specserve"]
         for shape, label in (("decode", "decode, 1 row"), ("window", f"verify window, {window} rows"),
                              ("prefill", f"prefill, {prefill} rows")):
-            rows.append([f"`{model['path']}`", label, _median_range(s[f"{shape}_macs_per_cycle_per_core"], ".1f"),
-                         _median_range({k: 100 * v for k, v in s[f"{shape}_share_of_int8_peak"].items()}, ".1f", "%"),
-                         _median_range(s[f"{shape}_weight_gb_s"], ".1f"),
-                         _median_range({k: 100 * v for k, v in s[f"{shape}_bandwidth_share"].items()}, ".0f", "%")])
+            bound = "at most " if shape == "prefill" and at_most else ""
+            streamed = f"{shape}_weight_gb_s" in s  # a mixture's window and prefill: no bytes figure
+            rows.append([f"`{model['path']}`", label, bound + _median_range(s[f"{shape}_macs_per_cycle_per_core"], ".1f"),
+                         bound + _median_range({k: 100 * v for k, v in s[f"{shape}_share_of_int8_peak"].items()}, ".1f", "%"),
+                         _median_range(s[f"{shape}_weight_gb_s"], ".1f") if streamed else "",
+                         _median_range({k: 100 * v for k, v in s[f"{shape}_bandwidth_share"].items()}, ".0f", "%")
+                         if streamed else ""])
     first = next(iter(data["models"].values()))["summary"]
     header = ["file (synthetic weights)", "step", "int8 multiply-adds per cycle per core", "of VPDPBUSD's peak",
               "weights read (GB/s)", "of the read bandwidth"]
@@ -410,7 +416,8 @@ def render_arithmetic(results: str, name: str = "models_vs_peers.json") -> str:
         f"\n\nThe peak and the clock are measured in each run on every thread at once (`csrc/probe.cpp`): "
         f"VPDPBUSD in independent chains, {_median_range(first['int8_macs_per_cycle_per_core_peak'], '.0f')} "
         f"multiply-adds per cycle per core, at {_median_range(first['clock_ghz'], '.2f', ' GHz')}. A step's "
-        "multiply-adds are its linears' weights times its rows (the embedding lookup none); its weight bytes "
+        "multiply-adds are its linears' weights times its rows (the embedding lookup none; \"at most\": a record "
+        "that counted the output head for every prefill row, where it runs for the last); its weight bytes "
         "the packed weights, read once a step whatever its rows. Read bandwidth as the decode figures' "
         f"(`bench/bandwidth.py`). {data['threads']} threads; median (lowest-highest) of {data['runs']} runs. "
         f"{provenance(data, name)}\n")

@@ -144,7 +144,13 @@ def render_load(results: str, file: str = "load_1.5b_20min.json") -> str:
             f"{data['valid_answered']:,} answered whole and {data['valid_failures']} failed; {hostile:,} hostile ones, "
             f"{hostile - data['hostile_not_4xx']:,} answered 4xx; {data['completion_tokens']:,} completion tokens "
             f"({data['completion_tokens_per_s']:.1f}/s, disconnects and aborts included); KV tokens held at the end "
-            f"{data['kv_request_tokens_at_end']:.0f}; resident memory {data['rss_baseline_mib']:.0f} MiB after the "
-            f"first minute, {data['rss_end_mib']:.0f} MiB at the end ({data['rss_growth']:+.2%}), peak "
+            f"{_measured(data['kv_request_tokens_at_end'], '.0f')}; resident memory "
+            f"{_measured(data['rss_baseline_mib'], '.0f', ' MiB')} at {data.get('rss_baseline_s', 60):g} s, "
+            f"{data['rss_end_mib']:.0f} MiB at the end ({_measured(data['rss_growth'], '+.2%')}), peak "
             f"{data['rss_peak_mib']:.0f} MiB. Checks: {checks}; {'passed' if data['passed'] else 'FAILED'}. "
             f"{provenance(data, file)}\n")
+
+
+def _measured(value, fmt: str, unit: str = "") -> str:
+    """A figure the report may leave unmeasured (None): the value, or 'not measured'."""
+    return "not measured" if value is None else f"{value:{fmt}}{unit}"

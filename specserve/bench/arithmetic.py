@@ -12,14 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 CLOCK_ADDS = 400_000_000  # about 0.1 s a thread at 4 GHz
-DOT_STEPS = 10_000_000  # 12 chains: about 0.1 s a thread at one VPDPBUSD a cycle
+DOT_STEPS = 50_000_000  # 12 chains: about 75 ms a thread at two VPDPBUSD a cycle and 4 GHz
 PROBE_REPEATS = 3  # best of
 MACS_PER_DOT = 64  # VPDPBUSD on 512 bits: 16 lanes of 4 u8 x s8 products
 
 
 def machine_arithmetic() -> dict[str, Any]:
     """The threads' mean clock (GHz) and VPDPBUSD's peak (instructions/s over all threads, and
-    int8 multiply-adds per cycle per core); the peak is None off the AVX-512 path."""
+    int8 multiply-adds per cycle per core); the peak is None off the AVX-512 path. The clock is
+    taken under a scalar load: on CPUs that lower it for AVX-512 code (some Intel parts, not AMD
+    Zen 4 or 5) the per-cycle figures mix two clocks."""
     import torch
 
     from specserve.kernels.build import load
@@ -50,6 +52,14 @@ def row_macs(model) -> int:
     """Multiply-adds one row of a step does in the linears: every packed weight's n x k times the
     share a row reads (packed_kernels); the embedding lookup none."""
     return int(sum(k.n * k.k * share for k, share in packed_kernels(model)))
+
+
+def head_macs(model) -> int:
+    """Of row_macs, the output head's: a prefill computes it for its last row only."""
+    from specserve.kernels.linear import PackedLinear
+
+    head = getattr(getattr(model, "lm_head", None), "kernel", None)
+    return head.n * head.k if isinstance(head, PackedLinear) else 0
 
 
 def macs_per_cycle_per_core(macs_per_s: float, machine: dict[str, Any]) -> float:

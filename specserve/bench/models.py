@@ -185,24 +185,33 @@ def _batched_figures(run: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
-def _arithmetic_figures(ours: dict[str, Any]) -> dict[str, float]:
+def _arithmetic_figures(run: dict[str, Any]) -> dict[str, float]:
     """Decode, the verify window and prefill as int8 multiply-adds per cycle per core, as a share of
     VPDPBUSD's measured peak (bench/arithmetic.py), and as weight bytes per second, a share of the
-    read bandwidth; recorded since the probes were (an AVX-512 machine, packed weights)."""
+    read bandwidth; recorded since the probes were (an AVX-512 machine, packed weights), and priced
+    for int8 activations only (bf16 ones multiply with VDPBF16PS). A prefill computes the output
+    head for its last row only; a record without the head's share counts it for every row (an upper
+    bound, `prefill_head_counted_per_row`)."""
     from specserve.bench.arithmetic import macs_per_cycle_per_core, share_of_int8_peak
 
-    if not ours.get("linear_macs_per_row") or not ours.get("int8_dot_per_s") or "window" not in ours:
+    ours = run["specserve"]
+    if run.get("activations") != "int8" or not ours.get("linear_macs_per_row") or not ours.get("int8_dot_per_s") \
+            or "window" not in ours:
         return {}
-    macs, window = ours["linear_macs_per_row"], ours["window"]
+    macs, window, prefill = ours["linear_macs_per_row"], ours["window"], ours["prefill_len"]
+    head = ours.get("head_macs", 0)
     step_s = {"decode": ours["decode_1_row_ms"] / 1e3, "window": ours[f"verify_{window}_rows_ms"] / 1e3,
-              "prefill": ours["prefill_len"] / ours["prefill_tok_s"]}
-    rows = {"decode": 1, "window": window, "prefill": ours["prefill_len"]}
-    figures = {"clock_ghz": ours["clock_ghz"], "int8_macs_per_cycle_per_core_peak": ours["int8_macs_per_cycle_per_core_peak"]}
+              "prefill": prefill / ours["prefill_tok_s"]}
+    step_macs = {"decode": macs, "window": window * macs, "prefill": prefill * (macs - head) + head}
+    figures = {"clock_ghz": ours["clock_ghz"], "int8_macs_per_cycle_per_core_peak": ours["int8_macs_per_cycle_per_core_peak"],
+               "prefill_head_counted_per_row": float("head_macs" not in ours)}
+    # A mixture's window and prefill read more experts than a row's share: no bytes figure for them.
+    streamed = ("decode",) if "verify_experts_per_layer" in ours else ("decode", "window", "prefill")
     for shape, seconds in step_s.items():
-        rate = rows[shape] * macs / seconds
+        rate = step_macs[shape] / seconds
         figures[f"{shape}_macs_per_cycle_per_core"] = macs_per_cycle_per_core(rate, ours)
         figures[f"{shape}_share_of_int8_peak"] = share_of_int8_peak(rate, ours)
-        if "weights_streamed_mib" in ours:  # each step reads the weights once, whatever its rows
+        if "weights_streamed_mib" in ours and shape in streamed:  # a dense step reads the weights once
             figures[f"{shape}_weight_gb_s"] = ours["weights_streamed_mib"] * 2**20 / seconds / 1e9
             figures[f"{shape}_bandwidth_share"] = figures[f"{shape}_weight_gb_s"] / ours["read_bandwidth_gbs"]
     return figures
@@ -263,7 +272,7 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
                     "verify_experts_per_layer": ours["verify_experts_per_layer"]}
     if run.get("spec"):
         figures |= spec_figures(run["spec"])
-    return figures | _depth_figures(run) | _batched_figures(run) | _arithmetic_figures(ours)
+    return figures | _depth_figures(run) | _batched_figures(run) | _arithmetic_figures(run)
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -166,7 +166,7 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
 
 
 def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
-    from specserve.bench.arithmetic import machine_arithmetic, row_macs
+    from specserve.bench.arithmetic import head_macs, machine_arithmetic, row_macs
     from specserve.engine import Engine
     from specserve.kernels.dispatch import path_name
 
@@ -195,7 +195,9 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     depths = {str(d): decode_at_depth(engine, d, params) for d in number_list("--depths", ns.depths)}
     batched = {str(b): batched_decode(engine, b, params) for b in number_list("--batched", ns.batched)}
     kernel_path = path_name() if engine.args.device == "cpu" else "none"
-    arithmetic = {"linear_macs_per_row": row_macs(engine.runner.model), **machine_arithmetic()} if kernel_path != "none" else {}
+    model = engine.runner.model
+    arithmetic = {"linear_macs_per_row": row_macs(model), "head_macs": head_macs(model),
+                  **machine_arithmetic()} if kernel_path != "none" else {}
     layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
     engine.shutdown()
     return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, **decode, f"batch{ns.batch_size}_tok_s": bn, **shapes,

@@ -134,14 +134,19 @@ def test_the_batched_peer_reads_s_tg_from_llama_batched_bench_jsonl(tmp_path):
 
 
 def test_arithmetic_figures_price_each_step_against_the_measured_peak_and_bandwidth():
-    run = offline_run(40, 50)
-    run["specserve"] |= {"linear_macs_per_row": 1e9, "window": 4, "verify_4_rows_ms": 50.0, "decode_1_row_ms": 40.0,
-                         "prefill_len": 512, "prefill_tok_s": 256.0, "clock_ghz": 2.5, "probe_threads": 2,
-                         "int8_dot_per_s": 2.5e9 * 2 * 2, "int8_macs_per_cycle_per_core_peak": 128.0,
+    run = offline_run(40, 50) | {"activations": "int8"}
+    run["specserve"] |= {"linear_macs_per_row": 1e9, "head_macs": 2e8, "window": 4, "verify_4_rows_ms": 50.0,
+                         "decode_1_row_ms": 40.0, "prefill_len": 512, "prefill_tok_s": 256.0, "clock_ghz": 2.5,
+                         "probe_threads": 2, "int8_dot_per_s": 2.5e9 * 2 * 2, "int8_macs_per_cycle_per_core_peak": 128.0,
                          "weights_streamed_mib": 1000.0, "read_bandwidth_gbs": 50.0}
     figures = _figures(run, 32)
     assert figures["decode_macs_per_cycle_per_core"] == pytest.approx(1e9 / 0.04 / 5e9)  # 5
     assert figures["window_macs_per_cycle_per_core"] == pytest.approx(4e9 / 0.05 / 5e9)  # 16
-    assert figures["prefill_share_of_int8_peak"] == pytest.approx(256e9 / (1e10 * 64))
+    # a prefill's head runs for its last row only: 512 rows in 2 s
+    assert figures["prefill_share_of_int8_peak"] == pytest.approx((512 * 8e8 + 2e8) / 2.0 / (1e10 * 64))
     assert figures["decode_bandwidth_share"] == pytest.approx(1000 * 2**20 / 0.04 / 1e9 / 50)
-    assert "decode_macs_per_cycle_per_core" not in _figures(offline_run(40, 50), 32)  # not recorded: no figure
+    assert figures["prefill_head_counted_per_row"] == 0.0
+    assert "decode_macs_per_cycle_per_core" not in _figures(offline_run(40, 50) | {"activations": "int8"}, 32)
+    assert "decode_macs_per_cycle_per_core" not in _figures({**run, "activations": "bf16"}, 32)  # VDPBF16PS, not priced
+    moe = {**run, "specserve": {**run["specserve"], "verify_experts_per_layer": 11.0, "decode_experts_per_layer": 8.0}}
+    assert "window_weight_gb_s" not in _figures(moe, 32) and "decode_weight_gb_s" in _figures(moe, 32)

@@ -155,7 +155,7 @@ SPECSERVE_AVX512 void heads_avx512(const PagedAttentionArgs& a, const Task* t, f
   // The weighted sum of V, CB chunks of the head dimension per pass over the positions, so the
   // HB * CB sums stay in registers (each still in position order); the passes read disjoint
   // columns of V, so V is read once in all.
-  constexpr int CB = std::min(C, HB <= 4 ? 4 : 2);  // HB * CB <= 16 sums
+  constexpr int CB = std::min(C, HB <= 2 ? 8 : HB <= 4 ? 4 : 2);  // HB * CB <= 16 sums, >= 8 chains where C allows
   for (int c0 = 0; c0 < C; c0 += CB) {
     __m512 o[HB][CB];
     for (int h = 0; h < HB; ++h)

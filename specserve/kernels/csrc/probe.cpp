@@ -17,18 +17,22 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Eight dependent adds per round, in assembly so that the compiler cannot fold the chain.
+// Eight dependent adds per round, in assembly so that the compiler cannot fold the chain, of a
+// register the compiler cannot see the value of (a core may fold adds of small immediates at rename).
 double add_chain_seconds(int64_t adds) {
+  volatile uint64_t one_source = 1;
+  const uint64_t one = one_source;
   uint64_t x = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < adds / 8; ++i) {
 #if defined(__x86_64__)
-    asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
-                 "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+    asm volatile("add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\t"
+                 "add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0" : "+r"(x) : "r"(one));
 #elif defined(__aarch64__)
-    asm volatile("add %0, %0, #1\n\tadd %0, %0, #1\n\tadd %0, %0, #1\n\tadd %0, %0, #1\n\t"
-                 "add %0, %0, #1\n\tadd %0, %0, #1\n\tadd %0, %0, #1\n\tadd %0, %0, #1" : "+r"(x));
+    asm volatile("add %0, %0, %1\n\tadd %0, %0, %1\n\tadd %0, %0, %1\n\tadd %0, %0, %1\n\t"
+                 "add %0, %0, %1\n\tadd %0, %0, %1\n\tadd %0, %0, %1\n\tadd %0, %0, %1" : "+r"(x) : "r"(one));
 #else
+    (void)one;
     return 0.0;
 #endif
   }

@@ -39,7 +39,7 @@ Path checked_path(int64_t path) {
     return Path::Avx2Fma;
   }
   if (path == int64_t(Path::Avx512Bf16)) {
-    TORCH_CHECK(cpu_has_avx512_bf16(), "specserve kernels: the avx512_bf16 path was asked for but this CPU lacks AVX512-BF16");
+    TORCH_CHECK(cpu_has_avx512_bf16(), "specserve kernels: the avx512_bf16 path was asked for but this CPU lacks AVX512-BF16 with VNNI and VBMI");
     return Path::Avx512Bf16;
   }
   TORCH_CHECK(false, "specserve kernels: unknown path ", path);
