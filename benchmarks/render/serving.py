@@ -147,10 +147,22 @@ def render_load(results: str, file: str = "load_1.5b_20min.json") -> str:
             f"{_measured(data['kv_request_tokens_at_end'], '.0f')}; resident memory "
             f"{_measured(data['rss_baseline_mib'], '.0f', ' MiB')} at {data.get('rss_baseline_s', 60):g} s, "
             f"{data['rss_end_mib']:.0f} MiB at the end ({_measured(data['rss_growth'], '+.2%')}), peak "
-            f"{data['rss_peak_mib']:.0f} MiB. Checks: {checks}; {'passed' if data['passed'] else 'FAILED'}. "
+            f"{data['rss_peak_mib']:.0f} MiB.{_series(data)} Checks: {checks}; {'passed' if data['passed'] else 'FAILED'}. "
             f"{provenance(data, file)}\n")
 
 
 def _measured(value, fmt: str, unit: str = "") -> str:
     """A figure the report may leave unmeasured (None): the value, or 'not measured'."""
     return "not measured" if value is None else f"{value:{fmt}}{unit}"
+
+
+def _series(data) -> str:
+    """The engine processes' resident memory under load, from the baseline on (recorded since the
+    report kept a series: [seconds, server MiB, engine MiB] every 30 s)."""
+    points = [p for p in data.get("rss_series_mib", []) if p[0] >= data.get("rss_baseline_s", 60)]
+    if not points:
+        return ""
+    engine = [p[2] for p in points]
+    return (f" Under load the engine processes held {engine[0]:.0f} MiB at {points[0][0]} s and {engine[-1]:.0f} MiB "
+            f"at {points[-1][0]} s ({min(engine):.0f}-{max(engine):.0f} MiB over {len(points)} samples 30 s apart), "
+            f"the server process {points[0][1]:.0f} then {points[-1][1]:.0f} MiB.")

@@ -68,3 +68,13 @@ def macs_per_cycle_per_core(macs_per_s: float, machine: dict[str, Any]) -> float
 
 def share_of_int8_peak(macs_per_s: float, machine: dict[str, Any]) -> float:
     return macs_per_s / (machine["int8_dot_per_s"] * MACS_PER_DOT)
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights a batch-1 step reads: every linear's packed weight (an embedding lookup reads
+    a row, not the table; of a mixture's experts, the share a token routes to: k of E), or the
+    parameters of a model without packed kernels."""
+    kernels = packed_kernels(model)
+    if kernels:
+        return int(sum(k.nbytes() * share for k, share in kernels))
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)

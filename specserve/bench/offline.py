@@ -38,9 +38,7 @@ PROMPTS = [
 ]
 
 
-# The batched decode's shape, llama-batched-bench's -npp and -ntg in the figures compared with it.
-BATCHED_PROMPT_TOKENS = 128
-BATCHED_NEW_TOKENS = 32
+BATCHED_PROMPT_TOKENS, BATCHED_NEW_TOKENS = 128, 32  # the batched decode's shape: llama-batched-bench's -npp, -ntg
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -194,8 +192,7 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     shapes = step_shapes(engine, ns)
     depths = {str(d): decode_at_depth(engine, d, params) for d in number_list("--depths", ns.depths)}
     batched = {str(b): batched_decode(engine, b, params) for b in number_list("--batched", ns.batched)}
-    kernel_path = path_name() if engine.args.device == "cpu" else "none"
-    model = engine.runner.model
+    kernel_path, model = path_name() if engine.args.device == "cpu" else "none", engine.runner.model
     arithmetic = {"linear_macs_per_row": row_macs(model), "head_macs": head_macs(model),
                   **machine_arithmetic()} if kernel_path != "none" else {}
     layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
@@ -215,6 +212,8 @@ def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, 
     from specserve.bench.bandwidth import read_bandwidth_gbs, share_of_bandwidth
 
     rate = _decode_rate_beyond_first(engine, prompt, params, from_cold=True)
+    from specserve.bench.arithmetic import step_weight_bytes
+
     streamed = step_weight_bytes(engine.runner.model)
     bandwidth = read_bandwidth_gbs()
     return {"decode_tok_s": rate, "weights_streamed_mib": streamed / 2**20, "read_bandwidth_gbs": bandwidth,
@@ -236,11 +235,9 @@ def decode_at_depth(engine, depth: int, params: dict[str, Any]) -> float:
 
 
 def batched_decode(engine, batch: int, params: dict[str, Any]) -> float:
-    """Aggregate decode tokens/s of `batch` distinct BATCHED_PROMPT_TOKENS-token prompts decoding
-    together, like llama-batched-bench's S_TG: batch * (N - 1) tokens, N = BATCHED_NEW_TOKENS, over
-    the time the N-token requests take beyond 1-token ones (each the median of BATCH1_RUNS), the
-    prompts prefilled once and kept in the prefix cache, so the first tokens cancel and no prefill
-    is timed (llama-batched-bench times its prefill apart)."""
+    """Aggregate decode tokens/s of `batch` distinct prompts decoding together, like
+    llama-batched-bench's S_TG: batch * (N - 1) tokens over the N-token requests' time beyond
+    1-token ones (medians of BATCH1_RUNS), the prompts cached first so that no prefill is timed."""
     prompts = [_long_ids(engine.tokenizer, BATCHED_PROMPT_TOKENS + i)[i:] for i in range(batch)]  # no shared prefix
     engine.scheduler.ledger.tree.reset()
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})  # the prompts, cached
@@ -250,9 +247,8 @@ def batched_decode(engine, batch: int, params: dict[str, Any]) -> float:
 
 
 def _decode_rate_beyond_first(engine, prompt: list, params: dict[str, Any], from_cold: bool) -> float:
-    """(N - 1) tokens per row over the time an N-token request takes beyond a 1-token one, each
-    the median of BATCH1_RUNS requests; the prompt (token ids, or a batch of them decoding together)
-    dropped from the prefix cache before each (`from_cold`) or left there."""
+    """(N - 1) tokens per row over an N-token request's time beyond a 1-token one (medians of
+    BATCH1_RUNS); the prompt (ids, or a batch of them) dropped from the cache first or kept."""
 
     def seconds(new_tokens: int) -> float:
         runs = []
@@ -266,18 +262,6 @@ def _decode_rate_beyond_first(engine, prompt: list, params: dict[str, Any], from
 
     n, rows = params["max_new_tokens"], len(prompt) if prompt and isinstance(prompt[0], list) else 1
     return rows * (n - 1) / (seconds(n) - seconds(1))
-
-
-def step_weight_bytes(model) -> int:
-    """Bytes of weights a batch-1 step reads: every linear's packed weight (an embedding lookup reads
-    a row, not the table; of a mixture's experts, the share a token routes to: k of E), or the
-    parameters of a model without packed kernels."""
-    from specserve.bench.arithmetic import packed_kernels
-
-    kernels = packed_kernels(model)
-    if kernels:
-        return int(sum(k.nbytes() * share for k, share in kernels))
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
 
 
 def memory_mib(engine) -> dict[str, float]:

@@ -174,7 +174,7 @@ def test_the_kernels_routing_breaks_ties_to_the_lower_index():
 
 def test_a_batch_one_step_reads_a_tokens_share_of_the_experts(moe_files):
     """bench offline's bandwidth share counts k of E experts' weights per token, every other linear whole."""
-    from specserve.bench.offline import step_weight_bytes
+    from specserve.bench.arithmetic import step_weight_bytes
     from specserve.kernels.linear import PackedLinear
 
     with Engine(model_path=moe_files["qwen3moe"], dtype="bfloat16", speculative_algorithm="NONE",

@@ -19,7 +19,7 @@ HARNESS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CROSS, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 EM_AARCH64 = 183  # the ELF header's e_machine
 # The torch-facing files need torch's headers; the harness replaces them.
-TORCH_FILES = {"bindings.cpp", "torch_glue.cpp", "decoder_layer.cpp", "markov.cpp", "pack.cpp", "moe.cpp"}
+TORCH_FILES = {"bindings.cpp", "torch_glue.cpp", "decoder_layer.cpp", "markov.cpp", "pack.cpp", "moe.cpp", "probe.cpp"}
 KERNEL_SOURCES = [os.path.join(SOURCE_DIR, f) for f in source_files() if f.endswith(".cpp") and f not in TORCH_FILES]
 
 
