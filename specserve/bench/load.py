@@ -61,7 +61,7 @@ def _token_budgets(text: str) -> list[int]:
     try:
         budgets = [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--max-tokens takes positive integers separated by commas, not {text!r}")
+        budgets = []
     if not budgets or min(budgets) < 1:
         raise argparse.ArgumentTypeError(f"--max-tokens takes positive integers separated by commas, not {text!r}")
     return budgets

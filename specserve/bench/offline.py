@@ -195,7 +195,7 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     kernel_path, model = path_name() if engine.args.device == "cpu" else "none", engine.runner.model
     arithmetic = {"linear_macs_per_row": row_macs(model), "head_macs": head_macs(model),
                   **machine_arithmetic()} if kernel_path != "none" else {}
-    layers = "native" if getattr(engine.runner.model, "native", None) is not None else "op by op"
+    layers = "native" if getattr(model, "native", None) is not None else "op by op"
     engine.shutdown()
     return {"batch1_tok_s": b1, "batch1_tok_s_runs": b1_runs, **decode, f"batch{ns.batch_size}_tok_s": bn, **shapes,
             "cpu_kernel_path": kernel_path, "decoder_layers": layers, "load_s": load_s, **memory, **arithmetic,
@@ -209,11 +209,10 @@ def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, 
     token), each the median of BATCH1_RUNS requests with the prompt dropped from the cache first;
     with the weights each step streams and the machine's read bandwidth (bench/bandwidth.py), the
     share of it the decode uses."""
+    from specserve.bench.arithmetic import step_weight_bytes
     from specserve.bench.bandwidth import read_bandwidth_gbs, share_of_bandwidth
 
     rate = _decode_rate_beyond_first(engine, prompt, params, from_cold=True)
-    from specserve.bench.arithmetic import step_weight_bytes
-
     streamed = step_weight_bytes(engine.runner.model)
     bandwidth = read_bandwidth_gbs()
     return {"decode_tok_s": rate, "weights_streamed_mib": streamed / 2**20, "read_bandwidth_gbs": bandwidth,

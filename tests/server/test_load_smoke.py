@@ -39,4 +39,3 @@ def test_mixed_token_budgets_parse_and_bad_ones_are_refused():
     for bad in ("", "16,", "0", "a,3", "-4"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
             _token_budgets(bad)
-
