@@ -122,3 +122,36 @@ def draw_counter(step_counter, slot):
     """The counter of one uniform draw: a request's per-step counter with the slot in its low 6 bits
     (accept's rejection sampling, the drafter's sampled drafts and the runner share this layout)."""
     return (step_counter << 6) + slot
+
+
+# The slot of the one draw that decides output token n in every kind of step (a prefill's first
+# token, a decode row, a seeded request's verify row): rejection sampling's columns use slots
+# 0..gamma and the drafters' own draws DRAFT_SLOT and up, so this one is the last.
+TOKEN_SLOT = 63
+
+
+@overload
+def token_counter(out_len: int) -> int: ...
+
+
+@overload
+def token_counter(out_len: torch.Tensor) -> torch.Tensor: ...
+
+
+def token_counter(out_len):
+    """The counter of the draw that samples output token `out_len` (see TOKEN_SLOT)."""
+    return draw_counter(out_len, TOKEN_SLOT)
+
+
+DRAFT_SLOT = 32  # a drafter's own draws: slots 32 + k, past rejection sampling's columns
+
+
+def draft_counter(out_len, k: int, coupled):
+    """The counter of the draw that samples draft k of a window starting at output token `out_len`.
+    For a request under the coupled accept (`coupled`: a bool, or a bool tensor beside a tensor
+    `out_len`) it is the draw that decides that position's token (token_counter), so a drafter
+    close to the target proposes the token the target's own draw picks; otherwise the drafter's
+    own slot, independent of the accept's uniforms as rejection sampling needs."""
+    if isinstance(out_len, torch.Tensor):
+        return torch.where(coupled, token_counter(out_len + k), draw_counter(out_len, DRAFT_SLOT + k))
+    return token_counter(out_len + k) if coupled else draw_counter(out_len, DRAFT_SLOT + k)

@@ -94,6 +94,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
+    def seeded_sampling(self) -> bool:
+        """Samples with a seed it gave: promised the same tokens whatever the batch, the cache and
+        the speculation (verify windows use the coupled accept, speculative/accept.py)."""
+        return self.seed is not None and not self.is_greedy
+
+    @property
     def penalises(self) -> bool:
         """Penalties or a logit bias change its target logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)

@@ -36,7 +36,7 @@ from specserve.runtime.faults import CopyLag
 from specserve.runtime.host_waits import HostWaitDetector, optional_watch
 from specserve.runtime.staging import staged
 from specserve.runtime.stream import Event, Stream
-from specserve.sampler import draw_counter, sample_tokens, seeds_tensor
+from specserve.sampler import sample_tokens, seeds_tensor, token_counter
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, VerifyWindows
 from specserve.speculative.cost_model import StepShape
 from specserve.speculative.speculation import Proposal, Speculation
@@ -182,7 +182,8 @@ class ModelRunner:
                 self.request_logits.start(step.rows[i], step.params[i], fills, step.out_lens[i])
             out_lens = self._to_device([step.out_lens[i] for i in wanted])
             seeds = [step.seeds[i] for i in wanted]
-            picked = self._pick(handle, wanted, logits, rows, params, seeds, out_lens, "runner.extend_tokens")
+            counters = token_counter(out_lens)
+            picked = self._pick(handle, wanted, logits, rows, params, seeds, counters, "runner.extend_tokens")
             tokens[wanted] = picked
             seq = self._to_device([step.prefix_lens[i] + step.extend_lens[i] for i in wanted])
             done = Committed.one_each(wanted, picked, seq, out_lens + 1, first=True)
@@ -191,12 +192,12 @@ class ModelRunner:
         return tokens
 
     def _decode(self, step: StepInput, handle: StepHandle) -> torch.Tensor:
-        """One row per request: sample, commit. A sampling request of a speculating engine draws the
-        uniform a one-row window would (its bonus column; see speculative/accept.py), so its token
-        does not depend on whether this step drafted."""
+        """One row per request: sample, commit. Output token n draws the uniform of token_counter(n)
+        in every kind of step (a seeded request's verify window too: see speculative/accept.py), so
+        a seeded request's token does not depend on whether this step drafted."""
         rows = self._to_device(step.rows)
         anchors, prefix, out_lens = self.future.read(rows)
-        counters = draw_counter(out_lens, step.width - 1) if step.mode == VERIFY else out_lens
+        counters = token_counter(out_lens)
         if self.capture.covers(step.size):
             out = self._captured_step(1).run(rows, prefix, anchors.view(-1, 1), step.kv_bound)
             computed = self.commits.rows(out.hidden, out.positions, out.slots)

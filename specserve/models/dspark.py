@@ -32,11 +32,8 @@ from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.models.quant import Q8Weight
 from specserve.runtime.staging import staged
-from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor
+from specserve.sampler import counter_uniforms, draft_counter, filtered_probs, inverse_cdf, seeds_tensor
 from specserve.sampling_params import SamplingParams
-
-# Draft sampling draws its uniforms from counters disjoint from the verify's (those use j < 32).
-DRAFT_COUNTER_OFFSET = 32
 
 
 @dataclass
@@ -365,6 +362,7 @@ class DsparkDrafter(nn.Module):
             row_seeds = seeds_tensor([seeds[i] for i in sampled], anchors.device)
             counts = counters if isinstance(counters, torch.Tensor) else staged(list(counters), torch.int64, anchors.device)
             row_counters = counts[rows]
+            coupled = staged([params[i].seeded_sampling for i in sampled], torch.bool, anchors.device)
         prev, embedded = anchors.long(), []
         for k in range(g):
             e = self.markov_w1(prev)
@@ -374,7 +372,7 @@ class DsparkDrafter(nn.Module):
             if probs is not None:  # some request samples: drawn on the device, nothing read back
                 probs[:, k] = F.one_hot(pick, vocab).float()
                 q = filtered_probs(logits[rows], [params[i] for i in sampled])
-                u = counter_uniforms(row_seeds, draw_counter(row_counters, DRAFT_COUNTER_OFFSET + k))
+                u = counter_uniforms(row_seeds, draft_counter(row_counters, k, coupled))
                 pick = pick.index_copy(0, rows, self.to_target(inverse_cdf(q, u)))
                 probs[rows, k] = self.to_target_probs(q)
             tokens[:, k] = pick

@@ -2,8 +2,9 @@
 
 glibc serves allocations below its mmap threshold from its heap and keeps what is freed there;
 the threshold grows as large blocks are freed (up to 32 MB), so loading, which frees a few MB of
-parsed codes and packing temporaries per weight, would otherwise leave them all resident. Off
-glibc this is a no-op.
+parsed codes and packing temporaries per weight, would otherwise leave them all resident; so
+would a busy spell's step temporaries (logits, prefill chunks), which the serving loop hands back
+when it next goes idle (server/engine_process.py). Off glibc this is a no-op.
 """
 
 from __future__ import annotations

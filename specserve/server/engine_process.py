@@ -36,6 +36,7 @@ from specserve.engine.messages import (
     TokensOut,
 )
 from specserve.errors import ConfigError, InvalidRequestError
+from specserve.models.heap import release_free_heap
 from specserve.sampling_params import GRAMMAR_FIELDS
 from specserve.server.heartbeat import DEFAULT_STEP_TIMEOUT_S, HEARTBEAT_S
 
@@ -175,6 +176,7 @@ class EngineServer:
         # grammar (cached by spec): the runner's grammar states are copies of it.
         self._compiling: dict[str, tuple[AddRequest, Future, float]] = {}
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._worked = False  # a step ran since the engine was last idle
 
     def stalled(self, timeout_s: float) -> bool:
         """Whether the current loop iteration (a step, or the idle wait) has run past timeout_s."""
@@ -185,12 +187,16 @@ class EngineServer:
             self._iteration_started = time.monotonic()
             out: list[Event] = []
             idle = not self.engine.has_work() and not self._compiling
+            if idle and self._worked:  # once per busy spell: the steps' freed temporaries go back (heap.py)
+                release_free_heap()
+                self._worked = False
             stop = self._apply(self._drain(block=idle), out)
             self._admit_compiled(out)
             if stop:
                 before, aborted = self.engine.load(), len(self.live)
                 for rid in self.live:
                     self.engine.abort(rid)
+            self._worked |= self.engine.has_work()
             self._step(out)
             while stop and self.engine.has_work():  # the aborts, and the overlap loop's step in flight
                 self._step(out)

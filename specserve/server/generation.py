@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 
 from fastapi import Request
 
@@ -18,6 +18,8 @@ from specserve.sampling_params import SamplingParams
 from specserve.server.engine_client import Delivery, EngineUnavailable
 from specserve.server.errors import APIError, from_engine_fatal, from_engine_rejection, from_request_failure, server_error
 from specserve.server.state import ServerState
+
+T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.25
 
@@ -88,10 +90,12 @@ class Generation:
                 raise from_engine_fatal(event)
         return delivery
 
-    async def first_event(self) -> Delivery:
-        """Wait before a stream starts, so an engine rejection answers as a plain HTTP error."""
+    async def first_event(self, request: Request) -> Delivery:
+        """Wait before a stream starts, so an engine rejection answers as a plain HTTP error. A
+        client that leaves before then (its prompt queued or prefilling) aborts the request: no
+        response has started, so nothing else would notice."""
         try:
-            return await self.next_event()
+            return await unless_disconnected(self.next_event(), request)
         except BaseException:
             self.abort()
             raise
@@ -121,16 +125,9 @@ async def collect(gen: Generation, request: Request) -> list[dict[str, Any]]:
             if isinstance(delivery.event, RequestDone):
                 outputs[delivery.choice] = delivery.event.output
 
-    watcher = asyncio.ensure_future(_watch_disconnect(request))
-    task = asyncio.ensure_future(gather())
     try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            raise APIError("client disconnected", 499)
-        task.result()
+        await unless_disconnected(gather(), request)
     finally:
-        watcher.cancel()
-        task.cancel()
         gen.abort()
     done = every_output(outputs)
     if any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in done):
@@ -143,6 +140,20 @@ def every_output(outputs: list[Optional[dict[str, Any]]]) -> list[dict[str, Any]
     done = [o for o in outputs if o is not None]
     assert len(done) == len(outputs), "every choice finished: its events ended with a RequestDone"
     return done
+
+
+async def unless_disconnected(awaitable: Awaitable[T], request: Request) -> T:
+    """`awaitable`'s result, or APIError 499 as soon as the client has gone (then it is cancelled)."""
+    watcher = asyncio.ensure_future(_watch_disconnect(request))
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise APIError("client disconnected", 499)
+        return task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
 
 
 async def _watch_disconnect(request: Request) -> None:

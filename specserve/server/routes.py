@@ -97,7 +97,7 @@ def _add_chat_route(app: FastAPI, state: ServerState) -> None:
         parser = state.reasoning_parser if body.separate_reasoning else None
         reasoning = ReasoningSetup.for_prompt(parser, text, body.stream_reasoning)
         if body.stream:
-            first = await gen.first_event()
+            first = await gen.first_event(request)
             return StreamingResponse(chat_stream(state, body, gen, first, len(ids), reasoning), media_type=SSE)
         outputs = await collect(gen, request)
         tools = body.tool_format(state.tool_call_parser)
@@ -134,7 +134,7 @@ def _add_completion_route(app: FastAPI, state: ServerState) -> None:
         prompt_tokens = sum(len(p) for p in prompts)
         echo = [(_prompt_text(state, p), ids) for p, ids in zip(body.prompts(), prompts) for _ in range(body.n)]
         if body.stream:
-            first = await gen.first_event()
+            first = await gen.first_event(request)
             return StreamingResponse(completion_stream(state, body, gen, first, prompt_tokens, echo), media_type=SSE)
         return text_completion(
             gen.rids[0],
@@ -163,7 +163,7 @@ def _add_generate_route(app: FastAPI, state: ServerState) -> None:
         gen = Generation(state, [ids], [_parse_params(state, params, {})], {})
         gen.start()
         if body.stream:
-            first = await gen.first_event()
+            first = await gen.first_event(request)
             return StreamingResponse(generate_stream(state, gen, first), media_type=SSE)
         return (await collect(gen, request))[0]
 

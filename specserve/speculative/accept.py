@@ -26,7 +26,7 @@ import torch
 
 from specserve.errors import InternalError
 from specserve.runtime.staging import staged
-from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor
+from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor, token_counter
 from specserve.sampling_params import SamplingParams
 
 # Rank 0's values of these int64 CPU tensors, as owned copies, on every rank (TPDecisions.agree).
@@ -189,8 +189,9 @@ class DsparkVerifyEpilogue:
         uniforms: torch.Tensor,
         prefix_lens: torch.Tensor,
         verify_lens: Optional[torch.Tensor] = None,
+        drawn: Optional[torch.Tensor] = None,
     ) -> None:
-        """Exact chain rejection sampling.
+        """Exact chain rejection sampling, or for the rows `drawn` gives, the coupled accept.
 
         target_probs `[bs, W, V]`: the target's distribution p at each row, after each request's
         temperature / top-k / top-p (a greedy request passes the one-hot of its argmax).
@@ -201,6 +202,12 @@ class DsparkVerifyEpilogue:
 
         d_{k+1} is accepted if u_k < min(1, p_k(d) / q_k(d)); at the first rejection the bonus is
         drawn from normalize(max(p_k - q_k, 0)); after a full (or capped) run, from p at that row.
+
+        drawn `[bs, W]` (-1 in the rows of requests that use rejection sampling): each row's own
+        draw from p at the uniform plain decoding would use for that position (`coupled_draws`).
+        There d_{k+1} is accepted iff it equals drawn[k] and the bonus is drawn[correct_len], so
+        the committed tokens are plain decoding's whatever was drafted (a seeded request's
+        promise); the accept rate is p(d), the same as rejection sampling's for a one-hot q.
         """
         width = self.num_verify_tokens
         gamma = width - 1
@@ -210,6 +217,9 @@ class DsparkVerifyEpilogue:
         q_d = draft_probs.gather(2, drafts).squeeze(-1)
         ratio = torch.where(q_d > 0, p_d / q_d.clamp_min(1e-30), torch.zeros_like(p_d))
         accepted = uniforms[:, :gamma] < ratio.clamp(max=1.0)
+        if drawn is not None:
+            coupled = drawn[:, :1] >= 0
+            accepted = torch.where(coupled, ids[:, 1:] == drawn[:, :gamma], accepted)
 
         def bonus(correct: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
             row = correct.squeeze(1)
@@ -222,7 +232,10 @@ class DsparkVerifyEpilogue:
             residual = torch.where(rejected.unsqueeze(1), (p_row - q_row).clamp_min(0), p_row)
             # p == q makes the residual empty, but then rejection has probability 0; guard rounding.
             residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
-            return inverse_cdf(residual, uniforms[:, gamma].double()).unsqueeze(1)
+            sampled = inverse_cdf(residual, uniforms[:, gamma].double())
+            if drawn is not None:
+                sampled = torch.where(drawn[:, 0] >= 0, drawn.gather(1, correct).squeeze(1), sampled)
+            return sampled.unsqueeze(1)
 
         self._commit(bs, ids, accepted, prefix_lens, verify_lens, bonus)
 
@@ -271,7 +284,8 @@ def accept_windows(
     keep: Optional[torch.Tensor] = None,
 ) -> None:
     """Accept every window of a step into the epilogue's buffers: greedy when every request is,
-    else exact rejection sampling (a greedy request's target distribution is one-hot).
+    else exact rejection sampling (a greedy request's target distribution is one-hot), except for
+    the sampling requests that gave a seed: the coupled accept (`coupled_draws`).
 
     ids [bs, W]; logits [bs * W, V] (rows a compact verify did not compute are never read), or
     with `keep` [bs, W] (the computed rows) only the computed rows, packed: greedy accept then
@@ -293,10 +307,26 @@ def accept_windows(
         full[keep.reshape(-1)] = logits
         logits = full
     target = verify_target_probs(logits.view(bs, width, -1), params)
-    columns = torch.arange(width, dtype=torch.int64, device=logits.device)
-    counters = draw_counter(out_lens.to(logits.device).unsqueeze(1), columns.unsqueeze(0))  # on the device: no read back
-    uniforms = counter_uniforms(seeds_tensor(seeds, logits.device).unsqueeze(1), counters)
-    epilogue.accept_sampling(bs, ids, target, draft_probs(target.shape[-1]), uniforms, prefix, lens)
+    columns = torch.arange(width, dtype=torch.int64, device=logits.device).unsqueeze(0)
+    out_lens = out_lens.to(logits.device).unsqueeze(1)  # on the device: no read back
+    seed_bits = seeds_tensor(seeds, logits.device).unsqueeze(1)
+    uniforms = counter_uniforms(seed_bits, draw_counter(out_lens, columns))
+    coupled = [i for i, p in enumerate(params) if p.seeded_sampling]
+    drawn = coupled_draws(target, out_lens + columns, seed_bits, coupled) if coupled else None
+    epilogue.accept_sampling(bs, ids, target, draft_probs(target.shape[-1]), uniforms, prefix, lens, drawn)
+
+
+def coupled_draws(target: torch.Tensor, positions: torch.Tensor, seed_bits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """[bs, W] each window row's draw from its target distribution at the uniform of its output
+    position (token_counter), for the requests in `rows` (-1 elsewhere). A request that gave a seed
+    is promised the same tokens whatever the batch, the cache or the speculation policy, which
+    measures step times and so drafts differently from run to run: rejection sampling's tokens
+    depend on what was drafted, these are the plain decoding's."""
+    bs, width, vocab = target.shape
+    index = staged(rows, torch.int64, target.device)
+    u = counter_uniforms(seed_bits[index], token_counter(positions.expand(bs, width)[index]))
+    picked = inverse_cdf(target[index].reshape(-1, vocab), u.reshape(-1)).view(len(rows), width)
+    return torch.full((bs, width), -1, dtype=torch.int64, device=target.device).index_copy(0, index, picked)
 
 
 def verify_target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -27,11 +27,10 @@ from typing import Optional, Protocol
 import torch
 
 from specserve.kv.pool import KVPool
-from specserve.models.dspark import DRAFT_COUNTER_OFFSET  # the draft uniforms' counter slots, past the accept's
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.names import Algorithm
-from specserve.sampler import counter_uniform, draw_counter, filtered_probs, inverse_cdf
+from specserve.sampler import counter_uniform, draft_counter, filtered_probs, inverse_cdf
 from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
 
 
@@ -151,7 +150,7 @@ class StandaloneWorker:
         if probs is None:
             return pick
         q = filtered_probs(logits[sampled].cpu(), [inp.params[i] for i in sampled])
-        u = [counter_uniform(inp.seeds[i], draw_counter(counters[i], DRAFT_COUNTER_OFFSET + j)) for i in sampled]
+        u = [counter_uniform(inp.seeds[i], draft_counter(counters[i], j, inp.params[i].seeded_sampling)) for i in sampled]
         picked = inverse_cdf(q, torch.tensor(u, dtype=torch.float64))
         probs[:, j] = torch.nn.functional.one_hot(pick.cpu(), self.target_vocab).float()
         width = q.shape[1]

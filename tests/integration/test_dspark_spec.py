@@ -20,6 +20,7 @@ from helpers import chat_prompts, policy_args
 from specserve import Engine
 from specserve.args_checks import MAX_DRAFT_TOKENS
 from specserve.models.dspark_checkpoint import read_drafter_config
+from specserve.sampling_params import SamplingParams
 from specserve.scheduler.loops import NormalLoop
 
 CONTENTS = ["What is the capital of France?", "Count from 1 to 20, separated by commas.",
@@ -303,6 +304,43 @@ def test_dspark_sampling_is_seeded_and_batch_invariant(drafter_dir, prompts):
     assert mixed[0]["output_ids"] == alone["output_ids"]
     assert alone["meta_info"]["spec_verify_ct"] > 0
     engine.scheduler.check_integrity()
+
+
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 11, "max_new_tokens": 24}
+
+
+def seeded_case(fp32_engine, prompts):
+    """Plain decoding's seeded samples of four prompts, and the same continuations a window longer
+    (for the planted drafts)."""
+    fp32_engine.scheduler.ledger.tree.reset()
+    longer = {**SEEDED, "max_new_tokens": SEEDED["max_new_tokens"] + MAX_DRAFT_TOKENS}
+    long = [o["output_ids"] for o in fp32_engine.generate(input_ids=prompts[:4], sampling_params=longer)]
+    return [out[:SEEDED["max_new_tokens"]] for out in long], long
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_seeded_sampling_is_plain_decodings_whatever_was_drafted(drafter_dir, fp32_engine, prompts, gamma):
+    """A seeded sampling request commits plain decoding's tokens through verify windows that
+    accept some drafts and reject others (the coupled accept): its output cannot depend on what a
+    run's speculation policy, which measures step times, chose to draft."""
+    reference, long = seeded_case(fp32_engine, prompts)
+    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma) as engine:
+        plant_oracle(engine, prompts[:4], partly_wrong(long))
+        outs = engine.generate(input_ids=prompts[:4], sampling_params=SEEDED)
+        assert [o["output_ids"] for o in outs] == reference
+        assert all(o["meta_info"]["spec_num_correct_drafts"] > 0 for o in outs)
+        engine.scheduler.check_integrity()
+
+
+def test_mutation_seeded_sampling_by_rejection_depends_on_the_drafts(drafter_dir, fp32_engine, prompts, monkeypatch):
+    """Mutation: seeded requests verified by rejection sampling (no coupled accept): the same
+    planted drafts then change the sampled output, which the test above would catch."""
+    reference, long = seeded_case(fp32_engine, prompts)
+    monkeypatch.setattr(SamplingParams, "seeded_sampling", property(lambda self: False))
+    with dspark_engine(drafter_dir, speculative_dspark_block_size=4) as engine:
+        plant_oracle(engine, prompts[:4], partly_wrong(long))
+        outs = engine.generate(input_ids=prompts[:4], sampling_params=SEEDED)
+        assert [o["output_ids"] for o in outs] != reference
 
 
 def test_dspark_flag_errors(drafter_dir, tmp_path):

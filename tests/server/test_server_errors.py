@@ -105,6 +105,24 @@ def test_disconnect_mid_stream_frees_kv(http):
     assert m["specserve_num_requests_running"] == 0 and m["specserve_num_requests_waiting"] == 0
 
 
+def test_a_client_gone_before_the_first_byte_aborts_its_request(http):
+    """A streamed request whose client leaves while its long prompt prefills (no byte sent yet)
+    is aborted then, without waiting for a first token to start the response."""
+    body = {"model": MODEL, "prompt": "word " * 6000, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    before = labelled(http, "specserve_request_finished_total").get("abort", 0)
+    tokens_before = metrics(http)["specserve_generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        with http.stream("POST", "/v1/completions", json=body, timeout=httpx.Timeout(120, read=0.5)) as r:
+            r.read()
+    deadline = time.monotonic() + 60
+    while labelled(http, "specserve_request_finished_total").get("abort", 0) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert labelled(http, "specserve_request_finished_total").get("abort", 0) == before + 1
+    # Aborted while prefilling (seconds of work for 6000 tokens on any CPU), not once a first token
+    # had started the response: then the stream's own disconnect check would have caught it.
+    assert metrics(http)["specserve_generation_tokens_total"] == tokens_before
+
+
 def test_metrics_parse_and_carry_speculative_statistics(http):
     assert http.post(CHAT, json=ok_body(max_tokens=16)).status_code == 200
     m = metrics(http)

@@ -237,6 +237,52 @@ def test_mutation_sampling_the_bonus_from_p_after_a_rejection_is_caught(gamma, m
     assert chi_square(counts, torch.tensor(P)) > CHI2_CRITICAL, counts / counts.sum()
 
 
+def seeded_windows(drafts_of, gamma: int, n: int = 400):
+    """n seeded windows (output lengths 0..n-1, one seed each) through `accept_windows`, target P at
+    every row and drafter Q, drafts from `drafts_of(seeds, out_lens, k)`. Returns the accept results
+    and plain decoding's draws: the token each output position samples with no drafts at all."""
+    from specserve.sampler import counter_uniforms, inverse_cdf, seeds_tensor, token_counter
+
+    vocab, width = len(P), gamma + 1
+    p, q = torch.tensor(P), torch.tensor(Q)
+    seeds, out_lens = torch.arange(n) * 7919 + 3, torch.arange(n)
+    ids = torch.zeros(n, width, dtype=torch.int64)
+    for k in range(gamma):
+        ids[:, k + 1] = drafts_of(seeds, out_lens, k)
+    epi = DsparkVerifyEpilogue(max_bs=n, num_verify_tokens=width)
+    params = [SamplingParams(temperature=1.0, seed=int(s)) for s in seeds]
+    accept_windows(epi, ids, p.log().expand(n * width, vocab), torch.zeros(n, dtype=torch.int64), out_lens, params,
+                   seeds.tolist(), lambda v: q.expand(n, gamma, v), None)
+    positions = out_lens.unsqueeze(1) + torch.arange(width)
+    u = counter_uniforms(seeds_tensor(seeds.tolist(), "cpu").unsqueeze(1), token_counter(positions))
+    plain = inverse_cdf(p.expand(n * width, vocab), u.reshape(-1)).view(n, width)
+    return epi.read_accept(n), plain
+
+
+def test_a_seeded_request_commits_plain_decodings_draws_whatever_was_drafted():
+    """The coupled accept: drafts from Q (independent of the target's draws) are accepted exactly
+    where they equal plain decoding's token, and the committed tokens are plain decoding's."""
+    gen = torch.Generator().manual_seed(3)
+    out, plain = seeded_windows(lambda s, n, k: torch.multinomial(torch.tensor(Q).expand(len(s), -1), 1,
+                                                                  generator=gen).squeeze(1), gamma=3)
+    for row, n in enumerate(out.commit_lens.tolist()):
+        assert out.out_tokens[row, :n].tolist() == plain[row, :n].tolist()
+    assert 0 < (out.correct_len == 0).float().mean() < 1  # some drafts rejected, some accepted
+
+
+def test_drafts_on_the_tokens_own_draws_are_all_accepted_when_the_drafter_is_the_target():
+    """draft_counter's coupling: a drafter whose distribution is the target's, drawing at the
+    counters draft_counter gives a seeded request, proposes exactly the tokens the accept draws."""
+    from specserve.sampler import counter_uniforms, draft_counter, inverse_cdf, seeds_tensor
+
+    def target_as_drafter(seeds, out_lens, k):
+        u = counter_uniforms(seeds_tensor(seeds.tolist(), "cpu"), draft_counter(out_lens, k, torch.tensor(True)))
+        return inverse_cdf(torch.tensor(P).expand(len(seeds), -1), u)
+
+    out, _ = seeded_windows(target_as_drafter, gamma=4)
+    assert out.correct_len.tolist() == [4] * len(out.correct_len)
+
+
 # ------------------------------------------------------------------ the one accept call of a verify step
 
 def greedy_windows(ids, targets, prefix, folded=False):

@@ -143,6 +143,41 @@ class _Engine:
         return {}
 
 
+class _ScriptedCommands:
+    """A command queue that hands out its script one command per get (blocking or not), then
+    Empty: the server sees a request, goes idle, then idles again, then stops."""
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def get(self, timeout=None):
+        return self.get_nowait()
+
+    def get_nowait(self):
+        if not self.script:
+            raise queue.Empty
+        cmd = self.script.pop(0)
+        if cmd is None:  # a pause: nothing arrived in this wait
+            raise queue.Empty
+        return cmd
+
+
+def test_an_idle_engine_hands_freed_heap_back_once_per_busy_spell(monkeypatch):
+    """After the steps of a busy spell the loop's first idle pass trims the heap (heap.py); idle
+    passes without work in between do not, and a server that never worked never trims."""
+    import specserve.server.engine_process as engine_process
+
+    trims = []
+    monkeypatch.setattr(engine_process, "release_free_heap", lambda: trims.append(1))
+    busy = [AddRequest("a", [1, 2], SamplingParams()), None, None, AddRequest("b", [1], SamplingParams()), None,
+            None, Shutdown()]
+    EngineServer(_Engine(), _ScriptedCommands(busy), queue.Queue()).run()
+    assert len(trims) == 2  # after "a" and after "b", not on the idle passes between
+    trims.clear()
+    EngineServer(_Engine(), _ScriptedCommands([None, None, Shutdown()]), queue.Queue()).run()
+    assert trims == []
+
+
 def test_engine_server_fails_only_the_request_whose_host_work_raised():
     commands, events = queue.Queue(), queue.Queue()
     for rid in ["boom", "bad", "err", "detok", "fine", "value_bug", "internal"]:
