@@ -356,6 +356,7 @@ def _report(ns, tally: Tally, elapsed: float, m: dict[str, float], health: int, 
               "rss_growth": round(growth, 4) if growth is not None else None,
               "rss_series_mib": rss.get("series", [])}  # [seconds, server process, engine processes]
     report["checks"] = {"no_5xx_on_valid_requests": not tally.valid_failures,
+                        "every_valid_request_answered": report["valid_sent"] == report["valid_answered"],
                         "hostile_requests_all_4xx": not tally.hostile_not_4xx,
                         "no_kv_held_at_end": report["kv_request_tokens_at_end"] == 0,
                         "healthy_at_end": health == 200,

@@ -10,10 +10,11 @@ import argparse
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
-from specserve.bench.load import _token_budgets
+from specserve.bench.load import Tally, _report, _token_budgets
 
 
 def test_load_smoke(tmp_path):
@@ -39,3 +40,16 @@ def test_mixed_token_budgets_parse_and_bad_ones_are_refused():
     for bad in ("", "16,", "0", "a,3", "-4"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
             _token_budgets(bad)
+
+
+def test_a_valid_request_without_an_answer_fails_the_run():
+    """The check that no request is lost: a valid request neither answered whole nor failed with a
+    5xx (say a 4xx, or a stream cut short) fails the run."""
+    ns = argparse.Namespace(minutes=1.0, rss_baseline_s=60.0, clients=2, max_tokens=[8], max_rss_growth=0.05)
+    idle = {"specserve_kv_request_tokens": 0, "specserve_num_requests_running": 0}
+    rss = {"baseline": 100 << 20, "end": 101 << 20}
+    whole = Tally(sent=Counter(chat_stream=3, generate=2), ok=Counter(chat_stream=3, generate=2))
+    assert _report(ns, whole, 1.0, idle, 200, rss)["passed"]
+    lost = Tally(sent=Counter(chat_stream=3, generate=2), ok=Counter(chat_stream=3, generate=1))  # one never answered
+    report = _report(ns, lost, 1.0, idle, 200, rss)
+    assert not report["checks"]["every_valid_request_answered"] and not report["passed"]
