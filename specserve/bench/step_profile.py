@@ -1,6 +1,8 @@
 """Where one target forward step spends its time, by kernel: each kernel entry point is wrapped
 with a wall-clock timer for the duration of a `with timed_kernels()` block, and whatever the
-kernels do not account for (Python, embedding, allocation) is reported as `other`."""
+kernels do not account for (Python, embedding, allocation) is reported as `other`. A mixture's
+block is one entry (its router and experts, one native call on the CPU kernels' path); a timed
+entry reached inside another counts in the outer one only, so the parts never sum past the step."""
 
 from __future__ import annotations
 
@@ -12,17 +14,22 @@ from typing import Callable, Iterator
 import specserve.models.attention as attention_module
 import specserve.models.backend as backend_module
 from specserve.kernels.linear import BF16, Q4, Q8, PackedLinear
+from specserve.models.moe import SparseMoeBlock
 
 _FORMATS = {Q4: "q4", Q8: "q8", BF16: "bf16"}
 
 
-def _timed(totals: dict[str, float], name: Callable[..., str], fn: Callable) -> Callable:
+def _timed(totals: dict[str, float], name: Callable[..., str], fn: Callable, depth: list[int]) -> Callable:
     def wrapper(*args, **kwargs):
+        if depth[0]:  # inside another timed entry: its time is that entry's
+            return fn(*args, **kwargs)
+        depth[0] += 1
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             totals[name(*args)] += time.perf_counter() - start
+            depth[0] -= 1
     return wrapper
 
 
@@ -37,10 +44,12 @@ def timed_kernels() -> Iterator[dict[str, float]]:
         (backend_module, "gelu_tanh_mul", lambda *a: "gelu_tanh_mul"),
         (backend_module, "rope_store", lambda *a: "rope_store"),
         (attention_module, "kernel_paged_attention", lambda *a: "attention"),
+        (SparseMoeBlock, "forward", lambda *a: "moe"),
     ]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    depth = [0]
     for (owner, attr, name), (_, _, original) in zip(patches, saved):
-        setattr(owner, attr, _timed(totals, name, original))
+        setattr(owner, attr, _timed(totals, name, original, depth))
     try:
         yield totals
     finally:

@@ -186,6 +186,21 @@ def test_a_batch_one_step_reads_a_tokens_share_of_the_experts(moe_files):
         assert experts > 0 and step_weight_bytes(model) == int(others + experts * 4 / 8)
 
 
+def test_the_step_profile_times_a_mixtures_block_as_one_part(moe_files):
+    """bench offline's step profile names the mixture's block (router and experts) and nothing is
+    counted twice (what is left for `other` stays >= 0)."""
+    import argparse
+
+    from specserve.bench.offline import step_shapes
+
+    with Engine(model_path=moe_files["qwen3moe"], dtype="bfloat16", speculative_algorithm="NONE",
+                max_total_tokens=256) as engine:  # fmt: skip
+        shapes = step_shapes(engine, argparse.Namespace(window=3, prefix_len=16, prefill_len=32, repeats=1))
+    for name in ("decode", "verify"):
+        profile = shapes[f"{name}_profile_ms"]
+        assert profile["moe"] > 0 and profile["other"] >= 0, (name, profile)
+
+
 def test_a_verify_window_reads_more_experts_than_a_decode_row(moe_files):
     """bench offline's count of the experts a step reads: one row reads its k, a 4-row window of
     text-like ids more; the cost prior's synthetic rows are such ids (one token repeated would route
