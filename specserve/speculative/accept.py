@@ -318,13 +318,13 @@ def accept_windows(
 
 def coupled_draws(target: torch.Tensor, positions: torch.Tensor, seed_bits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """[bs, W] each window row's draw from its target distribution at the uniform of its output
-    position (token_counter), for the requests in `rows` (-1 elsewhere). A request that gave a seed
-    is promised the same tokens whatever the batch, the cache or the speculation policy, which
-    measures step times and so drafts differently from run to run: rejection sampling's tokens
-    depend on what was drafted, these are the plain decoding's."""
+    position (`positions` [bs, W], through token_counter), for the requests in `rows` (-1
+    elsewhere). A request that gave a seed is promised the same tokens whatever the batch, the
+    cache or the speculation policy, which measures step times and so drafts differently from run
+    to run: rejection sampling's tokens depend on what was drafted, these are the plain decoding's."""
     bs, width, vocab = target.shape
     index = staged(rows, torch.int64, target.device)
-    u = counter_uniforms(seed_bits[index], token_counter(positions.expand(bs, width)[index]))
+    u = counter_uniforms(seed_bits[index], token_counter(positions[index]))
     picked = inverse_cdf(target[index].reshape(-1, vocab), u.reshape(-1)).view(len(rows), width)
     return torch.full((bs, width), -1, dtype=torch.int64, device=target.device).index_copy(0, index, picked)
 
