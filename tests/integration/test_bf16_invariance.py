@@ -186,3 +186,22 @@ def test_int8_activations_greedy_output_is_lossless_alone_batched_and_warm(name,
     assert [o["output_ids"] for o in alone] == reference, f"int8 {name}: one at a time"
     assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in alone) > 0, f"int8 {name}: nothing was accepted"
     assert [o["output_ids"] for o in batched] == reference, f"int8 {name}: batched, warm cache"
+
+
+SEEDED = {"temperature": 0.7, "top_p": 0.95, "seed": 5, "max_new_tokens": 40}
+
+
+@pytest.mark.parametrize("name", ["NGRAM", "DSPARK static"])
+def test_seeded_sampling_in_bf16_is_plain_decodings_alone_and_batched(name, greedy_reference, bf16_engine):
+    """The coupled accept's promise in bf16, the default: a seeded sampling request's tokens are
+    plain decoding's whatever the drafter proposed, alone and batched."""
+    prompts, _ = greedy_reference
+    bf16_engine.scheduler.ledger.tree.reset()
+    reference = [bf16_engine.generate(input_ids=p, sampling_params=SEEDED)["output_ids"] for p in prompts]
+    with Engine(dtype="bfloat16", cpu_activations="bf16", max_total_tokens=8192, **CONFIGS[name]) as engine:
+        alone = [engine.generate(input_ids=p, sampling_params=SEEDED) for p in prompts]
+        engine.scheduler.ledger.tree.reset()
+        batched = engine.generate(input_ids=prompts, sampling_params=SEEDED)
+    assert [o["output_ids"] for o in alone] == reference, f"{name}: one at a time"
+    assert [o["output_ids"] for o in batched] == reference, f"{name}: batched"
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in alone) > 0, f"{name}: nothing was verified"
