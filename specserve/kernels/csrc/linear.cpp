@@ -238,7 +238,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
           __m512i packed[NBT], high[NBT];
           for (int j = 0; j < NBT; ++j) {
             const uint8_t* at = oct_codes(blocks[j], oct, Bits);
-            prefetch_oct(w, at, Bits);
+            prefetch_oct<NBT>(w, at, oct, Bits);
             packed[j] = _mm512_loadu_si512(at);
             if constexpr (Bits > 4) high[j] = spread_high16<Bits>(at + 64);
           }
@@ -259,7 +259,7 @@ SPECSERVE_AVX512 void tile_avx512(const PackedWeight& w, int64_t b0, const uint1
         for (int64_t pair = g * per; pair < g * per + per; ++pair) {
           __m512i wv[NBT];
           for (int j = 0; j < NBT; ++j) {
-            if (pair % 2 == 0) prefetch_codes(w, blocks[j] + pair * 32);  // one 64-byte line per two pairs
+            if (pair % 2 == 0) prefetch_codes<NBT>(w, blocks[j] + pair * 32, pair * 32);  // one 64-byte line per two pairs
             wv[j] = q8_or_bf16_word<F>(blocks[j], pair);
           }
           dot_rows<R, NBT>(rows, pair, wv, part);
@@ -292,7 +292,7 @@ SPECSERVE_AVX512 void decode_block(const PackedWeight& w, int64_t b, __m512i* pa
     const __m512i magic = _mm512_set1_epi32(int32_t(kQ4Magic)), mask = _mm512_set1_epi32(int32_t(kQ4Mask));
     for (int64_t oct = 0; oct < w.k / 8; ++oct) {
       const uint8_t* at = oct_codes(block, oct, Bits);
-      prefetch_oct(w, at, Bits);
+      prefetch_oct<1>(w, at, oct, Bits);
       const __m512i packed = _mm512_loadu_si512(at);
       __m512i high = _mm512_setzero_si512();
       if constexpr (Bits > 4) high = spread_high16<Bits>(at + 64);
@@ -308,7 +308,7 @@ SPECSERVE_AVX512 void decode_block(const PackedWeight& w, int64_t b, __m512i* pa
     }
   } else {
     for (int64_t pair = 0; pair < pairs(w); ++pair) {
-      if (pair % 2 == 0) prefetch_codes(w, block + pair * 32);
+      if (pair % 2 == 0) prefetch_codes<1>(w, block + pair * 32, pair * 32);
       _mm512_store_si512(panel + pair, q8_or_bf16_word<F>(block, pair));
     }
   }

@@ -143,7 +143,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
             for (int j = 0; j < NBT; ++j)
               for (int h = 0; h < 2; ++h) {
                 const uint8_t* at = oct_codes(blocks[j], oct, w.bits);
-                if (h == 0) prefetch_oct(w, at, w.bits);
+                if (h == 0) prefetch_oct<NBT>(w, at, oct, w.bits);
                 packed[j][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + h * 32));
                 if (w.bits > 4) high[j][h] = spread_high8(at + 64, h, w.bits);
               }
@@ -168,7 +168,7 @@ SPECSERVE_AVX2 void tile_avx2(const PackedWeight& w, int64_t b0, const float* x,
           for (int64_t pair = g * per; pair < g * per + per; ++pair) {
             __m256 wh[NBT][2], wl[NBT][2];
             for (int j = 0; j < NBT; ++j) {
-              if (pair % 2 == 0) prefetch_codes(w, blocks[j] + pair * 32);  // one 64-byte line per two pairs
+              if (pair % 2 == 0) prefetch_codes<NBT>(w, blocks[j] + pair * 32, pair * 32);  // one 64-byte line per two pairs
               for (int h = 0; h < 2; ++h) split_pair<F>(pair_word<F>(blocks[j], pair, h), wh[j][h], wl[j][h]);
             }
             dot_rows<R, NBT, Flush>(x, ldx, pair, wh, wl, part);

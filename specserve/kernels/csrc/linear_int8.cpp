@@ -119,7 +119,7 @@ SPECSERVE_AVX512 SPECSERVE_INLINE void q4_group(const PackedWeight& w, const uin
     __m512i wa[NBT], wb[NBT];
     for (int j = 0; j < NBT; ++j) {
       const uint8_t* at = oct_codes(blocks[j], oct, Bits);
-      prefetch_oct(w, at, Bits);
+      prefetch_oct<NBT>(w, at, oct, Bits);
       const __m512i packed = _mm512_loadu_si512(at);
       wa[j] = _mm512_and_si512(packed, nibbles);
       wb[j] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), nibbles);
@@ -162,7 +162,7 @@ SPECSERVE_AVX512 SPECSERVE_INLINE void q8_group(const PackedWeight& w, const uin
   for (int64_t t = g * Group / 4; t < (g + 1) * Group / 4; ++t) {  // 4 columns (two pairs) at a time
     __m512i wv[NBT];
     for (int j = 0; j < NBT; ++j) {
-      prefetch_codes(w, blocks[j] + t * 64);
+      prefetch_codes<NBT>(w, blocks[j] + t * 64, t * 64);
       wv[j] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(blocks[j] + t * 64));
       wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, wv[j]);
     }

@@ -52,7 +52,7 @@ SPECSERVE_AVX2 inline void q4_group8(const PackedWeight& w, const uint8_t* const
     for (int j = 0; j < NBT; ++j)
       for (int h = 0; h < 2; ++h) {
         const uint8_t* at = oct_codes(blocks[j], oct, Bits);
-        if (h == 0) prefetch_oct(w, at, Bits);
+        if (h == 0) prefetch_oct<NBT>(w, at, oct, Bits);
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + h * 32));
         wa[j][h] = _mm256_and_si256(packed, nibbles);
         wb[j][h] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), nibbles);
@@ -86,7 +86,7 @@ SPECSERVE_AVX2 inline void q8_group8(const PackedWeight& w, const uint8_t* const
     __m256i wv[NBT][2], wabs[NBT][2];
     for (int j = 0; j < NBT; ++j)
       for (int h = 0; h < 2; ++h) {
-        if (h == 0) prefetch_codes(w, blocks[j] + 2 * t * 32);
+        if (h == 0) prefetch_codes<NBT>(w, blocks[j] + 2 * t * 32, 2 * t * 32);
         const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[j] + 2 * t * 32 + h * 16));
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks[j] + (2 * t + 1) * 32 + h * 16));
         wv[j][h] = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
