@@ -1,5 +1,5 @@
 """Fused small ops of a decoder layer in bf16 (see csrc/ops.h): residual add + RMSNorm, SiLU x
-up and GELU-tanh x up, and RoPE with the K/V store. Each replaces several PyTorch ops (and their dispatch) with one
+up, GELU-tanh x up, gpt-oss's clamped SwiGLU, and RoPE with the K/V store. Each replaces several PyTorch ops (and their dispatch) with one
 call whose per-row result does not depend on the number of rows."""
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up for gate_up = [gate | up] of shape [rows, 2f] (gemma3's MLP)."""
     return load().gelu_tanh_mul(gate_up, path_id())
+
+
+def swiglu_oai(gate_up: torch.Tensor, bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of float32 gate/up sums [rows, 2f] plus their float32 bias [2f], as
+    bf16 [rows, f] (what the native mixture runs on each expert's rows)."""
+    return load().swiglu_oai(gate_up, bias, alpha, limit, path_id())
 
 
 def rope_store(

@@ -407,6 +407,28 @@ def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):
     assert_every_pair_equal(results)
 
 
+def test_swiglu_oai_matches_the_model_reference_and_paths_agree(monkeypatch):
+    """The native mixture's gpt-oss activation: every path the same bits, within bf16 rounding of
+    models/moe.py's float32 reference, each row its own; the clamps (gate <= 7, |up| <= 7) hit."""
+    from specserve.kernels import ops
+    from specserve.models.moe import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, swiglu_oai
+
+    g = torch.Generator().manual_seed(9)
+    gate_up = torch.randn(9, 2 * 200, generator=g) * 6  # 200: not a multiple of 16; beyond the clamps
+    bias = torch.randn(2 * 200, generator=g)
+    assert ((gate_up + bias)[:, :200] > SWIGLU_OAI_LIMIT).any() and ((gate_up + bias)[:, 200:] < -SWIGLU_OAI_LIMIT).any()
+    want = swiglu_oai(gate_up + bias).double()
+    results = {}
+    for path in PATHS:
+        monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
+        got = ops.swiglu_oai(gate_up, bias, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+        assert ((got.double() - want).abs() / (want.abs() + 1e-2)).max() < 1e-2
+        for t in (0, 4, 8):
+            assert torch.equal(ops.swiglu_oai(gate_up[t:t + 1], bias, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)[0], got[t])
+        results[path] = (got,)
+    assert_every_pair_equal(results)
+
+
 def test_rope_store_rotates_q_and_k_and_stores_k_v():
     from specserve.kernels import ops
     from specserve.models.layers import RotaryEmbedding, apply_rope

@@ -138,6 +138,22 @@ torch::Tensor gated_mul(torch::Tensor gate_up, int64_t path) {
   return out;
 }
 
+// gpt-oss's clamped SwiGLU of float32 gate/up sums [rows, 2f] plus their float32 bias [2f] -> bf16
+// [rows, f] (the experts' activation in moe.cpp, exposed for its tests).
+torch::Tensor swiglu_oai(torch::Tensor gate_up, torch::Tensor bias, double alpha, double limit, int64_t path) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0 && bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
+                  bias.numel() == gate_up.size(1),
+              "specserve swiglu_oai: contiguous float32 gate_up [rows, 2f] and bias [2f]");
+  const int64_t rows = gate_up.size(0), f = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, f}, gate_up.options().dtype(torch::kBFloat16));
+  const Path p = checked_path(path);
+  const float *gd = gate_up.data_ptr<float>(), *bd = bias.data_ptr<float>();
+  uint16_t* od = bf16_out(out);
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) { swiglu_oai_rows(p, gd, bd, f, float(alpha), float(limit), od, b, e); });
+  return out;
+}
+
 // Reads every byte of `buffer` once, both threads streaming disjoint halves, and returns a sum of
 // its 64-bit words (so the reads cannot be optimised away): the machine's read bandwidth as the
 // weight stream sees it, the bound of a batch-1 decode step (bench offline, benchmarks weight-stream).
@@ -206,6 +222,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_rows_bf16", &specserve::packed_rows_bf16, "rows of a packed weight as bf16 (an embedding lookup)");
   m.def("paged_attention", &specserve::paged_attention, "attention over the paged K/V pool in place");
   m.def("add_rms_norm", &specserve::add_rms_norm, "residual += x (if given), then RMSNorm of it");
+  m.def("swiglu_oai", &specserve::swiglu_oai, "gpt-oss's clamped SwiGLU of float32 [rows, 2f] gate/up sums plus bias");
   m.def("silu_mul", &specserve::gated_mul<specserve::silu_mul_rows>, "silu(gate) * up of [rows, 2f] gate_up");
   m.def("gelu_tanh_mul", &specserve::gated_mul<specserve::gelu_tanh_mul_rows>, "gelu_tanh(gate) * up of [rows, 2f] gate_up");
   specserve::register_decoder_layer(m);

@@ -130,35 +130,21 @@ torch::Tensor gated_mlp_activation(const NativeLinear& gate_up, const torch::Ten
   return act;
 }
 
-// gpt-oss's clamped SwiGLU of gate/up sums gu [rows, 2f] plus their bias (float32), rounded to bf16 once.
-torch::Tensor swiglu_oai_activation(const torch::Tensor& gu, const float* bias, const torch::Tensor& like) {
+// gpt-oss's clamped SwiGLU of gate/up sums gu [rows, 2f] plus their bias (float32 [2f]), rounded to bf16 once.
+torch::Tensor swiglu_oai_activation(const torch::Tensor& gu, const float* bias, const torch::Tensor& like, Path path) {
   const int64_t rows = gu.size(0), f = gu.size(1) / 2;
   auto act = torch::empty({rows, f}, like.options());
   const float* g = gu.data_ptr<float>();
   uint16_t* ad = bf16_out(act);
-  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      for (int64_t c = 0; c < f; ++c) {
-        const float gate = std::min(g[r * 2 * f + c] + (bias ? bias[c] : 0.0f), kSwigluLimit);
-        const float up = std::clamp(g[r * 2 * f + f + c] + (bias ? bias[f + c] : 0.0f), -kSwigluLimit, kSwigluLimit);
-        ad[r * f + c] = f32_to_bf16_torch((up + 1.0f) * (gate / (1.0f + std::exp(-kSwigluAlpha * gate))));
-      }
-  });
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) { swiglu_oai_rows(path, g, bias, f, kSwigluAlpha, kSwigluLimit, ad, b, e); });
   return act;
 }
 
 torch::Tensor MoeMlp::expert(size_t e, const torch::Tensor& x, Path path) const {
   if (!swiglu_oai) return linear_f32(downs[e], gated_mlp_activation(gate_ups[e], x, path), path);
-  const bool biased = !gate_up_biases.empty();
-  torch::Tensor act = swiglu_oai_activation(linear_f32(gate_ups[e], x, path), biased ? gate_up_biases[e].data_ptr<float>() : nullptr, x);
-  torch::Tensor y = linear_f32(downs[e], act, path);
-  if (biased) {
-    float* yd = y.data_ptr<float>();
-    const float* bd = down_biases[e].data_ptr<float>();
-    for (int64_t r = 0; r < y.size(0); ++r)
-      for (int64_t c = 0; c < y.size(1); ++c) yd[r * y.size(1) + c] += bd[c];
-  }
-  return y;
+  torch::Tensor gu = linear_f32(gate_ups[e], x, path);
+  const torch::Tensor bias = gate_up_biases.empty() ? torch::zeros({gu.size(1)}, gu.options()) : gate_up_biases[e];
+  return linear_f32(downs[e], swiglu_oai_activation(gu, bias.data_ptr<float>(), x, path), path);
 }
 
 torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
@@ -188,8 +174,20 @@ torch::Tensor MoeMlp::forward(const torch::Tensor& h, Path path) const {
     for (size_t i = 0; i < at.size(); ++i) index.data_ptr<int64_t>()[i] = at[i] / k;
     torch::Tensor y = expert(size_t(e), h.index_select(0, index), path);
     const float* yd = y.data_ptr<float>();
-    for (size_t i = 0; i < at.size(); ++i)
-      for (int64_t c = 0; c < hidden; ++c) by_slot[at[i] * hidden + c] = yd[i * hidden + c] * weights[at[i]];
+    const float* bd = down_biases.empty() ? nullptr : down_biases[e].data_ptr<float>();
+    // Each slot's output (plus the down bias, gpt-oss) times its routing weight; across the threads
+    // by rows where the experts run one at a time (inside the parallel loop below it runs inline).
+    at::parallel_for(0, int64_t(at.size()), 8, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) {
+        const float w = weights[at[i]];
+        float* slot = by_slot.data() + at[i] * hidden;
+        const float* yi = yd + i * hidden;
+        if (bd)
+          for (int64_t c = 0; c < hidden; ++c) slot[c] = (yi[c] + bd[c]) * w;
+        else
+          for (int64_t c = 0; c < hidden; ++c) slot[c] = yi[c] * w;
+      }
+    });
   };
   // Few rows per expert (decode, a verify window): the threads take whole experts, each streaming
   // its own weights with no barrier between them; many rows: one expert at a time, its columns split

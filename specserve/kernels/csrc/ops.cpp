@@ -23,6 +23,14 @@ constexpr float kGeluB = float(1.5957691216057308 * 0.044715);
 
 inline float gelu_arg(float g) { return std::fma(kGeluB, g * g, kGeluA) * g; }  // 2u
 
+// swiglu_oai's value from a gate and an up sum (their biases added); min and max as the vector
+// instructions take them (the second operand where either is NaN).
+inline uint16_t swiglu_oai_value(float gate, float up, float alpha, float limit) {
+  const float g = gate < limit ? gate : limit;
+  const float u = up > -limit ? up : -limit;
+  return f32_to_bf16(((u < limit ? u : limit) + 1.0f) * (g * sigmoid(alpha * g)));
+}
+
 struct Silu {
   static float apply(float g) { return g * sigmoid(g); }
 };
@@ -89,6 +97,19 @@ SPECSERVE_AVX512 void gated_avx(const uint16_t* gate, const uint16_t* up, int64_
   }
 }
 
+// swiglu_oai (ops.h) on 16 columns at a time: the generic path's operations lane by lane.
+SPECSERVE_AVX512 void swiglu_oai_avx(const float* gate, const float* up, const float* bias, int64_t f, float alpha,
+                                     float limit, uint16_t* out) {
+  const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < f; i += 16) {
+    const __mmask16 m = tail_mask(f - i);
+    const __m512 g = _mm512_min_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(m, gate + i), _mm512_maskz_loadu_ps(m, bias + i)), hi);
+    const __m512 u = _mm512_add_ps(_mm512_maskz_loadu_ps(m, up + i), _mm512_maskz_loadu_ps(m, bias + f + i));
+    const __m512 a = _mm512_mul_ps(g, sigmoid_avx(_mm512_mul_ps(_mm512_set1_ps(alpha), g)));
+    store_bf16(out + i, _mm512_mul_ps(_mm512_add_ps(_mm512_min_ps(_mm512_max_ps(u, lo), hi), one), a), m);
+  }
+}
+
 // 16 bf16 from p, of which `valid` are read; the rest are +0 (as the AVX-512 masked loads give).
 SPECSERVE_AVX2 inline F16x2 load16_avx2(const uint16_t* p, int64_t valid) {
   if (valid >= 16) return {load_bf16x8(p), load_bf16x8(p + 8)};
@@ -149,6 +170,20 @@ SPECSERVE_AVX2 void gated_avx2(const uint16_t* gate, const uint16_t* up, int64_t
   for (; i < f; ++i) out[i] = f32_to_bf16(Act::apply(bf16_to_f32(gate[i])) * bf16_to_f32(up[i]));
 }
 
+// The same, 8 columns at a time, the last f % 8 by the generic path.
+SPECSERVE_AVX2 void swiglu_oai_avx2(const float* gate, const float* up, const float* bias, int64_t f, float alpha,
+                                    float limit, uint16_t* out) {
+  const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= f; i += 8) {
+    const __m256 g = _mm256_min_ps(_mm256_add_ps(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(bias + i)), hi);
+    const __m256 u = _mm256_add_ps(_mm256_loadu_ps(up + i), _mm256_loadu_ps(bias + f + i));
+    const __m256 a = _mm256_mul_ps(g, sigmoid_avx2(_mm256_mul_ps(_mm256_set1_ps(alpha), g)));
+    store_bf16x8(out + i, _mm256_mul_ps(_mm256_add_ps(_mm256_min_ps(_mm256_max_ps(u, lo), hi), one), a));
+  }
+  for (; i < f; ++i) out[i] = swiglu_oai_value(gate[i] + bias[i], up[i] + bias[f + i], alpha, limit);
+}
+
 #endif  // SPECSERVE_X86
 
 }  // namespace
@@ -194,6 +229,24 @@ void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out,
 
 void gelu_tanh_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end) {
   gated_rows<GeluTanh>(path, gate_up, f, out, begin, end);
+}
+
+void swiglu_oai_rows(Path path, const float* gate_up, const float* bias, int64_t f, float alpha, float limit,
+                     uint16_t* out, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* gate = gate_up + r * 2 * f;
+#if SPECSERVE_X86
+    if (path == Path::Avx512Bf16) {
+      swiglu_oai_avx(gate, gate + f, bias, f, alpha, limit, out + r * f);
+      continue;
+    }
+    if (path == Path::Avx2Fma) {
+      swiglu_oai_avx2(gate, gate + f, bias, f, alpha, limit, out + r * f);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < f; ++i) out[r * f + i] = swiglu_oai_value(gate[i] + bias[i], gate[f + i] + bias[f + i], alpha, limit);
+  }
 }
 
 void rope_store_rows(const RopeStoreArgs& a, int64_t begin, int64_t end) {

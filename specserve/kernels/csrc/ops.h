@@ -5,6 +5,9 @@
 //   gelu_tanh_mul: out = bf16(gelu_tanh(gate) * up), gelu_tanh(g) = g * sigmoid(2u) (which is
 //                 g / 2 * (1 + tanh(u))), 2u = fma(B, g * g, A) * g with A = 2 sqrt(2 / pi),
 //                 B = 0.044715 A; the sigmoid as silu's;
+//   swiglu_oai:   gpt-oss's clamped SwiGLU of float32 gate/up sums plus their float32 biases,
+//                 g = min(gate, L), u = clamp(up, -L, L), out = bf16((u + 1) * (g * sigmoid(alpha g))),
+//                 the sigmoid as silu's;
 //   rope_store:   rotate-half RoPE of q and k (fp32 tables), rotated k and v stored to their slots.
 #pragma once
 
@@ -21,6 +24,10 @@ void add_rms_norm_rows(Path path, const uint16_t* x, uint16_t* residual, const u
 // Rows [begin, end) of gate_up [rows, 2f] -> out [rows, f].
 void silu_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end);
 void gelu_tanh_mul_rows(Path path, const uint16_t* gate_up, int64_t f, uint16_t* out, int64_t begin, int64_t end);
+
+// Rows [begin, end) of gate_up [rows, 2f] float32 (gate first) with bias [2f] -> out [rows, f].
+void swiglu_oai_rows(Path path, const float* gate_up, const float* bias, int64_t f, float alpha, float limit,
+                     uint16_t* out, int64_t begin, int64_t end);
 
 struct RopeStoreArgs {
   const uint16_t* qkv;   // [T, (heads + 2 kv_heads) * dim]
