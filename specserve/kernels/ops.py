@@ -1,6 +1,7 @@
 """Fused small ops of a decoder layer in bf16 (see csrc/ops.h): residual add + RMSNorm, SiLU x
-up, GELU-tanh x up, gpt-oss's clamped SwiGLU, and RoPE with the K/V store. Each replaces several PyTorch ops (and their dispatch) with one
-call whose per-row result does not depend on the number of rows."""
+up, GELU-tanh x up, gpt-oss's clamped SwiGLU, and RoPE with the K/V store. Each replaces several
+PyTorch ops (and their dispatch) with one call whose per-row result does not depend on the number
+of rows."""
 
 from __future__ import annotations
 
