@@ -319,24 +319,31 @@ def render_models_vs_ik(results: str, name: str = "models_vs_ik.json") -> str:
     """The default configuration against both peers on the same files, side by side in one run:
     native llama.cpp's llama-bench and ik_llama.cpp's (with its row repacking)."""
     data = load(results, name)
+    probed = all("decode_vs_ik_per_bandwidth" in m["summary"] for m in data["models"].values())
     rows = []
     for label, model in data["models"].items():
         s = model["summary"]
+        per_gbs = [f"{_ratio(s['decode_vs_native_per_bandwidth'])} / {_ratio(s['decode_vs_ik_per_bandwidth'])}"] if probed else []
         rows.append([f"{_model_label(label)} (`{model['path']}`)", model["activations"],
                      _median_range(s["steady_decode_tok_s"], ".1f"), _median_range(s["native_tg128_tok_s"], ".1f"),
                      _median_range(s["ik_tg128_tok_s"], ".1f"), _ratio(s["decode_vs_native"]), _ratio(s["decode_vs_ik"]),
-                     f"{s['prefill_tok_s']['median']:.0f} vs {s['native_pp512_tok_s']['median']:.0f} vs "
+                     *per_gbs, f"{s['prefill_tok_s']['median']:.0f} vs {s['native_pp512_tok_s']['median']:.0f} vs "
                      f"{s['ik_pp512_tok_s']['median']:.0f}", _ratio(s["prefill_vs_native"]), _ratio(s["prefill_vs_ik"]),
                      _median_range(s["verify_over_decode"], ".2f", "x")])  # fmt: skip
     header = ["file (synthetic weights)", "activations", "decode, batch 1 (tok/s)", "native tg128", "ik tg128",
-              "decode vs native", "decode vs ik", "prefill 512 tok/s: ours vs native vs ik", "prefill vs native",
-              "prefill vs ik", f"{data.get('window', 6)}-row verify / decode step"]
+              "decode vs native", "decode vs ik", *(["decode per GB/s of its probe: vs native / vs ik"] if probed else []),
+              "prefill 512 tok/s: ours vs native vs ik", "prefill vs native", "prefill vs ik",
+              f"{data.get('window', 6)}-row verify / decode step"]
+    bandwidth_note = (
+        " Per GB/s: each side's decode over the machine's read bandwidth probed beside it (ours right after our "
+        "decode, each peer's the mean of probes just before and after its llama-bench run), since this machine's "
+        "bandwidth moves with its neighbours' load from minute to minute.") if probed else ""
     return table(header, rows) + (
         f"\n\nSpeculation off on every side; our decode is {data['new_tokens']} tokens without the prompt's prefill "
         f"(like llama-bench's tg128). Native llama.cpp: `llama-bench {data['llama_bench_args']}` built from "
         f"llama-cpp-python 0.3.36's source; ik_llama.cpp: `llama-bench {data['ik_llama_bench_args']}` built by "
         f"`../shared/tools/build-ik-llama-bench`. {data['threads']} threads; median (lowest-highest) of {data['runs']} "
-        f"interleaved runs, each ratio formed within its run. {provenance(data, name)}\n")
+        f"interleaved runs, each ratio formed within its run.{bandwidth_note} {provenance(data, name)}\n")
 
 
 def render_long_context(results: str, name: str = "models_long_context.json") -> str:

@@ -122,13 +122,18 @@ def _llama_bench_tests(binary: str, path: str, threads: int, test_args: list[str
 
 
 def _native(binary: str, path: str, threads: int, extra: str = "") -> dict[str, float]:
-    """llama-bench's tg128 and pp512 tokens/s (mean of its 3 repetitions); `extra`: more flags."""
-    from specserve.bench.bandwidth import gguf_step_bytes
+    """llama-bench's tg128 and pp512 tokens/s (mean of its 3 repetitions); `extra`: more flags. With
+    the machine's read bandwidth probed just before and just after it (their mean): this machine's
+    bandwidth moves with its neighbours' load from minute to minute, so a batch-1 decode is compared
+    with ours at the bandwidth each one had, as well as raw."""
+    from specserve.bench.bandwidth import gguf_step_bytes, read_bandwidth_gbs
 
     result = {"step_bytes": float(gguf_step_bytes(path))}
+    before = read_bandwidth_gbs()
     for test in _llama_bench_tests(binary, path, threads, ["-n", "128", "-p", "512", "-r", "3"], extra):
         name = "tg128_tok_s" if test["n_gen"] else "pp512_tok_s"
         result[name] = float(test["avg_ts"])
+    result["read_bandwidth_gbs"] = (before + read_bandwidth_gbs()) / 2
     return result
 
 
@@ -229,6 +234,17 @@ def _depth_figures(run: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
+def _per_bandwidth_figures(ours: dict[str, Any], peer: dict[str, float], key: str) -> dict[str, float]:
+    """A peer's read bandwidth around its llama-bench run, and our batch-1 decode over its tg128 with
+    each divided by the bandwidth probed beside it: tokens per GB/s, the comparison the neighbours'
+    load does not move (recorded since the peers' probes were)."""
+    if "read_bandwidth_gbs" not in peer or "read_bandwidth_gbs" not in ours or "decode_tok_s" not in ours:
+        return {}
+    ours_per_gbs = ours["decode_tok_s"] / ours["read_bandwidth_gbs"]
+    return {f"{key}_read_bandwidth_gbs": peer["read_bandwidth_gbs"],
+            f"decode_vs_{key}_per_bandwidth": ours_per_gbs / (peer["tg128_tok_s"] / peer["read_bandwidth_gbs"])}
+
+
 def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
     """One run's figures of one model, ratios formed within the run."""
     ours = run["specserve"]
@@ -262,11 +278,13 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
                     "prefill_vs_native": ours["prefill_tok_s"] / native["pp512_tok_s"]}
         if "step_bytes" in native and "read_bandwidth_gbs" in ours:
             figures["native_bandwidth_share"] = native["step_bytes"] * native["tg128_tok_s"] / (ours["read_bandwidth_gbs"] * 1e9)
+        figures |= _per_bandwidth_figures(ours, native, "native")
     ik = run.get("ik_llama.cpp")
     if ik:
         decode = ours.get("decode_tok_s", ours["batch1_tok_s"])
         figures |= {"ik_tg128_tok_s": ik["tg128_tok_s"], "ik_pp512_tok_s": ik["pp512_tok_s"],
                     "decode_vs_ik": decode / ik["tg128_tok_s"], "prefill_vs_ik": ours["prefill_tok_s"] / ik["pp512_tok_s"]}
+        figures |= _per_bandwidth_figures(ours, ik, "ik")
     if "verify_experts_per_layer" in ours:  # a mixture: the experts a verify window reads, against a decode row's
         figures |= {"decode_experts_per_layer": ours["decode_experts_per_layer"],
                     "verify_experts_per_layer": ours["verify_experts_per_layer"]}

@@ -120,6 +120,40 @@ def test_batched_figures_price_each_batch_against_batch_1_and_native_s_tg():
     assert figures["native_batched_4_tok_s"] == 20.0 and figures["batched_1_vs_native"] == 1.25
 
 
+def test_each_peer_is_compared_at_the_bandwidth_probed_beside_it(tmp_path, monkeypatch):
+    """A peer's llama-bench run is bracketed by read-bandwidth probes (their mean recorded), and our
+    decode over its tg128 is also given per GB/s of each side's own probe: a peer that ran while the
+    neighbours left it more bandwidth is not credited with it."""
+    from specserve.bench import bandwidth
+    from specserve.bench.models import _native
+
+    probes = iter([40.0, 60.0])
+    monkeypatch.setattr(bandwidth, "read_bandwidth_gbs", lambda: next(probes))
+    monkeypatch.setattr(bandwidth, "gguf_step_bytes", lambda path: 1e9)
+    fake = tmp_path / "llama-bench"  # prints what the real one does with -o json
+    fake.write_text("#!/bin/sh\necho '[{\"n_gen\": 128, \"avg_ts\": 30.0}, {\"n_gen\": 0, \"avg_ts\": 90.0}]'\n")
+    fake.chmod(0o755)
+    ik = _native(str(fake), "m.gguf", 2)
+    assert ik == {"step_bytes": 1e9, "tg128_tok_s": 30.0, "pp512_tok_s": 90.0, "read_bandwidth_gbs": 50.0}
+    run = offline_run(40, 50)
+    run["specserve"] |= {"decode_tok_s": 24.0, "read_bandwidth_gbs": 30.0, "decode_bandwidth_share": 0.8}
+    run["ik_llama.cpp"] = ik
+    figures = _figures(run, 32)
+    assert figures["decode_vs_ik"] == 24.0 / 30.0  # raw: slower
+    assert figures["decode_vs_ik_per_bandwidth"] == (24.0 / 30.0) / (30.0 / 50.0)  # 0.8 against 0.6 tokens per GB/s
+    assert figures["ik_read_bandwidth_gbs"] == 50.0 and "decode_vs_native_per_bandwidth" not in figures  # no probe
+    from benchmarks.render.engine import render_models_vs_ik
+
+    run["native"] = {**ik, "tg128_tok_s": 20.0}
+    figures = _figures(run, 32) | {"steady_decode_tok_s": 24.0}
+    data = {"runs": 1, "new_tokens": 32, "window": 4, "threads": 2, "commit": "abc", "date": "2026-12-07",
+            "machine": "a test machine", "llama_bench_args": "", "ik_llama_bench_args": "-rtr 1",
+            "models": {"m": {"path": "m.gguf", "activations": "int8", "summary": summarize([figures]), "runs": [run]}}}
+    (tmp_path / "models_vs_ik.json").write_text(json.dumps(data))
+    text = render_models_vs_ik(str(tmp_path))
+    assert "decode per GB/s of its probe: vs native / vs ik" in text and "| 2.00x (2.00-2.00) / 1.33x (1.33-1.33) |" in text
+
+
 def test_the_batched_peer_reads_s_tg_from_llama_batched_bench_jsonl(tmp_path):
     fake = tmp_path / "llama-batched-bench"  # prints what the real one does with --output-format jsonl
     fake.write_text("#!/bin/sh\necho 'main: n_kv_max = 5376'\n"
