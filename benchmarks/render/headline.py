@@ -76,16 +76,19 @@ def _small_files(data: dict[str, Any]) -> str:
             f"{data['runs']} interleaved runs, {data['threads']} threads. {provenance(data, 'models_small_native.json')}\n")
 
 
-VS_IK = "models_vs_peers.json"  # the newest record of the default against ik_llama.cpp
+VS_IK = "models_vs_peers_probed.json"  # the newest record of the default against ik_llama.cpp
 
 
 def _vs_ik(data: dict[str, Any], name: str) -> str:
     """The default configuration against ik_llama.cpp, the fastest CPU peer, on the same files."""
     models = list(data["models"].values())
+    per_gbs = ("; decode per GB/s of the read bandwidth probed beside each side (the machine's own bandwidth moves "
+               f"with its neighbours' load): {_per_model(models, 'decode_vs_ik_per_bandwidth')}"
+               if all("decode_vs_ik_per_bandwidth" in m["summary"] for m in models) else "")
     return (f"- **Against ik_llama.cpp** (`llama-bench -rtr 1`, the engine demanding CPU users pick) at 1.5-7B, "
             f"specserve's defaults, speculation off on both sides: decode {_per_model(models, 'decode_vs_ik')}; "
-            f"prefill of 512 tokens {_per_model(models, 'prefill_vs_ik')}. Median (lowest-highest) of {data['runs']} "
-            f"interleaved runs, {data['threads']} threads. {provenance(data, name)}\n")
+            f"prefill of 512 tokens {_per_model(models, 'prefill_vs_ik')}{per_gbs}. Median (lowest-highest) of "
+            f"{data['runs']} interleaved runs, {data['threads']} threads. {provenance(data, name)}\n")
 
 
 def render_headline(results: str) -> str:
