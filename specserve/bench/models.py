@@ -20,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from specserve.bench.llamacpp import INSTALL
@@ -129,12 +130,25 @@ def _native(binary: str, path: str, threads: int, extra: str = "") -> dict[str, 
     from specserve.bench.bandwidth import gguf_step_bytes, read_bandwidth_gbs
 
     result = {"step_bytes": float(gguf_step_bytes(path))}
-    before = read_bandwidth_gbs()
+    before = _probe_on_threads(read_bandwidth_gbs, threads)
     for test in _llama_bench_tests(binary, path, threads, ["-n", "128", "-p", "512", "-r", "3"], extra):
         name = "tg128_tok_s" if test["n_gen"] else "pp512_tok_s"
         result[name] = float(test["avg_ts"])
-    result["read_bandwidth_gbs"] = (before + read_bandwidth_gbs()) / 2
+    result["read_bandwidth_gbs"] = (before + _probe_on_threads(read_bandwidth_gbs, threads)) / 2
     return result
+
+
+def _probe_on_threads(probe: Callable[[], float], threads: int) -> float:
+    """A bandwidth probe run on `threads` threads, as ours runs inside `bench offline` (this process
+    would otherwise read with torch's default, every core)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return probe()
+    finally:
+        torch.set_num_threads(previous)
 
 
 DEPTH_NEW_TOKENS = 32  # tokens generated after the context on every side
@@ -276,8 +290,9 @@ def _figures(run: dict[str, Any], batch_size: int) -> dict[str, float]:
         figures |= {"native_tg128_tok_s": native["tg128_tok_s"], "native_pp512_tok_s": native["pp512_tok_s"],
                     "decode_vs_native": decode / native["tg128_tok_s"],
                     "prefill_vs_native": ours["prefill_tok_s"] / native["pp512_tok_s"]}
-        if "step_bytes" in native and "read_bandwidth_gbs" in ours:
-            figures["native_bandwidth_share"] = native["step_bytes"] * native["tg128_tok_s"] / (ours["read_bandwidth_gbs"] * 1e9)
+        if "step_bytes" in native and "read_bandwidth_gbs" in ours:  # against its own probe where it has one
+            bandwidth = native.get("read_bandwidth_gbs", ours["read_bandwidth_gbs"])
+            figures["native_bandwidth_share"] = native["step_bytes"] * native["tg128_tok_s"] / (bandwidth * 1e9)
         figures |= _per_bandwidth_figures(ours, native, "native")
     ik = run.get("ik_llama.cpp")
     if ik:

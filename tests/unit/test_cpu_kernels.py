@@ -409,22 +409,32 @@ def test_fused_small_ops_match_references_and_paths_agree(monkeypatch):
 
 def test_swiglu_oai_matches_the_model_reference_and_paths_agree(monkeypatch):
     """The native mixture's gpt-oss activation: every path the same bits, within bf16 rounding of
-    models/moe.py's float32 reference, each row its own; the clamps (gate <= 7, |up| <= 7) hit."""
+    models/moe.py's float32 reference, each row its own; the clamps (gate <= 7, |up| <= 7) hit, a
+    NaN sum passed through them as the reference's torch.clamp does (never a clamped value), and
+    f = 203 so that the AVX2 path's scalar tail runs too."""
     from specserve.kernels import ops
     from specserve.models.moe import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, swiglu_oai
 
+    f = 203
     g = torch.Generator().manual_seed(9)
-    gate_up = torch.randn(9, 2 * 200, generator=g) * 6  # 200: not a multiple of 16; beyond the clamps
-    bias = torch.randn(2 * 200, generator=g)
-    assert ((gate_up + bias)[:, :200] > SWIGLU_OAI_LIMIT).any() and ((gate_up + bias)[:, 200:] < -SWIGLU_OAI_LIMIT).any()
-    want = swiglu_oai(gate_up + bias).double()
+    gate_up = torch.randn(9, 2 * f, generator=g) * 6  # beyond the clamps
+    bias = torch.randn(2 * f, generator=g)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -60.0, 3.4e38])
+    gate_up[8, :7], gate_up[8, f + 7:f + 14] = special, special  # gates, then ups
+    gate_up[8, f:f + 7] = 0.5
+    sums = gate_up + bias
+    assert (sums[:, :f] > SWIGLU_OAI_LIMIT).any() and (sums[:, f:] < -SWIGLU_OAI_LIMIT).any()
+    want = swiglu_oai(sums).double()
     results = {}
     for path in PATHS:
         monkeypatch.setenv(envs.CPU_KERNEL_PATH, path)
         got = ops.swiglu_oai(gate_up, bias, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
-        assert ((got.double() - want).abs() / (want.abs() + 1e-2)).max() < 1e-2
+        assert torch.equal(got.isnan(), want.isnan()), path  # NaN exactly where the reference has it
+        finite = ~want.isnan()
+        assert ((got.double() - want).abs() / (want.abs() + 1e-2))[finite].max() < 1e-2
         for t in (0, 4, 8):
-            assert torch.equal(ops.swiglu_oai(gate_up[t:t + 1], bias, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)[0], got[t])
+            assert torch.equal(bits(ops.swiglu_oai(gate_up[t:t + 1], bias, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)[0]),
+                               bits(got[t]))
         results[path] = (got,)
     assert_every_pair_equal(results)
 

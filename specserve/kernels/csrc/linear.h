@@ -307,7 +307,7 @@ inline PackedWeight streaming(const PackedWeight& w, int64_t m) {
 // its block's end a stream's next bytes are the next tile's, NBT - 1 blocks further on (the blocks
 // between are this tile's own, being read now). Looking ahead in plain addresses instead asked a
 // 2-block tile over blocks shorter than the distance for lines it was already reading: the 7B
-// file's LM head (3584 columns of 6-bit codes, 43 KiB a block) took 1.75x its 1-row time at 4 rows.
+// file's LM head (3584 columns of 6-bit codes, 42 KiB a block) took 1.75x its 1-row time at 4 rows.
 template <int NBT>
 inline void prefetch_codes(const PackedWeight& w, const uint8_t* at, int64_t offset) {
   const Lookahead& a = w.ahead;

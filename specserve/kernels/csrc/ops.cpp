@@ -23,12 +23,14 @@ constexpr float kGeluB = float(1.5957691216057308 * 0.044715);
 
 inline float gelu_arg(float g) { return std::fma(kGeluB, g * g, kGeluA) * g; }  // 2u
 
-// swiglu_oai's value from a gate and an up sum (their biases added); min and max as the vector
-// instructions take them (the second operand where either is NaN).
+// swiglu_oai's value from a gate and an up sum (their biases added). The clamps as the vector
+// paths take them: min/max return their second operand where either is NaN, and the sum is the
+// second, so a NaN passes through (as torch.clamp's does in models/moe.py), never a clamped value.
 inline uint16_t swiglu_oai_value(float gate, float up, float alpha, float limit) {
-  const float g = gate < limit ? gate : limit;
-  const float u = up > -limit ? up : -limit;
-  return f32_to_bf16(((u < limit ? u : limit) + 1.0f) * (g * sigmoid(alpha * g)));
+  const float g = limit < gate ? limit : gate;
+  const float t = -limit > up ? -limit : up;
+  const float u = limit < t ? limit : t;
+  return f32_to_bf16((u + 1.0f) * (g * sigmoid(alpha * g)));
 }
 
 struct Silu {
@@ -103,10 +105,10 @@ SPECSERVE_AVX512 void swiglu_oai_avx(const float* gate, const float* up, const f
   const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < f; i += 16) {
     const __mmask16 m = tail_mask(f - i);
-    const __m512 g = _mm512_min_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(m, gate + i), _mm512_maskz_loadu_ps(m, bias + i)), hi);
+    const __m512 g = _mm512_min_ps(hi, _mm512_add_ps(_mm512_maskz_loadu_ps(m, gate + i), _mm512_maskz_loadu_ps(m, bias + i)));
     const __m512 u = _mm512_add_ps(_mm512_maskz_loadu_ps(m, up + i), _mm512_maskz_loadu_ps(m, bias + f + i));
     const __m512 a = _mm512_mul_ps(g, sigmoid_avx(_mm512_mul_ps(_mm512_set1_ps(alpha), g)));
-    store_bf16(out + i, _mm512_mul_ps(_mm512_add_ps(_mm512_min_ps(_mm512_max_ps(u, lo), hi), one), a), m);
+    store_bf16(out + i, _mm512_mul_ps(_mm512_add_ps(_mm512_min_ps(hi, _mm512_max_ps(lo, u)), one), a), m);
   }
 }
 
@@ -176,10 +178,10 @@ SPECSERVE_AVX2 void swiglu_oai_avx2(const float* gate, const float* up, const fl
   const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
   int64_t i = 0;
   for (; i + 8 <= f; i += 8) {
-    const __m256 g = _mm256_min_ps(_mm256_add_ps(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(bias + i)), hi);
+    const __m256 g = _mm256_min_ps(hi, _mm256_add_ps(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(bias + i)));
     const __m256 u = _mm256_add_ps(_mm256_loadu_ps(up + i), _mm256_loadu_ps(bias + f + i));
     const __m256 a = _mm256_mul_ps(g, sigmoid_avx2(_mm256_mul_ps(_mm256_set1_ps(alpha), g)));
-    store_bf16x8(out + i, _mm256_mul_ps(_mm256_add_ps(_mm256_min_ps(_mm256_max_ps(u, lo), hi), one), a));
+    store_bf16x8(out + i, _mm256_mul_ps(_mm256_add_ps(_mm256_min_ps(hi, _mm256_max_ps(lo, u)), one), a));
   }
   for (; i < f; ++i) out[i] = swiglu_oai_value(gate[i] + bias[i], up[i] + bias[f + i], alpha, limit);
 }

@@ -7,7 +7,7 @@
 //                 B = 0.044715 A; the sigmoid as silu's;
 //   swiglu_oai:   gpt-oss's clamped SwiGLU of float32 gate/up sums plus their float32 biases,
 //                 g = min(gate, L), u = clamp(up, -L, L), out = bf16((u + 1) * (g * sigmoid(alpha g))),
-//                 the sigmoid as silu's;
+//                 the sigmoid as silu's, a NaN sum passed through the clamps (as torch.clamp's);
 //   rope_store:   rotate-half RoPE of q and k (fp32 tables), rotated k and v stored to their slots.
 #pragma once
 
