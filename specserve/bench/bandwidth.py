@@ -13,18 +13,24 @@ PROBE_BYTES = 1 << 30  # 1 GiB: 30x the largest L3 of these machines
 PASSES = 8
 
 
-def read_bandwidth_gbs(size: int = PROBE_BYTES, passes: int = PASSES) -> float:
-    """GB/s (10^9 bytes) of the fastest of `passes` reads of a `size`-byte buffer."""
+def read_bandwidth_gbs(size: int = PROBE_BYTES, passes: int = PASSES, threads: int | None = None) -> float:
+    """GB/s (10^9 bytes) of the fastest of `passes` reads of a `size`-byte buffer, on `threads`
+    threads (default: torch's current count, which `bench offline` sets to the engine's)."""
     from specserve.kernels.build import load
 
     buffer = torch.ones(size - size % 64, dtype=torch.uint8)  # written once: its pages are resident
     kernels = load()
-    kernels.stream_read(buffer)  # warm: pages touched, threads started
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        kernels.stream_read(buffer)
-        best = min(best, time.perf_counter() - start)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        kernels.stream_read(buffer)  # warm: pages touched, threads started
+        best = float("inf")
+        for _ in range(passes):
+            start = time.perf_counter()
+            kernels.stream_read(buffer)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
     return buffer.numel() / best / 1e9
 
 

@@ -20,7 +20,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from typing import Any
 
 from specserve.bench.llamacpp import INSTALL
@@ -130,25 +129,12 @@ def _native(binary: str, path: str, threads: int, extra: str = "") -> dict[str, 
     from specserve.bench.bandwidth import gguf_step_bytes, read_bandwidth_gbs
 
     result = {"step_bytes": float(gguf_step_bytes(path))}
-    before = _probe_on_threads(read_bandwidth_gbs, threads)
+    before = read_bandwidth_gbs(threads=threads)  # on the threads ours was probed with
     for test in _llama_bench_tests(binary, path, threads, ["-n", "128", "-p", "512", "-r", "3"], extra):
         name = "tg128_tok_s" if test["n_gen"] else "pp512_tok_s"
         result[name] = float(test["avg_ts"])
-    result["read_bandwidth_gbs"] = (before + _probe_on_threads(read_bandwidth_gbs, threads)) / 2
+    result["read_bandwidth_gbs"] = (before + read_bandwidth_gbs(threads=threads)) / 2
     return result
-
-
-def _probe_on_threads(probe: Callable[[], float], threads: int) -> float:
-    """A bandwidth probe run on `threads` threads, as ours runs inside `bench offline` (this process
-    would otherwise read with torch's default, every core)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return probe()
-    finally:
-        torch.set_num_threads(previous)
 
 
 DEPTH_NEW_TOKENS = 32  # tokens generated after the context on every side

@@ -128,7 +128,7 @@ def test_each_peer_is_compared_at_the_bandwidth_probed_beside_it(tmp_path, monke
     from specserve.bench.models import _native
 
     probes = iter([40.0, 60.0])
-    monkeypatch.setattr(bandwidth, "read_bandwidth_gbs", lambda: next(probes))
+    monkeypatch.setattr(bandwidth, "read_bandwidth_gbs", lambda threads: next(probes))
     monkeypatch.setattr(bandwidth, "gguf_step_bytes", lambda path: 1e9)
     fake = tmp_path / "llama-bench"  # prints what the real one does with -o json
     fake.write_text("#!/bin/sh\necho '[{\"n_gen\": 128, \"avg_ts\": 30.0}, {\"n_gen\": 0, \"avg_ts\": 90.0}]'\n")
