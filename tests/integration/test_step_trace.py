@@ -1,0 +1,124 @@
+"""How much of specserve one steady step enters (issue 71): `sys.setprofile` records every
+specserve function called while the overlap loop runs one step (which launches step N and
+processes step N-1), on the embedded model with the default settings (bf16, the adaptive policy
+over the shipped DSpark drafter and the lookup drafters).
+
+The model's forward counts as one unit, "the model": every module under `specserve.models` and
+`specserve.kernels` (layers, attention, the op backend, the C++ kernels' bindings) is one thing a
+reader of the step follows into, as nano-vllm's step counts "the model" once. The budgets below
+are ceilings a step may not exceed; they come down as the step is simplified (docs/architecture.md
+states the counts)."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from specserve import Engine
+from specserve.scheduler import loops
+
+MODEL_PACKAGES = ("specserve.models", "specserve.kernels")
+# Ceilings, module units per step (the model as one). Before issue 71 (3991294): 39 for a decode and
+# for a verify step under the adaptive default (246 and 280-285 functions), 32 for a fixed-policy
+# DSpark verify step (225 functions).
+DECODE_BUDGET = 39
+VERIFY_BUDGET = 39
+DSPARK_VERIFY_BUDGET = 32
+
+
+@dataclass
+class StepTrace:
+    """The specserve functions one loop step entered: (module, qualified name)."""
+
+    functions: set[tuple[str, str]] = field(default_factory=set)
+
+    @property
+    def units(self) -> set[str]:
+        """The modules entered, every model module counted as one `the model`."""
+        return {"the model" if m.startswith(MODEL_PACKAGES) else m for m, _ in self.functions}
+
+    @property
+    def kind(self) -> str:
+        names = {q for _, q in self.functions}
+        return "verify" if "ModelRunner._verify" in names else "decode" if "ModelRunner._decode" in names else "other"
+
+    @property
+    def drafters(self) -> set[str]:
+        return {m.rsplit(".", 1)[1] for m, q in self.functions if m.endswith("_worker") and q.endswith(".draft")}
+
+
+def trace_steps(engine: Engine, prompt: list[int], new_tokens: int, monkeypatch) -> list[StepTrace]:
+    """One StepTrace per overlap-loop step of a greedy request (after a warm-up request)."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    engine.generate(input_ids=prompt, sampling_params=params)  # warm: captured steps, epilogue, cost table
+    steps: list[StepTrace] = []
+
+    def record(frame, event, arg):
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and module.startswith("specserve"):
+            steps[-1].functions.add((module, frame.f_code.co_qualname))
+
+    step = loops.OverlapLoop.step
+
+    def traced(self):
+        steps.append(StepTrace())
+        sys.setprofile(record)
+        try:
+            return step(self)
+        finally:
+            sys.setprofile(None)
+
+    monkeypatch.setattr(loops.OverlapLoop, "step", traced)
+    engine.generate(input_ids=prompt, sampling_params=params)
+    return steps[2:-2]  # past the prefill and its first decode step, before the last ones
+
+
+def _report(steps: list[StepTrace]) -> str:
+    return "\n".join(f"{s.kind} {sorted(s.drafters)}: {len(s.units)} units {sorted(s.units)}" for s in steps)
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    with Engine(max_total_tokens=2048) as engine:
+        yield engine
+
+
+def test_a_steady_decode_and_verify_step_enter_at_most_their_budget_of_modules(default_engine, monkeypatch):
+    """The default engine on a prompt the lookup drafters draft for (the model's own output repeats
+    itself): its steps plan, and some decode plainly while others verify NGRAM's or SUFFIX's drafts."""
+    steps = trace_steps(default_engine, list(range(100, 164)), 40, monkeypatch)
+    by_kind = collections.defaultdict(list)
+    for s in steps:
+        by_kind[s.kind].append(len(s.units))
+    assert by_kind["decode"] and by_kind["verify"], _report(steps)
+    assert max(by_kind["decode"]) <= DECODE_BUDGET, _report(steps)
+    assert max(by_kind["verify"]) <= VERIFY_BUDGET, _report(steps)
+
+
+def test_a_dspark_verify_step_enters_at_most_its_budget_of_modules(monkeypatch):
+    with Engine(max_total_tokens=2048, speculative_algorithm="DSPARK", speculative_policy="fixed") as engine:
+        steps = trace_steps(engine, [3, 1, 4, 1, 5, 9, 2, 6] * 4, 24, monkeypatch)
+    verify = [s for s in steps if s.kind == "verify" and s.drafters == {"dspark_worker"}]
+    assert verify, _report(steps)
+    assert max(len(s.units) for s in verify) <= DSPARK_VERIFY_BUDGET, _report(verify)
+
+
+def test_the_trace_sees_a_module_a_step_newly_enters(default_engine, monkeypatch, tmp_path):
+    """The counter is not blind: a step that calls into one more specserve module counts one more."""
+    from specserve import paths
+
+    baseline = trace_steps(default_engine, list(range(100, 132)), 16, monkeypatch)
+    monkeypatch.undo()
+    launch = default_engine.runner.launch
+
+    def launch_and_look(step):
+        paths.check_writable_dir("planted", str(tmp_path))  # a module no step enters
+        return launch(step)
+
+    monkeypatch.setattr(default_engine.runner, "launch", launch_and_look)
+    planted = trace_steps(default_engine, list(range(100, 132)), 16, monkeypatch)
+    assert all("specserve.paths" not in s.units for s in baseline)
+    assert planted and all("specserve.paths" in s.units for s in planted if s.kind != "other"), _report(planted)
