@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from specserve import envs
+from specserve import drafters, envs
 from specserve.args_checks import (
     CPU_ACTIVATIONS,
     DTYPES,
@@ -22,7 +22,7 @@ from specserve.args_checks import (
 from specserve.args_checks import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE  # re-exported: engine/builder.py
 from specserve.args_checks import MAX_DRAFT_TOKENS as MAX_DRAFT_TOKENS
 from specserve.errors import ConfigError
-from specserve.names import LOOKUP_DRAFTERS, MODEL_DRAFTERS, Algorithm, SuffixScope
+from specserve.names import Algorithm, SuffixScope
 
 VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
 DEFAULT_STORAGE_MAX_BYTES = 4 << 30
@@ -193,7 +193,7 @@ class ServerArgs:
             if self.speculative_algorithm is None and self.speculative_draft_model_path is None:
                 object.__setattr__(self, "speculative_algorithm", Algorithm.NGRAM)  # frozen: set once, here
                 if self.speculative_policy_drafters is None:  # both lookups, the policy choosing per request
-                    object.__setattr__(self, "speculative_policy_drafters", ",".join(LOOKUP_DRAFTERS))
+                    object.__setattr__(self, "speculative_policy_drafters", ",".join(drafters.lookup_names()))
             return
         from specserve.assets import default_drafter_path
 
@@ -211,8 +211,8 @@ class ServerArgs:
         if self.speculative_policy_drafters:
             return tuple(d.strip().upper() for d in self.speculative_policy_drafters.split(",") if d.strip())
         assert self.speculative_algorithm is not None, "asked only while speculating"
-        if self.speculative_algorithm in MODEL_DRAFTERS:  # the model drafter, and the lookups beside it
-            return (self.speculative_algorithm, *LOOKUP_DRAFTERS)
+        if self.speculative_algorithm in drafters.MODELS:  # the model drafter, and the lookups beside it
+            return (self.speculative_algorithm, *drafters.lookup_names())
         return (self.speculative_algorithm,)
 
     def verify_mode(self) -> str:

@@ -8,8 +8,9 @@ import math
 import os
 from typing import Any, Optional
 
+from specserve import drafters
 from specserve.errors import ConfigError
-from specserve.names import DRAFTERS, MODEL_DRAFTERS, Algorithm, SuffixScope
+from specserve.names import Algorithm, SuffixScope
 from specserve.paths import check_writable_dir
 
 # The checks take ServerArgs as Any: this module sits below args.py (which imports its choices), and
@@ -22,7 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 CPU_ACTIVATIONS = ("auto", "bf16", "int8")  # auto: resolved by weight type when the engine builds (models/activations.py)
 MAX_DRAFT_TOKENS = 15
 DEFAULT_BLOCK_SIZE = 5  # every drafter's window when --speculative-dspark-block-size is unset
-SPEC_ALGORITHMS = (None, *Algorithm)
+SPEC_ALGORITHMS = (None, Algorithm.NONE, *drafters.names())  # argparse's choices: the drafters built in
 VERIFY_MODES = ("static", "compact")
 SPEC_POLICIES = ("adaptive", "fixed")
 SUFFIX_SCOPES = tuple(s.value for s in SuffixScope)  # plain strings: argparse lists its choices by repr
@@ -96,26 +97,19 @@ def _check_sizes(args: ServerArgs) -> None:
 
 
 def _check_speculative(args: ServerArgs) -> None:
-    if args.speculative_algorithm not in SPEC_ALGORITHMS:
-        raise ConfigError(
-            f"speculative_algorithm must be one of {', '.join(map(str, DRAFTERS))}, NONE, got {args.speculative_algorithm!r}"
-        )
-    _at_least("speculative_suffix_max_tree_depth", args.speculative_suffix_max_tree_depth, 2)
-    _at_least("speculative_suffix_cache_tokens", args.speculative_suffix_cache_tokens, 0)
-    if args.speculative_suffix_scope not in SUFFIX_SCOPES:
-        raise ConfigError(f"speculative_suffix_scope must be one of {SUFFIX_SCOPES}, got {args.speculative_suffix_scope!r}")
-    if not (args.speculative_suffix_max_spec_factor > 0 and 0 <= args.speculative_suffix_min_token_prob <= 1):
-        raise ConfigError("speculative_suffix_max_spec_factor must be > 0 and speculative_suffix_min_token_prob in [0, 1]")
+    algorithm = args.speculative_algorithm
+    if algorithm not in (None, Algorithm.NONE) and not drafters.known(algorithm):
+        raise ConfigError(f"speculative_algorithm must be one of {', '.join(drafters.names())}, NONE, got {algorithm!r}")
+    for name in drafters.names():  # every drafter's own flags, used or not: a bad value is a typo either way
+        check = drafters.get(name).check
+        if check is not None:
+            check(args)
     gamma = args.speculative_dspark_block_size
     if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
         raise ConfigError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
-    if args.speculative_algorithm == Algorithm.DSPARK and not args.speculative_draft_model_path:
-        raise ConfigError(
-            "speculative_draft_model_path: DSPARK needs a drafter directory "
-            "(make a random one with `specserve init-drafter --out DIR`)"
-        )
-    if args.speculative_algorithm == Algorithm.STANDALONE and not args.speculative_draft_model_path:
-        raise ConfigError("speculative_draft_model_path: STANDALONE needs a GGUF with the target's vocabulary")
+    declared = drafters.of(algorithm)
+    if declared is not None and declared.draft_model is not None and not args.speculative_draft_model_path:
+        raise ConfigError(f"speculative_draft_model_path: {algorithm} needs {declared.draft_model}")
     if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
         raise ConfigError(
             f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got {args.speculative_dspark_verify_mode!r}"
@@ -127,18 +121,23 @@ def _check_speculative(args: ServerArgs) -> None:
     if args.speculative_policy not in SPEC_POLICIES:
         raise ConfigError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
     if args.speculating and args.speculative_policy == "adaptive":
-        if args.speculative_dspark_verify_mode == "compact":
-            raise ConfigError(
-                "speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
-                "fixed; the adaptive policy chooses every window's length itself"
-            )
-        unknown = set(args.policy_drafters()) - set(DRAFTERS)
-        if unknown or not args.policy_drafters():
-            raise ConfigError(
-                f"speculative_policy_drafters: a comma-separated subset of {','.join(DRAFTERS)}, got "
-                f"{args.speculative_policy_drafters!r}"
-            )
-        for name in sorted(set(MODEL_DRAFTERS) & set(args.policy_drafters()) - {args.speculative_algorithm}):
+        _check_policy_drafters(args)
+
+
+def _check_policy_drafters(args: ServerArgs) -> None:
+    if args.speculative_dspark_verify_mode == "compact":
+        raise ConfigError(
+            "speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
+            "fixed; the adaptive policy chooses every window's length itself"
+        )
+    chosen = args.policy_drafters()
+    if not chosen or not all(drafters.known(name) for name in chosen):
+        raise ConfigError(
+            f"speculative_policy_drafters: a comma-separated subset of {','.join(drafters.names())}, got "
+            f"{args.speculative_policy_drafters!r}"
+        )
+    for name in sorted(chosen):
+        if drafters.get(name).runs_a_model and name != args.speculative_algorithm:
             raise ConfigError(f"speculative_policy_drafters: {name} needs --speculative-algorithm {name} (its model)")
 
 

@@ -1,5 +1,5 @@
-"""The engine's closed sets of names, as types: step modes, speculative algorithms (drafters) and
-SUFFIX's draft scopes.
+"""The engine's closed sets of names, as types: step modes, the built-in speculative algorithms
+(the drafters themselves are declared in specserve/drafters/) and SUFFIX's draft scopes.
 
 All are `str` enums, so a member equals its string (flags, JSON, metrics labels stay strings) while
 the code compares and passes members, never literals."""
@@ -44,10 +44,3 @@ class SuffixScope(_Name):
 
     GLOBAL = "global"
     REQUEST = "request"
-
-
-DRAFTERS = (Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX, Algorithm.STANDALONE)  # the algorithms that draft
-LOOKUP_DRAFTERS = (Algorithm.NGRAM, Algorithm.SUFFIX)  # those that need no model: any model's default
-# Those that run a model of their own, from --speculative-draft-model-path (one per engine): the cost
-# model prices either as "the drafting model" (a fixed part when it runs, a part per draft).
-MODEL_DRAFTERS = (Algorithm.DSPARK, Algorithm.STANDALONE)

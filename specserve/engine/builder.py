@@ -14,11 +14,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from specserve import envs
+from specserve import drafters, envs
 from specserve.args import DEFAULT_BLOCK_SIZE, MAX_DRAFT_TOKENS, ServerArgs
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import DistConfig, TPGroup
-from specserve.engine.draft_model import drafter_memory, standalone_worker
+from specserve.drafters import DraftModel
+from specserve.engine.draft_model import drafter_memory
 from specserve.engine.memory import DEFAULT_KV_FRACTION, KVRequest, cpu_kv_tokens, weights_bytes
 from specserve.engine.prefix_cache import build_prefix_cache
 from specserve.engine.start_cache import cost_prior, weight_cache
@@ -36,7 +37,6 @@ from specserve.models.layers import TPContext
 from specserve.models.llama import LlamaAttention, LlamaForCausalLM
 from specserve.models.loader import head_weight, load_model, resolve_model_path
 from specserve.models.summary import model_summary
-from specserve.names import Algorithm
 from specserve.runtime.faults import FaultConfig
 from specserve.runtime.host_waits import HostWaitDetector
 from specserve.runtime.sanitizer import StreamSanitizer
@@ -45,19 +45,13 @@ from specserve.scheduler.loops import NormalLoop, OverlapLoop
 from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from specserve.speculative.adaptive import AdaptivePolicy
 from specserve.speculative.cost_model import StepCostModel
-from specserve.speculative.dspark_worker import DsparkWorker
-from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import SpsTable, VerifyPlanner
-from specserve.speculative.policy import LOOKUPS
 from specserve.speculative.speculation import Speculation
-from specserve.speculative.suffix_worker import SuffixConfig, SuffixWorker
 from specserve.speculative.token_table import TokenTable
-from specserve.speculative.worker import DraftWorker
+from specserve.speculative.worker import DraftContext, DraftWorker
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-DEFERRED_ROWS = 1024  # committed rows the DSpark drafter may queue before injecting them
 
 
 @dataclass(frozen=True)
@@ -289,28 +283,17 @@ def _make_streams(args: ServerArgs, faults: FaultConfig, sanitizer: Optional[Str
 def _make_workers(
     args: ServerArgs, target: _Target, gamma: int, size: int, req_to_token: ReqToTokenPool
 ) -> list[DraftWorker]:
-    """The drafters: the draft K/V of DSPARK and STANDALONE share the target's token slots, so one
-    allocator serves all."""
-    workers: list[DraftWorker] = []
-    drafter, dtype = target.drafter, target.dtype
+    """The drafters this engine runs, each made from its declaration (specserve/drafters/): the one
+    --speculative-algorithm names, and under the adaptive policy those it chooses from. Draft K/V
+    share the target's token slots, so one allocator serves all; the drafters that read the
+    request tokens on the device share one table."""
     adaptive = args.speculating and args.speculative_policy == "adaptive"
-    if drafter is not None:
-        dc = drafter.config
-        # The drafting block's own K/V (dspark_native.py), for as many requests as the request table
-        # holds (the cost warm-up drafts for up to that many, at least 2).
-        block_rows = max(2, args.max_running_requests + 1) * dc.block_size
-        draft_kv = KVPool(size, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, args.device, block_rows)
-        # Deferred injection under the adaptive policy, unless the host tier copies the pools too.
-        defer = adaptive and not args.enable_hierarchical_cache
-        workers.append(DsparkWorker(drafter, draft_kv, req_to_token.table, DEFERRED_ROWS if defer else 0))
-    if args.speculative_algorithm == Algorithm.STANDALONE:
-        captures, vocab = _captures(args, target.config), target.config.vocab_size
-        table, positions, tokenizer = req_to_token.table, target.max_positions, target.tokenizer
-        workers.append(standalone_worker(args, tokenizer, vocab, size, dtype, table, positions, captures))
-    on = {name: args.speculative_algorithm == name or adaptive and name in args.policy_drafters() for name in LOOKUPS}
-    tokens = TokenTable.like(req_to_token.table) if any(on.values()) else None  # one table for both
-    workers += [NgramWorker(gamma, token_table=tokens)] if on[Algorithm.NGRAM] else []
-    return workers + ([SuffixWorker(gamma, SuffixConfig.of(args), tokens)] if on[Algorithm.SUFFIX] else [])
+    chosen = set(args.policy_drafters()) if adaptive else set()
+    on = [drafters.get(name) for name in drafters.names() if name == args.speculative_algorithm or name in chosen]
+    table = req_to_token.table
+    tokens = TokenTable.like(table) if any(d.needs_token_table for d in on) else None
+    ctx = DraftContext(args, gamma, size, target.dtype, args.device, table, tokens, target, _captures(args, target.config))
+    return [d.make_worker(ctx) for d in on]
 
 
 def _make_speculation(
@@ -370,7 +353,8 @@ def _load_drafter(
     max_positions: int,
     full_head: Callable[[], torch.Tensor],
 ) -> Optional[DsparkDrafter]:
-    if args.speculative_algorithm != Algorithm.DSPARK:
+    declared = drafters.of(args.speculative_algorithm)
+    if declared is None or declared.draft_model_kind is not DraftModel.CHECKPOINT:
         return None
     path = args.speculative_draft_model_path
     assert path is not None, "args validation: DSPARK resolves its drafter's path"

@@ -12,8 +12,9 @@ import logging
 
 import torch
 
-from specserve import envs
+from specserve import drafters, envs
 from specserve.args import ServerArgs
+from specserve.drafters import DraftModel
 from specserve.engine.memory import weights_bytes
 from specserve.errors import ConfigError
 from specserve.executor.captured_step import CapturedStep
@@ -22,8 +23,8 @@ from specserve.models.backend import select_backend
 from specserve.models.dspark_checkpoint import read_drafter_config
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, load_model_config, resolve_model_path
-from specserve.names import Algorithm
 from specserve.speculative.standalone_worker import StandaloneWorker
+from specserve.speculative.worker import DraftContext
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,9 +33,11 @@ logger = logging.getLogger(__name__)
 def drafter_memory(args: ServerArgs, dtype: torch.dtype) -> tuple[int, int]:
     """(K/V bytes per token slot, weight bytes on each rank) the model drafter adds; (0, 0) without one."""
     path = args.speculative_draft_model_path
-    if not path or args.speculative_algorithm not in (Algorithm.DSPARK, Algorithm.STANDALONE):
+    declared = drafters.of(args.speculative_algorithm)
+    kind = declared.draft_model_kind if declared is not None else None
+    if not path or kind is None:
         return 0, 0
-    if args.speculative_algorithm == Algorithm.DSPARK:
+    if kind is DraftModel.CHECKPOINT:
         dc = read_drafter_config(path)
         return KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype), weights_bytes(path)
     path = resolve_model_path(path)
@@ -72,23 +75,15 @@ def load_draft_model(args: ServerArgs, target: Tokenizer, dtype: torch.dtype, ma
     return model
 
 
-def standalone_worker(
-    args: ServerArgs,
-    target: Tokenizer,
-    target_vocab: int,
-    size: int,
-    dtype: torch.dtype,
-    req_to_token: torch.Tensor,
-    max_positions: int,
-    captures: bool,
-) -> StandaloneWorker:
+def standalone_worker(ctx: DraftContext) -> StandaloneWorker:
     """The STANDALONE drafter: its model, its K/V pool over the target's `size` token slots and,
     where the target's decode steps are captured, its own captured decode step."""
-    model = load_draft_model(args, target, dtype, max_positions)
+    args, target = ctx.args, ctx.target
+    model = load_draft_model(args, target.tokenizer, ctx.dtype, target.max_positions)
     cfg = model.config
-    kv = KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, args.device)
+    kv = KVPool(ctx.size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx.dtype, args.device)
     steps = None
-    if captures:
+    if ctx.captures:
         max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        steps = CapturedStep(model, kv, req_to_token, 1, max_bs, use_cuda_graph=args.device == "cuda")
-    return StandaloneWorker(model, kv, req_to_token, target_vocab, steps)
+        steps = CapturedStep(model, kv, ctx.req_to_token, 1, max_bs, use_cuda_graph=args.device == "cuda")
+    return StandaloneWorker(model, kv, ctx.req_to_token, target.config.vocab_size, steps)

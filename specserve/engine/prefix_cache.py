@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from specserve import drafters
 from specserve.args import ServerArgs
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import TPGroup
 from specserve.kv.pool import KVPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.models.loader import resolve_model_path
-from specserve.names import Algorithm
 from specserve.runtime.stream import Stream
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ def _file_tier(args: ServerArgs, device_pools: list[KVPool], tp_rank: int) -> "F
     decides the bytes of a page: a page made under any other setting is a miss."""
     from specserve.kv.file_storage import KV_FORMAT_VERSION, FileKVStorage, PageLayout, StorageFingerprint, path_identity
 
-    drafter = args.speculative_draft_model_path if args.speculative_algorithm == Algorithm.DSPARK else None
+    declared = drafters.of(args.speculative_algorithm)
+    drafter = args.speculative_draft_model_path if declared is not None and declared.kv_in_prefix_cache else None
     fingerprint = StorageFingerprint(
         model=path_identity(resolve_model_path(args.model_path)),
         drafter=path_identity(drafter),

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from specserve import drafters as registry
 from specserve.errors import ConfigError
-from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.cost_model import FEATURES
 from specserve.speculative.ngram_worker import TokenHistory
@@ -66,22 +66,22 @@ def measure_cost_prior(runner, gamma: int, batch: int = 4, repeats: int = 2) -> 
 
 
 def _drafting_cost(runner, timer: "_Timer", batch: int, gamma: int, ctx: int) -> tuple[float, float]:
-    """The drafting model's fixed part and part per draft (0, 0 without one). DSPARK drafts a
-    block in one pass, so its part per draft is a row of its heads: from drafting at batch 1 and
-    at `batch`. STANDALONE drafts one token per decode step of its model: from drafting 1 and
-    gamma tokens at batch 1 (its steps cost nearly the same at a larger batch, so the cost model's
-    part per drafted row overprices a batch's drafts, never underprices them)."""
-    dspark = runner.speculation.worker(Algorithm.DSPARK)
-    if dspark is not None:
-        draft = {bs: timer(partial(_draft, runner, dspark, bs, gamma, ctx)) for bs in (1, batch)}
+    """The drafting model's fixed part and part per draft (0, 0 without one), measured as its
+    declaration says it drafts (drafters/declaration.py). All drafts in one pass (DSPARK's block):
+    its part per draft is a row of its heads, from drafting at batch 1 and at `batch`. A pass per
+    draft (STANDALONE's decode steps): from drafting 1 and gamma tokens at batch 1 (its steps cost
+    nearly the same at a larger batch, so the cost model's part per drafted row overprices a
+    batch's drafts, never underprices them)."""
+    worker = next((w for name, w in runner.speculation.workers.items() if registry.get(name).runs_a_model), None)
+    if worker is None:
+        return 0.0, 0.0
+    if registry.get(worker.name).drafts_in_one_pass:
+        draft = {bs: timer(partial(_draft, runner, worker, bs, gamma, ctx)) for bs in (1, batch)}
         row = max(0.0, (draft[batch] - draft[1]) / ((batch - 1) * gamma))
         return max(0.0, draft[1] - gamma * row), row
-    standalone = runner.speculation.worker(Algorithm.STANDALONE)
-    if standalone is None:
-        return 0.0, 0.0
     ids = spread_ids(ctx + 1, runner.model.config.vocab_size, "cpu").tolist()
-    standalone.commit_tokens(0, ids, restart=True, new=1)  # the synthetic request's tokens, the anchor last
-    one, full = (timer(partial(_draft, runner, standalone, 1, gamma, ctx, k)) for k in (1, gamma))
+    worker.commit_tokens(0, ids, restart=True, new=1)  # the synthetic request's tokens, the anchor last
+    one, full = (timer(partial(_draft, runner, worker, 1, gamma, ctx, k)) for k in (1, gamma))
     row = max(0.0, (full - one) / max(gamma - 1, 1))
     return max(0.0, one - row), row
 

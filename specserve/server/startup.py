@@ -12,9 +12,9 @@ import time
 import urllib.request
 from typing import Any
 
+from specserve import drafters as registry
 from specserve.models.packed_cache_cap import describe_bytes
 from specserve.models.summary import describe_parameters
-from specserve.names import MODEL_DRAFTERS
 
 logger = logging.getLogger("specserve.startup")
 
@@ -69,7 +69,7 @@ def _speculation(info: dict[str, Any]) -> str:
         return "off"
     drafters = []
     for drafter in info["speculative_drafters"]:
-        if drafter in MODEL_DRAFTERS and info["speculative_draft_model_path"]:
+        if drafter in registry.MODELS and info["speculative_draft_model_path"]:
             drafter += f" ({os.path.basename(os.path.normpath(info['speculative_draft_model_path']))})"
         drafters.append(drafter)
     return f"{info['speculative_policy']} policy over {', '.join(drafters)}, up to {info['num_draft_tokens']} drafts a step"

@@ -36,34 +36,19 @@ drafter no DSpark window paid, so those windows only cost throughput.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from specserve.names import MODEL_DRAFTERS
+from specserve import drafters as registry
+from specserve.drafters import Hints
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.acceptance import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import StepCostModel, StepShape
-from specserve.speculative.policy import (
-    DSPARK,
-    LOOKUPS,
-    NGRAM,
-    STANDALONE,
-    SUFFIX,
-    Candidate,
-    Decision,
-    choose_drafts,
-    plain_beats_every_plan,
-)
+from specserve.speculative.policy import Candidate, Decision, choose_drafts, plain_beats_every_plan
 from specserve.speculative.step_plan import StepPlan
 
-MAX_MATCH_BUCKET = 4  # NGRAM rates are kept per suffix-match length 0..4 (4: four or more)
-# Conditional acceptance per position before any evidence: DSpark drafters are right on the first
-# draft a third of the time on chat; an NGRAM guess without a match (a repeated token) almost never.
-DSPARK_PRIOR = 0.35
-NGRAM_PRIORS = (0.02, 0.2, 0.35, 0.5, 0.6)
-# SUFFIX rates per matched-suffix bucket (suffix_worker.MATCH_BUCKETS: none, 2-3, 4-7, 8-15, 16+);
-# a walk that found nothing drafts nothing.
-SUFFIX_PRIORS = (0.0, 0.3, 0.45, 0.6, 0.7)
-STANDALONE_PRIOR = 0.6  # a draft model of the target's family agrees with it on most tokens of most text
+# Per request, per drafter with hints: (rate bucket, most useful drafts), as its worker gave them.
+StepHints = Mapping[str, Sequence[tuple[int, int]]]
+NO_HINT = (0, 0)
 
 
 @dataclass
@@ -98,13 +83,14 @@ class AdaptivePolicy:
         self.explore_every = explore_every
         self.min_gain = min_gain  # a plan must beat plain decoding by this fraction (prediction errors)
         self.rows: dict[int, _Row] = {}
-        # Engine-wide conditional rates: DSPARK's and STANDALONE's per position; NGRAM per match length and position.
-        self.dspark_rates = SurvivalEstimate(gamma, prior=DSPARK_PRIOR, decay=0.98, prior_weight=1.0)
-        self.standalone_rates = SurvivalEstimate(gamma, prior=STANDALONE_PRIOR, decay=0.98, prior_weight=1.0)
-        self.ngram_rates = [SurvivalEstimate(gamma, prior=p, decay=0.98, prior_weight=1.0) for p in NGRAM_PRIORS]
-        self.suffix_rates = [SurvivalEstimate(gamma, prior=p, decay=0.98, prior_weight=1.0) for p in SUFFIX_PRIORS]
-        # this step's SUFFIX hints per request slot: (match bucket, tokens its walk drafted)
-        self._suffix: dict[int, tuple[int, int]] = {}
+        self.declarations = {name: registry.get(name) for name in self.drafters}
+        # Engine-wide conditional rates per drafter, per position, one estimate per rate bucket of its hints.
+        self.rates = {
+            name: [SurvivalEstimate(gamma, prior=p, decay=0.98, prior_weight=1.0) for p in d.priors]
+            for name, d in self.declarations.items()
+        }
+        # this step's hints per drafter and request slot: (rate bucket, most useful drafts)
+        self._hints: dict[str, dict[int, tuple[int, int]]] = {}
         self.calibration = Calibration()  # per window with drafts
         self.step_calibration = Calibration()  # per step: the mean over its windows with drafts
         self._estimates_version = 0  # bumped whenever a survival estimate changes (see _decide)
@@ -137,28 +123,23 @@ class AdaptivePolicy:
     # ------------------------------------------------------------ planning
 
     def plan(
-        self,
-        rows: Sequence[int],
-        speculating: Sequence[bool],
-        match_lens: Optional[Sequence[int]],
-        refills: bool = True,
-        suffix_hints: Optional[Sequence[tuple[int, int]]] = None,
+        self, rows: Sequence[int], speculating: Sequence[bool], hints: Optional[StepHints] = None, refills: bool = True
     ) -> StepPlan:
         """speculating[i]: request i may draft at all (a request without a drafter never does);
-        match_lens: NGRAM's suffix match per request; suffix_hints: SUFFIX's (match bucket, tokens
-        drafted) per request; refills: a slot freed early lets another request in."""
+        hints: per drafter with hints, each request's (rate bucket, most useful drafts) (a drafter
+        whose hints are missing is priced at bucket 0; see `needs_hints`); refills: a slot freed early
+        lets another request in."""
         bs = len(rows)
-        self._suffix = dict(zip(rows, suffix_hints)) if suffix_hints else {}
+        self._hints = {name: dict(zip(rows, found)) for name, found in (hints or {}).items()}
         drafters: list[Optional[str]] = [None] * bs
         drafts, predicted = [0] * bs, [1.0] * bs
         live = [i for i, row in enumerate(rows) if not self._row(row).done]
         self._plans += bool(live)  # steps of finished requests only (the overlap loop's extra step) do not count
-        match = [match_lens[i] if match_lens else 0 for i in range(bs)]
         weight = self.token_weight(len(live), refills)
-        plain, candidates, decisions = self._decide(rows, live, speculating, match, weight)
+        plain, candidates, decisions = self._decide(rows, live, speculating, weight)
         if plain:  # most large-batch steps: no survival curves, unless a request is due to explore
             candidates = (
-                [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
+                [self._candidates(rows[i]) if speculating[i] else [] for i in live]
                 if self._stale(rows, live)
                 else [[] for _ in live]
             )
@@ -167,33 +148,30 @@ class AdaptivePolicy:
             if decision.drafter is not None and decision.drafts > 0:
                 drafters[i], drafts[i] = decision.drafter, decision.drafts
                 predicted[i] = decision.expected_tokens(cands)
-        dspark = sum(d in MODEL_DRAFTERS for d in drafters)
-        dspark_rows = sum(k for d, k in zip(drafters, drafts) if d in MODEL_DRAFTERS)
-        shape = StepShape(bs, sum(drafts), dspark, dspark_rows, sum(d in LOOKUPS for d in drafters))
-        buckets = [(m, self._suffix_bucket(row)) for m, row in zip(match, rows)]
-        return StepPlan(drafters, drafts, predicted, shape, buckets)
+        buckets = [self._bucket(name, row) if name is not None else 0 for name, row in zip(drafters, rows)]
+        return StepPlan(drafters, drafts, predicted, StepShape.of(drafters, drafts), buckets)
 
     def _decide(
-        self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], match: Sequence[int], weight: float
+        self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], weight: float
     ) -> tuple[bool, list[list[Candidate]], list[Decision]]:
         """Whether plain decoding wins outright, else the live requests' candidates and the
         search's decisions. Reused from the last step while nothing they depend on changed (the
         estimates: no window with drafts and no new request since; the cost table: no refit; the
         requests, their match buckets and the weight): a run of plain steps then plans for the
         price of a comparison, where the search cost about 2% of a 135M model's decode step."""
-        if self._plain_wins_by_bound(live, speculating, match, weight):
+        if self._plain_wins_by_bound(rows, live, speculating, weight):
             return True, [], [Decision()] * len(live)
         key = (
             self._estimates_version,
             self.cost.version,
             weight,
-            tuple((rows[i], min(match[i], MAX_MATCH_BUCKET), self._suffix.get(rows[i]), speculating[i]) for i in live),
+            tuple((rows[i], tuple(h.get(rows[i]) for h in self._hints.values()), speculating[i]) for i in live),
         )
         if key != self._last_key:
-            if self._plain_wins(rows, live, speculating, match, weight):
+            if self._plain_wins(rows, live, speculating, weight):
                 self._last = (True, [], [Decision() for _ in live])
             else:
-                candidates = [self._candidates(rows[i], match[i]) if speculating[i] else [] for i in live]
+                candidates = [self._candidates(rows[i]) if speculating[i] else [] for i in live]
                 self._last = (False, candidates, choose_drafts(_weighted(candidates, weight), self.cost, self.min_gain))
             self._last_key = key
         return self._last
@@ -210,49 +188,44 @@ class AdaptivePolicy:
             self._weight_key, self._weight = key, min(1.0, row * live / self.cost.predict(StepShape(live)))
         return self._weight
 
-    def needs_suffix_hints(
-        self, rows: Sequence[int], speculating: Sequence[bool], match_lens: Optional[Sequence[int]], refills: bool = True
+    def needs_hints(
+        self, name: str, rows: Sequence[int], speculating: Sequence[bool], hints: StepHints, refills: bool = True
     ) -> bool:
-        """Whether this step's plan may depend on SUFFIX's hints (a lookup per request, the cost
-        that matters in a large batch): not when plain decoding wins even with every request in
-        SUFFIX's best bucket and no request is due to explore; then the plan is the same without them."""
-        if SUFFIX not in self.drafters:
+        """Whether this step's plan may depend on drafter `name`'s hints (an ON_DEMAND drafter's: a
+        lookup per request, the cost that matters in a large batch), given the hints already found:
+        not when plain decoding wins even with every request in its best bucket and no request is
+        due to explore; then the plan is the same without them."""
+        if name not in self.drafters:
             return False
+        self._hints = {n: dict(zip(rows, found)) for n, found in hints.items()}
         live = [i for i, row in enumerate(rows) if not self._row(row).done]
-        match = [match_lens[i] if match_lens else 0 for i in range(len(rows))]
         weight = self.token_weight(len(live), refills)
-        every = range(len(SUFFIX_PRIORS))
-        return not self._plain_wins_by_bound(live, speculating, match, weight, every) or self._stale(rows, live)
+        wins = self._plain_wins_by_bound(rows, live, speculating, weight, every_bucket=name)
+        return not wins or self._stale(rows, live)
 
     def _plain_wins_by_bound(
-        self,
-        live: list[int],
-        speculating: Sequence[bool],
-        match: Sequence[int],
-        weight: float,
-        suffix_buckets: Optional[Iterable[int]] = None,
+        self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], weight: float, every_bucket: str = ""
     ) -> bool:
         """_plain_wins from an upper bound of every request's first-draft survival, in a few reads:
         a blend of a request's own rate and its hint is at most the larger of the two, so the bound
-        is the largest of the hints of the match buckets present and of every request's own first
-        rate (kept until an estimate changes). A large batch that never drafts then plans each
-        step without a pass over its requests; where the bound does not settle it, _plain_wins does."""
+        is the largest of the engine-wide rates of the buckets present and of every request's own
+        first rate (kept until an estimate changes); drafter `every_bucket`'s, of all its buckets. A
+        large batch that never drafts then plans each step without a pass over its requests; where
+        the bound does not settle it, _plain_wins does."""
         if not live:
             return True
         if self._own_bound_version != self._estimates_version:
             own = [est.first_rate for row in self.rows.values() for est in row.own.values() if est.tested[0] > 0]
             self._own_bound, self._own_bound_version = max(own, default=0.0), self._estimates_version
         bound = self._own_bound
-        for name, rates in ((DSPARK, self.dspark_rates), (STANDALONE, self.standalone_rates)):
-            if name in self.drafters:
-                bound = max(bound, rates.first_rate)
-        if NGRAM in self.drafters:
-            buckets = {min(match[i], MAX_MATCH_BUCKET) for i in live if speculating[i]}
-            bound = max([bound] + [self.ngram_rates[b].first_rate for b in buckets])
-        if SUFFIX in self.drafters:
-            if suffix_buckets is None:  # this step's requests' (a superset of the live)
-                suffix_buckets = {bucket for bucket, _ in self._suffix.values()} or {0}
-            bound = max([bound] + [self.suffix_rates[b].first_rate for b in suffix_buckets])
+        for name, rates in self.rates.items():
+            if name == every_bucket:
+                buckets = set(range(len(rates)))
+            elif self.declarations[name].hints is Hints.EVERY_STEP:
+                buckets = {self._bucket(name, rows[i]) for i in live if speculating[i]}
+            else:  # this step's requests' (a superset of the live)
+                buckets = {bucket for bucket, _ in self._hints.get(name, {}).values()} or {0}
+            bound = max([bound] + [rates[b].first_rate for b in buckets])
         return self._plain_beats(live, min(max(bound, 0.0), 1.0) * weight)
 
     def _plain_beats(self, live: list[int], best_first: float) -> bool:
@@ -260,16 +233,14 @@ class AdaptivePolicy:
         plain_rate = len(live) / self.cost.predict(StepShape(len(live)))
         return plain_beats_every_plan(best_first, self.cost, plain_rate * (1 + self.min_gain))
 
-    def _plain_wins(
-        self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], match: Sequence[int], weight: float
-    ) -> bool:
+    def _plain_wins(self, rows: Sequence[int], live: list[int], speculating: Sequence[bool], weight: float) -> bool:
         """No plan beats plain decoding, judged from each request's first-draft survival alone."""
         best_first = 0.0
         for i in live:
             if speculating[i]:
                 state = self._row(rows[i])
                 for name in self.drafters:
-                    hint = self._global(name, match[i], self._suffix_bucket(rows[i])).first_rate
+                    hint = self._global(name, self._bucket(name, rows[i])).first_rate
                     best_first = max(best_first, state.own[name].first(hint))
         return not live or self._plain_beats(live, best_first * weight)
 
@@ -297,27 +268,25 @@ class AdaptivePolicy:
             self.start(row)
         return self.rows[row]
 
-    def _suffix_bucket(self, row: int) -> int:
-        return self._suffix.get(row, (0, 0))[0]
+    def _hint(self, name: str, row: int) -> tuple[int, int]:
+        return self._hints.get(name, {}).get(row, NO_HINT)
 
-    def _global(self, name: str, match_len: int, suffix_bucket: int) -> SurvivalEstimate:
-        """The engine-wide rates a request's estimate blends with: DSpark's, or a lookup drafter's
-        for the request's current match (NGRAM: match_len; SUFFIX: this step's hint for the slot)."""
-        if name == DSPARK:
-            return self.dspark_rates
-        if name == STANDALONE:
-            return self.standalone_rates
-        if name == SUFFIX:
-            return self.suffix_rates[suffix_bucket]
-        return self.ngram_rates[min(match_len, MAX_MATCH_BUCKET)]
+    def _bucket(self, name: str, row: int) -> int:
+        return self._hint(name, row)[0]
 
-    def _candidates(self, row: int, match_len: int) -> list[Candidate]:
+    def _global(self, name: str, bucket: int) -> SurvivalEstimate:
+        """The engine-wide rates a request's estimate blends with: the drafter's, for the bucket
+        its hint put the request in this step (one bucket without hints)."""
+        return self.rates[name][bucket]
+
+    def _candidates(self, row: int) -> list[Candidate]:
         state = self._row(row)
         out = []
         for name in self.drafters:
-            survival = state.own[name].survival(self._global(name, match_len, self._suffix_bucket(row)).rates)
-            if name == SUFFIX:  # no more drafts than its walk found: past it a window verifies filler
-                survival = survival[: self._suffix.get(row, (0, 0))[1]]
+            bucket, most = self._hint(name, row)
+            survival = state.own[name].survival(self._global(name, bucket).rates)
+            if self.declarations[name].caps_drafts:  # no more drafts than it found: past them a window verifies filler
+                survival = survival[:most]
             out.append(Candidate(name, survival))
         return out
 
@@ -351,10 +320,8 @@ class AdaptivePolicy:
     def observe_accept(self, rows: Sequence[int], plan: StepPlan, accepted: Sequence[int]) -> None:
         """The accepted drafts of each window of a planned step."""
         predicted_sum, realised_sum, windows = 0.0, 0, 0
-        buckets = plan.buckets or [(0, 0)] * len(rows)
-        for row, name, k, predicted, a, (match, bucket) in zip(
-            rows, plan.drafters, plan.drafts, plan.predicted, accepted, buckets
-        ):
+        buckets = plan.buckets or [0] * len(rows)
+        for row, name, k, predicted, a, bucket in zip(rows, plan.drafters, plan.drafts, plan.predicted, accepted, buckets):
             state = self._row(row)
             if state.done:  # a step after its last (the overlap loop's extra one): nothing to learn
                 continue
@@ -364,7 +331,7 @@ class AdaptivePolicy:
             state.last_try[name] = state.steps
             self._estimates_version += 1
             state.own[name].observe(k, a)
-            self._global(name, match, bucket).observe(k, a)
+            self._global(name, bucket).observe(k, a)
             self.calibration.record(predicted, 1 + a)
             predicted_sum, realised_sum, windows = predicted_sum + predicted, realised_sum + 1 + a, windows + 1
         if windows:

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from specserve import drafters as registry
 from specserve.errors import ConfigError, InternalError
 
 FEATURES = ("fixed", "requests", "verify_rows", "dspark_step", "dspark_rows", "ngram_requests", "verify_step")
@@ -41,6 +42,19 @@ class StepShape:
     dspark_requests: int = 0  # requests the DSpark drafter drafts for
     dspark_rows: int = 0  # draft rows of the DSpark drafter's heads (a drafting request's k; its block is g rows)
     ngram_requests: int = 0  # requests whose drafts come from NGRAM lookups
+
+    @classmethod
+    def of(cls, drafters: Sequence[Optional[str]], drafts: Sequence[int]) -> "StepShape":
+        """The shape of a step whose request i drafts drafts[i] with drafters[i] (None: none), each
+        drafter priced as its declaration says (specserve/drafters/)."""
+        models, lookups = registry.MODELS, registry.LOOKUPS
+        return cls(
+            len(drafters),
+            sum(drafts),
+            sum(d in models for d in drafters),
+            sum(k for d, k in zip(drafters, drafts) if d in models),
+            sum(d in lookups for d in drafters),
+        )
 
     def features(self) -> tuple[float, ...]:
         return (

@@ -29,10 +29,12 @@ import torch
 from specserve.kv.pool import KVPool
 from specserve.models.dspark import DsparkDrafter
 from specserve.names import Algorithm
-from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+from specserve.speculative.worker import CommittedRows, DraftContext, DraftInput, Drafts, WorkerDefaults
+
+DEFERRED_ROWS = 1024  # committed rows the drafter may queue before injecting them (under the adaptive policy)
 
 
-class DsparkWorker:
+class DsparkWorker(WorkerDefaults):
     """The DSpark block drafter for requests that speculate with DSPARK."""
 
     name = Algorithm.DSPARK
@@ -103,3 +105,16 @@ def _filled(drafts: Drafts, gamma: int) -> Drafts:
     if confidence is not None:
         confidence = torch.cat([confidence, confidence.new_zeros(confidence.shape[0], gamma - k)], 1)
     return Drafts(torch.cat([drafts.tokens, tail], 1), probs, confidence)
+
+
+def make_worker(ctx: DraftContext) -> DsparkWorker:
+    """The drafter the builder loaded, over its own K/V at the target's token slots; the drafting
+    block's K/V (models/dspark_native.py) for as many requests as the request table holds (the
+    cost warm-up drafts for up to that many, at least 2). Committed rows are injected deferred
+    under the adaptive policy, unless the host tier copies the pools too."""
+    drafter, args = ctx.target.drafter, ctx.args
+    dc = drafter.config
+    block_rows = max(2, args.max_running_requests + 1) * dc.block_size
+    kv = KVPool(ctx.size, dc.num_layers, dc.num_kv_heads, dc.head_dim, ctx.dtype, ctx.device, block_rows)
+    defer = args.speculative_policy == "adaptive" and not args.enable_hierarchical_cache
+    return DsparkWorker(drafter, kv, ctx.req_to_token, DEFERRED_ROWS if defer else 0)

@@ -11,10 +11,11 @@ from typing import Optional
 import torch
 
 from specserve.errors import ConfigError
-from specserve.kv.pool import KVPool
 from specserve.names import Algorithm
 from specserve.speculative.token_table import TokenTable
-from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+from specserve.speculative.worker import DraftContext, DraftInput, Drafts, WorkerDefaults
+
+MAX_MATCH_BUCKET = 4  # the policy's rates are kept per match length 0..4 (4: four or more)
 
 
 class TokenHistory:
@@ -48,7 +49,7 @@ class TokenHistory:
         return 0, [toks[-1]] * gamma
 
 
-class NgramWorker:
+class NgramWorker(WorkerDefaults):
     """The NGRAM drafter behind the worker seam: it drafts from each request slot's tokens on the
     device (`token_table`), and keeps host histories of them for the policy's hints. Without a
     table (tests, tools) it drafts from the host histories, which must then be fed before the next
@@ -56,8 +57,6 @@ class NgramWorker:
 
     name = Algorithm.NGRAM
     reads_tokens = True
-    capture_layer_ids: tuple[int, ...] = ()
-    kv_pools: list[KVPool] = []
 
     def __init__(self, gamma: int, max_ngram: int = 4, min_ngram: int = 1, token_table: Optional[TokenTable] = None):
         if gamma < 1:
@@ -71,8 +70,12 @@ class NgramWorker:
         return self.token_table is None
 
     def match_lens(self, rows: list[int]) -> list[int]:
-        """The suffix match length of each request slot: what the speculation policy's NGRAM hint reads."""
+        """The suffix match length of each request slot."""
         return [self.histories[row].match(1)[0] for row in rows]
+
+    def hints(self, rows: list[int], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
+        """Per slot (match-length bucket, gamma): the adaptive policy keeps NGRAM's rates per match length."""
+        return [(min(m, MAX_MATCH_BUCKET), self.gamma) for m in self.match_lens(rows)]
 
     def draft(self, inp: DraftInput) -> Drafts:
         if self.token_table is not None:  # on the device: the host's bound, not the prefixes read back
@@ -81,13 +84,11 @@ class NgramWorker:
         proposals = [self.histories[row].match(inp.gamma)[1] for row in inp.rows.tolist()]
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
 
-    def commit_rows(self, rows: CommittedRows) -> None:
-        return None  # NGRAM reads tokens, not hidden states
-
     def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         if restart:
             self.histories[row] = TokenHistory(self.max_ngram, self.min_ngram)
         self.histories[row].extend(tokens)
 
-    def flush(self) -> None:
-        return None  # histories are updated as tokens commit
+
+def make_worker(ctx: DraftContext) -> NgramWorker:
+    return NgramWorker(ctx.gamma, token_table=ctx.token_table)

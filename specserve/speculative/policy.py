@@ -21,12 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from specserve import drafters as registry
 from specserve.errors import InternalError
-from specserve.names import MODEL_DRAFTERS, Algorithm
 from specserve.speculative.cost_model import StepCostModel
-
-DSPARK, NGRAM, SUFFIX, STANDALONE = Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX, Algorithm.STANDALONE
-LOOKUPS = (NGRAM, SUFFIX)  # drafters that look their drafts up on the host (the cost model's ngram_requests)
 
 
 @dataclass(frozen=True)
@@ -74,13 +71,14 @@ class _Plan:
     def rate(self, decisions: Sequence[Decision]) -> float:
         """Expected committed tokens per second of a step with these decisions."""
         tokens, rows, dspark, dspark_rows, ngram = 0.0, 0, 0, 0, 0
+        models, lookups = registry.MODELS, registry.LOOKUPS
         for d, c in zip(decisions, self.requests):
             tokens += d.expected_tokens(c)
             if d.drafter is not None and d.drafts > 0:
                 rows += d.drafts
-                dspark += d.drafter in MODEL_DRAFTERS
-                dspark_rows += d.drafts if d.drafter in MODEL_DRAFTERS else 0
-                ngram += d.drafter in LOOKUPS
+                dspark += d.drafter in models
+                dspark_rows += d.drafts if d.drafter in models else 0
+                ngram += d.drafter in lookups
         return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark_rows, ngram)
 
 
@@ -97,7 +95,7 @@ def choose_drafts(
     best, best_rate = plain, plain_rate
     coef = cost.coefficients()
     for dspark_runs in (False, True):
-        if dspark_runs and not any(c.drafter in MODEL_DRAFTERS for cands in requests for c in cands):
+        if dspark_runs and not any(c.drafter in registry.MODELS for cands in requests for c in cands):
             continue
         options = [_priced_options(cands, coef, dspark_runs) for cands in requests]
         rate = best_rate
@@ -119,12 +117,13 @@ def _priced_options(
     options only when the drafter runs (its fixed cost is the batch's, not the request's), each of
     its drafts a verified row and a row of the drafter's heads (it computes the first k)."""
     out = [(1.0, 0.0, Decision())]
+    models = registry.MODELS
     for c in candidates:
-        model = c.drafter in MODEL_DRAFTERS
+        model = c.drafter in models
         if model and not dspark_runs:
             continue
         per_row = coef["verify_rows"] + (coef["dspark_rows"] if model else 0.0)
-        extra = 0.0 if model else coef["ngram_requests"]
+        extra = coef["ngram_requests"] if c.drafter in registry.LOOKUPS else 0.0
         out += [(c.expected_tokens(k), per_row * k + extra, Decision(c.drafter, k)) for k in range(1, len(c.survival) + 1)]
     return out
 

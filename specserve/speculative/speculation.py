@@ -12,17 +12,15 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from specserve.drafters import Hints
 from specserve.errors import InternalError
 from specserve.kv.pool import KVPool
-from specserve.names import Algorithm
 from specserve.runtime.staging import staged
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy
 from specserve.speculative.lagged import LAG, LaggedFeed
-from specserve.speculative.ngram_worker import NgramWorker
 from specserve.speculative.planner import VerifyPlanner
 from specserve.speculative.step_plan import StepPlan
-from specserve.speculative.suffix_worker import SuffixWorker
 from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
 
@@ -133,21 +131,31 @@ class Speculation:
             for tell in self.news.due(launch):
                 tell()
             known = [self._started.get(row, 0) <= launch - LAG for row in rows]
-        suffix = self.workers.get(Algorithm.SUFFIX)
-        if isinstance(suffix, SuffixWorker):
-            suffix.advance(launch)
+        for worker in self.workers.values():
+            worker.advance(launch)
         if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
             return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
             return StepPlan.fixed(drafters, gamma)
-        ngram = self.workers.get(Algorithm.NGRAM)
-        match_lens = suffix_hints = None
-        if isinstance(ngram, NgramWorker) and Algorithm.NGRAM in self.policy.drafters:
-            match_lens = _where_known(known, rows, ngram.match_lens, 0)
         speculating = [d is not None and k for d, k in zip(drafters, known)]
-        if isinstance(suffix, SuffixWorker) and self.policy.needs_suffix_hints(rows, speculating, match_lens, refills):
-            suffix_hints = _where_known(known, rows, lambda some: suffix.hints(some, _kept(known, greedy)), (0, 0))
-        return self.policy.plan(rows, speculating, match_lens, refills, suffix_hints)
+        return self.policy.plan(rows, speculating, self._hints(rows, speculating, known, greedy, refills), refills)
+
+    def _hints(
+        self, rows: list[int], speculating: list[bool], known: list[bool], greedy: Optional[list[bool]], refills: bool
+    ) -> dict[str, list[tuple[int, int]]]:
+        """The hints of the policy's drafters that have any (drafters/declaration.py `Hints`): the
+        cheap ones every step, then an on-demand one where the plan may depend on it."""
+        assert self.policy is not None
+        hints: dict[str, list[tuple[int, int]]] = {}
+        for kind in (Hints.EVERY_STEP, Hints.ON_DEMAND):
+            for name in self.policy.drafters:
+                if self.policy.declarations[name].hints is not kind:
+                    continue
+                if kind is Hints.ON_DEMAND and not self.policy.needs_hints(name, rows, speculating, hints, refills):
+                    continue
+                look = partial(self.workers[name].hints, greedy=_kept(known, greedy))
+                hints[name] = _where_known(known, rows, look, (0, 0))
+        return hints
 
     def starting(self, rows: Sequence[int], launch: int) -> None:
         """Forward stream: these slots' new requests' prefills are launch `launch`."""

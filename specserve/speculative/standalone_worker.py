@@ -31,7 +31,7 @@ from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.names import Algorithm
 from specserve.sampler import counter_uniform, draft_counter, filtered_probs, inverse_cdf
-from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+from specserve.speculative.worker import DraftInput, Drafts, WorkerDefaults
 
 
 class DecodeSteps(Protocol):
@@ -43,13 +43,12 @@ class DecodeSteps(Protocol):
     def run(self, rows: torch.Tensor, prefix: torch.Tensor, ids: torch.Tensor, kv_bound: int, accept: bool = ...): ...
 
 
-class StandaloneWorker:
+class StandaloneWorker(WorkerDefaults):
     """A draft model behind the worker seam (see the module docstring)."""
 
     name = Algorithm.STANDALONE
     reads_tokens = True
     tokens_early = True  # drafts from host state
-    capture_layer_ids: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -67,8 +66,8 @@ class StandaloneWorker:
         self.histories: dict[int, list[int]] = {}  # committed tokens per request slot, the anchor last
         self.fed: dict[int, list[int]] = {}  # tokens whose draft K/V are valid, positions 0.. (docstring)
 
-    # Its pool is private: valid per request (`fed`), so the prefix cache neither shares nor keeps it.
-    kv_pools: list[KVPool] = []
+    # Its pool is private: valid per request (`fed`), so the prefix cache neither shares nor keeps it
+    # (kv_pools: none, WorkerDefaults').
 
     # ------------------------------------------------------------ drafting
 
@@ -160,9 +159,6 @@ class StandaloneWorker:
         return pick
 
     # ------------------------------------------------------------ commit
-
-    def commit_rows(self, rows: CommittedRows) -> None:
-        return None  # the draft model reads tokens, not the target's hidden states
 
     def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         if restart:

@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from specserve.names import MODEL_DRAFTERS
 from specserve.speculative.cost_model import StepShape
-from specserve.speculative.policy import LOOKUPS
 
 
 @dataclass
@@ -19,9 +17,9 @@ class StepPlan:
     drafts: list[int]  # k, 0..gamma
     predicted: list[float]  # expected accept length 1 + s_1 + .. + s_k
     shape: StepShape
-    # per request the rates it was priced by: (NGRAM match length, SUFFIX match bucket); what its
-    # acceptance teaches, also when it is observed after later plans (Speculation.lagged)
-    buckets: Optional[list[tuple[int, int]]] = None
+    # per request the rate bucket of its drafter it was priced by (its hint's); what its acceptance
+    # teaches, also when it is observed after later plans (Speculation.lagged)
+    buckets: Optional[list[int]] = None
 
     @property
     def speculates(self) -> bool:
@@ -31,11 +29,4 @@ class StepPlan:
     def fixed(cls, drafters: Sequence[Optional[str]], gamma: int) -> "StepPlan":
         """Every request with a drafter verifies all gamma drafts (the policy turned off)."""
         drafts = [gamma if d is not None else 0 for d in drafters]
-        shape = StepShape(
-            len(drafters),
-            sum(drafts),
-            sum(d in MODEL_DRAFTERS for d in drafters),
-            gamma * sum(d in MODEL_DRAFTERS for d in drafters),
-            sum(d in LOOKUPS for d in drafters),
-        )
-        return cls(list(drafters), drafts, [0.0] * len(drafts), shape)
+        return cls(list(drafters), drafts, [0.0] * len(drafts), StepShape.of(drafters, drafts))

@@ -31,13 +31,12 @@ from typing import Optional
 import torch
 
 from specserve.errors import ConfigError
-from specserve.kv.pool import KVPool
 from specserve.names import Algorithm, SuffixScope
 from specserve.runtime.staging import staged
 from specserve.speculative.suffix_device import DeviceDraft, DeviceSegments, WalkLimits, walk
 from specserve.speculative.suffix_index import SuffixDraft, SuffixIndex
 from specserve.speculative.token_table import TokenTable
-from specserve.speculative.worker import CommittedRows, DraftInput, Drafts
+from specserve.speculative.worker import DraftContext, DraftInput, Drafts, WorkerDefaults
 
 # The policy's hint buckets by the suffix matched (0: nothing to draft), like NGRAM's match lengths.
 MATCH_BUCKETS = (2, 4, 8, 16)
@@ -89,13 +88,11 @@ class _Slot:
         return self.index.tokens[self.prompt_len :]
 
 
-class SuffixWorker:
+class SuffixWorker(WorkerDefaults):
     """The SUFFIX drafter behind the worker seam (speculative/worker.py)."""
 
     name = Algorithm.SUFFIX
     reads_tokens = True
-    capture_layer_ids: tuple[int, ...] = ()
-    kv_pools: list[KVPool] = []
 
     def __init__(
         self,
@@ -197,9 +194,6 @@ class SuffixWorker:
 
     # ------------------------------------------------------------ commits
 
-    def commit_rows(self, rows: CommittedRows) -> None:
-        return None  # SUFFIX reads tokens, not hidden states
-
     def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         """`restart`: a new request in this slot, `tokens` its whole sequence, of which the last
         `new` were generated (the rest: its prompt)."""
@@ -235,5 +229,6 @@ class SuffixWorker:
         if self.segments is not None and self.drafts_on_device:  # after every change told so far
             self.segments.change(self._last_launch, "clear")
 
-    def flush(self) -> None:
-        return None  # the indexes are updated as tokens commit
+
+def make_worker(ctx: DraftContext) -> SuffixWorker:
+    return SuffixWorker(ctx.gamma, SuffixConfig.of(ctx.args), ctx.token_table)

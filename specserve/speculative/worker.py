@@ -15,12 +15,29 @@ A worker holds only its own state (draft K/V, token histories); it never sees th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from specserve.kv.pool import KVPool
 from specserve.sampling_params import SamplingParams
+from specserve.speculative.token_table import TokenTable
+
+
+@dataclass
+class DraftContext:
+    """What a drafter's worker is made from on one engine rank (drafters/declaration.py names the
+    function): the flags, the window, the target's token slots and what the builder loaded."""
+
+    args: Any  # ServerArgs (this layer sits below args.py)
+    gamma: int  # drafts per window
+    size: int  # the target's token slots (a draft K/V pool is indexed by them)
+    dtype: torch.dtype
+    device: str
+    req_to_token: torch.Tensor  # [request slots, context] token slot per position
+    token_table: Optional[TokenTable]  # the request tokens on the device, shared by the drafters that read them
+    target: Any  # the loaded target (engine/builder.py: model, config, tokenizer, DSpark drafter, ...)
+    captures: bool  # the target's decode steps are captured (a draft model's may be too)
 
 
 @dataclass
@@ -73,7 +90,8 @@ class CommittedRows:
 
 
 class DraftWorker(Protocol):
-    """One drafting algorithm. Implementations: DsparkWorker, NgramWorker, SuffixWorker. Its attributes are read-only
+    """One drafting algorithm's worker (its declaration: specserve/drafters/); WorkerDefaults gives the
+    parts a simple drafter does not need. Its attributes are read-only
     here (properties), so a class attribute or a property of a narrower type (`Algorithm`) implements them."""
 
     @property
@@ -100,6 +118,14 @@ class DraftWorker(Protocol):
 
     def commit_rows(self, rows: CommittedRows) -> None: ...
 
+    def advance(self, launch: Optional[int]) -> None:
+        """Forward stream, every planned step, before the plan (`launch`: the step's launch count)."""
+
+    def hints(self, rows: list[int], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
+        """Per request (rate bucket, most useful drafts), for the adaptive policy: asked only of a
+        drafter whose declaration has hints (drafters/declaration.py); greedy[i]: request i decodes
+        greedily (None: all do)."""
+
     def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
         """Request slot `row` committed `tokens`; `restart`: they are its whole sequence so far, of
         which the last `new` were generated (the rest: its prompt); `launch`: the committing step's
@@ -107,3 +133,40 @@ class DraftWorker(Protocol):
 
     def flush(self) -> None:
         """Apply any committed state the worker deferred (see DsparkWorker)."""
+
+
+class WorkerDefaults:
+    """What a drafter does where it needs nothing more (a base for workers): no target rows, no
+    tokens, no K/V of its own, nothing deferred, no hints, nothing to do as a step begins."""
+
+    @property
+    def reads_tokens(self) -> bool:
+        return False
+
+    @property
+    def tokens_early(self) -> bool:
+        return False
+
+    @property
+    def capture_layer_ids(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def kv_pools(self) -> list[KVPool]:
+        return []
+
+    def advance(self, launch: Optional[int]) -> None:
+        """Forward stream, every planned step (before the plan)."""
+
+    def hints(self, rows: list[int], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
+        """Per request (rate bucket, most useful drafts): asked where the declaration has hints."""
+        raise NotImplementedError(f"{type(self).__name__} declares no hints")
+
+    def commit_rows(self, rows: CommittedRows) -> None:
+        """Target rows committed (asked only of a worker with capture_layer_ids)."""
+
+    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
+        """Tokens committed (asked only of a worker that reads_tokens)."""
+
+    def flush(self) -> None:
+        """Apply deferred state (nothing deferred)."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 
+from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy
 from specserve.speculative.cost_model import StepCostModel
-from specserve.speculative.ngram_worker import TokenHistory
-from specserve.speculative.policy import DSPARK, NGRAM, SUFFIX
+from specserve.speculative.ngram_worker import MAX_MATCH_BUCKET, TokenHistory
+
+DSPARK, NGRAM, SUFFIX = Algorithm.DSPARK, Algorithm.NGRAM, Algorithm.SUFFIX
 
 GAMMA = 4
 # 10 ms a step, 1 ms a request, 0.5 ms a verified draft, 0.5 ms to run DSpark at all.
@@ -21,6 +23,12 @@ def policy(table=TABLE, drafters=(DSPARK, NGRAM), explore_every=0) -> AdaptivePo
     cost = StepCostModel(table)
     cost.freeze()
     return AdaptivePolicy(drafters, GAMMA, cost, eos_token_ids=(2,), explore_every=explore_every)
+
+
+def hints(match, suffix=None) -> dict:
+    """The step's hints as Speculation gathers them: NGRAM's per match length, SUFFIX's as given."""
+    out = {NGRAM: [(min(m, MAX_MATCH_BUCKET), GAMMA) for m in match]}
+    return out if suffix is None else {**out, SUFFIX: suffix}
 
 
 def brute_force_match(tokens: list[int], gamma: int, max_ngram: int = 4) -> tuple[int, list[int]]:
@@ -49,8 +57,9 @@ def test_the_ngram_index_finds_what_a_scan_finds():
 def teach(p: AdaptivePolicy, row: int, drafter: str, accepted: int, steps: int, match_len: int = 0) -> None:
     """Feed `steps` windows of GAMMA drafts by `drafter` with `accepted` accepted each."""
     for _ in range(steps):
-        plan = p.plan([row], [True], [match_len])
+        plan = p.plan([row], [True], hints([match_len]))
         plan.drafters, plan.drafts = [drafter], [GAMMA]
+        plan.buckets = [min(match_len, MAX_MATCH_BUCKET) if drafter == NGRAM else 0]  # the rates it is priced by
         p.observe_accept([row], plan, [accepted])
 
 
@@ -58,12 +67,12 @@ def test_windows_follow_acceptance_engine_wide_and_per_request():
     p = policy()
     p.start(0)
     teach(p, 0, DSPARK, GAMMA, 30)  # everything accepted
-    plan = p.plan([0], [True], [0])
+    plan = p.plan([0], [True], hints([0]))
     assert plan.drafters == [DSPARK] and plan.drafts[0] >= 3 and plan.predicted[0] > 3.0
     p = policy()
     p.start(1)
     teach(p, 1, DSPARK, 0, 100)  # nothing accepted
-    plan = p.plan([1], [True], [0])
+    plan = p.plan([1], [True], hints([0]))
     assert plan.drafts == [0] and plan.drafters == [None] and plan.predicted == [1.0]
     # Same engine-wide rates, different own histories: the request that accepts drafts more.
     p = policy(drafters=(DSPARK,))
@@ -72,7 +81,7 @@ def test_windows_follow_acceptance_engine_wide_and_per_request():
     for _ in range(20):
         teach(p, 0, DSPARK, GAMMA, 1)
         teach(p, 1, DSPARK, 1, 1)
-    plan = p.plan([0, 1], [True, True], [0, 0])
+    plan = p.plan([0, 1], [True, True], hints([0, 0]))
     assert plan.drafts[0] > plan.drafts[1], plan
 
 
@@ -81,10 +90,10 @@ def test_one_rejected_window_does_not_rule_a_drafter_out():
     halved, not 0, and a fresh request still drafts where that pays: the plain-wins shortcut reads
     the same smoothed rate as the search (it read the raw counts, 0, and planned plain decoding)."""
     p = policy(drafters=(DSPARK,))
-    p.dspark_rates.observe(GAMMA, 0)
-    assert p.dspark_rates.rates[0] > 0.1
+    p.rates[DSPARK][0].observe(GAMMA, 0)
+    assert p.rates[DSPARK][0].rates[0] > 0.1
     p.start(0)
-    plan = p.plan([0], [True], [0])
+    plan = p.plan([0], [True], hints([0]))
     assert plan.drafters == [DSPARK] and plan.drafts[0] >= 1, plan
 
 
@@ -96,7 +105,7 @@ def test_ngram_rates_are_learned_per_match_length():
     teach(p, 1, NGRAM, 0, 40, match_len=1)  # one-token matches: rejected
     p.start(2)
     p.start(3)
-    plan = p.plan([2, 3], [True, True], [4, 1])  # fresh requests: only the engine-wide rates differ
+    plan = p.plan([2, 3], [True, True], hints([4, 1]))  # fresh requests: only the engine-wide rates differ
     assert plan.drafters == [NGRAM, None] and plan.drafts[0] > 0
 
 
@@ -107,13 +116,13 @@ def test_finished_rows_get_no_drafts_and_do_not_change_the_others_plans():
     teach(p, 0, DSPARK, 3, 10)
     teach(p, 1, NGRAM, 2, 10, match_len=3)
     teach(p, 2, DSPARK, GAMMA, 10)
-    alone = p.plan([0, 1], [True, True], [0, 3])
+    alone = p.plan([0, 1], [True, True], hints([0, 3]))
     p.observe_tokens(2, [7, 2], SamplingParams(max_new_tokens=100), out_len=20)  # 2 is EOS: finished
-    with_finished = p.plan([0, 1, 2], [True, True, True], [0, 3, 0])
+    with_finished = p.plan([0, 1, 2], [True, True, True], hints([0, 3, 0]))
     assert with_finished.drafts[2] == 0 and with_finished.drafters[2] is None
     assert (with_finished.drafters[:2], with_finished.drafts[:2]) == (alone.drafters, alone.drafts)
     p.start(2)  # a new request in the slot
-    assert p.plan([2], [True], [0]).drafts[0] > 0
+    assert p.plan([2], [True], hints([0])).drafts[0] > 0
 
 
 def test_finished_by_length_and_eos_ignored():
@@ -132,7 +141,7 @@ def test_requests_without_a_drafter_never_draft():
     p = policy()
     p.start(0)
     teach(p, 0, DSPARK, GAMMA, 20)
-    assert p.plan([0], [False], [4]).drafts == [0]
+    assert p.plan([0], [False], hints([4])).drafts == [0]
 
 
 def _explore_windows(rows: list[int], steps: int, explore_every: int) -> list[tuple[int, int, str, int]]:
@@ -142,7 +151,7 @@ def _explore_windows(rows: list[int], steps: int, explore_every: int) -> list[tu
         p.start(row)
     windows = []
     for step in range(steps):
-        plan = p.plan(rows, [True] * len(rows), [2] * len(rows))
+        plan = p.plan(rows, [True] * len(rows), hints([2] * len(rows)))
         mine = [(step, row, d, k) for row, d, k in zip(rows, plan.drafters, plan.drafts) if k]
         assert len(mine) <= 1  # at most one exploring window per step
         windows += mine
@@ -158,7 +167,7 @@ def test_exploration_tries_an_unused_drafter_once_per_interval_one_window_a_step
         assert 4 <= len(steps) <= 5 and all(b - a >= 8 for a, b in zip(steps, steps[1:])), (name, steps)
         for row in (0, 1, 2):  # the stalest request explores first, so each one gets its turn
             assert any(r == row for _, r, d, _ in windows if d == name), (name, row, windows)
-    assert policy(table=NEVER_PAYS).plan([0, 1, 2], [True] * 3, [2] * 3).drafts == [0, 0, 0]  # explore_every=0
+    assert policy(table=NEVER_PAYS).plan([0, 1, 2], [True] * 3, hints([2] * 3)).drafts == [0, 0, 0]  # explore_every=0
 
 
 def test_a_large_batch_explores_each_drafter_as_rarely_as_one_request_does():
@@ -174,7 +183,7 @@ def test_calibration_per_window_and_per_step():
     p = policy()
     p.start(0)
     p.start(1)
-    plan = p.plan([0, 1], [True, True], [0, 0])
+    plan = p.plan([0, 1], [True, True], hints([0, 0]))
     plan.drafters, plan.drafts, plan.predicted = [DSPARK, DSPARK], [2, 2], [2.0, 1.0]
     p.observe_accept([0, 1], plan, [2, 0])  # realised 3 and 1
     assert p.calibration.windows == 2 and p.calibration.mean_abs_error == 0.5 * (1.0 + 0.0)
@@ -194,12 +203,12 @@ def test_a_closed_batch_prices_drafts_by_the_row_they_save():
     for row in rows:
         p.start(row)
         teach(p, row, NGRAM, 2, 30, match_len=4)
-    open_plan = p.plan(rows, [True] * 4, [4] * 4, refills=True)
+    open_plan = p.plan(rows, [True] * 4, hints([4] * 4), refills=True)
     assert all(k >= 2 for k in open_plan.drafts), open_plan
-    closed = p.plan(rows, [True] * 4, [4] * 4, refills=False)
+    closed = p.plan(rows, [True] * 4, hints([4] * 4), refills=False)
     assert closed.drafts == [0] * 4 and not closed.speculates, closed
     assert p.token_weight(4, refills=False) == 1e-3 * 4 / (1e-2 + 4e-3)
-    alone = p.plan([0], [True], [4], refills=False)  # the last request of a closed batch saves whole steps
+    alone = p.plan([0], [True], hints([4]), refills=False)  # the last request of a closed batch saves whole steps
     assert alone.drafts[0] >= 2, alone
     # The expected accept length it reports is the drafts' own, not the priced share.
     assert open_plan.predicted[0] > 2.5
@@ -224,7 +233,7 @@ def test_a_reused_plan_is_the_plan_a_fresh_search_makes():
         refills = rng.random() < 0.8
         fresh._last_key = None
         before = cached._last_key
-        plans = [p.plan(rows, speculating, match, refills) for p in (cached, fresh)]
+        plans = [p.plan(rows, speculating, hints(match), refills) for p in (cached, fresh)]
         reused += before is not None and cached._last_key is before
         assert (plans[0].drafters, plans[0].drafts, plans[0].predicted, plans[0].shape) == (
             plans[1].drafters, plans[1].drafts, plans[1].predicted, plans[1].shape), step
@@ -253,8 +262,9 @@ def _bound_violations(rng: random.Random, steps: int = 400) -> tuple[int, int, i
         speculating = [rng.random() < 0.9 for _ in rows]
         match = [rng.choice((0, 0, 0, 1, 2, 5)) for _ in rows]
         weight = rng.choice((1.0, 0.3, 0.05))
-        bound = p._plain_wins_by_bound(live, speculating, match, weight)
-        exact = p._plain_wins(rows, live, speculating, match, weight)
+        p._hints = {name: dict(zip(rows, found)) for name, found in hints(match).items()}
+        bound = p._plain_wins_by_bound(rows, live, speculating, weight)
+        exact = p._plain_wins(rows, live, speculating, weight)
         violations += bound and not exact
         settled += bound
         exact_only += exact and not bound
@@ -273,8 +283,8 @@ def test_a_bound_that_ignores_own_evidence_fails_the_bound_check(monkeypatch):
     """Mutation: a bound from the engine-wide rates alone misses a request whose own drafts are
     all accepted, so the check above must catch it."""
 
-    def hints_only(self, live, speculating, match, weight):
-        bound = max([self.dspark_rates.first_rate] + [r.first_rate for r in self.ngram_rates])
+    def hints_only(self, rows, live, speculating, weight, every_bucket=""):
+        bound = max(r.first_rate for rates in self.rates.values() for r in rates)
         return self._plain_beats(live, min(bound, 1.0) * weight) if live else True
 
     monkeypatch.setattr(AdaptivePolicy, "_plain_wins_by_bound", hints_only)
@@ -287,18 +297,18 @@ def test_suffix_hints_are_skipped_only_where_the_plan_cannot_use_them():
     SUFFIX's lookups, and the plan is the one the hints would give; where drafting pays they are needed."""
     rows, speculating, match = list(range(8)), [True] * 8, [0] * 8
     costly = policy(NEVER_PAYS, drafters=(NGRAM, SUFFIX))
-    assert not costly.needs_suffix_hints(rows, speculating, match)
-    without = costly.plan(rows, speculating, match)
-    with_hints = policy(NEVER_PAYS, drafters=(NGRAM, SUFFIX)).plan(rows, speculating, match, True, [(4, GAMMA)] * 8)
+    assert not costly.needs_hints(SUFFIX, rows, speculating, hints(match))
+    without = costly.plan(rows, speculating, hints(match))
+    with_hints = policy(NEVER_PAYS, drafters=(NGRAM, SUFFIX)).plan(rows, speculating, hints(match, [(4, GAMMA)] * 8), True)
     assert without.drafts == with_hints.drafts == [0] * 8
-    assert policy(drafters=(NGRAM, SUFFIX)).needs_suffix_hints(rows, speculating, match)
+    assert policy(drafters=(NGRAM, SUFFIX)).needs_hints(SUFFIX, rows, speculating, hints(match))
 
 
 def test_suffix_is_offered_only_the_drafts_its_walk_found_even_when_explored():
     p = policy(drafters=(NGRAM, SUFFIX), explore_every=1)
     for step in range(6):
-        plan = p.plan([0], [True], [0], True, [(4, 2)])  # a long match, two tokens drafted
+        plan = p.plan([0], [True], hints([0], [(4, 2)]), True)  # a long match, two tokens drafted
         assert plan.drafts[0] <= (2 if plan.drafters[0] == SUFFIX else GAMMA), plan
         p.observe_accept([0], plan, [min(plan.drafts[0], 1)])
-    nothing = p.plan([0], [True], [0], True, [(0, 0)])  # no walk: SUFFIX never drafts
+    nothing = p.plan([0], [True], hints([0], [(0, 0)]), True)  # no walk: SUFFIX never drafts
     assert nothing.drafters[0] != SUFFIX

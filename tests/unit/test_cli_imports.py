@@ -55,3 +55,22 @@ def test_a_selective_parser_still_lists_every_command(capsys):
         cli.main(["--help"])
     listing = capsys.readouterr().out
     assert all(c.name.split()[0] in listing for c in cli.COMMANDS)
+
+
+CHECK = """
+import sys
+from specserve import cli
+from specserve.args import ServerArgs
+argv = {argv!r}
+args = ServerArgs.from_cli_args(cli.build_parser(only=cli.named_command(argv)).parse_args(argv))
+print(args.speculative_algorithm, "torch" in sys.modules)
+"""
+
+
+def test_checking_the_flags_reads_the_drafters_declarations_without_torch():
+    """The flag checks run in the server's parent before it spawns the engine: the drafters'
+    declarations (specserve/drafters/) they read import no torch; the workers load with the engine."""
+    argv = ["serve", "--model-path", "m.gguf", "--speculative-algorithm", "SUFFIX", "--speculative-suffix-max-tree-depth", "8"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")}
+    out = subprocess.run([sys.executable, "-c", CHECK.format(argv=argv)], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["SUFFIX", "False"]

@@ -8,9 +8,12 @@ import random
 import pytest
 
 from specserve.errors import InternalError
+from specserve.names import Algorithm
 from specserve.speculative.acceptance import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import FEATURES, StepCostModel, StepShape
-from specserve.speculative.policy import DSPARK, NGRAM, Candidate, Decision, choose_drafts
+from specserve.speculative.policy import Candidate, Decision, choose_drafts
+
+DSPARK, NGRAM = Algorithm.DSPARK, Algorithm.NGRAM
 
 # A CPU-like step: 7 ms fixed, 0.3 ms per request, 1 ms per verified draft row, 2 ms to run the
 # DSpark drafter at all plus 0.2 ms per drafted row, 0.05 ms per NGRAM lookup.
