@@ -57,7 +57,7 @@ def _measure_target(path: str, draft: str, drafts: list[int], new_tokens: int, r
     engines = {0: Engine(**base, speculative_algorithm="NONE")}
     for k in drafts:
         engines[k] = Engine(**base, speculative_algorithm="STANDALONE", speculative_policy="fixed",
-                            speculative_draft_model_path=draft, speculative_dspark_block_size=k)
+                            speculative_draft_model_path=draft, speculative_num_steps=k)
     steps: dict[int, list[float]] = {k: [] for k in engines}
     accepted: dict[int, list[float]] = {k: [] for k in engines}
     try:

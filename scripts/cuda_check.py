@@ -160,7 +160,7 @@ class Setup:
         if algorithm == "DSPARK":
             spec.update(speculative_draft_model_path=self.drafter, speculative_policy="fixed")
         if algorithm in ("NGRAM", "SUFFIX"):
-            spec.update(speculative_policy="fixed", speculative_dspark_block_size=3)
+            spec.update(speculative_policy="fixed", speculative_num_steps=3)
         if algorithm == "DSPARK-policy":  # DSPARK and NGRAM under the adaptive policy, its decisions frozen
             from helpers import policy_args
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,6 +24,8 @@ from specserve.args_checks import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE  # re
 from specserve.args_checks import MAX_DRAFT_TOKENS as MAX_DRAFT_TOKENS
 from specserve.errors import ConfigError
 from specserve.names import Algorithm, SuffixScope
+
+logger = logging.getLogger(__name__)
 
 VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
 DEFAULT_STORAGE_MAX_BYTES = 4 << 30
@@ -76,8 +79,16 @@ class ServerArgs:
         "past outputs), STANDALONE (a draft model) or NONE (no speculation)",
         choices=SPEC_ALGORITHMS,
     )
+    speculative_num_steps: Optional[int] = flag(
+        None,
+        "drafts per window, every drafter's (gamma); the verify window is gamma + 1 tokens (default: the DSpark "
+        "drafter checkpoint's, else 5)",
+    )
+    speculative_num_draft_tokens: Optional[int] = flag(
+        None, "SGLang's count of a window's tokens, the anchor included: --speculative-num-steps + 1 (give either)"
+    )
     speculative_dspark_block_size: Optional[int] = flag(
-        None, "drafts per step (gamma); the verify window is gamma + 1 (default: the drafter checkpoint's, else 5)"
+        None, "deprecated: --speculative-num-steps (the same count, drafts per window)"
     )
     speculative_draft_model_path: Optional[str] = flag(
         None,
@@ -182,6 +193,21 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._default_speculation()
         validate_server_args(self)
+        self._draft_length()
+
+    def _draft_length(self) -> None:
+        """Every spelling of the draft length as --speculative-num-steps (args_checks made sure they
+        agree): SGLang's --speculative-num-draft-tokens counts the anchor too (a chain's window), and
+        the old --speculative-dspark-block-size, named when DSPARK was the only drafter, is an alias."""
+        steps = self.speculative_num_steps
+        if self.speculative_dspark_block_size is not None:
+            logger.warning("--speculative-dspark-block-size is deprecated: use --speculative-num-steps (the same count)")
+            steps = self.speculative_dspark_block_size
+        if self.speculative_num_draft_tokens is not None:
+            steps = self.speculative_num_draft_tokens - 1
+        object.__setattr__(self, "speculative_num_steps", steps)  # frozen: set once, here
+        object.__setattr__(self, "speculative_dspark_block_size", None)
+        object.__setattr__(self, "speculative_num_draft_tokens", None if steps is None else steps + 1)
 
     def _default_speculation(self) -> None:
         """Unless told otherwise, speculate under the adaptive policy (which drafts only where it

@@ -22,7 +22,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "shortest-prefill-first")
 DTYPES = ("auto", "float32", "bfloat16")
 CPU_ACTIVATIONS = ("auto", "bf16", "int8")  # auto: resolved by weight type when the engine builds (models/activations.py)
 MAX_DRAFT_TOKENS = 15
-DEFAULT_BLOCK_SIZE = 5  # every drafter's window when --speculative-dspark-block-size is unset
+DEFAULT_BLOCK_SIZE = 5  # every drafter's window when --speculative-num-steps is unset
+# The draft length's spellings, each with the tokens it counts beyond the drafts (the anchor: SGLang's).
+DRAFT_LENGTH_FLAGS = {"speculative_num_steps": 0, "speculative_num_draft_tokens": 1, "speculative_dspark_block_size": 0}
 SPEC_ALGORITHMS = (None, Algorithm.NONE, *drafters.names())  # argparse's choices: the drafters built in
 VERIFY_MODES = ("static", "compact")
 SPEC_POLICIES = ("adaptive", "fixed")
@@ -104,9 +106,7 @@ def _check_speculative(args: ServerArgs) -> None:
         check = drafters.get(name).check
         if check is not None:
             check(args)
-    gamma = args.speculative_dspark_block_size
-    if gamma is not None and not 1 <= gamma <= MAX_DRAFT_TOKENS:
-        raise ConfigError(f"speculative_dspark_block_size must be in [1, {MAX_DRAFT_TOKENS}], got {gamma}")
+    _check_draft_length(args)
     declared = drafters.of(algorithm)
     if declared is not None and declared.draft_model is not None and not args.speculative_draft_model_path:
         raise ConfigError(f"speculative_draft_model_path: {algorithm} needs {declared.draft_model}")
@@ -122,6 +122,21 @@ def _check_speculative(args: ServerArgs) -> None:
         raise ConfigError(f"speculative_policy must be one of {SPEC_POLICIES}, got {args.speculative_policy!r}")
     if args.speculating and args.speculative_policy == "adaptive":
         _check_policy_drafters(args)
+
+
+def _check_draft_length(args: ServerArgs) -> None:
+    """Each spelling of the draft length in range, and those given agreeing (in drafts per window)."""
+    steps = {}
+    for name, extra in DRAFT_LENGTH_FLAGS.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not 1 + extra <= value <= MAX_DRAFT_TOKENS + extra:
+            raise ConfigError(f"{name} must be in [{1 + extra}, {MAX_DRAFT_TOKENS + extra}], got {value}")
+        steps[name] = value - extra
+    if len(set(steps.values())) > 1:
+        given = ", ".join(f"{name}={getattr(args, name)}" for name in steps)
+        raise ConfigError(f"{given}: these give different draft lengths (num_draft_tokens counts the anchor: steps + 1)")
 
 
 def _check_policy_drafters(args: ServerArgs) -> None:

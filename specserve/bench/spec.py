@@ -170,7 +170,7 @@ def run_peers(ns: argparse.Namespace, args: ServerArgs, questions: list[dict], t
         return []
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}])
                for q in questions[:ns.hf_prompts]]
-    return [run_hf(prompts, ns.new_tokens, lookup) for lookup in (None, args.speculative_dspark_block_size or 5)]
+    return [run_hf(prompts, ns.new_tokens, lookup) for lookup in (None, args.speculative_num_steps or 5)]
 
 
 def run_hf(prompts: list[list[int]], new_tokens: int, prompt_lookup: Optional[int]) -> dict[str, Any]:

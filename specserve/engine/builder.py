@@ -367,7 +367,7 @@ def _load_drafter(
         dtype,
         args.device,
         max_positions,
-        args.speculative_dspark_block_size,
+        args.speculative_num_steps,
         embed=model.embed_tokens,
         lm_head=head,
         q8_weights=args.speculative_draft_weights == "q8",
@@ -381,4 +381,4 @@ def _block_size(args: ServerArgs, drafter: Optional[DsparkDrafter]) -> int:
         return 0
     if drafter is not None:
         return drafter.block_size
-    return args.speculative_dspark_block_size or DEFAULT_BLOCK_SIZE
+    return args.speculative_num_steps or DEFAULT_BLOCK_SIZE

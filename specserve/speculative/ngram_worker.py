@@ -60,7 +60,7 @@ class NgramWorker(WorkerDefaults):
 
     def __init__(self, gamma: int, max_ngram: int = 4, min_ngram: int = 1, token_table: Optional[TokenTable] = None):
         if gamma < 1:
-            raise ConfigError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
+            raise ConfigError(f"speculative_num_steps: must be >= 1, got {gamma}")
         self.gamma, self.max_ngram, self.min_ngram = gamma, max_ngram, min_ngram
         self.histories: dict[int, TokenHistory] = {}
         self.token_table = token_table

@@ -103,7 +103,7 @@ class SuffixWorker(WorkerDefaults):
     ):
         """drafts_on_device (needs token_table; None: on CUDA): draft from the device's tokens."""
         if gamma < 1:
-            raise ConfigError(f"speculative_dspark_block_size: must be >= 1, got {gamma}")
+            raise ConfigError(f"speculative_num_steps: must be >= 1, got {gamma}")
         self.gamma, self.config = gamma, config or SuffixConfig()
         self.slots: dict[int, _Slot] = {}
         self.global_index = SuffixIndex(self.config.max_depth)

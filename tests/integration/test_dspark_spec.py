@@ -98,7 +98,7 @@ def test_block_size_defaults_to_the_checkpoint_and_the_flag_overrides_it(drafter
     assert read_drafter_config(drafter_dir).block_size == 4
     engine = dspark_engine(drafter_dir)
     assert engine.scheduler.window == 5
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=2)
+    engine = dspark_engine(drafter_dir, speculative_num_steps=2)
     assert engine.scheduler.window == 3
 
 
@@ -139,7 +139,7 @@ def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, long_referen
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
     fixed = {} if mode == "policy" else {"speculative_policy": "fixed", "speculative_dspark_verify_mode": mode,
                                          "speculative_dspark_sps_table_path": str(table)}
-    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma, **fixed) as engine:
+    with dspark_engine(drafter_dir, speculative_num_steps=gamma, **fixed) as engine:
         plant_oracle(engine, prompts, partly_wrong(long_reference))  # into the real verify and accept
         check_lossless_and_partly_accepted(engine, prompts, reference, GREEDY, gamma, mode == "static")
         check_lossless_and_partly_accepted(engine, prompts[1:2], reference[1:2], GREEDY, gamma, mode == "static")
@@ -154,7 +154,7 @@ def test_every_other_block_size_is_lossless_with_partly_right_drafts(drafter_dir
     """The block sizes the test above leaves out (together: every size the flag accepts), on a
     smaller batch: static windows, three requests, 16 tokens."""
     short = [out[:16] for out in reference[:3]]
-    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma) as engine:
+    with dspark_engine(drafter_dir, speculative_num_steps=gamma) as engine:
         plant_oracle(engine, prompts[:3], partly_wrong(long_reference[:3]))
         check_lossless_and_partly_accepted(engine, prompts[:3], short, {**GREEDY, "max_new_tokens": 16}, gamma, True)
         engine.scheduler.check_integrity()
@@ -163,7 +163,7 @@ def test_every_other_block_size_is_lossless_with_partly_right_drafts(drafter_dir
 def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, reference, tmp_path):
     table = tmp_path / "sps.json"
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5, speculative_dspark_verify_mode="compact",
+    engine = dspark_engine(drafter_dir, speculative_num_steps=5, speculative_dspark_verify_mode="compact",
                            speculative_dspark_sps_table_path=str(table), speculative_policy="fixed")
     plant_oracle(engine, prompts, reference)
     seen = []
@@ -180,7 +180,7 @@ def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, r
 
 
 def test_oracle_drafts_give_long_runs_and_the_metrics_identity(drafter_dir, prompts, reference):
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5)
+    engine = dspark_engine(drafter_dir, speculative_num_steps=5)
     plant_oracle(engine, prompts, reference)
     batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in batch] == reference
@@ -195,7 +195,7 @@ def test_stops_inside_an_accepted_dspark_run(drafter_dir, fp32_engine, prompts):
     prompt = prompts[1]
     full = fp32_engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 60})
     assert "9. 9" in full["text"], full["text"]
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=7)
+    engine = dspark_engine(drafter_dir, speculative_num_steps=7)
     plant_oracle(engine, [prompt], [full["output_ids"]])
     params = {"temperature": 0, "max_new_tokens": 60, "stop": ["9. 9"]}
     ours = engine.generate(input_ids=prompt, sampling_params=params)
@@ -242,7 +242,7 @@ def test_injection_writes_exactly_the_committed_rows(drafter_dir, prompts, refer
 
 def check_injection(drafter_dir, prompts, reference, mutation):
     # Static windows (the policy turned off): the mutations inject whole windows' rows.
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=5, disable_radix_cache=True,
+    engine = dspark_engine(drafter_dir, speculative_num_steps=5, disable_radix_cache=True,
                            speculative_policy="fixed")
     if mutation is not None:
         mutation(engine.runner)
@@ -297,7 +297,7 @@ def _prefill(engine: Engine, ids: list[int], layers):
 
 
 def test_dspark_sampling_is_seeded_and_batch_invariant(drafter_dir, prompts):
-    engine = dspark_engine(drafter_dir, speculative_dspark_block_size=3)
+    engine = dspark_engine(drafter_dir, speculative_num_steps=3)
     params = {"temperature": 0.8, "top_p": 0.95, "seed": 11, "max_new_tokens": 20}
     mixed = engine.generate(input_ids=[prompts[0], prompts[2]], sampling_params=[params, {**params, "temperature": 0}])
     alone = engine.generate(input_ids=prompts[0], sampling_params=params)
@@ -324,7 +324,7 @@ def test_seeded_sampling_is_plain_decodings_whatever_was_drafted(drafter_dir, fp
     accept some drafts and reject others (the coupled accept): its output cannot depend on what a
     run's speculation policy, which measures step times, chose to draft."""
     reference, long = seeded_case(fp32_engine, prompts)
-    with dspark_engine(drafter_dir, speculative_dspark_block_size=gamma) as engine:
+    with dspark_engine(drafter_dir, speculative_num_steps=gamma) as engine:
         plant_oracle(engine, prompts[:4], partly_wrong(long))
         outs = engine.generate(input_ids=prompts[:4], sampling_params=SEEDED)
         assert [o["output_ids"] for o in outs] == reference
@@ -337,7 +337,7 @@ def test_mutation_seeded_sampling_by_rejection_depends_on_the_drafts(drafter_dir
     planted drafts then change the sampled output, which the test above would catch."""
     reference, long = seeded_case(fp32_engine, prompts)
     monkeypatch.setattr(SamplingParams, "seeded_sampling", property(lambda self: False))
-    with dspark_engine(drafter_dir, speculative_dspark_block_size=4) as engine:
+    with dspark_engine(drafter_dir, speculative_num_steps=4) as engine:
         plant_oracle(engine, prompts[:4], partly_wrong(long))
         outs = engine.generate(input_ids=prompts[:4], sampling_params=SEEDED)
         assert [o["output_ids"] for o in outs] != reference

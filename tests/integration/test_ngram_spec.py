@@ -30,7 +30,7 @@ def reference(fp32_engine, prompts):
 @pytest.mark.parametrize("gamma", [1, 3, 5, 7])
 def test_ngram_greedy_is_lossless(fp32_engine, prompts, reference, gamma):
     spec = Engine(dtype="float32", max_total_tokens=8192, speculative_algorithm="NGRAM", **policy_args(),
-                  speculative_dspark_block_size=gamma)
+                  speculative_num_steps=gamma)
     batch = spec.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in batch] == reference
     alone = spec.generate(input_ids=prompts[0], sampling_params=GREEDY)
@@ -54,7 +54,7 @@ def test_stop_inside_an_accepted_run_emits_nothing_past_it(fp32_engine):
     prompt = fp32_engine.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[3]}])
     full = fp32_engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 60})
     assert "9. 9" in full["text"], full["text"]
-    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", **policy_args(), speculative_dspark_block_size=7)
+    spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", **policy_args(), speculative_num_steps=7)
     params = {"temperature": 0, "max_new_tokens": 60, "stop": ["9. 9"]}
     ours = spec.generate(input_ids=prompt, sampling_params=params)
     plain = fp32_engine.generate(input_ids=prompt, sampling_params=params)
@@ -76,7 +76,7 @@ def test_lookup_sampling_is_seeded_and_reproducible(drafter, policy):
     def engine() -> Engine:
         chosen = policy_args() if policy == "adaptive" else {"speculative_policy": "fixed"}
         return Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm=drafter, **chosen,
-                      speculative_dspark_block_size=4)
+                      speculative_num_steps=4)
 
     spec = engine()
     prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": CONTENTS[0]}])
@@ -93,7 +93,7 @@ def test_speculative_disable_batch_size_on_the_real_engine(prompts, reference):
     with 3 requests running the step's plan has no drafts and the step runs as a plain decode step;
     windows carry drafts again once at most 2 run; the tokens are the plain ones."""
     spec = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="NGRAM", speculative_policy="fixed",
-                  speculative_dspark_block_size=3, speculative_disable_batch_size=2)
+                  speculative_num_steps=3, speculative_disable_batch_size=2)
     plans, verifies = [], []
     plan, verify = spec.runner._plan, spec.runner._verify
 

@@ -43,7 +43,7 @@ def params_mix():
 def engine_for(kind: str, overlap: bool, drafter_dir: str, tmp_path) -> Engine:
     kw = {"speculative_algorithm": "NONE"}
     if kind == "ngram":
-        kw = {"speculative_algorithm": "NGRAM", "speculative_dspark_block_size": 3, **policy_args()}
+        kw = {"speculative_algorithm": "NGRAM", "speculative_num_steps": 3, **policy_args()}
     elif kind.startswith("dspark"):
         # dspark-static and dspark-compact: the policy turned off (every window drafted whole);
         # dspark-policy: the adaptive policy on its frozen test table.

@@ -29,7 +29,7 @@ TINY_GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 def _self_drafting(gamma: int, **policy) -> Engine:
     """The embedded model drafting for itself."""
     return Engine(dtype="float32", max_total_tokens=8192, speculative_draft_model_path=default_model_path(),
-                  speculative_dspark_block_size=gamma, **(policy or FIXED))
+                  speculative_num_steps=gamma, **(policy or FIXED))
 
 
 def _drafts(info: dict) -> tuple[int, int]:
@@ -116,7 +116,7 @@ def _draft_model_continuations(draft: str, calls: list[tuple[list[int], list[int
 def _run_tiny(target: str, draft: str, monkeypatch) -> tuple[list[dict], _Recorder]:
     recorder = _Recorder(monkeypatch)
     with Engine(model_path=target, dtype="float32", max_total_tokens=4096, speculative_draft_model_path=draft,
-                speculative_dspark_block_size=3, **FIXED) as spec:
+                speculative_num_steps=3, **FIXED) as spec:
         first = spec.generate(input_ids=TINY_PROMPTS, sampling_params=TINY_GREEDY)
         again = spec.generate(input_ids=TINY_PROMPTS[::-1], sampling_params=TINY_GREEDY)  # slots and cached prefixes reused
         spec.scheduler.check_integrity()
@@ -175,7 +175,7 @@ def _hashing_run(target: str, monkeypatch) -> list[tuple[list[int], list[int]]]:
     monkeypatch.setattr(standalone_worker, "ForwardBatch", type("RowsFB", (), {"for_requests": staticmethod(for_requests)}))
     recorder = _Recorder(monkeypatch)
     with Engine(model_path=target, dtype="float32", max_total_tokens=4096, speculative_draft_model_path=target,
-                speculative_algorithm="STANDALONE", speculative_dspark_block_size=4, speculative_explore_interval=1,
+                speculative_algorithm="STANDALONE", speculative_num_steps=4, speculative_explore_interval=1,
                 speculative_policy_drafters="STANDALONE,NGRAM", **policy_args()) as spec:
         worker = spec.runner.speculation.worker("STANDALONE")
         worker.model, worker.decode_steps = _ContextHash(worker), None

@@ -15,7 +15,7 @@ FIXED = {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"}
 
 @pytest.mark.parametrize("gamma,policy", [(3, FIXED), (7, FIXED), (5, {"speculative_algorithm": "SUFFIX", **policy_args()})])
 def test_suffix_greedy_is_lossless(fp32_engine, prompts, reference, gamma, policy):
-    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_dspark_block_size=gamma, **policy)
+    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_num_steps=gamma, **policy)
     batch = spec.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in batch] == reference
     alone = spec.generate(input_ids=prompts[0], sampling_params=GREEDY)
@@ -27,7 +27,7 @@ def test_suffix_greedy_is_lossless(fp32_engine, prompts, reference, gamma, polic
 def test_a_repeated_task_drafts_from_past_outputs(fp32_engine, prompts, reference):
     """The same request again: its own tokens hold no answer yet, the global index holds the first
     answer, so the second run accepts most of its tokens as drafts (and still equals plain decoding)."""
-    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_dspark_block_size=5, **FIXED)
+    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_num_steps=5, **FIXED)
     first = spec.generate(input_ids=prompts[5], sampling_params=GREEDY)  # a story: little repeats within it
     spec.scheduler.ledger.tree.reset()
     second = spec.generate(input_ids=prompts[5], sampling_params=GREEDY)
@@ -45,7 +45,7 @@ def test_a_request_scoped_engine_never_drafts_from_past_outputs(fp32_engine, pro
     """The same request again under --speculative-suffix-scope request: its drafts come from its own
     tokens only, so it accepts exactly as many as the first run (above, under the default global
     scope, the second run accepts more), and no output is kept."""
-    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_dspark_block_size=5,
+    spec = Engine(dtype="float32", max_total_tokens=8192, speculative_num_steps=5,
                   speculative_suffix_scope="request", **FIXED)
     first = spec.generate(input_ids=prompts[5], sampling_params=GREEDY)
     spec.scheduler.ledger.tree.reset()

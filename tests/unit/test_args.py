@@ -1,8 +1,12 @@
 """ServerArgs: speculative flags and the verify-mode environment variable."""
 
+import dataclasses
+import logging
+
 import pytest
 
 from specserve.args import ServerArgs
+from specserve.errors import ConfigError
 
 
 def test_verify_mode_comes_from_flag_then_environment_then_static(monkeypatch):
@@ -161,3 +165,34 @@ def test_a_chat_template_must_be_a_file(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0]['content'] }}")
     assert ServerArgs(chat_template=str(template)).chat_template == str(template)
+
+
+@pytest.mark.parametrize("kwargs, steps", [
+    ({"speculative_num_steps": 4}, 4),
+    ({"speculative_num_draft_tokens": 4}, 3),  # SGLang's count: the anchor and 3 drafts
+    ({"speculative_dspark_block_size": 6}, 6),  # the deprecated alias
+    ({"speculative_num_steps": 2, "speculative_num_draft_tokens": 3}, 2),
+    ({}, None),
+])
+def test_the_draft_length_is_read_from_each_of_its_spellings(kwargs, steps):
+    args = ServerArgs(speculative_algorithm="NGRAM", **kwargs)
+    assert args.speculative_num_steps == steps
+    assert args.speculative_num_draft_tokens == (None if steps is None else steps + 1)
+    assert dataclasses.replace(args).speculative_num_steps == steps  # a resolved copy checks again
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"speculative_num_steps": 0}, r"speculative_num_steps must be in \[1, 15\]"),
+    ({"speculative_num_draft_tokens": 1}, r"speculative_num_draft_tokens must be in \[2, 16\]"),
+    ({"speculative_num_steps": 3, "speculative_num_draft_tokens": 3}, "give different draft lengths"),
+    ({"speculative_num_steps": 3, "speculative_dspark_block_size": 4}, "give different draft lengths"),
+])
+def test_a_bad_or_contradicting_draft_length_names_its_flags(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ServerArgs(speculative_algorithm="NGRAM", **kwargs)
+
+
+def test_the_old_draft_length_flag_logs_its_deprecation(caplog):
+    with caplog.at_level(logging.WARNING, logger="specserve.args"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_dspark_block_size=3)
+    assert "--speculative-dspark-block-size is deprecated: use --speculative-num-steps" in caplog.text
