@@ -49,28 +49,29 @@ def instrument(engine) -> dict[str, float]:
     """Wrap the parts of a verify step on this engine's objects; returns the running totals."""
     totals: dict[str, float] = defaultdict(float)
     inside = {"verify": False}
-    runner = engine.runner
-    drafter = runner.speculation.worker("DSPARK").drafter
-    verify = runner._verify
+    drafter = engine.dspark_drafter()
+    assert drafter is not None, "dspark-step: the engine has no DSPARK drafter"
 
-    def verify_step(step, *rest):
-        inside["verify"] = True
-        try:
-            return verify(step, *rest)
-        finally:
-            inside["verify"] = False
+    def verify_step(verify):
+        def marked(step, *rest):
+            inside["verify"] = True
+            try:
+                return verify(step, *rest)
+            finally:
+                inside["verify"] = False
+        return _timed(totals, "verify_step", marked)
 
-    runner._verify = _timed(totals, "verify_step", verify_step)
-    runner._plan = _timed(totals, "plan", runner._plan)  # just before the verify (ModelRunner._step)
-    make_epilogue = runner._epilogue  # read_accept: the verify epilogue's, made at the first verify step
-
-    def epilogue(width):
-        made = make_epilogue(width)
-        if "read_accept" not in vars(made):
-            made.read_accept = _timed(totals, "read_accept", made.read_accept, inside)
+    def epilogue(make_epilogue):  # read_accept: the verify epilogue's, made at the first verify step
+        def made(width):
+            out = make_epilogue(width)
+            if "read_accept" not in vars(out):
+                out.read_accept = _timed(totals, "read_accept", out.read_accept, inside)
+            return out
         return made
 
-    runner._epilogue = epilogue
+    engine.instrument("verify", verify_step)
+    engine.instrument("plan", lambda plan: _timed(totals, "plan", plan))  # just before the verify (ModelRunner._step)
+    engine.instrument("verify_epilogue", epilogue)
     drafter.block_hidden = _timed(totals, "block_hidden", drafter.block_hidden, inside)
     drafter.lm_head.forward = _timed(totals, "draft_head", drafter.lm_head.forward, inside)
     drafter.markov_decode = _timed(totals, "markov_decode", drafter.markov_decode, inside)
@@ -80,7 +81,7 @@ def instrument(engine) -> dict[str, float]:
 
 def instrument_plain(engine) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
-    engine.runner._decode = _timed(totals, "decode_step", engine.runner._decode)
+    engine.instrument("decode", lambda decode: _timed(totals, "decode_step", decode))
     return totals
 
 
@@ -105,10 +106,10 @@ def run_dspark_step_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
             totals.clear()
         metas: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(0, len(prompts), bs):  # interleaved: each chunk through every engine in turn
-            plain.scheduler.ledger.tree.reset()
+            plain.reset_prefix_cache()
             plain.generate(input_ids=prompts[i:i + bs], sampling_params=params)
             for m, engine in specs.items():
-                engine.scheduler.ledger.tree.reset()
+                engine.reset_prefix_cache()
                 metas[m] += [o["meta_info"] for o in engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)]
         for m in modes:
             report["draft_weights"][m]["batch_sizes"][bs] = breakdown(dict(plain_totals), dict(spec_totals[m]))

@@ -46,7 +46,7 @@ def run_config(args: ServerArgs, ns: argparse.Namespace, hicache: bool) -> dict[
             ttft.append(time.perf_counter() - start)
             cached += out["meta_info"]["cached_tokens"]
             prompt += out["meta_info"]["prompt_tokens"]
-        stats = vars(engine.scheduler.ledger.tree.stats) if hicache else {}
+        stats = engine.prefix_cache_stats() if hicache else {}
     return {"hicache": hicache, "hit_rate": cached / max(1, prompt), "ttft_ms_mean": 1e3 * statistics.mean(ttft),
             "ttft_ms_p50": 1e3 * statistics.median(ttft), "prompt_tokens": prompt, "cached_tokens": cached,
             "hicache_stats": {k: v for k, v in stats.items() if k != "extra"}}

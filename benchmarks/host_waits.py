@@ -62,34 +62,31 @@ def run_host_waits(args: argparse.Namespace) -> int:
 
 def _census(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from specserve import Engine
-    from specserve.executor.model_runner import ModelRunner
 
     engine = Engine(dtype=args.dtype, max_total_tokens=8192, **CONFIGS[name])
     launches = collections.Counter()
-    original = engine.runner.launch
 
-    def counted(step):
-        launches[step.mode.value] += 1
-        return original(step)
+    def counting(launch):
+        def counted(step):
+            launches[step.mode.value] += 1
+            return launch(step)
+        return counted
 
-    engine.runner.launch = counted
-    engine.runner.capture.static_windows = not args.cpu_choices  # CUDA's choices unless asked
-    speculation = engine.runner.speculation
-    speculation.lagged_plans = not args.cpu_choices  # the adaptive policy plans from commits two launches back
-    for worker in speculation.workers.values():
-        if hasattr(worker, "drafts_on_device"):
-            worker.drafts_on_device = not args.cpu_choices
-    assert isinstance(engine.runner, ModelRunner) and engine.runner.host_waits is not None
+    engine.instrument("launch", counting)
+    # CUDA's choices unless asked; lagged plans: the adaptive policy plans from commits two launches back
+    cuda = not args.cpu_choices
+    engine.set_step_choices(static_windows=cuda, lagged_plans=cuda, drafts_on_device=cuda)
+    engine.take_host_waits()  # the detector is on (SPECSERVE_HOST_WAITS=count), and nothing counted yet
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CONTENTS]
     rows = []
     try:
         for mode, params in MODES.items():
-            engine.scheduler.ledger.tree.reset()
-            engine.runner.host_waits.reset()
+            engine.reset_prefix_cache()
+            engine.take_host_waits()
             launches.clear()
             overlapped = engine.loop.overlapped_steps
             engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": args.new_tokens})
-            waits = engine.runner.host_waits.reset()
+            waits = engine.take_host_waits()
             sites = collections.Counter(f"{w.op} at {w.site}" for w in waits).most_common()
             total = sum(launches.values())
             rows.append({"config": name, "mode": mode, "launches": dict(launches), "waits": len(waits),

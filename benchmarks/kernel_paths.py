@@ -27,7 +27,7 @@ def add_kernel_paths_bench_args(p: argparse.ArgumentParser) -> None:
 def _timed(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], int, float]:
     outputs, started = [], time.perf_counter()
     for ids in prompts:
-        engine.scheduler.ledger.tree.reset()  # every path pays the whole prefill
+        engine.reset_prefix_cache()  # every path pays the whole prefill
         outputs.append(engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": new_tokens})["output_ids"])
     return outputs, sum(len(o) for o in outputs), time.perf_counter() - started
 

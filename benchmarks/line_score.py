@@ -101,7 +101,7 @@ def teacher_for(pairs: list, layer_ids: list[int], model_path: Optional[str]):
         seqs = []
         for at in range(0, len(pairs), CAPTURE_GROUP):
             group = [(p.prompt_ids, p.answer_ids) for p in pairs[at:at + CAPTURE_GROUP]]
-            seqs += capture(engine.runner.model, group, layer_ids, DEFAULT_TOPK)
+            seqs += capture(engine.target_model, group, layer_ids, DEFAULT_TOPK)
     finally:
         engine.shutdown()
     for s in seqs:

@@ -80,7 +80,7 @@ def run_linear_rows_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
     report: dict[str, Any] = {**provenance(), "model": args.model_path or "embedded default", "calls": ns.calls,
                               "rows": rows, "linears": {}}
     with Engine(**vars(args.replace(dtype="bfloat16", speculative_algorithm="NONE", cpu_activations="bf16"))) as engine:
-        for role, kernel in _linears(engine.runner.model).items():
+        for role, kernel in _linears(engine.target_model).items():
             report["linears"][role] = {"k": kernel.k, "n": kernel.n, "format": format_names[kernel.format],
                                        "by_rows": {str(m): time_linear(kernel, m, ns.calls) for m in rows}}
             print(role, json.dumps(report["linears"][role]["by_rows"])[:400], flush=True)

@@ -33,11 +33,9 @@ def routing(engine, ids: list[int], prefix_len: int) -> dict[str, float]:
 
 
 def prefill_text(engine, tokens: list[int]) -> None:
-    """The text's K/V written to the slots a later pass's prefix reads (bench/offline.py `_pass`)."""
-    from specserve.bench.offline import _pass
-
-    engine.runner.model(_pass(engine, tokens, 0, True), engine.runner.kv)
-    engine.runner.req_to_token.table.zero_()
+    """The text's K/V written to the slots a later pass's prefix reads (`Engine.forward_rows`)."""
+    with engine.forward_rows(len(tokens), 0, input_ids=tokens, last_logit_only=True) as forward:
+        forward()
 
 
 def run_moe_routing(ns: argparse.Namespace) -> int:
@@ -47,7 +45,7 @@ def run_moe_routing(ns: argparse.Namespace) -> int:
 
     report: dict[str, Any] = {"model": ns.model_path, "window": ns.window, "seed": ns.seed, "figures": {}}
     with Engine(model_path=ns.model_path, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=1024) as engine:
-        config = engine.runner.model.config
+        config = engine.target_model.config
         report |= {"experts": config.num_experts, "experts_per_token": config.num_experts_per_tok}
         kinds = {"random ids": np.random.default_rng(ns.seed).integers(0, config.vocab_size, size=ns.window).tolist(),
                  "text": _long_ids(engine.tokenizer, ns.window)}  # fmt: skip

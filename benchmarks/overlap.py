@@ -49,7 +49,7 @@ class HostTimer:
 
 def timed_generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     return time.perf_counter() - start, sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -57,14 +57,13 @@ def timed_generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[f
 
 def bench_algorithm(args: ServerArgs, algorithm: str, sizes: list[int], ns) -> list[dict[str, Any]]:
     from specserve.engine import Engine
-    from specserve.scheduler.loops import NormalLoop, OverlapLoop
 
     kw = {"speculative_algorithm": algorithm, "speculative_policy": "fixed"}  # every step drafts: loops compared
     if algorithm != "DSPARK":
         kw["speculative_draft_model_path"] = None
     engine = Engine(**{**vars(args), **kw})
     timer = HostTimer(engine.scheduler)
-    normal, overlap = NormalLoop(engine.scheduler, engine.runner), OverlapLoop(engine.scheduler, engine.runner)
+    normal, overlap = engine.new_loop(overlap=False), engine.new_loop(overlap=True)
     captured = not args.disable_cuda_graph
     variants = {"normal": (normal, captured), "overlap": (overlap, captured)}  # name -> (loop, captured steps)
     if ns.compare == "capture":
@@ -79,7 +78,7 @@ def bench_algorithm(args: ServerArgs, algorithm: str, sizes: list[int], ns) -> l
         for _ in range(ns.repeats):
             for name, (loop, captured) in variants.items():  # alternating, so noise hits both alike
                 engine.loop = loop
-                engine.runner.capture.enabled = captured
+                engine.set_step_choices(captured=captured)
                 timer.process_s = 0.0
                 wall, tokens = timed_generate(engine, prompts, ns.new_tokens)
                 if name not in best or wall < best[name][0]:

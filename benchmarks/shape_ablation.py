@@ -157,7 +157,7 @@ def _timed_generate(engine, ns: argparse.Namespace, totals: dict) -> tuple[int, 
     totals.clear()
     tokens, started = 0, time.perf_counter()
     for ids in prompts:
-        engine.scheduler.ledger.tree.reset()
+        engine.reset_prefix_cache()
         tokens += len(engine.generate(input_ids=ids, sampling_params=params)["output_ids"])
     return tokens, time.perf_counter() - started
 

@@ -92,7 +92,7 @@ def _step_seconds(engine, new_tokens: int) -> tuple[float, float]:
     greedy = {"temperature": 0, "ignore_eos": True}
     timed = []
     for n in (1, new_tokens):
-        engine.scheduler.ledger.tree.reset()
+        engine.reset_prefix_cache()
         start = time.perf_counter()
         out = engine.generate(input_ids=PROMPT, sampling_params={**greedy, "max_new_tokens": n})
         timed.append((time.perf_counter() - start, out["meta_info"]))

@@ -82,7 +82,7 @@ def run_weight_stream(ns: argparse.Namespace) -> int:
 
     model_path = ns.model_path
     with Engine(model_path=model_path, dtype="bfloat16", speculative_algorithm="NONE", max_total_tokens=256) as engine:
-        linears = packed_linears(engine.runner.model)
+        linears = packed_linears(engine.target_model)
         saved = [k.int8_activations for _, k in linears]
         total = sum(k.nbytes() for _, k in linears)
         report: dict[str, Any] = {"model": model_path or "default",

@@ -207,7 +207,7 @@ def mixed(engine, prompts: list[list[int]], new_tokens: int = 32) -> list[Any]:
 
 
 def graphs_captured(engine) -> int:
-    return sum(len(step._graphs) for step in engine.runner._captured.values())
+    return engine.step_facts()["cuda_graphs"]
 
 
 def greedy_rows(out: list[Any]) -> list[Any]:
@@ -231,7 +231,7 @@ def loops_and_graphs(setup: Setup, reference: list[Any]) -> Callable[[], dict]:
                     out[name] = {"same_as_sync_eager": tokens == own, "greedy_as_none": greedy_rows(tokens) ==
                                  greedy_rows(reference), "graphs": graphs_captured(engine),
                                  "verify_steps": engine.scheduler.stats.verify_steps,
-                                 "threaded_streams": engine.runner.forward.threaded,
+                                 "threaded_streams": engine.step_facts()["threaded_streams"],
                                  "accepted_drafts": engine.accepted_drafts}
                 assert tokens == own, f"{name}: output differs from {algorithm} sync eager"
                 assert greedy_rows(tokens) == greedy_rows(reference), f"{name}: greedy tokens differ from NONE"
@@ -273,12 +273,7 @@ def cuda_choices(engine: Any) -> None:
     """CUDA's defaults, so that a CPU run checks the same paths: planned windows verified whole,
     SUFFIX walked on the device; and the opt-in lagged plans (the adaptive policy planning from the
     commits two launches back), whose waits this check covers too."""
-    engine.runner.capture.static_windows = True
-    speculation = engine.runner.speculation
-    speculation.lagged_plans = True
-    for worker in speculation.workers.values():
-        if hasattr(worker, "drafts_on_device"):
-            worker.drafts_on_device = True
+    engine.set_step_choices(static_windows=True, lagged_plans=True, drafts_on_device=True)
 
 
 def no_host_waits(setup: Setup) -> dict:
@@ -327,11 +322,11 @@ def alias_with_late_copies(setup: Setup, reference: list[list[int]]) -> dict:
         with env(SPECSERVE_FAULT_COPY_LAG_MS="20", SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=alias):
             with setup.engine("NGRAM") as engine:
                 tokens = mixed(engine, setup.prompts)
-                lag = engine.runner.copy_lag
+                lag = engine.step_facts()["copy_lag"]
                 diff = sum(a != b for a, b in zip(greedy_rows(tokens), greedy_rows(reference)))
                 out[f"alias={alias}"] = {"greedy_requests_differing": diff,
                                          "overlapped_steps": engine.loop.overlapped_steps,
-                                         "lag_timeouts": None if lag is None else lag.timeouts}
+                                         "lag_timeouts": None if lag is None else lag["timeouts"]}
         if alias == "0":
             assert diff == 0, "the copy lag alone changed tokens"
     return out

@@ -78,15 +78,15 @@ def evaluate(args: ServerArgs, algorithm: str, mode: str, temperature: float, pr
         kw["speculative_draft_model_path"] = None
     engine = Engine(**{**vars(args), **kw})
     engine.generate(input_ids=prompts[0][1], sampling_params={"temperature": 0, "max_new_tokens": 8})  # warm-up
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), bs):
         group = prompts[i:i + bs]
         params = [{"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": i + j} for j in range(len(group))]
         outs += engine.generate(input_ids=[ids for _, ids in group], sampling_params=params)
-        engine.scheduler.ledger.tree.reset()
+        engine.reset_prefix_cache()
     wall = time.perf_counter() - start
-    gamma = engine.runner.epilogue.num_verify_tokens - 1 if engine.runner.epilogue else 0
+    gamma = engine.verified_draft_length()
     engine.shutdown()
     del engine
     gc.collect()

@@ -10,7 +10,6 @@ over a 6-row verify window after the same 256-token prefix, and prefill tokens/s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -86,27 +85,15 @@ def _long_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def _pass(engine, ids: list[int], prefix_len: int, last_logit_only: bool):
-    """A target forward over `ids` as new rows after `prefix_len` cached ones (K/V content is whatever
-    the pool holds: timing only)."""
-    from specserve.bench.profile_sps import verify_pass
-
-    n = len(ids)
-    fb = verify_pass(engine, n, n, prefix_len)
-    return dataclasses.replace(fb, input_ids=torch.tensor(ids, device=fb.input_ids.device),
-                               logit_rows=torch.tensor([n - 1]) if last_logit_only else fb.logit_rows)
-
-
 def _median_pass_s(engine, ids: list[int], prefix_len: int, repeats: int, last_logit_only: bool) -> float:
     """Median seconds of one target forward over `ids` as new rows after `prefix_len` cached ones."""
-    fb = _pass(engine, ids, prefix_len, last_logit_only)
-    engine.runner.model(fb, engine.runner.kv)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        engine.runner.model(fb, engine.runner.kv)
-        times.append(time.perf_counter() - start)
-    engine.runner.req_to_token.table.zero_()
+    with engine.forward_rows(len(ids), prefix_len, input_ids=ids, last_logit_only=last_logit_only) as forward:
+        forward()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            forward()
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -116,7 +103,7 @@ def distinct_experts(engine, ids: list[int], prefix_len: int) -> float:
     routed again (the native layers route the same inputs alike: they give the per-op bits)."""
     from specserve.models.moe import SparseMoeBlock, route
 
-    model = engine.runner.model
+    model = engine.target_model
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     counts: list[int] = []
 
@@ -127,12 +114,12 @@ def distinct_experts(engine, ids: list[int], prefix_len: int) -> float:
     native, model.native = model.native, None
     hooks = [b.register_forward_pre_hook(count) for b in blocks]
     try:
-        model(_pass(engine, ids, prefix_len, False), engine.runner.kv)
+        with engine.forward_rows(len(ids), prefix_len, input_ids=ids) as forward:
+            forward()
     finally:
         model.native = native
         for h in hooks:
             h.remove()
-        engine.runner.req_to_token.table.zero_()
     return statistics.mean(counts)
 
 
@@ -145,7 +132,7 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
     result = {"decode_1_row_ms": 1e3 * decode, f"verify_{ns.window}_rows_ms": 1e3 * verify,
               "verify_over_decode": verify / decode, "prefill_tok_s": ns.prefill_len / prefill, "window": ns.window,
               "prefill_len": ns.prefill_len}
-    model = engine.runner.model
+    model = engine.target_model
     if model.config.is_moe:  # more rows touch more experts: what a verify window reads
         result["decode_experts_per_layer"] = distinct_experts(engine, window[:1], ns.prefix_len)
         result["verify_experts_per_layer"] = distinct_experts(engine, window, ns.prefix_len)
@@ -155,11 +142,10 @@ def step_shapes(engine, ns: argparse.Namespace) -> dict[str, float]:
         native, model.native = model.native, None
         try:
             for name, ids in (("decode", window[:1]), ("verify", window)):
-                fb = _pass(engine, ids, ns.prefix_len, False)
-                result[f"{name}_profile_ms"] = profile_step(lambda: model(fb, engine.runner.kv), ns.repeats)
+                with engine.forward_rows(len(ids), ns.prefix_len, input_ids=ids) as forward:
+                    result[f"{name}_profile_ms"] = profile_step(forward, ns.repeats)
         finally:
             model.native = native
-        engine.runner.req_to_token.table.zero_()
     return result
 
 
@@ -178,21 +164,21 @@ def bench_specserve(args: ServerArgs, ns: argparse.Namespace) -> dict[str, Any]:
     memory = memory_mib(engine)  # loaded and warm, before the peers load anything
     b1_runs = []
     for _ in range(BATCH1_RUNS):  # the prompt's prefix is dropped from the cache before each
-        engine.scheduler.ledger.tree.reset()
+        engine.reset_prefix_cache()
         t = time.perf_counter()
         out = engine.generate(input_ids=one[0], sampling_params=params)
         b1_runs.append(out["meta_info"]["completion_tokens"] / (time.perf_counter() - t))
     b1 = statistics.median(b1_runs)
     decode = decode_rate(engine, one[0], params)
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     t = time.perf_counter()
     outs = engine.generate(input_ids=batch, sampling_params=params)
     bn = sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t)
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     shapes = step_shapes(engine, ns)
     depths = {str(d): decode_at_depth(engine, d, params) for d in number_list("--depths", ns.depths)}
     batched = {str(b): batched_decode(engine, b, params) for b in number_list("--batched", ns.batched)}
-    kernel_path, model = path_name() if engine.args.device == "cpu" else "none", engine.runner.model
+    kernel_path, model = path_name() if engine.args.device == "cpu" else "none", engine.target_model
     arithmetic = {"linear_macs_per_row": row_macs(model), "head_macs": head_macs(model),
                   **machine_arithmetic()} if kernel_path != "none" else {}
     layers = "native" if getattr(model, "native", None) is not None else "op by op"
@@ -213,7 +199,7 @@ def decode_rate(engine, prompt: list[int], params: dict[str, Any]) -> dict[str, 
     from specserve.bench.bandwidth import read_bandwidth_gbs, share_of_bandwidth
 
     rate = _decode_rate_beyond_first(engine, prompt, params, from_cold=True)
-    streamed = step_weight_bytes(engine.runner.model)
+    streamed = step_weight_bytes(engine.target_model)
     bandwidth = read_bandwidth_gbs()
     return {"decode_tok_s": rate, "weights_streamed_mib": streamed / 2**20, "read_bandwidth_gbs": bandwidth,
             "decode_bandwidth_share": share_of_bandwidth(streamed, rate, bandwidth)}
@@ -225,11 +211,11 @@ def decode_at_depth(engine, depth: int, params: dict[str, Any]) -> float:
     request takes beyond a 1-token one (each the median of BATCH1_RUNS), both starting from the
     cached context."""
     prompt = _long_ids(engine.tokenizer, depth)
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 1})  # the context, cached
 
     rate = _decode_rate_beyond_first(engine, prompt, params, from_cold=False)
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     return rate
 
 
@@ -238,10 +224,10 @@ def batched_decode(engine, batch: int, params: dict[str, Any]) -> float:
     llama-batched-bench's S_TG: batch * (N - 1) tokens over the N-token requests' time beyond
     1-token ones (medians of BATCH1_RUNS), the prompts cached first so that no prefill is timed."""
     prompts = [_long_ids(engine.tokenizer, BATCHED_PROMPT_TOKENS + i)[i:] for i in range(batch)]  # no shared prefix
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})  # the prompts, cached
     rate = _decode_rate_beyond_first(engine, prompts, {**params, "max_new_tokens": BATCHED_NEW_TOKENS}, from_cold=False)
-    engine.scheduler.ledger.tree.reset()
+    engine.reset_prefix_cache()
     return rate
 
 
@@ -253,7 +239,7 @@ def _decode_rate_beyond_first(engine, prompt: list, params: dict[str, Any], from
         runs = []
         for _ in range(BATCH1_RUNS):
             if from_cold:
-                engine.scheduler.ledger.tree.reset()
+                engine.reset_prefix_cache()
             t = time.perf_counter()
             engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": new_tokens})
             runs.append(time.perf_counter() - t)
@@ -270,17 +256,14 @@ def memory_mib(engine) -> dict[str, float]:
     from specserve.bench.load import _rss
     from specserve.models.loader import resolve_model_path
 
-    pools = [engine.runner.kv, *engine.runner.speculation.kv_pools]
-    kv = sum(t.numel() * t.element_size() for pool in pools for t in (*pool.k, *pool.v))
+    kv = engine.kv_pool_bytes()
     return {"rss_mib": _rss(os.getpid()) / 2**20, "file_mib": weights_bytes(resolve_model_path(engine.args.model_path)) / 2**20,
             "drafter_file_mib": _drafter_bytes(engine) / 2**20, "kv_mib": kv / 2**20, "torch_runtime_mib": torch_runtime_mib()}
 
 
 def _drafter_bytes(engine) -> int:
     """The loaded DSpark drafter's weights file size (0 without one)."""
-    from specserve.speculative.dspark_worker import DsparkWorker
-
-    if not any(isinstance(w, DsparkWorker) for w in engine.runner.speculation.workers.values()):
+    if engine.dspark_drafter() is None:
         return 0
     return weights_bytes(engine.args.speculative_draft_model_path)
 

@@ -18,7 +18,6 @@ import torch
 
 from specserve.args import number_list
 from specserve.errors import ConfigError
-from specserve.models.forward_batch import ForwardBatch
 from specserve.speculative.planner import SpsTable
 
 DEFAULT_TOKENS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -33,38 +32,18 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed passes per point (median is kept)")
 
 
-def verify_pass(engine, total: int, width: int, prefix_len: int) -> ForwardBatch:
-    """A verify-shaped ForwardBatch over scratch request rows: `total` rows in windows of `width`."""
-    lens = [width] * (total // width) + ([total % width] if total % width else [])
-    bs, dev = len(lens), engine.args.device
-    if bs > engine.runner.req_to_token.table.shape[0] or bs * (prefix_len + width) > engine.scheduler.ledger.allocator.size:
-        raise ConfigError(f"profile-sps: {total} tokens need {bs} requests of {prefix_len + width} slots; "
-                         "raise --max-running-requests / --max-total-tokens")
-    rows = list(range(bs))
-    for r in rows:  # distinct slots per request; their values are whatever the pool holds
-        engine.runner.req_to_token.table[r, :prefix_len + width] = torch.arange(1, prefix_len + width + 1) + r * (prefix_len + width)
-    seq = [prefix_len + n for n in lens]
-    meta = engine.runner.model.ops.attention_metadata(engine.runner.req_to_token.table, rows, seq, lens, dev)
-    positions = torch.tensor([prefix_len + i for n in lens for i in range(n)], device=dev)
-    slots = torch.cat([engine.runner.req_to_token.table[r, prefix_len:prefix_len + n] for r, n in zip(rows, lens)])
-    return ForwardBatch(input_ids=torch.randint(3, 1000, (total,), device=dev), positions=positions,
-                        out_cache_loc=slots, attn=meta, logit_rows=torch.arange(total, device=dev))
-
-
 def measure(engine, tokens: Sequence[int], width: int, prefix_len: int, repeats: int) -> SpsTable:
-    model, kv = engine.runner.model, engine.runner.kv
     sps = []
     for total in tokens:
-        fb = verify_pass(engine, total, width, prefix_len)
-        model(fb, kv)  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(fb, kv)
-            times.append(time.perf_counter() - start)
+        with engine.forward_rows(total, prefix_len, width=width) as forward:
+            forward()  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                forward()
+                times.append(time.perf_counter() - start)
         sps.append(1.0 / statistics.median(times))
         print(f"  {total:4d} verify tokens: {sps[-1]:8.1f} steps/s", flush=True)
-    engine.runner.req_to_token.table.zero_()
     meta = {"window": width, "prefix_len": prefix_len, "threads": torch.get_num_threads(),
             "dtype": str(engine.model.dtype), "model": engine.args.model_path or "default"}
     return SpsTable(tuple(tokens), tuple(sps), meta)

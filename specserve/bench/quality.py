@@ -158,7 +158,7 @@ def run_quality_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
         with Engine(**vars(args.replace(**settings, speculative_algorithm="NONE"))) as engine:
             texts = scored_texts(engine.tokenizer, ns.num_texts, ns.max_tokens)
             prompts = prompt_ids(engine.tokenizer, [q["prompt"] for q in mtbench_first_turns()[:ns.num_prompts]])
-            report[name], top1[name] = teacher_forced(lambda ids: all_logits(engine.runner.model, ids), texts)
+            report[name], top1[name] = teacher_forced(lambda ids: all_logits(engine.target_model, ids), texts)
             stop_ids = tuple(engine.tokenizer.eos_token_ids)
             answers = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
             outputs[name] = until_stop(answers, stop_ids)

@@ -89,8 +89,8 @@ def run_spec_bench(ns: argparse.Namespace, args: ServerArgs) -> int:
                     run.update(config=name, workload=workload, batch_size=bs, repeat=repeat)
                     runs.append(run)
                     print(_line(run), flush=True)
-        policy = engines["DEFAULT"].runner.speculation.policy if "DEFAULT" in engines else None
-        cost = policy.cost.coefficients() if policy else cost
+        fitted = engines["DEFAULT"].speculation_cost_coefficients() if "DEFAULT" in engines else None
+        cost = fitted if fitted is not None else cost
         for engine in engines.values():
             engine.shutdown()
         del engines
@@ -127,13 +127,11 @@ def run_once(engine, prompts: list[list[int]], categories: list[str], bs: int,
     """Generate every prompt: alone at batch 1 (a group each), else all at once (one group) with
     the engine running at most bs; per group its wall time, tokens and spec counters. SUFFIX's
     index of past outputs starts empty (a run never drafts from an earlier run's answers)."""
-    suffix = engine.runner.speculation.worker("SUFFIX")
-    if suffix is not None:
-        suffix.forget_outputs()
+    engine.forget_past_outputs()
     groups = []
     group = 1 if bs == 1 else len(prompts)
     for i in range(0, len(prompts), group):
-        engine.scheduler.ledger.tree.reset()  # every run prefills its prompts from scratch
+        engine.reset_prefix_cache()  # every run prefills its prompts from scratch
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts[i:i + group], sampling_params=params[i:i + group])
         wall = time.perf_counter() - start

@@ -21,6 +21,7 @@ from specserve.engine.builder import build_rank
 from specserve.engine.inputs import Params, Prompt, normalize_inputs, normalize_params
 from specserve.engine.messages import AbortRequest, AddRequest, Command, Drain, FlushCache, Shutdown
 from specserve.engine.output import request_output
+from specserve.engine.tools import ToolSurface
 from specserve.logits.grammar import GrammarSpec
 from specserve.models.activations import choose_cpu_activations, with_resolved_activations
 from specserve.sampling_params import SamplingParams
@@ -32,12 +33,13 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.5  # an idle rank 0 steps this often under TP (well inside any collective timeout)
 
 
-class Engine:
+class Engine(ToolSurface):
     """Offline engine: `Engine(model_path=None, **server_args).generate(prompt, sampling_params=...)`.
 
     With `tp_size > 1` this object is rank 0 of an SPMD group: it spawns the other ranks, and every
     step starts with rank 0 broadcasting the commands (new requests, aborts) that all ranks apply
-    before scheduling identically.
+    before scheduling identically. Benchmarks, training and checks use the named methods of
+    `ToolSurface` (engine/tools.py), never the runner's attributes.
     """
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):

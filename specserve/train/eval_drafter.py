@@ -69,10 +69,11 @@ def walk(engine, served: list[Served]) -> dict:
     from specserve.train.corpus import capture
     from specserve.train.serving_walk import AcceptTally, dense_accepts
 
-    drafter = engine.runner.speculation.worker("DSPARK").drafter
+    drafter = engine.dspark_drafter()
+    assert drafter is not None, "eval-drafter: the engine has no DSPARK drafter"
     tally, matched = AcceptTally(drafter.block_size), 0
     for s in served:
-        seq = capture(engine.runner.model, [(s.prompt_ids, s.output_ids)], list(drafter.config.target_layer_ids), 1)[0]
+        seq = capture(engine.target_model, [(s.prompt_ids, s.output_ids)], list(drafter.config.target_layer_ids), 1)[0]
         accepts = dense_accepts(drafter, seq.hidden.to(drafter.dtype), seq.ids, len(s.prompt_ids))
         steps = serving_walk.serving_walk(accepts, len(s.prompt_ids), len(s.prompt_ids) + len(s.output_ids))
         tally.add(accepts, steps)

@@ -158,7 +158,7 @@ def build_teacher_cache(cache, store, shards: list, model_path: Optional[str]) -
 
     engine = Engine(model_path=model_path, speculative_algorithm="NONE", random_seed=0)
     try:
-        return cache.build(store, engine.runner.model, shards, log=tqdm.write)["seconds"]
+        return cache.build(store, engine.target_model, shards, log=tqdm.write)["seconds"]
     finally:
         engine.shutdown()
 
