@@ -12,11 +12,10 @@ from enum import Enum
 class _Name(str, Enum):
     """A name that is its string: prints, formats, compares and hashes as its value."""
 
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # the string's hash: a member and its string are the same dict key
-        return str.__hash__(self)
+    # str's own slots, not Python functions: a member prints and hashes as its string (the same dict
+    # key), and a step that compares or looks members up calls nothing of this module.
+    __str__ = str.__str__
+    __hash__ = str.__hash__
 
 
 class StepMode(_Name):

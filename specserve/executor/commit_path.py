@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
 
-from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits
-from specserve.executor.step_io import StepInput
+from specserve.executor.step_io import FutureMap, StepInput
 from specserve.runtime.staging import staged
 from specserve.speculative.accept import AcceptOuts
 from specserve.speculative.speculation import Speculation
@@ -70,10 +69,11 @@ class Committed:
         """Each request's last committed token, the next step's anchor (a gather, no read)."""
         return self.tokens.gather(1, (self.lens - 1).unsqueeze(1)).squeeze(1)
 
-    def tensors(self) -> list[torch.Tensor]:
-        """What the host parties read, for the step's one late copy (see `HostCommit.of`)."""
-        correct = self.correct if self.correct is not None else self.lens
-        return [self.tokens, self.lens, self.out_lens, correct]
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Committed":
+        """The same commit with what the host parties read through `fn` (the step's late copy):
+        tokens, lens, output lengths and accepted drafts (see `HostCommit.of`)."""
+        correct = fn(self.correct) if self.correct is not None else None
+        return replace(self, tokens=fn(self.tokens), lens=fn(self.lens), out_lens=fn(self.out_lens), correct=correct)
 
 
 @dataclass
@@ -88,9 +88,10 @@ class HostCommit:
     correct: list[int]
 
     @staticmethod
-    def of(done: Committed, values: list[torch.Tensor]) -> "HostCommit":
-        """From `done.tensors()` or their host copies (reading the device ones is a wait)."""
-        rows, lens, outs, correct = (v.tolist() for v in values)
+    def of(done: Committed) -> "HostCommit":
+        """From a commit's host copies (Committed.map), or from the device's (reading them is a wait)."""
+        correct_t = done.correct if done.correct is not None else done.lens
+        rows, lens, outs, correct = (v.tolist() for v in (done.tokens, done.lens, done.out_lens, correct_t))
         tokens = [row[:n] for row, n in zip(rows, lens)]
         return HostCommit(done.indices, tokens, outs, done.first, done.plan, correct)
 
@@ -131,7 +132,7 @@ class CommitPath:
                 self.request_logits.commit_counts([step.rows[i] for i in done.indices], done.tokens, done.lens)
         if not self.host_needs_now(step):
             return bool(done.indices) or done.plan is not None
-        self.commit_host(step, HostCommit.of(done, done.tensors()))
+        self.commit_host(step, HostCommit.of(done))
         return False
 
     def _write_token_table(self, step: StepInput, done: Committed, req_rows: torch.Tensor) -> None:

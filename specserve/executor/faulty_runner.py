@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.executor.model_runner import ModelRunner
-from specserve.executor.step_handle import StepHandle
+from specserve.executor.model_runner import ModelRunner, StepHandle
 from specserve.executor.step_io import StepOutcome
 from specserve.runtime.faults import FaultConfig
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue

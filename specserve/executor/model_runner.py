@@ -17,19 +17,19 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
 from specserve.executor.captured_step import CaptureConfig, CapturedStep, VerifyPath
 from specserve.executor.commit_path import CommitPath, Committed, HostCommit, tighter, verified_rows
-from specserve.executor.future_map import FutureMap
 from specserve.executor.request_logits import RequestLogits, verify_row_layout
-from specserve.executor.step_handle import StepHandle
-from specserve.executor.step_io import EXTEND, VERIFY, StepInput, StepOutcome
+from specserve.executor.step_io import EXTEND, VERIFY, FutureMap, PromptLogprobs, StepInput, StepOutcome, VerifyStats
 from specserve.executor.tp_decisions import TPDecisions
 from specserve.kv.pool import KVPool, ReqToTokenPool
 from specserve.logits.grammar import GrammarCompiler
+from specserve.logits.logprobs import DeviceLogprobs
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.faults import CopyLag
@@ -42,6 +42,84 @@ from specserve.speculative.cost_model import StepShape
 from specserve.speculative.speculation import Proposal, Speculation
 from specserve.speculative.step_plan import StepPlan
 from specserve.speculative.worker import CommittedRows
+
+
+@dataclass
+class StepResults:
+    """What one step produced, by name: on the device (the forward stream writes it) and, the same
+    record with every tensor copied, on the host (the copy stream's `copied`). A prefill or plain
+    decode step has its tokens; a verify step its owned accept results; either may carry the commit
+    its host parties read late (CommitPath) and the logprobs some request asked for."""
+
+    tokens: Optional[torch.Tensor] = None  # [bs]: each request's token (a prefill chunk's: 0 where none is sampled)
+    accept: Optional[AcceptOuts] = None  # a verify step's windows, owned (never views of the epilogue's buffers)
+    commit: Optional[Committed] = None  # the commit, where its host parties read it with this copy
+    logprobs: list[DeviceLogprobs] = field(default_factory=list)
+
+    def copied(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> "StepResults":
+        """This record with every tensor through `copy` (a device-to-host copy)."""
+        return StepResults(
+            None if self.tokens is None else copy(self.tokens),
+            None if self.accept is None else self.accept.map(copy),
+            None if self.commit is None else self.commit.map(copy),
+            [part.map(copy) for part in self.logprobs],
+        )
+
+
+@dataclass
+class StepHandle:
+    """One launched step: its plan, its results on the device, their host copies and the copy's
+    event; `outcomes` reads the host copies only, once the event has fired."""
+
+    step: StepInput
+    plan: Optional[StepPlan] = None  # a verify step's decisions, set on the forward stream
+    device: StepResults = field(default_factory=StepResults)  # set on the forward stream
+    host: Optional[StepResults] = None  # set on the copy stream
+    done: Optional[Event] = None
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # request index -> its chunk's
+
+    def commit(self, done: Committed, host_parties_wait: bool) -> None:
+        """The step's commit (forward stream), joining the late copy if its host parties still wait."""
+        self.device.commit = done if host_parties_wait else None
+
+    def outcomes(self) -> list[StepOutcome]:
+        """Each request's outcome, from the host copies only (the copy's event has fired)."""
+        assert self.host is not None, "the copy stream made the host copies"
+        tokens, stats = self._tokens(self.host)
+        lps, prompt = self._logprobs(self.host), self.prompt_logprobs
+        return [StepOutcome(t, lps.get(i), prompt.get(i), v) for i, (t, v) in enumerate(zip(tokens, stats))]
+
+    def _logprobs(self, host: StepResults) -> dict[int, list]:
+        """Request index -> its TokenLogprobs (a window's up to its commit)."""
+        out: dict[int, list] = {}
+        commit_lens = host.accept.commit_lens.tolist() if host.accept is not None else None
+        for part in host.logprobs:
+            for i, found in part.read(commit_lens).items():
+                out.setdefault(i, []).extend(found)
+        return out
+
+    def _tokens(self, host: StepResults) -> tuple[list[list[int]], list[Optional[VerifyStats]]]:
+        """Per request its emitted tokens and, for a speculating engine's decode step (planned:
+        its windows), the window's statistics."""
+        plan, size = self.plan, self.step.size
+        if host.accept is not None:
+            out = host.accept
+            commit, rows, trimmed = out.commit_lens.tolist(), out.out_tokens.tolist(), out.cap_trim_lens.tolist()
+            tokens = [row[:n] for row, n in zip(rows, commit)]
+        else:
+            assert host.tokens is not None, "a step without windows has its tokens"
+            if plan is None:  # a prefill chunk (a token only where one is sampled) or a plain decode step
+                return [[t] if s else [] for t, s in zip(host.tokens.tolist(), self.step.sample)], [None] * size
+            tokens, trimmed = [[t] for t in host.tokens.tolist()], [0] * size  # planned, no drafts
+        assert plan is not None, "a verify step is planned"
+        windows = zip(plan.drafters, plan.drafts, plan.predicted, trimmed)
+        return tokens, [VerifyStats(drafter, k, predicted, cap) for drafter, k, predicted, cap in windows]
+
+
+def copy_to_host(src: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """One result tensor's host copy (copy stream): into pinned memory, non-blocking, on CUDA."""
+    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
+    return host.copy_(src, non_blocking=pinned)
 
 
 class ModelRunner:
@@ -116,17 +194,14 @@ class ModelRunner:
         assert handle.done is not None, "launch records the copy's event"
         handle.done.synchronize()
         self.forward.raise_pending()  # a failed step surfaces here, not as a missing result
-        if handle.pending is not None:  # the host parties, from the late copy (see CommitPath)
-            self.commits.commit_host(handle.step, HostCommit.of(handle.pending, handle.commit_values()))
+        assert handle.host is not None, "the copy stream made the host copies"
+        if handle.host.commit is not None:  # the host parties, from the late copy (see CommitPath)
+            self.commits.commit_host(handle.step, HostCommit.of(handle.host.commit))
         return handle.outcomes()
 
     def _copy_to_host(self, handle: StepHandle) -> None:
         """Copy stream: the device-to-host copy (pinned and non-blocking on CUDA)."""
-        pinned = self.copy.device.type == "cuda"
-        for src in handle.device_out:
-            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
-            host.copy_(src, non_blocking=pinned)
-            handle.host_out.append(host)
+        handle.host = handle.device.copied(functools.partial(copy_to_host, pinned=self.copy.device.type == "cuda"))
 
     # ------------------------------------------------------------ forward stream
 
@@ -141,17 +216,15 @@ class ModelRunner:
         step = handle.step
         start = time.perf_counter()
         if step.mode == EXTEND:
-            handle.device_out = [self._extend(step, handle)]
-            handle.keep_commit()
+            handle.device.tokens = self._extend(step, handle)
             return
         plan = handle.plan = self._plan(step, step.width - 1) if step.mode == VERIFY else None
         if plan is not None and plan.speculates:
-            handle.device_out = self._verify(step, plan, handle).tensors()
+            handle.device.accept = self._verify(step, plan, handle)
             shape = plan.shape
         else:
-            handle.device_out = [self._decode(step, handle)]
+            handle.device.tokens = self._decode(step, handle)
             shape = StepShape(step.size)
-        handle.keep_commit()
         policy = self.speculation.policy
         if policy is not None and self.forward.device.type == "cpu":  # CUDA steps run asynchronously
             policy.observe_step(shape, time.perf_counter() - start)
@@ -226,7 +299,7 @@ class ModelRunner:
         picked = sample_tokens(logits, params, seeds_tensor(seeds, self.device), counters)
         picked = self._agree([picked], site)[0]
         if (found := self.request_logits.record_logprobs(indices, logits, params, picked)) is not None:
-            handle.logprobs.append(found)
+            handle.device.logprobs.append(found)
         return picked
 
     def _captured_step(self, width: int) -> CapturedStep:
@@ -280,7 +353,7 @@ class ModelRunner:
         out = epilogue.accept(windows)  # owned: nothing below reads the *_buf tensors
         done = Committed.accepted(out, out_lens, plan)
         if (found := self.request_logits.window_logprobs(step.params, logits, layout, out.out_tokens)) is not None:
-            handle.logprobs.append(found)
+            handle.device.logprobs.append(found)
         reads_rows = self.speculation.reads_rows
         packed = verify_lens if keep is not None else None  # a captured step's hidden rows are every row
         computed = self._verified_rows(hidden, out, prefix, window_slots, packed) if reads_rows else None

@@ -8,7 +8,7 @@ is the same whether a plain decode, a verify row or a bonus produced it (same ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -32,12 +32,14 @@ class DeviceLogprobs:
     top_n: list[int]
     tensors: list[torch.Tensor]  # token [n], its logprob [n], top ids [n, K], top logprobs [n, K]
 
-    def read(
-        self, host: Sequence[torch.Tensor], commit_lens: Optional[Sequence[int]] = None
-    ) -> dict[int, list[TokenLogprob]]:
-        """From the host copies of `tensors`: per request its rows' TokenLogprobs in order, a
-        window's only up to its commit length (the columns whose tokens were committed)."""
-        tokens, chosen, ids, values = (t.tolist() for t in host)
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "DeviceLogprobs":
+        """The same logprobs with every tensor through `fn` (the step's late copy to the host)."""
+        return DeviceLogprobs(self.requests, self.columns, self.top_n, [fn(t) for t in self.tensors])
+
+    def read(self, commit_lens: Optional[Sequence[int]] = None) -> dict[int, list[TokenLogprob]]:
+        """From host copies (see `map`): per request its rows' TokenLogprobs in order, a window's
+        only up to its commit length (the columns whose tokens were committed)."""
+        tokens, chosen, ids, values = (t.tolist() for t in self.tensors)
         out: dict[int, list[TokenLogprob]] = {}
         for r, (i, n) in enumerate(zip(self.requests, self.top_n)):
             if self.columns is not None and commit_lens is not None and self.columns[r] >= commit_lens[i]:
@@ -70,5 +72,5 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[
         return []
     ids = torch.tensor(list(tokens), dtype=torch.int64, device=logits.device)
     found = device_logprobs(logits, ids, top_n, range(len(tokens)))
-    read = found.read(found.tensors)
+    read = found.read()
     return [read[r][0] for r in range(len(tokens))]

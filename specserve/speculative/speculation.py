@@ -22,7 +22,7 @@ from specserve.speculative.lagged import LAG, LaggedFeed
 from specserve.speculative.planner import VerifyPlanner
 from specserve.speculative.step_plan import StepPlan
 from specserve.speculative.token_table import TokenTable
-from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker
+from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker, WorkerDefaults
 
 T = TypeVar("T")
 
@@ -83,6 +83,8 @@ class Speculation:
         self.lagged_plans = lagged_plans
         self.news: LaggedFeed[Callable[[], None]] = LaggedFeed("speculation policy")  # see `lagged`
         self._started: dict[int, int] = {}  # request slot -> the launch of its latest request's prefill
+        # The workers with something to do as a step begins (the rest keep WorkerDefaults' no-op).
+        self._advancing = [w for w in workers if getattr(type(w), "advance", None) is not WorkerDefaults.advance]
 
     @property
     def lagged(self) -> bool:
@@ -131,7 +133,7 @@ class Speculation:
             for tell in self.news.due(launch):
                 tell()
             known = [self._started.get(row, 0) <= launch - LAG for row in rows]
-        for worker in self.workers.values():
+        for worker in self._advancing:
             worker.advance(launch)
         if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
             return StepPlan.fixed([None] * len(rows), gamma)

@@ -107,8 +107,7 @@ def test_sanitizer_catches_captured_logits_escaping(drafter_dir, prompts, monkey
     def leaky_step(handle):
         original(runner, handle)
         if handle.step.mode == "decode":
-            handle.device_out = [runner._captured[1].logits_out[:len(handle.step.rows)].argmax(-1),
-                                 runner._captured[1].logits_out[:1]]
+            handle.device.tokens = runner._captured[1].logits_out[:len(handle.step.rows), 0]  # a view, not a copy
 
     monkeypatch.setattr(runner, "_step", leaky_step)
     with pytest.raises((StreamHazardError, StreamError)) as info:

@@ -227,7 +227,7 @@ def test_sanitizer_catches_a_launch_without_the_forward_to_copy_event(fp32_engin
     with pytest.raises(StreamError, match="stream hazard") as info:
         engine.generate(input_ids=prompts[:2], sampling_params=params)
     text = str(hazard_raised(info))
-    assert "on stream 'copy'" in text and "_copy_to_host" in text, text
+    assert "on stream 'copy'" in text and "copy_to_host" in text, text
     assert "is not ordered after the write" in text and "on stream 'forward'" in text, text
     assert engine.scheduler.stats.verify_steps == 0  # caught at the first verify step's copy
     engine.shutdown()

@@ -97,7 +97,7 @@ def test_logprobs_and_top_alternatives():
     params = [SamplingParams(), SamplingParams(logprobs=True, top_logprobs=1)]
     part = RequestLogits.record_logprobs([5, 6], logits, params, torch.tensor([0, 2]))  # requests 5 and 6
     assert part is not None and list(part.read(part.tensors)) == [6]
-    assert part.read(part.tensors)[6] == [TokenLogprob(2, found[1].logprob, ((2, found[1].logprob),))]
+    assert part.read()[6] == [TokenLogprob(2, found[1].logprob, ((2, found[1].logprob),))]
     assert RequestLogits.record_logprobs([0, 1], logits, [SamplingParams()] * 2, torch.tensor([0, 2])) is None
 
 
@@ -109,7 +109,7 @@ def test_window_logprobs_keep_the_committed_columns():
     out_tokens = torch.tensor([[3, 1, 4], [2, 0, 0]])
     params = [SamplingParams(logprobs=True), SamplingParams(logprobs=True, top_logprobs=2)]
     part = RequestLogits.window_logprobs(params, logits, layout, out_tokens)
-    got = part.read(part.tensors, commit_lens=[2, 3])
+    got = part.read(commit_lens=[2, 3])
     logp = torch.log_softmax(logits, -1)
     assert [t.token for t in got[0]] == [3, 1] and [t.token for t in got[1]] == [2, 0, 0]
     assert got[0][1].logprob == pytest.approx(float(logp[1, 1])) and got[1][2].logprob == pytest.approx(float(logp[5, 0]))
