@@ -27,8 +27,8 @@ from specserve.executor.request_logits import RequestLogits
 from specserve.executor.step_io import FutureMap, StepInput
 from specserve.runtime.staging import staged
 from specserve.speculative.accept import AcceptOuts
+from specserve.speculative.policy import StepPlan
 from specserve.speculative.speculation import Speculation
-from specserve.speculative.step_plan import StepPlan
 from specserve.speculative.worker import CommittedRows
 
 

@@ -39,8 +39,8 @@ from specserve.runtime.stream import Event, Stream
 from specserve.sampler import sample_tokens, seeds_tensor, token_counter
 from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, VerifyWindows
 from specserve.speculative.cost_model import StepShape
+from specserve.speculative.policy import StepPlan
 from specserve.speculative.speculation import Proposal, Speculation
-from specserve.speculative.step_plan import StepPlan
 from specserve.speculative.worker import CommittedRows
 
 

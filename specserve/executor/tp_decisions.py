@@ -16,7 +16,7 @@ import torch
 
 from specserve.distributed.consensus import RankConsensusChecker
 from specserve.distributed.group import TPGroup
-from specserve.speculative.step_plan import StepPlan
+from specserve.speculative.policy import StepPlan
 
 
 class RankDivergence(RuntimeError):

@@ -14,6 +14,9 @@ exact optimum: for the best rate r so far, each request alone picks the option m
 tokens - r * seconds; the plan's own rate becomes the next r, which rises until it stops. Both
 settings of the DSpark drafter are solved and the better kept. Plain decoding (k = 0 everywhere)
 is always a candidate plan, so nothing that predicts a loss is ever chosen.
+
+`StepPlan`: one verify step's decisions per request (drafter, draft count), as the policy made
+them or as the drafters' fixed windows give them (speculative/adaptive.py, speculation.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Optional, Sequence
 
 from specserve import drafters as registry
 from specserve.errors import InternalError
-from specserve.speculative.cost_model import StepCostModel
+from specserve.speculative.cost_model import StepCostModel, StepShape
 
 
 @dataclass(frozen=True)
@@ -142,3 +145,26 @@ def plain_beats_every_plan(best_first: float, cost: StepCostModel, plain_rate: f
     if row <= 0 or any(coef[name] < 0 for name in ("dspark_step", "dspark_rows", "ngram_requests", "verify_step")):
         return False
     return best_first / row <= plain_rate
+
+
+@dataclass
+class StepPlan:
+    """One verify step's decisions, per request, and the step's shape for the cost model."""
+
+    drafters: list[Optional[str]]  # None: no drafts (one verified row)
+    drafts: list[int]  # k, 0..gamma
+    predicted: list[float]  # expected accept length 1 + s_1 + .. + s_k
+    shape: StepShape
+    # per request the rate bucket of its drafter it was priced by (its hint's); what its acceptance
+    # teaches, also when it is observed after later plans (Speculation.lagged)
+    buckets: Optional[list[int]] = None
+
+    @property
+    def speculates(self) -> bool:
+        return any(self.drafts)
+
+    @classmethod
+    def fixed(cls, drafters: Sequence[Optional[str]], gamma: int) -> "StepPlan":
+        """Every request with a drafter verifies all gamma drafts (the policy turned off)."""
+        drafts = [gamma if d is not None else 0 for d in drafters]
+        return cls(list(drafters), drafts, [0.0] * len(drafts), StepShape.of(drafters, drafts))

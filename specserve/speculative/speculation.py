@@ -20,7 +20,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.speculative.adaptive import AdaptivePolicy
 from specserve.speculative.lagged import LAG, LaggedFeed
 from specserve.speculative.planner import VerifyPlanner
-from specserve.speculative.step_plan import StepPlan
+from specserve.speculative.policy import StepPlan
 from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker, WorkerDefaults
 
