@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from specserve.bench.profile_sps import median_call_s
 from specserve.args import ServerArgs, number_list
 from specserve.bench.llamacpp import BATCH1_RUNS
 from specserve.engine.memory import weights_bytes
@@ -88,13 +89,7 @@ def _long_ids(tokenizer, n: int) -> list[int]:
 def _median_pass_s(engine, ids: list[int], prefix_len: int, repeats: int, last_logit_only: bool) -> float:
     """Median seconds of one target forward over `ids` as new rows after `prefix_len` cached ones."""
     with engine.forward_rows(len(ids), prefix_len, input_ids=ids, last_logit_only=last_logit_only) as forward:
-        forward()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            forward()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return median_call_s(forward, repeats)
 
 
 def distinct_experts(engine, ids: list[int], prefix_len: int) -> float:

@@ -12,7 +12,7 @@ import argparse
 import math
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -32,17 +32,22 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed passes per point (median is kept)")
 
 
+def median_call_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `repeats` calls of `fn`, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def measure(engine, tokens: Sequence[int], width: int, prefix_len: int, repeats: int) -> SpsTable:
     sps = []
     for total in tokens:
         with engine.forward_rows(total, prefix_len, width=width) as forward:
-            forward()  # warm-up
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                forward()
-                times.append(time.perf_counter() - start)
-        sps.append(1.0 / statistics.median(times))
+            sps.append(1.0 / median_call_s(forward, repeats))
         print(f"  {total:4d} verify tokens: {sps[-1]:8.1f} steps/s", flush=True)
     meta = {"window": width, "prefix_len": prefix_len, "threads": torch.get_num_threads(),
             "dtype": str(engine.model.dtype), "model": engine.args.model_path or "default"}

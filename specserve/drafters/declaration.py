@@ -76,6 +76,12 @@ class Drafter:
         if names_model != has_kind or self.runs_a_model != names_model:
             raise ValueError(f"drafter {self.name}: a model drafter names its draft model and its kind, others neither")
 
+    @classmethod
+    def lookup(cls, name: str, summary: str, worker: str, priors: tuple[float, ...], hints: Hints, **more: Any) -> "Drafter":
+        """A model-free drafter that looks its drafts up in the request tokens on the device (the
+        table CommitPath writes), its rates kept per bucket of its hints."""
+        return cls(name, summary, worker, Cost.LOOKUP, priors, hints, needs_token_table=True, **more)
+
     @property
     def runs_a_model(self) -> bool:
         return self.cost is Cost.MODEL

@@ -4,7 +4,7 @@ tokens its walk found, a lookup per request, asked only where the plan may depen
 
 from typing import Any
 
-from specserve.drafters.declaration import Cost, Drafter, Hints
+from specserve.drafters.declaration import Drafter, Hints
 from specserve.errors import ConfigError
 from specserve.names import SuffixScope
 
@@ -22,15 +22,13 @@ def check_flags(args: Any) -> None:
         raise ConfigError("speculative_suffix_max_spec_factor must be > 0 and speculative_suffix_min_token_prob in [0, 1]")
 
 
-DRAFTER = Drafter(
-    name="SUFFIX",
-    summary="suffix matches over the request's tokens and earlier outputs",
-    worker="specserve.speculative.suffix_worker:make_worker",
-    cost=Cost.LOOKUP,
+DRAFTER = Drafter.lookup(
+    "SUFFIX",
+    "suffix matches over the request's tokens and earlier outputs",
+    "specserve.speculative.suffix_worker:make_worker",
     # per matched-suffix bucket (none, 2-3, 4-7, 8-15, 16+); a walk that found nothing drafts nothing
     priors=(0.0, 0.3, 0.45, 0.6, 0.7),
     hints=Hints.ON_DEMAND,
     caps_drafts=True,
-    needs_token_table=True,
     check=check_flags,
 )

@@ -57,33 +57,10 @@ def self_test(module: ModuleType) -> str:
         outs = {}
         tables = dict(zip(("code_offset", "scale_super", "zero_super"), packed.table_args()))
         tables.update(group=packed.group, bits=packed.bits)
+        codes = (packed.format, packed.codes, packed.scale, packed.zero, packed.n, packed.k, packed.format not in (Q4, Q8))
         for path in paths:
-            y = module.linear(
-                x,
-                packed.format,
-                packed.codes,
-                packed.scale,
-                packed.zero,
-                packed.n,
-                packed.k,
-                packed.format not in (Q4, Q8),
-                PATHS[path],
-                *packed.exponents,
-                **tables,
-            )
-            alone = module.linear(
-                x[3:4].contiguous(),
-                packed.format,
-                packed.codes,
-                packed.scale,
-                packed.zero,
-                packed.n,
-                packed.k,
-                packed.format not in (Q4, Q8),
-                PATHS[path],
-                *packed.exponents,
-                **tables,
-            )
+            y = module.linear(x, *codes, PATHS[path], *packed.exponents, **tables)
+            alone = module.linear(x[3:4].contiguous(), *codes, PATHS[path], *packed.exponents, **tables)
             if not torch.equal(alone[0], y[3]):
                 raise RuntimeError(f"kernel self-test: {name} ({path}) gives a row a different result alone than in a batch")
             worst[name] = max(worst.get(name, 0.0), _check(name, y, x.double() @ dense.T))
