@@ -33,7 +33,7 @@ from specserve.executor.step_io import StepInput
 from specserve.kv.pool import KVPool
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
-from specserve.speculative.accept import DsparkVerifyEpilogue
+from specserve.speculative.accept import VerifyEpilogue
 
 MIN_KV_BUCKET = 128
 
@@ -122,7 +122,7 @@ class CapturedStep:
         width: int,
         max_bs: int,
         capture_layer_ids: tuple[int, ...] = (),
-        epilogue: Optional[DsparkVerifyEpilogue] = None,
+        epilogue: Optional[VerifyEpilogue] = None,
         use_cuda_graph: bool = False,
         compile: bool = False,
         pad_batches: Optional[bool] = None,

@@ -17,12 +17,12 @@ from typing import Any
 from specserve.executor.model_runner import ModelRunner, StepHandle
 from specserve.executor.step_io import StepOutcome
 from specserve.runtime.faults import FaultConfig
-from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue
+from specserve.speculative.accept import AcceptOuts, VerifyEpilogue
 
 __all__ = ["AliasedAcceptEpilogue", "FaultyRunner", "ModelRunner", "make_runner"]  # the builder imports both runners here
 
 
-class AliasedAcceptEpilogue(DsparkVerifyEpilogue):
+class AliasedAcceptEpilogue(VerifyEpilogue):
     """The seed's bug, on purpose: `read_accept` hands out views of the persistent buffers."""
 
     def read_accept(self, bs: int) -> AcceptOuts:

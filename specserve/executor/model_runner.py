@@ -37,7 +37,7 @@ from specserve.runtime.host_waits import HostWaitDetector, optional_watch
 from specserve.runtime.staging import staged
 from specserve.runtime.stream import Event, Stream
 from specserve.sampler import sample_tokens, seeds_tensor, token_counter
-from specserve.speculative.accept import AcceptOuts, DsparkVerifyEpilogue, VerifyWindows
+from specserve.speculative.accept import AcceptOuts, VerifyEpilogue, VerifyWindows
 from specserve.speculative.cost_model import StepShape
 from specserve.speculative.policy import StepPlan
 from specserve.speculative.speculation import Proposal, Speculation
@@ -128,7 +128,7 @@ class ModelRunner:
     # What the fault-injecting subclass plants (executor/faulty_runner.py); the engine reports them.
     alias_accept_buffers: bool = False
     copy_lag: Optional[CopyLag] = None
-    epilogue_class: type[DsparkVerifyEpilogue] = DsparkVerifyEpilogue
+    epilogue_class: type[VerifyEpilogue] = VerifyEpilogue
 
     def __init__(
         self,
@@ -154,7 +154,7 @@ class ModelRunner:
         self.forward = forward_stream or Stream("forward", device)
         self.copy = copy_stream or Stream("copy", device)
         self.future = FutureMap(req_to_token.table.shape[0], device)
-        self.epilogue: Optional[DsparkVerifyEpilogue] = None  # made at the first verify step
+        self.epilogue: Optional[VerifyEpilogue] = None  # made at the first verify step
         self.capture = (capture or CaptureConfig(max_bs=max_bs)).fitted(max_bs, device)
         self._captured: dict[int, CapturedStep] = {}  # by window width: 1 (decode) or gamma + 1 (verify)
         self.tp = tp  # rank 0's sampled tokens, drafts, verify lengths and accept results, on every rank
@@ -390,7 +390,7 @@ class ModelRunner:
         plan = self.speculation.plan(step.drafters, step.rows, gamma, step.refills, greedy, step.launch)
         return plan if self.tp is None else self.tp.agree_plan(plan, sorted(self.speculation.workers))
 
-    def _epilogue(self, width: int) -> DsparkVerifyEpilogue:
+    def _epilogue(self, width: int) -> VerifyEpilogue:
         if self.epilogue is None or self.epilogue.num_verify_tokens != width:
             agree = self.tp.agree if self.tp is not None else None
             self.epilogue = self.epilogue_class(self.max_bs, width, self.device, agree)

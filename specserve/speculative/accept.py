@@ -1,11 +1,11 @@
 """Accept for verify windows: AcceptOuts, the persistent epilogue buffers and the accept kernels.
 
-A verify step reaches this module once, through `DsparkVerifyEpilogue.accept(windows)`: the
+A verify step reaches this module once, through `VerifyEpilogue.accept(windows)`: the
 accept kernels write the buffers (unless the captured step folded the greedy accept in), then
 under tensor parallelism rank 0's results replace this rank's, then `read_accept` hands back
 owned copies. The runner never touches a buffer itself.
 
-Ownership: the six `*_buf` tensors belong to the DsparkVerifyEpilogue.
+Ownership: the six `*_buf` tensors belong to the VerifyEpilogue.
 A captured or replayed verify step rewrites them every time it runs, so
 - writers reach them only through `accept_buffers(bs)` (views, used as write targets), and
 - readers get `read_accept(bs)`: clones made on the forward stream right after the step.
@@ -82,7 +82,7 @@ class VerifyWindows:
         return self.ids.shape[0]
 
 
-class DsparkVerifyEpilogue:
+class VerifyEpilogue:
     """Owns the six persistent accept buffers and runs the accept kernels into them.
 
     `agree` (tensor parallelism): how this rank takes rank 0's accept results, so that every rank
@@ -93,7 +93,7 @@ class DsparkVerifyEpilogue:
     ):
         if max_bs < 1 or num_verify_tokens < 2:
             raise InternalError(
-                f"DsparkVerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, got {max_bs}, {num_verify_tokens}"
+                f"VerifyEpilogue: need max_bs >= 1 and num_verify_tokens >= 2, got {max_bs}, {num_verify_tokens}"
             )
         self.max_bs = max_bs
         self.num_verify_tokens = num_verify_tokens
@@ -272,7 +272,7 @@ class DsparkVerifyEpilogue:
 
 
 def accept_windows(
-    epilogue: DsparkVerifyEpilogue,
+    epilogue: VerifyEpilogue,
     ids: torch.Tensor,
     logits: torch.Tensor,
     prefix: torch.Tensor,

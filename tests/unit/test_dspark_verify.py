@@ -1,4 +1,4 @@
-"""Accept kernels and buffer ownership of DsparkVerifyEpilogue (the seed's unit tests and more)."""
+"""Accept kernels and buffer ownership of VerifyEpilogue (the seed's unit tests and more)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import specserve.speculative.accept as accept_module
 from specserve.errors import InternalError
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.accept import DsparkVerifyEpilogue, accept_windows
+from specserve.speculative.accept import VerifyEpilogue, accept_windows
 
 V = 10
 
@@ -26,7 +26,7 @@ def logits_with_argmax(rows: list[list[int]]) -> torch.Tensor:
 
 def run_greedy(ids, targets, prefix, verify_lens=None, dtype=torch.int64):
     bs, width = len(ids), len(ids[0])
-    epi = DsparkVerifyEpilogue(max_bs=8, num_verify_tokens=width)
+    epi = VerifyEpilogue(max_bs=8, num_verify_tokens=width)
     vl = None if verify_lens is None else torch.tensor(verify_lens, dtype=dtype)
     epi.accept_greedy(bs, torch.tensor(ids, dtype=dtype), logits_with_argmax(targets),
                       torch.tensor(prefix, dtype=dtype), vl)
@@ -75,12 +75,12 @@ def test_a_match_after_a_mismatch_does_not_count():
 
 # ------------------------------------------------------------------ ownership
 
-def _fill(epi: DsparkVerifyEpilogue, bs: int, value: int) -> None:
+def _fill(epi: VerifyEpilogue, bs: int, value: int) -> None:
     for t in epi.accept_buffers(bs).tensors():
         t.fill_(value)
 
 
-def reads_survive_overwrite(epi: DsparkVerifyEpilogue, bs: int = 3) -> bool:
+def reads_survive_overwrite(epi: VerifyEpilogue, bs: int = 3) -> bool:
     """The seed's check: values read after step N are still step N's after step N+1 runs."""
     _fill(epi, bs, 11)
     first = epi.read_accept(bs)
@@ -88,7 +88,7 @@ def reads_survive_overwrite(epi: DsparkVerifyEpilogue, bs: int = 3) -> bool:
     return all(bool((t == 11).all()) for t in first.tensors())
 
 
-def writes_reach_readers(epi: DsparkVerifyEpilogue, bs: int = 3) -> bool:
+def writes_reach_readers(epi: VerifyEpilogue, bs: int = 3) -> bool:
     """The review's check: what writers put through accept_buffers is what read_accept returns."""
     target = epi.accept_buffers(bs)
     for i, t in enumerate(target.tensors()):
@@ -102,7 +102,7 @@ def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_read_accept_returns_owned_tensors():
-    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=6)
+    epi = VerifyEpilogue(max_bs=4, num_verify_tokens=6)
     for t in epi.read_accept(3).tensors():
         assert not any(shares_storage(t, buf) for buf in epi.buffers())
     for t in epi.accept_buffers(3).tensors():
@@ -112,7 +112,7 @@ def test_read_accept_returns_owned_tensors():
 
 
 def test_accept_greedy_writes_what_read_accept_returns():
-    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4)
+    epi = VerifyEpilogue(max_bs=4, num_verify_tokens=4)
     epi.accept_greedy(2, torch.tensor([[7, 1, 2, 3], [7, 1, 2, 3]]), logits_with_argmax([[1, 2, 8, 4], [1, 2, 3, 6]]),
                       torch.tensor([5, 6]))
     got = epi.read_accept(2)
@@ -122,13 +122,13 @@ def test_accept_greedy_writes_what_read_accept_returns():
 
 
 def test_mutation_read_accept_returning_views_is_caught(monkeypatch):
-    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=6)
+    epi = VerifyEpilogue(max_bs=4, num_verify_tokens=6)
     monkeypatch.setattr(epi, "read_accept", epi.accept_buffers)  # the seed's bug
     assert not reads_survive_overwrite(epi)
 
 
 def test_mutation_writers_writing_into_clones_is_caught(monkeypatch):
-    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4)
+    epi = VerifyEpilogue(max_bs=4, num_verify_tokens=4)
     real_read = epi.read_accept
     monkeypatch.setattr(epi, "accept_buffers", real_read)  # the refactor: out=self.read_accept(bs)
     assert not writes_reach_readers(epi)
@@ -138,7 +138,7 @@ def test_mutation_writers_writing_into_clones_is_caught(monkeypatch):
 
 def test_batch_size_is_checked():
     """A batch past the epilogue's buffers is the engine's bug (an internal error), never bad input."""
-    epi = DsparkVerifyEpilogue(max_bs=2, num_verify_tokens=3)
+    epi = VerifyEpilogue(max_bs=2, num_verify_tokens=3)
     with pytest.raises(InternalError, match="batch size"):
         epi.read_accept(3)
 
@@ -153,7 +153,7 @@ def test_sampling_with_one_hot_distributions_equals_greedy():
     ids = torch.tensor([[7, 1, 2, 3], [7, 1, 2, 3], [7, 1, 2, 3]])
     targets = torch.tensor([[9, 2, 3, 4], [1, 2, 8, 4], [1, 2, 3, 6]])
     greedy = run_greedy(ids.tolist(), targets.tolist(), prefix=[1, 2, 3])
-    epi = DsparkVerifyEpilogue(max_bs=3, num_verify_tokens=4)
+    epi = VerifyEpilogue(max_bs=3, num_verify_tokens=4)
     p = one_hot(targets, V)
     q = one_hot(ids[:, 1:], V)
     epi.accept_sampling(3, ids, p, q, torch.rand(3, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([1, 2, 3]))
@@ -176,7 +176,7 @@ CHI2_CRITICAL = 20.52  # 5 degrees of freedom, p = 0.001
 
 def first_tokens_through_the_engine_entry(gamma: int, n: int = 20_000, seed: int = 7):
     """n seeded verify windows through `accept_windows`, the entry the ModelRunner calls (which
-    calls `DsparkVerifyEpilogue.accept_sampling`): windows of gamma drafts drawn from Q, a target
+    calls `VerifyEpilogue.accept_sampling`): windows of gamma drafts drawn from Q, a target
     sampling at temperature 1 from logits log(P). Returns the first emitted token of each window
     and the accept results."""
     vocab = len(P)
@@ -185,7 +185,7 @@ def first_tokens_through_the_engine_entry(gamma: int, n: int = 20_000, seed: int
     drafts = torch.multinomial(q.expand(n, vocab), gamma, replacement=True, generator=gen)
     ids = torch.cat([torch.zeros(n, 1, dtype=torch.int64), drafts], dim=1)
     logits = p.log().expand(n * (gamma + 1), vocab)
-    epi = DsparkVerifyEpilogue(max_bs=n, num_verify_tokens=gamma + 1)
+    epi = VerifyEpilogue(max_bs=n, num_verify_tokens=gamma + 1)
     params = [SamplingParams(temperature=1.0)] * n
     accept_windows(epi, ids, logits, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), params,
                    [seed + i for i in range(n)], lambda v: q.expand(n, gamma, v), None)
@@ -211,9 +211,9 @@ RESIDUAL = "(p_row - q_row).clamp_min(0)"
 
 
 def accept_sampling_without_the_residual():
-    """The real `DsparkVerifyEpilogue.accept_sampling`, recompiled from its own source with one
+    """The real `VerifyEpilogue.accept_sampling`, recompiled from its own source with one
     change: after a rejection the bonus is drawn from p instead of normalize(max(p - q, 0))."""
-    source = textwrap.dedent(inspect.getsource(DsparkVerifyEpilogue.accept_sampling))
+    source = textwrap.dedent(inspect.getsource(VerifyEpilogue.accept_sampling))
     assert source.count(RESIDUAL) == 1, f"the residual {RESIDUAL!r} moved: update this mutation"
     namespace = dict(vars(accept_module))
     exec(compile(source.replace(RESIDUAL, "p_row"), inspect.getsourcefile(accept_module), "exec"), namespace)
@@ -230,7 +230,7 @@ def test_mutation_sampling_the_bonus_from_p_after_a_rejection_is_caught(gamma, m
         calls.append(self)
         return mutant(self, *args, **kwargs)
 
-    monkeypatch.setattr(DsparkVerifyEpilogue, "accept_sampling", counted)
+    monkeypatch.setattr(VerifyEpilogue, "accept_sampling", counted)
     first, _ = first_tokens_through_the_engine_entry(gamma)
     assert len(calls) == 1, "accept_windows did not reach the patched accept_sampling"
     counts = torch.bincount(first, minlength=len(P)).float()
@@ -249,7 +249,7 @@ def seeded_windows(drafts_of, gamma: int, n: int = 400):
     ids = torch.zeros(n, width, dtype=torch.int64)
     for k in range(gamma):
         ids[:, k + 1] = drafts_of(seeds, out_lens, k)
-    epi = DsparkVerifyEpilogue(max_bs=n, num_verify_tokens=width)
+    epi = VerifyEpilogue(max_bs=n, num_verify_tokens=width)
     params = [SamplingParams(temperature=1.0, seed=int(s)) for s in seeds]
     accept_windows(epi, ids, p.log().expand(n * width, vocab), torch.zeros(n, dtype=torch.int64), out_lens, params,
                    seeds.tolist(), lambda v: q.expand(n, gamma, v), None)
@@ -295,7 +295,7 @@ def greedy_windows(ids, targets, prefix, folded=False):
 
 
 def test_accept_runs_the_kernels_and_returns_owned_copies():
-    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4)
+    epi = VerifyEpilogue(max_bs=4, num_verify_tokens=4)
     got = epi.accept(greedy_windows([[7, 1, 2, 3], [7, 1, 2, 3]], [[1, 2, 8, 4], [1, 2, 3, 6]], [5, 6]))
     assert got.correct_len.tolist() == [2, 3] and got.new_seq_lens.tolist() == [8, 10]
     assert not any(shares_storage(t, buf) for t in got.tensors() for buf in epi.buffers())
@@ -311,7 +311,7 @@ def test_accept_takes_rank_0_results_through_agree_before_the_owned_copies():
         sites.append(site)
         return [torch.full_like(t, 1) for t in tensors]
 
-    epi = DsparkVerifyEpilogue(max_bs=4, num_verify_tokens=4, agree=agree)
+    epi = VerifyEpilogue(max_bs=4, num_verify_tokens=4, agree=agree)
     got = epi.accept(greedy_windows([[7, 1, 2, 3]], [[1, 2, 8, 4]], [5]))
     assert sites == ["runner.accept"]
     assert all(t.eq(1).all() for t in got.tensors())
