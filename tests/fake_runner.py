@@ -30,10 +30,10 @@ from specserve.executor.step_io import StepInput, StepOutcome, VerifyStats
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
 from specserve.sampling_params import SamplingParams
-from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.batching import SchedulerConfig
 from specserve.scheduler.loops import NormalLoop
-from specserve.scheduler.req import Req
-from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from specserve.scheduler.req import Req, ScheduleBatch
+from specserve.scheduler.scheduler import Scheduler
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003

@@ -41,8 +41,9 @@ from specserve.runtime.faults import FaultConfig
 from specserve.runtime.host_waits import HostWaitDetector
 from specserve.runtime.sanitizer import StreamSanitizer
 from specserve.runtime.stream import Stream
+from specserve.scheduler.batching import SchedulerConfig
 from specserve.scheduler.loops import NormalLoop, OverlapLoop
-from specserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from specserve.scheduler.scheduler import Scheduler
 from specserve.speculative.adaptive import AdaptivePolicy
 from specserve.speculative.cost_model import StepCostModel
 from specserve.speculative.planner import SpsTable, VerifyPlanner

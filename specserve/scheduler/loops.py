@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol
 
 from specserve.executor.step_io import StepInput, StepOutcome
-from specserve.scheduler.batch import ScheduleBatch
+from specserve.scheduler.req import ScheduleBatch
 from specserve.scheduler.scheduler import Scheduler, StepResult
 
 

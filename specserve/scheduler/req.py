@@ -1,13 +1,32 @@
-"""Req: one generation request as the scheduler sees it."""
+"""The request and the batch: what one request is, where each request is, what one step runs,
+and the rules about one request (when it stops, whether it can ever run).
+
+- Req, FinishReason: one generation request as the scheduler sees it, its tokens, its KV slots
+  and where it stands. KV bookkeeping (stated on Req): `kv_slots[i]` holds the KV of
+  `fill_ids[i]` for i < kv_len; the first `cache_protected_len` slots belong to the radix tree,
+  the rest to the request until it finishes or is retracted. Two requests are never "equal".
+- ScheduleBatch: what one step runs, in plain Python lists, and the StepInput made from it (values
+  only: the executor never sees a scheduler object).
+- RequestQueues: where each request of the scheduler is: waiting, the one mid-prefill, running,
+  and the launched batches whose results are not processed yet (`in_flight`, the only record of them).
+- check_finish: when a request stops: EOS, a stop token id, a stop string, or its token budget.
+- validate_request: whether a request can ever run: it has tokens, fits the context window and
+  the KV pool (what depends on the scheduler's own state; its params were validated where it came in).
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
+from specserve.errors import InvalidRequestError
+from specserve.executor.step_io import EXTEND, VERIFY, StepInput
 from specserve.logits.logprobs import TokenLogprob
+from specserve.names import StepMode
 from specserve.sampling_params import SamplingParams
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class FinishReason(str, enum.Enum):
@@ -104,3 +123,131 @@ class Req:
         self.spec_correct_hist[correct] = self.spec_correct_hist.get(correct, 0) + 1
         self.spec_cap_trim_hist[cap_trimmed] = self.spec_cap_trim_hist.get(cap_trimmed, 0) + 1
         return correct
+
+
+# ------------------------------------------------------------ what one step runs
+
+
+@dataclass(eq=False)
+class ScheduleBatch:
+    """The requests of one forward step and, per request, the new tokens and their KV slots."""
+
+    mode: StepMode  # EXTEND (prefill, possibly after a cached prefix or as one chunk), DECODE or VERIFY
+    reqs: list[Req]
+    prefix_lens: list[int]  # tokens already in the KV cache, per request
+    extend_lens: list[int]  # new tokens this step, per request
+    input_ids: list[int]  # flat new tokens
+    out_cache_loc: list[int]  # flat token slots for the new tokens' K/V
+    sample: list[bool]  # whether a next token is sampled for the request (False for a non-final chunk)
+    handle: Any = None  # the executor's handle while the launched step runs (see scheduler/loops.py)
+    refills: bool = True  # decode/verify: a slot freed early lets a request in (RequestQueues.closed)
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    def positions(self) -> list[int]:
+        return [p + i for p, e in zip(self.prefix_lens, self.extend_lens) for i in range(e)]
+
+    def step_input(self) -> StepInput:
+        """A snapshot of this batch for the executor: values only, no scheduler objects."""
+        reqs = self.reqs
+        step = StepInput(
+            self.mode,
+            [r.rid for r in reqs],
+            [r.row for r in reqs],
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            list(self.sample),
+            width=self.extend_lens[0] if self.mode != EXTEND else 0,
+            drafters=[r.drafter for r in reqs] if self.mode == VERIFY else [],
+            refills=self.refills,
+        )
+        if self.mode == EXTEND:
+            step.prefix_lens, step.extend_lens = list(self.prefix_lens), list(self.extend_lens)
+            step.input_ids, step.out_cache_loc = list(self.input_ids), list(self.out_cache_loc)
+            step.out_lens = [len(r.output_ids) for r in reqs]
+            step.prompt_logprobs = [r.wants_prompt_logprobs for r in reqs]
+            step.fills = [list(r.fill_ids) if s or p else None for r, s, p in zip(reqs, self.sample, step.prompt_logprobs)]
+        else:
+            step.kv_bound = max(len(r.kv_slots) for r in reqs)
+        return step
+
+
+# ------------------------------------------------------------ where each request is
+
+
+@dataclass
+class RequestQueues:
+    """Waiting for admission, the one mid-prefill (chunked), running (decoding), and the launched
+    batches whose results are not processed yet: one in the normal loop, up to two in the overlap
+    loop (step N+1 is scheduled before step N's results are processed). The loops keep the
+    executor's handle on the batch itself, so `in_flight` is the only record of them."""
+
+    waiting: list[Req] = field(default_factory=list)
+    running: list[Req] = field(default_factory=list)
+    chunked: Optional[Req] = None
+    in_flight: list[ScheduleBatch] = field(default_factory=list)
+    # A closed batch runs: every request it will see is submitted (Engine.generate), so a slot
+    # freed while nothing waits stays empty.
+    closed: bool = False
+
+    def live(self) -> list[Req]:
+        """Requests holding KV: running, the chunked one, and those of the in-flight batches."""
+        live = list(self.running) + ([self.chunked] if self.chunked else [])
+        for batch in self.in_flight:
+            live += [r for r in batch.reqs if not r.finished and r not in live]
+        return live
+
+
+# ------------------------------------------------------------ the rules about one request
+
+
+def check_finish(
+    req: Req, eos_token_ids: Sequence[int], decode_text: Optional[Callable[[list[int]], str]]
+) -> Optional[FinishReason]:
+    """The reason req stops after its last output token (recording what matched), or None."""
+    token, params = req.output_ids[-1], req.params
+    if not params.ignore_eos and token in eos_token_ids:
+        req.matched_stop = token
+        return FinishReason.STOP
+    if token in params.stop_token_ids:
+        req.matched_stop = token
+        return FinishReason.STOP
+    if params.stop and decode_text is not None:
+        # Only the tail can hold a new match: a few tokens per character of the longest stop string.
+        longest = max(len(s) for s in params.stop)
+        tail = decode_text(req.output_ids[-(4 * longest + 4) :])
+        for s in params.stop:
+            if s in tail:
+                req.matched_stop = s
+                return FinishReason.STOP
+    if len(req.output_ids) >= params.max_new_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+def validate_request(req: Req, context_length: int, window: int, pool_size: int) -> None:
+    """Raise InvalidRequestError (param "prompt") for a request no schedule could serve."""
+    n = len(req.input_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
+    if n >= context_length:
+        raise InvalidRequestError(
+            f"prompt: {n} tokens do not fit the context window of {context_length} (need prompt_tokens < context_length)",
+            param="prompt",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    # A verify window needs window - 1 slots past the last token it keeps.
+    need = n + min(req.params.max_new_tokens, context_length - n) + window - 1
+    if need > pool_size:
+        raise InvalidRequestError(
+            f"prompt: {n} tokens + max_new_tokens need {need} KV slots but the pool holds "
+            f"{pool_size} (raise max_total_tokens or lower max_new_tokens)",
+            param="prompt",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )

@@ -6,13 +6,17 @@ verify window). It never touches the model: a loop (scheduler/loops.py) hands ea
 StepInput to an executor and the outcomes back to `process_result`, which keeps the whole
 policy testable with a fake one.
 
-The Scheduler composes its parts, each a file that can be read and tested alone:
-- RequestQueues (queues.py): waiting, chunked, running, in flight;
+The Scheduler composes its parts, each a class or function that can be read and tested alone:
+- RequestQueues (req.py): waiting, chunked, running, in flight;
 - KVLedger (kv_ledger.py): KV and table, the one writer of a request's positions;
-- MemoryPressure (pressure.py): admission's reserve estimate and retraction;
-- Admission (admission.py): prefill batches, chunked prefill;
-- DecodeWindows (windows.py): decode batches and their windows;
-- finishing: stop checks (finish.py) as results are committed here.
+- MemoryPressure (batching.py): admission's reserve estimate and retraction;
+- Admission (batching.py): prefill batches, chunked prefill;
+- DecodeWindows (batching.py): decode batches and their windows;
+- finishing: stop checks (check_finish, req.py) as results are committed here.
+
+The KV bookkeeping invariant (check_kv_integrity, at the end of this file), checked by tests and
+by the engine's debug paths: free + cached + in use == total, no slot counted twice, the scratch
+slot 0 never handed out, and every lock released when no request is live.
 """
 
 from __future__ import annotations
@@ -24,18 +28,10 @@ from typing import Any, Callable, Optional, Sequence
 from specserve.executor.step_io import EXTEND, StepOutcome
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.scheduler.admission import Admission
-from specserve.scheduler.batch import ScheduleBatch
-from specserve.scheduler.config import SchedulerConfig
-from specserve.scheduler.finish import check_finish
-from specserve.scheduler.integrity import check_kv_integrity
+from specserve.scheduler.batching import Admission, DecodeWindows, MemoryPressure, SchedulerConfig
 from specserve.scheduler.kv_ledger import KVLedger
-from specserve.scheduler.pressure import MemoryPressure
-from specserve.scheduler.queues import RequestQueues
-from specserve.scheduler.req import FinishReason, Req
+from specserve.scheduler.req import FinishReason, Req, RequestQueues, ScheduleBatch, check_finish, validate_request
 from specserve.scheduler.stats import SchedulerStats
-from specserve.scheduler.validation import validate_request
-from specserve.scheduler.windows import DecodeWindows
 
 logger = logging.getLogger(__name__)
 
@@ -222,3 +218,24 @@ class Scheduler:
 def _finish(req: Req, reason: FinishReason) -> Req:
     req.finish_reason = reason
     return req
+
+
+def check_kv_integrity(allocator: TokenSlotAllocator, tree: RadixCache, live: Sequence[Req]) -> None:
+    """free + cached + in use == total, no slot counted twice, the scratch slot 0 never handed
+    out, and every lock released when no request is live. Raises AssertionError naming the gap."""
+    allocator.check_no_duplicates()
+    owned = [s for r in live for s in r.kv_slots[r.cache_protected_len :]]
+    cached = tree.all_slots()
+    total = allocator.available + len(cached) + len(owned)
+    if total != allocator.size:
+        raise AssertionError(
+            f"KV integrity: free {allocator.available} + cached {len(cached)} + "
+            f"in use {len(owned)} = {total} != pool size {allocator.size}"
+        )
+    everything = set(allocator._free) | set(cached) | set(owned)
+    if len(everything) != allocator.size or 0 in everything:
+        raise AssertionError("KV integrity: a token slot is both free and in use, or the scratch slot leaked")
+    if len(cached) != tree.total_size:
+        raise AssertionError(f"KV integrity: tree size {tree.total_size} != slots in tree {len(cached)}")
+    if not live and tree.evictable_size != tree.total_size:
+        raise AssertionError("KV integrity: idle but some cache is still locked")

@@ -8,7 +8,7 @@ import pytest
 from fake_runner import FakeRunner, assert_no_leak, check_step_invariants, make_req, make_scheduler, run_to_completion
 
 from specserve.kv.radix_cache import RadixCache
-from specserve.scheduler.policy import LPM_MAX_QUEUE, order_waiting
+from specserve.scheduler.batching import LPM_MAX_QUEUE, order_waiting
 from specserve.scheduler.req import FinishReason
 
 EOS = 1

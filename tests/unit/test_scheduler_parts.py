@@ -7,12 +7,9 @@ from fake_runner import make_req
 
 from specserve.kv.pool import ReqToTokenPool, TokenSlotAllocator
 from specserve.kv.radix_cache import RadixCache
-from specserve.scheduler.admission import Admission
+from specserve.scheduler.batching import Admission, DecodeWindows, MemoryPressure, SchedulerConfig
 from specserve.scheduler.kv_ledger import KVLedger
-from specserve.scheduler.pressure import MemoryPressure
-from specserve.scheduler.queues import RequestQueues
-from specserve.scheduler.scheduler import SchedulerConfig
-from specserve.scheduler.windows import DecodeWindows
+from specserve.scheduler.req import RequestQueues
 
 
 def parts(pool: int = 64, window: int = 1, **cfg):
