@@ -143,3 +143,18 @@ def test_the_trace_sees_a_module_a_step_newly_enters(default_engine, monkeypatch
     planted = trace_steps(default_engine, list(range(100, 132)), 16, monkeypatch)
     assert all("specserve.paths" not in s.units for s in baseline)
     assert planted and all("specserve.paths" in s.units for s in planted if s.kind != "other"), _report(planted)
+
+
+def test_the_architecture_page_states_these_ceilings():
+    """docs/architecture.md's table of what a step touches is these ceilings, not numbers of its own."""
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    rows = dict(re.findall(r"^\| (a [^|]*?) \| (\d+) \|$", page, re.M))
+    assert rows == {
+        "a plain decode step (adaptive policy, no draft pays)": str(DECODE_BUDGET),
+        "a verify step of NGRAM's or SUFFIX's drafts (adaptive policy)": str(VERIFY_BUDGET),
+        "a DSpark verify step (fixed policy)": str(DSPARK_VERIFY_BUDGET),
+    }, rows
+    assert f"A decode step touches {DECODE_BUDGET} modules" in page
