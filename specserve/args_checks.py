@@ -9,8 +9,9 @@ import os
 from typing import Any, Optional
 
 from specserve import drafters
+from specserve.drafters import suffix
 from specserve.errors import ConfigError
-from specserve.names import Algorithm, SuffixScope
+from specserve.names import Algorithm
 from specserve.paths import check_writable_dir
 
 # The checks take ServerArgs as Any: this module sits below args.py (which imports its choices), and
@@ -27,8 +28,8 @@ DEFAULT_BLOCK_SIZE = 5  # every drafter's window when --speculative-num-steps is
 DRAFT_LENGTH_FLAGS = {"speculative_num_steps": 0, "speculative_num_draft_tokens": 1, "speculative_dspark_block_size": 0}
 SPEC_ALGORITHMS = (None, Algorithm.NONE, *drafters.names())  # argparse's choices: the drafters built in
 VERIFY_MODES = ("static", "compact")
+SUFFIX_SCOPES = suffix.SCOPES  # args.py's choices: the SUFFIX declaration's
 SPEC_POLICIES = ("adaptive", "fixed")
-SUFFIX_SCOPES = tuple(s.value for s in SuffixScope)  # plain strings: argparse lists its choices by repr
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_SEED = 2**64 - 1
 

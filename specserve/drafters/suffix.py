@@ -8,7 +8,7 @@ from specserve.drafters.declaration import Drafter, Hints
 from specserve.errors import ConfigError
 from specserve.names import SuffixScope
 
-SCOPES = tuple(s.value for s in SuffixScope)
+SCOPES = tuple(s.value for s in SuffixScope)  # plain strings: argparse lists its choices by repr
 
 
 def check_flags(args: Any) -> None:

@@ -312,3 +312,13 @@ def test_suffix_is_offered_only_the_drafts_its_walk_found_even_when_explored():
         p.observe_accept([0], plan, [min(plan.drafts[0], 1)])
     nothing = p.plan([0], [True], hints([0], [(0, 0)]), True)  # no walk: SUFFIX never drafts
     assert nothing.drafters[0] != SUFFIX
+
+
+def test_each_hinted_drafter_has_a_prior_for_every_bucket_its_worker_gives():
+    """The declarations' priors (torch-free) and the workers' hint buckets are written apart: a
+    bucket past the priors would fail a step, so their counts are checked here."""
+    from specserve import drafters
+    from specserve.speculative.suffix_worker import MATCH_BUCKETS
+
+    assert len(drafters.get(NGRAM).priors) == MAX_MATCH_BUCKET + 1  # match lengths 0..MAX_MATCH_BUCKET
+    assert len(drafters.get(SUFFIX).priors) == len(MATCH_BUCKETS) + 1  # nothing matched, then each bucket
