@@ -11,7 +11,7 @@ from typing import Sequence, overload
 
 import torch
 
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -35,7 +35,7 @@ class DraftModel(str, Enum):
 
 class Hints(str, Enum):
     """What the adaptive policy learns of a request before the step, from the drafter's worker
-    (`worker.hints(rows, greedy)`: per request (rate bucket, most useful drafts)): NONE (one engine-wide
+    (`worker.hints(requests, greedy)`: per request (rate bucket, most useful drafts)): NONE (one engine-wide
     rate), EVERY_STEP (cheap: asked each planned step) or ON_DEMAND (a lookup per request, asked only
     where the plan may depend on it)."""
 
@@ -63,7 +63,7 @@ class Drafter:
     # Its K/V sits at the target's token slots and is kept with the target's pages by the prefix
     # cache (and its file tier, whose pages then depend on the drafter too).
     kv_in_prefix_cache: bool = False
-    needs_token_table: bool = False  # drafts from the request tokens on the device (speculative/token_table.py)
+    needs_token_table: bool = False  # drafts from the request tokens on the device (speculative/committed.py)
     # The warm-up's measure of a model drafter: True, all drafts in one pass (a part per drafted row
     # from batch 1 against a batch); False, a pass per draft (from 1 draft against gamma).
     drafts_in_one_pass: bool = True

@@ -44,11 +44,11 @@ from specserve.runtime.stream import Stream
 from specserve.scheduler.batching import SchedulerConfig
 from specserve.scheduler.loops import NormalLoop, OverlapLoop
 from specserve.scheduler.scheduler import Scheduler
-from specserve.speculative.adaptive import AdaptivePolicy
+from specserve.speculative.committed import TokenTable
 from specserve.speculative.cost_model import StepCostModel
 from specserve.speculative.planner import SpsTable, VerifyPlanner
+from specserve.speculative.policy import AdaptivePolicy
 from specserve.speculative.speculation import Speculation
-from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import DraftContext, DraftWorker
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 

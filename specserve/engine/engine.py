@@ -259,7 +259,7 @@ class Engine(ToolSurface):
     @contextlib.contextmanager
     def _closed_batch(self):
         """While `generate` runs its list, nothing else arrives: a slot a request frees while none
-        waits stays empty, which the speculation policy prices (speculative/adaptive.py)."""
+        waits stays empty, which the speculation policy prices (speculative/policy.py)."""
         queues = self.scheduler.queues
         queues.closed = True
         try:
@@ -268,7 +268,7 @@ class Engine(ToolSurface):
             queues.closed = False
 
     def _maybe_log_stats(self) -> None:
-        # The stats decide when a line is due (on activity, at most every 5 s: scheduler/stats.py).
+        # The stats decide when a line is due (on activity, at most every 5 s: SchedulerStats).
         queues = self.scheduler.queues
         policy = self.runner.speculation.policy
         residual = policy.cost.mean_abs_relative_residual if policy is not None else None

@@ -25,11 +25,11 @@ import torch
 
 from specserve.executor.request_logits import RequestLogits
 from specserve.executor.step_io import FutureMap, StepInput
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.speculative.accept import AcceptOuts
+from specserve.speculative.committed import CommittedRows
 from specserve.speculative.policy import StepPlan
 from specserve.speculative.speculation import Speculation
-from specserve.speculative.worker import CommittedRows
 
 
 @dataclass
@@ -136,7 +136,7 @@ class CommitPath:
         return False
 
     def _write_token_table(self, step: StepInput, done: Committed, req_rows: torch.Tensor) -> None:
-        """The request tokens on the device (speculative/token_table.py): a prefill's whole sequence
+        """The request tokens on the device (speculative/committed.py): a prefill's whole sequence
         from the host, then every committed token at its position."""
         table = self.speculation.token_table
         if table is None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -33,15 +34,15 @@ from specserve.logits.logprobs import DeviceLogprobs
 from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runtime.faults import CopyLag
-from specserve.runtime.host_waits import HostWaitDetector, optional_watch
-from specserve.runtime.staging import staged
-from specserve.runtime.stream import Event, Stream
+from specserve.runtime.host_waits import HostWaitDetector
+from specserve.runtime.stream import Event, Stream, staged
 from specserve.sampler import sample_tokens, seeds_tensor, token_counter
 from specserve.speculative.accept import AcceptOuts, VerifyEpilogue, VerifyWindows
+from specserve.speculative.committed import CommittedRows
 from specserve.speculative.cost_model import StepShape
 from specserve.speculative.policy import StepPlan
 from specserve.speculative.speculation import Proposal, Speculation
-from specserve.speculative.worker import CommittedRows
+from specserve.speculative.worker import DraftInput
 
 
 @dataclass
@@ -175,7 +176,7 @@ class ModelRunner:
 
     def launch(self, step: StepInput) -> StepHandle:
         """Queue the step on the forward stream and its device-to-host copy after it; returns at once."""
-        with optional_watch(self.host_waits, cuda=self.forward.device.type == "cuda"):
+        with self._watching_host_waits():
             if self.tp is not None:
                 self.tp.agree_on_batch_shape(step.size, step.num_tokens)
             step.launch = next(self._launches)
@@ -209,7 +210,7 @@ class ModelRunner:
     def _step(self, handle: StepHandle) -> None:
         """One step on the forward stream. A decode step of a speculating engine (VERIFY) is planned
         first: with drafts it verifies windows, without any it is a plain decode step."""
-        with optional_watch(self.host_waits, cuda=self.forward.device.type == "cuda"):  # a threaded stream's too
+        with self._watching_host_waits():  # a threaded stream's too
             self._run_step(handle)
 
     def _run_step(self, handle: StepHandle) -> None:
@@ -384,6 +385,10 @@ class ModelRunner:
             verify_lens = self.tp.agree_windows(ids, verify_lens)
         return ids, proposal, verify_lens
 
+    def _watching_host_waits(self) -> ContextManager[None]:
+        """The host-wait detector watching a launch (a no-op without one)."""
+        return nullcontext() if self.host_waits is None else self.host_waits.watching(self.forward.device.type == "cuda")
+
     def _plan(self, step: StepInput, gamma: int) -> StepPlan:
         """This step's drafter and draft count per request: rank 0's under tensor parallelism."""
         greedy = [p.is_greedy for p in step.params]
@@ -410,8 +415,9 @@ class ModelRunner:
         """Fill ids[:, 1:] with each request's drafts as planned; returns their distributions
         and verify lengths."""
         static = bool(self.capture.static_windows and self.capture.covers(step.size))
-        args = (plan.drafters, rows, ids, prefix, out_lens, step.params, step.seeds, plan.drafts, step.kv_bound or None)
-        return self.speculation.propose(*args, compact=not static, launch=step.launch)
+        gamma, bound = ids.shape[1] - 1, step.kv_bound or None
+        draft = DraftInput(rows, ids[:, 0], prefix, out_lens, step.params, step.seeds, gamma, None, bound, step.launch)
+        return self.speculation.propose(plan, draft, step.rows, ids, compact=not static)
 
     def _agree(self, tensors: list[torch.Tensor], site: str) -> list[torch.Tensor]:
         """Rank 0's values of these int64 CPU tensors on every rank (identity without TP)."""

@@ -23,7 +23,7 @@ from specserve.executor.step_io import PromptLogprobs, StepInput
 from specserve.logits.grammar import GrammarCompiler, GrammarSpec, GrammarState
 from specserve.logits.logprobs import DeviceLogprobs, device_logprobs, token_logprobs
 from specserve.logits.penalties import seen_tokens, shape_by_counts, token_counts
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.sampling_params import SamplingParams
 
 

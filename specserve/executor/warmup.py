@@ -13,16 +13,17 @@ from __future__ import annotations
 import statistics
 import time
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from specserve import drafters as registry
 from specserve.errors import ConfigError
 from specserve.sampling_params import SamplingParams
+from specserve.speculative.committed import CommittedRows, RequestTokens
 from specserve.speculative.cost_model import FEATURES
 from specserve.speculative.ngram_worker import TokenHistory
-from specserve.speculative.worker import CommittedRows, DraftInput
+from specserve.speculative.worker import DraftInput
 
 CONTEXT = 128  # tokens of context per synthetic request (fewer when the context window is smaller)
 SPREAD = 7919  # a prime stride through the vocabulary for the synthetic rows' token ids
@@ -80,8 +81,8 @@ def _drafting_cost(runner, timer: "_Timer", batch: int, gamma: int, ctx: int) ->
         row = max(0.0, (draft[batch] - draft[1]) / ((batch - 1) * gamma))
         return max(0.0, draft[1] - gamma * row), row
     ids = spread_ids(ctx + 1, runner.model.config.vocab_size, "cpu").tolist()
-    worker.commit_tokens(0, ids, restart=True, new=1)  # the synthetic request's tokens, the anchor last
-    one, full = (timer(partial(_draft, runner, worker, 1, gamma, ctx, k)) for k in (1, gamma))
+    request = RequestTokens(ids, ctx)  # the synthetic request's tokens, the anchor last
+    one, full = (timer(partial(_draft, runner, worker, 1, gamma, ctx, k, [request])) for k in (1, gamma))
     row = max(0.0, (full - one) / max(gamma - 1, 1))
     return max(0.0, one - row), row
 
@@ -112,7 +113,9 @@ def _captured_decode(runner, bs: int, ctx: int) -> None:
     )
 
 
-def _draft(runner, worker, bs: int, gamma: int, ctx: int, needed: Optional[int] = None) -> None:
+def _draft(
+    runner, worker, bs: int, gamma: int, ctx: int, needed: Optional[int] = None, requests: Sequence[RequestTokens] = ()
+) -> None:
     dev = runner.device
     rows = torch.arange(bs, device=dev)
     worker.draft(
@@ -125,6 +128,7 @@ def _draft(runner, worker, bs: int, gamma: int, ctx: int, needed: Optional[int] 
             [0] * bs,
             gamma,
             needed,
+            requests=requests,
         )
     )
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.sampling_params import SamplingParams
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from specserve.kernels.attention import paged_attention as kernel_paged_attention
 from specserve.runtime.host_waits import device_code
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 
 
 @dataclass

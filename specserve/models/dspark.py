@@ -31,7 +31,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.models.quant import Q8Weight
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.sampler import counter_uniforms, draft_counter, filtered_probs, inverse_cdf, seeds_tensor
 from specserve.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import torch
 
 from specserve.models.attention import AttentionMetadata
 from specserve.models.backend import OpBackend
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 
 
 @dataclass

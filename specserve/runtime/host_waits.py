@@ -16,7 +16,7 @@ place it, and records a wait wherever the host needs a device tensor's values:
   formatting), its copy to the host (`.cpu()`, `.numpy()`, a host tensor written from it), an op
   whose output size depends on its values (`nonzero`, boolean-mask indexing, `unique`, ...), a
   blocking copy of host values to the device (`torch.tensor(values, device=...)`, `.to(device)`
-  of a host tensor without `non_blocking`: on CUDA they synchronise the stream; runtime/staging.py
+  of a host tensor without `non_blocking`: on CUDA they synchronise the stream; runtime/stream.py's `staged`
   queues them instead), and an explicit `Event.synchronize` / `Stream.synchronize`.
 
 Work on the copy stream is exempt: its device-to-host copy is the one the design allows (pinned
@@ -30,9 +30,9 @@ from __future__ import annotations
 import threading
 import traceback
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -184,7 +184,7 @@ class _Mode(TorchFunctionMode):
 
 def _copies_up(name: str, args: tuple, kwargs: dict, on_device: bool) -> bool:
     """A blocking copy of host values to the device: on CUDA it synchronises the stream (see
-    runtime/staging.py, which queues the copy instead)."""
+    runtime/stream.py's `staged`, which queues the copy instead)."""
     if name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
         return not (args and isinstance(args[0], torch.Tensor))
     if name in ("to", "cuda") and not on_device and not kwargs.get("non_blocking", False):
@@ -245,8 +245,3 @@ def _user_frame() -> str:
         if not any(s in frame.filename for s in _SKIP_FRAMES):
             return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
     return "<unknown>"
-
-
-def optional_watch(detector: Optional[HostWaitDetector], cuda: bool = False) -> ContextManager[None]:
-    """`detector.watching()` or a no-op context."""
-    return nullcontext() if detector is None else detector.watching(cuda)

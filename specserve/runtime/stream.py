@@ -1,4 +1,5 @@
-"""Streams and events on CPU and CUDA, and `async_d2h`.
+"""Streams and events on CPU and CUDA, and the copies between host and device that never wait:
+`async_d2h` (device to host, behind an event) and `staged` (host values onto the device).
 
 On CUDA a Stream wraps `torch.cuda.Stream`: work submitted to it is enqueued under that stream and
 runs asynchronously on the device. On CPU PyTorch has no streams, so a Stream is an ordered
@@ -312,3 +313,18 @@ def async_d2h_all(tensors: list[torch.Tensor], stream: Stream) -> tuple[list[tor
     stream.submit(copy)
     done = Event().record(stream)
     return hosts, done
+
+
+def staged(values: Any, dtype: torch.dtype, device: "str | torch.device") -> torch.Tensor:
+    """`values` (numbers, nested lists) as a `dtype` tensor on `device`, queued without a wait.
+
+    `torch.tensor(values, device=cuda)` copies from pageable memory with a blocking copy, which
+    synchronises the current stream: inside a step's launch that waits for the previous step
+    (pytorch/pytorch#120996). Here the tensor is built on the host, pinned on CUDA and copied
+    non-blocking, so the copy is queued behind the stream's work instead (the pinned block is kept
+    by PyTorch's host allocator until the copy has run). On CPU it is the host tensor itself."""
+    host = torch.tensor(values, dtype=dtype)
+    target = torch.device(device)
+    if target.type == "cuda":
+        host = host.pin_memory()
+    return host.to(target, non_blocking=True)

@@ -41,6 +41,8 @@ class KVLedger:
 
     def alloc(self, n: int) -> Optional[list[int]]:
         """n token slots, evicting unlocked cache if needed; None if even that is not enough."""
+        if n <= self.allocator.available:  # free slots suffice: the cache is not asked to evict
+            return self.allocator.alloc(n)
         return self.tree.alloc_evicting(self.allocator, n)
 
     def lock_prefix(self, ids: list[int]) -> tuple[list[int], Any]:

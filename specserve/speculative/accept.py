@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from specserve.errors import InternalError
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.sampler import counter_uniforms, draw_counter, filtered_probs, inverse_cdf, seeds_tensor, token_counter
 from specserve.sampling_params import SamplingParams
 

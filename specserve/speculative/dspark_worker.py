@@ -29,7 +29,8 @@ import torch
 from specserve.kv.pool import KVPool
 from specserve.models.dspark import DsparkDrafter
 from specserve.names import Algorithm
-from specserve.speculative.worker import CommittedRows, DraftContext, DraftInput, Drafts, WorkerDefaults
+from specserve.speculative.committed import CommittedRows
+from specserve.speculative.worker import DraftContext, DraftInput, Drafts, WorkerDefaults
 
 DEFERRED_ROWS = 1024  # committed rows the drafter may queue before injecting them (under the adaptive policy)
 
@@ -86,9 +87,6 @@ class DsparkWorker(WorkerDefaults):
         slots = torch.cat([r.slots for r in self.pending])
         self.pending, self.pending_rows = [], 0
         self.drafter.inject(hidden, positions, slots, self.kv)
-
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
-        return None  # the context is the target's hidden states, received by commit_rows
 
 
 def _filled(drafts: Drafts, gamma: int) -> Drafts:

@@ -15,14 +15,12 @@ import torch
 from specserve.drafters import Hints
 from specserve.errors import InternalError
 from specserve.kv.pool import KVPool
-from specserve.runtime.staging import staged
-from specserve.sampling_params import SamplingParams
-from specserve.speculative.adaptive import AdaptivePolicy
+from specserve.runtime.stream import staged
+from specserve.speculative.committed import CommittedRows, RequestTokens, TokenTable
 from specserve.speculative.lagged import LAG, LaggedFeed
 from specserve.speculative.planner import VerifyPlanner
-from specserve.speculative.policy import StepPlan
-from specserve.speculative.token_table import TokenTable
-from specserve.speculative.worker import CommittedRows, DraftInput, DraftWorker, WorkerDefaults
+from specserve.speculative.policy import AdaptivePolicy, StepPlan
+from specserve.speculative.worker import DraftInput, DraftWorker, WorkerDefaults
 
 T = TypeVar("T")
 
@@ -77,14 +75,18 @@ class Speculation:
                 f"speculation: at most one drafter may read the target's hidden states, got {[w.name for w in readers]}"
             )
         self.capture_layer_ids: tuple[int, ...] = readers[0].capture_layer_ids if readers else ()
+        self._row_readers = readers
         # Whether any drafter reads committed target rows / tokens: the executor skips gathering them otherwise.
         self.reads_rows = bool(readers)
         self.reads_tokens = any(w.reads_tokens for w in workers)
+        # Each request slot's committed tokens and the drafters' state of its request (while some drafter reads them).
+        self.requests: dict[int, RequestTokens] = {}
+        # The workers told of every commit, and of a slot's request being replaced (the rest keep WorkerDefaults' no-ops).
+        self._following = [w for w in workers if _overrides(w, "commit_tokens")]
+        self._retiring = [w for w in workers if _overrides(w, "retire")]
         self.lagged_plans = lagged_plans
         self.news: LaggedFeed[Callable[[], None]] = LaggedFeed("speculation policy")  # see `lagged`
         self._started: dict[int, int] = {}  # request slot -> the launch of its latest request's prefill
-        # The workers with something to do as a step begins (the rest keep WorkerDefaults' no-op).
-        self._advancing = [w for w in workers if getattr(type(w), "advance", None) is not WorkerDefaults.advance]
 
     @property
     def lagged(self) -> bool:
@@ -133,8 +135,9 @@ class Speculation:
             for tell in self.news.due(launch):
                 tell()
             known = [self._started.get(row, 0) <= launch - LAG for row in rows]
-        for worker in self._advancing:
-            worker.advance(launch)
+        for worker in self.workers.values():
+            if worker.advances:  # a plain attribute: a worker with nothing to do is not entered
+                worker.advance(launch)
         if self.disable_batch_size is not None and len(rows) > self.disable_batch_size:
             return StepPlan.fixed([None] * len(rows), gamma)
         if self.policy is None:
@@ -155,9 +158,12 @@ class Speculation:
                     continue
                 if kind is Hints.ON_DEMAND and not self.policy.needs_hints(name, rows, speculating, hints, refills):
                     continue
-                look = partial(self.workers[name].hints, greedy=_kept(known, greedy))
+                look = partial(self._hints_of, self.workers[name], greedy=_kept(known, greedy))
                 hints[name] = _where_known(known, rows, look, (0, 0))
         return hints
+
+    def _hints_of(self, worker: DraftWorker, rows: list[int], greedy: Optional[list[bool]]) -> list[tuple[int, int]]:
+        return worker.hints([self.requests[row] for row in rows], greedy)
 
     def starting(self, rows: Sequence[int], launch: int) -> None:
         """Forward stream: these slots' new requests' prefills are launch `launch`."""
@@ -170,52 +176,28 @@ class Speculation:
             self.policy.start(row)
 
     def propose(
-        self,
-        drafters: Sequence[Optional[str]],
-        rows: torch.Tensor,
-        ids: torch.Tensor,
-        prefix: torch.Tensor,
-        out_lens: torch.Tensor,
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        counts: Optional[Sequence[int]] = None,
-        ctx_bound: Optional[int] = None,
-        compact: bool = True,
-        launch: Optional[int] = None,
+        self, plan: StepPlan, step: DraftInput, host_rows: Sequence[int], ids: torch.Tensor, compact: bool
     ) -> Proposal:
-        """Fill ids[:, 1:] (ids[:, 0] holds the anchors): each request's drafter proposes its window;
-        a request without a drafter repeats its anchor (the verify still yields its bonus token).
-        counts: each request's planned draft count (None: gamma each); a drafter is told the most
-        any of its windows verifies; ctx_bound: a host bound on every prefix (see DraftInput);
-        compact: the planner may shorten windows (False: it would read the confidences back for
-        nothing, the windows being verified whole, see CaptureConfig.static_windows); launch: the
-        step's launch count (DraftInput.launch)."""
+        """Fill ids[:, 1:] (ids[:, 0] holds the anchors) as `plan` says: each request's drafter
+        proposes its window from its part of `step` (the whole step's draft input; a drafter is told
+        the most drafts any of its windows verifies); a request without a drafter repeats its anchor
+        (the verify still yields its bonus token). host_rows: the request slots (step.rows on the
+        host); compact: the planner may shorten windows (False: it would read the confidences back
+        for nothing, the windows being verified whole, see CaptureConfig.static_windows)."""
         bs, gamma = ids.shape[0], ids.shape[1] - 1
         proposal, confidence = Proposal(), None
-        for name, index in _groups(drafters, bs).items():
+        for name, index in _groups(plan.drafters, bs).items():
             sel = None if len(index) == bs else staged(index, torch.int64, ids.device)
-            pick: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t) if sel is None else partial(_select, sel)
             target = slice(None) if sel is None else sel
             if name is None:
-                ids[target, 1:] = pick(ids[:, :1]).expand(-1, gamma)
+                ids[target, 1:] = ids[target, :1].expand(-1, gamma)
                 continue
             worker = self.workers.get(name)
             if worker is None:
                 raise InternalError(f"speculation: no drafter {name!r} in this engine (have {sorted(self.workers)})")
-            drafts = worker.draft(
-                DraftInput(
-                    pick(rows),
-                    pick(ids[:, 0]),
-                    pick(prefix),
-                    pick(out_lens),
-                    [params[i] for i in index],
-                    [seeds[i] for i in index],
-                    gamma,
-                    None if counts is None else max(1, max(counts[i] for i in index)),
-                    ctx_bound,
-                    launch,
-                )
-            )
+            requests = [self.requests[host_rows[i]] for i in index] if worker.reads_tokens else ()
+            needed = None if plan.drafts is None else max(1, max(plan.drafts[i] for i in index))
+            drafts = worker.draft(step.part(index, sel, needed, requests))
             ids[target, 1:] = drafts.tokens
             if drafts.probs is not None:
                 proposal.probs.append((sel, drafts.probs))
@@ -231,20 +213,33 @@ class Speculation:
     def commit_rows(self, rows: CommittedRows) -> None:
         """Every drafter that reads rows sees every committed row, whoever drafted the request:
         a request may switch drafter between steps."""
-        for worker in self.workers.values():
-            if worker.capture_layer_ids:
-                worker.commit_rows(rows)
+        for worker in self._row_readers:
+            worker.commit_rows(rows)
 
     def flush(self) -> None:
         for worker in self.workers.values():
             worker.flush()
 
     def commit_tokens(self, row: int, tokens: list[int], restart: bool = False, new: int = 0, launch: int = 0) -> None:
-        """`new`: with restart, how many of `tokens` were generated (the rest is the prompt);
-        `launch`: the committing step's launch count."""
-        for worker in self.workers.values():
-            if worker.reads_tokens:
-                worker.commit_tokens(row, tokens, restart, new, launch)
+        """Slot `row` committed `tokens`: appended to its RequestTokens, which the drafters read when
+        they next hint or draft. `restart`: a new request in the slot, `tokens` its whole sequence so
+        far, of which the last `new` were generated (the rest: its prompt), committed by launch
+        `launch` (the replaced request is retired: SUFFIX keeps its output)."""
+        if restart:
+            done = self.requests.get(row)
+            self.requests[row] = RequestTokens(list(tokens), len(tokens) - new)
+            if done is not None:
+                for worker in self._retiring:
+                    worker.retire(row, done, launch)
+            return
+        request = self.requests[row]
+        request.tokens.extend(tokens)
+        for worker in self._following:
+            worker.commit_tokens(request, tokens)
+
+
+def _overrides(worker: DraftWorker, method: str) -> bool:
+    return getattr(type(worker), method, None) is not getattr(WorkerDefaults, method)
 
 
 def _kept(known: list[bool], values: Optional[list[bool]]) -> Optional[list[bool]]:
@@ -257,10 +252,6 @@ def _where_known(known: list[bool], rows: list[int], look: Callable[[list[int]],
         return look(rows)
     found = iter(look([row for row, k in zip(rows, known) if k]))
     return [next(found) if k else unknown for k in known]
-
-
-def _select(sel: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return t[sel]
 
 
 def _groups(drafters: Sequence[Optional[str]], bs: int) -> dict[Optional[str], list[int]]:

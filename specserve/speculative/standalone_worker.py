@@ -6,8 +6,8 @@ it is written lazily and per request: a request's draft K/V are caught up only w
 with STANDALONE, from the last position its own drafting left valid to its anchor, in one extend
 pass with the other drafting requests. Then k-1 decode steps of the draft model give d_2..d_k.
 
-Which positions hold valid draft K/V (`fed`): after every commit, `fed[row]` is a prefix of the
-request's committed positions (those before its anchor) whose draft K/V this request wrote at
+Which positions hold valid draft K/V (`fed`, kept as STANDALONE's state in the request's
+RequestTokens): after every commit, it is a prefix of the request's committed positions (those before its anchor) whose draft K/V this request wrote at
 the slot the position now holds:
 - a restart (a new prefill, or a retracted request back) empties it: the slots may be new, and a
   slot shared through the prefix cache may hold another request's draft K/V or none;
@@ -22,7 +22,7 @@ drafts the same way and the executor uses rank 0's windows.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from specserve.models.forward_batch import ForwardBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.names import Algorithm
 from specserve.sampler import counter_uniform, draft_counter, filtered_probs, inverse_cdf
+from specserve.speculative.committed import RequestTokens
 from specserve.speculative.worker import DraftInput, Drafts, WorkerDefaults
 
 
@@ -63,8 +64,7 @@ class StandaloneWorker(WorkerDefaults):
         self.table = req_to_token
         self.target_vocab = target_vocab  # drafts and their distributions are over the target's ids
         self.decode_steps = decode_steps  # None: decode steps run eagerly
-        self.histories: dict[int, list[int]] = {}  # committed tokens per request slot, the anchor last
-        self.fed: dict[int, list[int]] = {}  # tokens whose draft K/V are valid, positions 0.. (docstring)
+        # Per request (its RequestTokens' state): the tokens whose draft K/V are valid, positions 0.. (docstring)
 
     # Its pool is private: valid per request (`fed`), so the prefix cache neither shares nor keeps it
     # (kv_pools: none, WorkerDefaults').
@@ -76,7 +76,8 @@ class StandaloneWorker(WorkerDefaults):
         rows, prefix = inp.rows.tolist(), inp.prefix_lens.tolist()
         anchors = inp.anchors.tolist()
         k = min(inp.needed or inp.gamma, inp.gamma)
-        logits = self._catch_up(rows, prefix, anchors)
+        fed: list[list[int]] = [r.state(self.name, list) for r in inp.requests]
+        logits = self._catch_up(rows, prefix, anchors, inp.requests, fed)
         tokens = torch.empty(len(rows), inp.gamma, dtype=torch.int64, device=inp.anchors.device)
         sampled = [i for i, p in enumerate(inp.params) if not p.is_greedy]
         probs = torch.zeros(len(rows), inp.gamma, self.target_vocab) if sampled else None
@@ -86,21 +87,27 @@ class StandaloneWorker(WorkerDefaults):
             tokens[:, j] = pick
             if j + 1 < k:  # the last draft is never fed: nothing reads its K/V
                 logits = self._decode(inp.rows, inp.prefix_lens + 1 + j, pick)
-                for row, tok in zip(rows, pick.tolist()):
-                    self.fed[row].append(tok)
+                for valid, tok in zip(fed, pick.tolist()):
+                    valid.append(tok)
         if k < inp.gamma:  # windows verify at most k: the rest repeat the last draft, one-hot
             tokens[:, k:] = tokens[:, k - 1 : k]
             if probs is not None:
                 probs[:, k:] = torch.nn.functional.one_hot(tokens[:, k:].cpu(), self.target_vocab).float()
         return Drafts(tokens, probs)
 
-    def _catch_up(self, rows: list[int], prefix: list[int], anchors: list[int]) -> torch.Tensor:
+    def _catch_up(
+        self,
+        rows: list[int],
+        prefix: list[int],
+        anchors: list[int],
+        requests: Sequence[RequestTokens],
+        valid: list[list[int]],
+    ) -> torch.Tensor:
         """One extend pass writing each request's draft K/V from its first invalid position through
-        its anchor; the logits at the anchors [n, V]."""
+        its anchor (valid[i]: request i's tokens with valid draft K/V); the logits at the anchors [n, V]."""
         starts, ids, slots = [], [], []
-        for row, p, anchor in zip(rows, prefix, anchors):
-            seq = self.histories[row][:p] + [anchor]
-            fed = self.fed.setdefault(row, [])
+        for row, p, anchor, request, fed in zip(rows, prefix, anchors, requests, valid):
+            seq = request.tokens[:p] + [anchor]
             start = min(len(fed), p)  # the anchor always runs: its logits give d_1
             del fed[start:]
             fed.extend(seq[start:])
@@ -160,15 +167,12 @@ class StandaloneWorker(WorkerDefaults):
 
     # ------------------------------------------------------------ commit
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
-        if restart:
-            self.histories[row] = list(tokens)
-            self.fed[row] = []
-            return
-        history = self.histories[row]
-        anchor = len(history) - 1  # fed before it already matched: only this step's part is compared
-        history.extend(tokens)
-        fed = self.fed.setdefault(row, [])
+    def commit_tokens(self, request: RequestTokens, tokens: list[int]) -> None:
+        """Drop the draft K/V that the commit made invalid (a draft the target rejected, and the new
+        anchor's position, which is always run)."""
+        history = request.tokens
+        anchor = len(history) - len(tokens) - 1  # fed before it already matched: only this step's part is compared
+        fed: list[int] = request.state(self.name, list)
         limit = min(len(fed), len(history) - 1)  # positions before the new anchor are committed
         keep = next((i for i in range(min(anchor, limit), limit) if fed[i] != history[i]), limit)
         del fed[keep:]

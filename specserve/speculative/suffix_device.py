@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.speculative.lagged import LaggedFeed
 from specserve.speculative.suffix_index import SEPARATOR
 

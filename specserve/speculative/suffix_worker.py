@@ -1,8 +1,9 @@
 """SUFFIX: model-free drafts from suffix matches over the request's own tokens and over the
 outputs of the requests before it (SuffixDecoding; the index: speculative/suffix_index.py).
 
-Each request slot has an index over its prompt and output; the engine has one global index over
-finished requests' outputs, bounded by `cache_tokens` (the oldest outputs evicted first). A draft
+Each request has an index over its prompt and output (kept with its RequestTokens, brought up to
+date when it is asked for a hint or a draft); the engine has one global index over finished
+requests' outputs, bounded by `cache_tokens` (the oldest outputs evicted first). A draft
 is whichever of the two walks scores higher (its probabilities' sum, SuffixDecoding's choice; a
 sampled request drafts from its own tokens only, so that its seeded tokens, which depend on the
 drafts, do not depend on the requests before it),
@@ -10,7 +11,7 @@ at most `spec_factor` x the suffix matched, each token kept while its path holds
 `min_prob` of the matched occurrences. Everything here is a function of the committed tokens in
 commit order, which every tensor-parallel rank sees alike (a slot's output enters the global index
 when the slot's next request starts), so the ranks' indexes and drafts agree without a collective;
-the adaptive plan that uses them is rank 0's (speculative/adaptive.py).
+the adaptive plan that uses them is rank 0's (speculative/policy.py).
 
 The global index is shared by every request, so under `scope="request"` it is neither fed nor
 read: a greedy request's speed (its accepted drafts) would otherwise reveal whether another
@@ -26,16 +27,17 @@ On CPU the host walk is the cheaper one (a few list reads against some hundred t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from functools import partial
+from typing import Optional, Sequence
 
 import torch
 
 from specserve.errors import ConfigError
 from specserve.names import Algorithm, SuffixScope
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
+from specserve.speculative.committed import RequestTokens, TokenTable
 from specserve.speculative.suffix_device import DeviceDraft, DeviceSegments, WalkLimits, walk
 from specserve.speculative.suffix_index import SuffixDraft, SuffixIndex
-from specserve.speculative.token_table import TokenTable
 from specserve.speculative.worker import DraftContext, DraftInput, Drafts, WorkerDefaults
 
 # The policy's hint buckets by the suffix matched (0: nothing to draft), like NGRAM's match lengths.
@@ -76,16 +78,17 @@ class SuffixConfig:
 
 
 class _Slot:
-    """One request's index and where its output starts."""
+    """One request's index (of its RequestTokens' tokens) and its latest draft."""
 
-    def __init__(self, max_depth: int, tokens: list[int], prompt_len: int):
+    def __init__(self, max_depth: int):
         self.index = SuffixIndex(max_depth)
-        self.index.extend(tokens)
-        self.prompt_len = prompt_len
         self.draft: Optional[tuple[int, int, bool, SuffixDraft]] = None  # (tokens seen, gamma, global?, draft)
 
-    def output(self) -> list[int]:
-        return self.index.tokens[self.prompt_len :]
+    def catch_up(self, tokens: list[int]) -> "_Slot":
+        """Index the request's tokens committed since the last call."""
+        if len(tokens) > len(self.index.tokens):
+            self.index.extend(tokens[len(self.index.tokens) :])
+        return self
 
 
 class SuffixWorker(WorkerDefaults):
@@ -105,7 +108,6 @@ class SuffixWorker(WorkerDefaults):
         if gamma < 1:
             raise ConfigError(f"speculative_num_steps: must be >= 1, got {gamma}")
         self.gamma, self.config = gamma, config or SuffixConfig()
-        self.slots: dict[int, _Slot] = {}
         self.global_index = SuffixIndex(self.config.max_depth)
         self._table = token_table
         self.segments = DeviceSegments(token_table.tokens.device) if token_table is not None else None
@@ -113,6 +115,16 @@ class SuffixWorker(WorkerDefaults):
             drafts_on_device = token_table is not None and token_table.tokens.device.type == "cuda"
         self.drafts_on_device = drafts_on_device  # chosen before the first request (the device state starts there)
         self._last_launch = 0
+
+    @property
+    def drafts_on_device(self) -> bool:
+        return self._on_device
+
+    @drafts_on_device.setter
+    def drafts_on_device(self, on: bool) -> None:
+        self._on_device = on
+        self.advances = on  # the device segments drain as each step begins (`advance`)
+        self.tokens_early = not on  # drafting from the host indexes needs the last step's tokens before the next launch
 
     @property
     def token_table(self) -> Optional[TokenTable]:
@@ -126,17 +138,16 @@ class SuffixWorker(WorkerDefaults):
         if self.drafts_on_device and self.segments is not None:
             self.segments.held(launch)
 
-    @property
-    def tokens_early(self) -> bool:
-        """Drafting from the host indexes needs the last step's tokens before the next launch."""
-        return not self.drafts_on_device
-
     # ------------------------------------------------------------ drafting
 
-    def proposal(self, row: int, gamma: int, use_global: bool = True) -> SuffixDraft:
-        """The slot's draft for its committed tokens so far (computed once per step and kept: the
-        policy's hint and the drafting read the same); use_global: past outputs may draft."""
-        slot = self.slots[row]
+    def slot(self, request: RequestTokens) -> _Slot:
+        """The request's index, up to date with its tokens."""
+        return request.state(self.name, partial(_Slot, self.config.max_depth)).catch_up(request.tokens)
+
+    def proposal(self, request: RequestTokens, gamma: int, use_global: bool = True) -> SuffixDraft:
+        """The request's draft for its committed tokens so far (computed once per step and kept:
+        the policy's hint and the drafting read the same); use_global: past outputs may draft."""
+        slot = self.slot(request)
         key = (len(slot.index.tokens), gamma, use_global)
         if slot.draft is not None and slot.draft[:3] == key:
             return slot.draft[3]
@@ -149,12 +160,12 @@ class SuffixWorker(WorkerDefaults):
         slot.draft = (*key, best)
         return best
 
-    def hints(self, rows: list[int], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
-        """Per slot (match bucket, tokens drafted): what the adaptive policy prices SUFFIX by;
+    def hints(self, requests: Sequence[RequestTokens], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
+        """Per request (match bucket, tokens drafted): what the adaptive policy prices SUFFIX by;
         greedy[i]: request i decodes greedily (None: all do)."""
         out = []
-        for i, row in enumerate(rows):
-            d = self.proposal(row, self.gamma, greedy is None or greedy[i])
+        for i, request in enumerate(requests):
+            d = self.proposal(request, self.gamma, greedy is None or greedy[i])
             out.append((sum(d.match_len >= b for b in MATCH_BUCKETS) if d.tokens else 0, len(d.tokens)))
         return out
 
@@ -162,8 +173,8 @@ class SuffixWorker(WorkerDefaults):
         if self.drafts_on_device:
             return Drafts(self._device_draft(inp).filled(inp.anchors))
         proposals = []
-        for row, anchor, params in zip(inp.rows.tolist(), inp.anchors.tolist(), inp.params):
-            toks = list(self.proposal(row, inp.gamma, params.is_greedy).tokens)
+        for request, anchor, params in zip(inp.requests, inp.anchors.tolist(), inp.params):
+            toks = list(self.proposal(request, inp.gamma, params.is_greedy).tokens)
             fill = toks[-1] if toks else anchor  # past the walk: never verified by a plan that knows its length
             proposals.append(toks + [fill] * (inp.gamma - len(toks)))
         return Drafts(torch.tensor(proposals, dtype=torch.int64, device=inp.anchors.device))
@@ -194,23 +205,13 @@ class SuffixWorker(WorkerDefaults):
 
     # ------------------------------------------------------------ commits
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
-        """`restart`: a new request in this slot, `tokens` its whole sequence, of which the last
-        `new` were generated (the rest: its prompt)."""
-        self._last_launch = max(self._last_launch, launch)
-        if restart:
-            self._retire(row, launch)
-            self.slots[row] = _Slot(self.config.max_depth, tokens, len(tokens) - new)
-        else:
-            self.slots[row].index.extend(tokens)
-
-    def _retire(self, row: int, launch: int) -> None:
+    def retire(self, row: int, done: RequestTokens, launch: int) -> None:
         """The slot's previous request's output into the global index (within its budget), and
-        the same change told to the device segments."""
-        slot = self.slots.pop(row, None)
-        if slot is None or self.config.cache_tokens == 0 or not self.config.shares_outputs:
+        the same change told to the device segments (at `launch`, the next request's commit)."""
+        self._last_launch = max(self._last_launch, launch)
+        if self.config.cache_tokens == 0 or not self.config.shares_outputs:
             return
-        output = slot.output()[-self.config.cache_tokens :]
+        output = done.output[-self.config.cache_tokens :]
         if len(output) < 2:
             return
         index, segments = self.global_index, self.segments if self.drafts_on_device else None

@@ -6,22 +6,26 @@ A verify step runs, on the forward stream:
    windows `[anchor, d_1..d_g]`;
 2. the target's verify forward over all windows and the accept (greedy or rejection sampling),
    once for the whole batch (`speculative/accept.py`);
-3. commit: every drafter sees the rows whose target K/V were committed (`commit_rows`) and the
-   tokens each request committed (`commit_tokens`), whatever drafted them, so a request can
-   switch drafter between steps. Prefill and plain decode steps commit the same way.
-A worker holds only its own state (draft K/V, token histories); it never sees the scheduler.
+3. commit: every drafter that reads rows sees the rows whose target K/V were committed
+   (`commit_rows`), whatever drafted them, so a request can switch drafter between steps; the
+   committed tokens go once into each slot's `RequestTokens` (speculative/committed.py), which
+   the drafters that read tokens are handed with each request they hint or draft for. Prefill and
+   plain decode steps commit the same way.
+A worker holds only state that is not per request (draft K/V pools, SUFFIX's index of past
+outputs); its state of one request lives in that request's RequestTokens. It never sees the
+scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from specserve.kv.pool import KVPool
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.token_table import TokenTable
+from specserve.speculative.committed import CommittedRows, RequestTokens, TokenTable
 
 
 @dataclass
@@ -58,6 +62,25 @@ class DraftInput:
     # so a drafter sizes its context without reading the prefix lengths back.
     ctx_bound: Optional[int] = None
     launch: Optional[int] = None  # the step's launch count (StepInput.launch; None: a tool's draft)
+    # Each request's tokens (given to a worker that reads_tokens): views, never copies.
+    requests: Sequence[RequestTokens] = ()
+
+    def part(
+        self, index: list[int], sel: Optional[torch.Tensor], needed: Optional[int], requests: Sequence[RequestTokens]
+    ) -> "DraftInput":
+        """The requests `index` of this input (sel: the same indices on the device; None: all)."""
+        pick = (lambda t: t) if sel is None else (lambda t: t[sel])
+        return replace(
+            self,
+            rows=pick(self.rows),
+            anchors=pick(self.anchors),
+            prefix_lens=pick(self.prefix_lens),
+            out_lens=pick(self.out_lens),
+            params=[self.params[i] for i in index],
+            seeds=[self.seeds[i] for i in index],
+            needed=needed,
+            requests=requests,
+        )
 
     def context_bound(self) -> int:
         """A bound on every prefix length: the host's ctx_bound, else the largest read back (a wait)."""
@@ -79,16 +102,6 @@ class Drafts:
     confidence: Optional[torch.Tensor] = None
 
 
-@dataclass
-class CommittedRows:
-    """Target rows whose K/V this step committed: their captured hidden states (at the layers
-    the drafters asked for), absolute positions and token slots."""
-
-    hidden: torch.Tensor  # [N, len(capture_layer_ids) * H]
-    positions: torch.Tensor  # [N]
-    slots: torch.Tensor  # [N]
-
-
 class DraftWorker(Protocol):
     """One drafting algorithm's worker (its declaration: specserve/drafters/); WorkerDefaults gives the
     parts a simple drafter does not need. Its attributes are read-only
@@ -103,12 +116,12 @@ class DraftWorker(Protocol):
 
     @property
     def reads_tokens(self) -> bool:
-        """Wants commit_tokens."""
+        """Drafts or hints from the requests' committed tokens (RequestTokens, in DraftInput.requests
+        and `hints`): the speculation keeps them only while some drafter reads them."""
 
-    @property
-    def tokens_early(self) -> bool:
-        """Must have step N's tokens (commit_tokens) before step N+1 is launched: drafts from host
-        state, so the launch waits for the device (runtime/host_waits.py counts it)."""
+    # Must have step N's tokens before step N+1 is launched: drafts from host state, so the launch
+    # waits for the device (runtime/host_waits.py counts it). A plain attribute, read every step.
+    tokens_early: bool
 
     @property
     def kv_pools(self) -> list[KVPool]:
@@ -118,18 +131,26 @@ class DraftWorker(Protocol):
 
     def commit_rows(self, rows: CommittedRows) -> None: ...
 
-    def advance(self, launch: Optional[int]) -> None:
-        """Forward stream, every planned step, before the plan (`launch`: the step's launch count)."""
+    # Whether `advance` must run as each step begins: a plain attribute (the step reads it without
+    # entering the worker), which a worker may change as its state does.
+    advances: bool
 
-    def hints(self, rows: list[int], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
+    def advance(self, launch: Optional[int]) -> None:
+        """Forward stream, every planned step where `advances`, before the plan (`launch`: the
+        step's launch count)."""
+
+    def hints(self, requests: Sequence[RequestTokens], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
         """Per request (rate bucket, most useful drafts), for the adaptive policy: asked only of a
         drafter whose declaration has hints (drafters/declaration.py); greedy[i]: request i decodes
         greedily (None: all do)."""
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
-        """Request slot `row` committed `tokens`; `restart`: they are its whole sequence so far, of
-        which the last `new` were generated (the rest: its prompt); `launch`: the committing step's
-        launch count (StepInput.launch)."""
+    def commit_tokens(self, request: RequestTokens, tokens: list[int]) -> None:
+        """`request` committed `tokens` (already appended to request.tokens): asked only of a worker
+        that overrides WorkerDefaults' (one whose state must follow every commit)."""
+
+    def retire(self, row: int, done: RequestTokens, launch: int) -> None:
+        """Slot `row`'s request `done` was replaced by the next one, whose prefill committed at
+        `launch` (asked only of a worker that overrides WorkerDefaults')."""
 
     def flush(self) -> None:
         """Apply any committed state the worker deferred (see DsparkWorker)."""
@@ -139,12 +160,11 @@ class WorkerDefaults:
     """What a drafter does where it needs nothing more (a base for workers): no target rows, no
     tokens, no K/V of its own, nothing deferred, no hints, nothing to do as a step begins."""
 
-    @property
-    def reads_tokens(self) -> bool:
-        return False
+    advances = False
+    tokens_early = False
 
     @property
-    def tokens_early(self) -> bool:
+    def reads_tokens(self) -> bool:
         return False
 
     @property
@@ -158,15 +178,18 @@ class WorkerDefaults:
     def advance(self, launch: Optional[int]) -> None:
         """Forward stream, every planned step (before the plan)."""
 
-    def hints(self, rows: list[int], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
+    def hints(self, requests: Sequence[RequestTokens], greedy: Optional[list[bool]] = None) -> list[tuple[int, int]]:
         """Per request (rate bucket, most useful drafts): asked where the declaration has hints."""
         raise NotImplementedError(f"{type(self).__name__} declares no hints")
 
     def commit_rows(self, rows: CommittedRows) -> None:
         """Target rows committed (asked only of a worker with capture_layer_ids)."""
 
-    def commit_tokens(self, row: int, tokens: list[int], restart: bool, new: int = 0, launch: int = 0) -> None:
-        """Tokens committed (asked only of a worker that reads_tokens)."""
+    def commit_tokens(self, request: RequestTokens, tokens: list[int]) -> None:
+        """Tokens committed: nothing to follow (a worker that overrides this is told every commit)."""
+
+    def retire(self, row: int, done: RequestTokens, launch: int) -> None:
+        """A slot's request replaced: nothing kept past a request."""
 
     def flush(self) -> None:
         """Apply deferred state (nothing deferred)."""

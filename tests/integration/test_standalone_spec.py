@@ -18,6 +18,7 @@ from specserve.errors import ConfigError
 from specserve.models.loader import default_model_path
 from specserve.models.forward_batch import ForwardBatch
 from specserve.speculative import standalone_worker
+from specserve.speculative.speculation import Speculation
 from specserve.speculative.standalone_worker import StandaloneWorker
 from test_ngram_spec import CONTENTS, GREEDY, prompts, reference  # noqa: F401 (the shared fixtures)
 
@@ -97,8 +98,8 @@ class _Recorder:
         original = StandaloneWorker.draft
 
         def recording(worker, inp):
-            contexts = [worker.histories[r][:p] + [a] for r, p, a in
-                        zip(inp.rows.tolist(), inp.prefix_lens.tolist(), inp.anchors.tolist())]
+            contexts = [r.tokens[:p] + [a] for r, p, a in
+                        zip(inp.requests, inp.prefix_lens.tolist(), inp.anchors.tolist())]
             out = original(worker, inp)
             k = min(inp.needed or inp.gamma, inp.gamma)
             self.calls += [(c, t[:k]) for c, t in zip(contexts, out.tokens.tolist())]
@@ -210,18 +211,18 @@ def test_planted_draft_cache_faults_are_caught(tiny_pair, monkeypatch, fault):
     """The check above fails when the lazy draft K/V go stale: a commit that keeps the rejected
     drafts' K/V, or a new request in a slot that trusts the last one's."""
     target, _ = tiny_pair
-    original = StandaloneWorker.commit_tokens
+    if fault == "keeps_rejected_drafts":  # the commit trims nothing
+        monkeypatch.setattr(StandaloneWorker, "commit_tokens", lambda worker, request, tokens: None)
+    else:  # a slot's next request inherits the drafters' state of the last one
+        original = Speculation.commit_tokens
 
-    def faulty(worker, row, tokens, restart, new=0, launch=0):
-        if fault == "keeps_rejected_drafts" and not restart:
-            worker.histories[row].extend(tokens)
-            return
-        kept = worker.fed.get(row, [])
-        original(worker, row, tokens, restart, new, launch)
-        if fault == "keeps_state_across_requests" and restart:
-            worker.fed[row] = kept
+        def inheriting(spec, row, tokens, restart=False, new=0, launch=0):
+            last = spec.requests.get(row)
+            original(spec, row, tokens, restart, new, launch)
+            if restart and last is not None:
+                spec.requests[row].drafters = last.drafters
 
-    monkeypatch.setattr(StandaloneWorker, "commit_tokens", faulty)
+        monkeypatch.setattr(Speculation, "commit_tokens", inheriting)
     calls = _hashing_run(target, monkeypatch)
     assert [d for _, d in calls] != _hashes(calls, TinySpec("qwen2").vocab)
 

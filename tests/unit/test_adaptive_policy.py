@@ -7,7 +7,7 @@ import random
 
 from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.adaptive import AdaptivePolicy
+from specserve.speculative.policy import AdaptivePolicy
 from specserve.speculative.cost_model import StepCostModel
 from specserve.speculative.ngram_worker import MAX_MATCH_BUCKET, TokenHistory
 

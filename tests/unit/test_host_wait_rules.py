@@ -8,7 +8,7 @@ import torch
 
 from specserve.errors import ConfigError
 from specserve.runtime.host_waits import HostWaitDetector, HostWaitError, device_code, host_resident
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
 from specserve.runtime.stream import Event, Stream, async_d2h
 
 
@@ -49,7 +49,7 @@ def test_values_copied_up_live_on_the_device():
 
 
 def test_a_blocking_copy_up_is_a_wait():
-    # On CUDA a blocking copy from pageable memory synchronises the stream (runtime/staging.py).
+    # On CUDA a blocking copy from pageable memory synchronises the stream (runtime/stream.py's `staged`).
     assert watched(lambda: torch.tensor([1, 2], device="cpu")) == ["tensor() to the device, blocking"]
     assert watched(lambda: torch.ones(2).to("cpu")) == ["to() to the device, blocking"]
     assert watched(lambda: torch.tensor([1.0]).to(torch.device("cpu"), non_blocking=True)) == []

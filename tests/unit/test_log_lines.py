@@ -14,10 +14,10 @@ from specserve.engine.engine import Engine
 from specserve.engine.messages import AddRequest, Shutdown
 from specserve.names import Algorithm
 from specserve.sampling_params import SamplingParams
-from specserve.scheduler.stats import LOG_INTERVAL_S, SchedulerStats
+from specserve.scheduler.scheduler import LOG_INTERVAL_S, SchedulerStats
 from specserve.server.engine_process import EngineServer
 
-STATS_LOGGER = "specserve.scheduler.stats"
+STATS_LOGGER = "specserve.scheduler.scheduler"
 
 
 @pytest.fixture

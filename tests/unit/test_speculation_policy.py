@@ -9,7 +9,7 @@ import pytest
 
 from specserve.errors import InternalError
 from specserve.names import Algorithm
-from specserve.speculative.adaptive import Calibration, SurvivalEstimate
+from specserve.speculative.policy import Calibration, SurvivalEstimate
 from specserve.speculative.cost_model import FEATURES, StepCostModel, StepShape
 from specserve.speculative.policy import Candidate, Decision, choose_drafts
 

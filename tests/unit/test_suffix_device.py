@@ -18,8 +18,9 @@ from specserve.errors import InternalError
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.suffix_device import DeviceSegments
 from specserve.speculative.suffix_index import SEPARATOR
+from specserve.speculative.speculation import Speculation
 from specserve.speculative.suffix_worker import SuffixConfig, SuffixWorker
-from specserve.speculative.token_table import TokenTable
+from specserve.speculative.committed import TokenTable
 from specserve.speculative.worker import DraftInput
 
 GREEDY, SAMPLED = SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3)
@@ -36,19 +37,21 @@ def texts(rng: random.Random, phrases: list[list[int]], count: int, length: int,
     return out
 
 
-def fed(worker: SuffixWorker, table: TokenTable, row: int, tokens: list[int], prompt: int, launch: int) -> None:
-    """Slot `row` holds a request with these tokens (the first `prompt` its prompt), on both sides."""
-    worker.commit_tokens(row, tokens[: prompt + 1], restart=True, new=1, launch=launch)
+def fed(spec: Speculation, table: TokenTable, row: int, tokens: list[int], prompt: int, launch: int) -> None:
+    """Slot `row` holds a request with these tokens (the first `prompt` its prompt), on both sides
+    (the Speculation keeps each slot's RequestTokens, which the worker reads)."""
+    spec.commit_tokens(row, tokens[: prompt + 1], restart=True, new=1, launch=launch)
     if len(tokens) > prompt + 1:
-        worker.commit_tokens(row, tokens[prompt + 1 :], restart=False, launch=launch)
+        spec.commit_tokens(row, tokens[prompt + 1 :], restart=False, launch=launch)
     table.write_sequence(row, tokens)
 
 
-def draft_input(rows: list[int], lens: list[int], table: TokenTable, gamma: int, params, launch=None) -> DraftInput:
+def draft_input(spec: Speculation, rows: list[int], lens: list[int], table: TokenTable, gamma: int, params,
+                launch=None) -> DraftInput:
     anchors = torch.tensor([int(table.tokens[r, n - 1]) for r, n in zip(rows, lens)])
     prefix = torch.tensor([n - 1 for n in lens])
     return DraftInput(torch.tensor(rows), anchors, prefix, torch.zeros(len(rows), dtype=torch.int64), params,
-                      [0] * len(rows), gamma, None, max(lens) + 1, launch)
+                      [0] * len(rows), gamma, None, max(lens) + 1, launch, [spec.requests[r] for r in rows])
 
 
 def host_drafts(worker: SuffixWorker, inp: DraftInput) -> torch.Tensor:
@@ -68,22 +71,23 @@ def test_device_drafts_equal_the_host_proposals(seed, config):
     gamma, slots = 6, 8
     table = TokenTable(slots, 512)
     worker = SuffixWorker(gamma, config, table, drafts_on_device=True)
+    spec = Speculation([worker])
     phrases = [[rng.randrange(40) for _ in range(rng.randint(2, 6))] for _ in range(12)]
     finished = texts(rng, phrases, 10, 120)  # earlier requests in slot 0: their outputs enter the global index
     for i, seq in enumerate(finished):
-        fed(worker, table, 0, seq, 30, launch=i)
+        fed(spec, table, 0, seq, 30, launch=i)
     live = [texts(rng, phrases, 1, rng.choice([3, 8, 30, 200]))[0] for _ in range(slots - 1)]
     lens = []
     for row, seq in enumerate(live, start=1):
-        fed(worker, table, row, seq, rng.randint(0, len(seq) - 1), launch=len(finished))
+        fed(spec, table, row, seq, rng.randint(0, len(seq) - 1), launch=len(finished))
         lens.append(len(seq))
     rows = list(range(1, slots))
     params = [GREEDY if i % 3 else SAMPLED for i in range(len(rows))]
-    inp = draft_input(rows, lens, table, gamma, params)
+    inp = draft_input(spec, rows, lens, table, gamma, params)
     device = worker.draft(inp).tokens
     assert torch.equal(device, host_drafts(worker, inp))
     # The global index took part: without it some greedy request drafts otherwise.
-    own_only = worker.draft(draft_input(rows, lens, table, gamma, [SAMPLED] * len(rows))).tokens
+    own_only = worker.draft(draft_input(spec, rows, lens, table, gamma, [SAMPLED] * len(rows))).tokens
     assert not torch.equal(own_only, device)
     held = worker.segments.held(None)
     assert held.shape[0] == len(worker.global_index.tokens) and held.tolist() == worker.global_index.tokens
@@ -95,11 +99,12 @@ def greedy_and_sampled_after_an_earlier_output() -> tuple[SuffixWorker, DraftInp
     request's output [4..8]: row 1 greedy, row 2 sampled."""
     table = TokenTable(4, 64)
     worker = SuffixWorker(4, SuffixConfig(), table, drafts_on_device=True)
-    fed(worker, table, 0, [1, 2, 3, 4, 5, 6, 7, 8], 2, launch=1)
-    fed(worker, table, 0, [9, 9], 1, launch=2)  # retires the first request's output [4..8] (after its prompt)
-    fed(worker, table, 1, [20, 21, 4, 5], 3, launch=2)
-    fed(worker, table, 2, [20, 21, 4, 5], 3, launch=2)
-    return worker, draft_input([1, 2], [4, 4], table, 4, [GREEDY, SAMPLED], launch=4)
+    spec = Speculation([worker])
+    fed(spec, table, 0, [1, 2, 3, 4, 5, 6, 7, 8], 2, launch=1)
+    fed(spec, table, 0, [9, 9], 1, launch=2)  # retires the first request's output [4..8] (after its prompt)
+    fed(spec, table, 1, [20, 21, 4, 5], 3, launch=2)
+    fed(spec, table, 2, [20, 21, 4, 5], 3, launch=2)
+    return worker, draft_input(spec, [1, 2], [4, 4], table, 4, [GREEDY, SAMPLED], launch=4)
 
 
 def test_a_draft_from_the_global_index_only_for_greedy_requests():

@@ -12,6 +12,7 @@ from specserve.errors import ConfigError
 from specserve.sampling_params import SamplingParams
 from specserve.speculative import suffix_index as suffix_module
 from specserve.speculative.suffix_index import SuffixIndex
+from specserve.speculative.speculation import Speculation
 from specserve.speculative.suffix_worker import SuffixConfig, SuffixWorker
 from specserve.speculative.worker import DraftInput
 
@@ -129,33 +130,35 @@ def test_eviction_drops_the_oldest_segments_entries():
     assert (1, 2) not in index.index and index.draft([0, 4, 5], 3).tokens == (6,)
 
 
-def worker_input(rows: list[int], gamma: int, temperature: float = 0.0) -> DraftInput:
+def worker_input(spec: Speculation, rows: list[int], gamma: int, temperature: float = 0.0) -> DraftInput:
     n = len(rows)
     return DraftInput(torch.tensor(rows), torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
-                      torch.zeros(n, dtype=torch.int64), [SamplingParams(temperature=temperature)] * n, [0] * n, gamma)
+                      torch.zeros(n, dtype=torch.int64), [SamplingParams(temperature=temperature)] * n, [0] * n, gamma,
+                      requests=[spec.requests[r] for r in rows])
 
 
 def test_a_finished_output_drafts_for_the_next_request_and_the_budget_holds():
     """A slot's output enters the global index when its next request starts; the index keeps at most
     its budget of tokens, the oldest outputs evicted."""
     worker = SuffixWorker(4, SuffixConfig(cache_tokens=12))
+    spec = Speculation([worker])  # keeps each slot's RequestTokens, which the worker reads
     answer = [50, 51, 52, 53, 54, 55, 56, 57]
-    worker.commit_tokens(0, [1, 2, 3, answer[0]], restart=True, new=1)
-    worker.commit_tokens(0, answer[1:], restart=False)
-    worker.commit_tokens(0, [9, 8, 7, answer[0]], restart=True, new=1)  # the same task again
-    worker.commit_tokens(0, answer[1:3], restart=False)
+    spec.commit_tokens(0, [1, 2, 3, answer[0]], restart=True, new=1)
+    spec.commit_tokens(0, answer[1:], restart=False)
+    spec.commit_tokens(0, [9, 8, 7, answer[0]], restart=True, new=1)  # the same task again
+    spec.commit_tokens(0, answer[1:3], restart=False)
     assert worker.global_index.tokens[:-1] == answer  # the first request's output only
-    drafts = worker.draft(worker_input([0], 4)).tokens.tolist()[0]
+    drafts = worker.draft(worker_input(spec, [0], 4)).tokens.tolist()[0]
     assert drafts[:3] == answer[3:6]  # a 3-token match, spec factor 1: 3 drafts (then filler)
-    assert worker.hints([0]) == [(1, 3)]  # matches of 2-3 tokens: bucket 1
+    assert worker.hints([spec.requests[0]]) == [(1, 3)]  # matches of 2-3 tokens: bucket 1
     # a sampled request drafts from its own tokens only (its seeded tokens then never depend on
     # earlier requests): here nothing
-    assert worker.hints([0], greedy=[False]) == [(0, 0)]
-    assert worker.draft(worker_input([0], 4, temperature=0.7)).tokens.tolist()[0][:3] != answer[3:6]
+    assert worker.hints([spec.requests[0]], greedy=[False]) == [(0, 0)]
+    assert worker.draft(worker_input(spec, [0], 4, temperature=0.7)).tokens.tolist()[0][:3] != answer[3:6]
     for n in range(3):  # more outputs than the budget
-        worker.commit_tokens(0, [n, 100 + n, 200 + n], restart=True, new=1)
-        worker.commit_tokens(0, [300 + n, 400 + n, 500 + n], restart=False)
-    worker.commit_tokens(0, [0, 1], restart=True, new=1)
+        spec.commit_tokens(0, [n, 100 + n, 200 + n], restart=True, new=1)
+        spec.commit_tokens(0, [300 + n, 400 + n, 500 + n], restart=False)
+    spec.commit_tokens(0, [0, 1], restart=True, new=1)
     assert len(worker.global_index) <= 12 and 50 not in worker.global_index.tokens
 
 

@@ -1,4 +1,4 @@
-"""NGRAM on the device (speculative/token_table.py) proposes exactly what the host index does, and
+"""NGRAM on the device (speculative/committed.py) proposes exactly what the host index does, and
 its fixed-shape writes put committed tokens at their positions and the rest to scratch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve.speculative.ngram_worker import TokenHistory
-from specserve.speculative.token_table import TokenTable
+from specserve.speculative.committed import TokenTable
 
 
 @pytest.mark.parametrize("min_n,max_n,gamma", [(1, 4, 4), (2, 3, 2), (1, 1, 5), (3, 5, 3)])

@@ -1,4 +1,13 @@
-"""TokenTable: every request slot's tokens by position, on the device, and prompt lookup over it.
+"""What the drafters learn from commits: each request slot's tokens on the host (RequestTokens)
+and on the device (TokenTable, every slot's tokens by position, and prompt lookup over it), and
+the target rows a step committed (CommittedRows, for a drafter that reads hidden states).
+
+RequestTokens is the one host record of a slot's current request that the drafters share: its
+committed tokens, appended once per commit by `Speculation`, and each drafter's own state of the
+request keyed by the drafter's name (NGRAM's n-gram index, SUFFIX's suffix index, STANDALONE's
+valid draft K/V), which goes with the request when the slot's next request starts. A drafter reads
+the tokens as a view and brings its state up to date when it next drafts or hints, so a step that
+does not ask a drafter anything does not run it.
 
 A drafter that drafts from a request's own tokens (NGRAM) needs step N's committed tokens before
 step N+1 is launched; in the overlap loop the host learns them only later. So the tokens live on
@@ -15,11 +24,44 @@ than the window's width land there.
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from specserve.runtime.staging import staged
+from specserve.runtime.stream import staged
+
+S = TypeVar("S")
+
+
+@dataclass
+class RequestTokens:
+    """One slot's current request as the speculation has been told it (see the module docstring)."""
+
+    tokens: list[int]  # its prompt, then its output; the latest committed token (the next anchor) last
+    prompt_len: int
+    drafters: dict[str, Any] = field(default_factory=dict)  # each drafter's state of this request
+
+    def state(self, drafter: str, make: Callable[[], S]) -> S:
+        """`drafter`'s state of this request, made on first use."""
+        found = self.drafters.get(drafter)
+        if found is None:
+            found = self.drafters[drafter] = make()
+        return found
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class CommittedRows:
+    """Target rows whose K/V this step committed: their captured hidden states (at the layers
+    the drafters asked for), absolute positions and token slots."""
+
+    hidden: torch.Tensor  # [N, len(capture_layer_ids) * H]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N]
 
 
 class TokenTable:
