@@ -7,8 +7,8 @@ with STANDALONE, from the last position its own drafting left valid to its ancho
 pass with the other drafting requests. Then k-1 decode steps of the draft model give d_2..d_k.
 
 Which positions hold valid draft K/V (`fed`, kept as STANDALONE's state in the request's
-RequestTokens): after every commit, it is a prefix of the request's committed positions (those before its anchor) whose draft K/V this request wrote at
-the slot the position now holds:
+RequestTokens): after every commit, it is a prefix of the request's committed positions (those
+before its anchor) whose draft K/V this request wrote at the slot the position now holds:
 - a restart (a new prefill, or a retracted request back) empties it: the slots may be new, and a
   slot shared through the prefix cache may hold another request's draft K/V or none;
 - drafting extends it with the catch-up, the anchor and the drafts fed back, all at the window's
