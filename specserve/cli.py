@@ -282,10 +282,10 @@ def _add_init_drafter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(ns: argparse.Namespace, args: ServerArgs) -> int:
+    params = sampling_flags(ns)
+    SamplingParams.from_dict(params)  # fail fast, before the model (and torch) loads
     from specserve.engine import Engine
 
-    params = sampling_flags(ns)
-    SamplingParams.from_dict(params)  # fail fast, before the model loads
     with Engine(**vars(args)) as engine:
         if ns.chat:
             ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
