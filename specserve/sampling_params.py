@@ -95,10 +95,15 @@ class SamplingField:
         return low_ok and (high is None or (value < high if self.open_high else value <= high))
 
     def allowed(self, vocab_size: Optional[int] = None) -> str:
-        """The range as errors write it: "in (0, 1]", "-1 (off) or in [1, 151936]"."""
+        """The range as errors write it: "in (0, 1]", "-1 (off) or in [1, 151936]", ">= 0"."""
         high = self.upper(vocab_size)
         high_text = self.high_text if self.high_text and high == self.high else _bound(high)
-        text = f"in {'(' if self.open_low else '['}{_bound(self.low)}, {high_text}{')' if self.open_high else ']'}"
+        if self.low is not None and high is not None:
+            text = f"in {'(' if self.open_low else '['}{_bound(self.low)}, {high_text}{')' if self.open_high else ']'}"
+        elif self.low is not None:
+            text = f"{'>' if self.open_low else '>='} {_bound(self.low)}"
+        else:
+            text = "" if high is None else f"{'<' if self.open_high else '<='} {high_text}"
         return text if self.off is None else f"{self.off} (off) or {text}"
 
     @property
@@ -107,10 +112,11 @@ class SamplingField:
 
 
 def sampling(default: Any, kind: Kind, help: str, **spec: Any) -> Any:
-    """A SamplingParams field with its declaration (see SamplingField); list and dict defaults are copied."""
+    """A SamplingParams field with its declaration (see SamplingField); a list or dict default is copied
+    for each object. The field's name is SGLang's (the Engine's and /generate's)."""
     declaration = SamplingField(kind, help, **spec)
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=type(default), metadata={"sampling": declaration})
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"sampling": declaration})
     return dataclasses.field(default=default, metadata={"sampling": declaration})
 
 
@@ -129,7 +135,7 @@ _DECLARED: dict[type, tuple[SamplingField, ...]] = {}
 
 
 def _bound(value: Optional[float]) -> str:
-    return str(value) if isinstance(value, int) else f"{value:g}"
+    return str(value) if isinstance(value, int) or value is None else f"{value:g}"
 
 
 @dataclass
@@ -263,13 +269,13 @@ class SamplingParams:
 def _integer(spec: SamplingField, value: Any, vocab_size: Optional[int]) -> Optional[str]:
     if _is_int(value) and spec.holds(value, vocab_size):
         return None
-    return f"must be an integer {spec.allowed(vocab_size)}, got {_show(value)}"
+    return f"must be an integer {spec.allowed(vocab_size)}".rstrip() + f", got {_show(value)}"
 
 
 def _number(spec: SamplingField, value: Any, vocab_size: Optional[int]) -> Optional[str]:
     if _is_finite(value) and spec.holds(value, vocab_size):
         return None
-    return f"must be a number {spec.allowed(vocab_size)}, got {_show(value)}"
+    return f"must be a number {spec.allowed(vocab_size)}".rstrip() + f", got {_show(value)}"
 
 
 def _boolean(spec: SamplingField, value: Any, vocab_size: Optional[int]) -> Optional[str]:
@@ -308,10 +314,7 @@ def _token_bias(spec: SamplingField, value: Any, vocab_size: Optional[int]) -> O
     ):
         return None
     bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
-    return (
-        f"must map at most {spec.max_items} token ids (integers {bound}) to numbers in "
-        f"[{_bound(spec.low)}, {_bound(spec.high)}]"
-    )
+    return f"must map at most {spec.max_items} token ids (integers {bound}) to numbers {spec.allowed()}".rstrip()
 
 
 _CHECKS: dict[str, Callable[[SamplingField, Any, Optional[int]], Optional[str]]] = {
