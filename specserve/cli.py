@@ -9,11 +9,24 @@ import importlib
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from specserve.args import ServerArgs
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.flag_bounds import check_flag_bounds
+from specserve.sampling_params import (
+    BOOLEAN,
+    GRAMMAR,
+    INTEGER,
+    NUMBER,
+    SAMPLING_FIELDS,
+    STOP,
+    TEXT,
+    TOKEN_BIAS,
+    TOKEN_IDS,
+    SamplingField,
+    SamplingParams,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,14 +41,32 @@ def _prog(ns: argparse.Namespace, prog: str = "specserve") -> str:
     return " ".join([prog, ns.command] + ([ns.bench_command] if ns.command == "bench" else []))
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+# argparse's arguments for a sampling flag of each kind, given the flag's default.
+_FLAG_KINDS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    INTEGER: lambda default: {"type": int, "default": default},
+    NUMBER: lambda default: {"type": float, "default": default},
+    BOOLEAN: lambda default: {"action": argparse.BooleanOptionalAction, "default": default},
+    TEXT: lambda default: {"default": default},
+    GRAMMAR: lambda default: {"default": default},
+    STOP: lambda default: {"action": "append", "default": None},  # repeatable
+    TOKEN_IDS: lambda default: {"action": "append", "type": int, "default": None},
+    TOKEN_BIAS: lambda default: {"type": json.loads, "default": None},  # as JSON: {"50256": -100}
+}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, fields: Sequence[SamplingField] = SAMPLING_FIELDS) -> None:
+    """A flag for each sampling field declared with one (sampling_params.py): `--top-k`, ..."""
+    for spec in fields:
+        if spec.flag:
+            kind = _FLAG_KINDS[spec.kind](spec.default if spec.flag_default is None else spec.flag_default)
+            repeat = " (repeatable)" if kind.get("action") == "append" else ""
+            p.add_argument("--" + spec.name.replace("_", "-"), help=spec.help + repeat, **kind)
+
+
+def sampling_flags(ns: argparse.Namespace, fields: Sequence[SamplingField] = SAMPLING_FIELDS) -> dict[str, Any]:
+    """The sampling params the flags give (a flag not given: the field's default)."""
+    given = {spec.name: getattr(ns, spec.name) for spec in fields if spec.flag}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -251,20 +282,10 @@ def _add_init_drafter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(ns: argparse.Namespace, args: ServerArgs) -> int:
+    params = sampling_flags(ns)
+    SamplingParams.from_dict(params)  # fail fast, before the model (and torch) loads
     from specserve.engine import Engine
 
-    params = {
-        "max_new_tokens": ns.max_new_tokens,
-        "temperature": ns.temperature,
-        "top_p": ns.top_p,
-        "top_k": ns.top_k,
-        "min_p": ns.min_p,
-        "seed": ns.seed,
-        "stop": ns.stop or [],
-    }
-    from specserve.sampling_params import SamplingParams
-
-    SamplingParams.from_dict(params)  # fail fast, before the model loads
     with Engine(**vars(args)) as engine:
         if ns.chat:
             ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])

@@ -1,5 +1,5 @@
-"""The strict field types every request model is built from (OpenAI and native), and the
-vocabulary bound the app writes into its OpenAPI schema.
+"""The strict field types every request model is built from (OpenAI and native; the sampling fields'
+through sampling_models.py), and the vocabulary bound the app writes into its OpenAPI schema.
 
 Strict: ints are accepted as numbers, bools and strings are not; JSON's one number type means an
 integral float (2.0) is the integer 2.
@@ -8,11 +8,10 @@ integral float (2.0) is the integer 2.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, TypeVar, Union
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, model_validator
 
-from specserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from specserve.server.errors import FieldError
 
 
@@ -56,9 +55,6 @@ def check_fixed(model: BaseModel) -> None:
 
 
 MAX_N = 16  # choices per request
-MAX_STOP = MAX_STOP_STRINGS  # stop strings per request
-StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
-Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]]
 
 
 class StrictModel(BaseModel):

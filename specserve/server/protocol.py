@@ -9,37 +9,15 @@ behaviour.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, Union, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, cast
 
 from pydantic import ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from specserve.sampling_params import (
-    MAX_LOGIT_BIAS_ENTRIES,
-    MAX_NEW_TOKENS_LIMIT,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TEMPERATURE,
-    MAX_TOP_LOGPROBS,
-    SEED_LIMIT,
-)
+from specserve.sampling_params import MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, SAMPLING_FIELDS
 from specserve.server.errors import FieldError
-from specserve.server.fields import (
-    MAX_N,
-    VOCAB_BOUND,
-    Integer,
-    NonEmpty,
-    Number,
-    Stop,
-    StrictModel,
-    Text,
-    TokenId,
-    TokenIds,
-    check_fixed,
-    fixed,
-    neutral_only,
-)
+from specserve.server.fields import MAX_N, Integer, NonEmpty, StrictModel, Text, TokenIds, check_fixed, fixed, neutral_only
 from specserve.server.messages import ChatMessage
+from specserve.server.sampling_models import openai_sampling_params, sampling_model
 from specserve.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, ToolFormat
 from specserve.server.tools import MAX_TOOLS, ToolChoice, ToolDef, call_grammar, check_tools, offered, with_tools
 
@@ -77,26 +55,28 @@ class ResponseFormat(StrictModel):
         return None
 
 
-class SamplingFields(StrictModel):
-    """What chat and completion requests share."""
-
+class _ModelName(StrictModel):
     model: StrictStr
-    temperature: Optional[Number] = Field(None, ge=0, le=2)
-    top_p: Optional[Number] = Field(None, gt=0, le=1)
-    top_k: Optional[Integer] = Field(None, ge=-1, json_schema_extra={VOCAB_BOUND: 0})
-    min_p: Optional[Number] = Field(None, ge=0, le=1)
-    stop: Optional[Stop] = None
-    seed: Optional[Integer] = Field(None, ge=0, lt=2**63)
+
+
+# The sampling fields chat and completions share (temperature, top_p, stop, seed, penalties, ...),
+# generated from SamplingParams' declarations (sampling_models.py).
+if TYPE_CHECKING:
+    _OpenAISampling = _ModelName
+else:
+    _OpenAISampling = sampling_model("OpenAISampling", SAMPLING_FIELDS, openai=True, base=_ModelName)
+
+
+class SamplingFields(_OpenAISampling):
+    """What chat and completion requests share: the model, the generated sampling fields, and these."""
+
+    if TYPE_CHECKING:  # generated fields this code reads by name
+        stop: Optional[Union[str, list[str]]]
+        seed: Optional[int]
     n: Integer = Field(1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    ignore_eos: StrictBool = False  # extension: generate exactly max_tokens (benchmarks)
     user: Optional[StrictStr] = None  # accepted for compatibility; not used
-    # On the target's logits in every row, verify rows included (see specserve/logits/penalties.py).
-    presence_penalty: Optional[Number] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: Optional[Number] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: Optional[Number] = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # extension (vLLM's)
-    logit_bias: Optional[Annotated[dict[str, Number], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     # SGLang's extensions, which its router adds to every request it forwards (at these values):
     no_stop_trim: StrictBool = fixed(False)  # a matched stop string is always cut from the text
     skip_special_tokens: StrictBool = fixed(True)
@@ -105,8 +85,6 @@ class SamplingFields(StrictModel):
     @model_validator(mode="after")
     def _check(self):
         check_fixed(self)
-        if self.top_k == 0:
-            raise ValueError("top_k: must be -1 (off) or >= 1")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
@@ -119,22 +97,8 @@ class SamplingFields(StrictModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
-        """specserve sampling params; OpenAI's default temperature is 1."""
-        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "logit_bias",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                params[name] = value
+        """specserve sampling params (those the request gave; OpenAI's defaults are the engine's)."""
+        params = {"max_new_tokens": max_new_tokens, **openai_sampling_params(self, SAMPLING_FIELDS)}
         top = self.logprob_count()
         if top is not None:
             params.update(logprobs=True, top_logprobs=top)
@@ -269,33 +233,14 @@ class CompletionRequest(SamplingFields):
         return params
 
 
-class GenerateSamplingParams(StrictModel):
+if TYPE_CHECKING:
+    _NativeSampling = StrictModel
+else:  # every field SamplingParams declares `native`, at the engine's default (SGLang's names)
+    _NativeSampling = sampling_model("NativeSampling", SAMPLING_FIELDS, openai=False)
+
+
+class GenerateSamplingParams(_NativeSampling):
     """specserve's SamplingParams as the native API takes them (checked again, with the vocabulary, by the engine)."""
-
-    max_new_tokens: Optional[Integer] = Field(None, ge=0, le=MAX_NEW_TOKENS_LIMIT)
-    temperature: Number = Field(1.0, ge=0, le=MAX_TEMPERATURE)
-    top_p: Number = Field(1.0, gt=0, le=1)
-    top_k: Integer = Field(-1, ge=-1, json_schema_extra={VOCAB_BOUND: 0})
-    min_p: Number = Field(0.0, ge=0, le=1)
-    stop: Stop = Field(default_factory=list)
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: StrictBool = False
-    seed: Optional[Annotated[Integer, Field(ge=0, lt=SEED_LIMIT)]] = None
-    skip_special_tokens: StrictBool = True
-    presence_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: Number = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: Number = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
-    logit_bias: Annotated[dict[str, Number], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] = Field(default_factory=dict)
-    json_schema: Optional[StrictStr] = None  # structured output (SGLang's names): a JSON schema as text,
-    regex: Optional[StrictStr] = None  # a regular expression,
-    ebnf: Optional[StrictStr] = None  # or a GBNF grammar,
-    lark: Optional[StrictStr] = None  # or llguidance's Lark (JSON schemas inline: `%json {...}`)
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.top_k == 0:
-            raise ValueError("top_k: must be -1 (off) or >= 1")
-        return self
 
     def as_dict(self) -> dict[str, Any]:
         """The fields the client sent (the engine fills in the rest)."""

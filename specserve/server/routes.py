@@ -16,36 +16,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.errors import InvalidRequestError
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SAMPLING_FIELDS, SamplingParams
 from specserve.server.errors import APIError, api_rejection
 from specserve.server.generation import Generation, collect
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
 from specserve.server.reasoning import ReasoningSetup
 from specserve.server.responses import chat_completion, text_completion
+from specserve.server.sampling_models import openai_param_names
 from specserve.server.sse import chat_stream, completion_stream, generate_stream
 from specserve.server.state import ServerState
 
 SSE = "text/event-stream"
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
-OPENAI_PARAM_NAMES = {
-    f"sampling_params.{name}": name
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "stop",
-        "seed",
-        "ignore_eos",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "logprobs",
-        "top_logprobs",
-    )
-}
-OPENAI_PARAM_NAMES["sampling_params.max_new_tokens"] = "max_tokens"
+# The engine's field names in its errors -> OpenAI's (max_new_tokens -> max_tokens), from the declarations.
+OPENAI_PARAM_NAMES = openai_param_names(SAMPLING_FIELDS)
 # A chat's grammar error (from the engine's compile) names the field the schema came in.
 CHAT_PARAM_NAMES = {**OPENAI_PARAM_NAMES, "sampling_params.json_schema": "response_format",
                     "sampling_params.regex": "regex", "sampling_params.ebnf": "ebnf"}  # fmt: skip
