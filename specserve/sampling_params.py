@@ -193,6 +193,7 @@ class SamplingParams:
             bias = getattr(self, spec.name)
             if spec.kind == TOKEN_BIAS and isinstance(bias, dict):
                 setattr(self, spec.name, {_token_key(k): v for k, v in bias.items()})
+        self._derive_traits()
 
     @classmethod
     def from_dict(cls, params: Optional[dict[str, Any]], vocab_size: Optional[int] = None) -> "SamplingParams":
@@ -220,30 +221,32 @@ class SamplingParams:
         sp.validate(vocab_size)
         return sp
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+    # What every step reads of a request (is_greedy, seeded_sampling, penalises, constrained,
+    # shapes_logits) is worked out once, as plain attributes (`_derive_traits`), not on each read.
 
-    @property
-    def seeded_sampling(self) -> bool:
-        """Samples with a seed it gave: promised the same tokens whatever the batch, the cache and
-        the speculation (verify windows use the coupled accept, speculative/accept.py)."""
-        return self.seed is not None and not self.is_greedy
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _TRAIT_INPUTS and "is_greedy" in self.__dict__:  # changed after construction: they follow
+            self._derive_traits()
 
-    @property
-    def penalises(self) -> bool:
-        """Penalties or a logit bias change its target logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
-
-    @property
-    def constrained(self) -> bool:
-        """A grammar masks its target logits."""
-        return any(getattr(self, name) is not None for name in GRAMMAR_FIELDS)
-
-    @property
-    def shapes_logits(self) -> bool:
-        """Its target logits are changed before sampling and accept (penalties, bias or a grammar)."""
-        return self.penalises or self.constrained
+    def _derive_traits(self) -> None:
+        """is_greedy: temperature 0 (below GREEDY_TEMPERATURE) or top_k 1; seeded_sampling: samples
+        with a seed it gave, promised the same tokens whatever the batch, the cache and the
+        speculation (verify windows use the coupled accept, speculative/accept.py); penalises:
+        penalties or a logit bias change its target logits; constrained: a grammar masks them;
+        shapes_logits: either. A value of the wrong type (not validated yet) counts as neither
+        greedy nor penalising: `validate` refuses it before any step reads these."""
+        try:
+            greedy = self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+            penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            penalises = bool(penalties or self.logit_bias)
+        except TypeError:
+            greedy = penalises = False
+        self.is_greedy: bool = bool(greedy)
+        self.seeded_sampling: bool = self.seed is not None and not self.is_greedy
+        self.penalises: bool = penalises
+        self.constrained: bool = any(getattr(self, name) is not None for name in GRAMMAR_FIELDS)
+        self.shapes_logits: bool = self.penalises or self.constrained
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
         """Raise InvalidRequestError naming the first bad field; with vocab_size, token ids and top_k too.
@@ -329,6 +332,11 @@ _CHECKS: dict[str, Callable[[SamplingField, Any, Optional[int]], Optional[str]]]
 }
 SAMPLING_FIELDS = declared(SamplingParams)
 GRAMMAR_FIELDS = tuple(spec.name for spec in SAMPLING_FIELDS if spec.kind == GRAMMAR)
+# The fields the derived traits follow (SamplingParams._derive_traits).
+_TRAIT_INPUTS = frozenset(
+    {"temperature", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+    | set(GRAMMAR_FIELDS)
+)
 
 
 def _token_key(key: Any) -> Any:

@@ -24,9 +24,9 @@ MODEL_PACKAGES = ("specserve.models", "specserve.kernels")
 # Ceilings, module units per step (the model as one), lowered as the step is simplified. Before
 # issue 71 (3991294): 39 for a decode and for a verify step under the adaptive default (246 and
 # 280-285 functions), 32 for a fixed-policy DSpark verify step (225 functions).
-DECODE_BUDGET = 21
-VERIFY_BUDGET = 24
-DSPARK_VERIFY_BUDGET = 22
+DECODE_BUDGET = 20
+VERIFY_BUDGET = 23
+DSPARK_VERIFY_BUDGET = 21
 
 
 @dataclass
