@@ -231,3 +231,41 @@ def test_device_uniforms_are_the_host_uniforms_bit_for_bit():
     got = counter_uniforms(seeds_tensor(seeds, "cpu"), torch.tensor(counters))
     want = torch.tensor([counter_uniform(s, c) for s, c in zip(seeds, counters)], dtype=torch.float64)
     assert torch.equal(got, want)
+
+
+TRAITS = ("is_greedy", "seeded_sampling", "penalises", "constrained", "shapes_logits")
+# One valid value per field that differs from its default (the traits must follow each change).
+CHANGED = {"max_new_tokens": 7, "temperature": 0.0, "top_p": 0.5, "top_k": 1, "min_p": 0.1, "stop": ["x"],
+           "stop_token_ids": [3], "ignore_eos": True, "seed": 5, "skip_special_tokens": False,
+           "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {3: 1.0},
+           "logprobs": True, "top_logprobs": 2, "prompt_logprobs": True, "json_schema": "{}", "regex": "a+",
+           "ebnf": "root ::= \"a\"", "lark": "start: \"a\""}
+
+
+def _traits(p: SamplingParams) -> tuple[bool, ...]:
+    return tuple(getattr(p, name) for name in TRAITS)
+
+
+def test_the_traits_a_step_reads_follow_every_field_changed_after_construction():
+    """The traits are plain attributes worked out once: a field changed later (on a sampled,
+    seeded base, so that each change can flip one) must leave them as a fresh object's."""
+    import dataclasses
+
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(SamplingParams)}, "a field without a test value"
+    for name, value in CHANGED.items():
+        changed = SamplingParams(temperature=0.8, seed=1)
+        setattr(changed, name, value)
+        fresh = SamplingParams(**{"temperature": 0.8, "seed": 1, name: value})
+        assert _traits(changed) == _traits(fresh), name
+    assert _traits(SamplingParams(temperature=0.0, regex="a+")) == (True, False, False, True, True)
+    assert _traits(SamplingParams(temperature=0.8, seed=1, logit_bias={1: 2.0})) == (False, True, True, False, True)
+
+
+def test_the_traits_check_is_not_blind(monkeypatch):
+    """Mutation: traits that do not follow a later change (the field left out of what they follow)
+    are caught by the check above."""
+    from specserve import sampling_params
+
+    monkeypatch.setattr(sampling_params, "_TRAIT_INPUTS", sampling_params._TRAIT_INPUTS - {"temperature"})
+    with pytest.raises(AssertionError, match="temperature"):
+        test_the_traits_a_step_reads_follow_every_field_changed_after_construction()
