@@ -4,9 +4,10 @@ A step's time is modelled as linear in its shape: a fixed part, a part per runni
 per verified draft row, a fixed part when a drafter that runs a model (Cost.MODEL in
 drafters/declaration.py: DSPARK, STANDALONE) runs at all, a part per row it drafts, a part per
 request a lookup drafter (Cost.LOOKUP: NGRAM, SUFFIX) drafts for and a fixed part for verifying
-drafts at all (the step runs the verify path instead of a plain decode step). Linear is not exact (on a CPU a verify row is nearly free while
-the weights stream from memory and costs a full row once compute-bound), so the fit is local: it
-forgets old steps geometrically and follows the shapes the engine actually runs.
+drafts at all (the step runs the verify path instead of a plain decode step). Linear is not exact
+(on a CPU a verify row is nearly free while the weights stream from memory and costs a full row once
+compute-bound), so the fit is local: it forgets old steps geometrically and follows the shapes the
+engine actually runs.
 
 The fit is least squares anchored to the prior: the prior counts as `prior_steps` steps of
 nominal shape that are never forgotten. The engine's own steps rarely separate every feature
@@ -32,7 +33,11 @@ from specserve.errors import ConfigError, InternalError
 FEATURES = ("fixed", "requests", "verify_rows", "model_draft_step", "model_draft_rows", "lookup_requests", "verify_step")
 # The features' names before issue 71 (they said DSpark and NGRAM, and counted every model and lookup
 # drafter): cost tables recorded with them still load (read_coefficients), mapped here and only here.
-OLD_FEATURE_NAMES = {"dspark_step": "model_draft_step", "dspark_rows": "model_draft_rows", "ngram_requests": "lookup_requests"}
+OLD_FEATURE_NAMES = {
+    "dspark_step": "model_draft_step",
+    "dspark_rows": "model_draft_rows",
+    "ngram_requests": "lookup_requests",
+}
 # A typical size of each feature: the prior's weight per feature is prior_steps * NOMINAL^2.
 NOMINAL = (1.0, 4.0, 4.0, 1.0, 5.0, 2.0, 1.0)
 

@@ -70,7 +70,7 @@ from specserve import drafters as registry
 from specserve.drafters import Hints
 from specserve.errors import InternalError
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.cost_model import StepCostModel, StepShape
+from specserve.speculative.cost_model import FEATURES, StepCostModel, StepShape
 
 # Per request, per drafter with hints: (rate bucket, most useful drafts), as its worker gave them.
 StepHints = Mapping[str, Sequence[tuple[int, int]]]
@@ -190,7 +190,7 @@ def plain_beats_every_plan(best_first: float, cost: StepCostModel, plain_rate: f
     seconds, so if max s_1 / row cost <= plain decoding's tokens per second, no plan beats it."""
     coef = cost.coefficients()
     row = coef["verify_rows"]
-    if row <= 0 or any(coef[name] < 0 for name in ("model_draft_step", "model_draft_rows", "lookup_requests", "verify_step")):
+    if row <= 0 or any(coef[name] < 0 for name in FEATURES[3:]):  # the drafting and verify-path parts
         return False
     return best_first / row <= plain_rate
 
