@@ -167,7 +167,7 @@ class Setup:
             spec.update(speculative_draft_model_path=self.drafter, **policy_args())
         if algorithm == "DSPARK-compact":  # every window drafted, verified as long as the planner says
             spec.update(speculative_draft_model_path=self.drafter, speculative_policy="fixed",
-                        speculative_dspark_verify_mode="compact", speculative_dspark_sps_table_path=self.sps_table())
+                        speculative_verify_mode="compact", speculative_sps_table_path=self.sps_table())
         kw.setdefault("max_total_tokens", 8192)
         return Engine(model_path=self.model, device=device or self.device, dtype=dtype,
                       disable_overlap_schedule=not overlap, disable_cuda_graph=not graphs, **spec, **kw)

@@ -53,8 +53,8 @@ def engine_for(kind: str, overlap: bool, drafter_dir: str, tmp_path) -> Engine:
             table = tmp_path / "sps.json"
             table.write_text(json.dumps({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}))
             kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir,
-                  "speculative_policy": "fixed", "speculative_dspark_verify_mode": "compact",
-                  "speculative_dspark_sps_table_path": str(table)}
+                  "speculative_policy": "fixed", "speculative_verify_mode": "compact",
+                  "speculative_sps_table_path": str(table)}
     return Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)
 
 
