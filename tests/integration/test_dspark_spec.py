@@ -222,7 +222,7 @@ def inject_every_row(runner):
 
 
 def inject_one_position_late(runner):
-    """Mutation: the right rows at RoPE positions shifted by one (the seed's acceptance symptom)."""
+    """Mutation: the right rows at RoPE positions shifted by one (the stale-accept race's acceptance symptom)."""
     def inject(hidden, out, prefix, window_slots, verify_lens):
         return type(runner)._verified_rows(runner, hidden, out, prefix + 1, window_slots, verify_lens)
     runner._verified_rows = inject
