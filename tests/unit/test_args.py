@@ -52,9 +52,9 @@ def test_the_old_verify_mode_names_still_work_and_log_their_deprecation(monkeypa
     ({"speculative_dspark_block_size": 16}, "speculative_dspark_block_size"),
     ({"speculative_algorithm": "DSPARK", "model_path": "other.gguf"}, "speculative_draft_model_path"),
     ({"speculative_verify_mode": "ragged"}, "speculative_verify_mode"),
-    ({"speculative_dspark_verify_mode": "ragged"}, "speculative_verify_mode"),  # the old name, read as the new
     ({"speculative_algorithm": "STANDALONE", "model_path": "other.gguf"}, "speculative_draft_model_path"),
     ({"model_path": "other.gguf", "speculative_policy_drafters": "STANDALONE,NGRAM"}, "speculative_policy_drafters"),
+    ({"speculative_dspark_verify_mode": "ragged"}, "speculative_verify_mode"),  # the old name, read as the new
 ])
 def test_bad_speculative_settings_name_their_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
