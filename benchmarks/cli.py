@@ -1,7 +1,7 @@
 """`python -m benchmarks NAME`: the experiments, ablations and the documents' renderer.
 
 They are not part of the installed package (a user runs `specserve bench offline|spec|serving|load|
-quality|models|seed-failure`); they live here, beside the tests that check them, and run from a
+quality|models|stale-accept`); they live here, beside the tests that check them, and run from a
 checkout with the engine installed (`bash scripts/setup.sh --test`).
 """
 

@@ -22,7 +22,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "SUFFIX": {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"},
     "DSPARK-static": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"},
     "DSPARK-compact": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed",
-                       "speculative_dspark_verify_mode": "compact"},
+                       "speculative_verify_mode": "compact"},
     "DEFAULT": {},  # the adaptive policy over DSPARK, NGRAM and SUFFIX
 }
 CONTENTS = ["Count from 1 to 20, separated by commas.", "What is the capital of France?",

@@ -1,5 +1,5 @@
 """The engine's CUDA paths on a real GPU, in one short run: CUDA-graph replays, CUDA streams under the
-overlap loop, the stream sanitizer, the seed's fault, pinned-host HiCache, and the speed of each.
+overlap loop, the stream sanitizer, the stale-accept race, pinned-host HiCache, and the speed of each.
 
 CPU-only CI never reaches these paths (the machines have no GPU); run this where a GPU is lent:
 
@@ -167,7 +167,7 @@ class Setup:
             spec.update(speculative_draft_model_path=self.drafter, **policy_args())
         if algorithm == "DSPARK-compact":  # every window drafted, verified as long as the planner says
             spec.update(speculative_draft_model_path=self.drafter, speculative_policy="fixed",
-                        speculative_dspark_verify_mode="compact", speculative_dspark_sps_table_path=self.sps_table())
+                        speculative_verify_mode="compact", speculative_sps_table_path=self.sps_table())
         kw.setdefault("max_total_tokens", 8192)
         return Engine(model_path=self.model, device=device or self.device, dtype=dtype,
                       disable_overlap_schedule=not overlap, disable_cuda_graph=not graphs, **spec, **kw)
@@ -253,7 +253,7 @@ def sanitizer_silent(setup: Setup, reference: list[list[int]]) -> dict:
 
 
 def sanitizer_catches_alias(setup: Setup) -> dict:
-    """The seed's fault planted (read_accept hands out views): the sanitizer must fire on CUDA too."""
+    """The stale-accept race's fault planted (read_accept hands out views): the sanitizer must fire on CUDA too."""
     from specserve.runtime.sanitizer import StreamHazardError
     from specserve.runtime.stream import StreamError
 
@@ -314,7 +314,7 @@ def no_host_waits(setup: Setup) -> dict:
 
 
 def alias_with_late_copies(setup: Setup, reference: list[list[int]]) -> dict:
-    """The seed's symptom on real CUDA streams (recorded, not asserted: whether a late copy reads the
+    """The stale-accept race's symptom on real CUDA streams (recorded, not asserted: whether a late copy reads the
     next step's values depends on the GPU's timing), and the same lag without the fault (asserted
     harmless)."""
     out = {}

@@ -27,7 +27,15 @@ from specserve.names import Algorithm, SuffixScope
 
 logger = logging.getLogger(__name__)
 
-VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"
+# Flags renamed by purpose (issue 71), old -> new: the old one still works and logs a deprecation line.
+# (The draft length's old spelling, --speculative-dspark-block-size, is one of DRAFT_LENGTH_FLAGS.)
+RENAMED_FLAGS = {
+    "speculative_dspark_verify_mode": "speculative_verify_mode",
+    "speculative_dspark_sps_table_path": "speculative_sps_table_path",
+}
+
+VERIFY_MODE_ENV = "SPECSERVE_VERIFY_MODE"
+OLD_VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"  # its name before issue 71: still read, with a deprecation line
 DEFAULT_STORAGE_MAX_BYTES = 4 << 30
 DEFAULT_WEIGHT_CACHE_MAX_GIB = 64.0  # fixed, not a disk share: one cap on every machine; a 70B at Q4 or several 7-8B
 
@@ -98,16 +106,23 @@ class ServerArgs:
     speculative_draft_weights: str = flag(
         "q8", "the DSpark drafter's linears and reduced head on CPU: q8 (ggml Q8_0 codes), or bf16", choices=("bf16", "q8")
     )
-    speculative_dspark_verify_mode: Optional[str] = flag(
+    speculative_verify_mode: Optional[str] = flag(
         None,
         "with --speculative-policy fixed: static verifies every window row; compact: per-request verify "
-        "lengths from the budget planner (default: $SPECSERVE_RAGGED_VERIFY_MODE, else static)",
+        "lengths from the budget planner, for a drafter that estimates its drafts' survival (DSPARK) "
+        f"(default: ${VERIFY_MODE_ENV}, else static)",
         choices=(None,) + VERIFY_MODES,
     )
-    speculative_dspark_sps_table_path: Optional[str] = flag(
+    speculative_dspark_verify_mode: Optional[str] = flag(
+        None, "deprecated: --speculative-verify-mode (the same setting)", choices=(None,) + VERIFY_MODES
+    )
+    speculative_sps_table_path: Optional[str] = flag(
         None,
         "JSON table of verify steps/s against batch verify tokens (`specserve profile-sps`): the compact "
-        "planner's, or the adaptive policy's starting cost of the target's rows",
+        "planner's, or the adaptive policy's starting cost of the target's rows (any drafter)",
+    )
+    speculative_dspark_sps_table_path: Optional[str] = flag(
+        None, "deprecated: --speculative-sps-table-path (the same table)"
     )
     speculative_policy: str = flag(
         "adaptive",
@@ -191,9 +206,24 @@ class ServerArgs:
     collective_timeout: float = flag(60.0, "seconds any cross-rank collective may wait before the rank fails loudly")
 
     def __post_init__(self) -> None:
+        self._renamed_flags()
         self._default_speculation()
         validate_server_args(self)
         self._draft_length()
+
+    def _renamed_flags(self) -> None:
+        """Each old flag of RENAMED_FLAGS (named when DSPARK was the only drafter) read as its new
+        name, with a deprecation line; both given must agree."""
+        for old, new in RENAMED_FLAGS.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            old_flag, new_flag = (f"--{name.replace('_', '-')}" for name in (old, new))
+            logger.warning("%s is deprecated: use %s (the same setting)", old_flag, new_flag)
+            if getattr(self, new) not in (None, value):
+                raise ConfigError(f"{new}={getattr(self, new)!r} and its old name {old}={value!r} disagree")
+            object.__setattr__(self, new, value)  # frozen: set once, here
+            object.__setattr__(self, old, None)
 
     def _draft_length(self) -> None:
         """Every spelling of the draft length as --speculative-num-steps (args_checks made sure they
@@ -242,10 +272,17 @@ class ServerArgs:
         return (self.speculative_algorithm,)
 
     def verify_mode(self) -> str:
-        """The flag, else $SPECSERVE_RAGGED_VERIFY_MODE, else static."""
-        mode = self.speculative_dspark_verify_mode or os.environ.get(VERIFY_MODE_ENV) or "static"
+        """The flag, else $SPECSERVE_VERIFY_MODE, else its old name $SPECSERVE_RAGGED_VERIFY_MODE (with
+        a deprecation line), else static."""
+        if self.speculative_verify_mode is not None:
+            return self.speculative_verify_mode  # checked with the other flags
+        name = VERIFY_MODE_ENV
+        if not os.environ.get(VERIFY_MODE_ENV) and os.environ.get(OLD_VERIFY_MODE_ENV):
+            logger.warning("%s is deprecated: use %s (the same setting)", OLD_VERIFY_MODE_ENV, VERIFY_MODE_ENV)
+            name = OLD_VERIFY_MODE_ENV
+        mode = os.environ.get(name) or "static"
         if mode not in VERIFY_MODES:
-            raise ConfigError(f"{VERIFY_MODE_ENV} must be one of {VERIFY_MODES}, got {mode!r}")
+            raise ConfigError(f"{name} must be one of {VERIFY_MODES}, got {mode!r}")
         return mode
 
     def replace(self, **changes: Any) -> "ServerArgs":

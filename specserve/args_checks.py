@@ -111,10 +111,8 @@ def _check_speculative(args: ServerArgs) -> None:
     declared = drafters.of(algorithm)
     if declared is not None and declared.draft_model is not None and not args.speculative_draft_model_path:
         raise ConfigError(f"speculative_draft_model_path: {algorithm} needs {declared.draft_model}")
-    if args.speculative_dspark_verify_mode not in (None,) + VERIFY_MODES:
-        raise ConfigError(
-            f"speculative_dspark_verify_mode must be one of {VERIFY_MODES}, got {args.speculative_dspark_verify_mode!r}"
-        )
+    if args.speculative_verify_mode not in (None,) + VERIFY_MODES:
+        raise ConfigError(f"speculative_verify_mode must be one of {VERIFY_MODES}, got {args.speculative_verify_mode!r}")
     _at_least("speculative_disable_batch_size", args.speculative_disable_batch_size, 0)
     _at_least("speculative_explore_interval", args.speculative_explore_interval, 0)
     if not 0.0 <= args.speculative_min_gain <= 1.0:
@@ -141,9 +139,9 @@ def _check_draft_length(args: ServerArgs) -> None:
 
 
 def _check_policy_drafters(args: ServerArgs) -> None:
-    if args.speculative_dspark_verify_mode == "compact":
+    if args.speculative_verify_mode == "compact":
         raise ConfigError(
-            "speculative_dspark_verify_mode compact: the compact planner runs with --speculative-policy "
+            "speculative_verify_mode compact: the compact planner runs with --speculative-policy "
             "fixed; the adaptive policy chooses every window's length itself"
         )
     chosen = args.policy_drafters()

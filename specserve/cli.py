@@ -1,6 +1,6 @@
 """The `specserve` command: serve, generate, soak, train-drafter, drafter-corpus, eval-drafter,
 init-drafter, eval-acceptance, profile-sps, and the user benchmarks (`bench offline`, `spec`, `serving`,
-`load`, `quality`, `models`, `seed-failure`, `synth-model`). Experiments live in the repository's `benchmarks/`."""
+`load`, `quality`, `models`, `stale-accept`, `synth-model`). Experiments live in the repository's `benchmarks/`."""
 
 from __future__ import annotations
 
@@ -188,11 +188,17 @@ COMMANDS: tuple[Command, ...] = (
         "specserve.bench.models:run_models_bench",
     ),
     Command(
-        "bench seed-failure",
-        "the seed's failure (aliased accept buffers, rank 1 a step late) caught by the "
+        "bench stale-accept",
+        "the stale-accept race (aliased accept buffers, rank 1 a step late) caught by the "
         "consensus checker, and the same runs with the fix",
-        "specserve.bench.seed_failure:add_seed_failure_args",
-        "specserve.bench.seed_failure:run_seed_failure_bench",
+        "specserve.bench.stale_accept:add_stale_accept_args",
+        "specserve.bench.stale_accept:run_stale_accept_bench",
+    ),
+    Command(
+        "bench seed-failure",
+        "deprecated: bench stale-accept (the same run)",
+        "specserve.bench.stale_accept:add_stale_accept_args",
+        "specserve.bench.stale_accept:run_under_old_name",
     ),
     Command(
         "bench synth-model",

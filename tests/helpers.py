@@ -227,8 +227,8 @@ def cheap_drafting_table() -> str:
         path = os.path.join(tempfile.mkdtemp(prefix="specserve-cost-"), "cheap_drafting.json")
         with open(path, "w") as f:
             json.dump({"coefficients_s": {"fixed": 0.01, "requests": 0.001, "verify_rows": 0.0001,
-                                          "dspark_step": 0.0002, "dspark_rows": 0.00001,
-                                          "ngram_requests": 0.00001, "verify_step": 0.0}}, f)
+                                          "model_draft_step": 0.0002, "model_draft_rows": 0.00001,
+                                          "lookup_requests": 0.00001, "verify_step": 0.0}}, f)
         _CHEAP_TABLE.append(path)
     return _CHEAP_TABLE[0]
 

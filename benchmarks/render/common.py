@@ -1,4 +1,4 @@
-"""What every renderer shares: reading a result file, the provenance line under a part, and how a
+"""What every renderer shares: reading a result file (under its name or an older one), the provenance line under a part, and how a
 few runs' spread and a ratio's noise are written."""
 
 from __future__ import annotations
@@ -16,6 +16,14 @@ SHIPPED_DRAFTER = os.path.join("specserve", "assets", "drafters", "smollm2-135m-
 def load(results: str, name: str) -> dict[str, Any]:
     with open(os.path.join(results, name)) as f:
         return json.load(f)
+
+
+def load_renamed(results: str, name: str, old_name: str) -> tuple[dict[str, Any], str]:
+    """A result file and the name it was read under: `name`, else the `old_name` a run before the
+    file was renamed wrote."""
+    old = not os.path.exists(os.path.join(results, name)) and os.path.exists(os.path.join(results, old_name))
+    found = old_name if old else name
+    return load(results, found), found
 
 
 def machine_text(data: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Rendered parts about the engine itself: the CPU kernel paths, the offline benchmark against its
-peers and where a step goes, bf16 quality against fp32, and the tensor-parallel figures (the seed's
-failure, the soak, what TP 2 and the consensus checker cost)."""
+peers and where a step goes, bf16 quality against fp32, and the tensor-parallel figures (the
+stale-accept race caught, the soak, what TP 2 and the consensus checker cost)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any
 
-from benchmarks.render.common import load, provenance, span, table, versus
+from benchmarks.render.common import load, load_renamed, provenance, span, table, versus
 
 
 def kernel_paths_table(results: str, file: str) -> str:
@@ -120,14 +120,18 @@ def render_quality_top1(results: str) -> str:
     return table(head, rows) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
-def render_seed_failure(results: str) -> str:
-    data = load(results, "seed_failure.json")
+# `specserve bench stale-accept`'s record; its runs before issue 71 wrote seed_failure.json.
+STALE_ACCEPT_RECORD, STALE_ACCEPT_OLD_RECORD = "stale_accept.json", "seed_failure.json"
+
+
+def render_stale_accept(results: str) -> str:
+    data, name = load_renamed(results, STALE_ACCEPT_RECORD, STALE_ACCEPT_OLD_RECORD)
     aliased, owned = data["aliased"], data["owned"]
     caught = [r for r in aliased if r["caught"]]
     sites = sorted({r["divergence"]["site"] for r in caught})
     agreed = [r["divergence"]["agreed"] for r in caught]
     late = [r["late_copies_rank1"] for r in owned]
-    return (f"- The seed's failure (`specserve bench seed-failure`: `SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1 "
+    return (f"- The stale-accept race (`specserve bench stale-accept`: `SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1 "
             f"specserve soak {' '.join(data['soak_flags'])}`, rank 1's host copies a step late): caught in "
             f"{len(caught)} of {len(aliased)} runs (exit code 3, `Found rank divergence ...` first at site "
             f"{', '.join(repr(s) for s in sites)} after {span(agreed, 'agreed events')}), "
@@ -136,7 +140,7 @@ def render_seed_failure(results: str) -> str:
             f"{len(owned)} runs, {sum(r['rank_divergences'] or 0 for r in owned)} rank divergences, every event "
             f"checked in {sum(r['events_checked'] == r['events_recorded'] for r in owned)} of {len(owned)}, rank 1's "
             f"late copies "
-            f"{span(late, 'a run')}. {provenance(data, 'seed_failure.json')}\n")
+            f"{span(late, 'a run')}. {provenance(data, name)}\n")
 
 
 def render_soak(results: str) -> str:

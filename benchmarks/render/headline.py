@@ -5,8 +5,8 @@ Like for like: both sides measured the same way, speculation off on both. Decode
 generation through the whole engine with the prompt's prefill taken out, against native
 `llama-bench` tg (no prompt either); prefill is one forward of 512 tokens against `llama-bench`
 pp512; start-up is the first token and the first full-speed token after each server's start, cold
-and warm, written as a speed-up (llama-server's seconds over ours); the server against llama-server with neither speculating; the seed's failure
-with and without its fix. The at-size rows come first as a user's own file runs them by default
+and warm, written as a speed-up (llama-server's seconds over ours); the server against llama-server with neither speculating; the stale-accept
+race with and without its fix. The at-size rows come first as a user's own file runs them by default
 (bf16 activations: `--cpu-activations auto` picks int8 only for the files that passed the quality
 gate), int8 beside them as the opt-in it is.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from benchmarks.render.common import load, provenance, span
-from benchmarks.render.engine import SIZE_RECORDS
+from benchmarks.render.common import load, load_renamed, provenance, span
+from benchmarks.render.engine import SIZE_RECORDS, STALE_ACCEPT_OLD_RECORD, STALE_ACCEPT_RECORD
 
 
 def _ratio(cell: dict[str, float]) -> str:
@@ -93,13 +93,13 @@ def _vs_ik(data: dict[str, Any], name: str) -> str:
 
 def render_headline(results: str) -> str:
     serving = load(results, "serving_mtbench.json")
-    seed = load(results, "seed_failure.json")
+    race, race_file = load_renamed(results, STALE_ACCEPT_RECORD, STALE_ACCEPT_OLD_RECORD)
     summary = {(r["target"], r["concurrency"]): r for r in serving["summary"]}
     peer, mine = "llama-server", "specserve-none"
     top = max(c for t, c in summary if t == mine)
     cell = summary[(mine, top)]
-    caught = [r for r in seed["aliased"] if r["caught"]]
-    clean = [r for r in seed["owned"]
+    caught = [r for r in race["aliased"] if r["caught"]]
+    clean = [r for r in race["owned"]
              if r["exit_code"] == 0 and not r["rank_divergences"] and r["events_checked"] == r["events_recorded"]]
     sizes = {f: load(results, f) for f in SIZE_RECORDS if os.path.exists(os.path.join(results, f))}
     return (
@@ -109,7 +109,7 @@ def render_headline(results: str) -> str:
         f"{cell['output_tokens_per_s']['median']:.1f} against {summary[(peer, top)]['output_tokens_per_s']['median']:.1f} "
         f"output tokens/s, {_ratio(cell['throughput_ratio'])} over {serving['repeats']} rounds. "
         f"{provenance(serving, 'serving_mtbench.json')}\n"
-        f"- **The seed's failure, caught**: with its bug planted (aliased accept buffers, rank 1's host copies a "
-        f"step late, TP 2) the rank consensus checker stops the run in {len(caught)} of {len(seed['aliased'])} runs, "
-        f"{span([r['seconds'] for r in seed['aliased']], 's')} after start; with the fix, {len(clean)} of "
-        f"{len(seed['owned'])} runs end clean with every event checked. {provenance(seed, 'seed_failure.json')}\n")
+        f"- **The stale-accept race, caught**: with its bug planted (aliased accept buffers, rank 1's host copies a "
+        f"step late, TP 2) the rank consensus checker stops the run in {len(caught)} of {len(race['aliased'])} runs, "
+        f"{span([r['seconds'] for r in race['aliased']], 's')} after start; with the fix, {len(clean)} of "
+        f"{len(race['owned'])} runs end clean with every event checked. {provenance(race, race_file)}\n")

@@ -73,7 +73,7 @@ def evaluate(args: ServerArgs, algorithm: str, mode: str, temperature: float, pr
     # The drafter itself is measured: every request drafts gamma tokens (the policy turned off).
     kw: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_policy": "fixed"}
     if algorithm == "DSPARK":
-        kw["speculative_dspark_verify_mode"] = mode
+        kw["speculative_verify_mode"] = mode
     else:
         kw["speculative_draft_model_path"] = None
     engine = Engine(**{**vars(args), **kw})

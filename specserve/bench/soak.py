@@ -61,7 +61,7 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the summary, the flags and the provenance to this JSON file")
 
 
-# The fixed policy: every step drafts, so every step runs the verify and accept path the seed's race lives
+# The fixed policy: every step drafts, so every step runs the verify and accept path the stale-accept race lives
 # in (the adaptive policy chooses NONE at most of the soak's batch sizes on a CPU and would exercise none).
 SOAK_DEFAULTS = dict(tp_size=2, speculative_algorithm="DSPARK", speculative_policy="fixed",
                      schedule_policy="shortest-prefill-first", chunked_prefill_size=512)

@@ -319,7 +319,7 @@ def _make_speculation(
             closed_batch_pricing=not args.speculative_disable_closed_batch_pricing,
         )
     elif drafter is not None and args.verify_mode() != "static":
-        planner = VerifyPlanner(SpsTable.load(p) if (p := args.speculative_dspark_sps_table_path) else None)
+        planner = VerifyPlanner(SpsTable.load(p) if (p := args.speculative_sps_table_path) else None)
     # Lagged plans stay opt-in (Speculation.lagged_plans): see docs/speculative-decoding.md.
     return Speculation(workers, planner, policy, args.speculative_disable_batch_size)
 
@@ -336,8 +336,8 @@ def _cost_model(
         cost = StepCostModel.load(args.speculative_cost_table_path)
     else:
         prior = cost_prior(args, target.path, timing_runner, gamma)
-        if args.speculative_dspark_sps_table_path:  # a recorded SPS table gives the target's part
-            sps = SpsTable.load(args.speculative_dspark_sps_table_path)
+        if args.speculative_sps_table_path:  # a recorded SPS table gives the target's part
+            sps = SpsTable.load(args.speculative_sps_table_path)
             prior[:3] = StepCostModel.from_sps(sps.tokens, sps.steps_per_second).theta.tolist()[:3]
         cost = StepCostModel(prior)
     if args.speculative_freeze_cost_table:

@@ -3,7 +3,7 @@
 The plain ModelRunner has no fault branch in its hot path: `make_runner` builds a FaultyRunner
 only when a runner fault is set, and the FaultyRunner plants it by overriding one seam each:
 - SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS: its verify epilogue's `read_accept` returns views of the
-  persistent accept buffers (the seed's bug), so a late reader sees the next step's values;
+  persistent accept buffers (the stale-accept race's cause), so a late reader sees the next step's values;
 - SPECSERVE_FAULT_COPY_LAG_MS: each step's host copy is held until the next step's forward has
   finished (`_queue_copy`), and let go when the host waits with no later step (`resolve`).
 The detectors (the stream sanitizer, the loop-equivalence tests, the rank consensus checker)
@@ -23,7 +23,7 @@ __all__ = ["AliasedAcceptEpilogue", "FaultyRunner", "ModelRunner", "make_runner"
 
 
 class AliasedAcceptEpilogue(VerifyEpilogue):
-    """The seed's bug, on purpose: `read_accept` hands out views of the persistent buffers."""
+    """The stale-accept race's cause, on purpose: `read_accept` hands out views of the persistent buffers."""
 
     def read_accept(self, bs: int) -> AcceptOuts:
         return self.accept_buffers(bs)

@@ -169,7 +169,7 @@ def _fit(
     drafting: tuple[float, float],
     batch: int,
     gamma: int,
-    ngram_s: float,
+    lookup_s: float,
 ) -> list[float]:
     """Plain decode steps give the fixed and per-request parts; eager steps over full windows the
     part per verified row and, against plain decode, the fixed cost of taking the verify path;
@@ -178,14 +178,14 @@ def _fit(
     fixed = plain[1] - per_request
     per_row = statistics.mean((step[(bs, gamma + 1)] - step[(bs, 1)]) / (bs * gamma) for bs in (1, batch))
     verify_step = statistics.mean(step[(bs, 1)] - plain[bs] for bs in (1, batch))
-    dspark_step, dspark_row = drafting
+    model_draft_step, model_draft_row = drafting
     coefficients = dict(
         fixed=fixed,
         requests=per_request,
         verify_rows=max(per_row, 0.0),
-        dspark_step=dspark_step,
-        dspark_rows=dspark_row,
-        ngram_requests=ngram_s,
+        model_draft_step=model_draft_step,
+        model_draft_rows=model_draft_row,
+        lookup_requests=lookup_s,
         verify_step=max(verify_step, 0.0),
     )
     return [coefficients[name] for name in FEATURES]

@@ -17,20 +17,22 @@ LM head, frozen.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence, cast
+from typing import Any, Callable, Optional, Protocol, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import ConfigError
-from specserve.kernels.linear import PackedLinear, pack_bf16
+from specserve.kernels.build import load
+from specserve.kernels.linear import PackedLinear, concat_columns, pack_bf16
 from specserve.kv.pool import KVPool
 from specserve.models.backend import OpBackend, TorchOps
 from specserve.models.config import ModelConfig
 from specserve.models.dspark_native import NativeDraftBlock
 from specserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from specserve.models.quant import Q8Weight
+from specserve.runtime.host_waits import device_code
 from specserve.runtime.stream import staged
 from specserve.sampler import counter_uniforms, draft_counter, filtered_probs, inverse_cdf, seeds_tensor
 from specserve.sampling_params import SamplingParams
@@ -147,6 +149,26 @@ class DraftLayer(nn.Module):
         """K/V of context rows [N, H] at their absolute positions -> [N, KVH, D] each."""
         k = apply_rope(self.k_proj(ctx).view(ctx.shape[0], -1, self.head_dim), cos, sin)
         return k, self.v_proj(ctx).view(ctx.shape[0], -1, self.head_dim)
+
+    def native(self) -> Optional[Any]:
+        """This layer's C++ twin (kernels/csrc/decoder_layer.cpp, its QKV and gate/up fused) for the
+        native drafting pass (models/dspark_native.py), or None when its linears do not fuse (not all
+        packed, or not whole 16-column blocks) or its norms' epsilons differ."""
+        parts = [lin.kernel for lin in (self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj)]
+        o, down = self.o_proj.kernel, self.down_proj.kernel
+        if o is None or down is None or any(k is None for k in parts):
+            return None
+        qkv = concat_columns([k for k in parts[:3] if k is not None])
+        gate_up = concat_columns([k for k in parts[3:] if k is not None])
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        eps = {n.eps for n in norms}
+        if qkv is None or gate_up is None or len(eps) != 1:
+            return None
+        weights = [n.weight.detach() for n in norms] + [None] * 4
+        return load().DecoderLayer(
+            qkv.native(), None, o.native(), gate_up.native(), down.native(), None, weights, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.head_dim**-0.5, 0, False, eps.pop(),
+        )  # fmt: skip
 
     def forward(
         self,
@@ -268,7 +290,10 @@ class DsparkDrafter(nn.Module):
         """Run on `ops` from now on (after the weights are loaded: it packs the ones it needs)."""
         ops.prepare(self)
         self.ops = ops
-        self.native = NativeDraftBlock.build(self) if ops.fuses_layers else None  # ours: ops know no model
+        self.native = None  # built here, where the drafter's parts are known: the ops know no model
+        if ops.fuses_layers and self.dtype == torch.bfloat16:  # packed for the CPU kernels in bf16
+            twins = [cast(DraftLayer, layer).native() for layer in self.layers]
+            self.native = NativeDraftBlock.build(twins, self.markov_w2.kernel)
 
     # ------------------------------------------------------------ context injection
 
@@ -320,7 +345,7 @@ class DsparkDrafter(nn.Module):
         self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool
     ) -> torch.Tensor:
         """Final-normed hidden states of the block slots, [bs, g, H]."""
-        native = None if self.native is None else self.native.hidden(self, anchors, prefix_lens, ctx_slots, kv)
+        native = self._native_block_hidden(anchors, prefix_lens, ctx_slots, kv)
         if native is not None:
             return native
         bs, g = anchors.shape[0], self.block_size
@@ -339,6 +364,24 @@ class DsparkDrafter(nn.Module):
             x = layer(x, kv.k[i][slots], kv.v[i][slots], mask, cos, sin, self.ops)
         return self.ops.rms_norm(x, self.norm)
 
+    def _native_block_hidden(
+        self, anchors: torch.Tensor, prefix_lens: torch.Tensor, ctx_slots: torch.Tensor, kv: KVPool
+    ) -> Optional[torch.Tensor]:
+        """block_hidden through the native layers (models/dspark_native.py), or None: no native
+        pass, not attached yet (the per-op pass says so), or too few block rows for this batch."""
+        if self.native is None or self.embed is None:
+            return None
+        bs, g = anchors.shape[0], self.block_size
+        rows = self.native.block_rows(kv, bs, g)
+        if rows is None:
+            return None
+        with device_code():  # a CPU kernel's own inputs (this path exists on CPU alone)
+            ids = torch.full((bs, g), self.config.mask_token_id, dtype=torch.int64)
+            ids[:, 0] = anchors
+            residual = self.embed(ids.reshape(-1)).to(self.dtype).contiguous().clone()
+            out = self.native.layers_out(residual, prefix_lens, ctx_slots, kv, rows, self.rope)
+            return self.ops.add_rms_norm(out, residual, self.norm).view(bs, g, -1)
+
     def markov_decode(
         self,
         anchors: torch.Tensor,
@@ -351,7 +394,10 @@ class DsparkDrafter(nn.Module):
         """Left to right: logits_k = U_k + W2 W1[prev_k]; pick x_k; prev_{k+1} = x_k."""
         bs, g, _ = base_logits.shape
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-        native = None if sampled or self.native is None else self.native.markov_greedy(self, anchors, base_logits)
+        native = None
+        if not sampled and self.native is not None:
+            to_target = self.draft_to_target if self.reduced_vocab else None
+            native = self.native.markov_greedy(anchors, base_logits, self.markov_w1.weight.detach(), to_target)
         if native is not None:
             return self._draft_out(hidden, *native, None)
         tokens = torch.empty(bs, g, dtype=torch.int64, device=anchors.device)

@@ -3,14 +3,14 @@
 - SPECSERVE_FAULT_COPY_DELAY_MS=N: before each copy-stream operation, sleep a random 0..N ms.
 - SPECSERVE_FAULT_FORWARD_DELAY_MS=N: the same for the forward stream.
 - SPECSERVE_FAULT_COPY_LAG_MS=N: the host copy of each step waits until the next step's forward has
-  finished (at most N ms): the seed's late copy, made to happen whatever the machine's speed. A
+  finished (at most N ms): the stale-accept race's late copy, made to happen whatever the machine's speed. A
   random delay lands after the next step only when it outlasts that step, which on a slow machine
   it did not (CI on 2 AVX2 cores). Only the overlap loop launches a step before waiting for the
   previous copy; a copy that the host waits on with no later step queued (the synchronous loop,
   or the overlap loop going idle) goes at once.
 - SPECSERVE_FAULT_COPY_LAG_RANKS=R[,R...]: only these tensor-parallel ranks lag (unset: all). With
   one rank late and the others on time, the ranks' views of an aliased buffer differ by
-  construction, on any machine: the seed's divergence, deterministically.
+  construction, on any machine: the stale-accept race's divergence, deterministically.
 - SPECSERVE_FAULT_SEED=S: seed of those delays; unset, each rank gets its own (1000 + rank), so
   tensor-parallel ranks see different timings, as real ones do.
 - SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1: `read_accept` returns views of the persistent accept

@@ -1,15 +1,17 @@
 """The engine's own model of what a step costs, learned online from its steps.
 
 A step's time is modelled as linear in its shape: a fixed part, a part per running request, a part
-per verified draft row, a fixed part when the DSpark drafter runs at all, a part per drafted DSpark
-row, a part per NGRAM lookup and a fixed part for verifying drafts at all (the step runs the
-verify path instead of a plain decode step). Linear is not exact (on a CPU a verify row is nearly free while
-the weights stream from memory and costs a full row once compute-bound), so the fit is local: it
-forgets old steps geometrically and follows the shapes the engine actually runs.
+per verified draft row, a fixed part when a drafter that runs a model (Cost.MODEL in
+drafters/declaration.py: DSPARK, STANDALONE) runs at all, a part per row it drafts, a part per
+request a lookup drafter (Cost.LOOKUP: NGRAM, SUFFIX) drafts for and a fixed part for verifying
+drafts at all (the step runs the verify path instead of a plain decode step). Linear is not exact
+(on a CPU a verify row is nearly free while the weights stream from memory and costs a full row once
+compute-bound), so the fit is local: it forgets old steps geometrically and follows the shapes the
+engine actually runs.
 
 The fit is least squares anchored to the prior: the prior counts as `prior_steps` steps of
 nominal shape that are never forgotten. The engine's own steps rarely separate every feature
-(with one-draft NGRAM windows, verified rows and NGRAM lookups rise together), and plain
+(with one-draft NGRAM windows, verified rows and lookup requests rise together), and plain
 forgetting would let such directions drift anywhere; anchored, they stay at the prior until the
 engine's steps say otherwise. `freeze()` stops learning, so tests, loop modes and ranks given
 the same table make the same decisions.
@@ -28,7 +30,14 @@ import torch
 from specserve import drafters as registry
 from specserve.errors import ConfigError, InternalError
 
-FEATURES = ("fixed", "requests", "verify_rows", "dspark_step", "dspark_rows", "ngram_requests", "verify_step")
+FEATURES = ("fixed", "requests", "verify_rows", "model_draft_step", "model_draft_rows", "lookup_requests", "verify_step")
+# The features' names before issue 71 (they said DSpark and NGRAM, and counted every model and lookup
+# drafter): cost tables recorded with them still load (read_coefficients), mapped here and only here.
+OLD_FEATURE_NAMES = {
+    "dspark_step": "model_draft_step",
+    "dspark_rows": "model_draft_rows",
+    "ngram_requests": "lookup_requests",
+}
 # A typical size of each feature: the prior's weight per feature is prior_steps * NOMINAL^2.
 NOMINAL = (1.0, 4.0, 4.0, 1.0, 5.0, 2.0, 1.0)
 
@@ -39,9 +48,9 @@ class StepShape:
 
     requests: int  # running requests (one target row each)
     verify_rows: int = 0  # draft rows verified on top of one row per request
-    dspark_requests: int = 0  # requests the DSpark drafter drafts for
-    dspark_rows: int = 0  # draft rows of the DSpark drafter's heads (a drafting request's k; its block is g rows)
-    ngram_requests: int = 0  # requests whose drafts come from NGRAM lookups
+    model_draft_requests: int = 0  # requests a drafter that runs a model (Cost.MODEL) drafts for
+    model_draft_rows: int = 0  # rows such drafters draft (a drafting request's k; DSpark's block is g rows)
+    lookup_requests: int = 0  # requests whose drafts come from a lookup drafter (Cost.LOOKUP)
 
     @classmethod
     def of(cls, drafters: Sequence[Optional[str]], drafts: Sequence[int]) -> "StepShape":
@@ -61,9 +70,9 @@ class StepShape:
             1.0,
             float(self.requests),
             float(self.verify_rows),
-            float(self.dspark_requests > 0),
-            float(self.dspark_rows),
-            float(self.ngram_requests),
+            float(self.model_draft_requests > 0),
+            float(self.model_draft_rows),
+            float(self.lookup_requests),
             float(self.verify_rows > 0),
         )
 
@@ -107,11 +116,11 @@ class StepCostModel:
 
     def predict(self, shape: StepShape) -> float:
         return self.predict_totals(
-            shape.requests, shape.verify_rows, shape.dspark_requests, shape.dspark_rows, shape.ngram_requests
+            shape.requests, shape.verify_rows, shape.model_draft_requests, shape.model_draft_rows, shape.lookup_requests
         )
 
     def predict_totals(
-        self, requests: int, verify_rows: float, dspark_requests: float, dspark_rows: float, ngram_requests: float
+        self, requests: int, verify_rows: float, model_draft_requests: float, model_draft_rows: float, lookup_requests: float
     ) -> float:
         """predict() without building a StepShape: the policy's search calls this thousands of times."""
         c = self._coef
@@ -119,9 +128,9 @@ class StepCostModel:
             c[0]
             + c[1] * requests
             + c[2] * verify_rows
-            + c[3] * (dspark_requests > 0)
-            + c[4] * dspark_rows
-            + c[5] * ngram_requests
+            + c[3] * (model_draft_requests > 0)
+            + c[4] * model_draft_rows
+            + c[5] * lookup_requests
             + c[6] * (verify_rows > 0)
         )
         return max(t, self.floor_s)
@@ -183,8 +192,8 @@ class StepCostModel:
         try:
             with open(path) as f:
                 raw = json.load(f)["coefficients_s"]
-            return cls([float(raw[name]) for name in FEATURES], **kwargs)
-        except (OSError, KeyError, TypeError, ValueError) as exc:
+            return cls(read_coefficients(raw), **kwargs)
+        except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(
                 f"speculative_cost_table_path: cannot read a cost table from {path!r} (a JSON object "
                 f"with 'coefficients_s' for {list(FEATURES)}): {exc}"
@@ -202,3 +211,16 @@ class StepCostModel:
         extra = drafting or {}
         prior = [fixed, per_row, per_row] + [extra.get(name, 0.0) for name in FEATURES[3:]]
         return cls(prior, **kwargs)
+
+
+def read_coefficients(recorded: dict[str, float]) -> list[float]:
+    """A recorded table's coefficients in FEATURES order, its features named now or as before
+    issue 71 (OLD_FEATURE_NAMES); a KeyError where one is missing, a ValueError where one is
+    named both ways."""
+    named: dict[str, float] = {}
+    for name, value in recorded.items():
+        new = OLD_FEATURE_NAMES.get(name, name)
+        if new in named:
+            raise ValueError(f"feature {new!r} given twice (as {name!r} and under its other name)")
+        named[new] = float(value)
+    return [named[name] for name in FEATURES]

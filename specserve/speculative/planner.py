@@ -58,7 +58,7 @@ class SpsTable:
                 tuple(int(t) for t in raw["tokens"]), tuple(float(s) for s in raw["steps_per_second"]), raw.get("meta")
             )
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"speculative_dspark_sps_table_path: cannot read an SPS table from {path!r}: {exc}") from exc
+            raise ConfigError(f"speculative_sps_table_path: cannot read an SPS table from {path!r}: {exc}") from exc
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -97,7 +97,7 @@ class VerifyPlanner:
         if self.sps is None:
             if not self._warned:
                 logger.warning(
-                    "compact verify without an SPS table (--speculative-dspark-sps-table-path): "
+                    "compact verify without an SPS table (--speculative-sps-table-path): "
                     "verifying every window row; record one with `specserve profile-sps`"
                 )
                 self._warned = True

@@ -8,15 +8,16 @@ The plan maximises the batch's expected committed tokens per second under the en
 step-cost model.
 A request's candidates give, per drafter, the survival s_j = P(drafts 1..j all accepted). With k
 drafts a request commits 1 + s_1 + ... + s_k tokens in expectation. The step's cost depends on the
-whole batch (rows verified, whether the DSpark drafter runs at all, its rows, NGRAM and SUFFIX lookups), so
+whole batch (rows verified, whether a drafter that runs a model runs at all, its rows, the requests of
+lookup drafters: the cost model's features), so
 the optimum is a batch decision: a fixed drafting cost that no single request repays alone can pay
 for many.
 
-The objective is a ratio, tokens(plan) / seconds(plan), and with the DSpark drafter's fixed cost
-settled (it runs, or it does not) both are sums over requests. Dinkelbach's method then finds the
+The objective is a ratio, tokens(plan) / seconds(plan), and with the model drafters' fixed cost
+settled (one runs, or none does) both are sums over requests. Dinkelbach's method then finds the
 exact optimum: for the best rate r so far, each request alone picks the option maximising
 tokens - r * seconds; the plan's own rate becomes the next r, which rises until it stops. Both
-settings of the DSpark drafter are solved and the better kept. Plain decoding (k = 0 everywhere)
+settings of the model drafters are solved and the better kept. Plain decoding (k = 0 everywhere)
 is always a candidate plan, so nothing that predicts a loss is ever chosen.
 
 ## Learning (`AdaptivePolicy`, `SurvivalEstimate`, `Calibration`), on the forward stream
@@ -69,7 +70,7 @@ from specserve import drafters as registry
 from specserve.drafters import Hints
 from specserve.errors import InternalError
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.cost_model import StepCostModel, StepShape
+from specserve.speculative.cost_model import FEATURES, StepCostModel, StepShape
 
 # Per request, per drafter with hints: (rate bucket, most useful drafts), as its worker gave them.
 StepHints = Mapping[str, Sequence[tuple[int, int]]]
@@ -120,16 +121,16 @@ class _Plan:
 
     def rate(self, decisions: Sequence[Decision]) -> float:
         """Expected committed tokens per second of a step with these decisions."""
-        tokens, rows, dspark, dspark_rows, ngram = 0.0, 0, 0, 0, 0
+        tokens, rows, model_drafts, model_rows, lookups_asked = 0.0, 0, 0, 0, 0
         models, lookups = registry.MODELS, registry.LOOKUPS
         for d, c in zip(decisions, self.requests):
             tokens += d.expected_tokens(c)
             if d.drafter is not None and d.drafts > 0:
                 rows += d.drafts
-                dspark += d.drafter in models
-                dspark_rows += d.drafts if d.drafter in models else 0
-                ngram += d.drafter in lookups
-        return tokens / self.cost.predict_totals(len(self.requests), rows, dspark, dspark_rows, ngram)
+                model_drafts += d.drafter in models
+                model_rows += d.drafts if d.drafter in models else 0
+                lookups_asked += d.drafter in lookups
+        return tokens / self.cost.predict_totals(len(self.requests), rows, model_drafts, model_rows, lookups_asked)
 
 
 def choose_drafts(
@@ -144,10 +145,10 @@ def choose_drafts(
         return plain
     best, best_rate = plain, plain_rate
     coef = cost.coefficients()
-    for dspark_runs in (False, True):
-        if dspark_runs and not any(c.drafter in registry.MODELS for cands in requests for c in cands):
+    for model_runs in (False, True):
+        if model_runs and not any(c.drafter in registry.MODELS for cands in requests for c in cands):
             continue
-        options = [_priced_options(cands, coef, dspark_runs) for cands in requests]
+        options = [_priced_options(cands, coef, model_runs) for cands in requests]
         rate = best_rate
         for _ in range(max_iterations):
             decisions = [max(opts, key=lambda o: o[0] - rate * o[1])[2] for opts in options]
@@ -161,19 +162,19 @@ def choose_drafts(
 
 
 def _priced_options(
-    candidates: Sequence[Candidate], coef: dict[str, float], dspark_runs: bool
+    candidates: Sequence[Candidate], coef: dict[str, float], model_runs: bool
 ) -> list[tuple[float, float, Decision]]:
-    """(expected tokens, seconds this request adds, decision) for each of its options; DSpark
-    options only when the drafter runs (its fixed cost is the batch's, not the request's), each of
-    its drafts a verified row and a row of the drafter's heads (it computes the first k)."""
+    """(expected tokens, seconds this request adds, decision) for each of its options; a model
+    drafter's options only when model drafting runs (its fixed cost is the batch's, not the
+    request's), each of its drafts a verified row and a drafted row (DSpark's heads compute the first k)."""
     out = [(1.0, 0.0, Decision())]
     models = registry.MODELS
     for c in candidates:
         model = c.drafter in models
-        if model and not dspark_runs:
+        if model and not model_runs:
             continue
-        per_row = coef["verify_rows"] + (coef["dspark_rows"] if model else 0.0)
-        extra = coef["ngram_requests"] if c.drafter in registry.LOOKUPS else 0.0
+        per_row = coef["verify_rows"] + (coef["model_draft_rows"] if model else 0.0)
+        extra = coef["lookup_requests"] if c.drafter in registry.LOOKUPS else 0.0
         out += [(c.expected_tokens(k), per_row * k + extra, Decision(c.drafter, k)) for k in range(1, len(c.survival) + 1)]
     return out
 
@@ -189,7 +190,7 @@ def plain_beats_every_plan(best_first: float, cost: StepCostModel, plain_rate: f
     seconds, so if max s_1 / row cost <= plain decoding's tokens per second, no plan beats it."""
     coef = cost.coefficients()
     row = coef["verify_rows"]
-    if row <= 0 or any(coef[name] < 0 for name in ("dspark_step", "dspark_rows", "ngram_requests", "verify_step")):
+    if row <= 0 or any(coef[name] < 0 for name in FEATURES[3:]):  # the drafting and verify-path parts
         return False
     return best_first / row <= plain_rate
 

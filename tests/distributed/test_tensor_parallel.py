@@ -89,7 +89,7 @@ def test_clean_run_with_every_feature_and_delays_agrees():
         assert c["alive"] and c["checks"] > 0 and c["events_checked"] == c["events_recorded"] > 0
 
 
-# The seed's failure, made deterministic: rank 1's host copy of each step waits until its next
+# The stale-accept race, made deterministic: rank 1's host copy of each step waits until its next
 # step has run (SPECSERVE_FAULT_COPY_LAG_MS on rank 1 only), while rank 0 copies on time. A random
 # delay (the old form of this test) outlasted a step on some machines and not on others. Every
 # step drafts (the fixed policy), so each verify step's accept buffers are overwritten by the next

@@ -126,9 +126,9 @@ CONFIGS = {
     "NONE overlap": dict(speculative_algorithm="NONE"),
     "NONE sync": dict(speculative_algorithm="NONE", disable_overlap_schedule=True),
     "NGRAM": dict(speculative_algorithm="NGRAM", **FIXED),
-    "DSPARK static": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="static", **FIXED),
-    "DSPARK compact": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="compact", **FIXED),
-    "DSPARK sync eager": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="static",
+    "DSPARK static": dict(speculative_algorithm="DSPARK", speculative_verify_mode="static", **FIXED),
+    "DSPARK compact": dict(speculative_algorithm="DSPARK", speculative_verify_mode="compact", **FIXED),
+    "DSPARK sync eager": dict(speculative_algorithm="DSPARK", speculative_verify_mode="static",
                               disable_overlap_schedule=True, disable_cuda_graph=True, **FIXED),
     # The default: the adaptive policy over DSPARK and NGRAM (on a frozen table where drafting pays).
     "policy": policy_args(),
@@ -167,7 +167,7 @@ def test_greedy_output_is_identical_alone_batched_cold_and_warm(name, greedy_ref
 
 INT8 = dict(cpu_activations="int8", dtype="bfloat16", max_total_tokens=8192)
 INT8_CONFIGS = {"NGRAM": dict(speculative_algorithm="NGRAM", **FIXED),
-                "DSPARK compact": dict(speculative_algorithm="DSPARK", speculative_dspark_verify_mode="compact", **FIXED)}
+                "DSPARK compact": dict(speculative_algorithm="DSPARK", speculative_verify_mode="compact", **FIXED)}
 
 
 @pytest.fixture(scope="module")

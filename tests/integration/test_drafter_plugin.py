@@ -43,4 +43,4 @@ def test_the_policy_prices_it_as_its_declaration_says(registered):
     from specserve.speculative.cost_model import StepShape
 
     shape = StepShape.of([registered, None, "NGRAM", "DSPARK"], [3, 0, 2, 4])
-    assert (shape.requests, shape.verify_rows, shape.dspark_requests, shape.dspark_rows, shape.ngram_requests) == (4, 9, 1, 4, 2)
+    assert (shape.requests, shape.verify_rows, shape.model_draft_requests, shape.model_draft_rows, shape.lookup_requests) == (4, 9, 1, 4, 2)

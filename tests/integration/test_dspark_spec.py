@@ -137,8 +137,8 @@ def test_dspark_greedy_is_lossless(drafter_dir, prompts, reference, long_referen
     partly right by construction."""
     table = tmp_path / "sps.json"  # flat up to 20 rows, then slower: compact picks partial windows
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
-    fixed = {} if mode == "policy" else {"speculative_policy": "fixed", "speculative_dspark_verify_mode": mode,
-                                         "speculative_dspark_sps_table_path": str(table)}
+    fixed = {} if mode == "policy" else {"speculative_policy": "fixed", "speculative_verify_mode": mode,
+                                         "speculative_sps_table_path": str(table)}
     with dspark_engine(drafter_dir, speculative_num_steps=gamma, **fixed) as engine:
         plant_oracle(engine, prompts, partly_wrong(long_reference))  # into the real verify and accept
         check_lossless_and_partly_accepted(engine, prompts, reference, GREEDY, gamma, mode == "static")
@@ -163,8 +163,8 @@ def test_every_other_block_size_is_lossless_with_partly_right_drafts(drafter_dir
 def test_compact_mode_verifies_ragged_windows_losslessly(drafter_dir, prompts, reference, tmp_path):
     table = tmp_path / "sps.json"
     table.write_text(json.dumps({"tokens": [1, 20, 200], "steps_per_second": [100, 100, 5]}))
-    engine = dspark_engine(drafter_dir, speculative_num_steps=5, speculative_dspark_verify_mode="compact",
-                           speculative_dspark_sps_table_path=str(table), speculative_policy="fixed")
+    engine = dspark_engine(drafter_dir, speculative_num_steps=5, speculative_verify_mode="compact",
+                           speculative_sps_table_path=str(table), speculative_policy="fixed")
     plant_oracle(engine, prompts, reference)
     seen = []
     planner = engine.runner.speculation.planner
@@ -222,7 +222,7 @@ def inject_every_row(runner):
 
 
 def inject_one_position_late(runner):
-    """Mutation: the right rows at RoPE positions shifted by one (the seed's acceptance symptom)."""
+    """Mutation: the right rows at RoPE positions shifted by one (the stale-accept race's acceptance symptom)."""
     def inject(hidden, out, prefix, window_slots, verify_lens):
         return type(runner)._verified_rows(runner, hidden, out, prefix + 1, window_slots, verify_lens)
     runner._verified_rows = inject
@@ -348,23 +348,23 @@ def test_dspark_flag_errors(drafter_dir, tmp_path):
         Engine(model_path=str(tmp_path / "other.gguf"), speculative_algorithm="DSPARK")
     with pytest.raises(ValueError, match="no config.json"):
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=str(tmp_path))
-    with pytest.raises(ValueError, match="speculative_dspark_verify_mode"):
+    with pytest.raises(ValueError, match="speculative_verify_mode"):
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
-               speculative_dspark_verify_mode="ragged")
+               speculative_verify_mode="ragged")
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ValueError, match="SPS table"):
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir, speculative_policy="fixed",
-               speculative_dspark_verify_mode="compact", speculative_dspark_sps_table_path=str(bad))
+               speculative_verify_mode="compact", speculative_sps_table_path=str(bad))
     with pytest.raises(ValueError, match="SPS table"):  # the adaptive policy's starting cost of the target
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
-               speculative_dspark_sps_table_path=str(bad))
+               speculative_sps_table_path=str(bad))
     with pytest.raises(ValueError, match="cost table"):
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
                speculative_cost_table_path=str(bad))
     with pytest.raises(ValueError, match="compact planner runs with --speculative-policy fixed"):
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
-               speculative_dspark_verify_mode="compact")
+               speculative_verify_mode="compact")
     with pytest.raises(ValueError, match="speculative_policy_drafters"):
         Engine(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter_dir,
                speculative_policy_drafters="DSPARK,EAGLE")

@@ -44,7 +44,7 @@ KINDS = {"none": {"speculative_algorithm": "NONE"},
          "suffix": {"speculative_algorithm": "SUFFIX", "speculative_policy": "fixed"},
          "dspark-static": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed"},
          "dspark-compact": {"speculative_algorithm": "DSPARK", "speculative_policy": "fixed",
-                            "speculative_dspark_verify_mode": "compact"},
+                            "speculative_verify_mode": "compact"},
          "default": {}}  # the adaptive policy over DSPARK, NGRAM and SUFFIX, planning two launches late
 
 
@@ -53,7 +53,7 @@ def make_engine(kind: str, tmp_path_factory, overlap: bool = True) -> Engine:
     if kind == "dspark-compact":
         table = tmp_path_factory.mktemp("sps") / "sps.json"
         table.write_text(json.dumps({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}))
-        kw["speculative_dspark_sps_table_path"] = str(table)
+        kw["speculative_sps_table_path"] = str(table)
     if kind == "default":
         kw.update(policy_args())  # a frozen cost table: the plans may not depend on timings
     engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)

@@ -1,5 +1,5 @@
 """The overlap loop on the real model: same tokens and acceptance as the normal loop (also under
-fault delays), finish-while-in-flight, the seed's bug re-created with the alias fault and caught
+fault delays), finish-while-in-flight, the stale-accept race re-created with the alias fault and caught
 by the loop comparison (wrong tokens) and by the stream sanitizer, and a launch without its
 forward->copy event caught by the sanitizer."""
 
@@ -53,8 +53,8 @@ def engine_for(kind: str, overlap: bool, drafter_dir: str, tmp_path) -> Engine:
             table = tmp_path / "sps.json"
             table.write_text(json.dumps({"tokens": [1, 10, 100], "steps_per_second": [100, 100, 5]}))
             kw = {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": drafter_dir,
-                  "speculative_policy": "fixed", "speculative_dspark_verify_mode": "compact",
-                  "speculative_dspark_sps_table_path": str(table)}
+                  "speculative_policy": "fixed", "speculative_verify_mode": "compact",
+                  "speculative_sps_table_path": str(table)}
     return Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)
 
 
@@ -134,7 +134,7 @@ def assert_copies_were_late(engine: Engine) -> None:
 
 
 def test_alias_fault_with_late_copies_corrupts_the_overlap_loop(ngram_reference, prompts, monkeypatch):
-    """The seed's bug on CPU: read_accept hands out views, the late copy reads the next step's
+    """The stale-accept race on CPU: read_accept hands out views, the late copy reads the next step's
     values, and the engine commits wrong tokens. The run itself completes (nothing here may hide
     the symptom behind an exception): the output tokens must differ from the reference."""
     monkeypatch.setenv("SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS", "1")
@@ -253,7 +253,7 @@ def adopt_seq_lens_by_view(runner, positions: list) -> None:
     def inject(hidden, out, prefix, window_slots, verify_lens):
         s = adopted["seq_lens"] if "seq_lens" in adopted else prefix
         rows = type(runner)._verified_rows(runner, hidden, out, s, window_slots, verify_lens)
-        adopted["seq_lens"] = out.new_seq_lens  # kept by reference, as the seed's loop kept it
+        adopted["seq_lens"] = out.new_seq_lens  # kept by reference, as the first design's loop kept it
         return rows
 
     runner._verified_rows = inject
@@ -300,7 +300,7 @@ def test_sync_loop_symptom_adopting_new_seq_lens_by_view(drafter_dir, prompts, t
     for got, want in committed_positions(engine, prompts[1], real):
         assert got == want
     # Adopting new_seq_lens by reference is harmless while read_accept returns clones, and shifts
-    # every injection by commit_len once it returns views: the seed's lost acceptance.
+    # every injection by commit_len once it returns views: the stale-accept race's lost acceptance.
     engine = engine_for("dspark-static", False, drafter_dir, tmp_path)
     adopted: list = []
     adopt_seq_lens_by_view(engine.runner, adopted)

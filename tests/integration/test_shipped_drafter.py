@@ -1,5 +1,5 @@
 """The shipped drafter for the embedded model: the default, lossless in fp32, accepted well above a
-random drafter, identical acceptance in both loops, and the seed's second symptom (draft K/V
+random drafter, identical acceptance in both loops, and the stale-accept race's second symptom (draft K/V
 injected at positions shifted by commit_len) visible as an accept-length drop."""
 
 from __future__ import annotations

@@ -10,14 +10,40 @@ from specserve.errors import ConfigError
 
 
 def test_verify_mode_comes_from_flag_then_environment_then_static(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_VERIFY_MODE", raising=False)
     monkeypatch.delenv("SPECSERVE_RAGGED_VERIFY_MODE", raising=False)
     assert ServerArgs().verify_mode() == "static"
-    monkeypatch.setenv("SPECSERVE_RAGGED_VERIFY_MODE", "compact")
+    monkeypatch.setenv("SPECSERVE_VERIFY_MODE", "compact")
     assert ServerArgs().verify_mode() == "compact"
-    assert ServerArgs(speculative_dspark_verify_mode="static").verify_mode() == "static"
+    assert ServerArgs(speculative_verify_mode="static").verify_mode() == "static"
+    monkeypatch.setenv("SPECSERVE_VERIFY_MODE", "ragged")
+    with pytest.raises(ValueError, match="SPECSERVE_VERIFY_MODE"):
+        ServerArgs().verify_mode()
+
+
+def test_the_old_verify_mode_names_still_work_and_log_their_deprecation(monkeypatch, caplog):
+    monkeypatch.delenv("SPECSERVE_VERIFY_MODE", raising=False)
+    monkeypatch.setenv("SPECSERVE_RAGGED_VERIFY_MODE", "compact")
+    with caplog.at_level(logging.WARNING, logger="specserve.args"):
+        assert ServerArgs().verify_mode() == "compact"
+    assert "SPECSERVE_RAGGED_VERIFY_MODE is deprecated: use SPECSERVE_VERIFY_MODE" in caplog.text
+    monkeypatch.setenv("SPECSERVE_VERIFY_MODE", "static")  # the new name wins
+    assert ServerArgs().verify_mode() == "static"
     monkeypatch.setenv("SPECSERVE_RAGGED_VERIFY_MODE", "ragged")
+    monkeypatch.delenv("SPECSERVE_VERIFY_MODE")
     with pytest.raises(ValueError, match="SPECSERVE_RAGGED_VERIFY_MODE"):
         ServerArgs().verify_mode()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specserve.args"):
+        args = ServerArgs(speculative_dspark_verify_mode="static", speculative_dspark_sps_table_path="/t.json")
+    assert (args.speculative_verify_mode, args.speculative_sps_table_path) == ("static", "/t.json")
+    assert args.speculative_dspark_verify_mode is None and args.speculative_dspark_sps_table_path is None
+    assert dataclasses.replace(args).speculative_verify_mode == "static"  # a resolved copy checks again
+    assert "--speculative-dspark-verify-mode is deprecated: use --speculative-verify-mode" in caplog.text
+    assert "--speculative-dspark-sps-table-path is deprecated: use --speculative-sps-table-path" in caplog.text
+    with pytest.raises(ConfigError, match="speculative_verify_mode='compact' and its old name"):
+        ServerArgs(speculative_verify_mode="compact", speculative_dspark_verify_mode="static")
+    assert ServerArgs(speculative_verify_mode="static", speculative_dspark_verify_mode="static").verify_mode() == "static"
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -25,9 +51,10 @@ def test_verify_mode_comes_from_flag_then_environment_then_static(monkeypatch):
     ({"speculative_dspark_block_size": 0}, "speculative_dspark_block_size"),
     ({"speculative_dspark_block_size": 16}, "speculative_dspark_block_size"),
     ({"speculative_algorithm": "DSPARK", "model_path": "other.gguf"}, "speculative_draft_model_path"),
-    ({"speculative_dspark_verify_mode": "ragged"}, "speculative_dspark_verify_mode"),
+    ({"speculative_verify_mode": "ragged"}, "speculative_verify_mode"),
     ({"speculative_algorithm": "STANDALONE", "model_path": "other.gguf"}, "speculative_draft_model_path"),
     ({"model_path": "other.gguf", "speculative_policy_drafters": "STANDALONE,NGRAM"}, "speculative_policy_drafters"),
+    ({"speculative_dspark_verify_mode": "ragged"}, "speculative_verify_mode"),  # the old name, read as the new
 ])
 def test_bad_speculative_settings_name_their_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

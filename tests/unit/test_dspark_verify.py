@@ -1,4 +1,4 @@
-"""Accept kernels and buffer ownership of VerifyEpilogue (the seed's unit tests and more)."""
+"""Accept kernels and buffer ownership of VerifyEpilogue (the stale-accept fix's unit tests and more)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _fill(epi: VerifyEpilogue, bs: int, value: int) -> None:
 
 
 def reads_survive_overwrite(epi: VerifyEpilogue, bs: int = 3) -> bool:
-    """The seed's check: values read after step N are still step N's after step N+1 runs."""
+    """The stale-accept fix's check: values read after step N are still step N's after step N+1 runs."""
     _fill(epi, bs, 11)
     first = epi.read_accept(bs)
     _fill(epi, bs, 22)
@@ -123,7 +123,7 @@ def test_accept_greedy_writes_what_read_accept_returns():
 
 def test_mutation_read_accept_returning_views_is_caught(monkeypatch):
     epi = VerifyEpilogue(max_bs=4, num_verify_tokens=6)
-    monkeypatch.setattr(epi, "read_accept", epi.accept_buffers)  # the seed's bug
+    monkeypatch.setattr(epi, "read_accept", epi.accept_buffers)  # the stale-accept race's cause
     assert not reads_survive_overwrite(epi)
 
 

@@ -49,6 +49,19 @@ def test_one_changed_digit_in_a_result_file_is_a_disagreement(tmp_path, file, pa
     assert proc.returncode == 1 and "disagree" in proc.stderr
 
 
+def test_the_stale_accept_record_renders_under_its_name_before_issue_71(tmp_path):
+    """A results folder from before the rename holds seed_failure.json: it renders alike, citing that name."""
+    from benchmarks.render import engine, headline
+
+    old = tmp_path / "bench_results"
+    shutil.copytree(report.RESULTS, old)
+    (old / "stale_accept.json").rename(old / "seed_failure.json")
+    now = engine.render_stale_accept(report.RESULTS)
+    assert "`bench_results/stale_accept.json`" in now
+    assert engine.render_stale_accept(str(old)) == now.replace("stale_accept.json", "seed_failure.json")
+    assert "`bench_results/seed_failure.json`" in headline.render_headline(str(old))
+
+
 def test_a_part_without_a_renderer_is_an_error():
     with pytest.raises(ValueError, match="no renderer for part 'nothing'"):
         report.render_readme("<!-- render: nothing -->\n<!-- /render -->\n")

@@ -223,7 +223,7 @@ def test_sanitizer_reports_a_host_read_before_the_copy_event():
 
 
 def test_sanitizer_flags_any_foreign_access_to_a_persistent_buffer_at_once():
-    """Mutation of the seed's fix: copying a view of a persistent buffer instead of a clone."""
+    """Mutation of the stale-accept fix: copying a view of a persistent buffer instead of a clone."""
     san = StreamSanitizer()
     forward = Stream("forward", sanitizer=san)
     copy = Stream("copy", sanitizer=san)

@@ -60,6 +60,24 @@ def test_cost_model_rejects_bad_priors_and_ignores_bad_times():
     assert seeded.predict(StepShape(32)) == pytest.approx(1 / 30.0, rel=1e-6)
 
 
+def test_a_cost_table_recorded_under_the_old_feature_names_still_loads(tmp_path):
+    import json
+
+    from specserve.errors import ConfigError
+
+    now = dict(zip(FEATURES, [1e-2, 1e-3, 1e-4, 2e-4, 1e-5, 3e-5, 4e-6]))
+    renamed = {"model_draft_step": "dspark_step", "model_draft_rows": "dspark_rows", "lookup_requests": "ngram_requests"}
+    before = {renamed.get(name, name): value for name, value in now.items()}
+    tables = {}
+    for label, coefficients in (("now", now), ("before", before), ("both", {**now, "dspark_rows": 1.0})):
+        tables[label] = str(tmp_path / f"{label}.json")
+        with open(tables[label], "w") as f:
+            json.dump({"coefficients_s": coefficients}, f)
+    assert StepCostModel.load(tables["before"]).coefficients() == StepCostModel.load(tables["now"]).coefficients() == now
+    with pytest.raises(ConfigError, match="model_draft_rows"):
+        StepCostModel.load(tables["both"])
+
+
 def frozen_true_model() -> StepCostModel:
     model = StepCostModel(TRUE)
     model.freeze()
@@ -210,9 +228,9 @@ def test_directions_the_steps_never_separate_stay_at_the_prior():
         shape = StepShape(1, 1, 0, 0, 1) if i % 3 else StepShape(1)
         model.observe(shape, sum(c * f for c, f in zip(truth, shape.features())) * rng.uniform(0.9, 1.1))
     coef = model.coefficients()
-    together = coef["verify_rows"] + coef["ngram_requests"] + coef["verify_step"]  # all rise together here
+    together = coef["verify_rows"] + coef["lookup_requests"] + coef["verify_step"]  # all rise together here
     assert together == pytest.approx(truth[2] + truth[5] + truth[6], rel=0.1)
-    assert 0.5e-3 < coef["verify_rows"] < 2e-3 and 0 <= coef["ngram_requests"] < 1e-3, coef
+    assert 0.5e-3 < coef["verify_rows"] < 2e-3 and 0 <= coef["lookup_requests"] < 1e-3, coef
     assert abs(coef["verify_step"]) < 0.5e-3, coef
     five = StepShape(1, 5, 0, 0, 1)
     assert model.predict(five) == pytest.approx(sum(c * f for c, f in zip(truth, five.features())), rel=0.1)

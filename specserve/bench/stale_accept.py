@@ -1,9 +1,10 @@
-"""`specserve bench seed-failure`: the seed's failure reproduced and measured, then the same run
-with the fix in place. Each run is `specserve soak` (TP 2, DSPARK, overlap, the consensus checker)
+"""`specserve bench stale-accept`: the stale-accept race (the first design's failure: a host copy of
+a step's accept results read after the next step had overwritten them) reproduced and measured,
+then the same run with the fix in place. Each run is `specserve soak` (TP 2, DSPARK, overlap, the consensus checker)
 in a subprocess with rank 1's host copies a step late (SPECSERVE_FAULT_COPY_LAG_MS on rank 1,
 the fixed policy so every step drafts):
 
-- `aliased`: read_accept hands out views (SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1), the seed's bug.
+- `aliased`: read_accept hands out views (SPECSERVE_FAULT_ALIAS_ACCEPT_BUFFERS=1), the race's cause.
   Recorded: the exit code, the checker's first "Found rank divergence" line (site, agreed events
   before it) and the seconds from process start to exit.
 - `owned`: the same lag with the fix (clones): the soak's own summary (divergences, hangs, events
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import subprocess
@@ -21,12 +23,14 @@ import sys
 import time
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 DIVERGENCE = re.compile(r"Found rank divergence for (?P<events>\d+) event\(s\)! \(rank (?P<rank>\d) reporting; "
                         r"first at site '(?P<site>\w+)' after (?P<agreed>\d+) agreed events\)")
 LATE_RANK_1 = ["--copy-lag-ms", "10000", "--copy-lag-ranks", "1", "--speculative-policy", "fixed"]
 
 
-def add_seed_failure_args(p: argparse.ArgumentParser) -> None:
+def add_stale_accept_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="runs of each arm")
     p.add_argument("--clean-tokens", type=int, default=3000, help="token budget of each owned (fixed) run")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one soak may take")
@@ -59,7 +63,7 @@ def owned_run(tokens: int, timeout: float) -> dict[str, Any]:
             "late_copies_rank1": late[0]["late"] if late else None}
 
 
-def run_seed_failure_bench(ns: argparse.Namespace) -> int:
+def run_stale_accept_bench(ns: argparse.Namespace) -> int:
     from specserve.bench.provenance import provenance
 
     report: dict[str, Any] = {**provenance(), "soak_flags": LATE_RANK_1, "aliased": [], "owned": []}
@@ -75,3 +79,9 @@ def run_seed_failure_bench(ns: argparse.Namespace) -> int:
         with open(ns.out, "w") as f:
             json.dump(report, f, indent=1)
     return 0 if ok else 1
+
+
+def run_under_old_name(ns: argparse.Namespace) -> int:
+    """`specserve bench seed-failure`, its name before issue 71: the same run, with a deprecation line."""
+    logger.warning("`specserve bench seed-failure` is deprecated: use `specserve bench stale-accept` (the same run)")
+    return run_stale_accept_bench(ns)
