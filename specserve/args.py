@@ -157,6 +157,11 @@ class ServerArgs:
         False, "price drafts in Engine.generate's closed batches as when serving (default: by the row a draft saves)"
     )
     speculative_explore_interval: int = flag(64, "a request tries a drafter unused for this many of its steps (0: never)")
+    speculative_lagged_plans: bool = flag(
+        False,
+        "the adaptive policy plans each launch from the commits two launches back, so a launch never waits for the "
+        "last step's tokens (meant for CUDA; off where a drafter drafts from host state: SUFFIX on the host, STANDALONE)",
+    )
     speculative_disable_batch_size: Optional[int] = flag(
         None,
         "override: decode steps with more running requests than this run without drafts; 0: never speculate "

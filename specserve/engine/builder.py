@@ -320,8 +320,8 @@ def _make_speculation(
         )
     elif drafter is not None and args.verify_mode() != "static":
         planner = VerifyPlanner(SpsTable.load(p) if (p := args.speculative_sps_table_path) else None)
-    # Lagged plans stay opt-in (Speculation.lagged_plans): see docs/speculative-decoding.md.
-    return Speculation(workers, planner, policy, args.speculative_disable_batch_size)
+    # Lagged plans stay opt-in (--speculative-lagged-plans): see docs/speculative-decoding.md.
+    return Speculation(workers, planner, policy, args.speculative_disable_batch_size, args.speculative_lagged_plans)
 
 
 def _cost_model(

@@ -56,12 +56,13 @@ def make_engine(kind: str, tmp_path_factory, overlap: bool = True) -> Engine:
         kw["speculative_sps_table_path"] = str(table)
     if kind == "default":
         kw.update(policy_args())  # a frozen cost table: the plans may not depend on timings
-    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap, **kw)
+    engine = Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap,
+                    speculative_lagged_plans=True, **kw)  # the opt-in policy: plans from the commits two launches back
     engine.runner.capture.static_windows = True  # CUDA's verify choice (see the module docstring)
     speculation = engine.runner.speculation
     if Algorithm.SUFFIX in speculation.workers:  # CUDA's SUFFIX: drafts walked on the device
         speculation.workers[Algorithm.SUFFIX].drafts_on_device = True
-    speculation.lagged_plans = True  # the opt-in policy: plans from the commits two launches back
+    assert speculation.lagged_plans, "--speculative-lagged-plans reaches the speculation"
     return engine
 
 
