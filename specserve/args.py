@@ -35,6 +35,7 @@ RENAMED_FLAGS = {
 }
 
 VERIFY_MODE_ENV = "SPECSERVE_VERIFY_MODE"
+VERIFY_CHOICES = (None,) + VERIFY_MODES  # the verify-mode flags' choices (None: the environment's, else static)
 OLD_VERIFY_MODE_ENV = "SPECSERVE_RAGGED_VERIFY_MODE"  # its name before issue 71: still read, with a deprecation line
 DEFAULT_STORAGE_MAX_BYTES = 4 << 30
 DEFAULT_WEIGHT_CACHE_MAX_GIB = 64.0  # fixed, not a disk share: one cap on every machine; a 70B at Q4 or several 7-8B
@@ -95,9 +96,7 @@ class ServerArgs:
     speculative_num_draft_tokens: Optional[int] = flag(
         None, "SGLang's count of a window's tokens, the anchor included: --speculative-num-steps + 1 (give either)"
     )
-    speculative_dspark_block_size: Optional[int] = flag(
-        None, "deprecated: --speculative-num-steps (the same count, drafts per window)"
-    )
+    speculative_dspark_block_size: Optional[int] = flag(None, "deprecated: --speculative-num-steps (the same count)")
     speculative_draft_model_path: Optional[str] = flag(
         None,
         "DSPARK: the drafter directory (config.json + model.safetensors, from `specserve train-drafter`; default "
@@ -111,19 +110,17 @@ class ServerArgs:
         "with --speculative-policy fixed: static verifies every window row; compact: per-request verify "
         "lengths from the budget planner, for a drafter that estimates its drafts' survival (DSPARK) "
         f"(default: ${VERIFY_MODE_ENV}, else static)",
-        choices=(None,) + VERIFY_MODES,
+        choices=VERIFY_CHOICES,
     )
     speculative_dspark_verify_mode: Optional[str] = flag(
-        None, "deprecated: --speculative-verify-mode (the same setting)", choices=(None,) + VERIFY_MODES
+        None, "deprecated: --speculative-verify-mode", choices=VERIFY_CHOICES
     )
     speculative_sps_table_path: Optional[str] = flag(
         None,
         "JSON table of verify steps/s against batch verify tokens (`specserve profile-sps`): the compact "
         "planner's, or the adaptive policy's starting cost of the target's rows (any drafter)",
     )
-    speculative_dspark_sps_table_path: Optional[str] = flag(
-        None, "deprecated: --speculative-sps-table-path (the same table)"
-    )
+    speculative_dspark_sps_table_path: Optional[str] = flag(None, "deprecated: --speculative-sps-table-path")
     speculative_policy: str = flag(
         "adaptive",
         "adaptive: each step, every request gets the drafter and the number of drafts (0..gamma) that "
@@ -157,15 +154,15 @@ class ServerArgs:
         False, "price drafts in Engine.generate's closed batches as when serving (default: by the row a draft saves)"
     )
     speculative_explore_interval: int = flag(64, "a request tries a drafter unused for this many of its steps (0: never)")
-    speculative_lagged_plans: bool = flag(
-        False,
-        "the adaptive policy plans each launch from the commits two launches back, so a launch never waits for the "
-        "last step's tokens (meant for CUDA; off where a drafter drafts from host state: SUFFIX on the host, STANDALONE)",
-    )
     speculative_disable_batch_size: Optional[int] = flag(
         None,
         "override: decode steps with more running requests than this run without drafts; 0: never speculate "
         "in decode; empty (default): the policy decides",
+    )
+    speculative_lagged_plans: bool = flag(
+        False,
+        "the adaptive policy plans each launch from the commits two launches back, so a launch never waits for the "
+        "last step's tokens (meant for CUDA; off where a drafter drafts from host state: SUFFIX on the host, STANDALONE)",
     )
     disable_overlap_schedule: bool = flag(
         False, "run the normal loop (schedule, run, process) instead of overlapping step N with processing step N-1"
