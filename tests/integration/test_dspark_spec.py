@@ -336,7 +336,13 @@ def test_mutation_seeded_sampling_by_rejection_depends_on_the_drafts(drafter_dir
     """Mutation: seeded requests verified by rejection sampling (no coupled accept): the same
     planted drafts then change the sampled output, which the test above would catch."""
     reference, long = seeded_case(fp32_engine, prompts)
-    monkeypatch.setattr(SamplingParams, "seeded_sampling", property(lambda self: False))
+    derive = SamplingParams._derive_traits
+
+    def unseeded(self):  # every request's params now say it is not a seeded sampling one
+        derive(self)
+        self.seeded_sampling = False
+
+    monkeypatch.setattr(SamplingParams, "_derive_traits", unseeded)
     with dspark_engine(drafter_dir, speculative_num_steps=4) as engine:
         plant_oracle(engine, prompts[:4], partly_wrong(long))
         outs = engine.generate(input_ids=prompts[:4], sampling_params=SEEDED)
