@@ -134,7 +134,11 @@ class SuffixWorker(WorkerDefaults):
 
     def advance(self, launch: Optional[int]) -> None:
         """Forward stream, every planned step: the device segments take the changes due by this
-        launch, so they are never held back while nobody drafts with SUFFIX."""
+        launch, so they are never held back while nobody drafts with SUFFIX; the launch is the
+        latest a later change (`forget_outputs`' clear) may be stamped with: the segments refuse
+        one older than what they have released."""
+        if launch is not None:
+            self._last_launch = max(self._last_launch, launch)
         if self.drafts_on_device and self.segments is not None:
             self.segments.held(launch)
 

@@ -150,3 +150,17 @@ def test_a_change_later_than_its_draft_is_refused():
     with pytest.raises(InternalError, match="launch 8's change arrived after launch 10's draft"):
         segments.change(8, "append", [1, 2])
     segments.change(9, "append", [1, 2])  # still due at launch 11
+
+
+def test_forgetting_the_past_outputs_after_steps_without_a_suffix_draft():
+    """Planned steps in which SUFFIX drafts nothing still release the device segments; a clear
+    told after them (a benchmark's fresh start) is stamped no earlier than what they released,
+    so the segments take it instead of refusing it as late."""
+    table = TokenTable(4, 64)
+    worker = SuffixWorker(4, SuffixConfig(), table, drafts_on_device=True)
+    spec = Speculation([worker])
+    fed(spec, table, 0, [1, 2, 3, 4, 5, 6], 2, launch=1)
+    for launch in range(2, 8):  # planned, no drafter: only the step-begin hook runs
+        spec.plan([None], [0], 4, launch=launch)
+    worker.forget_outputs()
+    assert worker.segments is not None and worker.segments.held(12).shape[0] == 0
