@@ -129,7 +129,9 @@ class RankConsensusChecker:
         stopping = self._stop_requested  # read first: every event recorded before the request is counted
         with self._lock:
             pending = len(self.events)
-        counts = torch.tensor([pending, -pending, 0 if stopping else 1], dtype=torch.int64)
+        # Under min: the fewest pending events, the most, and 0 only once every rank asked to stop
+        # (one rank still recording keeps it at -1, so no rank's thread ends before its own stop).
+        counts = torch.tensor([pending, -pending, 0 if stopping else -1], dtype=torch.int64)
         self.group.all_reduce_(counts, "consensus.count", op="min", group=self.group.monitor)
         n, most, last = int(counts[0]), -int(counts[1]), int(counts[2]) == 0
         if n > 0:

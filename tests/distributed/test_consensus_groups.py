@@ -84,3 +84,28 @@ def test_a_skipped_collective_times_out_naming_the_site():
     message, waited = results[0]
     assert "collective timeout at site 'scheduler.step_barrier' on rank 0/2" in message
     assert 2.5 < waited < 8
+
+
+def _late_stop_rank(rank: int, addr: str, out) -> None:
+    from specserve.distributed.consensus import RankConsensusChecker
+    from specserve.distributed.group import DistConfig, TPGroup
+
+    group = TPGroup(DistConfig(rank, 2, addr, timeout_s=20))
+    reports: list[str] = []
+    checker = RankConsensusChecker(group, interval_s=0.01, on_divergence=reports.append)
+    for i in range(5):
+        checker.record("committed", ("rid-7", i))
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 asked to stop long ago; many rounds run meanwhile
+    checker.stop()
+    out.put((rank, checker.alive_at_stop, checker.checked, reports))
+
+
+def test_a_rank_that_stops_later_keeps_its_checker_until_it_stops():
+    """The last round is the one after every rank asked to stop: a rank that reaches its stop later
+    (its engine applies the shutdown a step behind) still has a live checker then, which the
+    figures report (a last round after the first rank's request alone ended the others' early)."""
+    results = _run_pair(_late_stop_rank)
+    for rank in (0, 1):
+        alive_at_stop, checked, reports = results[rank]
+        assert alive_at_stop and checked == 5 and reports == [], (rank, results[rank])
