@@ -58,12 +58,20 @@ class StepResults:
     logprobs: list[DeviceLogprobs] = field(default_factory=list)
 
     def copied(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> "StepResults":
-        """This record with every tensor through `copy` (a device-to-host copy)."""
+        """This record with every tensor through `copy` (a device-to-host copy), each tensor once:
+        a verify step's commit holds the accept results' own tokens, lengths and accepted counts."""
+        done: dict[int, torch.Tensor] = {}  # id -> host copy (the tensors live in self meanwhile)
+
+        def once(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in done:
+                done[id(t)] = copy(t)
+            return done[id(t)]
+
         return StepResults(
-            None if self.tokens is None else copy(self.tokens),
-            None if self.accept is None else self.accept.map(copy),
-            None if self.commit is None else self.commit.map(copy),
-            [part.map(copy) for part in self.logprobs],
+            None if self.tokens is None else once(self.tokens),
+            None if self.accept is None else self.accept.map(once),
+            None if self.commit is None else self.commit.map(once),
+            [part.map(once) for part in self.logprobs],
         )
 
 

@@ -77,10 +77,9 @@ class NgramWorker(WorkerDefaults):
 
     def history(self, request: RequestTokens) -> TokenHistory:
         """The request's n-gram index, up to date with its tokens."""
-        history = request.drafters.get(self.name)
-        if history is None:  # indexes the request's own token list: its commits extend it
-            history = request.drafters[self.name] = TokenHistory(self.max_ngram, self.min_ngram, request.tokens)
-        return history.catch_up()
+        # indexes the request's own token list: its commits extend it
+        made = request.state(self.name, lambda: TokenHistory(self.max_ngram, self.min_ngram, request.tokens))
+        return made.catch_up()
 
     def match_lens(self, requests: Sequence[RequestTokens]) -> list[int]:
         """The suffix match length of each request."""
